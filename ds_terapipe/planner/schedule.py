@@ -1,0 +1,569 @@
+"""Schedule IR for token-level pipelines: which stage runs which (micro-batch, slice) unit, in what order.
+
+How data flows: a sequence is cut into ``num_slices`` slices; a *unit* is one (micro-batch ``b``, slice ``i``).
+``F(s,b,i)`` on stage ``s`` consumes the activation ``F(s-1,b,i)`` produced and reads the key/value cache of
+slices ``< i`` of micro-batch ``b`` on stage ``s``; ``B(s,b,i)`` consumes the gradient from ``B(s+1,b,i)`` and adds
+cache gradients that ``B(s,b,i-1)`` will propagate, hence later slices are backwarded first.
+
+A schedule is data (the torch.distributed.pipelining pattern): one ordered tuple of :class:`Action` per stage.
+Builders write compute-only schedules; :func:`add_communication` lowers them to the exact send/recv streams the
+runtime executes; :func:`validate` checks the per-stage rules and :func:`replay` dry-runs all ranks under the
+runtime's p2p semantics (non-blocking sends, blocking receives, FIFO channels), reporting deadlocks and
+mis-paired messages with the whole rank x step grid. Try it::
+
+    python -c "from ds_terapipe.planner.schedule import *; print(build_schedule('1f1b', 3, 2, 2))"
+"""
+from __future__ import annotations
+
+import enum
+import functools
+import logging
+import operator
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "SCHEDULES", "Action", "ActionKind", "DeadlockError", "PairingError", "ReplayResult", "Schedule",
+    "ScheduleError", "add_communication", "build_1f1b", "build_gpipe", "build_schedule", "format_grid",
+    "match_messages", "replay", "schedule_from_strings", "stream_strings", "validate", "warmup_forwards",
+]
+
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b")
+
+# Messages list at most this many violations; the exception keeps all of them.
+_MAX_LISTED = 50
+# Grids longer than this elide rows far from any marked action (a K=48 comm stream has ~1500 rows).
+_MAX_GRID_ROWS = 300
+
+
+class ActionKind(str, enum.Enum):
+    """What an action does. Values are the short codes used in the printable form of an :class:`Action`."""
+
+    FORWARD = "F"
+    BACKWARD = "B"
+    SEND_F = "SEND_F"
+    RECV_F = "RECV_F"
+    SEND_B = "SEND_B"
+    RECV_B = "RECV_B"
+
+    def __str__(self) -> str:  # str-mixin enums print their qualified name otherwise
+        return self.value
+
+
+F, B = ActionKind.FORWARD, ActionKind.BACKWARD
+SEND_F, RECV_F, SEND_B, RECV_B = ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B
+_COMPUTE = frozenset({F, B})
+_SENDS = frozenset({SEND_F, SEND_B})
+_RECVS = frozenset({RECV_F, RECV_B})
+# Stage offset of the peer of each comm kind: activations flow to s+1, gradients to s-1.
+_PEER_OFFSET = {SEND_F: +1, RECV_B: +1, RECV_F: -1, SEND_B: -1}
+# Longest alternatives first so that "SEND_F" is not read as "S..." + garbage.
+_ACTION_RE = re.compile(r"(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B)(\d+)\.(\d+)")
+
+
+class ScheduleError(ValueError):
+    """A schedule breaks a dependency rule. ``violations`` holds every problem found, one line each."""
+
+    def __init__(self, message: str, violations: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.violations: tuple[str, ...] = tuple(violations)
+
+
+class PairingError(ScheduleError):
+    """The k-th receive on a channel is not for the k-th message sent on it: the wrong tensor would arrive."""
+
+
+class DeadlockError(ScheduleError):
+    """Every unfinished rank waits on a receive whose send is never issued."""
+
+
+def _index(name: str, value: object) -> int:
+    if isinstance(value, bool):
+        raise TypeError(f"Action.{name} must be an int, got bool {value!r}")
+    try:
+        out = operator.index(value)
+    except TypeError:
+        raise TypeError(f"Action.{name} must be an int, got {type(value).__name__} {value!r}") from None
+    if out < 0:
+        raise ValueError(f"Action.{name} must be >= 0, got {out}")
+    return out
+
+
+@dataclass(frozen=True, repr=False)
+class Action:
+    """One step of one stage: a compute (F/B) or a p2p message for unit (microbatch, slice).
+
+    A value: equal actions hash equal, and ``str`` gives the short form ``"1F0.2"`` that :meth:`parse` reads back,
+    so schedules can be written, logged and compared as text.
+    """
+
+    stage: int
+    kind: ActionKind
+    microbatch: int
+    slice: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stage", _index("stage", self.stage))
+        object.__setattr__(self, "microbatch", _index("microbatch", self.microbatch))
+        object.__setattr__(self, "slice", _index("slice", self.slice))
+        if not isinstance(self.kind, ActionKind):
+            try:
+                object.__setattr__(self, "kind", ActionKind(self.kind))
+            except ValueError:
+                valid = ", ".join(k.value for k in ActionKind)
+                raise ValueError(f"Action.kind {self.kind!r} is not one of: {valid}") from None
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind.value}{self.microbatch}.{self.slice}"
+
+    __repr__ = __str__
+
+    @classmethod
+    def parse(cls, text: str) -> Action:
+        """Read the short form written by ``str(action)``, e.g. ``"0RECV_B3.0"``."""
+        if not isinstance(text, str):
+            raise TypeError(f"Action.parse needs a str, got {type(text).__name__}")
+        m = _ACTION_RE.fullmatch(text)
+        if m is None:
+            raise ValueError(f"cannot parse action {text!r}: expected '<stage><kind><microbatch>.<slice>' "
+                             f"with kind in {[k.value for k in ActionKind]}, e.g. '1F0.2'")
+        return cls(int(m[1]), ActionKind(m[2]), int(m[3]), int(m[4]))
+
+    @property
+    def is_compute(self) -> bool:
+        return self.kind in _COMPUTE
+
+    @property
+    def is_comm(self) -> bool:
+        return self.kind not in _COMPUTE
+
+    @property
+    def unit(self) -> tuple[int, int]:
+        """(microbatch, slice): the pipeline unit this action belongs to."""
+        return (self.microbatch, self.slice)
+
+    @property
+    def peer(self) -> int | None:
+        """The stage at the other end of a comm action (``None`` for compute actions, which talk to no one)."""
+        off = _PEER_OFFSET.get(self.kind)
+        return None if off is None else self.stage + off
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Per-stage ordered actions for ``num_microbatches`` micro-batches cut into ``num_slices`` slices each.
+
+    ``stages[s]`` is what rank ``s`` executes, in order. Immutable and hashable, so builders can be memoised and
+    the simulator can cache what it derives from a schedule.
+    """
+
+    name: str
+    num_stages: int
+    num_microbatches: int
+    num_slices: int
+    stages: tuple[tuple[Action, ...], ...] = field(repr=False)
+
+    has_comm: bool = field(init=False, repr=False, compare=False)
+    """Whether send/recv actions are present (lowered by :func:`add_communication` or written by hand)."""
+
+    def __post_init__(self) -> None:
+        for attr in ("num_stages", "num_microbatches", "num_slices"):
+            _check_size(attr, getattr(self, attr))
+        stages = tuple(tuple(stream) for stream in self.stages)
+        if len(stages) != self.num_stages:
+            raise ValueError(f"Schedule.stages has {len(stages)} streams but num_stages={self.num_stages}; "
+                             f"give one action sequence per stage")
+        kinds: set[ActionKind] = set()
+        for s, stream in enumerate(stages):
+            for p, a in enumerate(stream):
+                if not isinstance(a, Action):
+                    raise TypeError(f"Schedule.stages[{s}][{p}] must be an Action, got {type(a).__name__}")
+                if a.stage != s:
+                    raise ValueError(f"Schedule.stages[{s}][{p}] is {a}, an action of stage {a.stage}; "
+                                     f"each stage's stream may only hold its own actions")
+                kinds.add(a.kind)
+        object.__setattr__(self, "stages", stages)
+        object.__setattr__(self, "has_comm", not kinds <= _COMPUTE)
+
+    @property
+    def num_units(self) -> int:
+        return self.num_microbatches * self.num_slices
+
+    def units(self) -> tuple[tuple[int, int], ...]:
+        """All (microbatch, slice) units in forward order: micro-batch major, slices ascending."""
+        return tuple((b, i) for b in range(self.num_microbatches) for i in range(self.num_slices))
+
+    def compute_only(self) -> Schedule:
+        """The same schedule with every comm action removed (undoes :func:`add_communication`)."""
+        if not self.has_comm:
+            return self
+        streams = tuple(tuple(a for a in stream if a.kind in _COMPUTE) for stream in self.stages)
+        return Schedule(self.name, self.num_stages, self.num_microbatches, self.num_slices, streams)
+
+    def __str__(self) -> str:
+        head = (f"Schedule {self.name!r}: {self.num_stages} stages x {self.num_microbatches} micro-batches x "
+                f"{self.num_slices} slices")
+        return head + "\n" + format_grid(self.stages)
+
+
+_new = object.__new__
+
+
+def _make(stage: int, kind: ActionKind, microbatch: int, slice_: int) -> Action:
+    """Action without argument checks, for builders whose arguments are ints by construction (4x faster)."""
+    a = _new(Action)
+    d = a.__dict__
+    d["stage"], d["kind"], d["microbatch"], d["slice"] = stage, kind, microbatch, slice_
+    return a
+
+
+def _check_size(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}; a pipeline needs at least one of each")
+    return value
+
+
+def format_grid(stages: Sequence[Sequence[Action]], marks: Mapping[tuple[int, int], str] | None = None) -> str:
+    """Render per-rank streams as a grid: one column per rank, one row per stream position.
+
+    Rows are positions rather than wall-clock steps so every action appears exactly once, as in
+    torch.distributed.pipelining's formatter. ``marks`` maps (rank, position) to a note; marked cells are
+    written ``>action<`` and the notes are listed under the grid. Very long grids keep only rows near marks.
+    """
+    marks = dict(marks or {})
+    num_rows = max((len(st) for st in stages), default=0)
+    cells = [[(f">{st[p]}<" if (r, p) in marks else str(st[p])) if p < len(st) else "" for r, st in
+              enumerate(stages)] for p in range(num_rows)]
+    width = max([len(f"rank {len(stages) - 1}")] + [len(c) for row in cells for c in row])
+    keep = set(range(num_rows))
+    if num_rows > _MAX_GRID_ROWS:
+        anchors = {p for (_, p) in marks} | {0, num_rows - 1}
+        keep = {p for a in anchors for p in range(a - 8, a + 9) if 0 <= p < num_rows}
+    lines = [("step   " + "  ".join(f"rank {r}".ljust(width) for r in range(len(stages)))).rstrip()]
+    previous = -1
+    for p in sorted(keep):
+        if p != previous + 1:
+            lines.append(f"  ... {p - previous - 1} rows elided")
+        lines.append(f"{p:5d}  " + "  ".join(c.ljust(width) for c in cells[p]).rstrip())
+        previous = p
+    lines.extend(f"  rank {r} position {p}: {note}" for (r, p), note in sorted(marks.items()))
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------- builders
+
+
+@functools.lru_cache(maxsize=32)
+def _gpipe(num_stages: int, num_microbatches: int, num_slices: int) -> Schedule:
+    units = [(b, i) for b in range(num_microbatches) for i in range(num_slices)]
+    backward = [(b, i) for b in range(num_microbatches) for i in reversed(range(num_slices))]
+    streams = tuple(tuple([_make(s, F, b, i) for b, i in units] + [_make(s, B, b, i) for b, i in backward])
+                    for s in range(num_stages))
+    return Schedule("gpipe", num_stages, num_microbatches, num_slices, streams)
+
+
+def build_gpipe(num_stages: int, num_microbatches: int, num_slices: int) -> Schedule:
+    """TeraPipe's schedule: every stage runs all forwards in (microbatch, slice) order, then all backwards.
+
+    Backwards go micro-batch 0 first and, within a micro-batch, later slices first (required: B(s,b,i) needs the
+    cache gradient from B(s,b,i+1)). Running micro-batches in the same order as :func:`build_1f1b` gives every
+    stage the same backward sequence under both schedules, so weight gradients accumulate in the same order and
+    the two schedules produce bitwise-identical gradients; the timing is the same as reverse micro-batch order
+    because every micro-batch has the same slice costs.
+    """
+    for name, value in (("num_stages", num_stages), ("num_microbatches", num_microbatches),
+                        ("num_slices", num_slices)):
+        _check_size(name, value)
+    return _gpipe(num_stages, num_microbatches, num_slices)
+
+
+def warmup_forwards(stage: int, num_stages: int, num_microbatches: int, num_slices: int) -> int:
+    """Forwards stage ``stage`` of the token-level 1F1B schedule runs before its first backward.
+
+    The last stage must forward all ``n`` slices of micro-batch 0 before it can backward slice ``n-1``; each
+    earlier stage runs one more so that its forward of the next unit overlaps the round trip of the backward
+    from the stage after it (classic 1F1B uses ``K - s`` with ``n = 1``). The count is non-increasing in the
+    stage, which is what makes the schedule deadlock-free, and it bounds the units in flight on the stage.
+    """
+    return min(num_slices + num_stages - 1 - stage, num_microbatches * num_slices)
+
+
+@functools.lru_cache(maxsize=32)
+def _one_f_one_b(num_stages: int, num_microbatches: int, num_slices: int) -> Schedule:
+    units = [(b, i) for b in range(num_microbatches) for i in range(num_slices)]
+    backward = [(b, i) for b in range(num_microbatches) for i in reversed(range(num_slices))]
+    streams = []
+    for s in range(num_stages):
+        done = warmup_forwards(s, num_stages, num_microbatches, num_slices)
+        ops = [_make(s, F, b, i) for b, i in units[:done]]
+        for b, i in backward:  # steady state: one backward, one forward; then the cool-down backwards
+            ops.append(_make(s, B, b, i))
+            if done < len(units):
+                ops.append(_make(s, F, *units[done]))
+                done += 1
+        streams.append(tuple(ops))
+    return Schedule("1f1b", num_stages, num_microbatches, num_slices, tuple(streams))
+
+
+def build_1f1b(num_stages: int, num_microbatches: int, num_slices: int) -> Schedule:
+    """Token-level 1F1B (Seq1F1B): units in (microbatch, slice) order, warm-up, one backward / one forward, cool-down.
+
+    Stage ``s`` holds at most :func:`warmup_forwards` (``n + K - 1 - s``) units in flight instead of GPipe's
+    ``m * n``, at the same bubble when F and B costs are uniform.
+    """
+    for name, value in (("num_stages", num_stages), ("num_microbatches", num_microbatches),
+                        ("num_slices", num_slices)):
+        _check_size(name, value)
+    return _one_f_one_b(num_stages, num_microbatches, num_slices)
+
+
+_BUILDERS = {"gpipe": build_gpipe, "1f1b": build_1f1b}
+assert tuple(_BUILDERS) == SCHEDULES
+
+
+def build_schedule(name: str, num_stages: int, num_microbatches: int, num_slices: int) -> Schedule:
+    """Build a compute-only schedule by name (one of :data:`SCHEDULES`)."""
+    builder = _BUILDERS.get(name) if isinstance(name, str) else None
+    if builder is None:
+        raise ValueError(f"unknown schedule {name!r}; valid names are {', '.join(SCHEDULES)}")
+    return builder(num_stages, num_microbatches, num_slices)
+
+
+def add_communication(schedule: Schedule) -> Schedule:
+    """Lower a compute-only schedule to the exact p2p streams the runtime runs.
+
+    ``RECV_F`` right before each F (s > 0), ``SEND_F`` right after it (s < K-1), ``RECV_B`` right before each B
+    (s < K-1), ``SEND_B`` right after it (s > 0). A schedule that already has comm (or needs none: one stage) is
+    returned unchanged, so the runtime may call this defensively; :func:`validate` checks hand-written comm.
+    """
+    if schedule.has_comm or schedule.num_stages == 1:
+        return schedule
+    last = schedule.num_stages - 1
+    streams = []
+    for s, stream in enumerate(schedule.stages):
+        out: list[Action] = []
+        for a in stream:
+            b, i = a.microbatch, a.slice
+            if a.kind is F:
+                if s > 0:
+                    out.append(_make(s, RECV_F, b, i))
+                out.append(a)
+                if s < last:
+                    out.append(_make(s, SEND_F, b, i))
+            else:
+                if s < last:
+                    out.append(_make(s, RECV_B, b, i))
+                out.append(a)
+                if s > 0:
+                    out.append(_make(s, SEND_B, b, i))
+        streams.append(tuple(out))
+    return Schedule(schedule.name, schedule.num_stages, schedule.num_microbatches, schedule.num_slices,
+                    tuple(streams))
+
+
+# --------------------------------------------------------------------------------------------- validation
+
+
+def _raise_if(violations: list[str], cls: type[ScheduleError], what: str) -> None:
+    if not violations:
+        return
+    listed = violations[:_MAX_LISTED]
+    more = f"\n  ... and {len(violations) - _MAX_LISTED} more" if len(violations) > _MAX_LISTED else ""
+    raise cls(f"{what}: {len(violations)} problem(s)\n  " + "\n  ".join(listed) + more, violations)
+
+
+def validate(schedule: Schedule) -> None:
+    """Check every per-stage rule and list all violations in one :class:`ScheduleError`.
+
+    Rules: each stage runs F and B of every unit exactly once; F(s,b,i) after F(s,b,i-1); B(s,b,i) after
+    F(s,b,i) and after B(s,b,i+1); with comm, each stage has exactly the messages its position in the pipeline
+    needs, RECV before and SEND after the compute it belongs to. Cross-stage order is :func:`replay`'s job.
+    """
+    if not isinstance(schedule, Schedule):
+        raise TypeError(f"validate needs a Schedule, got {type(schedule).__name__}")
+    K, m, n = schedule.num_stages, schedule.num_microbatches, schedule.num_slices
+    needs = {F: lambda s: True, B: lambda s: True, RECV_F: lambda s: s > 0, SEND_F: lambda s: s < K - 1,
+             RECV_B: lambda s: s < K - 1, SEND_B: lambda s: s > 0}
+    out: list[str] = []
+    for s, stream in enumerate(schedule.stages):
+        pos: dict[ActionKind, dict[tuple[int, int], int]] = {k: {} for k in ActionKind}
+        for p, a in enumerate(stream):
+            if a.microbatch >= m or a.slice >= n:
+                out.append(f"stage {s} position {p}: {a} is outside {m} micro-batches x {n} slices")
+                continue
+            if not needs[a.kind](s):
+                out.append(f"stage {s} position {p}: {a} has no peer (stage {a.peer} does not exist)")
+                continue
+            table = pos[a.kind]
+            if a.unit in table:
+                out.append(f"stage {s} position {p}: {a} is a duplicate (first at position {table[a.unit]})")
+            else:
+                table[a.unit] = p
+        kinds = [k for k in ActionKind if needs[k](s) and (k in _COMPUTE or schedule.has_comm)]
+        for b in range(m):
+            for i in range(n):
+                u = (b, i)
+                for k in kinds:
+                    if u not in pos[k]:
+                        out.append(f"stage {s}: {Action(s, k, b, i)} is missing")
+                fp, bp = pos[F].get(u), pos[B].get(u)
+                rules = [(pos[F].get((b, i - 1)), F, i - 1, fp, F, i), (fp, F, i, bp, B, i),
+                         (pos[B].get((b, i + 1)), B, i + 1, bp, B, i)]
+                if schedule.has_comm:
+                    rules += [(pos[RECV_F].get(u), RECV_F, i, fp, F, i), (fp, F, i, pos[SEND_F].get(u), SEND_F, i),
+                              (pos[RECV_B].get(u), RECV_B, i, bp, B, i), (bp, B, i, pos[SEND_B].get(u), SEND_B, i)]
+                for first, k1, i1, then, k2, i2 in rules:
+                    # Absent actions are reported above; only present pairs in the wrong order are violations.
+                    if first is not None and then is not None and first > then:
+                        out.append(f"stage {s}: {Action(s, k2, b, i2)} at position {then} runs before "
+                                   f"{Action(s, k1, b, i1)} at position {first}, which it needs")
+    _raise_if(out, ScheduleError, f"schedule {schedule.name!r} is invalid")
+
+
+# ------------------------------------------------------------------------------------------------- replay
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    """What a dry run did: the comm-augmented schedule it ran and, per rank, the step of each action.
+
+    A step is a lock-step tick: each rank runs at most one action per step, and a receive runs at least one step
+    after its send. ``order[r]`` lists rank r's actions in completion order (its stream, when the run succeeds).
+    """
+
+    schedule: Schedule
+    order: tuple[tuple[Action, ...], ...]
+    steps: tuple[tuple[int, ...], ...]
+    num_steps: int
+
+
+def match_messages(schedule: Schedule) -> tuple[dict[tuple[int, int], tuple[int, int]], ...]:
+    """Pair receives with sends by FIFO order per directed channel; raise :class:`PairingError` on a mismatch.
+
+    Returns, per rank, ``{recv position: (sender rank, send position)}``. A receive with no k-th send is left
+    out: it waits forever, which :func:`replay` reports as a deadlock. Channel order is fixed by the streams alone
+    (each rank runs its stream in order), so mismatches are found before running, wherever they are.
+    """
+    K = schedule.num_stages
+    sends: dict[tuple[int, int], list[tuple[int, int, Action]]] = {}
+    recvs: dict[tuple[int, int], list[tuple[int, int, Action]]] = {}
+    bad: list[str] = []
+    for r, stream in enumerate(schedule.stages):
+        for p, a in enumerate(stream):
+            if a.kind in _COMPUTE:
+                continue
+            peer = a.stage + _PEER_OFFSET[a.kind]
+            if not 0 <= peer < K:
+                bad.append(f"{a} (rank {r}, position {p}) talks to rank {peer}, which does not exist")
+            elif a.kind in _SENDS:
+                sends.setdefault((r, peer), []).append((r, p, a))
+            else:
+                recvs.setdefault((peer, r), []).append((r, p, a))
+    _raise_if(bad, ScheduleError, f"schedule {schedule.name!r} has comm without a peer")
+    matches: tuple[dict[tuple[int, int], tuple[int, int]], ...] = tuple({} for _ in range(K))
+    for channel in sorted(set(sends) | set(recvs)):
+        src, dst = channel
+        s_list, r_list = sends.get(channel, []), recvs.get(channel, [])
+        for k, ((sr, sp, sa), (rr, rp, ra)) in enumerate(zip(s_list, r_list)):
+            if sa.unit != ra.unit:
+                bad.append(f"channel {src}->{dst}: receive #{k} {ra} (rank {rr}, position {rp}) is paired with "
+                           f"send #{k} {sa} (rank {sr}, position {sp}); FIFO delivery would hand unit "
+                           f"{sa.microbatch}.{sa.slice} to {ra}. Make both ranks use the same unit order")
+                break  # later pairs on this channel are shifted by the same mistake
+            matches[rr][rp] = (sr, sp)
+        else:
+            for sr, sp, sa in s_list[len(r_list):]:
+                bad.append(f"channel {src}->{dst}: send {sa} (rank {sr}, position {sp}) is never received: rank "
+                           f"{dst} posts only {len(r_list)} receive(s) on this channel")
+    _raise_if(bad, PairingError, f"schedule {schedule.name!r} mis-pairs messages")
+    return matches
+
+
+def replay(schedule: Schedule) -> ReplayResult:
+    """Dry-run all ranks under the runtime's p2p semantics; raise on mis-paired messages or deadlock.
+
+    Sends are non-blocking (buffered isend); a receive blocks until its FIFO-matched send has been issued. The
+    comm-free schedule is lowered with :func:`add_communication` first. Per-stage rules are :func:`validate`'s.
+    """
+    if not isinstance(schedule, Schedule):
+        raise TypeError(f"replay needs a Schedule, got {type(schedule).__name__}")
+    lowered = add_communication(schedule)
+    streams = lowered.stages
+    matches = match_messages(lowered)
+    K = lowered.num_stages
+    steps: list[list[int]] = [[] for _ in range(K)]  # steps[r][p]: step of rank r's p-th action, once done
+    done = [0] * K
+    while True:
+        progressed = False
+        for r in range(K):
+            stream, mine, match = streams[r], steps[r], matches[r]
+            p = done[r]
+            while p < len(stream):
+                t = mine[p - 1] + 1 if p else 0
+                if stream[p].kind in _RECVS:
+                    src = match.get(p)
+                    if src is None or done[src[0]] <= src[1]:
+                        break
+                    t = max(t, steps[src[0]][src[1]] + 1)
+                mine.append(t)
+                p += 1
+            if p != done[r]:
+                done[r], progressed = p, True
+        if all(done[r] == len(streams[r]) for r in range(K)):
+            break
+        if not progressed:
+            raise _deadlock(lowered, done, matches)
+    num_steps = max((st[-1] + 1 for st in steps if st), default=0)
+    logger.debug("replayed %s: %d steps", lowered.name, num_steps)
+    return ReplayResult(lowered, streams, tuple(tuple(st) for st in steps), num_steps)
+
+
+def _deadlock(schedule: Schedule, done: Sequence[int], matches: Sequence[Mapping[tuple[int, int], object]]
+              ) -> DeadlockError:
+    """Explain who waits for whom, with the whole grid and each blocked rank's action marked."""
+    streams = schedule.stages
+    sends_on: dict[tuple[int, int], int] = {}
+    for st in streams:
+        for a in st:
+            if a.kind in _SENDS:
+                ch = (a.stage, a.stage + _PEER_OFFSET[a.kind])
+                sends_on[ch] = sends_on.get(ch, 0) + 1
+    marks: dict[tuple[int, int], str] = {}
+    lines = []
+    for r, st in enumerate(streams):
+        p = done[r]
+        if p == len(st):
+            continue
+        a = st[p]
+        src = matches[r].get(p)
+        peer = a.stage + _PEER_OFFSET[a.kind]
+        if src is None:
+            k = sum(1 for x in st[:p] if x.kind is a.kind)
+            why = (f"waits for send #{k} on channel {peer}->{r}, but rank {peer} issues only "
+                   f"{sends_on.get((peer, r), 0)}: it waits forever")
+        else:
+            sr, sp = src
+            state = "has finished" if done[sr] == len(streams[sr]) else \
+                f"is itself blocked at position {done[sr]} on {streams[sr][done[sr]]}"
+            why = f"waits for {streams[sr][sp]} (rank {sr}, position {sp}); rank {sr} {state}"
+        marks[(r, p)] = f"{a} {why}"
+        lines.append(f"rank {r} blocked at position {p} on {a}: {why}")
+    msg = (f"schedule {schedule.name!r} deadlocks: every unfinished rank is blocked\n  " + "\n  ".join(lines)
+           + "\n" + format_grid(streams, marks))
+    return DeadlockError(msg, lines)
+
+
+def stream_strings(schedule: Schedule) -> tuple[str, ...]:
+    """Each rank's stream as one space-separated line: a compact form for logs and golden tests."""
+    return tuple(" ".join(map(str, st)) for st in schedule.stages)
+
+
+def schedule_from_strings(name: str, num_microbatches: int, num_slices: int, lines: Iterable[str]) -> Schedule:
+    """Inverse of :func:`stream_strings`: build a (possibly hand-written) schedule from one line per rank."""
+    streams = tuple(tuple(Action.parse(tok) for tok in line.split()) for line in lines)
+    return Schedule(name, len(streams), num_microbatches, num_slices, streams)
