@@ -1,0 +1,58 @@
+"""ds_terapipe: token-level pipeline parallelism (TeraPipe) for DeepSpeed.
+
+    engine, _, _, _ = ds_terapipe.initialize(model=TokenPipelineModule(layers, num_stages=2, ...),
+                                             config="ds_config.json")   # with a "terapipe" section
+    loss = engine.train_batch(data_iter)
+
+The planner (``ds_terapipe.planner``) is importable without torch.distributed or DeepSpeed; the names below
+pull in DeepSpeed lazily, so ``import ds_terapipe`` stays cheap for the CLI.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "initialize": ".initialize",
+    "TeraPipeConfig": ".config",
+    "parse_terapipe_config": ".config",
+    "TokenPipelineEngine": ".runtime.engine",
+    "TokenPipelineModule": ".runtime.module",
+    "TokenPipeSchedule": ".runtime.schedule",
+    "CausalSelfAttention": ".runtime.attention",
+    "sliced_causal_attention": ".runtime.attention",
+    "current_slice": ".runtime.context",
+    "token_offset": ".runtime.context",
+    "SliceContext": ".runtime.context",
+    "P2PTimeoutError": ".runtime.p2p",
+    "SlicingMismatchError": ".runtime.profile",
+}
+
+__all__ = sorted(_LAZY) + ["__version__"]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'ds_terapipe' has no attribute {name!r}")
+
+
+def _setup_logging() -> None:
+    """Show the plan and progress at INFO like DeepSpeed's own logs do, unless the application configured logging."""
+    log = logging.getLogger(__name__)
+    if log.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("[%(asctime)s] [%(levelname)s] [%(name)s] %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(os.environ.get("DS_TERAPIPE_LOG_LEVEL", "INFO").upper())
+    log.propagate = False
+
+
+_setup_logging()

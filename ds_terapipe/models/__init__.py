@@ -1,0 +1,1 @@
+"""Reference models written as DeepSpeed LayerSpecs."""

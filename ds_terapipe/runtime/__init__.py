@@ -1,0 +1,1 @@
+"""Everything that runs inside DeepSpeed: slice context, sliced attention, module, schedule, engine, profiling."""

@@ -1,0 +1,125 @@
+"""The slice context: what a layer needs to know while one token slice runs through it.
+
+A token pipeline runs each micro-batch as several slices of the sequence. Position-wise layers do not care,
+but two kinds of layer do: attention, which must see the keys/values of all earlier slices of the same
+micro-batch, and position embeddings, which need the slice's token offset. The engine opens a
+:class:`SliceContext` around every slice's forward; layers read it with :func:`current_slice`. Outside the
+engine (a plain forward, stock DeepSpeed, inference) there is no context and layers behave as usual, so one
+model definition serves both.
+
+Keys/values live in one full-length buffer per (micro-batch, attention layer) on each stage: slice ``i``
+writes its own rows and reads rows ``[0, end_i)`` as a view, never a copy. Their gradients accumulate in a
+buffer of the same shape; because backwards run later slices first, slice ``i``'s backward finds the
+contributions of all later slices already there (see :mod:`ds_terapipe.runtime.attention`).
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Hashable, Iterator
+
+import torch
+
+__all__ = ["KVBuffers", "MicroBatchState", "SliceContext", "current_slice", "token_offset", "slice_scope"]
+
+
+class KVBuffers:
+    """Full-length key/value storage of one attention layer for one micro-batch on one stage.
+
+    ``k``/``v`` are read through views (``k[:, :, :end]``) that autograd saves for backward; writes of later
+    slices go through ``k_w`` (the ``.data`` alias, which has its own version counter), so appending a slice
+    never invalidates what earlier slices saved. Positions are written once and never rewritten, which is
+    what makes that safe.
+    """
+
+    def __init__(self, like_k: torch.Tensor, like_v: torch.Tensor, seq_len: int, with_grad: bool) -> None:
+        batch, heads, _, k_dim = like_k.shape
+        v_dim = like_v.shape[-1]
+        opts = dict(dtype=like_k.dtype, device=like_k.device)
+        self.k = torch.zeros(batch, heads, seq_len, k_dim, **opts)  # (B, nh, L, hs)
+        self.v = torch.zeros(batch, heads, seq_len, v_dim, **opts)  # (B, nh, L, hs)
+        self.k_w = self.k.data
+        self.v_w = self.v.data
+        # Gradients w.r.t. cached keys/values, filled by later slices' backwards.
+        self.grad_k = torch.zeros_like(self.k) if with_grad else None
+        self.grad_v = torch.zeros_like(self.v) if with_grad else None
+
+    def nbytes(self) -> int:
+        tensors = [self.k, self.v, self.grad_k, self.grad_v]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+@dataclass
+class MicroBatchState:
+    """Per-(micro-batch, stage) state that outlives one slice: KV buffers and backward progress."""
+
+    microbatch: int
+    seq_len: int
+    num_slices: int
+    with_grad: bool
+    kv: dict[Hashable, KVBuffers] = field(default_factory=dict)
+    # Slices whose backward finished, to check the later-slices-first invariant at run time.
+    backward_done: set[int] = field(default_factory=set)
+
+    def buffers(self, key: Hashable, like_k: torch.Tensor, like_v: torch.Tensor) -> KVBuffers:
+        bufs = self.kv.get(key)
+        if bufs is None:
+            bufs = KVBuffers(like_k, like_v, self.seq_len, self.with_grad)
+            self.kv[key] = bufs
+        return bufs
+
+    def nbytes(self) -> int:
+        return sum(b.nbytes() for b in self.kv.values())
+
+
+@dataclass
+class SliceContext:
+    """The slice being computed: micro-batch, slice index and its token range ``[start, end)``."""
+
+    microbatch: int
+    slice_index: int
+    start: int
+    end: int
+    state: MicroBatchState
+
+    @property
+    def seq_len(self) -> int:
+        return self.state.seq_len
+
+    @property
+    def num_slices(self) -> int:
+        return self.state.num_slices
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+
+_local = threading.local()
+
+
+def current_slice() -> SliceContext | None:
+    """The slice context of the running forward, or None outside a token pipeline (plain forward)."""
+    return getattr(_local, "ctx", None)
+
+
+def token_offset() -> int:
+    """Global position of the first token of the running slice (0 outside a token pipeline).
+
+    Position embeddings (learned or rotary) add this to ``arange(T)``.
+    """
+    ctx = current_slice()
+    return 0 if ctx is None else ctx.start
+
+
+@contextmanager
+def slice_scope(ctx: SliceContext | None) -> Iterator[SliceContext | None]:
+    """Make ``ctx`` the current slice for the duration of one forward."""
+    previous = current_slice()
+    _local.ctx = ctx
+    try:
+        yield ctx
+    finally:
+        _local.ctx = previous

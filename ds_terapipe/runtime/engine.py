@@ -1,0 +1,301 @@
+"""TokenPipelineEngine: DeepSpeed's PipelineEngine, running token slices instead of whole micro-batches.
+
+How one training step flows (``train_batch``), on every stage:
+
+1. :class:`~ds_terapipe.runtime.schedule.TokenPipeSchedule` yields DeepSpeed instructions for this stage's
+   actions of the planner schedule; each carries ``microbatch`` and ``slice``.
+2. ``LoadMicroBatch`` (first/last stage, before a micro-batch's slice 0) reads the whole micro-batch once.
+   ``ForwardPass`` cuts the slice's tokens out of it (first stage: inputs; last stage: labels) or takes the
+   activations received from the previous stage, opens the slice context (token offset, the micro-batch's
+   KV buffers) and runs DeepSpeed's own forward. The last stage's loss is weighted by the slice's share of the
+   tokens, so the per-slice losses add up to the unsliced loss.
+3. ``BackwardPass`` runs DeepSpeed's own backward of that one slice. Backwards go later slices first within a
+   micro-batch; attention routes the gradients of earlier slices' keys/values into the KV gradient buffers
+   (:mod:`ds_terapipe.runtime.attention`), where those slices' backwards pick them up.
+4. Gradient reduction across data-parallel replicas, tied weights and the optimizer step are DeepSpeed's.
+
+Transfers go through :class:`~ds_terapipe.runtime.p2p.SliceP2P` (per-transfer shapes, non-blocking sends,
+deadlines), because slices have different lengths.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from contextlib import contextmanager
+from types import MethodType
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
+from deepspeed.runtime.pipe import schedule as ds_schedule
+from deepspeed.runtime.pipe.engine import PipelineEngine
+
+from ..config import TeraPipeConfig
+from .context import MicroBatchState, SliceContext, slice_scope
+from .p2p import SliceP2P, as_tuple
+from .schedule import TokenPipeSchedule
+
+__all__ = ["TokenPipelineEngine"]
+
+logger = logging.getLogger(__name__)
+
+
+def _cut(value: Any, start: int, end: int, seq_len: int) -> Any:
+    """Tokens ``[start, end)`` of every tensor whose dim 1 is the sequence; other values pass whole."""
+    if torch.is_tensor(value):
+        return value[:, start:end] if value.dim() >= 2 and value.shape[1] == seq_len else value
+    if isinstance(value, (tuple, list)):
+        return tuple(_cut(v, start, end, seq_len) for v in value)
+    return value
+
+
+def _first_tensor(value: Any) -> Optional[torch.Tensor]:
+    if torch.is_tensor(value):
+        return value
+    if isinstance(value, (tuple, list)) and value:
+        return _first_tensor(value[0])
+    return None
+
+
+class TokenPipelineEngine(PipelineEngine):
+    """A DeepSpeed ``PipelineEngine`` that pipelines token slices of each micro-batch (TeraPipe).
+
+    Created by :func:`ds_terapipe.initialize` when the DeepSpeed config has ``"terapipe": {"enabled": true}``.
+    ``train_batch()``, ``eval_batch()`` and checkpointing work as with DeepSpeed's engine.
+
+    Attributes:
+        slices: token counts of the plan in use (summing to ``terapipe.seq_len``).
+        slicing_plan: the planner's :class:`~ds_terapipe.planner.slicing.SlicingPlan` when ``slices`` was
+            ``"auto"`` (predicted time, speedup), else None.
+    """
+
+    def __init__(self, *args, terapipe_config: TeraPipeConfig, **kwargs) -> None:
+        self.terapipe = terapipe_config
+        super().__init__(*args, **kwargs)
+        if self.is_pipe_partitioned or self.is_grad_partitioned:
+            raise ValueError("terapipe: pipeline.pipe_partitioned / grad_partitioned are not supported by the "
+                             "token pipeline; set both to false in the DeepSpeed config")
+        self._p2p = SliceP2P([self.grid.stage_to_global(s) for s in range(self.num_stages)], self.device,
+                             self.terapipe.p2p_timeout_s)
+        self._states: dict[int, MicroBatchState] = {}
+        self._loaded: dict[int, Any] = {}
+        self._unit_losses: dict[int, torch.Tensor] = {}
+        self._unit_grads: dict[int, Any] = {}
+        self._logits: list[torch.Tensor] = []
+        self._trail: deque[str] = deque(maxlen=8)
+        self.slicing_plan = None
+        from .profile import resolve_plan  # late import: profile imports the engine's helpers
+        self.slices: tuple[int, ...] = resolve_plan(self)
+        self._check_model_supports_slicing()
+
+    # -- plan ------------------------------------------------------------------------------------------------
+    @property
+    def seq_len(self) -> int:
+        return sum(self.slices)
+
+    @property
+    def num_slices(self) -> int:
+        return len(self.slices)
+
+    def slice_bounds(self, slice_index: int) -> tuple[int, int]:
+        start = sum(self.slices[:slice_index])
+        return start, start + self.slices[slice_index]
+
+    def _check_model_supports_slicing(self) -> None:
+        if self.num_slices == 1:
+            return
+        if self.module.activation_checkpoint_interval > 0:
+            raise ValueError(f"terapipe: activation checkpointing (activation_checkpoint_interval="
+                             f"{self.module.activation_checkpoint_interval}) is not supported with "
+                             f"{self.num_slices} slices; set it to 0 or use terapipe.slices=1")
+        if self.is_last_stage() and self.module.loss_fn is None:
+            raise ValueError("terapipe: the PipelineModule needs a loss_fn with more than one slice, so the engine "
+                             "can weight each slice's loss; pass loss_fn= to the PipelineModule")
+
+    def _train_schedule(self) -> TokenPipeSchedule:
+        return TokenPipeSchedule(self.terapipe.schedule, self.micro_batches, self.num_stages, self.stage_id,
+                                 self.num_slices, train=True)
+
+    def _inference_schedule(self, micro_batches: int) -> TokenPipeSchedule:
+        return TokenPipeSchedule(self.terapipe.schedule, micro_batches, self.num_stages, self.stage_id,
+                                 self.num_slices, train=False)
+
+    # -- execution -------------------------------------------------------------------------------------------
+    def _exec_schedule(self, pipe_schedule: TokenPipeSchedule) -> None:
+        """DeepSpeed's loop, plus: per-batch state reset, and errors that say where this rank was."""
+        self._reserve_pipe_buffers(pipe_schedule.num_pipe_buffers())
+        self.fwd_outputs = []
+        self._states.clear()
+        self._loaded.clear()
+        self._unit_losses.clear()
+        self._unit_grads.clear()
+        self._logits = []
+        self._trail.clear()
+        for step_id, step_cmds in enumerate(pipe_schedule):
+            for cmd in step_cmds:
+                handler = self._INSTRUCTION_MAP.get(type(cmd))
+                if handler is None:
+                    raise RuntimeError(f"{type(self).__name__} does not understand instruction {cmd!r}")
+                self._trail.append(repr(cmd))
+                try:
+                    MethodType(handler, self)(**cmd.kwargs)
+                except Exception as err:
+                    note = (f"[ds_terapipe] rank {self.global_rank} (stage {self.stage_id}) failed in step {step_id} "
+                            f"of the {pipe_schedule.schedule.name} schedule; last instructions: "
+                            f"{' ; '.join(self._trail)}")
+                    logger.error(note)
+                    if hasattr(err, "add_note"):
+                        err.add_note(note)
+                    raise
+
+    def _exec_load_micro_batch(self, buffer_id: int, microbatch: int) -> None:
+        batch = self._next_batch()
+        if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+            raise TypeError("token pipeline: each batch from the data iterator must be (inputs, labels), got "
+                            f"{type(batch).__name__}")
+        inputs, labels = batch
+        loaded: dict[str, Any] = {}
+        if self.is_first_stage():
+            loaded["inputs"] = self._to_device(inputs, "inputs")
+        if self.is_last_stage():
+            loaded["labels"] = self._to_device(labels, "labels")
+        self._loaded[microbatch] = loaded
+
+    def _to_device(self, value: Any, what: str) -> Any:
+        first = _first_tensor(value)
+        if first is None or first.dim() < 2 or first.shape[1] != self.seq_len:
+            got = None if first is None else tuple(first.shape)
+            raise ValueError(f"token pipeline: batch {what} must be (batch, seq_len, ...) tensors with seq_len = "
+                             f"terapipe.seq_len = {self.seq_len}; got shape {got}. Set terapipe.seq_len to the "
+                             "data's sequence length (or pad/crop the data)")
+        if torch.is_tensor(value):
+            return value.to(self.device).detach()
+        return tuple(v.to(self.device).detach() if torch.is_tensor(v) else v for v in value)
+
+    def _state(self, microbatch: int) -> MicroBatchState:
+        state = self._states.get(microbatch)
+        if state is None:
+            state = MicroBatchState(microbatch, self.seq_len, self.num_slices, with_grad=torch.is_grad_enabled())
+            self._states[microbatch] = state
+        return state
+
+    @contextmanager
+    def _weighted_loss(self, weight: float) -> Iterator[None]:
+        """Scale the module's loss by the slice's share of tokens while DeepSpeed's forward computes it."""
+        loss_fn = self.module.loss_fn
+        if loss_fn is None or weight == 1.0:
+            yield
+            return
+        self.module.loss_fn = lambda outputs, labels: loss_fn(outputs, labels) * weight
+        try:
+            yield
+        finally:
+            self.module.loss_fn = loss_fn
+
+    def _exec_forward_pass(self, buffer_id: int, microbatch: int, slice: int) -> None:
+        start, end = self.slice_bounds(slice)
+        loaded = self._loaded.get(microbatch, {})
+        if self.is_first_stage():
+            self.pipe_buffers["inputs"][buffer_id] = _cut(loaded["inputs"], start, end, self.seq_len)
+        if self.is_last_stage():
+            self.pipe_buffers["labels"][buffer_id] = _cut(loaded["labels"], start, end, self.seq_len)
+        ctx = SliceContext(microbatch, slice, start, end, self._state(microbatch))
+        with slice_scope(ctx), self._weighted_loss((end - start) / self.seq_len):
+            super()._exec_forward_pass(buffer_id)
+        last_slice = slice == self.num_slices - 1
+        if last_slice:
+            self._loaded.pop(microbatch, None)
+        if self.is_last_stage():
+            self._unit_losses[buffer_id] = self.loss
+            if self.eval_return_logits:
+                self._collect_logits(microbatch, slice)
+        if not torch.is_grad_enabled():
+            # No backward will run: nothing needs the inputs, and the KV cache only lives until the last slice.
+            self.pipe_buffers["inputs"][buffer_id] = None
+            self.pipe_buffers["labels"][buffer_id] = None
+            self._unit_losses.pop(buffer_id, None)
+            if self.is_last_stage():
+                self.pipe_buffers["outputs"][buffer_id] = None
+            if last_slice:
+                self._states.pop(microbatch, None)
+
+    def _collect_logits(self, microbatch: int, slice: int) -> None:
+        if slice == 0:
+            self._logits = []
+        self._logits.append(self.outputs)
+        if slice == self.num_slices - 1:
+            self.outputs = torch.cat(self._logits, dim=1) if len(self._logits) > 1 else self._logits[0]
+            self._logits = []
+
+    def _exec_backward_pass(self, buffer_id: int, microbatch: int, slice: int) -> None:
+        state = self._states[microbatch]
+        pending = [j for j in range(slice + 1, self.num_slices) if j not in state.backward_done]
+        assert not pending, f"backward of slice {slice} before later slices {pending} of micro-batch {microbatch}"
+        if self.is_last_stage():
+            self.loss = self._unit_losses.pop(buffer_id)
+        else:
+            self.grad_layer = self._unit_grads.pop(buffer_id)
+        super()._exec_backward_pass(buffer_id)
+        self.grad_layer = None
+        state.backward_done.add(slice)
+        # DeepSpeed relies on cyclic buffer reuse to drop these; units are not reused, so drop them here.
+        self.pipe_buffers["outputs"][buffer_id] = None
+        self.pipe_buffers["labels"][buffer_id] = None
+        if self.is_first_stage():
+            self.pipe_buffers["inputs"][buffer_id] = None
+        if slice == 0:
+            del self._states[microbatch]
+
+    def _exec_send_activations(self, buffer_id: int, microbatch: int, slice: int) -> None:
+        outputs = as_tuple(self.pipe_buffers["outputs"][buffer_id])
+        self._p2p.send(outputs, self.next_stage, f"activations of micro-batch {microbatch} slice {slice}",
+                       header=True)
+        if not torch.is_grad_enabled():
+            self.pipe_buffers["outputs"][buffer_id] = None
+
+    def _exec_recv_activations(self, buffer_id: int, microbatch: int, slice: int) -> None:
+        received = self._p2p.recv(self.prev_stage, f"activations of micro-batch {microbatch} slice {slice}")
+        if torch.is_grad_enabled():
+            for tensor in received:
+                tensor.requires_grad_(tensor.is_floating_point())
+        self.pipe_buffers["inputs"][buffer_id] = received[0] if len(received) == 1 else received
+
+    def _exec_send_grads(self, buffer_id: int, microbatch: int, slice: int) -> None:
+        inputs = as_tuple(self.pipe_buffers["inputs"][buffer_id])
+        grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs if t.is_floating_point()]
+        self._p2p.send(grads, self.prev_stage, f"gradients of micro-batch {microbatch} slice {slice}", header=False)
+        self.pipe_buffers["inputs"][buffer_id] = None
+
+    def _exec_recv_grads(self, buffer_id: int, microbatch: int, slice: int) -> None:
+        outputs = self.pipe_buffers["outputs"][buffer_id]
+        floats = [t for t in as_tuple(outputs) if t.is_floating_point()]
+        grads = self._p2p.recv_like(floats, self.next_stage, f"gradients of micro-batch {microbatch} slice {slice}")
+        self._unit_grads[buffer_id] = grads[0] if torch.is_tensor(outputs) else list(grads)
+
+    def _exec_commit_p2p(self) -> None:
+        self._p2p.drain()
+
+    _INSTRUCTION_MAP = {
+        **PipelineEngine._INSTRUCTION_MAP,
+        ds_schedule.LoadMicroBatch: _exec_load_micro_batch,
+        ds_schedule.ForwardPass: _exec_forward_pass,
+        ds_schedule.BackwardPass: _exec_backward_pass,
+        ds_schedule.SendActivation: _exec_send_activations,
+        ds_schedule.RecvActivation: _exec_recv_activations,
+        ds_schedule.SendGrad: _exec_send_grads,
+        ds_schedule.RecvGrad: _exec_recv_grads,
+        ds_schedule.CommitP2P: _exec_commit_p2p,
+    }
+
+    def plan_summary(self) -> dict[str, Any]:
+        """What this engine runs, for logs and checkpoints."""
+        summary: dict[str, Any] = {"slices": list(self.slices), "seq_len": self.seq_len,
+                                   "schedule": self.terapipe.schedule, "num_stages": self.num_stages,
+                                   "micro_batches": self.micro_batches, "micro_batch_size": self.micro_batch_size}
+        if self.slicing_plan is not None:
+            summary["planner"] = self.slicing_plan.to_dict()
+        return summary
+
+
+def describe(slices: Sequence[int]) -> str:
+    return f"{len(slices)} slice(s) {list(slices)}"

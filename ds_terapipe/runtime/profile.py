@@ -1,0 +1,348 @@
+"""Choosing the plan at engine init: slice probe, on-device profiling, one plan for all ranks, plan cache.
+
+Order of events in :func:`resolve_plan` (every rank runs it, collectively):
+
+1. Probe pass: stage 0 samples an input (``TokenPipelineModule.sample_input``), every stage runs its layers on
+   what it receives, unsliced, and passes the result on. Each stage now holds a realistic input.
+2. Slice check: each stage runs its layers layer by layer on that input both unsliced and cut into slices
+   through the slice context; a layer whose sliced output differs mixes tokens non-causally or ignores the
+   context, and training it sliced would give wrong gradients, so every rank refuses, naming the layer.
+3. For ``slices: "auto"``: unless the plan cache has a plan for exactly this setting, each stage times
+   forward and backward of its own layers over a grid of (slice length, context) points, the measurements
+   are gathered, global rank 0 solves with the planner, and broadcasts the plan. A rank never plans alone.
+4. All ranks check they hold the same slices before the first step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import statistics
+import time
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from .context import MicroBatchState, SliceContext, slice_scope
+from .p2p import as_tuple
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .engine import TokenPipelineEngine
+
+__all__ = ["resolve_plan", "check_slicing_equivalence", "profile_stage", "SlicingMismatchError"]
+
+logger = logging.getLogger(__name__)
+
+PLAN_CACHE_VERSION = 1
+
+
+class SlicingMismatchError(ValueError):
+    """A layer gives different results when the sequence is cut into slices."""
+
+
+# -- helpers -------------------------------------------------------------------------------------------------
+def _cut(value: Any, start: int, end: int, seq_len: int) -> Any:
+    from .engine import _cut as cut
+    return cut(value, start, end, seq_len)
+
+
+def _concat_like(parts: list[Any], full: Any, seq_len: int) -> Any:
+    """Reassemble per-slice outputs along dim 1 wherever the unsliced output has the sequence on dim 1."""
+    if torch.is_tensor(full):
+        if full.dim() >= 2 and full.shape[1] == seq_len:
+            return torch.cat(parts, dim=1)
+        return parts[-1]
+    return tuple(_concat_like([p[i] for p in parts], f, seq_len) for i, f in enumerate(full))
+
+
+def _max_rel_diff(a: Any, b: Any) -> float:
+    worst = 0.0
+    for x, y in zip(as_tuple(a), as_tuple(b)):
+        if x.shape != y.shape:
+            return float("inf")
+        if not x.is_floating_point():
+            worst = max(worst, 0.0 if torch.equal(x, y) else float("inf"))
+            continue
+        scale = float(y.abs().max()) + 1e-6
+        worst = max(worst, float((x.float() - y.float()).abs().max()) / scale)
+    return worst
+
+
+def _probe_cuts(seq_len: int, granularity: int, slices: Optional[tuple[int, ...]]) -> list[int]:
+    """The slicing used for the check: the plan's if known, else three unequal slices on the granularity."""
+    if slices is not None and len(slices) > 1:
+        return list(slices)
+    units = seq_len // granularity
+    if units < 2:
+        return [seq_len]
+    first = max(1, units // 4)
+    second = max(1, (units - first) // 2) if units - first > 1 else 0
+    cuts = [first, second, units - first - second] if second else [first, units - first]
+    return [c * granularity for c in cuts if c > 0]
+
+
+# -- 1. probe pass --------------------------------------------------------------------------------------------
+def _probe_pass(engine: "TokenPipelineEngine", seq_len: int) -> Any:
+    """Run one unsliced forward through the pipeline on a sampled input; return this stage's input."""
+    module = engine.module
+    gen = torch.Generator().manual_seed(20210701)
+    was_training = module.training
+    module.eval()
+    try:
+        if engine.is_first_stage():
+            sample = module.sample_input(engine.micro_batch_size, seq_len, gen)
+            stage_input = tuple(t.to(engine.device) for t in sample) if isinstance(sample, tuple) else \
+                sample.to(engine.device)
+        else:
+            received = engine._p2p.recv(engine.prev_stage, "probe activations")
+            stage_input = received[0] if len(received) == 1 else received
+        with torch.no_grad(), slice_scope(None):
+            output = module(stage_input)
+        if not engine.is_last_stage():
+            engine._p2p.send(as_tuple(output), engine.next_stage, "probe activations", header=True)
+            engine._p2p.drain()
+    finally:
+        module.train(was_training)
+    return stage_input
+
+
+# -- 2. slice check ---------------------------------------------------------------------------------------------
+def check_slicing_equivalence(layers: list[Callable], first_layer_idx: int, stage_input: Any,
+                              slices: list[int]) -> Optional[str]:
+    """Run ``layers`` unsliced and sliced; return a description of the first layer that differs, or None."""
+    seq_len = sum(slices)
+    bounds, start = [], 0
+    for length in slices:
+        bounds.append((start, start + length))
+        start += length
+    x = stage_input
+    with torch.no_grad():
+        for idx, layer in enumerate(layers):
+            with slice_scope(None):
+                full = layer(x)
+            state = MicroBatchState(0, seq_len, len(slices), with_grad=False)
+            parts = []
+            for i, (lo, hi) in enumerate(bounds):
+                with slice_scope(SliceContext(0, i, lo, hi, state)):
+                    parts.append(layer(_cut(x, lo, hi, seq_len)))
+            sliced = _concat_like(parts, full, seq_len)
+            dtype = as_tuple(full)[0].dtype
+            tolerance = 1e-3 if dtype in (torch.float32, torch.float64) else 5e-2
+            diff = _max_rel_diff(sliced, full)
+            if diff > tolerance:
+                name = getattr(layer, "__name__", None) or type(layer).__name__
+                return (f"layer {first_layer_idx + idx} ({name}) gives different outputs when the sequence is cut "
+                        f"into slices {slices} (max relative difference {diff:.2e}): it mixes tokens non-causally or "
+                        "does not read the slice context. Use ds_terapipe.sliced_causal_attention for attention "
+                        "(and ds_terapipe.token_offset for positions), or run with terapipe.slices=1")
+            x = full
+    return None
+
+
+# -- 3. profiling -----------------------------------------------------------------------------------------------
+def _default_lengths(seq_len: int, granularity: int) -> list[int]:
+    lengths, s = [], granularity
+    while s < seq_len:
+        lengths.append(s)
+        s *= 2
+    lengths.append(seq_len)
+    if len(lengths) > 6:  # keep the small end sparse: the planner rarely picks tiny slices
+        lengths = [lengths[0]] + lengths[-5:]
+    return lengths
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def profile_stage(run: Callable[[Any], Any], params: list[torch.nn.Parameter], stage_input: Any, seq_len: int,
+                  granularity: int, batch: int, *, slice_lengths: Optional[list[int]] = None, num_contexts: int = 3,
+                  warmup: int = 1, repeats: int = 2, device: torch.device = torch.device("cpu")) -> list[dict]:
+    """Time forward and backward of this stage's layers for slices of length s after a prefix of c tokens.
+
+    Backward uses ``torch.autograd.grad``, so parameter ``.grad`` (and DeepSpeed's gradient hooks) are never
+    touched. Returns points in the planner's cost-file format.
+    """
+    lengths = slice_lengths or _default_lengths(seq_len, granularity)
+    points = []
+    for length in lengths:
+        if length % granularity or length > seq_len or length < 1:
+            raise ValueError(f"terapipe.profile.slice_lengths: {length} must be a multiple of granularity "
+                             f"{granularity} and <= seq_len {seq_len}")
+        free = (seq_len - length) // granularity
+        contexts = sorted({round(free * k / max(1, num_contexts - 1)) * granularity for k in range(num_contexts)})
+        for context in contexts:
+            fwd, bwd = [], []
+            for rep in range(warmup + repeats):
+                state = MicroBatchState(0, seq_len, 2, with_grad=True)
+                if context > 0:
+                    with torch.no_grad(), slice_scope(SliceContext(0, 0, 0, context, state)):
+                        run(_cut(stage_input, 0, context, seq_len))
+                piece = as_tuple(_cut(stage_input, context, context + length, seq_len))
+                piece = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in piece)
+                inputs = piece[0] if len(piece) == 1 else piece
+                _sync(device)
+                t0 = time.perf_counter()
+                with slice_scope(SliceContext(0, 1, context, context + length, state)):
+                    out = [t for t in as_tuple(run(inputs)) if t.is_floating_point() and t.requires_grad]
+                _sync(device)
+                t1 = time.perf_counter()
+                wrt = [p for p in params if p.requires_grad] + [t for t in piece if t.requires_grad]
+                torch.autograd.grad(out, wrt, [torch.ones_like(t) for t in out], allow_unused=True)
+                _sync(device)
+                t2 = time.perf_counter()
+                if rep >= warmup:
+                    fwd.append((t1 - t0) * 1e3)
+                    bwd.append((t2 - t1) * 1e3)
+            points.append({"batch": batch, "slice": length, "context": context,
+                           "forward_ms": statistics.median(fwd), "backward_ms": statistics.median(bwd)})
+    return points
+
+
+def _stage_fingerprint(engine: "TokenPipelineEngine") -> list:
+    return [[name, list(p.shape), str(p.dtype)] for name, p in engine.module.named_parameters()] + \
+        [type(f).__name__ for f in engine.module.forward_funcs]
+
+
+def _cache_path(engine: "TokenPipelineEngine", fingerprints: list) -> tuple[Optional[str], str]:
+    cfg = engine.terapipe
+    material = {
+        "version": PLAN_CACHE_VERSION, "model": fingerprints, "num_stages": engine.num_stages,
+        "dp": engine.dp_world_size, "micro_batch_size": engine.micro_batch_size,
+        "micro_batches": engine.micro_batches, "seq_len": cfg.seq_len, "granularity": cfg.granularity,
+        "schedule": cfg.schedule, "max_slices": cfg.max_slices, "memory_limit_gb": cfg.memory_limit_gb,
+        "profile": cfg.profile.model_dump(), "device": str(engine.device.type), "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
+    key = hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:20]
+    if cfg.plan_cache is None:
+        return None, key
+    return os.path.join(cfg.plan_cache, f"terapipe-plan-{key}.json"), key
+
+
+def _write_atomic(path: str, obj: dict) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(tmp, path)
+
+
+def _auto_plan(engine: "TokenPipelineEngine", stage_input: Any) -> tuple[int, ...]:
+    from ..planner.cost import PipelineCost
+    from ..planner.slicing import MemoryModel, SlicingPlan, plan_slicing
+
+    cfg = engine.terapipe
+    seq_len = cfg.seq_len
+    fingerprints = [None] * dist.get_world_size()
+    dist.all_gather_object(fingerprints, (engine.stage_id, engine.grid.data_parallel_id, _stage_fingerprint(engine)))
+    path, key = _cache_path(engine, sorted(fingerprints, key=lambda f: (f[1], f[0])))
+    decision = [None]
+    if dist.get_rank() == 0 and path is not None and os.path.exists(path):
+        try:
+            with open(path) as f:
+                cached = json.load(f)
+            decision = [cached["plan"]]
+            logger.info("terapipe: plan cache hit %s", path)
+        except (OSError, ValueError, KeyError) as err:
+            logger.warning("terapipe: ignoring unreadable plan cache %s (%s)", path, err)
+    dist.broadcast_object_list(decision, src=0)
+    if decision[0] is not None:
+        engine.slicing_plan = SlicingPlan.from_dict(decision[0])
+        return tuple(engine.slicing_plan.slices)
+
+    started = time.perf_counter()
+    params = list(engine.module.parameters())
+    points = profile_stage(engine.module, params, stage_input, seq_len, cfg.granularity, engine.micro_batch_size,
+                           slice_lengths=cfg.profile.slice_lengths, num_contexts=cfg.profile.num_contexts,
+                           warmup=cfg.profile.warmup, repeats=cfg.profile.repeats, device=engine.device)
+    profile_s = time.perf_counter() - started
+    first = as_tuple(stage_input)[0]
+    hidden = first.shape[-1] if first.is_floating_point() else None
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, {"stage": engine.stage_id, "dp": engine.grid.data_parallel_id,
+                                      "points": points, "hidden": hidden,
+                                      "layers": len(engine.module.forward_funcs),
+                                      "bytes": first.element_size() if first.is_floating_point() else 4})
+    result = [None]
+    if dist.get_rank() == 0:
+        stages = sorted((g for g in gathered if g["dp"] == 0), key=lambda g: g["stage"])
+        cost = PipelineCost.from_dict({"stages": [{"points": g["points"]} for g in stages]},
+                                      num_stages=engine.num_stages)
+        memory, limit = None, None
+        if cfg.memory_limit_gb is not None:
+            hidden_size = next((g["hidden"] for g in stages if g["hidden"]), None)
+            memory = MemoryModel(num_layers_per_stage=max(g["layers"] for g in stages), hidden=hidden_size or 1,
+                                 bytes_per_element=max(g["bytes"] for g in stages))
+            limit = cfg.memory_limit_gb * 2**30
+        plan = plan_slicing(cost, seq_len, num_microbatches=engine.micro_batches,
+                            micro_batch_size=engine.micro_batch_size, granularity=cfg.granularity,
+                            schedule=cfg.schedule, memory_limit_bytes=limit, memory=memory, max_slices=cfg.max_slices)
+        result = [plan.to_dict()]
+        logger.info("terapipe: profiled %d stage(s) in %.1fs; plan %s slices=%s predicted %.1f ms vs %.1f ms "
+                    "unsliced (%.2fx)", engine.num_stages, profile_s, cfg.schedule, list(plan.slices),
+                    plan.predicted_ms, plan.unsliced_ms, plan.speedup)
+        if path is not None:
+            _write_atomic(path, {"key": key, "plan": plan.to_dict(), "cost": cost.to_dict(),
+                                 "profile_seconds": profile_s})
+    dist.broadcast_object_list(result, src=0)
+    engine.slicing_plan = SlicingPlan.from_dict(result[0])
+    return tuple(engine.slicing_plan.slices)
+
+
+# -- 4. entry point ---------------------------------------------------------------------------------------------
+def _all_agree(flag_ok: bool, message: Optional[str]) -> None:
+    """Every rank raises if any rank failed, so no rank is left waiting for a peer that gave up."""
+    messages = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, None if flag_ok else message)
+    failures = [m for m in messages if m]
+    if failures:
+        raise SlicingMismatchError(f"terapipe: {failures[0]}")
+
+
+def resolve_plan(engine: "TokenPipelineEngine") -> tuple[int, ...]:
+    """Decide the slices every rank will run (collective over all ranks)."""
+    cfg = engine.terapipe
+    if isinstance(cfg.slices, list):
+        slices: Optional[tuple[int, ...]] = tuple(cfg.slices)
+    elif isinstance(cfg.slices, int):
+        slices = tuple(cfg.equal_slices())
+    else:
+        slices = None
+    seq_len = cfg.seq_len
+    assert seq_len is not None
+    module = engine.module
+    can_sample = hasattr(module, "has_sampler") and module.has_sampler()
+    if slices is None and not can_sample:
+        raise ValueError("terapipe.slices=\"auto\" needs to profile each stage on a sample input: build the model "
+                         "as ds_terapipe.TokenPipelineModule(..., vocab_size=V) or with input_sampler=fn, or set "
+                         "terapipe.slices to an int or a list")
+    stage_input = None
+    if can_sample and (slices is None or len(slices) > 1):
+        stage_input = _probe_pass(engine, seq_len)
+        cuts = _probe_cuts(seq_len, cfg.granularity, slices)
+        problem = None
+        if len(cuts) > 1:
+            problem = check_slicing_equivalence(list(module.forward_funcs), module._local_start, stage_input, cuts)
+            if problem:
+                problem = f"stage {engine.stage_id}: {problem}"
+        _all_agree(problem is None, problem)
+    elif slices is not None and len(slices) > 1 and engine.global_rank == 0:
+        logger.warning("terapipe: %s has no input sampler, so the slice check (refusing layers that mix tokens "
+                       "non-causally) was skipped; use ds_terapipe.TokenPipelineModule(..., vocab_size=V)",
+                       type(module).__name__)
+    if slices is None:
+        slices = _auto_plan(engine, stage_input)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (list(slices), cfg.schedule))
+    if any(e != every[0] for e in every):
+        raise ValueError(f"terapipe: ranks disagree on the plan ({every}); every rank must get the same "
+                         "DeepSpeed config")
+    if engine.global_rank == 0:
+        logger.info("terapipe: running %s with %d slice(s) %s over %d stage(s), %d micro-batch(es)", cfg.schedule,
+                    len(slices), list(slices), engine.num_stages, engine.micro_batches)
+    return tuple(slices)

@@ -1,0 +1,87 @@
+"""TokenPipeSchedule: lowers the planner's schedule IR to DeepSpeed pipeline instructions.
+
+The planner (:mod:`ds_terapipe.planner.schedule`) says, per stage, in which order the forward and backward
+of every (micro-batch, slice) unit run, with communication derived by ``add_communication``. This class turns
+one stage's action list into DeepSpeed's own instruction types (``ForwardPass``, ``SendActivation``, ...)
+carrying two extra fields, ``microbatch`` and ``slice``, which :class:`TokenPipelineEngine`'s handlers read.
+Because every rank lowers the same validated schedule, the sends and receives of neighbouring ranks pair up
+by construction (checked by ``replay`` in the tests).
+
+Buffer ids: unit (b, i) uses pipe buffer ``b * num_slices + i``; a micro-batch is loaded once, before the
+forward of its slice 0, on the first and last stages.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+from deepspeed.runtime.pipe import schedule as ds_schedule
+
+from ..planner.schedule import Action, ActionKind, Schedule, add_communication, build_schedule
+
+__all__ = ["TokenPipeSchedule", "forward_only"]
+
+
+def forward_only(schedule: Schedule) -> Schedule:
+    """The forwards of ``schedule`` alone, in its order (evaluation: no backward, nothing kept for it)."""
+    stages = tuple(tuple(a for a in acts if a.kind == ActionKind.FORWARD) for acts in schedule.stages)
+    return Schedule(name=f"{schedule.name}-forward", num_stages=schedule.num_stages,
+                    num_microbatches=schedule.num_microbatches, num_slices=schedule.num_slices, stages=stages)
+
+
+class TokenPipeSchedule(ds_schedule.PipeSchedule):
+    """One stage's view of a token-level schedule, as DeepSpeed instructions.
+
+    Args:
+        name: planner schedule name ("gpipe" or "1f1b").
+        micro_batches, stages, stage_id: as in DeepSpeed's ``PipeSchedule``.
+        num_slices: slices per micro-batch.
+        train: with backward, gradient reduction and optimizer step; else forwards only.
+    """
+
+    def __init__(self, name: str, micro_batches: int, stages: int, stage_id: int, num_slices: int,
+                 train: bool = True) -> None:
+        super().__init__(micro_batches=micro_batches, stages=stages, stage_id=stage_id)
+        self.num_slices = num_slices
+        self.train = train
+        plan = build_schedule(name, stages, micro_batches, num_slices)
+        self.schedule = add_communication(plan if train else forward_only(plan))
+        self.actions: tuple[Action, ...] = self.schedule.stages[stage_id]
+
+    def num_pipe_buffers(self) -> int:
+        return self.micro_batches * self.num_slices
+
+    def unit_buffer(self, microbatch: int, slice_index: int) -> int:
+        return microbatch * self.num_slices + slice_index
+
+    def steps(self) -> Iterator[list[ds_schedule.PipeInstruction]]:
+        loaded = -1
+        for action in self.actions:
+            fields = dict(buffer_id=self.unit_buffer(action.microbatch, action.slice), microbatch=action.microbatch,
+                          slice=action.slice)
+            cmds: list[ds_schedule.PipeInstruction] = []
+            kind = action.kind
+            if kind == ActionKind.FORWARD:
+                if action.slice == 0 and (self.is_first_stage or self.is_last_stage):
+                    assert action.microbatch == loaded + 1, "micro-batches must start in order to load in order"
+                    loaded = action.microbatch
+                    cmds.append(ds_schedule.LoadMicroBatch(buffer_id=action.microbatch,
+                                                           microbatch=action.microbatch))
+                cmds.append(ds_schedule.ForwardPass(**fields))
+            elif kind == ActionKind.BACKWARD:
+                cmds.append(ds_schedule.BackwardPass(**fields))
+            elif kind == ActionKind.SEND_F:
+                cmds.append(ds_schedule.SendActivation(**fields))
+            elif kind == ActionKind.RECV_F:
+                cmds.append(ds_schedule.RecvActivation(**fields))
+            elif kind == ActionKind.SEND_B:
+                cmds.append(ds_schedule.SendGrad(**fields))
+            elif kind == ActionKind.RECV_B:
+                cmds.append(ds_schedule.RecvGrad(**fields))
+            else:  # pragma: no cover - the IR has no other kinds
+                raise AssertionError(f"unknown action {action}")
+            yield cmds
+        tail: list[ds_schedule.PipeInstruction] = [ds_schedule.CommitP2P()]
+        if self.train:
+            tail += [ds_schedule.ReduceTiedGrads(), ds_schedule.ReduceGrads(), ds_schedule.OptimizerStep()]
+        yield tail

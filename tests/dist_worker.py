@@ -1,0 +1,199 @@
+"""One rank of a multi-process test: ``python tests/dist_worker.py SUITE OUT_DIR EXTRA_JSON`` (env: RANK, ...).
+
+Runs every case of SUITE in one process group and writes ``OUT_DIR/rank{R}.json``. Each case compares the
+token pipeline against a single-process unsliced reference computed in this same process (GPTReference with
+the same seeded weights, the same global batch), gradient by gradient, and against stock DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+import deepspeed
+import ds_terapipe
+from ds_terapipe.models.gpt import (GPTConfig, GPTReference, causal_lm_loss, gpt_layer_specs,
+                                    reference_param_name)
+
+RANK = int(os.environ["RANK"])
+WORLD = int(os.environ["WORLD_SIZE"])
+STATUS = {"case": "startup"}
+ENGINE_REF: dict[str, Any] = {}
+
+
+def watchdog(seconds: float) -> None:
+    """On a hang: print where this rank is (case, last pipeline instructions, stacks), then exit non-zero."""
+
+    def fire() -> None:
+        engine = ENGINE_REF.get("engine")
+        trail = list(getattr(engine, "_trail", []))
+        print(f"WATCHDOG rank {RANK}: no finish after {seconds:.0f}s in case {STATUS['case']}; "
+              f"last instructions: {trail}", flush=True)
+        faulthandler.dump_traceback(all_threads=True)
+        os._exit(3)
+
+    timer = threading.Timer(seconds, fire)
+    timer.daemon = True
+    timer.start()
+
+
+def make_batches(cfg: GPTConfig, num: int, batch: int, seq_len: int, seed: int) -> list[tuple]:
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(num):
+        ids = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1), generator=gen)
+        out.append((ids[:, :-1].contiguous(), ids[:, 1:].contiguous()))
+    return out
+
+
+def reference_step(cfg: GPTConfig, batches: list[tuple], num_steps: int, lr: float,
+                   momentum: float) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Unsliced single-process training: per step, mean loss over its micro-batches."""
+    model = GPTReference(cfg)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    per_step = len(batches) // num_steps
+    losses, first_grads = [], {}
+    for step in range(num_steps):
+        opt.zero_grad()
+        chunk = batches[step * per_step:(step + 1) * per_step]
+        total = sum(causal_lm_loss(model(x), y) for x, y in chunk) / len(chunk)
+        total.backward()
+        losses.append(float(total))
+        if step == 0:
+            first_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        opt.step()
+    return losses, first_grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def run_pipeline(cfg: GPTConfig, *, stages: int, micro_batches: int, batch: int, seq_len: int,
+                 batches_for_rank: Callable[[int], list[tuple]], num_steps: int, lr: float, momentum: float,
+                 terapipe: dict | None, zero_stage: int = 0) -> dict[str, Any]:
+    model = ds_terapipe.TokenPipelineModule(gpt_layer_specs(cfg), num_stages=stages, loss_fn=causal_lm_loss,
+                                            vocab_size=cfg.vocab_size, partition_method="uniform")
+    dp = WORLD // stages
+    config = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": micro_batches,
+              "train_batch_size": batch * micro_batches * dp, "steps_per_print": 10**9,
+              "gradient_clipping": 0.0,  # DeepSpeed clips at 1.0 by default; the reference does not clip
+              "zero_optimization": {"stage": zero_stage}}
+    if terapipe is not None:
+        config["terapipe"] = dict(terapipe, enabled=True, seq_len=seq_len)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    init = ds_terapipe.initialize if terapipe is not None else deepspeed.initialize
+    engine, _, _, _ = init(model=model, optimizer=opt, config=config)
+    ENGINE_REF["engine"] = engine
+    grads: dict[str, torch.Tensor] = {}
+    original_step = engine._take_model_step
+
+    def snapshot_then_step(*args, **kwargs):
+        if not grads:
+            for name, p in engine.module.named_parameters():
+                if p.grad is not None:
+                    grads[name] = p.grad.detach().clone()
+        return original_step(*args, **kwargs)
+
+    engine._take_model_step = snapshot_then_step
+    data = iter(batches_for_rank(engine.grid.data_parallel_id))
+    losses = [float(engine.train_batch(data)) for _ in range(num_steps)]
+    params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    result = {"stage": engine.stage_id, "losses": losses, "grads": grads, "params": params, "engine": engine,
+              "slices": list(getattr(engine, "slices", [seq_len]))}
+    ENGINE_REF.pop("engine", None)
+    return result
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / max(float(b.norm()), 1e-12))
+
+
+def compare(named: dict[str, torch.Tensor], ref: dict[str, torch.Tensor],
+            stage: int) -> tuple[float, str, list[str]]:
+    worst, worst_name, covered = 0.0, "", []
+    for name, value in named.items():
+        if name == "tied_modules.embed.wpe.weight" and stage != 0:
+            continue  # the tied head's copy of the position embedding is unused (only wte is tied)
+        ref_name = reference_param_name(name)
+        if ref_name not in ref:
+            raise KeyError(f"pipeline parameter {name} -> {ref_name} has no reference counterpart")
+        err = rel_err(value, ref[ref_name])
+        covered.append(ref_name)
+        if err >= worst:
+            worst, worst_name = err, name
+    return worst, worst_name, covered
+
+
+# -- suites ---------------------------------------------------------------------------------------------------
+def suite_equivalence(extra: dict) -> list[dict]:
+    """Stages = world size, dp = 1: slices x schedules x micro-batches against the reference and stock DS."""
+    stages = WORLD // extra.get("dp", 1)
+    dp = WORLD // stages
+    cfg = GPTConfig(num_layers=4, hidden=32, num_heads=4, vocab_size=64, max_seq_len=64, seed=7)
+    seq_len, batch = 48, 2
+    slicings = extra.get("slicings", [1, [8, 24, 16], 8])
+    schedules = extra.get("schedules", ["gpipe", "1f1b"])
+    micro_list = extra.get("micro_batches", [1, 3])
+    steps_for_params = 3
+    results = []
+    for m in micro_list:
+        batches = make_batches(cfg, steps_for_params * m * dp, batch, seq_len, seed=100 + m)
+
+        def for_rank(dp_id: int, m=m, batches=batches) -> list[tuple]:
+            # step s uses global micro-batches [s*m*dp, (s+1)*m*dp); replica r takes its m of them
+            return [batches[s * m * dp + dp_id * m + j] for s in range(steps_for_params) for j in range(m)]
+
+        ref_losses, ref_grads, ref_params = reference_step(cfg, batches, steps_for_params, lr=0.1, momentum=0.9)
+        STATUS["case"] = f"stock m={m}"
+        stock = run_pipeline(cfg, stages=stages, micro_batches=m, batch=batch, seq_len=seq_len,
+                             batches_for_rank=for_rank, num_steps=steps_for_params, lr=0.1, momentum=0.9,
+                             terapipe=None)
+        for slices in slicings:
+            for sched in schedules:
+                STATUS["case"] = f"slices={slices} schedule={sched} m={m}"
+                t0 = time.perf_counter()
+                run = run_pipeline(cfg, stages=stages, micro_batches=m, batch=batch, seq_len=seq_len,
+                                   batches_for_rank=for_rank, num_steps=steps_for_params, lr=0.1, momentum=0.9,
+                                   terapipe={"slices": slices, "schedule": sched, "granularity": 8,
+                                             "p2p_timeout_s": 60})
+                grad_err, grad_name, covered = compare(run["grads"], ref_grads, run["stage"])
+                param_err, param_name, _ = compare(run["params"], ref_params, run["stage"])
+                stock_err = max(rel_err(g, stock["grads"][n]) for n, g in run["grads"].items())
+                results.append({
+                    "case": STATUS["case"], "stages": stages, "dp": dp, "slices": run["slices"],
+                    "loss": run["losses"], "ref_loss": ref_losses, "stock_loss": stock["losses"],
+                    "stock_param_rel_err": compare(stock["params"], ref_params, stock["stage"])[0],
+                    "grad_rel_err": grad_err, "grad_worst": grad_name, "param_rel_err": param_err,
+                    "param_worst": param_name, "stock_grad_rel_err": stock_err, "covered": covered,
+                    "seconds": time.perf_counter() - t0,
+                })
+    return results
+
+
+SUITES = {"equivalence": suite_equivalence}
+
+
+def main() -> None:
+    suite, out_dir, extra = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3])
+    watchdog(float(os.environ.get("DS_TERAPIPE_WATCHDOG_S", "600")))
+    torch.manual_seed(0)
+    deepspeed.init_distributed(dist_backend="gloo")
+    payload: dict[str, Any] = {"rank": RANK}
+    try:
+        payload["results"] = SUITES[suite](extra)
+    except Exception as err:  # the test prints this; other ranks see the p2p timeout or the launcher kill
+        payload["error"] = f"{type(err).__name__}: {err}\n{traceback.format_exc()}"
+        print(payload["error"], flush=True)
+    (out_dir / f"rank{RANK}.json").write_text(json.dumps(payload, indent=1))
+    sys.stdout.flush()
+    os._exit(0 if "error" not in payload else 1)
+
+
+if __name__ == "__main__":
+    main()
