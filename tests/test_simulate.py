@@ -1,0 +1,280 @@
+"""Tier (a): the event simulator against closed forms and an independent per-action reference simulation.
+
+    python -m pytest -q tests/test_simulate.py
+
+The cost model is a local fake with PipelineCost's duck type, so these tests do not depend on cost.py's timing.
+"""
+from __future__ import annotations
+
+import itertools
+import random
+
+import numpy as np
+import pytest
+
+from ds_terapipe.planner import schedule as sch
+from ds_terapipe.planner.schedule import (
+    SCHEDULES, Action, ActionKind, Schedule, add_communication, build_1f1b, build_gpipe, build_schedule,
+    schedule_from_strings, stream_strings,
+)
+from ds_terapipe.planner.simulate import SimResult, TimedAction, simulate
+
+F, B = ActionKind.FORWARD, ActionKind.BACKWARD
+
+
+class FakeStage:
+    """time = base + per_token * slice_len * (1 + per_context * context) * batch; comm = c * slice_len * batch."""
+
+    def __init__(self, f: float, b: float, c: float = 0.0, per_token: float = 0.0, per_context: float = 0.0):
+        self.f, self.b, self.c, self.per_token, self.per_context = f, b, c, per_token, per_context
+        self.calls: list[tuple[str, list[int], list[int] | None, int]] = []
+
+    def _t(self, base: float, slice_len, context, batch) -> np.ndarray:
+        s, ctx = np.asarray(slice_len, float), np.asarray(context, float)
+        return (base + self.per_token * s * (1 + self.per_context * ctx)) * batch
+
+    def forward_ms(self, slice_len, context, batch=1):
+        self.calls.append(("forward_ms", np.asarray(slice_len).tolist(), np.asarray(context).tolist(), batch))
+        return self._t(self.f, slice_len, context, batch)
+
+    def backward_ms(self, slice_len, context, batch=1):
+        self.calls.append(("backward_ms", np.asarray(slice_len).tolist(), np.asarray(context).tolist(), batch))
+        return self._t(self.b, slice_len, context, batch)
+
+    def comm_ms(self, slice_len, batch=1):
+        self.calls.append(("comm_ms", np.asarray(slice_len).tolist(), None, batch))
+        return self.c * np.asarray(slice_len, float) * batch
+
+
+class FakeCost:
+    def __init__(self, stages: list[FakeStage]):
+        self.stages = stages
+        self.num_stages = len(stages)
+
+    @classmethod
+    def uniform(cls, stage: FakeStage, num_stages: int) -> FakeCost:
+        return cls([stage] * num_stages)
+
+    def stage(self, s: int) -> FakeStage:
+        return self.stages[s]
+
+
+def random_cost(rng: random.Random, K: int) -> FakeCost:
+    return FakeCost([FakeStage(rng.uniform(0.1, 2), rng.uniform(0.1, 4), rng.uniform(0, 0.3),
+                               rng.uniform(0, 0.5), rng.uniform(0, 0.05)) for _ in range(K)])
+
+
+def reference(schedule: Schedule, cost: FakeCost, slices: list[int], batch: int = 1) -> dict[Action, tuple]:
+    """Straightforward per-action simulation over the comm-augmented streams: FIFO channel queues, blocking
+    receives, sends that cost nothing. Independent of the library's matching and of its vectorised sweep."""
+    lowered = add_communication(schedule)
+    ctx = [sum(slices[:i]) for i in range(len(slices))]
+
+    def one(fn, *args) -> float:
+        return float(np.asarray(fn(*args)).reshape(-1)[0])
+
+    queues: dict[tuple[int, int], list[tuple[tuple[int, int], float]]] = {}
+    taken: dict[tuple[int, int], int] = {}
+    K = lowered.num_stages
+    ptr, free, times = [0] * K, [0.0] * K, {}
+    while any(ptr[r] < len(lowered.stages[r]) for r in range(K)):
+        moved = False
+        for r in range(K):
+            while ptr[r] < len(lowered.stages[r]):
+                a = lowered.stages[r][ptr[r]]
+                i = a.slice
+                if a.kind in (F, B):
+                    fn = cost.stage(r).forward_ms if a.kind is F else cost.stage(r).backward_ms
+                    start = free[r]
+                    free[r] = start + one(fn, [slices[i]], [ctx[i]], batch)
+                    times[a] = (start, free[r])
+                elif a.kind in (ActionKind.SEND_F, ActionKind.SEND_B):
+                    queues.setdefault((r, a.peer), []).append((a.unit, free[r]))
+                else:
+                    ch = (a.peer, r)
+                    k = taken.get(ch, 0)
+                    if len(queues.get(ch, [])) <= k:
+                        break
+                    unit, issued = queues[ch][k]
+                    assert unit == a.unit, "reference: mis-paired"
+                    taken[ch] = k + 1
+                    free[r] = max(free[r], issued + one(cost.stage(a.peer).comm_ms, [slices[i]], batch))
+                ptr[r] += 1
+                moved = True
+        if not moved:
+            raise RuntimeError("reference: deadlock")
+    return times
+
+
+def assert_matches_reference(result: SimResult, schedule: Schedule, cost: FakeCost, slices: list[int],
+                             batch: int = 1) -> None:
+    ref = reference(schedule, cost, slices, batch)
+    assert len(result.events) == len(ref) == 2 * schedule.num_stages * schedule.num_units
+    for ev in result.events:
+        t0, t1 = ref[ev.action]
+        assert ev.stage == ev.action.stage
+        assert ev.start_ms == pytest.approx(t0, rel=1e-12, abs=1e-9)
+        assert ev.end_ms == pytest.approx(t1, rel=1e-12, abs=1e-9)
+    assert result.makespan_ms == pytest.approx(max(t1 for _, t1 in ref.values()), rel=1e-12)
+
+
+# ------------------------------------------------------------------------------------------- closed forms
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("f,b", [(1, 1), (1, 2), (3, 1)])
+def test_equal_unit_costs_reproduce_the_gpipe_closed_form(name, f, b):
+    """Bubble (K-1)/(m+K-1) with one slice, (K-1)/(m*n+K-1) with n equal slices; token 1F1B matches GPipe."""
+    for K, m, n in itertools.product(range(1, 7), range(1, 6), range(1, 7)):
+        N = m * n
+        res = simulate(build_schedule(name, K, m, n), FakeCost.uniform(FakeStage(f, b), K), [7] * n)
+        assert res.makespan_ms == (N + K - 1) * (f + b)  # exact: integer costs
+        assert res.busy_ms == (N * (f + b),) * K
+        assert res.bubble_fraction == pytest.approx((K - 1) / (N + K - 1), abs=1e-12)
+        if n == 1:
+            assert res.bubble_fraction == pytest.approx((K - 1) / (m + K - 1), abs=1e-12)
+
+
+def test_gpipe_closed_form_with_comm_latency():
+    for K, m, n in itertools.product(range(1, 6), range(1, 4), range(1, 5)):
+        N = m * n
+        res = simulate(build_gpipe(K, m, n), FakeCost.uniform(FakeStage(2, 3, c=1), K), [1] * n)
+        assert res.makespan_ms == (N + K - 1) * 5 + 2 * (K - 1) * 1
+
+
+def test_closed_form_at_planner_scale():
+    """K=48, m*n=256: the size the slicing planner simulates many times."""
+    K, m, n = 48, 4, 64
+    for name in SCHEDULES:
+        res = simulate(build_schedule(name, K, m, n), FakeCost.uniform(FakeStage(1, 2), K), [16] * n)
+        assert res.makespan_ms == (m * n + K - 1) * 3
+        assert len(res.events) == 2 * K * m * n
+
+
+def test_zero_costs_give_zero_makespan_and_no_bubble():
+    res = simulate(build_1f1b(3, 2, 2), FakeCost.uniform(FakeStage(0, 0), 3), [4, 4])
+    assert res.makespan_ms == 0 and res.bubble_fraction == 0
+
+
+# ------------------------------------------------------------------------------------------ vs reference
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_simulation_matches_reference_with_context_dependent_costs_and_comm(name):
+    rng = random.Random(1)
+    for K, m, n in [(1, 2, 3), (2, 1, 1), (2, 3, 2), (3, 2, 4), (4, 4, 3), (5, 3, 1), (6, 2, 5)]:
+        cost = random_cost(rng, K)
+        slices = [rng.randint(1, 64) for _ in range(n)]
+        batch = rng.randint(1, 3)
+        sched = build_schedule(name, K, m, n)
+        res = simulate(sched, cost, slices, micro_batch_size=batch)
+        assert_matches_reference(res, sched, cost, slices, batch)
+        lowered = simulate(add_communication(sched), cost, slices, micro_batch_size=batch)  # same lowering
+        assert lowered.makespan_ms == res.makespan_ms and lowered.events == res.events
+
+
+def test_hand_written_comm_is_simulated_as_written():
+    """Receives posted late (after other compute) delay the stream differently from the standard lowering."""
+    lines = list(stream_strings(add_communication(build_gpipe(2, 2, 1))))
+    assert lines[0] == "0F0.0 0SEND_F0.0 0F1.0 0SEND_F1.0 0RECV_B0.0 0B0.0 0RECV_B1.0 0B1.0"
+    lines[0] = "0F0.0 0F1.0 0SEND_F0.0 0SEND_F1.0 0RECV_B0.0 0B0.0 0RECV_B1.0 0B1.0"  # sends held back
+    late = schedule_from_strings("gpipe-late", 2, 1, lines)
+    sch.validate(late)
+    cost = FakeCost([FakeStage(1, 1, c=0.25), FakeStage(2, 2, c=0.5)])
+    res = simulate(late, cost, [1])
+    assert_matches_reference(res, late, cost, [1])
+    standard = simulate(build_gpipe(2, 2, 1), cost, [1])
+    start = {str(e.action): e.start_ms for e in res.events}
+    assert start["1F0.0"] == 2.25 and {str(e.action): e.start_ms for e in standard.events}["1F0.0"] == 1.25
+
+
+def test_cached_structure_does_not_leak_costs_between_calls():
+    rng = random.Random(2)
+    sched = build_1f1b(4, 3, 3)
+    for _ in range(3):
+        cost, slices = random_cost(rng, 4), [rng.randint(1, 32) for _ in range(3)]
+        assert_matches_reference(simulate(sched, cost, slices), sched, cost, slices)
+
+
+# ------------------------------------------------------------------------------------------------- details
+
+
+def test_cost_model_is_asked_with_prefix_context_and_batch():
+    stage = FakeStage(1, 1, c=1)
+    simulate(build_gpipe(2, 1, 3), FakeCost([stage, stage]), [3, 4, 5], micro_batch_size=2)
+    assert ("forward_ms", [3, 4, 5], [0, 3, 7], 2) in stage.calls
+    assert ("backward_ms", [3, 4, 5], [0, 3, 7], 2) in stage.calls
+    assert ("comm_ms", [3, 4, 5], None, 2) in stage.calls
+
+
+def test_events_keep_stream_order_and_cross_stage_dependencies():
+    rng = random.Random(3)
+    K, m, n = 4, 3, 3
+    cost, slices = random_cost(rng, K), [5, 9, 2]
+    for name in SCHEDULES:
+        sched = build_schedule(name, K, m, n)
+        res = simulate(sched, cost, slices)
+        assert res.events is res.events and all(isinstance(e, TimedAction) for e in res.events)
+        by_action = {e.action: e for e in res.events}
+        for s, stream in enumerate(sched.stages):
+            evs = [by_action[a] for a in stream]
+            assert all(x.end_ms <= y.start_ms for x, y in zip(evs, evs[1:]))
+            assert res.busy_ms[s] == pytest.approx(sum(e.duration_ms for e in evs))
+            for a in stream:
+                comm = lambda src: cost.stage(src).comm_ms(np.array([slices[a.slice]])).item()
+                if a.kind is F and s > 0:
+                    assert by_action[a].start_ms >= by_action[Action(s - 1, F, *a.unit)].end_ms + comm(s - 1) - 1e-9
+                if a.kind is B and s < K - 1:
+                    assert by_action[a].start_ms >= by_action[Action(s + 1, B, *a.unit)].end_ms + comm(s + 1) - 1e-9
+
+
+def test_peak_in_flight_gpipe_versus_1f1b():
+    cost = FakeCost.uniform(FakeStage(1, 2), 4)
+    for m, n in [(4, 1), (4, 3), (5, 6)]:
+        gp = simulate(build_gpipe(4, m, n), cost, [2] * n)
+        one = simulate(build_1f1b(4, m, n), cost, [2] * n)
+        assert gp.peak_in_flight == (m * n,) * 4
+        assert one.peak_in_flight == tuple(min(n + 3 - s, m * n) for s in range(4))
+        assert sum(one.peak_in_flight) < sum(gp.peak_in_flight)
+
+
+def test_deadlock_and_pairing_errors_are_the_schedule_module_classes():
+    base = build_gpipe(3, 2, 2)
+    stream = list(base.stages[0])
+    stream[3], stream[4] = stream[4], stream[3]
+    stuck = Schedule("stuck", 3, 2, 2, (tuple(stream),) + base.stages[1:])
+    cost = FakeCost.uniform(FakeStage(1, 1), 3)
+    with pytest.raises(sch.DeadlockError, match=r">0RECV_B0\.1<"):
+        simulate(stuck, cost, [1, 1])
+    lowered = add_communication(stuck)
+    with pytest.raises(sch.DeadlockError, match=r"rank 0 blocked at position \d+ on 0RECV_B0\.1"):
+        simulate(lowered, cost, [1, 1])
+    swapped = list(base.stages[2])
+    swapped[:4] = [swapped[2], swapped[3], swapped[0], swapped[1]]
+    mispaired = Schedule("mispaired", 3, 2, 2, base.stages[:2] + (tuple(swapped),))
+    with pytest.raises(sch.PairingError, match="receive #0 2RECV_F1.0"):
+        simulate(mispaired, cost, [1, 1])
+    extra = add_communication(base)
+    extra = Schedule("extra", 3, 2, 2, extra.stages[:2] + (extra.stages[2] + (Action(2, ActionKind.RECV_F, 0, 0),),))
+    with pytest.raises(sch.DeadlockError, match="waits forever"):
+        simulate(extra, cost, [1, 1])
+
+
+def test_simulate_rejects_bad_inputs():
+    sched, cost = build_gpipe(2, 1, 2), FakeCost.uniform(FakeStage(1, 1), 2)
+    with pytest.raises(ValueError, match="slices has 3 entries but schedule 'gpipe' has num_slices=2"):
+        simulate(sched, cost, [1, 2, 3])
+    with pytest.raises(ValueError, match=">= 1 token"):
+        simulate(sched, cost, [1, 0])
+    with pytest.raises(TypeError, match="sequence of ints"):
+        simulate(sched, cost, [1.5, 2])
+    with pytest.raises(ValueError, match="micro_batch_size"):
+        simulate(sched, cost, [1, 1], micro_batch_size=0)
+    with pytest.raises(ValueError, match="num_stages=3 but the schedule has 2"):
+        simulate(sched, FakeCost.uniform(FakeStage(1, 1), 3), [1, 1])
+    with pytest.raises(ValueError, match=r"cost.stage\(0\).forward_ms returned \[-1.0, -1.0\]"):
+        simulate(sched, FakeCost.uniform(FakeStage(-1, 1), 2), [1, 1])
+    with pytest.raises(TypeError, match=r"\.stage\(s\)"):
+        simulate(sched, object(), [1, 1])
+    with pytest.raises(TypeError, match="needs a Schedule"):
+        simulate("gpipe", cost, [1, 1])
