@@ -160,7 +160,7 @@ def suite_equivalence(extra: dict) -> list[dict]:
                 t0 = time.perf_counter()
                 run = run_pipeline(cfg, stages=stages, micro_batches=m, batch=batch, seq_len=seq_len,
                                    batches_for_rank=for_rank, num_steps=steps_for_params, lr=0.1, momentum=0.9,
-                                   terapipe={"slices": slices, "schedule": sched, "granularity": 8,
+                                   terapipe={"slices": slices, "schedule": sched, "granularity": 2,
                                              "p2p_timeout_s": 60})
                 grad_err, grad_name, covered = compare(run["grads"], ref_grads, run["stage"])
                 param_err, param_name, _ = compare(run["params"], ref_params, run["stage"])
