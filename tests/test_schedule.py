@@ -58,7 +58,7 @@ def test_action_parse_round_trips_over_many_actions():
 
 
 @pytest.mark.parametrize("text", ["", "F0.0", "1F0", "1F0.0.0", "-1F0.0", "1X0.0", " 1F0.0", "1F0.0 ",
-                                  "1f0.0", "1SEND0.0", "1F.0", "1RECV_FF0.0", "1F0.-1"])
+                                  "1f0.0", "1SEND0.0", "1F.0", "1RECV_FF0.0", "1F0.-1", "\u0661F0.0"])
 def test_action_parse_rejects_bad_text(text):
     with pytest.raises(ValueError, match="cannot parse action"):
         Action.parse(text)
