@@ -1,0 +1,180 @@
+"""Train the reference GPT with token-level pipeline parallelism on CPU (or GPU, unchanged).
+
+    deepspeed --num_gpus 2 examples/train_gpt.py --deepspeed_config ds_configs/cpu_2stage.json --steps 150
+
+Data: byte-level (vocab 256) text. By default the corpus is the Python standard library's own source code,
+present on any machine with Python; ``--data FILE ...`` takes text files instead, or one ``.bin`` file of
+uint16 token ids (nanoGPT's layout; pass ``--vocab-size``). Every ``--eval-every`` steps a held-out loss is
+computed on the last 10% of the corpus; with ``--save-dir`` a DeepSpeed checkpoint is written every
+``--save-every`` steps, and ``--resume`` continues from the latest one.
+
+On a CPU-only machine the ``deepspeed`` launcher still works: ``--num_gpus N`` starts N processes (gloo).
+The number of pipeline stages comes from ``--stages`` (default: the config's ``pipeline.stages``, else 2);
+the remaining factor of the world size is data parallelism.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import deepspeed
+import ds_terapipe
+from ds_terapipe.models.gpt import GPTConfig, causal_lm_loss, gpt_layer_specs
+
+logger = logging.getLogger("train_gpt")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=150, help="optimizer steps to train")
+    parser.add_argument("--stages", type=int, default=None, help="pipeline stages (default: config pipeline.stages or 2)")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--data", nargs="*", default=None, help="text files, or one .bin of uint16 token ids")
+    parser.add_argument("--vocab-size", type=int, default=256, help="for .bin token files (bytes: 256)")
+    parser.add_argument("--max-corpus-mb", type=float, default=8.0, help="cap on the default corpus size")
+    parser.add_argument("--log-every", type=int, default=10)
+    parser.add_argument("--eval-every", type=int, default=50)
+    parser.add_argument("--save-dir", default=None, help="checkpoint directory")
+    parser.add_argument("--save-every", type=int, default=50)
+    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save-dir")
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
+    parser = deepspeed.add_config_arguments(parser)
+    args = parser.parse_args()
+    if args.deepspeed_config is None:
+        parser.error("--deepspeed_config is required (e.g. ds_configs/cpu_2stage.json)")
+    if args.resume and not args.save_dir:
+        parser.error("--resume needs --save-dir (where the checkpoints are)")
+    return args
+
+
+def load_tokens(args: argparse.Namespace) -> np.ndarray:
+    """The corpus as a 1-D array of token ids."""
+    if args.data:
+        paths = [Path(p) for p in args.data]
+        missing = [str(p) for p in paths if not p.is_file()]
+        if missing:
+            raise SystemExit(f"train_gpt: --data file(s) not found: {missing}")
+        if len(paths) == 1 and paths[0].suffix == ".bin":
+            return np.fromfile(paths[0], dtype=np.uint16).astype(np.int64)
+        return np.frombuffer(b"".join(p.read_bytes() for p in paths), dtype=np.uint8).astype(np.int64)
+    # Default corpus: the standard library's source, sorted, so every rank and every run reads the same bytes.
+    root = Path(sysconfig.get_paths()["stdlib"])
+    budget, chunks = int(args.max_corpus_mb * 2**20), []
+    for path in sorted(root.glob("*.py")):
+        data = path.read_bytes()
+        chunks.append(data)
+        budget -= len(data)
+        if budget <= 0:
+            break
+    return np.frombuffer(b"".join(chunks), dtype=np.uint8).astype(np.int64)
+
+
+class Batches:
+    """Random windows of ``seq_len + 1`` tokens: (inputs, next-token labels) micro-batches.
+
+    Seeded by (seed, split, data-parallel rank, step), so a resumed run sees the data it would have seen.
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, batch: int, seed: int, dp_rank: int) -> None:
+        if len(tokens) <= seq_len + 1:
+            raise SystemExit(f"train_gpt: corpus of {len(tokens)} tokens is shorter than seq_len {seq_len}")
+        self.tokens, self.seq_len, self.batch, self.seed, self.dp_rank = tokens, seq_len, batch, seed, dp_rank
+
+    def iterator(self, step: int, count: int):
+        rng = np.random.default_rng([self.seed, self.dp_rank, step])
+        for _ in range(count):
+            starts = rng.integers(0, len(self.tokens) - self.seq_len - 1, self.batch)
+            window = np.stack([self.tokens[s:s + self.seq_len + 1] for s in starts])
+            ids = torch.from_numpy(window)
+            yield ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+
+
+def main() -> None:
+    args = parse_args()
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s] [%(name)s] %(message)s")
+    if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
+        # One process per stage shares the cores: more threads than cores per process makes every rank spin
+        # against the others (10x slower on a 2-core machine).
+        local = int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+    deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else None)
+    with open(args.deepspeed_config) as f:
+        ds_config = json.load(f)
+    terapipe = ds_terapipe.parse_terapipe_config(ds_config)
+    stages = args.stages or ds_config.get("pipeline", {}).get("stages") or 2
+    if not isinstance(stages, int) or stages < 1:
+        raise SystemExit(f"train_gpt: --stages / pipeline.stages must be a positive int, got {stages!r}")
+    seq_len = terapipe.seq_len or 256
+    world = torch.distributed.get_world_size()
+    rank = torch.distributed.get_rank()
+
+    tokens = load_tokens(args)
+    vocab = args.vocab_size if args.data and args.data[0].endswith(".bin") else 256
+    if int(tokens.max()) >= vocab:
+        raise SystemExit(f"train_gpt: token id {int(tokens.max())} >= --vocab-size {vocab}")
+    split = int(len(tokens) * 0.9)
+    cfg = GPTConfig(num_layers=args.layers, hidden=args.hidden, num_heads=args.heads, vocab_size=vocab,
+                    max_seq_len=seq_len, seed=args.seed)
+    model = ds_terapipe.TokenPipelineModule(gpt_layer_specs(cfg), num_stages=stages, loss_fn=causal_lm_loss,
+                                            vocab_size=vocab, partition_method="uniform")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
+    engine, _, _, _ = ds_terapipe.initialize(args=args, model=model, optimizer=optimizer)
+
+    micro, gas = engine.micro_batch_size, engine.micro_batches
+    dp_rank = engine.grid.data_parallel_id
+    train = Batches(tokens[:split], seq_len, micro, args.seed, dp_rank)
+    held_out = Batches(tokens[split:], seq_len, micro, args.seed + 1, dp_rank)
+    plan = engine.plan_summary() if hasattr(engine, "plan_summary") else {"slices": [seq_len]}
+    if rank == 0:
+        print(f"corpus {len(tokens):,} tokens ({'--data' if args.data else 'Python stdlib source'}), "
+              f"world {world} = {stages} stage(s) x {world // stages} replica(s), micro-batch {micro} x {gas}, "
+              f"seq_len {seq_len}", flush=True)
+        print(f"plan: {json.dumps(plan)}", flush=True)
+
+    start_step = 0
+    if args.resume:
+        path, client = engine.load_checkpoint(args.save_dir)
+        if path is None:
+            raise SystemExit(f"train_gpt: --resume but no checkpoint found in {args.save_dir}")
+        start_step = int(client.get("step", 0))
+        if rank == 0:
+            print(f"resumed from {path} at step {start_step}", flush=True)
+
+    tokens_per_step = micro * gas * (world // stages) * seq_len
+    window_start, window_steps = time.perf_counter(), 0
+    for step in range(start_step, args.steps):
+        loss = engine.train_batch(train.iterator(step, gas))
+        window_steps += 1
+        done = step + 1
+        if rank == 0 and (done % args.log_every == 0 or done == args.steps):
+            elapsed = time.perf_counter() - window_start
+            print(f"step {done:5d}  loss {float(loss):.4f}  {tokens_per_step * window_steps / elapsed:,.0f} tokens/s  "
+                  f"{elapsed / window_steps * 1e3:.0f} ms/step", flush=True)
+            window_start, window_steps = time.perf_counter(), 0
+        if args.eval_every and (done % args.eval_every == 0 or done == args.steps):
+            val = engine.eval_batch(held_out.iterator(10**6 + step, gas))
+            if rank == 0:
+                print(f"step {done:5d}  held-out loss {float(val):.4f}", flush=True)
+        if args.save_dir and (done % args.save_every == 0 or done == args.steps):
+            engine.save_checkpoint(args.save_dir, client_state={"step": done, "terapipe": plan})
+    if rank == 0:
+        print("done", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
