@@ -1,0 +1,57 @@
+"""The "terapipe" config section: defaults, validation messages that name key, value and fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from ds_terapipe.config import parse_terapipe_config
+
+
+def parse(**section):
+    return parse_terapipe_config({"train_batch_size": 1, "terapipe": section})
+
+
+def test_absent_section_is_disabled() -> None:
+    assert parse_terapipe_config({"train_batch_size": 1}).enabled is False
+
+
+def test_defaults_and_list_implies_seq_len() -> None:
+    cfg = parse(enabled=True, slices=[8, 24, 16])
+    assert cfg.seq_len == 48 and cfg.schedule == "gpipe" and cfg.granularity == 8
+    assert parse(enabled=True, seq_len=64).slices == "auto"
+
+
+@pytest.mark.parametrize("seq_len,granularity,n,expected", [
+    (64, 8, 3, [24, 24, 16]), (48, 2, 8, [6] * 8), (64, 8, 8, [8] * 8), (40, 8, 2, [24, 16])])
+def test_equal_slices(seq_len: int, granularity: int, n: int, expected: list[int]) -> None:
+    cfg = parse(enabled=True, seq_len=seq_len, granularity=granularity, slices=n)
+    assert cfg.equal_slices() == expected and sum(expected) == seq_len
+
+
+@pytest.mark.parametrize("section,needle", [
+    ({"slicse": 2}, "unknown key(s) ['slicse']; valid keys are"),
+    ({"profile": {"repeat": 2}}, "terapipe.profile: unknown key(s) ['repeat']"),
+    ({"enabled": True, "seq_len": 8, "slices": "x"}, "terapipe.slices='x'"),
+    ({"enabled": True, "seq_len": 8, "slices": 0}, "terapipe.slices=0 must be >= 1"),
+    ({"enabled": True, "seq_len": 8, "slices": True}, "terapipe.slices=True"),
+    ({"enabled": True}, "terapipe.seq_len is required"),
+    ({"enabled": True, "seq_len": 10}, "granularity=8 does not divide terapipe.seq_len=10"),
+    ({"slices": [4, 4], "seq_len": 9}, "sum to 8 but terapipe.seq_len=9"),
+    ({"slices": [4, 0]}, "every count >= 1"),
+    ({"schedule": "zb"}, "terapipe.schedule='zb'"),
+    ({"granularity": 0}, "terapipe.granularity=0 must be >= 1"),
+    ({"p2p_timeout_s": 0}, "terapipe.p2p_timeout_s=0"),
+    ({"memory_limit_gb": -1}, "terapipe.memory_limit_gb=-1"),
+    ({"enabled": True, "seq_len": 64, "slices": 9}, "terapipe.slices=9 is more than seq_len/granularity = 8"),
+    ({"profile": {"repeats": 0}}, "terapipe.profile.repeats=0 must be >= 1"),
+])
+def test_errors_name_key_value_and_fix(section: dict, needle: str) -> None:
+    with pytest.raises(ValueError) as info:
+        parse(**section)
+    assert needle in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_section_must_be_an_object() -> None:
+    with pytest.raises(ValueError, match="must be an object"):
+        parse_terapipe_config({"terapipe": [1]})
