@@ -181,6 +181,7 @@ SUITES = {"equivalence": suite_equivalence}
 
 def main() -> None:
     suite, out_dir, extra = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3])
+    extra.setdefault("out", str(out_dir))
     watchdog(float(os.environ.get("DS_TERAPIPE_WATCHDOG_S", "600")))
     torch.manual_seed(0)
     deepspeed.init_distributed(dist_backend="gloo")
@@ -193,6 +194,105 @@ def main() -> None:
     (out_dir / f"rank{RANK}.json").write_text(json.dumps(payload, indent=1))
     sys.stdout.flush()
     os._exit(0 if "error" not in payload else 1)
+
+
+
+# -- features suite (2 ranks) ---------------------------------------------------------------------------------
+class TokenMixer(torch.nn.Module):
+    """Adds the mean over ALL tokens: non-causal, so slicing it would silently change results."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + x.mean(dim=1, keepdim=True)
+
+
+def _engine(cfg: GPTConfig, layers: list, terapipe: dict, *, micro: int = 2, batch: int = 2,
+            extra_config: dict | None = None):
+    model = ds_terapipe.TokenPipelineModule(layers, num_stages=WORLD, loss_fn=causal_lm_loss,
+                                            vocab_size=cfg.vocab_size, partition_method="uniform")
+    config = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": micro,
+              "train_batch_size": batch * micro, "steps_per_print": 10**9, "gradient_clipping": 0.0,
+              "terapipe": dict(terapipe, enabled=True), **(extra_config or {})}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine, _, _, _ = ds_terapipe.initialize(model=model, optimizer=opt, config=config)
+    ENGINE_REF["engine"] = engine
+    return engine
+
+
+def suite_features(extra: dict) -> list[dict]:
+    cfg = GPTConfig(num_layers=2, hidden=32, num_heads=4, vocab_size=64, max_seq_len=64, seed=11)
+    seq_len, batch, micro = 64, 2, 2
+    batches = make_batches(cfg, micro, batch, seq_len, seed=5)
+    ref_losses, ref_grads, _ = reference_step(cfg, batches, 1, lr=0.1, momentum=0.0)
+    results: list[dict] = []
+
+    # auto: profile, plan on rank 0, broadcast, cache; a second engine finds the plan in the cache
+    cache = str(Path(extra["out"]) / "plan_cache")
+    auto = {"seq_len": seq_len, "slices": "auto", "granularity": 8, "schedule": "1f1b", "plan_cache": cache,
+            "profile": {"slice_lengths": [8, 32, 64], "num_contexts": 2, "warmup": 0, "repeats": 1}}
+    for attempt in ("first", "second"):
+        STATUS["case"] = f"auto {attempt}"
+        engine = _engine(cfg, gpt_layer_specs(cfg), auto)
+        grads: dict[str, torch.Tensor] = {}
+        step = engine._take_model_step
+        engine._take_model_step = lambda *a, **k: (grads.update({n: p.grad.clone() for n, p in
+                                                                 engine.module.named_parameters()
+                                                                 if p.grad is not None}), step(*a, **k))[1]
+        loss = float(engine.train_batch(iter(batches)))
+        err, name, _ = compare(grads, ref_grads, engine.stage_id)
+        results.append({"case": STATUS["case"], "source": engine.plan_source, "slices": list(engine.slices),
+                        "predicted_ms": engine.slicing_plan.predicted_ms, "loss": loss, "ref_loss": ref_losses[0],
+                        "grad_rel_err": err, "grad_worst": name,
+                        "cache_files": sorted(os.listdir(cache)) if os.path.isdir(cache) else []})
+
+    # eval_batch: no gradients, same loss as the reference forward
+    STATUS["case"] = "eval"
+    engine = _engine(cfg, gpt_layer_specs(cfg), {"seq_len": seq_len, "slices": [8, 40, 16], "schedule": "gpipe"})
+    val, logits = engine.eval_batch(iter(batches), return_logits=True)
+    ref_model = GPTReference(cfg)
+    with torch.no_grad():
+        ref_eval = float(sum(causal_lm_loss(ref_model(x), y) for x, y in batches) / len(batches))
+        ref_logits = ref_model(batches[-1][0])
+    logits_err = rel_err(logits, ref_logits) if engine.is_last_stage() else 0.0
+    results.append({"case": "eval", "loss": float(val), "ref_loss": ref_eval, "logits_rel_err": logits_err,
+                    "grads_touched": any(p.grad is not None for p in engine.module.parameters())})
+
+    # a layer that mixes tokens non-causally is refused on every rank, naming it
+    STATUS["case"] = "refusal"
+    layers = gpt_layer_specs(cfg)
+    layers.insert(1, deepspeed.pipe.LayerSpec(TokenMixer))
+    try:
+        _engine(cfg, layers, {"seq_len": seq_len, "slices": 4, "schedule": "gpipe"})
+        results.append({"case": "refusal", "raised": None})
+    except Exception as err:  # noqa: BLE001 - the test checks the type name
+        results.append({"case": "refusal", "raised": type(err).__name__, "message": str(err)})
+
+    # bf16 on CPU: runs, finite, close to the fp32 reference
+    STATUS["case"] = "bf16"
+    engine = _engine(cfg, gpt_layer_specs(cfg), {"seq_len": seq_len, "slices": [16, 32, 16], "schedule": "1f1b"},
+                     extra_config={"bf16": {"enabled": True}, "zero_optimization": {"stage": 1},
+                                   "zero_allow_untested_optimizer": True})
+    losses = [float(engine.train_batch(iter(batches))) for _ in range(2)]
+    results.append({"case": "bf16", "losses": losses, "ref_loss": ref_losses[0]})
+
+    # a peer that never shows up: the waiting rank fails within p2p_timeout_s, saying what it waited for
+    STATUS["case"] = "timeout"
+    engine = _engine(cfg, gpt_layer_specs(cfg), {"seq_len": seq_len, "slices": 2, "p2p_timeout_s": 3})
+    t0 = time.perf_counter()
+    if RANK == 0:
+        try:
+            engine.train_batch(iter(batches))
+            results.append({"case": "timeout", "raised": None})
+        except Exception as err:  # noqa: BLE001
+            notes = " ".join(getattr(err, "__notes__", []))
+            results.append({"case": "timeout", "raised": type(err).__name__, "message": f"{err} {notes}",
+                            "seconds": time.perf_counter() - t0})
+    else:
+        time.sleep(8)
+        results.append({"case": "timeout", "raised": "peer-sleeping"})
+    return results
+
+
+SUITES["features"] = suite_features
 
 
 if __name__ == "__main__":

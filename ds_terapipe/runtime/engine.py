@@ -24,7 +24,7 @@ import logging
 from collections import deque
 from contextlib import contextmanager
 from types import MethodType
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional
 
 import torch
 from deepspeed.runtime.pipe import schedule as ds_schedule
@@ -84,6 +84,7 @@ class TokenPipelineEngine(PipelineEngine):
         self._logits: list[torch.Tensor] = []
         self._trail: deque[str] = deque(maxlen=8)
         self.slicing_plan = None
+        self.plan_source = "config"  # or "profiled" / "cache" for slices: "auto"
         from .profile import resolve_plan  # late import: profile imports the engine's helpers
         self.slices: tuple[int, ...] = resolve_plan(self)
         self._check_model_supports_slicing()
@@ -296,6 +297,3 @@ class TokenPipelineEngine(PipelineEngine):
             summary["planner"] = self.slicing_plan.to_dict()
         return summary
 
-
-def describe(slices: Sequence[int]) -> str:
-    return f"{len(slices)} slice(s) {list(slices)}"

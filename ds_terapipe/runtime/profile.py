@@ -253,6 +253,7 @@ def _auto_plan(engine: "TokenPipelineEngine", stage_input: Any) -> tuple[int, ..
     dist.broadcast_object_list(decision, src=0)
     if decision[0] is not None:
         engine.slicing_plan = SlicingPlan.from_dict(decision[0])
+        engine.plan_source = "cache"
         return tuple(engine.slicing_plan.slices)
 
     started = time.perf_counter()
@@ -291,6 +292,7 @@ def _auto_plan(engine: "TokenPipelineEngine", stage_input: Any) -> tuple[int, ..
                                  "profile_seconds": profile_s})
     dist.broadcast_object_list(result, src=0)
     engine.slicing_plan = SlicingPlan.from_dict(result[0])
+    engine.plan_source = "profiled"
     return tuple(engine.slicing_plan.slices)
 
 

@@ -1,0 +1,67 @@
+"""Tier b, one 2-rank launch: planning at init (profile, one plan, cache), eval_batch, refusal of a
+non-causal layer, bf16 on CPU, and a dead peer turning into an error instead of a hang."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.dist_harness import launch
+
+pytestmark = pytest.mark.multiproc
+
+
+@pytest.fixture(scope="module")
+def features(tmp_path_factory) -> list[dict[str, dict]]:
+    results = launch("features", 2, tmp_path_factory.mktemp("features"), timeout_s=600)
+    errors = [r["error"] for r in results if "error" in r]
+    assert not errors, errors[0]
+    return [{case["case"]: case for case in r["results"]} for r in results]
+
+
+@pytest.mark.timeout(700)
+def test_auto_plan_is_profiled_once_then_cached_and_exact(features) -> None:
+    for rank in features:
+        first, second = rank["auto first"], rank["auto second"]
+        assert first["source"] == "profiled" and second["source"] == "cache"
+        assert first["slices"] == second["slices"] and sum(first["slices"]) == 64
+        assert all(s % 8 == 0 for s in first["slices"])
+        assert first["predicted_ms"] > 0
+        assert len(first["cache_files"]) == 1
+        for case in (first, second):
+            assert case["loss"] == pytest.approx(case["ref_loss"], rel=1e-5)
+            assert case["grad_rel_err"] <= 1e-5, case
+    # one plan: every rank runs the same slices
+    assert len({tuple(r["auto first"]["slices"]) for r in features}) == 1
+
+
+@pytest.mark.timeout(700)
+def test_eval_batch_matches_reference_without_gradients(features) -> None:
+    for rank in features:
+        case = rank["eval"]
+        assert case["loss"] == pytest.approx(case["ref_loss"], rel=1e-5)
+        assert case["logits_rel_err"] <= 1e-5
+        assert case["grads_touched"] is False
+
+
+@pytest.mark.timeout(700)
+def test_non_causal_layer_is_refused_on_every_rank(features) -> None:
+    for rank in features:
+        case = rank["refusal"]
+        assert case["raised"] == "SlicingMismatchError", case
+        assert "layer 1 (TokenMixer)" in case["message"] and "slices=1" in case["message"]
+
+
+@pytest.mark.timeout(700)
+def test_bf16_on_cpu_trains(features) -> None:
+    for rank in features:
+        losses = rank["bf16"]["losses"]
+        assert losses[0] == pytest.approx(rank["bf16"]["ref_loss"], rel=2e-2)
+        assert losses[1] < losses[0]
+
+
+@pytest.mark.timeout(700)
+def test_dead_peer_fails_within_timeout_naming_the_instruction(features) -> None:
+    case = features[0]["timeout"]
+    assert case["raised"] == "P2PTimeoutError", case
+    assert case["seconds"] < 30
+    assert "RecvGrad(buffer_id=" in case["message"] and "p2p_timeout_s" in case["message"]
