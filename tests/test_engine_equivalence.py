@@ -45,3 +45,14 @@ def test_equivalence_grid(world: int, tmp_path) -> None:
     _check(results, expected_cases=2 * 3 * 2)
     slices_seen = {tuple(c["slices"]) for c in results[0]["results"]}
     assert slices_seen == {(48, ), (8, 24, 16), (6, 6, 6, 6, 6, 6, 6, 6)}, slices_seen
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("zero_stage", [0, 1])
+def test_pipeline_times_data_parallel(zero_stage: int, tmp_path) -> None:
+    """2 stages x 2 replicas (4 processes), ZeRO 0/1: equal to the reference over the global batch."""
+    results = launch("equivalence", 4, tmp_path, timeout_s=840,
+                     extra={"dp": 2, "zero_stage": zero_stage, "slicings": [1, [8, 24, 16]],
+                            "schedules": ["1f1b"], "micro_batches": [3]})
+    _check(results, expected_cases=2)
+    assert {c["dp"] for r in results for c in r["results"]} == {2}
