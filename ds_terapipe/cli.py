@@ -1,0 +1,485 @@
+"""Command line planner: how to slice sequences for a token-level pipeline, and what it buys.
+
+    ds-terapipe plan --model gpt3-175b --device v100 --stages 48 --seq-len 2048 --micro-batch 1
+    ds-terapipe plan --cost cost.json --stages 4 --seq-len 2048 --json
+    ds-terapipe simulate --model gpt3-13b --device a100 --stages 8 --seq-len 2048 --microbatches 4 \
+        --schedule 1f1b --trace timeline.json --plot timeline.png
+    ds-terapipe presets
+
+``plan`` solves the slicing (``planner.slicing.plan_slicing``) under the analytic cost of a model preset on a
+device preset, or under a measured cost file (``--cost``, the format of ``planner/cost.py``), and prints the
+slices, the predicted step time with and without slicing, the speedup and the bubble. ``simulate`` runs the
+event simulator (``planner.simulate``) on the planned slicing or on ``--slices``, and can write a Chrome trace
+(open in https://ui.perfetto.dev) and a PNG timeline.
+
+Only the planner is imported (numpy and the standard library; matplotlib only for ``--plot``), never torch or
+deepspeed, so the command starts fast. Every mistake a user can make ends in one line on stderr,
+``ds-terapipe: error: ...``, naming the argument, the value and the fix, and exit status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+from .planner.presets import DEVICE_PRESETS, MODEL_PRESETS, analytic_pipeline_cost, preset_memory_model
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["main", "build_parser"]
+
+PROG = "ds-terapipe"
+_SCHEDULES = ("gpipe", "1f1b")   # planner.slicing.SCHEDULES; repeated so building the parser imports no solver
+_DEFAULT_GRANULARITY = 8
+_GIB = 1024 ** 3
+
+
+class UsageError(Exception):
+    """A user error: printed as one line and exit status 2, never a traceback."""
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Argument parsing
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but its errors become UsageError so every user error reads the same (one line, exit 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message}; see '{self.prog} --help'")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; pass a whole number >= 1") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1; pass a whole number >= 1")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; pass e.g. 32") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number > 0; pass e.g. 32")
+    return value
+
+
+def _slice_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of token counts; pass e.g. "
+                                         "512,512,1024") from None
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r} has a slice shorter than 1 token; every slice needs >= 1")
+    return values
+
+
+def _preset_name(presets: dict[str, Any]) -> Any:
+    def parse(text: str) -> str:
+        return text.lower() if text.lower() in presets else text  # choices then names the valid ones
+    return parse
+
+
+def _add_planning_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("pipeline and cost model")
+    g.add_argument("--model", type=_preset_name(MODEL_PRESETS), choices=list(MODEL_PRESETS),
+                   help="model preset for the analytic cost (see 'ds-terapipe presets')")
+    g.add_argument("--device", type=_preset_name(DEVICE_PRESETS), choices=list(DEVICE_PRESETS),
+                   help="device preset for the analytic cost")
+    g.add_argument("--cost", metavar="FILE.json",
+                   help="measured cost file (format: ds_terapipe/planner/cost.py); replaces --model/--device")
+    g.add_argument("--stages", type=_positive_int, metavar="K",
+                   help="pipeline stages (implied by a cost file with a \"stages\" list or \"num_stages\")")
+    g.add_argument("--seq-len", type=_positive_int, required=True, metavar="L", help="tokens per sequence")
+    g.add_argument("--micro-batch", type=_positive_int, default=1, metavar="B",
+                   help="sequences per micro-batch (default 1)")
+    g.add_argument("--microbatches", type=_positive_int, default=1, metavar="M",
+                   help="micro-batches per step and pipeline (default 1)")
+    g.add_argument("--schedule", choices=_SCHEDULES, default="gpipe", help="pipeline schedule (default gpipe)")
+    s = p.add_argument_group("slicing search")
+    s.add_argument("--granularity", type=_positive_int, default=None, metavar="G",
+                   help=f"slice lengths are multiples of G, which must divide --seq-len (default "
+                        f"{_DEFAULT_GRANULARITY}; smaller: finer plans, slower planning)")
+    s.add_argument("--max-slices", type=_positive_int, metavar="N", help="at most N slices")
+    s.add_argument("--memory-gb", type=_positive_float, metavar="X",
+                   help="activation memory cap per device in GiB (weights and optimizer state excluded); "
+                        "needs --model")
+    s.add_argument("--split-batch", action="store_true",
+                   help="also split each micro-batch into equal sub-batches (TeraPipe section 3.4)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("-v", "--verbose", action="count", default=0, help="log planner progress (-vv: debug)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog=PROG, description="Plan and simulate token-level (TeraPipe) pipeline slicing.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{plan,simulate,presets}")
+    plan = sub.add_parser("plan", help="find the fastest slicing and its predicted speedup",
+                          description="Find the fastest slicing of sequences for a pipeline and print it with the "
+                                      "predicted step time, with and without slicing.")
+    _add_planning_args(plan)
+    plan.set_defaults(func=_cmd_plan)
+    sim = sub.add_parser("simulate", help="simulate a planned or given slicing; write trace and timeline",
+                         description="Simulate a schedule under the cost model for the planned slicing (or "
+                                     "--slices) and print makespan, bubble and units in flight per stage.")
+    _add_planning_args(sim)
+    sim.add_argument("--slices", type=_slice_list, metavar="S1,S2,...",
+                     help="simulate this slicing instead of planning one (must sum to --seq-len)")
+    sim.add_argument("--trace", metavar="OUT.json", help="write a Chrome trace (Perfetto, chrome://tracing)")
+    sim.add_argument("--plot", metavar="OUT.png", help="write a PNG timeline (needs matplotlib)")
+    sim.set_defaults(func=_cmd_simulate)
+    pre = sub.add_parser("presets", help="list model and device presets",
+                         description="List the model and device presets of the analytic cost model.")
+    pre.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    pre.add_argument("-v", "--verbose", action="count", default=0, help=argparse.SUPPRESS)
+    pre.set_defaults(func=_cmd_presets)
+    return parser
+
+
+# --------------------------------------------------------------------------------------------------------------
+# From arguments to a cost model
+
+def _load_cost(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
+    """The PipelineCost the arguments describe and a JSON-safe description of where it came from."""
+    from .planner.cost import PipelineCost
+
+    if args.cost is None:
+        for flag, value in (("--model", args.model), ("--device", args.device), ("--stages", args.stages)):
+            if value is None:
+                raise UsageError(f"{flag} is required without --cost; pass {flag} "
+                                 + ("K" if flag == "--stages" else "NAME (see 'ds-terapipe presets')")
+                                 + " or use a measured --cost FILE.json")
+        num_layers = MODEL_PRESETS[args.model].num_layers
+        if args.stages > num_layers:
+            raise UsageError(f"--stages {args.stages} exceeds the {num_layers} layers of {args.model}; use "
+                             f"--stages <= {num_layers}")
+        cost = analytic_pipeline_cost(args.model, args.device, args.stages)
+        return cost, {"kind": "analytic", "model": args.model, "device": args.device}
+
+    if args.device is not None:
+        logger.warning("--device %s is not used with --cost %s (the measured file is the device)",
+                       args.device, args.cost)
+    if args.model is not None and args.memory_gb is None:
+        logger.warning("--model %s is only used with --memory-gb; with --cost %s the file gives the times",
+                       args.model, args.cost)
+    path = Path(args.cost)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise UsageError(f"--cost {args.cost}: cannot read the file ({exc.strerror or exc}); check the path") \
+            from None
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"--cost {args.cost}: not valid JSON ({exc.msg} at line {exc.lineno} column "
+                         f"{exc.colno}); fix the file") from None
+    if not isinstance(obj, dict):
+        raise UsageError(f"--cost {args.cost}: the top level is a JSON {type(obj).__name__}, not an object; write "
+                         "{\"points\": [...]} or {\"stages\": [...]} (see ds_terapipe/planner/cost.py)")
+    if args.stages is None and "num_stages" not in obj and not isinstance(obj.get("stages"), list):
+        raise UsageError(f"--stages is required: --cost {args.cost} has one \"points\" list for every stage and "
+                         "no \"num_stages\"; pass --stages K")
+    try:
+        cost = PipelineCost.from_dict(obj, num_stages=args.stages)
+    except (ValueError, TypeError) as exc:
+        raise UsageError(f"--cost {args.cost}: {_one_line(exc)}") from None
+    return cost, {"kind": "measured", "file": str(path)}
+
+
+def _memory_model(args: argparse.Namespace, num_stages: int) -> Any:
+    if args.memory_gb is None:
+        return None
+    if args.model is None:
+        raise UsageError(f"--memory-gb {args.memory_gb:g} needs --model NAME to estimate activation memory (a cost "
+                         "file has no layer counts); add --model or drop --memory-gb")
+    num_layers = MODEL_PRESETS[args.model].num_layers
+    if num_stages > num_layers:
+        raise UsageError(f"--memory-gb needs --model {args.model} split over {num_stages} stages, but it has only "
+                         f"{num_layers} layers; use a model with at least {num_stages} layers")
+    return preset_memory_model(args.model, num_stages)
+
+
+def _granularity(args: argparse.Namespace) -> int:
+    g = _DEFAULT_GRANULARITY if args.granularity is None else args.granularity
+    if args.seq_len % g:
+        divisor = math.gcd(args.seq_len, g)
+        raise UsageError(f"--granularity {g} does not divide --seq-len {args.seq_len}; pick a granularity that "
+                         f"divides it (e.g. --granularity {divisor})")
+    return g
+
+
+def _plan(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any], float]:
+    """(cost, SlicingPlan, cost description, seconds spent building the cost and solving)."""
+    from .planner.slicing import plan_slicing
+
+    t0 = time.perf_counter()
+    granularity = _granularity(args)
+    cost, source = _load_cost(args)
+    memory = _memory_model(args, cost.num_stages)
+    try:
+        plan = plan_slicing(cost, args.seq_len, num_microbatches=args.microbatches,
+                            micro_batch_size=args.micro_batch, granularity=granularity, schedule=args.schedule,
+                            memory_limit_bytes=None if memory is None else args.memory_gb * _GIB,
+                            split_batch=args.split_batch, max_slices=args.max_slices, memory=memory)
+    except ValueError as exc:
+        if memory is None or not str(exc).startswith("memory_limit_bytes"):
+            raise
+        raise UsageError(_memory_refusal(args, memory, cost.num_stages, granularity)) from None
+    return cost, plan, source, time.perf_counter() - t0
+
+
+def _memory_refusal(args: argparse.Namespace, memory: Any, num_stages: int, granularity: int) -> str:
+    """The planner's "memory cap cannot be met" in the CLI's terms (flags and GiB rather than API names and
+    bytes), suggesting only the changes that lower the estimate."""
+    all_slices = args.seq_len // granularity
+    max_slices = all_slices if args.max_slices is None else min(all_slices, args.max_slices)
+
+    def smallest(schedule: str, split_batch: bool, num_slices: int) -> float:
+        splits = [q for q in range(1, args.micro_batch + 1) if args.micro_batch % q == 0] if split_batch else [1]
+        return min(memory.peak_bytes(schedule=schedule, num_stages=num_stages, num_microbatches=args.microbatches,
+                                     micro_batch_size=args.micro_batch, num_splits=q, seq_len=args.seq_len,
+                                     num_slices=num_slices) for q in splits)
+
+    now = smallest(args.schedule, args.split_batch, max_slices)
+    fixes = ["raise --memory-gb", "add --stages"]
+    if args.schedule != "1f1b" and smallest("1f1b", args.split_batch, max_slices) < now:
+        fixes.append("use --schedule 1f1b")
+    if not args.split_batch and smallest(args.schedule, True, max_slices) < now:
+        fixes.append("add --split-batch")
+    if max_slices < all_slices and smallest(args.schedule, args.split_batch, all_slices) < now:
+        fixes.append("raise --max-slices")
+    return (f"--memory-gb {args.memory_gb:g} cannot be met: the smallest activation estimate of any allowed plan is "
+            f"{now / _GIB:.3g} GiB on the busiest stage; {', '.join(fixes[:-1])} or {fixes[-1]}")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Output helpers
+
+def _one_line(exc: BaseException) -> str:
+    """The first line of an exception's message (schedule errors append a rank x step grid)."""
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0]
+
+
+def _json_default(x: Any) -> Any:
+    if hasattr(x, "tolist"):  # numpy scalars and arrays
+        return x.tolist()
+    raise TypeError(f"{type(x).__name__} is not JSON serialisable")
+
+
+def _print_json(obj: dict[str, Any]) -> None:
+    print(json.dumps(obj, default=_json_default))
+
+
+def _runs(values: Sequence[int]) -> str:
+    """``64 64 64 72`` -> ``3x64 72``: a long slicing stays readable."""
+    out: list[str] = []
+    k = 0
+    while k < len(values):
+        j = k
+        while j < len(values) and values[j] == values[k]:
+            j += 1
+        out.append(f"{j - k}x{values[k]}" if j - k > 1 else str(values[k]))
+        k = j
+    return " ".join(out)
+
+
+def _describe(source: dict[str, Any], num_stages: int) -> str:
+    if source["kind"] == "analytic":
+        return f"{source['model']} on {num_stages} x {source['device']} (analytic cost)"
+    return f"{num_stages} stages, measured cost {source['file']}"
+
+
+def _plan_lines(plan: Any, source: dict[str, Any], seconds: float) -> list[str]:
+    split = ""
+    if len(plan.batch_splits) > 1:
+        split = f", split into {len(plan.batch_splits)} sub-batches of {plan.batch_splits[0]}"
+    lines = [
+        f"pipeline:    {_describe(source, plan.num_stages)}, {plan.schedule}, seq_len {plan.seq_len}, "
+        f"{plan.num_microbatches} micro-batch(es) of {plan.micro_batch_size}{split}",
+        f"slices:      {plan.num_slices} of granularity {plan.granularity}: {_runs(plan.slices)}",
+        f"             --slices {','.join(map(str, plan.slices))}",
+        f"step time:   {plan.predicted_ms:.4g} ms sliced vs {plan.unsliced_ms:.4g} ms unsliced: "
+        f"speedup {plan.speedup:.2f}x, bubble {100 * plan.bubble_fraction:.1f}%",
+    ]
+    if plan.memory_bytes is not None:
+        lines.append(f"memory:      ~{plan.memory_bytes / _GIB:.3g} GiB activations + KV cache on the busiest stage")
+    lines.append(f"planned in {seconds:.2f} s")
+    return lines
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Commands
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    _, plan, source, seconds = _plan(args)
+    if args.json:
+        _print_json({**plan.to_dict(), "plan_seconds": seconds, "cost": source})
+    else:
+        print("\n".join(_plan_lines(plan, source, seconds)))
+    return 0
+
+
+def _given_slicing(args: argparse.Namespace) -> None:
+    """--slices replaces the search: refuse search options rather than silently ignore them."""
+    total = sum(args.slices)
+    if total != args.seq_len:
+        raise UsageError(f"--slices {','.join(map(str, args.slices))} sums to {total} but --seq-len is "
+                         f"{args.seq_len}; make the slices add up to the sequence length")
+    for flag, given in (("--granularity", args.granularity is not None), ("--max-slices", args.max_slices),
+                        ("--memory-gb", args.memory_gb), ("--split-batch", args.split_batch)):
+        if given:
+            raise UsageError(f"{flag} only shapes the slicing search and has no effect with --slices; drop one "
+                             "of them")
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    from .planner.schedule import build_schedule
+    from .planner.simulate import simulate
+
+    plan = None
+    plan_seconds = 0.0
+    if args.slices is not None:
+        _given_slicing(args)
+        cost, source = _load_cost(args)
+        slices, units, batch = list(args.slices), args.microbatches, args.micro_batch
+    else:
+        cost, plan, source, plan_seconds = _plan(args)
+        slices = list(plan.slices)
+        units, batch = args.microbatches * len(plan.batch_splits), plan.batch_splits[0]
+    t0 = time.perf_counter()
+    schedule = build_schedule(args.schedule, cost.num_stages, units, len(slices))
+    result = simulate(schedule, cost, slices, micro_batch_size=batch)
+    unsliced = simulate(build_schedule(args.schedule, cost.num_stages, args.microbatches, 1), cost,
+                        [args.seq_len], micro_batch_size=args.micro_batch)
+    sim_seconds = time.perf_counter() - t0
+    speedup = unsliced.makespan_ms / result.makespan_ms if result.makespan_ms > 0 else 1.0
+    meta = {"schedule": args.schedule, "num_stages": cost.num_stages, "slices": slices,
+            "num_microbatches": args.microbatches, "micro_batch_size": args.micro_batch,
+            "sub_batch_size": batch, "makespan_ms": result.makespan_ms, "cost": source}
+    trace_path = plot_path = None
+    if args.trace is not None or args.plot is not None:
+        from . import trace
+
+        if args.trace is not None:
+            try:
+                trace_path = str(trace.events_to_chrome_trace(result.events, args.trace, metadata=meta))
+            except OSError as exc:
+                raise UsageError(f"--trace {args.trace}: cannot write ({exc.strerror or exc}); pick a writable "
+                                 "path") from None
+        if args.plot is not None:
+            title = (f"{_describe(source, cost.num_stages)}: {args.schedule}, {len(slices)} slices x {units} "
+                     f"unit(s), makespan {result.makespan_ms:.4g} ms, bubble {100 * result.bubble_fraction:.1f}%")
+            try:
+                plot_path = str(trace.plot_timeline(result.events, args.plot, title=title))
+            except ImportError:
+                raise UsageError(f"--plot {args.plot} needs matplotlib, which is not installed; pip install "
+                                 "matplotlib (or drop --plot)") from None
+            except OSError as exc:
+                raise UsageError(f"--plot {args.plot}: cannot write ({exc.strerror or exc}); pick a writable "
+                                 "path") from None
+    if args.json:
+        _print_json({**meta, "seq_len": args.seq_len, "batch_splits": [batch] * (units // args.microbatches),
+                     "bubble_fraction": result.bubble_fraction, "busy_ms": list(result.busy_ms),
+                     "peak_in_flight": list(result.peak_in_flight), "unsliced_makespan_ms": unsliced.makespan_ms,
+                     "speedup": speedup, "plan": None if plan is None else plan.to_dict(),
+                     "plan_seconds": plan_seconds, "simulate_seconds": sim_seconds,
+                     "trace": trace_path, "plot": plot_path})
+        return 0
+    lines = _plan_lines(plan, source, plan_seconds)[:-1] if plan is not None else [
+        f"pipeline:    {_describe(source, cost.num_stages)}, {args.schedule}, seq_len {args.seq_len}, "
+        f"{args.microbatches} micro-batch(es) of {args.micro_batch}",
+        f"slices:      {len(slices)} given: {_runs(slices)}"]
+    lines += [
+        f"simulated:   makespan {result.makespan_ms:.4g} ms vs {unsliced.makespan_ms:.4g} ms unsliced: "
+        f"speedup {speedup:.2f}x, bubble {100 * result.bubble_fraction:.1f}%",
+        f"in flight:   peak units per stage {_runs(list(result.peak_in_flight))}",
+        f"busy:        {min(result.busy_ms):.4g}..{max(result.busy_ms):.4g} ms per stage",
+    ]
+    lines += [f"trace:       {trace_path} (open in https://ui.perfetto.dev)"] if trace_path else []
+    lines += [f"timeline:    {plot_path}"] if plot_path else []
+    lines.append(f"planned in {plan_seconds:.2f} s, simulated in {sim_seconds:.2f} s" if plan is not None
+                 else f"simulated in {sim_seconds:.2f} s")
+    print("\n".join(lines))
+    return 0
+
+
+def _cmd_presets(args: argparse.Namespace) -> int:
+    models = {name: {"num_layers": m.num_layers, "hidden": m.hidden, "num_heads": m.num_heads, "vocab": m.vocab,
+                     "seq_len": m.seq_len} for name, m in MODEL_PRESETS.items()}
+    devices = {name: {"peak_tflops": d.peak_tflops, "mem_bw_gbps": d.mem_bw_gbps, "efficiency": d.efficiency,
+                      "per_layer_overhead_ms": d.per_layer_overhead_ms, "link_gbps": d.link_gbps,
+                      "link_latency_ms": d.link_latency_ms} for name, d in DEVICE_PRESETS.items()}
+    if args.json:
+        _print_json({"models": models, "devices": devices})
+        return 0
+    lines = ["models (--model):", f"  {'name':<10} {'layers':>6} {'hidden':>7} {'heads':>5} {'vocab':>6} "
+             f"{'seq_len':>7}"]
+    lines += [f"  {n:<10} {m['num_layers']:>6} {m['hidden']:>7} {m['num_heads']:>5} {m['vocab']:>6} "
+              f"{m['seq_len']:>7}" for n, m in models.items()]
+    lines += ["devices (--device):", f"  {'name':<6} {'TFLOPS':>7} {'GB/s':>6} {'eff':>5} {'layer ms':>8} "
+              f"{'link Gb/s':>9} {'link ms':>7}"]
+    lines += [f"  {n:<6} {d['peak_tflops']:>7g} {d['mem_bw_gbps']:>6g} {d['efficiency']:>5g} "
+              f"{d['per_layer_overhead_ms']:>8g} {d['link_gbps']:>9g} {d['link_latency_ms']:>7g}"
+              for n, d in devices.items()]
+    print("\n".join(lines))
+    return 0
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Entry point
+
+def _log_level(verbose: int) -> int | None:
+    """-v: INFO, -vv: DEBUG; otherwise WARNING unless DS_TERAPIPE_LOG_LEVEL chose (None: leave as set)."""
+    if verbose:
+        return logging.DEBUG if verbose > 1 else logging.INFO
+    return None if os.environ.get("DS_TERAPIPE_LOG_LEVEL") else logging.WARNING
+
+
+def _silence_stdout() -> None:
+    """After a closed pipe, point stdout at /dev/null so the interpreter's final flush does not fail again."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout is not a real file (e.g. captured in-process)
+        pass
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the exit status (0, or 2 for a user error, whose one-line message is on stderr)."""
+    pkg_logger = logging.getLogger("ds_terapipe")
+    saved_level = pkg_logger.level
+    try:
+        args = build_parser().parse_args(argv)
+        level = _log_level(args.verbose)
+        if level is not None:
+            pkg_logger.setLevel(level)
+        return int(args.func(args))
+    except UsageError as exc:
+        message = str(exc)
+    except (ValueError, TypeError, OSError) as exc:  # the planner's own refusals: already name value and fix
+        if isinstance(exc, BrokenPipeError):  # e.g. `ds-terapipe plan ... | head -1`: not the user's error
+            _silence_stdout()
+            return 1
+        logger.debug("planner error", exc_info=True)
+        message = _one_line(exc)
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        pkg_logger.setLevel(saved_level)
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
