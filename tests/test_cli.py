@@ -1,0 +1,327 @@
+"""Tier (a): the ds-terapipe command line, run in-process (``main(argv)``) except for two subprocess checks.
+
+    python -m pytest -q tests/test_cli.py
+
+Small pipelines (gpt3-1b on 4 stages, 512 tokens, granularity 32) keep the in-process tests to milliseconds; the
+48-stage GPT-3 175B plan of the issue runs once, as a ``python -m ds_terapipe`` round trip.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ds_terapipe.cli import main
+from ds_terapipe.planner.presets import DEVICE_PRESETS, MODEL_PRESETS
+
+SMALL = ["--model", "gpt3-1b", "--device", "a100", "--stages", "4", "--seq-len", "512", "--granularity", "32"]
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
+    rc, out, err = run(capsys, *argv, "--json")
+    assert rc == 0, err
+    assert len(out.strip().splitlines()) == 1, f"--json must print exactly one line, got {out!r}"
+    return json.loads(out)
+
+
+def linear_cost_points(max_len: int, ms_per_token: float) -> list[dict]:
+    """Forward ms = ms_per_token * slice (backward twice that), independent of context: covers slices and contexts
+    up to ``max_len`` so nothing is extrapolated."""
+    points = []
+    for s in (32, 64, 128, 256, max_len):
+        for c in (0, 64, max_len - 32):
+            points.append({"slice": s, "context": c, "forward_ms": ms_per_token * s,
+                           "backward_ms": 2 * ms_per_token * s})
+    return points
+
+
+def write_json(path: Path, obj: object) -> str:
+    path.write_text(json.dumps(obj))
+    return str(path)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Subprocess: the issue's 48-stage plan through `python -m`, and an error's exit status
+
+def test_module_json_round_trip_gpt3_175b_48_stages() -> None:
+    argv = ["plan", "--model", "gpt3-175b", "--device", "v100", "--stages", "48", "--seq-len", "2048",
+            "--micro-batch", "1", "--json"]
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "ds_terapipe", *argv], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    heavy = re.findall(r"\|\s+((?:torch|deepspeed)(?:\.\S+)?)\s*$", proc.stderr, flags=re.M)
+    assert not heavy, f"the CLI imported {heavy[:5]}; it must stay planner-only"
+    assert len(proc.stdout.strip().splitlines()) == 1, proc.stdout
+    plan = json.loads(proc.stdout)
+    for key in ("slices", "predicted_ms", "unsliced_ms", "speedup", "bubble_fraction", "schedule", "num_stages",
+                "seq_len", "granularity", "plan_seconds"):
+        assert key in plan, key
+    assert sum(plan["slices"]) == 2048 and all(s > 0 and s % 8 == 0 for s in plan["slices"])
+    assert (plan["num_stages"], plan["seq_len"], plan["granularity"], plan["schedule"]) == (48, 2048, 8, "gpipe")
+    assert plan["speedup"] == pytest.approx(plan["unsliced_ms"] / plan["predicted_ms"], rel=1e-12)
+    assert plan["speedup"] >= 1.0
+    assert len(plan["slices"]) > 1, "48 stages and one micro-batch: slicing must pay off"
+    assert 0.0 <= plan["bubble_fraction"] < 1.0 and plan["plan_seconds"] > 0
+
+
+def test_module_error_exit_status() -> None:
+    proc = subprocess.run([sys.executable, "-m", "ds_terapipe", "plan", "--model", "gpt3-1b", "--device", "a100",
+                           "--stages", "4", "--seq-len", "500"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert lines[0].startswith("ds-terapipe: error: --granularity 8 does not divide --seq-len 500")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# plan
+
+def test_plan_text_shows_slices_times_speedup(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = run(capsys, "plan", *SMALL, "--microbatches", "2")
+    assert rc == 0, err
+    plan = run_json(capsys, "plan", *SMALL, "--microbatches", "2")
+    assert f"--slices {','.join(map(str, plan['slices']))}" in out
+    assert f"speedup {plan['speedup']:.2f}x" in out
+    assert f"{plan['predicted_ms']:.4g} ms sliced vs {plan['unsliced_ms']:.4g} ms unsliced" in out
+    assert f"bubble {100 * plan['bubble_fraction']:.1f}%" in out
+
+
+def test_plan_json_fields(capsys: pytest.CaptureFixture[str]) -> None:
+    plan = run_json(capsys, "plan", *SMALL, "--microbatches", "3", "--schedule", "1f1b", "--micro-batch", "2")
+    assert sum(plan["slices"]) == 512 and all(s % 32 == 0 for s in plan["slices"])
+    assert (plan["schedule"], plan["num_stages"], plan["seq_len"], plan["granularity"]) == ("1f1b", 4, 512, 32)
+    assert (plan["num_microbatches"], plan["micro_batch_size"], plan["batch_splits"]) == (3, 2, [2])
+    assert plan["speedup"] == pytest.approx(plan["unsliced_ms"] / plan["predicted_ms"], rel=1e-12)
+    assert plan["speedup"] >= 1.0  # the unsliced plan is always a candidate
+    assert plan["cost"] == {"kind": "analytic", "model": "gpt3-1b", "device": "a100"}
+    assert plan["memory_bytes"] is None
+
+
+def test_plan_max_slices_and_memory(capsys: pytest.CaptureFixture[str]) -> None:
+    free = run_json(capsys, "plan", *SMALL)
+    assert len(free["slices"]) > 2, "the bound below must bind"
+    capped = run_json(capsys, "plan", *SMALL, "--max-slices", "2")
+    assert len(capped["slices"]) <= 2 and sum(capped["slices"]) == 512
+    assert capped["predicted_ms"] >= free["predicted_ms"]
+    roomy = run_json(capsys, "plan", *SMALL, "--memory-gb", "1000")
+    assert roomy["memory_bytes"] is not None and 0 < roomy["memory_bytes"] <= 1000 * 2 ** 30
+    assert roomy["slices"] == free["slices"]
+
+
+def test_plan_split_batch(capsys: pytest.CaptureFixture[str]) -> None:
+    plan = run_json(capsys, "plan", *SMALL, "--micro-batch", "4", "--split-batch")
+    assert sum(plan["batch_splits"]) == 4 and len(set(plan["batch_splits"])) == 1
+
+
+def test_plan_accepts_preset_names_in_any_case(capsys: pytest.CaptureFixture[str]) -> None:
+    upper = run_json(capsys, "plan", "--model", "GPT3-1B", "--device", "A100", *SMALL[4:])
+    assert upper["slices"] == run_json(capsys, "plan", *SMALL)["slices"]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# --cost: a measured cost file
+
+def test_plan_with_cost_file_linear_cost_picks_finest_slices(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    # Time proportional to tokens, no context term, no comm: sum_i w_i is the same for every slicing, so the
+    # optimum makes max_i t_i smallest: every slice one granule. GPipe closed form: m*sum w + (K-1)*max t.
+    path = write_json(tmp_path / "cost.json", {"points": linear_cost_points(256, 0.01)})
+    plan = run_json(capsys, "plan", "--cost", path, "--stages", "4", "--seq-len", "256", "--granularity", "32",
+                    "--microbatches", "2")
+    assert plan["slices"] == [32] * 8
+    w_token = 0.03  # forward + backward per token
+    assert plan["predicted_ms"] == pytest.approx(2 * w_token * 256 + 3 * w_token * 32, rel=1e-9)
+    assert plan["unsliced_ms"] == pytest.approx(2 * w_token * 256 + 3 * w_token * 256, rel=1e-9)
+    assert plan["cost"] == {"kind": "measured", "file": path}
+
+
+def test_cost_file_stages_list_implies_stage_count(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    points = linear_cost_points(256, 0.01)
+    path = write_json(tmp_path / "cost.json", {"stages": [{"points": points}] * 3})
+    plan = run_json(capsys, "plan", "--cost", path, "--seq-len", "256", "--granularity", "32")
+    assert plan["num_stages"] == 3 and sum(plan["slices"]) == 256
+    path = write_json(tmp_path / "cost_n.json", {"points": points, "num_stages": 5})
+    assert run_json(capsys, "plan", "--cost", path, "--seq-len", "256", "--granularity", "32")["num_stages"] == 5
+
+
+# --------------------------------------------------------------------------------------------------------------
+# simulate
+
+def test_simulate_matches_plan_and_given_slices(capsys: pytest.CaptureFixture[str]) -> None:
+    sim = run_json(capsys, "simulate", *SMALL, "--microbatches", "2", "--schedule", "1f1b")
+    plan = sim["plan"]
+    assert sim["slices"] == plan["slices"]
+    # Unequal stages (the last one carries the LM head): the planner scores plans with this very simulator.
+    assert sim["makespan_ms"] == pytest.approx(plan["predicted_ms"], rel=1e-9)
+    assert sim["unsliced_makespan_ms"] == pytest.approx(plan["unsliced_ms"], rel=1e-9)
+    assert len(sim["peak_in_flight"]) == len(sim["busy_ms"]) == 4
+    n = len(sim["slices"])
+    assert sim["peak_in_flight"][0] == min(n + 3, 2 * n)  # token 1F1B warm-up on stage 0
+    given = run_json(capsys, "simulate", *SMALL[:-2], "--microbatches", "2", "--schedule", "1f1b",
+                     "--slices", ",".join(map(str, plan["slices"])))
+    assert given["plan"] is None and given["slices"] == plan["slices"]
+    assert given["makespan_ms"] == pytest.approx(sim["makespan_ms"], rel=1e-12)
+    one = run_json(capsys, "simulate", *SMALL[:-2], "--slices", "512")
+    assert one["makespan_ms"] == pytest.approx(one["unsliced_makespan_ms"], rel=1e-12)
+    assert one["speedup"] == pytest.approx(1.0)
+
+
+def test_simulate_text(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = run(capsys, "simulate", *SMALL[:-2], "--slices", "128,128,256", "--schedule", "gpipe")
+    assert rc == 0, err
+    sim = run_json(capsys, "simulate", *SMALL[:-2], "--slices", "128,128,256", "--schedule", "gpipe")
+    assert f"makespan {sim['makespan_ms']:.4g} ms" in out and "peak units per stage 3 3 3 3" not in out
+    assert "peak units per stage 4x3" in out  # GPipe: all 3 slices of the one micro-batch on every stage
+
+
+def test_simulate_writes_loadable_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from ds_terapipe.trace import load_chrome_trace
+
+    out = tmp_path / "sub" / "trace.json"
+    sim = run_json(capsys, "simulate", *SMALL, "--microbatches", "2", "--trace", str(out))
+    assert sim["trace"] == str(out)
+    doc = json.loads(out.read_text())
+    complete = [e for e in doc["traceEvents"] if e.get("ph") == "X"]
+    assert len(complete) == 2 * 4 * 2 * len(sim["slices"])  # F and B per stage, micro-batch and slice
+    events = load_chrome_trace(out)
+    assert max(e.end_ms for e in events) == pytest.approx(sim["makespan_ms"], rel=1e-9)
+    assert doc["otherData"]["slices"] == sim["slices"]
+
+
+def test_simulate_writes_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "timeline.png"
+    rc, stdout, err = run(capsys, "simulate", *SMALL, "--plot", str(out))
+    assert rc == 0, err
+    data = out.read_bytes()
+    assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 1000
+    assert f"timeline:    {out}" in stdout
+
+
+# --------------------------------------------------------------------------------------------------------------
+# presets
+
+def test_presets(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = run(capsys, "presets")
+    assert rc == 0, err
+    for name in [*MODEL_PRESETS, *DEVICE_PRESETS]:
+        assert re.search(rf"^\s+{re.escape(name)}\s", out, flags=re.M), name
+    data = run_json(capsys, "presets")
+    assert set(data["models"]) == set(MODEL_PRESETS) and set(data["devices"]) == set(DEVICE_PRESETS)
+    assert data["models"]["gpt3-175b"]["hidden"] == 12288 and data["models"]["gpt3-175b"]["num_layers"] == 96
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Errors: one line naming the argument and the value, exit status 2, nothing on stdout
+
+def _cost_files(tmp_path: Path) -> dict[str, str]:
+    good = linear_cost_points(512, 0.01)
+    negative = [dict(p) for p in good]
+    negative[1]["forward_ms"] = -1.0
+    nan = [dict(p) for p in good]
+    nan[2]["backward_ms"] = math.nan  # json.dumps writes NaN, which json.loads accepts
+    files = {
+        "good": {"points": good},
+        "noctx0": {"points": [p for p in good if p["context"] > 0]},
+        "empty": {"points": []},
+        "nopoints": {"num_stages": 2},
+        "negative": {"points": negative},
+        "nan": {"points": nan},
+        "typo": {"points": good, "comms": {}},
+        "three": {"stages": [{"points": good}] * 3},
+        "list": [1, 2],
+    }
+    out = {k: write_json(tmp_path / f"{k}.json", v) for k, v in files.items()}
+    (tmp_path / "malformed.json").write_text('{"points": [')
+    out["malformed"] = str(tmp_path / "malformed.json")
+    out["missing"] = str(tmp_path / "does-not-exist.json")
+    return out
+
+
+BASE = ["--model", "gpt3-1b", "--device", "a100", "--stages", "4"]
+ERRORS = {
+    # id: (argv, substrings the message must contain: the argument and the value)
+    "granularity": (["plan", *BASE, "--seq-len", "512", "--granularity", "24"], ["--granularity 24", "512"]),
+    "granularity-default": (["plan", *BASE, "--seq-len", "500"], ["--granularity 8", "--seq-len 500"]),
+    "stages-zero": (["plan", "--model", "gpt3-1b", "--device", "a100", "--stages", "0", "--seq-len", "512"],
+                    ["--stages", "'0'"]),
+    "stages-word": (["plan", "--model", "gpt3-1b", "--device", "a100", "--stages", "four", "--seq-len", "512"],
+                    ["--stages", "'four'"]),
+    "stages-too-many": (["plan", "--model", "gpt3-1b", "--device", "a100", "--stages", "30", "--seq-len", "512"],
+                        ["--stages 30", "24 layers"]),
+    "microbatches-negative": (["plan", *BASE, "--seq-len", "512", "--microbatches", "-1"], ["--microbatches", "-1"]),
+    "memory-nan": (["plan", *BASE, "--seq-len", "512", "--memory-gb", "nan"], ["--memory-gb", "nan"]),
+    "memory-unmet": (["plan", *BASE, "--seq-len", "512", "--memory-gb", "0.001"], ["--memory-gb 0.001", "GiB"]),
+    "unknown-model": (["plan", "--model", "gpt4", "--device", "a100", "--stages", "4", "--seq-len", "512"],
+                      ["--model", "gpt4", "gpt3-175b"]),
+    "unknown-device": (["plan", "--model", "gpt3-1b", "--device", "tpu", "--stages", "4", "--seq-len", "512"],
+                       ["--device", "tpu", "v100"]),
+    "unknown-schedule": (["plan", *BASE, "--seq-len", "512", "--schedule", "zb"], ["--schedule", "zb", "1f1b"]),
+    "missing-seq-len": (["plan", *BASE], ["--seq-len"]),
+    "missing-model": (["plan", "--device", "a100", "--stages", "4", "--seq-len", "512"], ["--model", "--cost"]),
+    "missing-stages": (["plan", "--model", "gpt3-1b", "--device", "a100", "--seq-len", "512"], ["--stages"]),
+    "missing-command": ([], ["plan", "simulate"]),
+    "slices-sum": (["simulate", *BASE, "--seq-len", "512", "--slices", "128,256"],
+                   ["--slices 128,256", "384", "--seq-len is 512"]),
+    "slices-zero": (["simulate", *BASE, "--seq-len", "512", "--slices", "512,0"], ["--slices", "512,0"]),
+    "slices-word": (["simulate", *BASE, "--seq-len", "512", "--slices", "256,x"], ["--slices", "256,x"]),
+    "slices-with-search-option": (["simulate", *BASE, "--seq-len", "512", "--slices", "512", "--max-slices", "2"],
+                                  ["--max-slices", "--slices"]),
+    "cost-no-context-0": (["plan", "--cost", "{noctx0}", "--stages", "2", "--seq-len", "512"],
+                          ["--cost {noctx0}", "context = 0"]),
+    "cost-empty-points": (["plan", "--cost", "{empty}", "--stages", "2", "--seq-len", "512"],
+                          ["--cost {empty}", "points"]),
+    "cost-no-points": (["plan", "--cost", "{nopoints}", "--seq-len", "512"], ["--cost {nopoints}", "points"]),
+    "cost-negative": (["plan", "--cost", "{negative}", "--stages", "2", "--seq-len", "512"],
+                      ["--cost {negative}", "forward_ms", "-1"]),
+    "cost-nan": (["plan", "--cost", "{nan}", "--stages", "2", "--seq-len", "512"],
+                 ["--cost {nan}", "backward_ms", "nan"]),
+    "cost-unknown-key": (["plan", "--cost", "{typo}", "--stages", "2", "--seq-len", "512"],
+                         ["--cost {typo}", "'comms'"]),
+    "cost-malformed": (["plan", "--cost", "{malformed}", "--stages", "2", "--seq-len", "512"],
+                       ["--cost {malformed}", "not valid JSON", "line 1"]),
+    "cost-not-object": (["plan", "--cost", "{list}", "--stages", "2", "--seq-len", "512"], ["--cost {list}", "list"]),
+    "cost-missing-file": (["plan", "--cost", "{missing}", "--stages", "2", "--seq-len", "512"],
+                          ["--cost {missing}", "cannot read"]),
+    "cost-needs-stages": (["plan", "--cost", "{good}", "--seq-len", "512"], ["--stages", "--cost {good}"]),
+    "cost-stage-count": (["plan", "--cost", "{three}", "--stages", "4", "--seq-len", "512"],
+                         ["--cost {three}", "3 entries", "4"]),
+    "cost-memory-needs-model": (["plan", "--cost", "{good}", "--stages", "2", "--seq-len", "512", "--memory-gb", "8"],
+                                ["--memory-gb 8", "--model"]),
+    "trace-unwritable": (["simulate", *BASE, "--seq-len", "512", "--slices", "512", "--trace", "{good}/t.json"],
+                         ["--trace {good}/t.json", "cannot write"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ERRORS))
+def test_user_errors_one_line_exit_2(case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    files = _cost_files(tmp_path)
+    argv, expected = ERRORS[case]
+    rc, out, err = run(capsys, *(a.format(**files) for a in argv))
+    assert rc == 2, (out, err)
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("ds-terapipe: error: ") and "Traceback" not in err
+    for text in expected:
+        assert text.format(**files) in lines[0], (text, lines[0])
+    assert "; " in lines[0], f"no fix given: {lines[0]}"
+
+
+def test_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", "--help"])
+    assert exc.value.code == 0
+    assert "--seq-len" in capsys.readouterr().out
