@@ -281,6 +281,25 @@ def suite_features(extra: dict) -> list[dict]:
     losses = [float(engine.train_batch(iter(batches))) for _ in range(2)]
     results.append({"case": "bf16", "losses": losses, "ref_loss": ref_losses[0]})
 
+    # checkpoint: save after 2 steps, load in a fresh engine (same and different slicing), continue exactly
+    STATUS["case"] = "checkpoint"
+    ckpt = str(Path(extra["out"]) / "ckpt")
+    steps = make_batches(cfg, 4 * micro, batch, seq_len, seed=9)
+    chunks = [steps[i * micro:(i + 1) * micro] for i in range(4)]
+    tp = {"seq_len": seq_len, "slices": [16, 32, 16], "schedule": "1f1b"}
+    first = _engine(cfg, gpt_layer_specs(cfg), tp)
+    for chunk in chunks[:2]:
+        first.train_batch(iter(chunk))
+    first.save_checkpoint(ckpt, client_state={"step": 2})
+    uninterrupted = [float(first.train_batch(iter(chunk))) for chunk in chunks[2:]]
+    resumed = {}
+    for label, slices in (("same", [16, 32, 16]), ("other", 4)):
+        engine = _engine(cfg, gpt_layer_specs(cfg), dict(tp, slices=slices))
+        _, client = engine.load_checkpoint(ckpt)
+        resumed[label] = {"losses": [float(engine.train_batch(iter(chunk))) for chunk in chunks[2:]],
+                          "step": client["step"], "plan": client["terapipe"]["plan"]["slices"]}
+    results.append({"case": "checkpoint", "uninterrupted": uninterrupted, **resumed})
+
     # a peer that never shows up: the waiting rank fails within p2p_timeout_s, saying what it waited for
     STATUS["case"] = "timeout"
     engine = _engine(cfg, gpt_layer_specs(cfg), {"seq_len": seq_len, "slices": 2, "p2p_timeout_s": 3})

@@ -65,3 +65,12 @@ def test_dead_peer_fails_within_timeout_naming_the_instruction(features) -> None
     assert case["raised"] == "P2PTimeoutError", case
     assert case["seconds"] < 30
     assert "RecvGrad(buffer_id=" in case["message"] and "p2p_timeout_s" in case["message"]
+
+
+@pytest.mark.timeout(700)
+def test_checkpoint_resume_is_exact_and_loads_into_another_slicing(features) -> None:
+    for rank in features:
+        case = rank["checkpoint"]
+        assert case["same"]["losses"] == case["uninterrupted"]  # bit-identical
+        assert case["other"]["losses"] == pytest.approx(case["uninterrupted"], rel=1e-5)
+        assert case["same"]["step"] == 2 and case["same"]["plan"] == [16, 32, 16]

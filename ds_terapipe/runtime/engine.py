@@ -288,6 +288,13 @@ class TokenPipelineEngine(PipelineEngine):
         ds_schedule.CommitP2P: _exec_commit_p2p,
     }
 
+    def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: Optional[dict] = None,
+                        save_latest: bool = True, **kwargs: Any) -> Any:
+        """DeepSpeed's checkpoint, with the slicing plan and the terapipe config in its client state."""
+        state = dict(client_state or {})
+        state.setdefault("terapipe", {"plan": self.plan_summary(), "config": self.terapipe.model_dump()})
+        return super().save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=save_latest, **kwargs)
+
     def plan_summary(self) -> dict[str, Any]:
         """What this engine runs, for logs and checkpoints."""
         summary: dict[str, Any] = {"slices": list(self.slices), "seq_len": self.seq_len,
