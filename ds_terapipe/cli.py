@@ -227,21 +227,19 @@ def _plan(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any], float]:
     granularity = _granularity(args)
     cost, source = _load_cost(args)
     memory = _memory_model(args, cost.num_stages)
-    try:
-        plan = plan_slicing(cost, args.seq_len, num_microbatches=args.microbatches,
-                            micro_batch_size=args.micro_batch, granularity=granularity, schedule=args.schedule,
-                            memory_limit_bytes=None if memory is None else args.memory_gb * _GIB,
-                            split_batch=args.split_batch, max_slices=args.max_slices, memory=memory)
-    except ValueError as exc:
-        if memory is None or not str(exc).startswith("memory_limit_bytes"):
-            raise
-        raise UsageError(_memory_refusal(args, memory, cost.num_stages, granularity)) from None
+    if memory is not None:
+        _check_memory(args, memory, cost.num_stages, granularity)
+    plan = plan_slicing(cost, args.seq_len, num_microbatches=args.microbatches, micro_batch_size=args.micro_batch,
+                        granularity=granularity, schedule=args.schedule,
+                        memory_limit_bytes=None if memory is None else args.memory_gb * _GIB,
+                        split_batch=args.split_batch, max_slices=args.max_slices, memory=memory)
     return cost, plan, source, time.perf_counter() - t0
 
 
-def _memory_refusal(args: argparse.Namespace, memory: Any, num_stages: int, granularity: int) -> str:
-    """The planner's "memory cap cannot be met" in the CLI's terms (flags and GiB rather than API names and
-    bytes), suggesting only the changes that lower the estimate."""
+def _check_memory(args: argparse.Namespace, memory: Any, num_stages: int, granularity: int) -> None:
+    """Refuse a --memory-gb no allowed plan meets, in the CLI's terms (flags and GiB, not the planner's API names
+    and bytes), suggesting only changes that lower the estimate. The estimate never grows with the slice count,
+    so the most slices allowed give the smallest one; the planner refuses exactly the same cases."""
     all_slices = args.seq_len // granularity
     max_slices = all_slices if args.max_slices is None else min(all_slices, args.max_slices)
 
@@ -252,6 +250,8 @@ def _memory_refusal(args: argparse.Namespace, memory: Any, num_stages: int, gran
                                      num_slices=num_slices) for q in splits)
 
     now = smallest(args.schedule, args.split_batch, max_slices)
+    if now <= args.memory_gb * _GIB:
+        return
     fixes = ["raise --memory-gb", "add --stages"]
     if args.schedule != "1f1b" and smallest("1f1b", args.split_batch, max_slices) < now:
         fixes.append("use --schedule 1f1b")
@@ -259,8 +259,9 @@ def _memory_refusal(args: argparse.Namespace, memory: Any, num_stages: int, gran
         fixes.append("add --split-batch")
     if max_slices < all_slices and smallest(args.schedule, args.split_batch, all_slices) < now:
         fixes.append("raise --max-slices")
-    return (f"--memory-gb {args.memory_gb:g} cannot be met: the smallest activation estimate of any allowed plan is "
-            f"{now / _GIB:.3g} GiB on the busiest stage; {', '.join(fixes[:-1])} or {fixes[-1]}")
+    raise UsageError(f"--memory-gb {args.memory_gb:g} cannot be met: the smallest activation estimate of any "
+                     f"allowed plan is {now / _GIB:.3g} GiB on the busiest stage; {', '.join(fixes[:-1])} or "
+                     f"{fixes[-1]}")
 
 
 # --------------------------------------------------------------------------------------------------------------

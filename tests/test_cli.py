@@ -118,6 +118,20 @@ def test_plan_max_slices_and_memory(capsys: pytest.CaptureFixture[str]) -> None:
     roomy = run_json(capsys, "plan", *SMALL, "--memory-gb", "1000")
     assert roomy["memory_bytes"] is not None and 0 < roomy["memory_bytes"] <= 1000 * 2 ** 30
     assert roomy["slices"] == free["slices"]
+    # GPipe with one micro-batch keeps the whole sequence alive whatever the slicing: the estimate is the floor.
+    floor_gib = roomy["memory_bytes"] / 2 ** 30
+    assert run_json(capsys, "plan", *SMALL, "--memory-gb", f"{floor_gib * 1.001}")["memory_bytes"] == \
+        roomy["memory_bytes"]
+    rc, out, err = run(capsys, "plan", *SMALL, "--memory-gb", f"{floor_gib * 0.999}")
+    assert rc == 2 and out == "" and err.startswith(f"ds-terapipe: error: --memory-gb {floor_gib * 0.999:g} "), err
+    assert f"{floor_gib:.3g} GiB" in err
+
+
+def test_memory_refusal_suggests_only_what_helps(capsys: pytest.CaptureFixture[str]) -> None:
+    # 4 micro-batches of 4 under 1F1B: splitting the batch halves the sub-batches in flight; nothing else helps.
+    rc, _, err = run(capsys, "plan", *SMALL, "--micro-batch", "4", "--microbatches", "4", "--schedule", "1f1b",
+                     "--memory-gb", "0.01")
+    assert rc == 2 and "add --split-batch" in err and "--schedule 1f1b" not in err and "--max-slices" not in err
 
 
 def test_plan_split_batch(capsys: pytest.CaptureFixture[str]) -> None:
