@@ -1,0 +1,560 @@
+"""Cost models: how long one slice of tokens takes on one pipeline stage.
+
+The slicing DP (``slicing.py``) needs the time t(s, c) of a slice of ``s`` tokens that follows a prefix of ``c``
+tokens, for every candidate slice, on every stage. Later slices attend over a longer prefix, so t grows with c;
+tiny slices underuse the device, so t(s, 0) / s falls with s. Two models provide t:
+
+* ``MeasuredCost`` fits points profiled on the real device (the engine profiles each stage at init). The fit
+  follows TeraPipe (ICML 2021, eq. 9): a context-free part t0(s), interpolated over the measured slice
+  lengths, plus a context part ``a0 + a1*s + a2*c + a3*s*c`` least-squares fitted to ``t - t0(s)`` on the points
+  with c > 0. Unlike the reference implementation the context part is *not* added at c = 0, so the model
+  returns the measured t0(s) exactly there instead of counting the intercept twice.
+* ``AnalyticCost`` derives t from FLOPs and bytes of a transformer layer on a device (``presets.py``), for
+  planning before any hardware is at hand.
+
+``PipelineCost`` holds one model per stage and reads/writes the public JSON file format documented in
+``docs/cost_format.md``. This module imports numpy and the standard library only.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Union
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "StageCost",
+    "MeasuredCost",
+    "TransformerSpec",
+    "DeviceSpec",
+    "AnalyticCost",
+    "PipelineCost",
+    "load_cost_file",
+]
+
+#: Scalars or numpy arrays; every cost method broadcasts its arguments against each other like a ufunc.
+ArrayLike = Union[int, float, np.ndarray, Sequence[float]]
+
+_POINT_KEYS = ("batch", "slice", "context", "forward_ms", "backward_ms")
+_COMM_KEYS = ("latency_ms", "gbps")
+_STAGE_KEYS = ("points", "comm", "hidden", "bytes_per_element")
+_TOP_KEYS = ("points", "stages", "comm", "hidden", "bytes_per_element", "num_stages", "meta")
+
+
+def _result(x: np.ndarray) -> Any:
+    """0-d results come back as numpy float64 (a ``float``), arrays as arrays."""
+    return x[()] if x.ndim == 0 else x
+
+
+def _comm_time_ms(latency_ms: float, gbps: float | None, num_bytes: np.ndarray) -> np.ndarray:
+    # gbps is in Gbit/s: bytes / (gbps * 1e9 / 8) seconds = bytes * 8 / (gbps * 1e6) milliseconds.
+    if gbps is None:
+        return np.full(num_bytes.shape, float(latency_ms))
+    return latency_ms + num_bytes * 8.0 / (gbps * 1e6)
+
+
+class StageCost(ABC):
+    """Time of one pipeline unit (a slice of a (sub)batch) on one stage, in milliseconds.
+
+    Methods broadcast ``slice_len``, ``context`` and ``batch`` like numpy ufuncs, so the planner can fill its whole
+    (start, end) table in one call. Arguments are not validated here (this is the hot path); the planner only asks
+    for ``slice_len >= 1``, ``context >= 0``, ``batch >= 1``.
+    """
+
+    @abstractmethod
+    def forward_ms(self, slice_len: ArrayLike, context: ArrayLike, batch: ArrayLike = 1) -> Any:
+        """Forward time of ``slice_len`` tokens after ``context`` cached tokens, for ``batch`` sequences."""
+
+    @abstractmethod
+    def backward_ms(self, slice_len: ArrayLike, context: ArrayLike, batch: ArrayLike = 1) -> Any:
+        """Backward time of the same unit (includes the gradient flowing into the cached prefix)."""
+
+    @abstractmethod
+    def comm_ms(self, slice_len: ArrayLike, batch: ArrayLike = 1) -> Any:
+        """Point-to-point time to send this unit's activations to the next stage."""
+
+    def covers(self, slice_len: ArrayLike, context: ArrayLike, batch: ArrayLike | None = None) -> bool:
+        """Whether every (slice_len, context) lies inside the data the model was built from (else extrapolated)."""
+        return True
+
+    def cache_key(self) -> Hashable:
+        """Equal keys mean identical costs; lets the planner evaluate shared stage models once."""
+        return ("id", id(self))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Validation helpers: every message names the field, the value and the fix.
+
+def _check_keys(obj: Any, valid: Sequence[str], where: str) -> Mapping[str, Any]:
+    if not isinstance(obj, Mapping):
+        raise TypeError(f"{where} must be a JSON object (dict), got {type(obj).__name__}; fix the file layout")
+    for key in obj:
+        if key not in valid:
+            raise ValueError(f"{where} has unknown key {key!r}; valid keys: {', '.join(valid)}")
+    return obj
+
+
+def _number(value: Any, where: str, *, positive: bool = False) -> float:
+    """A finite float >= 0 (> 0 if ``positive``); bools and strings are refused, not coerced."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ValueError(f"{where} = {value!r} is not a number; write a plain JSON number")
+    x = float(value)
+    if not math.isfinite(x):
+        raise ValueError(f"{where} = {value!r} is not finite; write a finite number")
+    if x < 0 or (positive and x == 0):
+        bound = "> 0" if positive else ">= 0"
+        raise ValueError(f"{where} = {value!r} must be {bound}; fix the measurement or drop it")
+    return x
+
+
+def _integer(value: Any, where: str, *, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{where} = {value!r} must be an integer >= {minimum}; write a whole number")
+    if value < minimum:
+        raise ValueError(f"{where} = {value!r} must be >= {minimum}; fix the value")
+    return int(value)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# MeasuredCost
+
+def _interp_linear(x: np.ndarray, xp: np.ndarray, fp: np.ndarray) -> np.ndarray:
+    """Piecewise-linear through (xp, fp), extended linearly by the end segments (not held flat: time keeps
+    growing with slice length). A single measured length is scaled proportionally, t(s) = t(s0) * s / s0."""
+    if len(xp) == 1:
+        return fp[0] * x / xp[0]
+    y = np.interp(x, xp, fp)
+    lo_slope = (fp[1] - fp[0]) / (xp[1] - xp[0])
+    hi_slope = (fp[-1] - fp[-2]) / (xp[-1] - xp[-2])
+    y = np.where(x < xp[0], fp[0] + (x - xp[0]) * lo_slope, y)
+    return np.where(x > xp[-1], fp[-1] + (x - xp[-1]) * hi_slope, y)
+
+
+def _fit_context(s: np.ndarray, c: np.ndarray, r: np.ndarray, warn: bool) -> np.ndarray:
+    """Least squares r ~ a0 + a1*s + a2*c + a3*s*c (columns scaled for conditioning). Min-norm if rank < 4."""
+    if len(s) == 0:
+        return np.zeros(4)
+    x = np.stack([np.ones_like(s), s, c, s * c], axis=1)
+    scale = np.abs(x).max(axis=0)
+    scale[scale == 0] = 1.0
+    coef, _, rank, _ = np.linalg.lstsq(x / scale, r, rcond=None)
+    if warn and rank < 4:
+        logger.warning("context fit is rank-deficient (rank %d of 4 from %d points with context > 0); "
+                       "measure more distinct (slice, context) pairs for a reliable fit", rank, len(s))
+    return coef / scale
+
+
+@dataclass
+class _BatchFit:
+    """The fitted model for one measured batch size."""
+
+    s0: np.ndarray          # (n0,) distinct slice lengths measured at context 0, ascending
+    t0: np.ndarray          # (2, n0) forward / backward mean time at those lengths
+    coef: np.ndarray        # (2, 4) context-term coefficients for forward / backward
+    s_min: float
+    s_max: float
+    c_max: float
+
+    @classmethod
+    def fit(cls, pts: np.ndarray, warn: bool) -> _BatchFit:
+        """``pts``: (n, 5) rows (batch, slice, context, forward, backward) of a single batch size."""
+        s, c, times = pts[:, 1], pts[:, 2], pts[:, 3:5].T
+        zero = c == 0
+        s0, inverse = np.unique(s[zero], return_inverse=True)
+        counts = np.bincount(inverse)
+        t0 = np.stack([np.bincount(inverse, weights=t[zero]) / counts for t in times])
+        ctx = ~zero
+        coef = np.stack([_fit_context(s[ctx], c[ctx], t[ctx] - _interp_linear(s[ctx], s0, t0[k]), warn)
+                         for k, t in enumerate(times)])
+        return cls(s0, t0, coef, float(s0[0]), float(s0[-1]), float(c.max()))
+
+    def eval(self, kind: int, s: np.ndarray, c: np.ndarray) -> np.ndarray:
+        t = _interp_linear(s, self.s0, self.t0[kind])
+        a = self.coef[kind]
+        t = t + np.where(c > 0, a[0] + a[1] * s + a[2] * c + a[3] * s * c, 0.0)
+        return np.maximum(t, 0.0)  # an extrapolated fit must never promise negative time
+
+
+class MeasuredCost(StageCost):
+    """A stage's cost fitted to profiled points (see the module docstring for the model).
+
+    ``points`` are mappings with keys ``slice``, ``context``, ``forward_ms``, ``backward_ms`` and optional
+    ``batch`` (default 1), exactly as in the cost file. Each measured batch size gets its own fit; a batch size
+    that was not measured is scaled linearly from the nearest measured one (ties: the larger one), t(b) =
+    t(b') * b / b' -- an approximation that is exact only when the device is saturated, so profile the batch you
+    will run. Outside the measured slice range t0 is extrapolated linearly; ``covers`` tells callers when.
+    ``comm`` is ``{"latency_ms": ..., "gbps": ...}`` (Gbit/s); without it sending costs nothing, which is right
+    for a single stage and optimistic otherwise. ``hidden`` and ``bytes_per_element`` size a slice's activations
+    (batch * slice * hidden * bytes_per_element bytes) and are required when ``gbps`` is given.
+    """
+
+    def __init__(self, points: Sequence[Mapping[str, Any]], *, comm: Mapping[str, Any] | None = None,
+                 hidden: int | None = None, bytes_per_element: int = 2, where: str = "cost") -> None:
+        if isinstance(points, (str, bytes)) or not isinstance(points, Sequence) or len(points) == 0:
+            raise ValueError(f"{where}.points = {points!r:.60} must be a non-empty list of measured points; "
+                             "profile at least one slice length at context 0")
+        rows = []
+        for i, p in enumerate(points):
+            w = f"{where}.points[{i}]"
+            _check_keys(p, _POINT_KEYS, w)
+            for key in _POINT_KEYS[1:]:
+                if key not in p:
+                    raise ValueError(f"{w} is missing {key!r}; each point needs slice, context, forward_ms, "
+                                     "backward_ms (and optionally batch)")
+            rows.append((_integer(p.get("batch", 1), f"{w}.batch", minimum=1),
+                         _integer(p["slice"], f"{w}.slice", minimum=1),
+                         _integer(p["context"], f"{w}.context", minimum=0),
+                         _number(p["forward_ms"], f"{w}.forward_ms"),
+                         _number(p["backward_ms"], f"{w}.backward_ms")))
+        self._points = np.array(rows, dtype=float)  # (n, 5)
+        self.comm = None if comm is None else dict(_check_keys(comm, _COMM_KEYS, f"{where}.comm"))
+        self._latency_ms = 0.0 if comm is None else _number(comm.get("latency_ms", 0.0), f"{where}.comm.latency_ms")
+        gbps = None if comm is None or comm.get("gbps") is None else comm["gbps"]
+        self._gbps = None if gbps is None else _number(gbps, f"{where}.comm.gbps", positive=True)
+        self.hidden = None if hidden is None else _integer(hidden, f"{where}.hidden", minimum=1)
+        self.bytes_per_element = _integer(bytes_per_element, f"{where}.bytes_per_element", minimum=1)
+        if self._gbps is not None and self.hidden is None:
+            raise ValueError(f"{where}.comm.gbps = {gbps!r} needs the activation size: add \"hidden\" (the model "
+                             "width) next to \"comm\"")
+        self._fits: dict[int, _BatchFit] = {}
+        for b in np.unique(self._points[:, 0]).astype(int):
+            pts = self._points[self._points[:, 0] == b]
+            if not np.any(pts[:, 2] == 0):
+                raise ValueError(f"{where}.points has no context = 0 point for batch {b}; measure at least one "
+                                 "slice length with context 0 at that batch")
+            if not np.any(pts[:, 2] > 0):
+                logger.warning("%s: no point with context > 0 for batch %d: the cost ignores attention over the "
+                               "prefix; profile some contexts", where, b)
+            self._fits[int(b)] = _BatchFit.fit(pts, warn=True)
+        self._batches = np.array(sorted(self._fits), dtype=float)
+
+    # -- evaluation --------------------------------------------------------------------------------------------
+    def _nearest(self, b: float) -> int:
+        d = np.abs(self._batches - b)
+        return int(self._batches[np.flatnonzero(d == d.min())[-1]])
+
+    def _eval(self, kind: int, slice_len: ArrayLike, context: ArrayLike, batch: ArrayLike) -> Any:
+        s, c, b = np.broadcast_arrays(np.asarray(slice_len, float), np.asarray(context, float),
+                                      np.asarray(batch, float))
+        if np.ndim(batch) == 0:
+            near = self._nearest(float(batch))  # type: ignore[arg-type]
+            return _result(self._fits[near].eval(kind, s, c) * (float(batch) / near))  # type: ignore[arg-type]
+        out = np.empty(s.shape)
+        for bv in np.unique(b):
+            mask = b == bv
+            near = self._nearest(bv)
+            out[mask] = self._fits[near].eval(kind, s[mask], c[mask]) * (bv / near)
+        return _result(out)
+
+    def forward_ms(self, slice_len: ArrayLike, context: ArrayLike, batch: ArrayLike = 1) -> Any:
+        return self._eval(0, slice_len, context, batch)
+
+    def backward_ms(self, slice_len: ArrayLike, context: ArrayLike, batch: ArrayLike = 1) -> Any:
+        return self._eval(1, slice_len, context, batch)
+
+    def comm_ms(self, slice_len: ArrayLike, batch: ArrayLike = 1) -> Any:
+        s, b = np.broadcast_arrays(np.asarray(slice_len, float), np.asarray(batch, float))
+        if self.comm is None:
+            return _result(np.zeros(s.shape))
+        num_bytes = b * s * float(self.hidden or 0) * self.bytes_per_element
+        return _result(_comm_time_ms(self._latency_ms, self._gbps, num_bytes))
+
+    def covers(self, slice_len: ArrayLike, context: ArrayLike, batch: ArrayLike | None = None) -> bool:
+        fit = self._fits[self._nearest(1.0 if batch is None else float(np.max(batch)))]
+        s, c = np.asarray(slice_len, float), np.asarray(context, float)
+        return bool(np.all((s >= fit.s_min) & (s <= fit.s_max) & (c <= fit.c_max)))
+
+    def cache_key(self) -> Hashable:
+        return ("measured", json.dumps(self.to_dict(), sort_keys=True))
+
+    # -- reporting and serialisation ----------------------------------------------------------------------------
+    def fit_report(self) -> dict[str, Any]:
+        """Leave-one-out relative error of the fit, forward and backward.
+
+        Each point is dropped in turn, its batch size refitted and the point predicted; |pred - true| / true is
+        averaged. Points whose removal leaves their batch without a context-0 point are skipped (counted in
+        ``num_skipped``). Held-out points at the ends of the range are extrapolated, which is the honest test.
+        """
+        errors: list[list[float]] = [[], []]
+        skipped = 0
+        for b in self._fits:
+            pts = self._points[self._points[:, 0] == b]
+            for i in range(len(pts)):
+                rest = np.delete(pts, i, axis=0)
+                if not np.any(rest[:, 2] == 0):
+                    skipped += 1
+                    continue
+                fit = _BatchFit.fit(rest, warn=False)
+                for kind in (0, 1):
+                    pred = float(fit.eval(kind, pts[i:i + 1, 1], pts[i:i + 1, 2])[0])
+                    true = pts[i, 3 + kind]
+                    errors[kind].append(abs(pred - true) / max(true, 1e-12))
+
+        def summary(e: list[float]) -> dict[str, float]:
+            return {"mean_rel_err": float(np.mean(e)) if e else float("nan"),
+                    "max_rel_err": float(np.max(e)) if e else float("nan")}
+
+        return {"method": "leave-one-out", "forward": summary(errors[0]), "backward": summary(errors[1]),
+                "num_held_out": len(errors[0]), "num_skipped": skipped}
+
+    def to_dict(self) -> dict[str, Any]:
+        """The per-stage object of the cost file; ``MeasuredCost.from_dict(x.to_dict())`` predicts identically."""
+        out: dict[str, Any] = {"points": [
+            {"batch": int(r[0]), "slice": int(r[1]), "context": int(r[2]), "forward_ms": float(r[3]),
+             "backward_ms": float(r[4])} for r in self._points]}
+        if self.comm is not None:
+            out["comm"] = dict(self.comm)
+        if self.hidden is not None:
+            out["hidden"] = self.hidden
+        out["bytes_per_element"] = self.bytes_per_element
+        return out
+
+    @classmethod
+    def from_dict(cls, obj: Mapping[str, Any], where: str = "cost") -> MeasuredCost:
+        """Parse one per-stage object of the cost file (keys: points, comm, hidden, bytes_per_element)."""
+        _check_keys(obj, _STAGE_KEYS, where)
+        if "points" not in obj:
+            raise ValueError(f"{where} has no \"points\"; add the measured points (see docs/cost_format.md)")
+        return cls(obj["points"], comm=obj.get("comm"), hidden=obj.get("hidden"),
+                   bytes_per_element=obj.get("bytes_per_element", 2), where=where)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# AnalyticCost
+
+@dataclass(frozen=True)
+class TransformerSpec:
+    """A GPT-style decoder: ``num_layers`` blocks of width ``hidden``; ``vocab`` sizes the LM head."""
+
+    num_layers: int
+    hidden: int
+    num_heads: int
+    vocab: int
+    seq_len: int
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden", "num_heads", "vocab", "seq_len"):
+            _integer(getattr(self, name), f"TransformerSpec.{name}", minimum=1)
+        if self.hidden % self.num_heads:
+            raise ValueError(f"TransformerSpec.hidden = {self.hidden} is not divisible by num_heads = "
+                             f"{self.num_heads}; pick num_heads dividing hidden")
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """An accelerator for the roofline estimate.
+
+    ``peak_tflops``: dense peak in the training precision; ``mem_bw_gbps``: memory bandwidth in GB/s (bytes);
+    ``efficiency``: fraction of peak a transformer GEMM reaches (0, 1]; ``per_layer_overhead_ms``: fixed cost per
+    layer per pass (kernel launches, small ops); ``link_gbps``: stage-to-stage link in Gbit/s (bits, as network
+    links are quoted); ``link_latency_ms``: per-message latency.
+    """
+
+    name: str
+    peak_tflops: float
+    mem_bw_gbps: float
+    per_layer_overhead_ms: float
+    efficiency: float
+    link_gbps: float
+    link_latency_ms: float
+
+    def __post_init__(self) -> None:
+        for name in ("peak_tflops", "mem_bw_gbps", "link_gbps"):
+            _number(getattr(self, name), f"DeviceSpec.{name}", positive=True)
+        for name in ("per_layer_overhead_ms", "link_latency_ms"):
+            _number(getattr(self, name), f"DeviceSpec.{name}")
+        eff = _number(self.efficiency, "DeviceSpec.efficiency", positive=True)
+        if eff > 1:
+            raise ValueError(f"DeviceSpec.efficiency = {self.efficiency!r} must be in (0, 1]; it is a fraction "
+                             "of peak")
+
+
+# Elements of (batch * tokens * hidden) read + written by one layer's forward outside the GEMM weights:
+# LN 2, QKV in/out 4, attention in/out 4, proj 2, residual 3, LN 2, MLP up 5, GeLU 8, MLP down 5, residual 3.
+_LAYER_IO_ELEMS = 38
+
+
+class AnalyticCost(StageCost):
+    """Roofline cost of ``num_layers`` transformer layers of ``model`` on ``device``.
+
+    Per layer, forward, for b sequences, s new tokens after c cached ones (h = hidden):
+      FLOPs  = 24*b*s*h^2                      QKV (6), output projection (2), MLP (16) GEMMs
+             + 4*b*h*(s*c + s*(s+1)/2)         scores QK^T and weights@V (2 FLOPs per multiply-add each) over
+                                               the c cached keys plus the causal triangle of the slice; a kernel
+                                               that computes the full s x s block does 4*b*h*s*(c+s) instead
+      bytes  = (12*h^2 + 38*b*s*h + 2*b*c*h) * bytes_per_element      weights, activations, reading the KV cache
+      time   = max(FLOPs / (peak * efficiency), bytes / bandwidth) + per_layer_overhead
+    Backward is 2x forward (two GEMMs per forward GEMM; twice the memory traffic). With ``lm_head`` the stage also
+    runs the vocabulary projection, 2*b*s*h*vocab FLOPs reading h*vocab weights and writing/reading the logits
+    (4*b*s*vocab elements). The embedding lookup is ignored (a gather, negligible). Comm is the device link:
+    latency + b*s*h*bytes_per_element / bandwidth.
+    """
+
+    def __init__(self, model: TransformerSpec, device: DeviceSpec, num_layers: int, *,
+                 bytes_per_element: int = 2, lm_head: bool = False) -> None:
+        if not isinstance(model, TransformerSpec):
+            raise TypeError(f"model must be a TransformerSpec, got {type(model).__name__}; see presets.py")
+        if not isinstance(device, DeviceSpec):
+            raise TypeError(f"device must be a DeviceSpec, got {type(device).__name__}; see presets.py")
+        self.model, self.device = model, device
+        self.num_layers = _integer(num_layers, "num_layers", minimum=0)
+        self.bytes_per_element = _integer(bytes_per_element, "bytes_per_element", minimum=1)
+        self.lm_head = bool(lm_head)
+
+    def _pass_ms(self, s: np.ndarray, c: np.ndarray, b: np.ndarray) -> np.ndarray:
+        h, v, e = float(self.model.hidden), float(self.model.vocab), float(self.bytes_per_element)
+        flops_per_ms = self.device.peak_tflops * self.device.efficiency * 1e9
+        bytes_per_ms = self.device.mem_bw_gbps * 1e6
+        flops = 24.0 * b * s * h * h + 4.0 * b * h * (s * c + s * (s + 1.0) / 2.0)
+        nbytes = (12.0 * h * h + _LAYER_IO_ELEMS * b * s * h + 2.0 * b * c * h) * e
+        t = self.num_layers * (np.maximum(flops / flops_per_ms, nbytes / bytes_per_ms)
+                               + self.device.per_layer_overhead_ms)
+        if self.lm_head:
+            head_flops = 2.0 * b * s * h * v
+            head_bytes = (h * v + 4.0 * b * s * v) * e
+            t = t + np.maximum(head_flops / flops_per_ms, head_bytes / bytes_per_ms)
+        return t
+
+    def forward_ms(self, slice_len: ArrayLike, context: ArrayLike, batch: ArrayLike = 1) -> Any:
+        s, c, b = np.broadcast_arrays(*(np.asarray(x, float) for x in (slice_len, context, batch)))
+        return _result(self._pass_ms(s, c, b))
+
+    def backward_ms(self, slice_len: ArrayLike, context: ArrayLike, batch: ArrayLike = 1) -> Any:
+        s, c, b = np.broadcast_arrays(*(np.asarray(x, float) for x in (slice_len, context, batch)))
+        return _result(2.0 * self._pass_ms(s, c, b))
+
+    def comm_ms(self, slice_len: ArrayLike, batch: ArrayLike = 1) -> Any:
+        s, b = np.broadcast_arrays(np.asarray(slice_len, float), np.asarray(batch, float))
+        num_bytes = b * s * self.model.hidden * self.bytes_per_element
+        return _result(_comm_time_ms(self.device.link_latency_ms, self.device.link_gbps, num_bytes))
+
+    def cache_key(self) -> Hashable:
+        return ("analytic", self.model, self.device, self.num_layers, self.bytes_per_element, self.lm_head)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# PipelineCost and the file format
+
+class PipelineCost:
+    """One ``StageCost`` per pipeline stage; the planner's and simulator's view of the hardware."""
+
+    def __init__(self, stages: Sequence[StageCost], *, meta: Mapping[str, Any] | None = None) -> None:
+        stages = list(stages)
+        if not stages:
+            raise ValueError("PipelineCost needs at least one stage cost; pass a non-empty list")
+        for i, st in enumerate(stages):
+            if not isinstance(st, StageCost):
+                raise TypeError(f"stages[{i}] is a {type(st).__name__}, not a StageCost; wrap it in "
+                                "MeasuredCost or AnalyticCost")
+        self.stages: list[StageCost] = stages
+        self.meta: dict[str, Any] | None = None if meta is None else dict(meta)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stages)
+
+    def stage(self, s: int) -> StageCost:
+        if not 0 <= s < len(self.stages):
+            raise IndexError(f"stage {s} out of range for a {len(self.stages)}-stage pipeline")
+        return self.stages[s]
+
+    def is_uniform(self) -> bool:
+        """True when every stage has the same cost, so the planner's closed form is exact for GPipe."""
+        first = self.stages[0].cache_key()
+        return all(st is self.stages[0] or st.cache_key() == first for st in self.stages[1:])
+
+    def covers(self, slice_len: ArrayLike, context: ArrayLike, batch: ArrayLike | None = None) -> bool:
+        """False if any stage would extrapolate beyond its measurements for these (slice_len, context)."""
+        return all(st.covers(slice_len, context, batch) for st in self.stages)
+
+    @classmethod
+    def uniform(cls, stage_cost: StageCost, num_stages: int) -> PipelineCost:
+        """The same cost on every stage (a model split into equal stages on equal devices)."""
+        num_stages = _integer(num_stages, "num_stages", minimum=1)
+        return cls([stage_cost] * num_stages)
+
+    @classmethod
+    def from_dict(cls, obj: Mapping[str, Any], num_stages: int | None = None) -> PipelineCost:
+        """Parse the public cost format (``docs/cost_format.md``).
+
+        ``{"points": [...]}`` gives every stage the same cost; their number is ``num_stages`` (argument or
+        top-level key, which must agree), else 1. ``{"stages": [{...}, ...]}`` gives one cost per stage; its
+        length must equal ``num_stages`` when that is given. Top-level ``comm``, ``hidden`` and
+        ``bytes_per_element`` are defaults that a stage object's own keys override.
+        """
+        _check_keys(obj, _TOP_KEYS, "cost")
+        if num_stages is not None:
+            num_stages = _integer(num_stages, "num_stages", minimum=1)
+        if "num_stages" in obj:
+            n_file = _integer(obj["num_stages"], "cost.num_stages", minimum=1)
+            if num_stages is not None and n_file != num_stages:
+                raise ValueError(f"cost.num_stages = {n_file} but num_stages = {num_stages} was requested; "
+                                 "use a cost file for this pipeline depth")
+            num_stages = n_file
+        meta = obj.get("meta")
+        if meta is not None and not isinstance(meta, Mapping):
+            raise ValueError(f"cost.meta = {meta!r:.60} must be a JSON object; use {{}} or drop it")
+        defaults = {k: obj[k] for k in ("comm", "hidden", "bytes_per_element") if k in obj}
+        if ("points" in obj) == ("stages" in obj):
+            raise ValueError("cost needs exactly one of \"points\" (same cost on every stage) or \"stages\" "
+                             f"(one object per stage), got keys {sorted(obj)}; see docs/cost_format.md")
+        if "points" in obj:
+            stage = MeasuredCost.from_dict({**defaults, "points": obj["points"]}, where="cost")
+            return cls([stage] * (num_stages or 1), meta=meta)
+        stage_objs = obj["stages"]
+        if not isinstance(stage_objs, list) or not stage_objs:
+            raise ValueError(f"cost.stages = {stage_objs!r:.60} must be a non-empty list of stage objects")
+        if num_stages is not None and len(stage_objs) != num_stages:
+            raise ValueError(f"cost.stages has {len(stage_objs)} entries but num_stages = {num_stages}; give one "
+                             "entry per stage or use \"points\" for equal stages")
+        stages = []
+        for i, st in enumerate(stage_objs):
+            _check_keys(st, _STAGE_KEYS, f"cost.stages[{i}]")
+            stages.append(MeasuredCost.from_dict({**defaults, **st}, where=f"cost.stages[{i}]"))
+        return cls(stages, meta=meta)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The cost file for this pipeline (MeasuredCost stages only); ``from_dict`` of it round-trips exactly."""
+        for i, st in enumerate(self.stages):
+            if not isinstance(st, MeasuredCost):
+                raise TypeError(f"to_dict needs MeasuredCost stages, stage {i} is {type(st).__name__}; "
+                                "profile it or sample it into points first")
+        out: dict[str, Any]
+        if self.is_uniform():
+            out = {**self.stages[0].to_dict(), "num_stages": self.num_stages}  # type: ignore[union-attr]
+        else:
+            out = {"stages": [st.to_dict() for st in self.stages], "num_stages": self.num_stages}  # type: ignore
+        if self.meta is not None:
+            out["meta"] = dict(self.meta)
+        return out
+
+    def __repr__(self) -> str:
+        kinds = sorted({type(st).__name__ for st in self.stages})
+        return f"PipelineCost(num_stages={self.num_stages}, {'uniform' if self.is_uniform() else 'unequal'}, " \
+               f"{'/'.join(kinds)})"
+
+
+def load_cost_file(path: str | Path, num_stages: int | None = None) -> PipelineCost:
+    """Read a cost file; malformed JSON raises ValueError with the path and the error position."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ValueError(f"cost file {str(path)!r} cannot be read ({exc.strerror}); check the path") from exc
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"cost file {str(path)!r} is not valid JSON: {exc.msg} at line {exc.lineno} column "
+                         f"{exc.colno}; fix the file") from exc
+    try:
+        return PipelineCost.from_dict(obj, num_stages=num_stages)
+    except (ValueError, TypeError) as exc:
+        raise type(exc)(f"{path}: {exc}") from exc

@@ -1,0 +1,121 @@
+"""Model and device presets, so a plan can be made before any hardware is profiled.
+
+Models are the GPT-3 settings of the TeraPipe paper (ICML 2021, Table 1): 1B (24 layers, hidden 2048),
+13B (40, 5120), 44B (96, 6144), 175B (96, 12288), all with 128-wide heads (num_heads = hidden / 128),
+the GPT-2 vocabulary (50257) and 2048-token sequences.
+
+Devices are roofline parameters (see ``DeviceSpec``). Peaks are dense 16-bit tensor-core numbers from the vendor
+data sheets (V100 SXM2 125 TFLOPS / 900 GB/s, A100 SXM 312 / 1555 (40 GB), H100 SXM 989 / 3350); ``cpu`` is a
+modest fp32 server socket (0.2 TFLOPS, 20 GB/s). ``efficiency`` is the fraction of peak large transformer GEMMs
+reach in practice (about half on GPUs, more on a CPU whose peak is already modest). ``per_layer_overhead_ms``
+covers the ~15 kernel launches and small ops of a layer (~5-8 us each on a GPU). Links are the stage-to-stage
+network a pipeline crossing nodes sees: V100 100 Gbit/s (AWS p3dn), A100 200 Gbit/s (HDR InfiniBand), H100
+400 Gbit/s (NDR), CPU 10 Gbit/s Ethernet. These are estimates for ranking plans, not predictions of wall time;
+profile (``MeasuredCost``) when the numbers matter.
+"""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from .cost import AnalyticCost, DeviceSpec, PipelineCost, TransformerSpec, _integer
+
+if TYPE_CHECKING:
+    from .slicing import MemoryModel
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "MODEL_PRESETS",
+    "DEVICE_PRESETS",
+    "get_model_preset",
+    "get_device_preset",
+    "split_layers",
+    "analytic_pipeline_cost",
+    "preset_memory_model",
+]
+
+
+def _gpt3(num_layers: int, hidden: int) -> TransformerSpec:
+    return TransformerSpec(num_layers=num_layers, hidden=hidden, num_heads=hidden // 128, vocab=50257,
+                           seq_len=2048)
+
+
+MODEL_PRESETS: dict[str, TransformerSpec] = {
+    "gpt3-1b": _gpt3(24, 2048),
+    "gpt3-13b": _gpt3(40, 5120),
+    "gpt3-44b": _gpt3(96, 6144),
+    "gpt3-175b": _gpt3(96, 12288),
+}
+
+DEVICE_PRESETS: dict[str, DeviceSpec] = {
+    "v100": DeviceSpec("v100", peak_tflops=125.0, mem_bw_gbps=900.0, per_layer_overhead_ms=0.10,
+                       efficiency=0.5, link_gbps=100.0, link_latency_ms=0.02),
+    "a100": DeviceSpec("a100", peak_tflops=312.0, mem_bw_gbps=1555.0, per_layer_overhead_ms=0.08,
+                       efficiency=0.55, link_gbps=200.0, link_latency_ms=0.01),
+    "h100": DeviceSpec("h100", peak_tflops=989.0, mem_bw_gbps=3350.0, per_layer_overhead_ms=0.06,
+                       efficiency=0.5, link_gbps=400.0, link_latency_ms=0.01),
+    "cpu": DeviceSpec("cpu", peak_tflops=0.2, mem_bw_gbps=20.0, per_layer_overhead_ms=0.02,
+                      efficiency=0.6, link_gbps=10.0, link_latency_ms=0.05),
+}
+
+
+def get_model_preset(name: str) -> TransformerSpec:
+    """The model preset called ``name`` (case-insensitive)."""
+    key = str(name).lower()
+    if key not in MODEL_PRESETS:
+        raise ValueError(f"model preset {name!r} is unknown; valid names: {', '.join(MODEL_PRESETS)}")
+    return MODEL_PRESETS[key]
+
+
+def get_device_preset(name: str) -> DeviceSpec:
+    """The device preset called ``name`` (case-insensitive)."""
+    key = str(name).lower()
+    if key not in DEVICE_PRESETS:
+        raise ValueError(f"device preset {name!r} is unknown; valid names: {', '.join(DEVICE_PRESETS)}")
+    return DEVICE_PRESETS[key]
+
+
+def split_layers(num_layers: int, num_stages: int) -> list[int]:
+    """Layers per stage, as even as possible, the remainder going to the first stages (the last stage also
+    carries the LM head, so it should not get an extra layer too)."""
+    num_layers = _integer(num_layers, "num_layers", minimum=1)
+    num_stages = _integer(num_stages, "num_stages", minimum=1)
+    if num_stages > num_layers:
+        raise ValueError(f"num_stages = {num_stages} exceeds the model's {num_layers} layers; use at most "
+                         f"{num_layers} stages")
+    base, extra = divmod(num_layers, num_stages)
+    return [base + (1 if s < extra else 0) for s in range(num_stages)]
+
+
+def analytic_pipeline_cost(model: str | TransformerSpec, device: str | DeviceSpec, num_stages: int, *,
+                           bytes_per_element: int = 2, lm_head: bool = True) -> PipelineCost:
+    """Roofline cost of ``model`` split over ``num_stages`` equal ``device``s.
+
+    Layers are split by ``split_layers``. With ``lm_head`` (default) the last stage also pays the vocabulary
+    projection, which is what real GPT pipelines do and makes the stages unequal (the planner then scores its
+    candidates with the simulator); ``lm_head=False`` ignores it and, when the layers divide evenly, gives equal
+    stages. The embedding lookup is ignored either way (a gather, negligible next to a layer).
+    """
+    spec = get_model_preset(model) if isinstance(model, str) else model
+    dev = get_device_preset(device) if isinstance(device, str) else device
+    layers = split_layers(spec.num_layers, num_stages)
+    cache: dict[tuple[int, bool], AnalyticCost] = {}  # share objects so equal stages are recognised cheaply
+    stages = []
+    for s, n in enumerate(layers):
+        key = (n, lm_head and s == num_stages - 1)
+        if key not in cache:
+            cache[key] = AnalyticCost(spec, dev, n, bytes_per_element=bytes_per_element, lm_head=key[1])
+        stages.append(cache[key])
+    return PipelineCost(stages, meta={"model": repr(spec), "device": dev.name, "layers": layers,
+                                      "lm_head": lm_head})
+
+
+def preset_memory_model(model: str | TransformerSpec, num_stages: int, *, bytes_per_element: int = 2,
+                        activation_factor: float = 34.0) -> MemoryModel:
+    """The ``MemoryModel`` matching ``analytic_pipeline_cost``'s layer split, for ``plan_slicing(memory=...)``."""
+    from .slicing import MemoryModel
+
+    spec = get_model_preset(model) if isinstance(model, str) else model
+    return MemoryModel(tuple(split_layers(spec.num_layers, num_stages)), spec.hidden, bytes_per_element,
+                       activation_factor)

@@ -1,0 +1,350 @@
+"""Tier (a): cost models, the cost file format and presets. Pure Python, no torch.
+
+    python -m pytest -q tests/test_cost.py
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import numpy as np
+import pytest
+
+from ds_terapipe.planner.cost import (
+    AnalyticCost, DeviceSpec, MeasuredCost, PipelineCost, TransformerSpec, load_cost_file,
+)
+from ds_terapipe.planner.presets import (
+    DEVICE_PRESETS, MODEL_PRESETS, analytic_pipeline_cost, get_device_preset, get_model_preset,
+    preset_memory_model, split_layers,
+)
+
+A = (0.3, 0.011, 0.0023, 1.7e-5)   # a0 + a1*s + a2*c + a3*s*c
+
+
+def bilinear(s: float, c: float, scale: float = 1.0) -> float:
+    return scale * (A[0] + A[1] * s + A[2] * c + A[3] * s * c)
+
+
+def grid_points(batch: int = 1, scale: float = 1.0) -> list[dict]:
+    return [{"batch": batch, "slice": s, "context": c, "forward_ms": bilinear(s, c, scale),
+             "backward_ms": bilinear(s, c, 2.1 * scale)}
+            for s in (64, 128, 256, 512) for c in (0, 256, 512, 1024)]
+
+
+def file_obj() -> dict:
+    return {"points": grid_points(), "comm": {"latency_ms": 0.05, "gbps": 10.0}, "hidden": 2048,
+            "bytes_per_element": 2}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# MeasuredCost fit
+
+def test_context_zero_returns_measured_time_exactly_even_when_t0_is_nonlinear():
+    rng = np.random.default_rng(0)
+    lens = [16, 48, 64, 200, 512]
+    t0 = {s: float(v) for s, v in zip(lens, np.sort(rng.uniform(0.1, 5.0, len(lens))) ** 1.5)}
+    pts = [{"slice": s, "context": 0, "forward_ms": t0[s], "backward_ms": 2 * t0[s]} for s in lens]
+    # context points with a large intercept: must not leak into c = 0 (the reference code's double count)
+    pts += [{"slice": s, "context": c, "forward_ms": t0[s] + 3.0 + 0.01 * c, "backward_ms": 2 * t0[s] + 7.0}
+            for s in lens for c in (128, 1024)]
+    cost = MeasuredCost(pts)
+    for s in lens:
+        assert cost.forward_ms(s, 0) == pytest.approx(t0[s], rel=1e-14)
+        assert cost.backward_ms(s, 0) == pytest.approx(2 * t0[s], rel=1e-14)
+    assert cost.forward_ms(64, 512) == pytest.approx(t0[64] + 3.0 + 5.12, rel=1e-9)
+    assert cost.backward_ms(200, 128) == pytest.approx(2 * t0[200] + 7.0, rel=1e-9)
+
+
+def test_duplicate_context_zero_points_are_averaged():
+    pts = [{"slice": 64, "context": 0, "forward_ms": 1.0, "backward_ms": 2.0},
+           {"slice": 64, "context": 0, "forward_ms": 3.0, "backward_ms": 4.0},
+           {"slice": 128, "context": 0, "forward_ms": 4.0, "backward_ms": 8.0}]
+    cost = MeasuredCost(pts)
+    assert cost.forward_ms(64, 0) == 2.0 and cost.backward_ms(64, 0) == 3.0
+    assert cost.forward_ms(96, 0) == pytest.approx(3.0)           # interpolated between 2 and 4
+
+
+def test_fits_a_bilinear_model_exactly_inside_and_outside_the_measured_range():
+    cost = MeasuredCost(grid_points())
+    s = np.array([8.0, 64, 100, 333, 512, 2048, 4000])
+    c = np.array([0.0, 7, 256, 900, 3000, 0, 8192])
+    np.testing.assert_allclose(cost.forward_ms(s, c), [bilinear(*x) for x in zip(s, c)], rtol=1e-10)
+    np.testing.assert_allclose(cost.backward_ms(s, c), [bilinear(*x, 2.1) for x in zip(s, c)], rtol=1e-10)
+
+
+def test_broadcasting_and_scalar_results():
+    cost = MeasuredCost(grid_points())
+    out = cost.forward_ms(np.array([64, 128])[:, None], np.array([0, 256, 512])[None, :])
+    assert out.shape == (2, 3)
+    assert out[1, 2] == pytest.approx(bilinear(128, 512))
+    scalar = cost.forward_ms(64, 256)
+    assert isinstance(scalar, float) and np.ndim(scalar) == 0
+
+
+def test_single_slice_length_scales_proportionally():
+    cost = MeasuredCost([{"slice": 100, "context": 0, "forward_ms": 2.0, "backward_ms": 4.0}])
+    assert cost.forward_ms(50, 0) == pytest.approx(1.0)
+    assert cost.backward_ms(300, 0) == pytest.approx(12.0)
+
+
+def test_extrapolation_never_goes_negative():
+    pts = [{"slice": 64, "context": 0, "forward_ms": 1.0, "backward_ms": 1.0},
+           {"slice": 128, "context": 0, "forward_ms": 5.0, "backward_ms": 5.0}]
+    cost = MeasuredCost(pts)
+    assert cost.forward_ms(8, 0) == 0.0                  # the line through the points is negative there
+    assert cost.forward_ms(32, 0) == 0.0
+
+
+def test_separate_fit_per_batch_and_linear_scaling_for_unmeasured_batches():
+    cost = MeasuredCost(grid_points(batch=1) + grid_points(batch=4, scale=3.0))
+    assert cost.forward_ms(128, 256, batch=1) == pytest.approx(bilinear(128, 256))
+    assert cost.forward_ms(128, 256, batch=4) == pytest.approx(bilinear(128, 256, 3.0))
+    assert cost.forward_ms(128, 256, batch=8) == pytest.approx(2 * bilinear(128, 256, 3.0))   # nearest: 4
+    assert cost.forward_ms(128, 256, batch=2) == pytest.approx(2 * bilinear(128, 256))        # nearest: 1
+    # a tie (distance 1.5 to both 1 and 4... use 2.5) goes to the larger measured batch
+    assert cost.forward_ms(128, 256, batch=2.5) == pytest.approx(2.5 / 4 * bilinear(128, 256, 3.0))
+    batches = np.array([1, 2, 4, 8])
+    vec = cost.backward_ms(128, 256, batch=batches)
+    np.testing.assert_allclose(vec, [cost.backward_ms(128, 256, batch=int(b)) for b in batches])
+
+
+def test_fit_report_is_leave_one_out():
+    exact = MeasuredCost(grid_points()).fit_report()
+    assert exact["method"] == "leave-one-out" and exact["num_held_out"] == 16 and exact["num_skipped"] == 0
+    assert exact["forward"]["max_rel_err"] < 1e-9 and exact["backward"]["max_rel_err"] < 1e-9
+    rng = np.random.default_rng(1)
+    noisy = grid_points()
+    for p in noisy:
+        p["forward_ms"] *= 1 + 0.05 * rng.standard_normal()
+    rep = MeasuredCost(noisy).fit_report()
+    assert 0.005 < rep["forward"]["mean_rel_err"] < 0.5
+    assert rep["forward"]["max_rel_err"] >= rep["forward"]["mean_rel_err"]
+    # a point whose removal leaves no context-0 point for its batch is skipped, not crashed on
+    lone = [{"slice": 64, "context": 0, "forward_ms": 1.0, "backward_ms": 2.0},
+            {"slice": 64, "context": 64, "forward_ms": 1.5, "backward_ms": 3.0}]
+    assert MeasuredCost(lone).fit_report()["num_skipped"] == 1
+
+
+def test_comm_time_formula_and_missing_comm():
+    cost = MeasuredCost(grid_points(), comm={"latency_ms": 0.05, "gbps": 10.0}, hidden=2048)
+    nbytes = 3 * 128 * 2048 * 2
+    assert cost.comm_ms(128, batch=3) == pytest.approx(0.05 + nbytes / (10e9 / 8) * 1e3)
+    assert MeasuredCost(grid_points()).comm_ms(128) == 0.0
+    latency_only = MeasuredCost(grid_points(), comm={"latency_ms": 0.2})
+    np.testing.assert_allclose(latency_only.comm_ms(np.array([8, 4096])), [0.2, 0.2])
+
+
+def test_covers_measured_range_only():
+    cost = MeasuredCost(grid_points())
+    assert cost.covers(64, 0) and cost.covers(512, 1024) and cost.covers(np.array([64, 300]), 100)
+    assert not cost.covers(32, 0)
+    assert not cost.covers(1024, 0)
+    assert not cost.covers(128, 2048)
+    assert not PipelineCost([cost, MeasuredCost(grid_points()[:4])]).covers(128, 256)  # stage 1: contexts 0 only
+
+
+# --------------------------------------------------------------------------------------------------------------
+# File format
+
+def test_uniform_file_round_trips_and_predicts_identically():
+    pc = PipelineCost.from_dict(file_obj(), num_stages=4)
+    assert pc.num_stages == 4 and pc.is_uniform()
+    again = PipelineCost.from_dict(json.loads(json.dumps(pc.to_dict())))
+    assert again.to_dict() == pc.to_dict() and again.num_stages == 4
+    s, c = np.array([8, 100, 600]), np.array([0, 300, 5000])
+    for k in range(4):
+        np.testing.assert_array_equal(again.stage(k).forward_ms(s, c), pc.stage(k).forward_ms(s, c))
+        np.testing.assert_array_equal(again.stage(k).comm_ms(s, 2), pc.stage(k).comm_ms(s, 2))
+
+
+def test_points_only_defaults_to_one_stage_and_file_num_stages_must_agree():
+    assert PipelineCost.from_dict({"points": grid_points()}).num_stages == 1
+    assert PipelineCost.from_dict({"points": grid_points(), "num_stages": 3}).num_stages == 3
+    with pytest.raises(ValueError, match="num_stages"):
+        PipelineCost.from_dict({"points": grid_points(), "num_stages": 3}, num_stages=2)
+
+
+def test_per_stage_keys_override_top_level_and_round_trip():
+    obj = {"stages": [{"points": grid_points()}, {"points": grid_points(scale=2.0), "hidden": 1024,
+                                                  "comm": {"latency_ms": 1.0, "gbps": 1.0}}],
+           "comm": {"latency_ms": 0.1, "gbps": 100.0}, "hidden": 4096, "meta": {"device": "test"}}
+    pc = PipelineCost.from_dict(obj, num_stages=2)
+    assert not pc.is_uniform()
+    assert pc.stage(0).comm_ms(10) == pytest.approx(0.1 + 10 * 4096 * 2 * 8 / 100e6)
+    assert pc.stage(1).comm_ms(10) == pytest.approx(1.0 + 10 * 1024 * 2 * 8 / 1e6)
+    assert pc.stage(1).forward_ms(100, 100) == pytest.approx(bilinear(100, 100, 2.0))
+    d = pc.to_dict()
+    assert d["meta"] == {"device": "test"} and PipelineCost.from_dict(d).to_dict() == d
+
+
+def test_equal_stage_objects_are_recognised_as_uniform():
+    pc = PipelineCost.from_dict({"stages": [{"points": grid_points()}, {"points": grid_points()}]})
+    assert pc.is_uniform()
+    assert "stages" not in pc.to_dict() and pc.to_dict()["num_stages"] == 2
+
+
+def test_load_cost_file(tmp_path):
+    path = tmp_path / "cost.json"
+    path.write_text(json.dumps(file_obj()))
+    assert load_cost_file(path, num_stages=2).num_stages == 2
+    path.write_text('{"points": [\n  {"slice": 64,, }]}')
+    with pytest.raises(ValueError) as err:
+        load_cost_file(path)
+    assert str(path) in str(err.value) and "line 2 column" in str(err.value)
+    with pytest.raises(ValueError, match="cannot be read"):
+        load_cost_file(tmp_path / "missing.json")
+    bad = file_obj()
+    bad["points"][3]["forward_ms"] = -1
+    path.write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match=r"cost\.json: cost\.points\[3\]\.forward_ms"):
+        load_cost_file(path)
+
+
+def _mutate(path: tuple, value, delete: bool = False) -> dict:
+    obj = copy.deepcopy(file_obj())
+    target = obj
+    for key in path[:-1]:
+        target = target[key]
+    if delete:
+        del target[path[-1]]
+    else:
+        target[path[-1]] = value
+    return obj
+
+
+@pytest.mark.parametrize("path, value, delete, needle", [
+    (("points", 2, "forward_ms"), -0.5, False, r"points\[2\]\.forward_ms = -0\.5"),
+    (("points", 2, "backward_ms"), math.nan, False, r"points\[2\]\.backward_ms = nan is not finite"),
+    (("points", 2, "forward_ms"), math.inf, False, r"points\[2\]\.forward_ms = inf"),
+    (("points", 2, "forward_ms"), "1.2", False, r"points\[2\]\.forward_ms = '1.2' is not a number"),
+    (("points", 2, "forward_ms"), True, False, r"points\[2\]\.forward_ms = True is not a number"),
+    (("points", 2, "slice"), 0, False, r"points\[2\]\.slice = 0 must be >= 1"),
+    (("points", 2, "slice"), 12.5, False, r"points\[2\]\.slice = 12\.5 must be an integer"),
+    (("points", 2, "context"), -8, False, r"points\[2\]\.context = -8 must be >= 0"),
+    (("points", 2, "batch"), 0, False, r"points\[2\]\.batch = 0 must be >= 1"),
+    (("points", 2, "fwd_ms"), 1.0, False, r"points\[2\] has unknown key 'fwd_ms'"),
+    (("points", 2, "backward_ms"), None, True, r"points\[2\] is missing 'backward_ms'"),
+    (("points",), [], False, r"cost\.points = \[\] must be a non-empty list"),
+    (("hidden",), None, True, r"cost\.comm\.gbps = 10\.0 needs .*hidden"),
+    (("hidden",), 0, False, r"cost\.hidden = 0 must be >= 1"),
+    (("bytes_per_element",), "2", False, r"cost\.bytes_per_element = '2'"),
+    (("comm", "gbps"), 0, False, r"cost\.comm\.gbps = 0 must be > 0"),
+    (("comm", "latency_ms"), -1, False, r"cost\.comm\.latency_ms = -1"),
+    (("comm", "bandwidth"), 1, False, r"cost\.comm has unknown key 'bandwidth'"),
+    (("extra",), 1, False, r"cost has unknown key 'extra'; valid keys: points, stages"),
+    (("meta",), [1], False, r"cost\.meta = \[1\] must be a JSON object"),
+    (("stages",), [], False, r"exactly one of \"points\""),
+])
+def test_file_errors_name_the_field(path, value, delete, needle):
+    with pytest.raises(ValueError, match=needle):
+        PipelineCost.from_dict(_mutate(path, value, delete), num_stages=2)
+
+
+def test_no_context_zero_points_is_refused_per_batch():
+    pts = grid_points() + [p for p in grid_points(batch=2) if p["context"] > 0]
+    with pytest.raises(ValueError, match="no context = 0 point for batch 2"):
+        PipelineCost.from_dict({"points": pts})
+
+
+def test_stage_file_errors_name_the_stage():
+    obj = {"stages": [{"points": grid_points()}, {"points": grid_points(), "oops": 1}]}
+    with pytest.raises(ValueError, match=r"cost\.stages\[1\] has unknown key 'oops'"):
+        PipelineCost.from_dict(obj)
+    with pytest.raises(ValueError, match=r"cost\.stages has 2 entries but num_stages = 3"):
+        PipelineCost.from_dict({"stages": obj["stages"][:1] * 2}, num_stages=3)
+    with pytest.raises(ValueError, match=r"cost\.stages\[0\] has no \"points\""):
+        PipelineCost.from_dict({"stages": [{"hidden": 8}]})
+    with pytest.raises(TypeError, match=r"cost\.stages\[0\] must be a JSON object"):
+        PipelineCost.from_dict({"stages": [[1, 2]]})
+    with pytest.raises(TypeError, match="cost must be a JSON object"):
+        PipelineCost.from_dict([1])
+
+
+def test_pipeline_cost_api_errors():
+    with pytest.raises(ValueError, match="num_stages = 0 must be >= 1"):
+        PipelineCost.uniform(MeasuredCost(grid_points()), 0)
+    with pytest.raises(TypeError, match=r"stages\[0\] is a str"):
+        PipelineCost(["x"])
+    with pytest.raises(TypeError, match="to_dict needs MeasuredCost stages, stage 0 is AnalyticCost"):
+        analytic_pipeline_cost("gpt3-1b", "v100", 2).to_dict()
+    with pytest.raises(IndexError):
+        PipelineCost.uniform(MeasuredCost(grid_points()), 2).stage(2)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# AnalyticCost and presets
+
+def test_analytic_cost_is_increasing_in_slice_and_context():
+    cost = AnalyticCost(get_model_preset("gpt3-1b"), get_device_preset("v100"), num_layers=3)
+    s = np.arange(8, 4097, 8, dtype=float)
+    c = np.arange(0, 8193, 256, dtype=float)
+    grid = cost.forward_ms(s[:, None], c[None, :])
+    assert np.all(np.diff(grid, axis=0) > 0) and np.all(np.diff(grid, axis=1) > 0)
+    np.testing.assert_allclose(cost.backward_ms(s[:, None], c[None, :]), 2 * grid)
+    assert np.all(np.diff(cost.comm_ms(s)) > 0)
+    assert cost.forward_ms(128, 0, batch=4) > cost.forward_ms(128, 0, batch=1)
+
+
+def test_analytic_cost_matches_the_documented_flop_count_when_compute_bound():
+    spec = TransformerSpec(num_layers=2, hidden=1024, num_heads=8, vocab=1000, seq_len=4096)
+    dev = DeviceSpec("toy", peak_tflops=1.0, mem_bw_gbps=1e9, per_layer_overhead_ms=0.5, efficiency=0.5,
+                     link_gbps=8.0, link_latency_ms=0.25)
+    cost = AnalyticCost(spec, dev, num_layers=2, bytes_per_element=4)
+    b, s, c, h = 2, 256, 512, 1024
+    flops = 24 * b * s * h * h + 4 * b * h * (s * c + s * (s + 1) / 2)
+    assert cost.forward_ms(s, c, b) == pytest.approx(2 * (flops / (0.5e12) * 1e3 + 0.5))
+    head = AnalyticCost(spec, dev, num_layers=2, bytes_per_element=4, lm_head=True)
+    assert head.forward_ms(s, c, b) - cost.forward_ms(s, c, b) == pytest.approx(2 * b * s * h * 1000 / 0.5e12 * 1e3)
+    assert cost.comm_ms(s, b) == pytest.approx(0.25 + b * s * h * 4 * 8 / 8e6)
+
+
+def test_small_slices_are_memory_bound_on_weights():
+    cost = AnalyticCost(get_model_preset("gpt3-175b"), get_device_preset("v100"), num_layers=1)
+    weight_ms = 12 * 12288 ** 2 * 2 / 900e6 + 0.10
+    assert cost.forward_ms(8, 0) == pytest.approx(weight_ms, rel=0.01)       # FLOPs would say ~0.1 ms
+    assert cost.forward_ms(8, 0) / 8 > 5 * cost.forward_ms(1024, 0) / 1024   # per token, tiny slices waste it
+
+
+def test_spec_validation():
+    with pytest.raises(ValueError, match="hidden = 100 is not divisible by num_heads = 3"):
+        TransformerSpec(2, 100, 3, 10, 64)
+    with pytest.raises(ValueError, match=r"TransformerSpec\.num_layers = 0"):
+        TransformerSpec(0, 128, 1, 10, 64)
+    with pytest.raises(ValueError, match=r"DeviceSpec\.efficiency = 1\.5 must be in \(0, 1\]"):
+        DeviceSpec("x", 1.0, 1.0, 0.0, 1.5, 1.0, 0.0)
+    with pytest.raises(ValueError, match=r"DeviceSpec\.peak_tflops = 0"):
+        DeviceSpec("x", 0.0, 1.0, 0.0, 0.5, 1.0, 0.0)
+    with pytest.raises(TypeError, match="model must be a TransformerSpec"):
+        AnalyticCost("gpt3-1b", get_device_preset("cpu"), 1)  # type: ignore[arg-type]
+
+
+def test_model_presets_follow_the_paper():
+    expect = {"gpt3-1b": (24, 2048), "gpt3-13b": (40, 5120), "gpt3-44b": (96, 6144), "gpt3-175b": (96, 12288)}
+    assert set(MODEL_PRESETS) == set(expect)
+    for name, (layers, hidden) in expect.items():
+        spec = get_model_preset(name.upper())
+        assert (spec.num_layers, spec.hidden, spec.num_heads) == (layers, hidden, hidden // 128)
+        assert (spec.vocab, spec.seq_len) == (50257, 2048)
+    with pytest.raises(ValueError, match="model preset 'gpt2' is unknown; valid names: gpt3-1b, gpt3-13b"):
+        get_model_preset("gpt2")
+
+
+def test_device_presets():
+    assert {k: (d.peak_tflops, d.mem_bw_gbps) for k, d in DEVICE_PRESETS.items()} == {
+        "v100": (125.0, 900.0), "a100": (312.0, 1555.0), "h100": (989.0, 3350.0), "cpu": (0.2, 20.0)}
+    with pytest.raises(ValueError, match="device preset 'tpu' is unknown; valid names: v100, a100, h100, cpu"):
+        get_device_preset("tpu")
+
+
+def test_analytic_pipeline_cost_splits_layers_and_puts_the_head_last():
+    assert split_layers(10, 4) == [3, 3, 2, 2]
+    pc = analytic_pipeline_cost("gpt3-13b", "a100", 3)       # 40 layers: 14, 13, 13 + head
+    times = [pc.stage(k).forward_ms(256, 0) for k in range(3)]
+    assert times[0] > times[1] and times[2] > times[1] and not pc.is_uniform()
+    assert analytic_pipeline_cost("gpt3-1b", "v100", 4, lm_head=False).is_uniform()
+    assert not analytic_pipeline_cost("gpt3-1b", "v100", 5, lm_head=False).is_uniform()
+    with pytest.raises(ValueError, match="num_stages = 25 exceeds the model's 24 layers"):
+        analytic_pipeline_cost("gpt3-1b", "v100", 25)
+    mem = preset_memory_model("gpt3-13b", 3)
+    assert mem.num_layers_per_stage == (14, 13, 13) and mem.hidden == 5120
