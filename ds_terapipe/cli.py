@@ -345,6 +345,32 @@ def _given_slicing(args: argparse.Namespace) -> None:
                              "of them")
 
 
+def _write_timelines(args: argparse.Namespace, result: Any, meta: dict[str, Any], title: str
+                     ) -> tuple[str | None, str | None]:
+    """--trace and --plot; returns the paths written (None where not asked for)."""
+    if args.trace is None and args.plot is None:
+        return None, None
+    from . import trace
+
+    trace_path = plot_path = None
+    if args.trace is not None:
+        try:
+            trace_path = str(trace.events_to_chrome_trace(result.events, args.trace, metadata=meta))
+        except OSError as exc:
+            raise UsageError(f"--trace {args.trace}: cannot write ({exc.strerror or exc}); pick a writable path") \
+                from None
+    if args.plot is not None:
+        try:
+            plot_path = str(trace.plot_timeline(result.events, args.plot, title=title))
+        except ImportError:
+            raise UsageError(f"--plot {args.plot} needs matplotlib, which is not installed; pip install matplotlib "
+                             "(or drop --plot)") from None
+        except OSError as exc:
+            raise UsageError(f"--plot {args.plot}: cannot write ({exc.strerror or exc}); pick a writable path") \
+                from None
+    return trace_path, plot_path
+
+
 def _cmd_simulate(args: argparse.Namespace) -> int:
     from .planner.schedule import build_schedule
     from .planner.simulate import simulate
@@ -354,45 +380,27 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     if args.slices is not None:
         _given_slicing(args)
         cost, source = _load_cost(args)
-        slices, units, batch = list(args.slices), args.microbatches, args.micro_batch
+        slices, batch_splits = list(args.slices), [args.micro_batch]
     else:
         cost, plan, source, plan_seconds = _plan(args)
-        slices = list(plan.slices)
-        units, batch = args.microbatches * len(plan.batch_splits), plan.batch_splits[0]
+        slices, batch_splits = list(plan.slices), list(plan.batch_splits)
+    units, batch = args.microbatches * len(batch_splits), batch_splits[0]  # sub-batches are pipeline units too
     t0 = time.perf_counter()
-    schedule = build_schedule(args.schedule, cost.num_stages, units, len(slices))
-    result = simulate(schedule, cost, slices, micro_batch_size=batch)
+    result = simulate(build_schedule(args.schedule, cost.num_stages, units, len(slices)), cost, slices,
+                      micro_batch_size=batch)
     unsliced = simulate(build_schedule(args.schedule, cost.num_stages, args.microbatches, 1), cost,
                         [args.seq_len], micro_batch_size=args.micro_batch)
     sim_seconds = time.perf_counter() - t0
     speedup = unsliced.makespan_ms / result.makespan_ms if result.makespan_ms > 0 else 1.0
-    meta = {"schedule": args.schedule, "num_stages": cost.num_stages, "slices": slices,
+    meta = {"schedule": args.schedule, "num_stages": cost.num_stages, "seq_len": args.seq_len, "slices": slices,
             "num_microbatches": args.microbatches, "micro_batch_size": args.micro_batch,
-            "sub_batch_size": batch, "makespan_ms": result.makespan_ms, "cost": source}
-    trace_path = plot_path = None
-    if args.trace is not None or args.plot is not None:
-        from . import trace
-
-        if args.trace is not None:
-            try:
-                trace_path = str(trace.events_to_chrome_trace(result.events, args.trace, metadata=meta))
-            except OSError as exc:
-                raise UsageError(f"--trace {args.trace}: cannot write ({exc.strerror or exc}); pick a writable "
-                                 "path") from None
-        if args.plot is not None:
-            title = (f"{_describe(source, cost.num_stages)}: {args.schedule}, {len(slices)} slices x {units} "
-                     f"unit(s), makespan {result.makespan_ms:.4g} ms, bubble {100 * result.bubble_fraction:.1f}%")
-            try:
-                plot_path = str(trace.plot_timeline(result.events, args.plot, title=title))
-            except ImportError:
-                raise UsageError(f"--plot {args.plot} needs matplotlib, which is not installed; pip install "
-                                 "matplotlib (or drop --plot)") from None
-            except OSError as exc:
-                raise UsageError(f"--plot {args.plot}: cannot write ({exc.strerror or exc}); pick a writable "
-                                 "path") from None
+            "batch_splits": batch_splits, "makespan_ms": result.makespan_ms, "cost": source}
+    what = "sub-batches" if len(batch_splits) > 1 else "micro-batch(es)"
+    title = (f"{_describe(source, cost.num_stages)}: {args.schedule}, {len(slices)} slices x {units} {what}, "
+             f"makespan {result.makespan_ms:.4g} ms, bubble {100 * result.bubble_fraction:.1f}%")
+    trace_path, plot_path = _write_timelines(args, result, meta, title)
     if args.json:
-        _print_json({**meta, "seq_len": args.seq_len, "batch_splits": [batch] * (units // args.microbatches),
-                     "bubble_fraction": result.bubble_fraction, "busy_ms": list(result.busy_ms),
+        _print_json({**meta, "bubble_fraction": result.bubble_fraction, "busy_ms": list(result.busy_ms),
                      "peak_in_flight": list(result.peak_in_flight), "unsliced_makespan_ms": unsliced.makespan_ms,
                      "speedup": speedup, "plan": None if plan is None else plan.to_dict(),
                      "plan_seconds": plan_seconds, "simulate_seconds": sim_seconds,

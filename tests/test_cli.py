@@ -134,9 +134,13 @@ def test_memory_refusal_suggests_only_what_helps(capsys: pytest.CaptureFixture[s
     assert rc == 2 and "add --split-batch" in err and "--schedule 1f1b" not in err and "--max-slices" not in err
 
 
-def test_plan_split_batch(capsys: pytest.CaptureFixture[str]) -> None:
-    plan = run_json(capsys, "plan", *SMALL, "--micro-batch", "4", "--split-batch")
-    assert sum(plan["batch_splits"]) == 4 and len(set(plan["batch_splits"])) == 1
+def test_split_batch_plan_and_simulation_agree(capsys: pytest.CaptureFixture[str]) -> None:
+    sim = run_json(capsys, "simulate", *SMALL, "--micro-batch", "8", "--split-batch")
+    plan = sim["plan"]
+    assert plan["batch_splits"] == sim["batch_splits"] == [4, 4], "this case is chosen so that splitting pays"
+    # Two sub-batches of 4 are two pipeline units: the CLI must simulate what the planner scored.
+    assert sim["makespan_ms"] == pytest.approx(plan["predicted_ms"], rel=1e-9)
+    assert len(sim["peak_in_flight"]) == 4 and sim["peak_in_flight"][0] == 2 * len(sim["slices"])
 
 
 def test_plan_accepts_preset_names_in_any_case(capsys: pytest.CaptureFixture[str]) -> None:
