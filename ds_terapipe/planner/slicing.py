@@ -1,0 +1,607 @@
+"""Optimal token slicing: cut each sequence into pipeline units so a step finishes soonest.
+
+Why: with K stages, m micro-batches and a sequence cut into slices with per-stage times t_1..t_n, a GPipe step
+over equal stages takes (TeraPipe, ICML 2021, eq. 5)
+
+    T = m * sum_i w_i + (K - 1) * max_i t_i
+
+where w_i = forward_i + backward_i is the compute each stage spends on slice i and, with K > 1, t_i = w_i +
+2 * comm_i adds the slice's activation send and gradient send, which overlap compute (isend) but lie on the
+critical path once per stage boundary. This is exactly the event simulator's makespan (``simulate.py``) when
+forward, backward and comm of the slices peak on the same slice (e.g. comm = 0 and backward proportional to
+forward); otherwise the simulator's (K-1) * (max(forward+comm) + max(backward+comm)) is up to that much larger
+and the closed form is a lower bound. More slices shrink the bubble term; slices are not free because later
+ones attend over a longer prefix and short ones underuse the device, so t(s, c) comes from a cost model.
+
+How: every slice length is a multiple of the granularity g, so a slicing is a path 0 -> N = L / g over slice
+boundaries. For a threshold tau on max t, the min-sum path with every t_i <= tau is an O(N^2) DP (numpy over
+the inner dimension). The optimum is the best (m * minsum(tau) + (K-1) * tau) over thresholds tau taken from the
+sorted slice times; thresholds are visited in increasing order and skipped when a lower bound proves they
+cannot win: minsum(tau) >= minsum(inf), and a path better than the current one must use a newly allowed slice
+(a, b), so minsum(tau') >= min(current, min over new slices of prefix(a) + w(a, b) + suffix(b)). That is exact
+(tests compare with brute force) and solves only where the DP can change.
+
+Run ``python benchmarks/planner_speed.py`` for timings.
+"""
+from __future__ import annotations
+
+import heapq
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+
+from .cost import PipelineCost, _integer
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SCHEDULES", "MemoryModel", "SlicingPlan", "plan_slicing"]
+
+#: Schedule names the planner understands (the builders live in ``schedule.py``).
+SCHEDULES = ("gpipe", "1f1b")
+_INF = math.inf
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Memory
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """What the memory estimate needs to know about the model split.
+
+    ``num_layers_per_stage``: layers on each stage (one int for all stages, or one per stage).
+    ``hidden``: model width. ``bytes_per_element``: 2 for fp16/bf16 activations.
+    ``activation_factor``: stashed-activation bytes per token per hidden unit per layer at 16 bits; 34 is
+    Korthikanti et al. (2022) without recomputation and with fused attention (no s^2 score term). It is scaled by
+    bytes_per_element / 2 for other precisions; pass ~2 for full activation recomputation.
+    """
+
+    num_layers_per_stage: int | tuple[int, ...]
+    hidden: int
+    bytes_per_element: int = 2
+    activation_factor: float = 34.0
+
+    def __post_init__(self) -> None:
+        layers = self.num_layers_per_stage
+        if isinstance(layers, Sequence) and not isinstance(layers, str):
+            object.__setattr__(self, "num_layers_per_stage",
+                               tuple(_integer(x, f"MemoryModel.num_layers_per_stage[{i}]", minimum=0)
+                                     for i, x in enumerate(layers)))
+        else:
+            _integer(layers, "MemoryModel.num_layers_per_stage", minimum=0)
+        _integer(self.hidden, "MemoryModel.hidden", minimum=1)
+        _integer(self.bytes_per_element, "MemoryModel.bytes_per_element", minimum=1)
+        f = self.activation_factor
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or f < 0:
+            raise ValueError(f"MemoryModel.activation_factor = {f!r} must be a finite number >= 0; use 34 "
+                             "(no recomputation) or ~2 (full recomputation)")
+
+    def layers(self, num_stages: int) -> tuple[int, ...]:
+        layers = self.num_layers_per_stage
+        if isinstance(layers, tuple):
+            if len(layers) != num_stages:
+                raise ValueError(f"MemoryModel.num_layers_per_stage has {len(layers)} entries but the cost has "
+                                 f"{num_stages} stages; give one count per stage")
+            return layers
+        return (int(layers),) * num_stages
+
+    @staticmethod
+    def live_subbatches(schedule: str, stage: int, num_stages: int, num_units: int, num_slices: int) -> float:
+        """Sub-batches' worth of tokens whose activations and KV caches a stage holds at its peak.
+
+        GPipe runs every forward before any backward: all ``num_units`` (micro-batches x splits) are alive.
+        Token 1F1B (``schedule.warmup_forwards``) keeps at most W = n + K - 1 - stage units in flight, i.e.
+        W / n sub-batches' worth of tokens when the n slices are equal (for n = 1 that is classic 1F1B's
+        K - stage micro-batches). This is an estimate, not a bound: the in-flight window can hold the longest
+        slices, up to (K - 1 - stage) * (longest - mean slice) more tokens per sequence. It never grows with n,
+        so a memory cap translates into a minimum slice count.
+        """
+        if schedule == "gpipe":
+            return float(num_units)
+        return min(float(num_units), (num_slices + num_stages - 1 - stage) / num_slices)
+
+    def peak_bytes(self, *, schedule: str, num_stages: int, num_microbatches: int, micro_batch_size: int,
+                   num_splits: int, seq_len: int, num_slices: int) -> float:
+        """Estimated peak bytes of the busiest stage: live tokens x layers x hidden x (activations + KV).
+
+        Live tokens = ``live_subbatches`` x (micro_batch_size / num_splits) x seq_len; per token per layer a stage
+        stashes hidden * activation_factor * bytes_per_element / 2 activation bytes and keeps a KV cache of
+        2 * hidden * bytes_per_element (the cache overlaps with the stashed K and V, so this errs high).
+        Weights, gradients and optimizer state are not included: subtract them from the device memory yourself.
+        """
+        per_token_layer = self.hidden * (self.activation_factor * self.bytes_per_element / 2.0
+                                         + 2.0 * self.bytes_per_element)
+        sub_batch = micro_batch_size // num_splits
+        units = num_microbatches * num_splits
+        peak = 0.0
+        for s, layers in enumerate(self.layers(num_stages)):
+            live = self.live_subbatches(schedule, s, num_stages, units, num_slices)
+            peak = max(peak, layers * live * sub_batch * seq_len * per_token_layer)
+        return peak
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The plan
+
+@dataclass(frozen=True)
+class SlicingPlan:
+    """A solved plan: how to cut sequences and batches, and what the planner expects it to take.
+
+    ``slices``: tokens per slice, summing to ``seq_len``. ``batch_splits``: sequences per sub-batch, summing to
+    ``micro_batch_size`` (``(B,)`` when unsplit); every sub-batch uses the same slices. ``predicted_ms`` and
+    ``unsliced_ms`` are the step times with this plan and with whole sequences (stock pipelining);
+    ``speedup = unsliced_ms / predicted_ms``. ``memory_bytes`` is the peak estimate when a MemoryModel was given.
+    """
+
+    slices: tuple[int, ...]
+    batch_splits: tuple[int, ...]
+    seq_len: int
+    num_stages: int
+    num_microbatches: int
+    micro_batch_size: int
+    granularity: int
+    schedule: str
+    predicted_ms: float
+    unsliced_ms: float
+    speedup: float
+    bubble_fraction: float
+    memory_bytes: float | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "slices", tuple(int(s) for s in self.slices))
+        object.__setattr__(self, "batch_splits", tuple(int(b) for b in self.batch_splits))
+        if not self.slices or min(self.slices) <= 0 or sum(self.slices) != self.seq_len:
+            raise ValueError(f"SlicingPlan.slices = {self.slices} must be positive and sum to seq_len = "
+                             f"{self.seq_len}; re-plan for this sequence length")
+        if not self.batch_splits or min(self.batch_splits) <= 0 or sum(self.batch_splits) != self.micro_batch_size:
+            raise ValueError(f"SlicingPlan.batch_splits = {self.batch_splits} must be positive and sum to "
+                             f"micro_batch_size = {self.micro_batch_size}; re-plan for this batch size")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"SlicingPlan.schedule = {self.schedule!r} is unknown; valid: {', '.join(SCHEDULES)}")
+
+    @property
+    def num_slices(self) -> int:
+        return len(self.slices)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe; ``SlicingPlan.from_dict(p.to_dict()) == p``."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["slices"], out["batch_splits"] = list(self.slices), list(self.batch_splits)
+        return out
+
+    @classmethod
+    def from_dict(cls, obj: Mapping[str, Any]) -> SlicingPlan:
+        names = [f.name for f in fields(cls)]
+        if not isinstance(obj, Mapping):
+            raise TypeError(f"SlicingPlan.from_dict needs a dict, got {type(obj).__name__}")
+        unknown = sorted(set(obj) - set(names))
+        missing = [n for n in names if n not in obj and n != "memory_bytes"]
+        if unknown or missing:
+            raise ValueError(f"SlicingPlan dict has unknown keys {unknown} / missing keys {missing}; valid keys: "
+                             f"{', '.join(names)}")
+        return cls(**{n: obj[n] for n in names if n in obj})
+
+    def __str__(self) -> str:
+        shown = ", ".join(map(str, self.slices[:8])) + (", ..." if len(self.slices) > 8 else "")
+        split = f" x {len(self.batch_splits)} sub-batches of {self.batch_splits[0]}" if len(self.batch_splits) > 1 \
+            else ""
+        return (f"{self.schedule} K={self.num_stages} m={self.num_microbatches} B={self.micro_batch_size}{split}: "
+                f"{self.num_slices} slices [{shown}] of L={self.seq_len}; {self.predicted_ms:.4g} ms vs "
+                f"{self.unsliced_ms:.4g} unsliced ({self.speedup:.2f}x), bubble {100 * self.bubble_fraction:.1f}%")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The DP over slice boundaries
+
+class _Dp:
+    """Min-sum paths 0 -> N over boundaries; slice [a, b) weighs ``w[a, b]`` and is allowed when ``t[a, b] <= tau``.
+
+    ``w`` and ``t`` are (N+1, N+1) with inf where a >= b. Slice counts are limited to [n_min, n_max]:
+    unlimited -> one sequential DP (numpy over a); n_min > 1 -> the same with the count as a capped extra axis;
+    n_max < N -> layered DP, one min-plus product per slice count.
+    """
+
+    def __init__(self, w: np.ndarray, t: np.ndarray, n_min: int, n_max: int) -> None:
+        self.n = w.shape[0] - 1
+        self.w, self.t = w, t
+        self.wt, self.tt = np.ascontiguousarray(w.T), np.ascontiguousarray(t.T)  # [b, a]: rows contiguous in a
+        self.n_min, self.n_max = n_min, n_max
+        self._edges: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+
+    def edges(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """All slices sorted by t: (t values, start, end)."""
+        if self._edges is None:
+            a, b = np.triu_indices(self.n + 1, 1)
+            vals = self.t[a, b]
+            order = np.argsort(vals, kind="stable")
+            self._edges = (vals[order], a[order], b[order])
+        return self._edges
+
+    def max_t(self, cuts: Sequence[int]) -> float:
+        return float(max(self.t[a, b] for a, b in zip(cuts[:-1], cuts[1:])))
+
+    def sum_w(self, cuts: Sequence[int]) -> float:
+        return float(sum(self.w[a, b] for a, b in zip(cuts[:-1], cuts[1:])))
+
+    def bottleneck(self) -> float:
+        """Smallest tau admitting any path (slice counts ignored: a lower bound under count limits)."""
+        h = np.full(self.n + 1, _INF)
+        h[0] = -_INF
+        for b in range(1, self.n + 1):
+            h[b] = np.maximum(h[:b], self.tt[b, :b]).min()
+        return float(h[self.n])
+
+    def suffix(self, tau: float) -> np.ndarray:
+        """Min-sum from each boundary to N with t <= tau, any count (a lower bound for every count limit)."""
+        wm = np.where(self.t <= tau, self.w, _INF)
+        g = np.full(self.n + 1, _INF)
+        g[self.n] = 0.0
+        for a in range(self.n - 1, -1, -1):
+            g[a] = (wm[a, a + 1:] + g[a + 1:]).min()
+        return g
+
+    def solve(self, tau: float) -> tuple[float, np.ndarray, list[int] | None]:
+        """(min sum, lower bound on the prefix cost of a feasible path at each boundary, cut points or None)."""
+        if self.n_max < self.n:
+            return self._layered(tau)
+        if self.n_min > 1:
+            return self._capped(tau)
+        wm = self.wt if tau == _INF else np.where(self.tt <= tau, self.wt, _INF)
+        f = np.full(self.n + 1, _INF)
+        f[0] = 0.0
+        arg = np.zeros(self.n + 1, dtype=np.int64)
+        for b in range(1, self.n + 1):
+            v = f[:b] + wm[b, :b]
+            a = int(v.argmin())
+            f[b], arg[b] = v[a], a
+        if not math.isfinite(f[self.n]):
+            return _INF, f, None
+        cuts = [self.n]
+        while cuts[-1] > 0:
+            cuts.append(int(arg[cuts[-1]]))
+        return float(f[self.n]), f, cuts[::-1]
+
+    def _capped(self, tau: float) -> tuple[float, np.ndarray, list[int] | None]:
+        # State (count so far capped at C = n_min, boundary); C means ">= n_min slices".
+        cap = self.n_min
+        wm = self.wt if tau == _INF else np.where(self.tt <= tau, self.wt, _INF)
+        f = np.full((cap + 1, self.n + 1), _INF)
+        f[0, 0] = 0.0
+        arg = np.zeros((cap + 1, self.n + 1), dtype=np.int64)
+        top_from_top = np.zeros(self.n + 1, dtype=bool)  # state C at b came from state C (else from C - 1)
+        rows = np.arange(cap + 1)
+        for b in range(1, self.n + 1):
+            v = f[:, :b] + wm[b, :b]                      # (C+1, b): from count state c via slice [a, b)
+            a = v.argmin(axis=1)
+            best = v[rows, a]
+            f[1:cap, b], arg[1:cap, b] = best[:cap - 1], a[:cap - 1]
+            top_from_top[b] = best[cap] < best[cap - 1]
+            src = cap if top_from_top[b] else cap - 1
+            f[cap, b], arg[cap, b] = best[src], a[src]
+        total = float(f[cap, self.n])
+        if not math.isfinite(total):
+            return _INF, f.min(axis=0), None
+        cuts, state = [self.n], cap
+        while cuts[-1] > 0:
+            b = cuts[-1]
+            prev = cap if (state == cap and top_from_top[b]) else state - 1
+            cuts.append(int(arg[state, b]))
+            state = prev
+        assert state == 0, "capped DP reconstruction must end in the empty state"
+        return total, f.min(axis=0), cuts[::-1]
+
+    def _layered(self, tau: float) -> tuple[float, np.ndarray, list[int] | None]:
+        wm = self.w if tau == _INF else np.where(self.t <= tau, self.w, _INF)
+        f = np.full(self.n + 1, _INF)
+        f[0] = 0.0
+        prefix = f.copy()
+        cols = np.arange(self.n + 1)
+        best, best_j, args = _INF, 0, []
+        for j in range(1, self.n_max + 1):
+            rows = np.flatnonzero(np.isfinite(f))
+            cand = f[rows, None] + wm[rows]                 # (rows, N+1): j-th slice [a, b) after j-1 slices
+            a = cand.argmin(axis=0)
+            f = cand[a, cols]
+            args.append(rows[a])
+            if j >= self.n_min and f[self.n] < best:
+                best, best_j = float(f[self.n]), j
+            np.minimum(prefix, f, out=prefix)
+        if best_j == 0:
+            return _INF, prefix, None
+        cuts = [self.n]
+        for j in range(best_j, 0, -1):
+            cuts.append(int(args[j - 1][cuts[-1]]))
+        assert cuts[-1] == 0, "layered DP reconstruction must reach boundary 0"
+        return best, prefix, cuts[::-1]
+
+
+def _thresholds(dp: _Dp, units: int, num_stages: int, upper: float | None
+                ) -> tuple[float, list[int] | None, float, list[list[int]]]:
+    """Branch and bound over the sorted distinct slice times used as the threshold tau.
+
+    minsum(tau) is a non-increasing step function. A solve at tau returns the min sum S and the plan's actual
+    max M <= tau; minsum is S on all of [M, tau], so those thresholds are settled at once. An open interval of
+    thresholds (lo, hi) between two solves has minsum in [S(hi side), S(lo side)]: it is dropped when both are
+    equal (constant there), and, when optimising, when units * S(hi side) + (K-1) * (its smallest threshold)
+    cannot beat the best plan found. Intervals are bisected best-bound-first, so the optimum is found early and
+    prunes the rest. Exact: only intervals that provably contain no better plan are dropped.
+
+    ``upper`` None: optimise units * sum w + (K-1) * max t; returns (value, cuts, minsum(inf), plans solved).
+    ``upper`` given: collect the min-sum plan of every threshold in [bottleneck, upper] where minsum changes.
+    """
+    km1 = num_stages - 1
+    s_inf, _, cuts = dp.solve(_INF)
+    if cuts is None:
+        return _INF, None, _INF, []
+    best, best_cuts = units * s_inf + km1 * dp.max_t(cuts), cuts
+    plans = [cuts]
+    if km1 == 0:
+        return best, best_cuts, s_inf, plans
+    collect = upper is not None
+    limit = upper if collect else (best - units * s_inf) / km1  # tau >= limit cannot beat best (minsum >= s_inf)
+    vals = np.unique(dp.edges()[0])
+    heap: list[tuple[float, int, int, float, float]] = []   # (bound, first idx, last idx, S below, S above)
+
+    def push(i: int, j: int, s_below: float, s_above: float) -> None:
+        if i <= j and s_below > s_above:
+            heapq.heappush(heap, (units * s_above + km1 * float(vals[i]), i, j, s_below, s_above))
+
+    first = int(np.searchsorted(vals, dp.bottleneck(), side="left"))
+    push(first, len(vals) - 1, _INF, s_inf)
+    solves = 0
+    while heap:
+        bound, i, j, s_below, s_above = heapq.heappop(heap)
+        j = min(j, int(np.searchsorted(vals, limit, side="right" if collect else "left")) - 1)
+        if i > j or (not collect and bound >= best):
+            continue
+        mid = (i + j) // 2
+        total, _, cuts = dp.solve(float(vals[mid]))
+        solves += 1
+        if cuts is None:   # infeasible here, so everywhere below
+            push(mid + 1, j, _INF, s_above)
+            continue
+        plans.append(cuts)
+        top = dp.max_t(cuts)
+        score = units * total + km1 * top
+        if score < best:
+            best, best_cuts = score, cuts
+            if not collect:
+                limit = (best - units * s_inf) / km1
+        push(i, int(np.searchsorted(vals, top, side="left")) - 1, s_below, total)
+        push(mid + 1, j, total, s_above)
+    logger.debug("slicing thresholds: N=%d, %d DP solves over %d distinct thresholds", dp.n, solves, len(vals))
+    return best, best_cuts, s_inf, plans
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Tables from the cost model
+
+def _stage_times(cost: PipelineCost, lens: np.ndarray, ctx: np.ndarray, batch: int
+                 ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Per stage (forward, backward, comm) for slices ``lens`` after ``ctx``; shared stage models run once."""
+    seen: dict[Any, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+    out = []
+    for k, st in enumerate(cost.stages):
+        key = st.cache_key()
+        if key not in seen:
+            times = tuple(np.broadcast_to(np.asarray(x, dtype=float), lens.shape) for x in (
+                st.forward_ms(lens, ctx, batch), st.backward_ms(lens, ctx, batch), st.comm_ms(lens, batch)))
+            for name, x in zip(("forward_ms", "backward_ms", "comm_ms"), times):
+                if not np.all(np.isfinite(x)) or np.any(x < 0):
+                    raise ValueError(f"stage {k} cost model returned a negative or non-finite {name} for "
+                                     f"batch {batch}; fix the cost model (a fit extrapolated too far?)")
+            seen[key] = times  # type: ignore[assignment]
+        out.append(seen[key])
+    return out
+
+
+def _tables(cost: PipelineCost, n: int, granularity: int, batch: int) -> tuple[np.ndarray, np.ndarray]:
+    """(w, t) over all slices [a, b) of the grid for the slowest stage at each slice (inf where a >= b)."""
+    a, b = np.triu_indices(n + 1, 1)
+    times = _stage_times(cost, ((b - a) * granularity).astype(float), (a * granularity).astype(float), batch)
+    comm_factor = 2.0 if cost.num_stages > 1 else 0.0
+    w_flat = np.max([f + bw for f, bw, _ in times], axis=0)
+    t_flat = np.max([f + bw + comm_factor * c for f, bw, c in times], axis=0)
+    w = np.full((n + 1, n + 1), _INF)
+    t = np.full((n + 1, n + 1), _INF)
+    w[a, b], t[a, b] = w_flat, t_flat
+    return w, t
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Scoring with the simulator (unequal stages, 1F1B)
+
+class _Simulated:
+    """Scores candidate plans with ``simulate`` under the real per-stage costs, skipping hopeless ones."""
+
+    def __init__(self, cost: PipelineCost, schedule: str, seq_len: int) -> None:
+        try:
+            from .schedule import build_schedule
+            from .simulate import simulate
+        except ImportError as exc:  # pragma: no cover - both ship with the package
+            raise RuntimeError(f"planning {schedule!r} over unequal stages needs planner.simulate ({exc})") from exc
+        self._build, self._simulate = build_schedule, simulate
+        self.cost, self.schedule, self.seq_len = cost, schedule, seq_len
+        self._schedules: dict[tuple[int, int], Any] = {}
+        self.num_simulated = 0
+
+    def run(self, slices: Sequence[int], units: int, batch: int) -> Any:
+        key = (units, len(slices))
+        if key not in self._schedules:
+            self._schedules[key] = self._build(self.schedule, self.cost.num_stages, units, len(slices))
+        self.num_simulated += 1
+        return self._simulate(self._schedules[key], self.cost, list(slices), micro_batch_size=batch)
+
+    def lower_bound(self, slices: Sequence[int], units: int, batch: int) -> float:
+        """Sound makespan bound: a stage cannot start before slice 0 has passed the stages before it, then
+        works ``units * sum(forward + backward)``, and its last backward still has to cross the stages before."""
+        lens = np.asarray(slices, dtype=float)
+        ctx = np.concatenate([[0.0], np.cumsum(lens)[:-1]])
+        times = _stage_times(self.cost, lens, ctx, batch)
+        first_fwd = np.array([f[0] for f, _, _ in times])
+        min_bwd = np.array([bw.min() for _, bw, _ in times])
+        work = np.array([units * float((f + bw).sum()) for f, bw, _ in times])
+        before = np.concatenate([[0.0], np.cumsum(first_fwd + min_bwd)[:-1]])
+        return float((before + work).max())
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The planner
+
+def _divisors(x: int) -> list[int]:
+    return [d for d in range(1, x + 1) if x % d == 0]
+
+
+def _check_int(value: Any, name: str, minimum: int, fix: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} = {value!r} must be an int; {fix}")
+    if value < minimum:
+        raise ValueError(f"{name} = {value!r} must be >= {minimum}; {fix}")
+    return int(value)
+
+
+def plan_slicing(cost: PipelineCost, seq_len: int, *, num_microbatches: int = 1, micro_batch_size: int = 1,
+                 granularity: int = 8, schedule: str = "gpipe", memory_limit_bytes: float | None = None,
+                 split_batch: bool = False, max_slices: int | None = None,
+                 memory: MemoryModel | None = None) -> SlicingPlan:
+    """The fastest slicing of ``seq_len``-token sequences for this pipeline, cost model and schedule.
+
+    Slice lengths are multiples of ``granularity`` (smaller granularity: finer plans, slower planning); at
+    most ``max_slices`` slices if given. What "fastest" means:
+
+    * Equal stages, GPipe: the exact minimiser of the closed form in the module docstring; ``predicted_ms`` is
+      that closed form (equal to the simulator's makespan whenever forward, backward and comm peak on the same
+      slice, a lower bound on it otherwise).
+    * Unequal stages or 1F1B: the closed form is no longer the step time. The DP runs on the slowest stage
+      for every slice (w and t maxed over stages), and every distinct min-sum plan of that DP whose max-slice
+      threshold could still be optimal for the slowest-stage closed form (thresholds up to the closed-form
+      optimum's bound), plus the unsliced plan, is simulated (``simulate.py``) under the real per-stage costs
+      and schedule; the smallest simulated makespan wins and is ``predicted_ms``. Optimal among those
+      candidates, not over all slicings; candidates a sound lower bound rules out are not simulated.
+
+    ``split_batch`` (TeraPipe section 3.4) also splits each micro-batch of ``micro_batch_size`` sequences into
+    q equal sub-batches, q dividing the micro-batch size, all with the same token slicing; sub-batches are
+    extra pipeline units (m * q of them, costed at batch B / q). Only equal splits are searched because they
+    are the only ones the runtime executes. ``memory_limit_bytes`` with ``memory`` (a MemoryModel) keeps only
+    plans whose ``MemoryModel.peak_bytes`` estimate fits; for 1F1B that may demand a minimum number of slices.
+    Sequence lengths outside what the cost model measured are extrapolated (a warning is logged).
+    """
+    if not isinstance(cost, PipelineCost):
+        raise TypeError(f"cost must be a PipelineCost, got {type(cost).__name__}; build one with "
+                        "PipelineCost.from_dict / load_cost_file / presets.analytic_pipeline_cost")
+    granularity = _check_int(granularity, "granularity", 1, "use a positive token count such as 8")
+    seq_len = _check_int(seq_len, "seq_len", 1, "pass the training sequence length")
+    if seq_len < granularity:
+        raise ValueError(f"seq_len = {seq_len} is smaller than granularity = {granularity}; lower the granularity")
+    if seq_len % granularity:
+        raise ValueError(f"seq_len = {seq_len} is not a multiple of granularity = {granularity}; pick a "
+                         f"granularity dividing it (e.g. {math.gcd(seq_len, granularity)})")
+    m = _check_int(num_microbatches, "num_microbatches", 1, "pass the micro-batches per step (>= 1)")
+    batch = _check_int(micro_batch_size, "micro_batch_size", 1, "pass the sequences per micro-batch (>= 1)")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule = {schedule!r} is unknown; valid: {', '.join(SCHEDULES)}")
+    n = seq_len // granularity
+    n_max = n if max_slices is None else min(n, _check_int(max_slices, "max_slices", 1, "use None for no cap"))
+    if memory is not None and not isinstance(memory, MemoryModel):
+        raise TypeError(f"memory must be a MemoryModel, got {type(memory).__name__}")
+    if memory_limit_bytes is not None:
+        lim = memory_limit_bytes
+        if isinstance(lim, bool) or not isinstance(lim, (int, float)) or not math.isfinite(lim) or lim <= 0:
+            raise ValueError(f"memory_limit_bytes = {lim!r} must be a finite number > 0; pass bytes or None")
+        if memory is None:
+            raise ValueError(f"memory_limit_bytes = {lim!r} needs memory=MemoryModel(num_layers_per_stage, hidden, "
+                             "bytes_per_element) to estimate a plan's memory (see presets.preset_memory_model)")
+    num_stages = cost.num_stages
+    if memory is not None:
+        memory.layers(num_stages)  # validates the per-stage layer counts against the cost
+    if not cost.covers(granularity, 0, batch) or not cost.covers(seq_len, seq_len - granularity, batch):
+        logger.warning("the cost model does not cover slices of %d..%d tokens with up to %d context at batch %d: "
+                       "times are extrapolated; profile that range for a reliable plan", granularity, seq_len,
+                       seq_len - granularity, batch)
+
+    def peak(q: int, num_slices: int) -> float | None:
+        if memory is None:
+            return None
+        return memory.peak_bytes(schedule=schedule, num_stages=num_stages, num_microbatches=m,
+                                 micro_batch_size=batch, num_splits=q, seq_len=seq_len, num_slices=num_slices)
+
+    options: list[tuple[int, int]] = []  # (splits q, minimum slice count the memory cap allows)
+    for q in _divisors(batch) if split_batch else [1]:
+        n_min = 1
+        if memory_limit_bytes is not None:
+            fits = [k for k in range(1, n_max + 1) if peak(q, k) <= memory_limit_bytes]  # type: ignore[operator]
+            if not fits:
+                continue
+            n_min = fits[0]
+        options.append((q, n_min))
+    if not options:
+        smallest = min(peak(q, n_max) for q in (_divisors(batch) if split_batch else [1]))  # type: ignore
+        raise ValueError(f"memory_limit_bytes = {memory_limit_bytes:.4g} cannot be met: the smallest estimated "
+                         f"peak is {smallest:.4g} bytes; raise the limit, add stages, use schedule='1f1b' or "
+                         "split_batch=True, or recompute activations (MemoryModel.activation_factor)")
+
+    exact = schedule == "gpipe" and cost.is_uniform()
+    sim = None if exact else _Simulated(cost, schedule, seq_len)
+    best: tuple[float, int, list[int], Any] | None = None   # (ms, q, cuts, SimResult or None)
+    for q, n_min in options:
+        units, sub = m * q, batch // q
+        w, t = _tables(cost, n, granularity, sub)
+        dp = _Dp(w, t, n_min, n_max)
+        value, cuts, s_inf, _ = _thresholds(dp, units, num_stages, None)
+        if cuts is None:
+            continue
+        if exact:
+            if best is None or value < best[0]:
+                best = (value, q, cuts, None)
+            continue
+        assert sim is not None
+        upper = (value - units * s_inf) / max(num_stages - 1, 1)
+        plans = _thresholds(dp, units, num_stages, upper)[3] if num_stages > 1 else [cuts]
+        plans = [list(p) for p in sorted({tuple(p) for p in plans})]
+        if n_min == 1:
+            plans.append([0, n])  # the unsliced plan is always a candidate: never plan worse than stock
+        plans.sort(key=lambda c: units * dp.sum_w(c) + (num_stages - 1) * dp.max_t(c))
+        for c in plans:
+            slices = [granularity * (y - x) for x, y in zip(c[:-1], c[1:])]
+            if best is not None and sim.lower_bound(slices, units, sub) >= best[0]:
+                continue
+            res = sim.run(slices, units, sub)
+            if best is None or res.makespan_ms < best[0]:
+                best = (float(res.makespan_ms), q, c, res)
+        logger.debug("q=%d: %d candidate plans, %d simulated so far", q, len(plans), sim.num_simulated)
+    if best is None:  # only possible when the slice-count limits exclude every plan
+        raise ValueError(f"no slicing of seq_len = {seq_len} at granularity {granularity} has between the "
+                         f"{min(o[1] for o in options)} slices the memory cap needs and max_slices = {max_slices}; "
+                         "raise max_slices or the memory limit")
+    value, q, cuts, res = best
+    slices = tuple(granularity * (y - x) for x, y in zip(cuts[:-1], cuts[1:]))
+
+    # Unsliced reference: whole sequences, unsplit micro-batches, same schedule and cost.
+    if exact:
+        w_full, t_full = _tables(cost, 1, seq_len, batch)
+        unsliced = m * float(w_full[0, 1]) + (num_stages - 1) * float(t_full[0, 1])
+        idle = (num_stages - 1) * _plan_max_t(cost, slices, batch // q, num_stages) if num_stages > 1 else 0.0
+        bubble = idle / value if value > 0 else 0.0
+    else:
+        assert sim is not None
+        unsliced = float(sim.run([seq_len], m, batch).makespan_ms)
+        bubble = float(res.bubble_fraction)
+    plan = SlicingPlan(slices=slices, batch_splits=(batch // q,) * q, seq_len=seq_len, num_stages=num_stages,
+                       num_microbatches=m, micro_batch_size=batch, granularity=granularity, schedule=schedule,
+                       predicted_ms=float(value), unsliced_ms=unsliced,
+                       speedup=unsliced / value if value > 0 else 1.0, bubble_fraction=bubble,
+                       memory_bytes=peak(q, len(slices)))
+    logger.debug("slicing plan: %s", plan)
+    return plan
+
+
+def _plan_max_t(cost: PipelineCost, slices: Sequence[int], batch: int, num_stages: int) -> float:
+    """max_i t_i of a plan on the slowest stage (the closed form's bubble term per stage boundary)."""
+    lens = np.asarray(slices, dtype=float)
+    ctx = np.concatenate([[0.0], np.cumsum(lens)[:-1]])
+    times = _stage_times(cost, lens, ctx, batch)
+    comm_factor = 2.0 if num_stages > 1 else 0.0
+    return float(np.max([f + bw + comm_factor * c for f, bw, c in times]))

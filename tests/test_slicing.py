@@ -1,0 +1,449 @@
+"""Tier (a): the slicing planner against brute force, plus plans, batch split, memory cap and errors.
+
+    python -m pytest -q tests/test_slicing.py
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+
+import numpy as np
+import pytest
+
+from ds_terapipe.planner.cost import MeasuredCost, PipelineCost, StageCost
+from ds_terapipe.planner.presets import analytic_pipeline_cost
+from ds_terapipe.planner.slicing import MemoryModel, SlicingPlan, plan_slicing
+
+
+class TableCost(StageCost):
+    """Random times on the granularity grid, increasing in slice length and in context.
+
+    forward/backward are independent random tables (backward is *not* proportional to forward), scaled by
+    batch ** 0.9 so splitting a batch trades a smaller bubble for more, less efficient units. ``integer`` makes
+    every time a small integer, so many plans tie.
+    """
+
+    def __init__(self, rng: np.random.Generator, n: int, g: int, *, integer: bool = False, comm: bool = False,
+                 context: float = 1.0, overhead: float = 1.0):
+        def table() -> np.ndarray:
+            step = rng.integers(0, 3, (n + 1, n + 1)).astype(float) if integer else rng.uniform(0.0, 1.0, (n + 1, n + 1))
+            step[:, 1:] *= context   # how fast time grows with the context (column) vs with the length (row)
+            # overhead per slice + growth with length (axis 0) and with context (axis 1)
+            base = rng.integers(1, 4) if integer else rng.uniform(0.5, 3.0) * overhead
+            return base + np.cumsum(np.cumsum(step, 0), 1)
+
+        self.g, self.fwd, self.bwd = g, table(), table()
+        self.comm = (rng.integers(0, 2) + np.arange(n + 2) if integer else rng.uniform(0, 0.5) + rng.uniform(0, 0.3)
+                     * np.arange(n + 2)) if comm else np.zeros(n + 2)
+
+    def _lookup(self, tab: np.ndarray, s, c, batch) -> np.ndarray:
+        s, c, b = np.broadcast_arrays(np.asarray(s, float), np.asarray(c, float), np.asarray(batch, float))
+        return tab[(s // self.g).astype(int), (c // self.g).astype(int)] * b ** 0.9
+
+    def forward_ms(self, slice_len, context, batch=1):
+        return self._lookup(self.fwd, slice_len, context, batch)
+
+    def backward_ms(self, slice_len, context, batch=1):
+        return self._lookup(self.bwd, slice_len, context, batch)
+
+    def comm_ms(self, slice_len, batch=1):
+        s, b = np.broadcast_arrays(np.asarray(slice_len, float), np.asarray(batch, float))
+        return self.comm[(s // self.g).astype(int)] * b
+
+
+def slice_times(cost: PipelineCost, slices, batch: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per slice (w, t) of the slowest stage, straight from the cost model (no planner code)."""
+    k = cost.num_stages
+    w, t = [], []
+    ctx = 0
+    for s in slices:
+        per_stage = [(float(st.forward_ms(s, ctx, batch)), float(st.backward_ms(s, ctx, batch)),
+                      float(st.comm_ms(s, batch))) for st in cost.stages]
+        w.append(max(f + b for f, b, _ in per_stage))
+        t.append(max(f + b + (2 * c if k > 1 else 0.0) for f, b, c in per_stage))
+        ctx += s
+    return np.array(w), np.array(t)
+
+
+def closed_form(cost: PipelineCost, slices, units: int, batch: int) -> float:
+    w, t = slice_times(cost, slices, batch)
+    return units * float(w.sum()) + (cost.num_stages - 1) * float(t.max())
+
+
+def pair_tables(cost: PipelineCost, n: int, g: int, batch: int) -> tuple[np.ndarray, np.ndarray]:
+    """(w, t)[a, b] of slice [a*g, b*g) on the slowest stage, from the cost model (inf where a >= b)."""
+    w = np.full((n + 1, n + 1), np.inf)
+    t = np.full((n + 1, n + 1), np.inf)
+    stages = list({id(st): st for st in cost.stages}.values())
+    for a in range(n):
+        lens = g * np.arange(1, n - a + 1)
+        per = [(st.forward_ms(lens, g * a, batch), st.backward_ms(lens, g * a, batch), st.comm_ms(lens, batch))
+               for st in stages]
+        w[a, a + 1:] = np.max([f + b for f, b, _ in per], axis=0)
+        t[a, a + 1:] = np.max([f + b + (2 * c if cost.num_stages > 1 else 0) for f, b, c in per], axis=0)
+    return w, t
+
+
+def brute_force(cost: PipelineCost, seq_len: int, g: int, units: int, batch: int, n_min: int = 1,
+                n_max: int | None = None) -> float:
+    """min over ALL compositions of seq_len into multiples of g with n_min..n_max parts, vectorised over them."""
+    n = seq_len // g
+    n_max = n if n_max is None else n_max
+    w, t = pair_tables(cost, n, g, batch)
+    masks = np.arange(2 ** (n - 1))
+    bits = ((masks[:, None] >> np.arange(n - 1)) & 1).astype(bool)              # bit j: cut at boundary j+1
+    cut = np.concatenate([np.ones((len(masks), 1), bool), bits, np.ones((len(masks), 1), bool)], axis=1)
+    inside = np.concatenate([np.zeros((len(masks), 1), int), np.cumsum(bits, axis=1)], axis=1)  # cuts in 1..j
+    total = np.zeros(len(masks))
+    top = np.full(len(masks), -np.inf)
+    for a in range(n):
+        for b in range(a + 1, n + 1):
+            used = cut[:, a] & cut[:, b] & (inside[:, b - 1] == inside[:, a])   # no cut strictly inside
+            total += np.where(used, w[a, b], 0.0)
+            top = np.where(used, np.maximum(top, t[a, b]), top)
+    count = bits.sum(axis=1) + 1
+    value = units * total + (cost.num_stages - 1) * top
+    value[(count < n_min) | (count > n_max)] = np.inf
+    return float(value.min())
+
+
+def reference_thresholds(cost: PipelineCost, seq_len: int, g: int, units: int, batch: int) -> float:
+    """Every threshold, no pruning: min over tau of units * minsum(tau) + (K-1) * tau. For N too big to brute force."""
+    n = seq_len // g
+    w, t = pair_tables(cost, n, g, batch)
+    best = math.inf
+    for tau in np.unique(t[np.isfinite(t)]):
+        wm = np.where(t <= tau, w, np.inf)
+        f = np.full(n + 1, np.inf)
+        f[0] = 0
+        for b in range(1, n + 1):
+            f[b] = (f[:b] + wm[:b, b]).min()
+        best = min(best, units * f[n] + (cost.num_stages - 1) * tau)
+    return best
+
+
+def random_instance(seed: int):
+    rng = np.random.default_rng(seed)
+    g = int(rng.integers(1, 5))
+    n = int(rng.integers(1, 17)) if seed % 40 else int(rng.integers(17, 19))
+    k = int(rng.integers(1, 9))
+    m = int(rng.integers(1, 5))
+    context = (0.0, 0.02, 0.1, 1.0)[seed % 4]   # from "slicing is free" to "context dominates"
+    overhead = (0.1, 1.0, 3.0)[seed % 3]
+    cost = PipelineCost.uniform(TableCost(rng, n, g, integer=bool(seed % 5 == 0), comm=bool(seed % 2),
+                                          context=context, overhead=overhead), k)
+    max_slices = int(rng.integers(1, n + 1)) if seed % 4 == 1 else None
+    return cost, g * n, g, m, max_slices
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Exactness
+
+@pytest.mark.parametrize("block", range(8))
+def test_dp_equals_brute_force_on_random_instances(block):
+    num_sliced = 0
+    for seed in range(block * 30, block * 30 + 30):      # 240 instances in all
+        cost, seq_len, g, m, max_slices = random_instance(seed)
+        plan = plan_slicing(cost, seq_len, num_microbatches=m, granularity=g, max_slices=max_slices)
+        expect = brute_force(cost, seq_len, g, m, 1, n_max=max_slices)
+        assert plan.predicted_ms == pytest.approx(expect, rel=1e-9), f"seed {seed}"
+        # the returned slices really achieve it, and respect the grid and the cap
+        assert closed_form(cost, plan.slices, m, 1) == pytest.approx(plan.predicted_ms, rel=1e-9), f"seed {seed}"
+        assert sum(plan.slices) == seq_len and all(s % g == 0 for s in plan.slices)
+        assert max_slices is None or plan.num_slices <= max_slices
+        assert plan.unsliced_ms == pytest.approx(closed_form(cost, [seq_len], m, 1), rel=1e-12)
+        num_sliced += plan.num_slices > 1
+    assert num_sliced >= 5, "the instances must exercise the slicing trade-off, not only the unsliced plan"
+
+
+@pytest.mark.parametrize("seed", [1001, 1002, 1003])
+def test_pruned_search_equals_every_threshold_at_larger_n(seed):
+    rng = np.random.default_rng(seed)
+    n, g = 40, 2
+    cost = PipelineCost.uniform(TableCost(rng, n, g, integer=seed == 1002, comm=True), int(rng.integers(2, 9)))
+    m = int(rng.integers(1, 5))
+    plan = plan_slicing(cost, n * g, num_microbatches=m, granularity=g)
+    assert plan.predicted_ms == pytest.approx(reference_thresholds(cost, n * g, g, m, 1), rel=1e-9)
+
+
+def test_single_stage_minimises_the_sum_only():
+    rng = np.random.default_rng(7)
+    cost = PipelineCost.uniform(TableCost(rng, 10, 4, comm=True), 1)
+    plan = plan_slicing(cost, 40, num_microbatches=3, granularity=4)
+    assert plan.predicted_ms == pytest.approx(brute_force(cost, 40, 4, 3, 1), rel=1e-12)
+    assert plan.bubble_fraction == 0.0
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Agreement with the simulator
+
+def proportional_cost() -> PipelineCost:
+    """Measured-style cost with backward = 2 x forward and no comm: the closed form is the simulator's makespan."""
+    pts = [{"slice": s, "context": c, "forward_ms": 0.2 + 0.01 * s + 0.000002 * s * c,
+            "backward_ms": 2 * (0.2 + 0.01 * s + 0.000002 * s * c)} for s in (8, 64, 512) for c in (0, 512, 2048)]
+    return PipelineCost.uniform(MeasuredCost(pts), 6)
+
+
+def test_closed_form_equals_the_simulated_gpipe_makespan():
+    from ds_terapipe.planner.schedule import build_schedule
+    from ds_terapipe.planner.simulate import simulate
+
+    cost = proportional_cost()
+    plan = plan_slicing(cost, 1024, num_microbatches=3, granularity=32)
+    assert plan.num_slices > 1 and plan.speedup > 1
+    res = simulate(build_schedule("gpipe", 6, 3, plan.num_slices), cost, plan.slices, micro_batch_size=1)
+    assert res.makespan_ms == pytest.approx(plan.predicted_ms, rel=1e-9)
+    assert res.bubble_fraction == pytest.approx(plan.bubble_fraction, rel=1e-9)
+    full = simulate(build_schedule("gpipe", 6, 3, 1), cost, [1024], micro_batch_size=1)
+    assert full.makespan_ms == pytest.approx(plan.unsliced_ms, rel=1e-9)
+
+
+def test_closed_form_is_a_lower_bound_of_the_simulation_with_comm():
+    from ds_terapipe.planner.schedule import build_schedule
+    from ds_terapipe.planner.simulate import simulate
+
+    rng = np.random.default_rng(3)
+    cost = PipelineCost.uniform(TableCost(rng, 16, 8, comm=True), 4)
+    plan = plan_slicing(cost, 128, num_microbatches=2, granularity=8)
+    res = simulate(build_schedule("gpipe", 4, 2, plan.num_slices), cost, plan.slices, micro_batch_size=1)
+    assert plan.predicted_ms <= res.makespan_ms * (1 + 1e-12)
+
+
+def test_unequal_stages_are_scored_by_the_simulator():
+    from ds_terapipe.planner.schedule import build_schedule
+    from ds_terapipe.planner.simulate import simulate
+
+    rng = np.random.default_rng(11)
+    n, g, k, m = 12, 8, 4, 2
+    stages = [TableCost(rng, n, g, comm=True) for _ in range(k)]
+    cost = PipelineCost(stages)
+    plan = plan_slicing(cost, n * g, num_microbatches=m, granularity=g)
+
+    def sim(slices) -> float:
+        return simulate(build_schedule("gpipe", k, m, len(slices)), cost, list(slices), 1).makespan_ms
+
+    assert plan.predicted_ms == pytest.approx(sim(plan.slices), rel=1e-12)
+    assert plan.unsliced_ms == pytest.approx(sim([n * g]), rel=1e-12) and plan.speedup >= 1.0
+    # the closed-form optimum of the slowest stage is among the candidates, so the winner is at least as good
+    slowest = PipelineCost.uniform(_MaxCost(stages), k)
+    assert plan.predicted_ms <= sim(plan_slicing(slowest, n * g, num_microbatches=m, granularity=g).slices) + 1e-9
+
+
+class _MaxCost(StageCost):
+    def __init__(self, stages):
+        self.stages = stages
+
+    def forward_ms(self, s, c, batch=1):
+        return np.max([st.forward_ms(s, c, batch) for st in self.stages], axis=0)
+
+    def backward_ms(self, s, c, batch=1):
+        return np.max([st.forward_ms(s, c, batch) + st.backward_ms(s, c, batch) for st in self.stages], axis=0) \
+            - self.forward_ms(s, c, batch)
+
+    def comm_ms(self, s, batch=1):
+        return np.zeros(np.shape(s))
+
+
+def test_1f1b_prediction_is_the_simulated_makespan():
+    from ds_terapipe.planner.schedule import build_schedule
+    from ds_terapipe.planner.simulate import simulate
+
+    cost = proportional_cost()
+    plan = plan_slicing(cost, 1024, num_microbatches=4, granularity=64, schedule="1f1b")
+    res = simulate(build_schedule("1f1b", 6, 4, plan.num_slices), cost, plan.slices, micro_batch_size=1)
+    assert plan.schedule == "1f1b" and res.makespan_ms == pytest.approx(plan.predicted_ms, rel=1e-12)
+    assert plan.speedup > 1
+
+
+def test_preset_plan_pays_off_for_a_deep_pipeline():
+    plan = plan_slicing(analytic_pipeline_cost("gpt3-175b", "v100", 8), 2048, granularity=64)
+    assert plan.num_slices > 4 and plan.speedup > 2 and plan.predicted_ms < plan.unsliced_ms
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Batch split
+
+def test_batch_split_only_equal_divisors_and_matches_brute_force():
+    for seed in range(12):
+        rng = np.random.default_rng(100 + seed)
+        n, g, k, m, batch = int(rng.integers(2, 10)), 2, int(rng.integers(2, 7)), int(rng.integers(1, 3)), 6
+        cost = PipelineCost.uniform(TableCost(rng, n, g, comm=bool(seed % 2)), k)
+        plan = plan_slicing(cost, n * g, num_microbatches=m, micro_batch_size=batch, granularity=g, split_batch=True)
+        q = len(plan.batch_splits)
+        assert batch % q == 0 and plan.batch_splits == (batch // q,) * q
+        expect = min(brute_force(cost, n * g, g, m * d, batch // d) for d in (1, 2, 3, 6))
+        assert plan.predicted_ms == pytest.approx(expect, rel=1e-9), f"seed {seed}"
+        assert closed_form(cost, plan.slices, m * q, batch // q) == pytest.approx(plan.predicted_ms, rel=1e-9)
+        assert plan.unsliced_ms == pytest.approx(closed_form(cost, [n * g], m, batch), rel=1e-12)
+        unsplit = plan_slicing(cost, n * g, num_microbatches=m, micro_batch_size=batch, granularity=g)
+        assert unsplit.batch_splits == (batch,) and unsplit.predicted_ms >= plan.predicted_ms * (1 - 1e-12)
+
+
+def test_batch_split_is_chosen_when_it_pays():
+    # times proportional to tokens (no overhead, no context), so splitting costs nothing and shrinks the bubble
+    pts = [{"batch": 1, "slice": s, "context": c, "forward_ms": 0.01 * s, "backward_ms": 0.02 * s}
+           for s in (8, 64) for c in (0, 64)]
+    plan = plan_slicing(PipelineCost.uniform(MeasuredCost(pts), 4), 64, micro_batch_size=4, granularity=64,
+                        split_batch=True)
+    assert plan.batch_splits == (1, 1, 1, 1) and plan.slices == (64,)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Memory
+
+def test_memory_estimate_formula():
+    mem = MemoryModel(num_layers_per_stage=(3, 2), hidden=64, bytes_per_element=2, activation_factor=34)
+    per_token_layer = 64 * (34 + 4)
+    gp = mem.peak_bytes(schedule="gpipe", num_stages=2, num_microbatches=3, micro_batch_size=4, num_splits=2,
+                        seq_len=128, num_slices=5)
+    assert gp == 3 * 3 * 4 * 128 * per_token_layer                      # all m*B*L tokens alive, 3 layers
+    # 1F1B: stage 0 of 4 holds (n + 3) / n sub-batches' worth of tokens (n slices), capped at m * q
+    one = [MemoryModel(1, 64).peak_bytes(schedule="1f1b", num_stages=4, num_microbatches=8, micro_batch_size=1,
+                                         num_splits=1, seq_len=128, num_slices=n) / (128 * per_token_layer)
+           for n in (1, 2, 3, 8)]
+    assert one == [4, 2.5, 2, 11 / 8]
+    assert MemoryModel(1, 64).live_subbatches("1f1b", 0, 4, 2, 1) == 2        # only m * q = 2 exist
+    assert MemoryModel(1, 64).live_subbatches("1f1b", 3, 4, 8, 5) == 1        # the last stage: one at a time
+    # the busiest stage decides: stage 1 has more layers than stage 0 holds extra units
+    two = MemoryModel((1, 4), 64).peak_bytes(schedule="1f1b", num_stages=2, num_microbatches=8, micro_batch_size=1,
+                                             num_splits=1, seq_len=128, num_slices=2)
+    assert two == 4 * 1 * 128 * per_token_layer
+    fp32 = MemoryModel(1, 64, bytes_per_element=4).peak_bytes(
+        schedule="gpipe", num_stages=1, num_microbatches=1, micro_batch_size=1, num_splits=1, seq_len=1, num_slices=1)
+    assert fp32 == 64 * (34 * 2 + 8)
+
+
+def test_memory_cap_accepts_and_rejects():
+    cost = proportional_cost()
+    mem = MemoryModel(4, 256)
+    need = mem.peak_bytes(schedule="gpipe", num_stages=6, num_microbatches=2, micro_batch_size=1, num_splits=1,
+                          seq_len=1024, num_slices=1)
+    ok = plan_slicing(cost, 1024, num_microbatches=2, granularity=64, memory=mem, memory_limit_bytes=need)
+    assert ok.memory_bytes == need
+    with pytest.raises(ValueError, match=r"memory_limit_bytes = .* cannot be met: the smallest estimated peak is "):
+        plan_slicing(cost, 1024, num_microbatches=2, granularity=64, memory=mem, memory_limit_bytes=need * 0.999)
+
+
+def test_memory_cap_forces_more_slices_under_1f1b_exactly():
+    rng = np.random.default_rng(5)
+    n, g, k, m = 12, 4, 6, 3
+    cost = PipelineCost.uniform(TableCost(rng, n, g), k)
+    mem = MemoryModel(1, 16)
+
+    def peak(num_slices: int) -> float:
+        return mem.peak_bytes(schedule="1f1b", num_stages=k, num_microbatches=m, micro_batch_size=1, num_splits=1,
+                              seq_len=n * g, num_slices=num_slices)
+
+    free = plan_slicing(cost, n * g, num_microbatches=m, granularity=g, schedule="1f1b")
+    limit = peak(free.num_slices + 2)
+    assert limit < peak(free.num_slices), "the test needs a binding cap"
+    n_min = min(c for c in range(1, n + 1) if peak(c) <= limit)
+    capped = plan_slicing(cost, n * g, num_microbatches=m, granularity=g, schedule="1f1b", memory=mem,
+                          memory_limit_bytes=limit)
+    assert capped.num_slices >= n_min and capped.memory_bytes <= limit
+    with pytest.raises(ValueError, match="cannot be met"):
+        plan_slicing(cost, n * g, num_microbatches=m, granularity=g, schedule="1f1b", memory=mem,
+                     memory_limit_bytes=limit, max_slices=n_min - 1)
+
+
+def test_slice_count_limited_dps_equal_brute_force():
+    # uniform gpipe with a memory cap is slicing-independent, so drive the count-limited DPs directly
+    from ds_terapipe.planner.slicing import _Dp, _tables, _thresholds
+
+    above_min = 0
+    for seed in range(24):
+        rng = np.random.default_rng(300 + seed)
+        n, g, k, m = int(rng.integers(4, 13)), 2, int(rng.integers(4, 9)), int(rng.integers(1, 3))
+        cost = PipelineCost.uniform(TableCost(rng, n, g, integer=bool(seed % 2), comm=True, context=0.02), k)
+        n_min = int(rng.integers(2, 4))
+        n_max = int(rng.integers(n_min, n + 1)) if seed % 3 == 0 else n
+        value, cuts, _, _ = _thresholds(_Dp(*_tables(cost, n, g, 1), n_min, n_max), m, k, None)
+        assert value == pytest.approx(brute_force(cost, n * g, g, m, 1, n_min, n_max), rel=1e-9), f"seed {seed}"
+        slices = [g * (b - a) for a, b in zip(cuts[:-1], cuts[1:])]
+        assert closed_form(cost, slices, m, 1) == pytest.approx(value, rel=1e-9) and n_min <= len(slices) <= n_max
+        above_min += len(slices) > n_min
+    assert above_min >= 5, "instances must exercise plans with more slices than the minimum"
+
+
+def test_simulated_choice_is_the_best_candidate():
+    # white box: the winner must be the best simulated plan of the candidate set, whatever the pruning skipped
+    from ds_terapipe.planner.schedule import build_schedule
+    from ds_terapipe.planner.simulate import simulate
+    from ds_terapipe.planner.slicing import _Dp, _tables, _thresholds
+
+    for seed in range(6):
+        rng = np.random.default_rng(500 + seed)
+        n, g, k, m = 10, 4, int(rng.integers(2, 6)), int(rng.integers(1, 4))
+        cost = PipelineCost([TableCost(rng, n, g, comm=True) for _ in range(k)])
+        schedule = ("gpipe", "1f1b")[seed % 2]
+        plan = plan_slicing(cost, n * g, num_microbatches=m, granularity=g, schedule=schedule)
+        dp = _Dp(*_tables(cost, n, g, 1), 1, n)
+        value, _, s_inf, _ = _thresholds(dp, m, k, None)
+        candidates = _thresholds(dp, m, k, (value - m * s_inf) / (k - 1))[3] + [[0, n]]
+        sims = [simulate(build_schedule(schedule, k, m, len(c) - 1), cost, [g * (b - a) for a, b in zip(c, c[1:])],
+                         1).makespan_ms for c in candidates]
+        assert plan.predicted_ms == pytest.approx(min(sims), rel=1e-12), f"seed {seed}"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Plans and errors
+
+def test_plan_round_trips_through_json_and_prints_briefly():
+    plan = plan_slicing(proportional_cost(), 1024, num_microbatches=2, granularity=32, memory=MemoryModel(2, 64))
+    again = SlicingPlan.from_dict(json.loads(json.dumps(plan.to_dict())))
+    assert again == plan and isinstance(again.slices, tuple)
+    text = str(plan)
+    assert "gpipe K=6 m=2" in text and f"{plan.num_slices} slices" in text and "x" in text and "\n" not in text
+    assert plan.speedup == pytest.approx(plan.unsliced_ms / plan.predicted_ms)
+    with pytest.raises(ValueError, match="must be positive and sum to seq_len = 1024"):
+        SlicingPlan.from_dict({**plan.to_dict(), "slices": [512, 256]})
+    with pytest.raises(ValueError, match=r"unknown keys \['extra'\]"):
+        SlicingPlan.from_dict({**plan.to_dict(), "extra": 1})
+    with pytest.raises(ValueError, match=r"batch_splits = \(1, 1\) must be positive and sum to micro_batch_size"):
+        SlicingPlan.from_dict({**plan.to_dict(), "batch_splits": [1, 1]})
+
+
+def test_extrapolation_is_logged(caplog):
+    pts = [{"slice": s, "context": c, "forward_ms": 0.1 * s, "backward_ms": 0.2 * s} for s in (64, 128)
+           for c in (0, 128)]
+    with caplog.at_level(logging.WARNING, logger="ds_terapipe.planner.slicing"):
+        plan_slicing(PipelineCost.uniform(MeasuredCost(pts), 2), 1024, granularity=64)
+    assert "extrapolated" in caplog.text
+
+
+@pytest.mark.parametrize("kwargs, exc, needle", [
+    ({"seq_len": 4, "granularity": 8}, ValueError, "seq_len = 4 is smaller than granularity = 8"),
+    ({"granularity": 0}, ValueError, "granularity = 0 must be >= 1"),
+    ({"granularity": 2.0}, TypeError, "granularity = 2.0 must be an int"),
+    ({"seq_len": 100, "granularity": 8}, ValueError, r"seq_len = 100 is not a multiple of granularity = 8.*e\.g\. 4"),
+    ({"num_microbatches": 0}, ValueError, "num_microbatches = 0 must be >= 1"),
+    ({"micro_batch_size": 0}, ValueError, "micro_batch_size = 0 must be >= 1"),
+    ({"micro_batch_size": True}, TypeError, "micro_batch_size = True must be an int"),
+    ({"schedule": "interleaved"}, ValueError, "schedule = 'interleaved' is unknown; valid: gpipe, 1f1b"),
+    ({"max_slices": 0}, ValueError, "max_slices = 0 must be >= 1"),
+    ({"memory_limit_bytes": 1e9}, ValueError, r"memory_limit_bytes = 1000000000\.0 needs memory=MemoryModel"),
+    ({"memory_limit_bytes": -1.0, "memory": MemoryModel(1, 8)}, ValueError, "memory_limit_bytes = -1.0 must be"),
+    ({"memory": MemoryModel((1, 2, 3), 8)}, ValueError, "num_layers_per_stage has 3 entries but the cost has 6"),
+    ({"memory": {"hidden": 8}}, TypeError, "memory must be a MemoryModel, got dict"),
+])
+def test_user_errors_name_the_argument(kwargs, exc, needle):
+    args = {"seq_len": 1024, "granularity": 32, **kwargs}
+    with pytest.raises(exc, match=needle):
+        plan_slicing(proportional_cost(), **args)
+
+
+def test_cost_must_be_a_pipeline_cost_and_models_must_be_sane():
+    with pytest.raises(TypeError, match="cost must be a PipelineCost, got dict"):
+        plan_slicing({"points": []}, 64)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"MemoryModel\.hidden = 0 must be >= 1"):
+        MemoryModel(1, 0)
+    with pytest.raises(ValueError, match=r"MemoryModel\.activation_factor = -1 must be"):
+        MemoryModel(1, 8, activation_factor=-1)
+
+    class Broken(TableCost):
+        def backward_ms(self, slice_len, context, batch=1):
+            return np.full(np.shape(slice_len), np.nan)
+
+    with pytest.raises(ValueError, match="stage 0 cost model returned a negative or non-finite backward_ms"):
+        plan_slicing(PipelineCost.uniform(Broken(np.random.default_rng(0), 4, 4), 2), 16, granularity=4)
