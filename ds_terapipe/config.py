@@ -83,6 +83,11 @@ class TeraPipeConfig(DeepSpeedConfigModel):
     p2p_timeout_s: float = 300.0
     """Seconds a rank waits for a pipeline peer before failing with the instruction it was stuck on."""
 
+    trace_dir: Optional[str] = None
+    """Directory where every rank writes a Chrome trace of each training batch: when each forward and backward
+    of each (micro-batch, slice) started and ended, in the simulator's format (merge the ranks' files with
+    ``ds_terapipe.trace.merge_traces``; times share the host clock, so ranks on one machine line up)."""
+
     profile: ProfileConfig = ProfileConfig()
     """Profiling settings for ``slices: "auto"``."""
 

@@ -287,9 +287,11 @@ def suite_features(extra: dict) -> list[dict]:
     steps = make_batches(cfg, 4 * micro, batch, seq_len, seed=9)
     chunks = [steps[i * micro:(i + 1) * micro] for i in range(4)]
     tp = {"seq_len": seq_len, "slices": [16, 32, 16], "schedule": "1f1b"}
-    first = _engine(cfg, gpt_layer_specs(cfg), tp)
+    traces = str(Path(extra["out"]) / "traces")
+    first = _engine(cfg, gpt_layer_specs(cfg), dict(tp, trace_dir=traces))
     for chunk in chunks[:2]:
         first.train_batch(iter(chunk))
+    timeline = [(str(e.action), e.start_ms, e.end_ms) for e in first.last_timeline]
     first.save_checkpoint(ckpt, client_state={"step": 2})
     uninterrupted = [float(first.train_batch(iter(chunk))) for chunk in chunks[2:]]
     resumed = {}
@@ -298,7 +300,8 @@ def suite_features(extra: dict) -> list[dict]:
         _, client = engine.load_checkpoint(ckpt)
         resumed[label] = {"losses": [float(engine.train_batch(iter(chunk))) for chunk in chunks[2:]],
                           "step": client["step"], "plan": client["terapipe"]["plan"]["slices"]}
-    results.append({"case": "checkpoint", "uninterrupted": uninterrupted, **resumed})
+    results.append({"case": "checkpoint", "uninterrupted": uninterrupted, **resumed, "timeline": timeline,
+                    "trace_files": sorted(os.listdir(traces))})
 
     # a peer that never shows up: the waiting rank fails within p2p_timeout_s, saying what it waited for
     STATUS["case"] = "timeout"

@@ -74,3 +74,15 @@ def test_checkpoint_resume_is_exact_and_loads_into_another_slicing(features) -> 
         assert case["same"]["losses"] == case["uninterrupted"]  # bit-identical
         assert case["other"]["losses"] == pytest.approx(case["uninterrupted"], rel=1e-5)
         assert case["same"]["step"] == 2 and case["same"]["plan"] == [16, 32, 16]
+
+
+@pytest.mark.timeout(700)
+def test_measured_timeline_per_rank(features) -> None:
+    for rank, results in enumerate(features):
+        case = results["checkpoint"]
+        # 4 training batches were traced (2 before the checkpoint, 2 after), one file per batch per rank
+        assert sum(f.endswith(f"rank{rank}.json") for f in case["trace_files"]) == 4
+        names = [name for name, _, _ in case["timeline"]]
+        assert len(names) == 2 * 2 * 3  # F and B of 2 micro-batches x 3 slices
+        assert names[0] == f"{rank}F0.0"
+        assert all(end >= start for _, start, end in case["timeline"])

@@ -21,6 +21,8 @@ deadlines), because slices have different lengths.
 from __future__ import annotations
 
 import logging
+import os
+import time
 from collections import deque
 from contextlib import contextmanager
 from types import MethodType
@@ -31,6 +33,8 @@ from deepspeed.runtime.pipe import schedule as ds_schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from ..config import TeraPipeConfig
+from ..planner.schedule import Action, ActionKind
+from ..planner.simulate import TimedAction
 from .context import MicroBatchState, SliceContext, slice_scope
 from .p2p import SliceP2P, as_tuple
 from .schedule import TokenPipeSchedule
@@ -55,6 +59,9 @@ def _first_tensor(value: Any) -> Optional[torch.Tensor]:
     if isinstance(value, (tuple, list)) and value:
         return _first_tensor(value[0])
     return None
+
+
+_TIMED = {ds_schedule.ForwardPass: ActionKind.FORWARD, ds_schedule.BackwardPass: ActionKind.BACKWARD}
 
 
 class TokenPipelineEngine(PipelineEngine):
@@ -83,6 +90,10 @@ class TokenPipelineEngine(PipelineEngine):
         self._unit_grads: dict[int, Any] = {}
         self._logits: list[torch.Tensor] = []
         self._trail: deque[str] = deque(maxlen=8)
+        # Measured timeline of the last batch: compute actions with host-clock start/end (ms since the epoch).
+        self.record_timeline = self.terapipe.trace_dir is not None
+        self.last_timeline: list[TimedAction] = []
+        self._batches_traced = 0
         self.slicing_plan = None
         self.plan_source = "config"  # or "profiled" / "cache" for slices: "auto"
         from .profile import resolve_plan  # late import: profile imports the engine's helpers
@@ -132,14 +143,20 @@ class TokenPipelineEngine(PipelineEngine):
         self._unit_grads.clear()
         self._logits = []
         self._trail.clear()
+        timeline: list[TimedAction] = []
         for step_id, step_cmds in enumerate(pipe_schedule):
             for cmd in step_cmds:
                 handler = self._INSTRUCTION_MAP.get(type(cmd))
                 if handler is None:
                     raise RuntimeError(f"{type(self).__name__} does not understand instruction {cmd!r}")
                 self._trail.append(repr(cmd))
+                kind = _TIMED.get(type(cmd)) if self.record_timeline else None
                 try:
+                    start = time.time() * 1e3 if kind else 0.0
                     MethodType(handler, self)(**cmd.kwargs)
+                    if kind:
+                        action = Action(self.stage_id, kind, cmd.microbatch, cmd.slice)
+                        timeline.append(TimedAction(self.stage_id, action, start, time.time() * 1e3))
                 except Exception as err:
                     note = (f"[ds_terapipe] rank {self.global_rank} (stage {self.stage_id}) failed in step {step_id} "
                             f"of the {pipe_schedule.schedule.name} schedule; last instructions: "
@@ -148,6 +165,18 @@ class TokenPipelineEngine(PipelineEngine):
                     if hasattr(err, "add_note"):
                         err.add_note(note)
                     raise
+        if self.record_timeline:
+            self.last_timeline = timeline
+            if pipe_schedule.train and self.terapipe.trace_dir is not None:
+                self._write_trace(timeline)
+
+    def _write_trace(self, timeline: list[TimedAction]) -> None:
+        from ..trace import events_to_chrome_trace
+
+        path = os.path.join(self.terapipe.trace_dir, f"batch{self._batches_traced:05d}-rank{self.global_rank}.json")
+        events_to_chrome_trace(timeline, path, metadata={"rank": self.global_rank, "stage": self.stage_id,
+                                                         "plan": self.plan_summary()})
+        self._batches_traced += 1
 
     def _exec_load_micro_batch(self, buffer_id: int, microbatch: int) -> None:
         batch = self._next_batch()
