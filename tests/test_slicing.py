@@ -358,7 +358,7 @@ def test_slice_count_limited_dps_equal_brute_force():
         cost = PipelineCost.uniform(TableCost(rng, n, g, integer=bool(seed % 2), comm=True, context=0.02), k)
         n_min = int(rng.integers(2, 4))
         n_max = int(rng.integers(n_min, n + 1)) if seed % 3 == 0 else n
-        value, cuts, _, _ = _thresholds(_Dp(*_tables(cost, n, g, 1), n_min, n_max), m, k, None)
+        value, cuts, _, _ = _thresholds(_Dp(*_tables(cost, n, g, 1), n_min, n_max), m, k)
         assert value == pytest.approx(brute_force(cost, n * g, g, m, 1, n_min, n_max), rel=1e-9), f"seed {seed}"
         slices = [g * (b - a) for a, b in zip(cuts[:-1], cuts[1:])]
         assert closed_form(cost, slices, m, 1) == pytest.approx(value, rel=1e-9) and n_min <= len(slices) <= n_max
@@ -370,7 +370,7 @@ def test_simulated_choice_is_the_best_candidate():
     # white box: the winner must be the best simulated plan of the candidate set, whatever the pruning skipped
     from ds_terapipe.planner.schedule import build_schedule
     from ds_terapipe.planner.simulate import simulate
-    from ds_terapipe.planner.slicing import _Dp, _tables, _thresholds
+    from ds_terapipe.planner.slicing import _SIM_MAX, _SIM_WINDOW, _Dp, _tables, _thresholds
 
     for seed in range(6):
         rng = np.random.default_rng(500 + seed)
@@ -378,9 +378,8 @@ def test_simulated_choice_is_the_best_candidate():
         cost = PipelineCost([TableCost(rng, n, g, comm=True) for _ in range(k)])
         schedule = ("gpipe", "1f1b")[seed % 2]
         plan = plan_slicing(cost, n * g, num_microbatches=m, granularity=g, schedule=schedule)
-        dp = _Dp(*_tables(cost, n, g, 1), 1, n)
-        value, _, s_inf, _ = _thresholds(dp, m, k, None)
-        candidates = _thresholds(dp, m, k, (value - m * s_inf) / (k - 1))[3] + [[0, n]]
+        candidates = [c for _, c in _thresholds(_Dp(*_tables(cost, n, g, 1), 1, n), m, k, _SIM_WINDOW, _SIM_MAX)[3]]
+        candidates += [[0, n]]
         sims = [simulate(build_schedule(schedule, k, m, len(c) - 1), cost, [g * (b - a) for a, b in zip(c, c[1:])],
                          1).makespan_ms for c in candidates]
         assert plan.predicted_ms == pytest.approx(min(sims), rel=1e-12), f"seed {seed}"

@@ -235,6 +235,7 @@ class MeasuredCost(StageCost):
                                "prefix; profile some contexts", where, b)
             self._fits[int(b)] = _BatchFit.fit(pts, warn=True)
         self._batches = np.array(sorted(self._fits), dtype=float)
+        self._key: Hashable | None = None
 
     # -- evaluation --------------------------------------------------------------------------------------------
     def _nearest(self, b: float) -> int:
@@ -242,11 +243,16 @@ class MeasuredCost(StageCost):
         return int(self._batches[np.flatnonzero(d == d.min())[-1]])
 
     def _eval(self, kind: int, slice_len: ArrayLike, context: ArrayLike, batch: ArrayLike) -> Any:
+        if np.ndim(batch) == 0:
+            # no explicit broadcast: a (1, N) row of lengths and an (N, 1) column of contexts interpolate t0 on
+            # N values, not N^2 (the planner's table)
+            s, c = np.asarray(slice_len, float), np.asarray(context, float)
+            near = self._nearest(float(batch))  # type: ignore[arg-type]
+            t = self._fits[near].eval(kind, s, c) * (float(batch) / near)  # type: ignore[arg-type]
+            return _result(np.broadcast_to(t, np.broadcast_shapes(s.shape, c.shape)).copy()
+                           if t.shape != np.broadcast_shapes(s.shape, c.shape) else t)
         s, c, b = np.broadcast_arrays(np.asarray(slice_len, float), np.asarray(context, float),
                                       np.asarray(batch, float))
-        if np.ndim(batch) == 0:
-            near = self._nearest(float(batch))  # type: ignore[arg-type]
-            return _result(self._fits[near].eval(kind, s, c) * (float(batch) / near))  # type: ignore[arg-type]
         out = np.empty(s.shape)
         for bv in np.unique(b):
             mask = b == bv
@@ -273,7 +279,9 @@ class MeasuredCost(StageCost):
         return bool(np.all((s >= fit.s_min) & (s <= fit.s_max) & (c <= fit.c_max)))
 
     def cache_key(self) -> Hashable:
-        return ("measured", json.dumps(self.to_dict(), sort_keys=True))
+        if self._key is None:  # the object is immutable after construction, so compute once
+            self._key = ("measured", json.dumps(self.to_dict(), sort_keys=True))
+        return self._key
 
     # -- reporting and serialisation ----------------------------------------------------------------------------
     def fit_report(self) -> dict[str, Any]:

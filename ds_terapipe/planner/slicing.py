@@ -15,16 +15,16 @@ ones attend over a longer prefix and short ones underuse the device, so t(s, c) 
 
 How: every slice length is a multiple of the granularity g, so a slicing is a path 0 -> N = L / g over slice
 boundaries. For a threshold tau on max t, the min-sum path with every t_i <= tau is an O(N^2) DP (numpy over
-the inner dimension). The optimum is the best (m * minsum(tau) + (K-1) * tau) over thresholds tau taken from the
-sorted slice times; thresholds are visited in increasing order and skipped when a lower bound proves they
-cannot win: minsum(tau) >= minsum(inf), and a path better than the current one must use a newly allowed slice
-(a, b), so minsum(tau') >= min(current, min over new slices of prefix(a) + w(a, b) + suffix(b)). That is exact
-(tests compare with brute force) and solves only where the DP can change.
+the inner dimension). The optimum is the best m * minsum(tau) + (K-1) * tau over thresholds tau taken from the
+distinct slice times, and minsum is a non-increasing step function of tau, so a branch and bound over the sorted
+thresholds (``_thresholds``) solves only O(tens) of DPs: each solve settles a whole range of thresholds, and a
+range whose best possible score cannot win is dropped. Exact: tests compare it with brute force.
 
 Run ``python benchmarks/planner_speed.py`` for timings.
 """
 from __future__ import annotations
 
+import bisect
 import heapq
 import logging
 import math
@@ -43,6 +43,10 @@ __all__ = ["SCHEDULES", "MemoryModel", "SlicingPlan", "plan_slicing"]
 #: Schedule names the planner understands (the builders live in ``schedule.py``).
 SCHEDULES = ("gpipe", "1f1b")
 _INF = math.inf
+#: Simulated candidates: distinct min-sum plans whose slowest-stage closed form is within this fraction of the
+#: best one, at most _SIM_MAX of them, best closed form first (see plan_slicing).
+_SIM_WINDOW = 0.05
+_SIM_MAX = 64
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -209,22 +213,13 @@ class _Dp:
         self.w, self.t = w, t
         self.wt, self.tt = np.ascontiguousarray(w.T), np.ascontiguousarray(t.T)  # [b, a]: rows contiguous in a
         self.n_min, self.n_max = n_min, n_max
-        self._edges: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
-    def edges(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """All slices sorted by t: (t values, start, end)."""
-        if self._edges is None:
-            a, b = np.triu_indices(self.n + 1, 1)
-            vals = self.t[a, b]
-            order = np.argsort(vals, kind="stable")
-            self._edges = (vals[order], a[order], b[order])
-        return self._edges
+    def thresholds(self) -> np.ndarray:
+        """The distinct slice times, ascending: the only thresholds at which the DP can change."""
+        return np.unique(self.t[np.isfinite(self.t)])
 
     def max_t(self, cuts: Sequence[int]) -> float:
         return float(max(self.t[a, b] for a, b in zip(cuts[:-1], cuts[1:])))
-
-    def sum_w(self, cuts: Sequence[int]) -> float:
-        return float(sum(self.w[a, b] for a, b in zip(cuts[:-1], cuts[1:])))
 
     def bottleneck(self) -> float:
         """Smallest tau admitting any path (slice counts ignored: a lower bound under count limits)."""
@@ -234,17 +229,8 @@ class _Dp:
             h[b] = np.maximum(h[:b], self.tt[b, :b]).min()
         return float(h[self.n])
 
-    def suffix(self, tau: float) -> np.ndarray:
-        """Min-sum from each boundary to N with t <= tau, any count (a lower bound for every count limit)."""
-        wm = np.where(self.t <= tau, self.w, _INF)
-        g = np.full(self.n + 1, _INF)
-        g[self.n] = 0.0
-        for a in range(self.n - 1, -1, -1):
-            g[a] = (wm[a, a + 1:] + g[a + 1:]).min()
-        return g
-
-    def solve(self, tau: float) -> tuple[float, np.ndarray, list[int] | None]:
-        """(min sum, lower bound on the prefix cost of a feasible path at each boundary, cut points or None)."""
+    def solve(self, tau: float) -> tuple[float, list[int] | None]:
+        """(min sum of w over paths with every t <= tau and an allowed slice count, its cut points or None)."""
         if self.n_max < self.n:
             return self._layered(tau)
         if self.n_min > 1:
@@ -258,13 +244,13 @@ class _Dp:
             a = int(v.argmin())
             f[b], arg[b] = v[a], a
         if not math.isfinite(f[self.n]):
-            return _INF, f, None
+            return _INF, None
         cuts = [self.n]
         while cuts[-1] > 0:
             cuts.append(int(arg[cuts[-1]]))
-        return float(f[self.n]), f, cuts[::-1]
+        return float(f[self.n]), cuts[::-1]
 
-    def _capped(self, tau: float) -> tuple[float, np.ndarray, list[int] | None]:
+    def _capped(self, tau: float) -> tuple[float, list[int] | None]:
         # State (count so far capped at C = n_min, boundary); C means ">= n_min slices".
         cap = self.n_min
         wm = self.wt if tau == _INF else np.where(self.tt <= tau, self.wt, _INF)
@@ -283,7 +269,7 @@ class _Dp:
             f[cap, b], arg[cap, b] = best[src], a[src]
         total = float(f[cap, self.n])
         if not math.isfinite(total):
-            return _INF, f.min(axis=0), None
+            return _INF, None
         cuts, state = [self.n], cap
         while cuts[-1] > 0:
             b = cuts[-1]
@@ -291,13 +277,12 @@ class _Dp:
             cuts.append(int(arg[state, b]))
             state = prev
         assert state == 0, "capped DP reconstruction must end in the empty state"
-        return total, f.min(axis=0), cuts[::-1]
+        return total, cuts[::-1]
 
-    def _layered(self, tau: float) -> tuple[float, np.ndarray, list[int] | None]:
+    def _layered(self, tau: float) -> tuple[float, list[int] | None]:
         wm = self.w if tau == _INF else np.where(self.t <= tau, self.w, _INF)
         f = np.full(self.n + 1, _INF)
         f[0] = 0.0
-        prefix = f.copy()
         cols = np.arange(self.n + 1)
         best, best_j, args = _INF, 0, []
         for j in range(1, self.n_max + 1):
@@ -308,106 +293,129 @@ class _Dp:
             args.append(rows[a])
             if j >= self.n_min and f[self.n] < best:
                 best, best_j = float(f[self.n]), j
-            np.minimum(prefix, f, out=prefix)
         if best_j == 0:
-            return _INF, prefix, None
+            return _INF, None
         cuts = [self.n]
         for j in range(best_j, 0, -1):
             cuts.append(int(args[j - 1][cuts[-1]]))
         assert cuts[-1] == 0, "layered DP reconstruction must reach boundary 0"
-        return best, prefix, cuts[::-1]
+        return best, cuts[::-1]
 
 
-def _thresholds(dp: _Dp, units: int, num_stages: int, upper: float | None
-                ) -> tuple[float, list[int] | None, float, list[list[int]]]:
+def _thresholds(dp: _Dp, units: int, num_stages: int, window: float = 0.0, keep: int = 1
+                ) -> tuple[float, list[int] | None, float, list[tuple[float, list[int]]]]:
     """Branch and bound over the sorted distinct slice times used as the threshold tau.
 
     minsum(tau) is a non-increasing step function. A solve at tau returns the min sum S and the plan's actual
     max M <= tau; minsum is S on all of [M, tau], so those thresholds are settled at once. An open interval of
     thresholds (lo, hi) between two solves has minsum in [S(hi side), S(lo side)]: it is dropped when both are
-    equal (constant there), and, when optimising, when units * S(hi side) + (K-1) * (its smallest threshold)
-    cannot beat the best plan found. Intervals are bisected best-bound-first, so the optimum is found early and
-    prunes the rest. Exact: only intervals that provably contain no better plan are dropped.
+    equal (constant there) or when units * S(hi side) + (K-1) * (its smallest threshold) is at least
+    (1 + window) * the best score found. Intervals are bisected best-bound-first, so the optimum is found early
+    and prunes the rest. With window = 0 this is the exact optimiser; with window > 0 it also returns the
+    ``keep`` best distinct min-sum plans whose score is within (1 + window) of the optimum (the simulator's
+    candidates): once ``keep`` are known, intervals whose bound is no better than the worst of them are dropped.
 
-    ``upper`` None: optimise units * sum w + (K-1) * max t; returns (value, cuts, minsum(inf), plans solved).
-    ``upper`` given: collect the min-sum plan of every threshold in [bottleneck, upper] where minsum changes.
+    Returns (best score, its cuts, minsum(inf), [(score, cuts)] best first).
     """
     km1 = num_stages - 1
-    s_inf, _, cuts = dp.solve(_INF)
+    s_inf, cuts = dp.solve(_INF)
     if cuts is None:
         return _INF, None, _INF, []
     best, best_cuts = units * s_inf + km1 * dp.max_t(cuts), cuts
-    plans = [cuts]
+    found = {tuple(cuts): best}              # distinct plans -> score
+    kept = [best]                             # the ``keep`` best scores found, ascending
     if km1 == 0:
-        return best, best_cuts, s_inf, plans
-    collect = upper is not None
-    limit = upper if collect else (best - units * s_inf) / km1  # tau >= limit cannot beat best (minsum >= s_inf)
-    vals = np.unique(dp.edges()[0])
+        return best, best_cuts, s_inf, [(best, cuts)]
+    slack = 1.0 + window
+    limit = (slack * best - units * s_inf) / km1   # tau >= limit cannot be within the window: minsum >= s_inf
+    vals = dp.thresholds()
     heap: list[tuple[float, int, int, float, float]] = []   # (bound, first idx, last idx, S below, S above)
 
     def push(i: int, j: int, s_below: float, s_above: float) -> None:
         if i <= j and s_below > s_above:
             heapq.heappush(heap, (units * s_above + km1 * float(vals[i]), i, j, s_below, s_above))
 
-    first = int(np.searchsorted(vals, dp.bottleneck(), side="left"))
-    push(first, len(vals) - 1, _INF, s_inf)
+    push(int(np.searchsorted(vals, dp.bottleneck(), side="left")), len(vals) - 1, _INF, s_inf)
     solves = 0
     while heap:
         bound, i, j, s_below, s_above = heapq.heappop(heap)
-        j = min(j, int(np.searchsorted(vals, limit, side="right" if collect else "left")) - 1)
-        if i > j or (not collect and bound >= best):
+        j = min(j, int(np.searchsorted(vals, limit, side="left")) - 1)
+        if i > j or bound >= slack * best or (len(kept) >= keep and bound >= kept[-1]):
             continue
         mid = (i + j) // 2
-        total, _, cuts = dp.solve(float(vals[mid]))
+        total, cuts = dp.solve(float(vals[mid]))
         solves += 1
         if cuts is None:   # infeasible here, so everywhere below
             push(mid + 1, j, _INF, s_above)
             continue
-        plans.append(cuts)
         top = dp.max_t(cuts)
         score = units * total + km1 * top
+        if tuple(cuts) not in found:
+            found[tuple(cuts)] = score
+            bisect.insort(kept, score)
+            del kept[keep:]
         if score < best:
             best, best_cuts = score, cuts
-            if not collect:
-                limit = (best - units * s_inf) / km1
+            limit = (slack * best - units * s_inf) / km1
         push(i, int(np.searchsorted(vals, top, side="left")) - 1, s_below, total)
         push(mid + 1, j, total, s_above)
     logger.debug("slicing thresholds: N=%d, %d DP solves over %d distinct thresholds", dp.n, solves, len(vals))
-    return best, best_cuts, s_inf, plans
+    plans = sorted((sc, list(c)) for c, sc in found.items() if sc <= slack * best)
+    return best, best_cuts, s_inf, plans[:keep]
 
 
 # --------------------------------------------------------------------------------------------------------------
 # Tables from the cost model
 
+def _distinct_stages(cost: PipelineCost) -> dict[Any, tuple[int, Any]]:
+    """cache key -> (first stage index, stage model): shared stage models are evaluated once."""
+    out: dict[Any, tuple[int, Any]] = {}
+    for k, st in enumerate(cost.stages):
+        out.setdefault(st.cache_key(), (k, st))
+    return out
+
+
+def _times(stage: int, st: Any, lens: np.ndarray, ctx: np.ndarray, batch: int
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(forward, backward, comm) of one stage model, broadcast to the common shape and checked."""
+    shape = np.broadcast_shapes(lens.shape, ctx.shape)
+    out = tuple(np.broadcast_to(np.asarray(x, dtype=float), shape) for x in (
+        st.forward_ms(lens, ctx, batch), st.backward_ms(lens, ctx, batch), st.comm_ms(lens, batch)))
+    for name, x in zip(("forward_ms", "backward_ms", "comm_ms"), out):
+        if x.size and not (x.min() >= 0 and np.isfinite(x.max())):   # NaN fails the first test
+            raise ValueError(f"stage {stage} cost model returned a negative or non-finite {name} for batch "
+                             f"{batch}; fix the cost model (a fit extrapolated too far?)")
+    return out  # type: ignore[return-value]
+
+
 def _stage_times(cost: PipelineCost, lens: np.ndarray, ctx: np.ndarray, batch: int
                  ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """Per stage (forward, backward, comm) for slices ``lens`` after ``ctx``; shared stage models run once."""
-    seen: dict[Any, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
-    out = []
-    for k, st in enumerate(cost.stages):
-        key = st.cache_key()
-        if key not in seen:
-            times = tuple(np.broadcast_to(np.asarray(x, dtype=float), lens.shape) for x in (
-                st.forward_ms(lens, ctx, batch), st.backward_ms(lens, ctx, batch), st.comm_ms(lens, batch)))
-            for name, x in zip(("forward_ms", "backward_ms", "comm_ms"), times):
-                if not np.all(np.isfinite(x)) or np.any(x < 0):
-                    raise ValueError(f"stage {k} cost model returned a negative or non-finite {name} for "
-                                     f"batch {batch}; fix the cost model (a fit extrapolated too far?)")
-            seen[key] = times  # type: ignore[assignment]
-        out.append(seen[key])
-    return out
+    """Per stage (forward, backward, comm) for slices ``lens`` after ``ctx`` (small inputs: keeps all stages)."""
+    seen = {key: _times(k, st, lens, ctx, batch) for key, (k, st) in _distinct_stages(cost).items()}
+    return [seen[st.cache_key()] for st in cost.stages]
 
 
 def _tables(cost: PipelineCost, n: int, granularity: int, batch: int) -> tuple[np.ndarray, np.ndarray]:
     """(w, t) over all slices [a, b) of the grid for the slowest stage at each slice (inf where a >= b)."""
-    a, b = np.triu_indices(n + 1, 1)
-    times = _stage_times(cost, ((b - a) * granularity).astype(float), (a * granularity).astype(float), batch)
+    # Evaluate on the (start a, length l) grid: contexts (N, 1) x lengths (1, N), so fitted models interpolate
+    # over N lengths rather than N^2 slices; half of it (a + l > N) is discarded. One stage at a time, keeping
+    # only the running max (48 distinct stages x N^2 would not fit in memory at N = 1024).
+    lens = granularity * np.arange(1, n + 1, dtype=float)[None, :]
+    ctx = granularity * np.arange(n, dtype=float)[:, None]
     comm_factor = 2.0 if cost.num_stages > 1 else 0.0
-    w_flat = np.max([f + bw for f, bw, _ in times], axis=0)
-    t_flat = np.max([f + bw + comm_factor * c for f, bw, c in times], axis=0)
+    w_grid = t_grid = None
+    for k, st in _distinct_stages(cost).values():
+        f, b, c = _times(k, st, lens, ctx, batch)
+        wk = f + b
+        tk = wk + comm_factor * c if comm_factor else wk
+        w_grid = wk if w_grid is None else np.maximum(w_grid, wk, out=w_grid)
+        t_grid = tk.copy() if t_grid is None else np.maximum(t_grid, tk, out=t_grid)
+    assert w_grid is not None and t_grid is not None
+    a, length = np.nonzero(np.arange(n)[:, None] + np.arange(1, n + 1)[None, :] <= n)
     w = np.full((n + 1, n + 1), _INF)
     t = np.full((n + 1, n + 1), _INF)
-    w[a, b], t[a, b] = w_flat, t_flat
+    w[a, a + length + 1] = w_grid[a, length]
+    t[a, a + length + 1] = t_grid[a, length]
     return w, t
 
 
@@ -435,17 +443,37 @@ class _Simulated:
         self.num_simulated += 1
         return self._simulate(self._schedules[key], self.cost, list(slices), micro_batch_size=batch)
 
-    def lower_bound(self, slices: Sequence[int], units: int, batch: int) -> float:
-        """Sound makespan bound: a stage cannot start before slice 0 has passed the stages before it, then
-        works ``units * sum(forward + backward)``, and its last backward still has to cross the stages before."""
-        lens = np.asarray(slices, dtype=float)
-        ctx = np.concatenate([[0.0], np.cumsum(lens)[:-1]])
+    def lower_bounds(self, plans: Sequence[Sequence[int]], units: int, batch: int) -> np.ndarray:
+        """A sound makespan bound per plan (slices in tokens) from the dependencies every schedule obeys
+        (F(k,b,i) after F(k-1,b,i) and F(k,b,i-1); B(k,b,i) after F(k,b,i), B(k+1,b,i), B(k,b,i+1)), with a
+        message between stages arriving ``comm_ms`` of the sender after the compute that produced it.
+
+        Work: stage k cannot start before slice 0 crossed stages < k, then works units * sum(F + B), and its
+        last backward still crosses stages < k. Path: slice 0 down to stage k, slices 0..i forward on k, slice i
+        down to the last stage and back up to k, slices i-1..0 backward on k, slice 0 up to stage 0 -- the
+        critical path behind the closed form's (K-1) * max term. The bound is the max over k, i of both.
+        """
+        lens = np.concatenate([np.asarray(p, dtype=float) for p in plans])
+        starts = np.cumsum([0] + [len(p) for p in plans])
+        ctx = lens.cumsum() - lens
+        ctx -= np.repeat(ctx[starts[:-1]], np.diff(starts))              # context restarts at each plan
         times = _stage_times(self.cost, lens, ctx, batch)
-        first_fwd = np.array([f[0] for f, _, _ in times])
-        min_bwd = np.array([bw.min() for _, bw, _ in times])
-        work = np.array([units * float((f + bw).sum()) for f, bw, _ in times])
-        before = np.concatenate([[0.0], np.cumsum(first_fwd + min_bwd)[:-1]])
-        return float((before + work).max())
+        fwd, bwd, comm = (np.stack([x[j] for x in times]) for j in range(3))   # (K, total slices) each
+        zero = np.zeros(1)
+        out = np.empty(len(plans))
+        for p in range(len(plans)):
+            f, b, c = (x[:, starts[p]:starts[p + 1]] for x in (fwd, bwd, comm))   # (K, n)
+            c_fwd = c.copy()
+            c_fwd[-1] = 0.0                                                # the last stage sends no activations
+            head = np.concatenate([zero, np.cumsum(f[:-1, 0] + c[:-1, 0])])    # slice 0 reaches stage k
+            tail = np.concatenate([zero, np.cumsum(b[:-1, 0] + c[1:, 0])])     # slice 0's grad leaves stage k
+            drain = np.concatenate([zero, np.cumsum(b.min(axis=1)[:-1] + c.min(axis=1)[1:])])
+            work = head + units * (f + b).sum(axis=1) + drain
+            down = f[::-1].cumsum(axis=0)[::-1] - f + c_fwd[::-1].cumsum(axis=0)[::-1]   # slice i to the end
+            up = b[::-1].cumsum(axis=0)[::-1] + c[::-1].cumsum(axis=0)[::-1] - c       # and back to stage k
+            path = head[:, None] + f.cumsum(axis=1) + down + up + (b.cumsum(axis=1) - b) + tail[:, None]
+            out[p] = max(float(work.max()), float(path.max()))
+        return out
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -476,11 +504,12 @@ def plan_slicing(cost: PipelineCost, seq_len: int, *, num_microbatches: int = 1,
       that closed form (equal to the simulator's makespan whenever forward, backward and comm peak on the same
       slice, a lower bound on it otherwise).
     * Unequal stages or 1F1B: the closed form is no longer the step time. The DP runs on the slowest stage
-      for every slice (w and t maxed over stages), and every distinct min-sum plan of that DP whose max-slice
-      threshold could still be optimal for the slowest-stage closed form (thresholds up to the closed-form
-      optimum's bound), plus the unsliced plan, is simulated (``simulate.py``) under the real per-stage costs
-      and schedule; the smallest simulated makespan wins and is ``predicted_ms``. Optimal among those
-      candidates, not over all slicings; candidates a sound lower bound rules out are not simulated.
+      for every slice (w and t maxed over stages) and yields candidates: the distinct min-sum plans (one per
+      max-slice threshold) whose slowest-stage closed form is within 5% of that DP's optimum, the 64 best of
+      them, plus the unsliced plan. Each is scored by ``simulate`` (``build_schedule(schedule, ...)``) under
+      the real per-stage costs; the smallest simulated makespan wins and is ``predicted_ms``. So the plan is
+      optimal among those candidates, not over all slicings; a candidate is skipped only when a sound lower
+      bound on its makespan (``_Simulated.lower_bounds``) already exceeds the best simulated one.
 
     ``split_batch`` (TeraPipe section 3.4) also splits each micro-batch of ``micro_batch_size`` sequences into
     q equal sub-batches, q dividing the micro-batch size, all with the same token slicing; sub-batches are
@@ -517,7 +546,7 @@ def plan_slicing(cost: PipelineCost, seq_len: int, *, num_microbatches: int = 1,
     num_stages = cost.num_stages
     if memory is not None:
         memory.layers(num_stages)  # validates the per-stage layer counts against the cost
-    if not cost.covers(granularity, 0, batch) or not cost.covers(seq_len, seq_len - granularity, batch):
+    if not cost.covers(np.array([granularity, seq_len, granularity]), np.array([0, 0, seq_len - granularity]), batch):
         logger.warning("the cost model does not cover slices of %d..%d tokens with up to %d context at batch %d: "
                        "times are extrapolated; profile that range for a reliable plan", granularity, seq_len,
                        seq_len - granularity, batch)
@@ -550,7 +579,8 @@ def plan_slicing(cost: PipelineCost, seq_len: int, *, num_microbatches: int = 1,
         units, sub = m * q, batch // q
         w, t = _tables(cost, n, granularity, sub)
         dp = _Dp(w, t, n_min, n_max)
-        value, cuts, s_inf, _ = _thresholds(dp, units, num_stages, None)
+        window = 0.0 if exact else _SIM_WINDOW
+        value, cuts, _, scored = _thresholds(dp, units, num_stages, window, 1 if exact else _SIM_MAX)
         if cuts is None:
             continue
         if exact:
@@ -558,20 +588,19 @@ def plan_slicing(cost: PipelineCost, seq_len: int, *, num_microbatches: int = 1,
                 best = (value, q, cuts, None)
             continue
         assert sim is not None
-        upper = (value - units * s_inf) / max(num_stages - 1, 1)
-        plans = _thresholds(dp, units, num_stages, upper)[3] if num_stages > 1 else [cuts]
-        plans = [list(p) for p in sorted({tuple(p) for p in plans})]
-        if n_min == 1:
+        plans = [c for _, c in scored]   # distinct, best closed form first
+        if n_min == 1 and [0, n] not in plans:
             plans.append([0, n])  # the unsliced plan is always a candidate: never plan worse than stock
-        plans.sort(key=lambda c: units * dp.sum_w(c) + (num_stages - 1) * dp.max_t(c))
-        for c in plans:
-            slices = [granularity * (y - x) for x, y in zip(c[:-1], c[1:])]
-            if best is not None and sim.lower_bound(slices, units, sub) >= best[0]:
+        slicings = [[granularity * (y - x) for x, y in zip(c[:-1], c[1:])] for c in plans]
+        bounds = sim.lower_bounds(slicings, units, sub)
+        for c, slices, bound in zip(plans, slicings, bounds):
+            if best is not None and bound >= best[0]:
                 continue
             res = sim.run(slices, units, sub)
             if best is None or res.makespan_ms < best[0]:
                 best = (float(res.makespan_ms), q, c, res)
-        logger.debug("q=%d: %d candidate plans, %d simulated so far", q, len(plans), sim.num_simulated)
+        logger.debug("q=%d: %d candidate plans (window %.3f), %d simulated so far", q, len(plans), window,
+                     sim.num_simulated)
     if best is None:  # only possible when the slice-count limits exclude every plan
         raise ValueError(f"no slicing of seq_len = {seq_len} at granularity {granularity} has between the "
                          f"{min(o[1] for o in options)} slices the memory cap needs and max_slices = {max_slices}; "
