@@ -199,6 +199,17 @@ def test_closed_form_equals_the_simulated_gpipe_makespan():
     assert full.makespan_ms == pytest.approx(plan.unsliced_ms, rel=1e-9)
 
 
+def test_closed_form_equals_the_simulation_with_a_constant_comm_latency():
+    from ds_terapipe.planner.schedule import build_schedule
+    from ds_terapipe.planner.simulate import simulate
+
+    stage = proportional_cost().stage(0)
+    cost = PipelineCost.uniform(MeasuredCost(stage.to_dict()["points"], comm={"latency_ms": 0.7}), 5)
+    plan = plan_slicing(cost, 1024, num_microbatches=2, granularity=32)
+    res = simulate(build_schedule("gpipe", 5, 2, plan.num_slices), cost, plan.slices, micro_batch_size=1)
+    assert plan.num_slices > 1 and res.makespan_ms == pytest.approx(plan.predicted_ms, rel=1e-9)
+
+
 def test_closed_form_is_a_lower_bound_of_the_simulation_with_comm():
     from ds_terapipe.planner.schedule import build_schedule
     from ds_terapipe.planner.simulate import simulate
