@@ -303,25 +303,74 @@ def suite_features(extra: dict) -> list[dict]:
     results.append({"case": "checkpoint", "uninterrupted": uninterrupted, **resumed, "timeline": timeline,
                     "trace_files": sorted(os.listdir(traces))})
 
-    # a peer that never shows up: the waiting rank fails within p2p_timeout_s, saying what it waited for
+    # a peer that dies mid-batch (its data fails on micro-batch 1): the waiting rank fails within
+    # p2p_timeout_s, naming the instruction it was stuck on
     STATUS["case"] = "timeout"
     engine = _engine(cfg, gpt_layer_specs(cfg), {"seq_len": seq_len, "slices": 2, "p2p_timeout_s": 3})
+
+    def failing_data():
+        yield batches[0]
+        raise RuntimeError("simulated data failure on the last stage")
+
     t0 = time.perf_counter()
-    if RANK == 0:
-        try:
-            engine.train_batch(iter(batches))
-            results.append({"case": "timeout", "raised": None})
-        except Exception as err:  # noqa: BLE001
-            notes = " ".join(getattr(err, "__notes__", []))
-            results.append({"case": "timeout", "raised": type(err).__name__, "message": f"{err} {notes}",
-                            "seconds": time.perf_counter() - t0})
-    else:
-        time.sleep(8)
-        results.append({"case": "timeout", "raised": "peer-sleeping"})
+    try:
+        engine.train_batch(failing_data() if RANK == 1 else iter(batches))
+        results.append({"case": "timeout", "raised": None})
+    except Exception as err:  # noqa: BLE001
+        notes = " ".join(getattr(err, "__notes__", []))
+        results.append({"case": "timeout", "raised": type(err).__name__, "message": f"{err} {notes}",
+                        "seconds": time.perf_counter() - t0})
     return results
 
 
 SUITES["features"] = suite_features
+
+
+
+def suite_varlen(extra: dict) -> list[dict]:
+    """Batches of different lengths in one run: one plan per length, planned once, exact gradients."""
+    cfg = GPTConfig(num_layers=2, hidden=32, num_heads=4, vocab_size=64, max_seq_len=128, seed=3)
+    micro, batch = 2, 2
+    results: list[dict] = []
+    for slices in ("auto", 3):
+        STATUS["case"] = f"varlen slices={slices}"
+        tp = {"seq_len": 64, "slices": slices, "granularity": 8, "schedule": "1f1b",
+              "profile": {"slice_lengths": [8, 32, 64], "num_contexts": 2, "warmup": 0, "repeats": 1}}
+        engine = _engine(cfg, gpt_layer_specs(cfg), tp, micro=micro, batch=batch)
+        seen = []
+        for step, length in enumerate([64, 32, 128, 32, 64]):
+            batches = make_batches(cfg, micro, batch, length, seed=40 + step)
+            # compare gradients of this step against a fresh reference with the engine's current weights
+            # the reference starts from the engine's current weights, gathered from every stage
+            mine = {reference_param_name(n): p.detach().clone() for n, p in engine.module.named_parameters()
+                    if not (n == "tied_modules.embed.wpe.weight" and engine.stage_id != 0)}
+            parts: list = [None] * WORLD
+            torch.distributed.all_gather_object(parts, mine)
+            ref = GPTReference(cfg)
+            ref.load_state_dict({k: v for part in parts for k, v in part.items()}, strict=True)
+            total = sum(causal_lm_loss(ref(x), y) for x, y in batches) / len(batches)
+            total.backward()
+            ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+            grads: dict[str, torch.Tensor] = {}
+            take = engine._take_model_step
+            engine._take_model_step = lambda *a, **k: (grads.update({n: p.grad.clone() for n, p in
+                                                                     engine.module.named_parameters()
+                                                                     if p.grad is not None}), take(*a, **k))[1]
+            loss = float(engine.train_batch(iter(batches)))
+            engine._take_model_step = take
+            err, name, _ = compare(grads, ref_grads, engine.stage_id)
+            seen.append({"length": length, "slices": list(engine.slices), "loss": loss, "ref_loss": float(total),
+                         "grad_rel_err": err, "grad_worst": name, "source": engine.plan_source})
+        try:
+            engine.train_batch(iter(make_batches(cfg, micro, batch, 60, seed=1)))
+            bad = None
+        except ValueError as err:
+            bad = str(err)
+        results.append({"case": STATUS["case"], "steps": seen, "plans": sorted(engine._plans), "bad_length": bad})
+    return results
+
+
+SUITES["varlen"] = suite_varlen
 
 
 if __name__ == "__main__":

@@ -61,6 +61,9 @@ def test_bf16_on_cpu_trains(features) -> None:
 
 @pytest.mark.timeout(700)
 def test_dead_peer_fails_within_timeout_naming_the_instruction(features) -> None:
+    dead = features[1]["timeout"]
+    assert dead["raised"] == "RuntimeError" and "simulated data failure" in dead["message"]
+    assert "LoadMicroBatch(buffer_id=1, microbatch=1)" in dead["message"]  # the failing rank says where it was
     case = features[0]["timeout"]
     assert case["raised"] == "P2PTimeoutError", case
     assert case["seconds"] < 30

@@ -20,6 +20,7 @@ deadlines), because slices have different lengths.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
@@ -95,9 +96,15 @@ class TokenPipelineEngine(PipelineEngine):
         self.last_timeline: list[TimedAction] = []
         self._batches_traced = 0
         self.slicing_plan = None
-        self.plan_source = "config"  # or "profiled" / "cache" for slices: "auto"
+        self.plan_source = "config"  # or "profiled" / "cache" / "planned" for slices: "auto"
+        # What planning other sequence lengths needs later (rank 0 keeps the measured costs).
+        self._cache_fingerprints: Optional[list] = None
+        self._cost_dict: Optional[dict] = None
+        self._stage_meta: Optional[list] = None
         from .profile import resolve_plan  # late import: profile imports the engine's helpers
         self.slices: tuple[int, ...] = resolve_plan(self)
+        # One plan per sequence length seen, planned once (variable-length training).
+        self._plans: dict[int, tuple[tuple[int, ...], Any]] = {self.seq_len: (self.slices, self.slicing_plan)}
         self._check_model_supports_slicing()
 
     # -- plan ------------------------------------------------------------------------------------------------
@@ -123,6 +130,62 @@ class TokenPipelineEngine(PipelineEngine):
         if self.is_last_stage() and self.module.loss_fn is None:
             raise ValueError("terapipe: the PipelineModule needs a loss_fn with more than one slice, so the engine "
                              "can weight each slice's loss; pass loss_fn= to the PipelineModule")
+
+    # -- variable sequence lengths ----------------------------------------------------------------------------
+    def train_batch(self, data_iter: Optional[Iterator] = None) -> torch.Tensor:
+        if data_iter is not None:
+            self.set_dataiterator(data_iter)
+        peeked = self._use_plan_for_next_batch(self.data_iterator)
+        if self.is_first_stage() or self.is_last_stage():
+            self.data_iterator = peeked
+        return super().train_batch()
+
+    def eval_batch(self, data_iter: Iterator, *args: Any, **kwargs: Any) -> Any:
+        return super().eval_batch(self._use_plan_for_next_batch(data_iter), *args, **kwargs)
+
+    def _use_plan_for_next_batch(self, iterator: Optional[Iterator]) -> Optional[Iterator]:
+        """Look at the next micro-batch's sequence length and switch to its plan (collective over all ranks).
+
+        Stage 0 reads the length; all ranks gather everyone's, so a new length is planned once by all ranks
+        together, and a length that cannot be run fails on every rank at once instead of hanging the others.
+        Returns the iterator with the peeked micro-batch put back in front.
+        """
+        local = -1
+        if self.is_first_stage() or self.is_last_stage():
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                batch, local = None, -2
+            if batch is not None:
+                part = batch[0] if self.is_first_stage() else batch[1]
+                first = _first_tensor(part)
+                local = first.shape[1] if first is not None and first.dim() >= 2 else -3
+                iterator = itertools.chain([batch], iterator)
+        lengths = torch.full((torch.distributed.get_world_size(), ), -100, dtype=torch.int64)
+        lengths[self.global_rank] = local
+        work = torch.distributed.all_reduce(lengths, op=torch.distributed.ReduceOp.MAX, async_op=True)
+        self._p2p.wait(work, "the sequence-length agreement at the start of a batch")  # each rank fills its slot
+        values = lengths.tolist()
+        if -2 in values:
+            raise StopIteration("token pipeline: a data iterator ran out at the start of a batch")
+        stage0 = [values[self.grid.stage_to_global(0, data=d)] for d in range(self.grid.data_parallel_size)]
+        mine = values[self.grid.stage_to_global(0)]
+        bad = [v for v in values if v == -3]
+        if bad:
+            raise ValueError("token pipeline: batch inputs/labels must be (batch, seq_len, ...) tensors; a stage got "
+                             "a tensor without a sequence dimension")
+        if self.is_last_stage() and local != mine:
+            raise ValueError(f"token pipeline: the last stage's labels have length {local} but the first stage's "
+                             f"inputs have {mine}; both must read the same batches")
+        from .profile import plan_for_length
+        for length in sorted(set(stage0)):
+            if length not in self._plans:
+                slices = plan_for_length(self, length)
+                self._plans[length] = (slices, self.slicing_plan if self.plan_source != "config" else None)
+                if self.global_rank == 0:
+                    logger.info("terapipe: sequence length %d -> %d slice(s) %s", length, len(slices), list(slices))
+        self.slices, self.slicing_plan = self._plans[mine]
+        return iterator
 
     def _train_schedule(self) -> TokenPipeSchedule:
         return TokenPipeSchedule(self.terapipe.schedule, self.micro_batches, self.num_stages, self.stage_id,

@@ -80,14 +80,14 @@ class SliceP2P:
         """Wait for every outstanding send (end of a batch: nothing may still be in flight)."""
         pending, self._pending = self._pending, []
         for work, _, what in pending:
-            self._wait(work, f"send of {what}")
+            self.wait(work, f"send of {what}")
 
     # -- receiving -------------------------------------------------------------------------------------------
     def recv(self, stage: int, what: str) -> tuple[torch.Tensor, ...]:
         """Receive a header-described group of tensors from ``stage``."""
         rank = self.stage_to_rank[stage]
         head = torch.zeros(_HEADER_SIZE, dtype=torch.int64, device=self.device)
-        self._wait(dist.irecv(head, rank), f"header of {what} from stage {stage} (rank {rank})")
+        self.wait(dist.irecv(head, rank), f"header of {what} from stage {stage} (rank {rank})")
         fields = head.tolist()
         count, pos, specs = fields[0], 1, []
         for _ in range(count):
@@ -98,7 +98,7 @@ class SliceP2P:
         for dtype, shape in specs:
             wire_dtype = torch.uint8 if dtype == torch.bool else dtype
             buf = torch.empty(shape, dtype=wire_dtype, device=self.device)
-            self._wait(dist.irecv(buf, rank), f"{what} from stage {stage} (rank {rank})")
+            self.wait(dist.irecv(buf, rank), f"{what} from stage {stage} (rank {rank})")
             out.append(buf.bool() if dtype == torch.bool else buf)
         return tuple(out)
 
@@ -108,10 +108,11 @@ class SliceP2P:
         out = tuple(torch.empty_like(t) for t in likes)
         works = [dist.irecv(buf, rank) for buf in out]
         for work in works:
-            self._wait(work, f"{what} from stage {stage} (rank {rank})")
+            self.wait(work, f"{what} from stage {stage} (rank {rank})")
         return out
 
-    def _wait(self, work: dist.Work, what: str) -> None:
+    def wait(self, work: dist.Work, what: str) -> None:
+        """Wait for ``work`` (any async collective too) at most ``p2p_timeout_s``; fail naming ``what``."""
         try:
             work.wait(timeout=self.timeout)
         except RuntimeError as err:

@@ -208,12 +208,12 @@ def _stage_fingerprint(engine: "TokenPipelineEngine") -> list:
         [type(f).__name__ for f in engine.module.forward_funcs]
 
 
-def _cache_path(engine: "TokenPipelineEngine", fingerprints: list) -> tuple[Optional[str], str]:
+def _cache_path(engine: "TokenPipelineEngine", fingerprints: list, seq_len: int) -> tuple[Optional[str], str]:
     cfg = engine.terapipe
     material = {
         "version": PLAN_CACHE_VERSION, "model": fingerprints, "num_stages": engine.num_stages,
         "dp": engine.dp_world_size, "micro_batch_size": engine.micro_batch_size,
-        "micro_batches": engine.micro_batches, "seq_len": cfg.seq_len, "granularity": cfg.granularity,
+        "micro_batches": engine.micro_batches, "seq_len": seq_len, "granularity": cfg.granularity,
         "schedule": cfg.schedule, "max_slices": cfg.max_slices, "memory_limit_gb": cfg.memory_limit_gb,
         "profile": cfg.profile.model_dump(), "device": str(engine.device.type), "torch": torch.__version__,
         "threads": torch.get_num_threads(),
@@ -232,30 +232,62 @@ def _write_atomic(path: str, obj: dict) -> None:
     os.replace(tmp, path)
 
 
-def _auto_plan(engine: "TokenPipelineEngine", stage_input: Any) -> tuple[int, ...]:
-    from ..planner.cost import PipelineCost
-    from ..planner.slicing import MemoryModel, SlicingPlan, plan_slicing
+def _solve(engine: "TokenPipelineEngine", cost: Any, seq_len: int) -> Any:
+    """Run the planner for one sequence length (rank 0 only; the caller broadcasts)."""
+    from ..planner.slicing import MemoryModel, plan_slicing
 
     cfg = engine.terapipe
-    seq_len = cfg.seq_len
-    fingerprints = [None] * dist.get_world_size()
-    dist.all_gather_object(fingerprints, (engine.stage_id, engine.grid.data_parallel_id, _stage_fingerprint(engine)))
-    path, key = _cache_path(engine, sorted(fingerprints, key=lambda f: (f[1], f[0])))
-    decision = [None]
-    if dist.get_rank() == 0 and path is not None and os.path.exists(path):
-        try:
-            with open(path) as f:
-                cached = json.load(f)
-            decision = [cached["plan"]]
-            logger.info("terapipe: plan cache hit %s", path)
-        except (OSError, ValueError, KeyError) as err:
-            logger.warning("terapipe: ignoring unreadable plan cache %s (%s)", path, err)
+    meta = engine._stage_meta
+    memory, limit = None, None
+    if cfg.memory_limit_gb is not None:
+        memory = MemoryModel(num_layers_per_stage=max(m["layers"] for m in meta), hidden=meta[0]["hidden"] or 1,
+                             bytes_per_element=max(m["bytes"] for m in meta))
+        limit = cfg.memory_limit_gb * 2**30
+    plan = plan_slicing(cost, seq_len, num_microbatches=engine.micro_batches, micro_batch_size=engine.micro_batch_size,
+                        granularity=cfg.granularity, schedule=cfg.schedule, memory_limit_bytes=limit, memory=memory,
+                        max_slices=cfg.max_slices)
+    logger.info("terapipe: plan for seq_len %d: %s slices=%s predicted %.1f ms vs %.1f ms unsliced (%.2fx)", seq_len,
+                cfg.schedule, list(plan.slices), plan.predicted_ms, plan.unsliced_ms, plan.speedup)
+    return plan
+
+
+def _auto_plan(engine: "TokenPipelineEngine", stage_input: Any, seq_len: int) -> tuple[int, ...]:
+    """Plan for ``seq_len``: from the plan cache, from costs already measured, or by profiling (collective)."""
+    from ..planner.cost import PipelineCost
+    from ..planner.slicing import SlicingPlan
+
+    cfg = engine.terapipe
+    if engine._cache_fingerprints is None:
+        fingerprints = [None] * dist.get_world_size()
+        dist.all_gather_object(fingerprints,
+                               (engine.stage_id, engine.grid.data_parallel_id, _stage_fingerprint(engine)))
+        engine._cache_fingerprints = sorted(fingerprints, key=lambda f: (f[1], f[0]))
+    path, key = _cache_path(engine, engine._cache_fingerprints, seq_len)
+    decision: list[Any] = [None]
+    if dist.get_rank() == 0:
+        if path is not None and os.path.exists(path):
+            try:
+                with open(path) as f:
+                    cached = json.load(f)
+                decision = [("cache", cached["plan"])]
+                engine._cost_dict = engine._cost_dict or cached.get("cost")
+                engine._stage_meta = engine._stage_meta or cached.get("stage_meta")
+                logger.info("terapipe: plan cache hit %s", path)
+            except (OSError, ValueError, KeyError) as err:
+                logger.warning("terapipe: ignoring unreadable plan cache %s (%s)", path, err)
+        if decision[0] is None and engine._cost_dict is not None:
+            # a new sequence length: the costs measured at init cover it, no re-profiling
+            plan = _solve(engine, PipelineCost.from_dict(engine._cost_dict, num_stages=engine.num_stages), seq_len)
+            decision = [("planned", plan.to_dict())]
+            _store(path, key, plan, engine)
     dist.broadcast_object_list(decision, src=0)
     if decision[0] is not None:
-        engine.slicing_plan = SlicingPlan.from_dict(decision[0])
-        engine.plan_source = "cache"
+        engine.plan_source, plan_dict = decision[0]
+        engine.slicing_plan = SlicingPlan.from_dict(plan_dict)
         return tuple(engine.slicing_plan.slices)
 
+    if stage_input is None:
+        raise ValueError(f"terapipe: no measured costs to plan seq_len={seq_len}; the plan cache lost them")
     started = time.perf_counter()
     params = list(engine.module.parameters())
     points = profile_stage(engine.module, params, stage_input, seq_len, cfg.granularity, engine.micro_batch_size,
@@ -263,37 +295,50 @@ def _auto_plan(engine: "TokenPipelineEngine", stage_input: Any) -> tuple[int, ..
                            warmup=cfg.profile.warmup, repeats=cfg.profile.repeats, device=engine.device)
     profile_s = time.perf_counter() - started
     first = as_tuple(stage_input)[0]
-    hidden = first.shape[-1] if first.is_floating_point() else None
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, {"stage": engine.stage_id, "dp": engine.grid.data_parallel_id,
-                                      "points": points, "hidden": hidden,
-                                      "layers": len(engine.module.forward_funcs),
+                                      "points": points, "layers": len(engine.module.forward_funcs),
+                                      "hidden": first.shape[-1] if first.is_floating_point() else None,
                                       "bytes": first.element_size() if first.is_floating_point() else 4})
-    result = [None]
+    result: list[Any] = [None]
     if dist.get_rank() == 0:
         stages = sorted((g for g in gathered if g["dp"] == 0), key=lambda g: g["stage"])
+        engine._stage_meta = [{k: g[k] for k in ("layers", "hidden", "bytes")} for g in stages]
+        hidden = next((m["hidden"] for m in engine._stage_meta if m["hidden"]), None)
+        for m in engine._stage_meta:
+            m["hidden"] = hidden
         cost = PipelineCost.from_dict({"stages": [{"points": g["points"]} for g in stages]},
                                       num_stages=engine.num_stages)
-        memory, limit = None, None
-        if cfg.memory_limit_gb is not None:
-            hidden_size = next((g["hidden"] for g in stages if g["hidden"]), None)
-            memory = MemoryModel(num_layers_per_stage=max(g["layers"] for g in stages), hidden=hidden_size or 1,
-                                 bytes_per_element=max(g["bytes"] for g in stages))
-            limit = cfg.memory_limit_gb * 2**30
-        plan = plan_slicing(cost, seq_len, num_microbatches=engine.micro_batches,
-                            micro_batch_size=engine.micro_batch_size, granularity=cfg.granularity,
-                            schedule=cfg.schedule, memory_limit_bytes=limit, memory=memory, max_slices=cfg.max_slices)
+        engine._cost_dict = cost.to_dict()
+        logger.info("terapipe: profiled %d stage(s) in %.1fs", engine.num_stages, profile_s)
+        plan = _solve(engine, cost, seq_len)
+        _store(path, key, plan, engine, profile_seconds=profile_s)
         result = [plan.to_dict()]
-        logger.info("terapipe: profiled %d stage(s) in %.1fs; plan %s slices=%s predicted %.1f ms vs %.1f ms "
-                    "unsliced (%.2fx)", engine.num_stages, profile_s, cfg.schedule, list(plan.slices),
-                    plan.predicted_ms, plan.unsliced_ms, plan.speedup)
-        if path is not None:
-            _write_atomic(path, {"key": key, "plan": plan.to_dict(), "cost": cost.to_dict(),
-                                 "profile_seconds": profile_s})
     dist.broadcast_object_list(result, src=0)
     engine.slicing_plan = SlicingPlan.from_dict(result[0])
     engine.plan_source = "profiled"
     return tuple(engine.slicing_plan.slices)
+
+
+def _store(path: Optional[str], key: str, plan: Any, engine: "TokenPipelineEngine", **extra: Any) -> None:
+    if path is not None:
+        _write_atomic(path, {"key": key, "plan": plan.to_dict(), "cost": engine._cost_dict,
+                             "stage_meta": engine._stage_meta, **extra})
+
+
+def plan_for_length(engine: "TokenPipelineEngine", seq_len: int) -> tuple[int, ...]:
+    """Slices for a sequence length other than ``terapipe.seq_len`` (collective: every rank calls it)."""
+    cfg = engine.terapipe
+    if seq_len % cfg.granularity:
+        raise ValueError(f"terapipe: a batch has sequence length {seq_len}, not a multiple of terapipe.granularity="
+                         f"{cfg.granularity}; pad sequences to a multiple of {cfg.granularity} (or lower granularity)")
+    if isinstance(cfg.slices, list):
+        raise ValueError(f"terapipe.slices={cfg.slices} is a fixed list for seq_len {sum(cfg.slices)}, but a batch has "
+                         f"sequence length {seq_len}; use slices \"auto\" or an int for variable lengths")
+    if isinstance(cfg.slices, int):
+        units, n = seq_len // cfg.granularity, min(cfg.slices, seq_len // cfg.granularity)
+        return tuple((units // n + (1 if i < units % n else 0)) * cfg.granularity for i in range(n))
+    return _auto_plan(engine, None, seq_len)
 
 
 # -- 4. entry point ---------------------------------------------------------------------------------------------
@@ -338,7 +383,7 @@ def resolve_plan(engine: "TokenPipelineEngine") -> tuple[int, ...]:
                        "non-causally) was skipped; use ds_terapipe.TokenPipelineModule(..., vocab_size=V)",
                        type(module).__name__)
     if slices is None:
-        slices = _auto_plan(engine, stage_input)
+        slices = _auto_plan(engine, stage_input, seq_len)
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, (list(slices), cfg.schedule))
     if any(e != every[0] for e in every):
