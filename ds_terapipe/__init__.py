@@ -30,6 +30,8 @@ _LAZY = {
     "SliceContext": ".runtime.context",
     "P2PTimeoutError": ".runtime.p2p",
     "SlicingMismatchError": ".runtime.profile",
+    "CheckpointError": ".runtime.checkpoint",
+    "export_state_dict": ".runtime.checkpoint",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

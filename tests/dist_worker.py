@@ -293,6 +293,7 @@ def suite_features(extra: dict) -> list[dict]:
         first.train_batch(iter(chunk))
     timeline = [(str(e.action), e.start_ms, e.end_ms) for e in first.last_timeline]
     first.save_checkpoint(ckpt, client_state={"step": 2})
+    saved_params = {n: p.detach().clone() for n, p in first.module.named_parameters()}
     uninterrupted = [float(first.train_batch(iter(chunk))) for chunk in chunks[2:]]
     resumed = {}
     for label, slices in (("same", [16, 32, 16]), ("other", 4)):
@@ -302,6 +303,48 @@ def suite_features(extra: dict) -> list[dict]:
                           "step": client["step"], "plan": client["terapipe"]["plan"]["slices"]}
     results.append({"case": "checkpoint", "uninterrupted": uninterrupted, **resumed, "timeline": timeline,
                     "trace_files": sorted(os.listdir(traces))})
+
+    # robustness: export, another stage count, corrupt files, other dimensions (nothing overwritten)
+    STATUS["case"] = "checkpoint robustness"
+    from ds_terapipe.runtime.checkpoint import CheckpointError, export_state_dict, read_latest
+
+    robust: dict[str, Any] = {"case": "checkpoint robustness"}
+    exported = export_state_dict(ckpt)
+    robust["export_err"] = max(rel_err(exported[n.replace("tied_modules.embed.", "0.")], p)
+                               for n, p in saved_params.items()
+                               if not (n == "tied_modules.embed.wpe.weight" and first.stage_id != 0))
+    model1 = ds_terapipe.TokenPipelineModule(gpt_layer_specs(cfg), num_stages=1, loss_fn=causal_lm_loss,
+                                             vocab_size=cfg.vocab_size)
+    one_stage, _, _, _ = ds_terapipe.initialize(model=model1, optimizer=torch.optim.SGD(model1.parameters(), lr=0.1),
+                                                config={"train_micro_batch_size_per_gpu": batch,
+                                                        "gradient_accumulation_steps": micro,
+                                                        "train_batch_size": batch * micro * 2,
+                                                        "gradient_clipping": 0.0, "steps_per_print": 10**9,
+                                                        "terapipe": dict(tp, enabled=True, slices=2)})
+    one_stage.load_checkpoint(ckpt)
+    loaded = {n: p for n, p in one_stage.module.named_parameters()}
+    robust["restage_err"] = max(rel_err(loaded[n], p) for n, p in saved_params.items()
+                                if not (n == "tied_modules.embed.wpe.weight" and first.stage_id != 0))
+    tag = read_latest(ckpt)
+    corrupt = str(Path(extra["out"]) / "ckpt_corrupt")
+    if RANK == 0:
+        import shutil
+        shutil.copytree(ckpt, corrupt)
+        victim = sorted(Path(corrupt, tag).glob("layer_01-*"))[0]
+        victim.write_bytes(victim.read_bytes()[:-10])
+    torch.distributed.barrier()
+    for label, target, model_cfg in (("corrupt", corrupt, cfg),
+                                     ("dims", ckpt, GPTConfig(num_layers=2, hidden=64, num_heads=4, vocab_size=64,
+                                                              max_seq_len=64, seed=11))):
+        engine = _engine(model_cfg, gpt_layer_specs(model_cfg), tp)
+        before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+        try:
+            engine.load_checkpoint(target)
+            robust[label] = None
+        except CheckpointError as err:
+            robust[label] = str(err)
+        robust[f"{label}_untouched"] = all(torch.equal(before[n], p) for n, p in engine.module.named_parameters())
+    results.append(robust)
 
     # a peer that dies mid-batch (its data fails on micro-batch 1): the waiting rank fails within
     # p2p_timeout_s, naming the instruction it was stuck on

@@ -89,3 +89,15 @@ def test_measured_timeline_per_rank(features) -> None:
         assert len(names) == 2 * 2 * 3  # F and B of 2 micro-batches x 3 slices
         assert names[0] == f"{rank}F0.0"
         assert all(end >= start for _, start, end in case["timeline"])
+
+
+@pytest.mark.timeout(700)
+def test_checkpoint_export_restage_and_refusals(features) -> None:
+    for rank in features:
+        case = rank["checkpoint robustness"]
+        assert case["export_err"] == 0.0  # the exported state dict holds exactly the saved weights
+        assert case["restage_err"] == 0.0  # a 2-stage checkpoint loads into 1 stage (x 2 replicas)
+        assert "is corrupt: layer_01-" in case["corrupt"] and "truncated" in case["corrupt"]
+        assert "different dimensions" in case["dims"]
+        assert "is (64, 32) in the checkpoint but (64, 64) in this model" in case["dims"]
+        assert case["corrupt_untouched"] and case["dims_untouched"]

@@ -36,6 +36,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from ..config import TeraPipeConfig
 from ..planner.schedule import Action, ActionKind
 from ..planner.simulate import TimedAction
+from . import checkpoint as ckpt
 from .context import MicroBatchState, SliceContext, slice_scope
 from .p2p import SliceP2P, as_tuple
 from .schedule import TokenPipeSchedule
@@ -382,10 +383,59 @@ class TokenPipelineEngine(PipelineEngine):
 
     def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: Optional[dict] = None,
                         save_latest: bool = True, **kwargs: Any) -> Any:
-        """DeepSpeed's checkpoint, with the slicing plan and the terapipe config in its client state."""
+        """DeepSpeed's checkpoint, plus the slicing plan and terapipe config, made crash-safe.
+
+        ``latest`` moves to the new tag only after every rank wrote its files and rank 0 wrote the manifest
+        (sizes and SHA-256 of every file), so an interrupted save never hides the previous checkpoint.
+        """
+        tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
+        tag_dir = os.path.join(save_dir, tag)
+        if self.global_rank == 0 and os.path.exists(os.path.join(tag_dir, ckpt.MANIFEST)):
+            os.remove(os.path.join(tag_dir, ckpt.MANIFEST))  # being rewritten: incomplete until the end
         state = dict(client_state or {})
         state.setdefault("terapipe", {"plan": self.plan_summary(), "config": self.terapipe.model_dump()})
-        return super().save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=save_latest, **kwargs)
+        result = super().save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=False, **kwargs)
+        self._barrier("saving a checkpoint")
+        if self.global_rank == 0:
+            ckpt.write_manifest(tag_dir, {"num_stages": self.num_stages, "dp": self.dp_world_size,
+                                          "plan": self.plan_summary(), "terapipe": self.terapipe.model_dump()})
+            if save_latest:
+                ckpt.write_latest(save_dir, tag)
+            logger.info("terapipe: checkpoint %s complete (manifest written)", tag_dir)
+        self._barrier("finishing a checkpoint")
+        return result
+
+    def load_checkpoint(self, load_dir: str, tag: Any = None, **kwargs: Any) -> Any:
+        """DeepSpeed's load, after checking the checkpoint is complete and fits this model (nothing is touched
+        otherwise). A checkpoint from another number of stages loads its weights (per-layer files) but not the
+        optimizer state, which DeepSpeed stores per stage."""
+        tag = str(tag) if tag is not None else ckpt.read_latest(load_dir)
+        if tag is None:
+            logger.warning("terapipe: no 'latest' file in %s: nothing loaded", load_dir)
+            return None, None
+        tag_dir = os.path.join(load_dir, tag)
+        from .profile import _all_agree_or_raise
+        manifest, problem = None, None
+        try:
+            manifest = ckpt.verify_manifest(tag_dir)
+            problem = ckpt.check_layer_shapes(self.module, tag_dir)
+            if problem:
+                problem = (f"checkpoint {tag_dir} was written for a model with different dimensions: {problem}; "
+                           "build the model with the checkpoint's dimensions")
+        except ckpt.CheckpointError as err:
+            problem = str(err)
+        _all_agree_or_raise(problem, ckpt.CheckpointError)
+        assert manifest is not None
+        if manifest.get("num_stages", self.num_stages) != self.num_stages:
+            if self.global_rank == 0:
+                logger.warning("terapipe: checkpoint %s has %s stages, this run %d: loading weights only (optimizer "
+                               "and scheduler state are per stage)", tag_dir, manifest["num_stages"], self.num_stages)
+            kwargs.update(load_optimizer_states=False, load_lr_scheduler_states=False, load_module_only=True)
+        return super().load_checkpoint(load_dir, tag=tag, **kwargs)
+
+    def _barrier(self, what: str) -> None:
+        flag = torch.zeros(1)
+        self._p2p.wait(torch.distributed.all_reduce(flag, async_op=True), f"the barrier after {what}")
 
     def plan_summary(self) -> dict[str, Any]:
         """What this engine runs, for logs and checkpoints."""

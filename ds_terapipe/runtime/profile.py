@@ -342,13 +342,13 @@ def plan_for_length(engine: "TokenPipelineEngine", seq_len: int) -> tuple[int, .
 
 
 # -- 4. entry point ---------------------------------------------------------------------------------------------
-def _all_agree(flag_ok: bool, message: Optional[str]) -> None:
-    """Every rank raises if any rank failed, so no rank is left waiting for a peer that gave up."""
-    messages = [None] * dist.get_world_size()
-    dist.all_gather_object(messages, None if flag_ok else message)
+def _all_agree_or_raise(problem: Optional[str], error: type[Exception]) -> None:
+    """Every rank raises if any rank found a problem, so no rank is left waiting for a peer that gave up."""
+    messages: list[Optional[str]] = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, problem)
     failures = [m for m in messages if m]
     if failures:
-        raise SlicingMismatchError(f"terapipe: {failures[0]}")
+        raise error(failures[0])
 
 
 def resolve_plan(engine: "TokenPipelineEngine") -> tuple[int, ...]:
@@ -376,8 +376,8 @@ def resolve_plan(engine: "TokenPipelineEngine") -> tuple[int, ...]:
         if len(cuts) > 1:
             problem = check_slicing_equivalence(list(module.forward_funcs), module._local_start, stage_input, cuts)
             if problem:
-                problem = f"stage {engine.stage_id}: {problem}"
-        _all_agree(problem is None, problem)
+                problem = f"terapipe: stage {engine.stage_id}: {problem}"
+        _all_agree_or_raise(problem, SlicingMismatchError)
     elif slices is not None and len(slices) > 1 and engine.global_rank == 0:
         logger.warning("terapipe: %s has no input sampler, so the slice check (refusing layers that mix tokens "
                        "non-causally) was skipped; use ds_terapipe.TokenPipelineModule(..., vocab_size=V)",

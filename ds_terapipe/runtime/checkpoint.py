@@ -1,0 +1,155 @@
+"""Checkpoints that cannot be half-written, silently mismatched, or lost.
+
+DeepSpeed writes a pipeline checkpoint as one file per layer plus per-rank state files under
+``save_dir/tag/``, then a ``latest`` file naming the tag. On top of that:
+
+* a manifest (``terapipe_manifest.json``: every file's size and SHA-256, the plan, the terapipe config and the
+  stage count) is written only after every rank finished writing, and ``latest`` only after the manifest,
+  each by an atomic rename. A crash mid-save leaves ``latest`` on the previous complete checkpoint.
+* loading checks the manifest first (a missing, truncated or altered file is refused, naming it) and checks
+  the layer files' tensor shapes against this model before anything is loaded, so a checkpoint of a model with
+  other dimensions is refused with both shapes and leaves the model untouched.
+* :func:`export_state_dict` turns a checkpoint into one plain state dict (``"{layer}.{param}"``), for inference
+  or for loading into a single ``nn.Module``.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import re
+from typing import Any, Optional
+
+import torch
+
+__all__ = ["MANIFEST", "write_manifest", "verify_manifest", "write_latest", "read_latest", "read_manifest",
+           "check_layer_shapes", "export_state_dict", "CheckpointError"]
+
+MANIFEST = "terapipe_manifest.json"
+_LAYER_FILE = re.compile(r"layer_(\d+)-.*model_states\.pt$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is incomplete, corrupt, or written for another model."""
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _atomic_write(path: str, text: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _files(tag_dir: str) -> list[str]:
+    out = []
+    for root, _, names in os.walk(tag_dir):
+        for name in names:
+            if name != MANIFEST and ".tmp" not in name:
+                out.append(os.path.relpath(os.path.join(root, name), tag_dir))
+    return sorted(out)
+
+
+def write_manifest(tag_dir: str, meta: dict[str, Any]) -> None:
+    """Record every file of a finished checkpoint (call once, after all ranks wrote theirs)."""
+    files = {rel: {"bytes": os.path.getsize(os.path.join(tag_dir, rel)), "sha256": _sha256(os.path.join(tag_dir, rel))}
+             for rel in _files(tag_dir)}
+    _atomic_write(os.path.join(tag_dir, MANIFEST), json.dumps({"files": files, **meta}, indent=1))
+
+
+def read_manifest(tag_dir: str) -> dict[str, Any]:
+    path = os.path.join(tag_dir, MANIFEST)
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {tag_dir} has no {MANIFEST}: it is incomplete (a save was interrupted) "
+                              "or was not written by ds_terapipe; load an earlier tag") from None
+    except ValueError as err:
+        raise CheckpointError(f"checkpoint {tag_dir}: {MANIFEST} is corrupt ({err}); load an earlier tag") from None
+
+
+def verify_manifest(tag_dir: str) -> dict[str, Any]:
+    """The manifest, after checking that every file it lists is present and unchanged."""
+    manifest = read_manifest(tag_dir)
+    for rel, info in manifest.get("files", {}).items():
+        path = os.path.join(tag_dir, rel)
+        if not os.path.exists(path):
+            raise CheckpointError(f"checkpoint {tag_dir} is incomplete: {rel} is missing; load an earlier tag")
+        size = os.path.getsize(path)
+        if size != info["bytes"]:
+            raise CheckpointError(f"checkpoint {tag_dir} is corrupt: {rel} has {size} bytes, the manifest says "
+                                  f"{info['bytes']} (truncated write?); load an earlier tag")
+        if _sha256(path) != info["sha256"]:
+            raise CheckpointError(f"checkpoint {tag_dir} is corrupt: {rel} does not match its SHA-256 in the "
+                                  "manifest; load an earlier tag")
+    return manifest
+
+
+def write_latest(save_dir: str, tag: str) -> None:
+    _atomic_write(os.path.join(save_dir, "latest"), tag)
+
+
+def read_latest(load_dir: str) -> Optional[str]:
+    path = os.path.join(load_dir, "latest")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return f.read().strip()
+
+
+def check_layer_shapes(module: Any, tag_dir: str) -> Optional[str]:
+    """Compare this stage's layers with their files in the checkpoint; describe the first mismatch."""
+    for local_idx, layer in enumerate(module.forward_funcs):
+        if not hasattr(layer, "state_dict"):
+            continue
+        files = module.ckpt_layer_path_list(tag_dir, local_idx)
+        idx = local_idx + module._local_start
+        if not files:
+            return f"layer {idx} ({type(layer).__name__}) has no file in the checkpoint"
+        saved = torch.load(files[0], map_location="cpu", weights_only=True)
+        current = layer.state_dict()
+        missing = sorted(set(current) - set(saved))
+        if missing:
+            return f"layer {idx} ({type(layer).__name__}): the checkpoint lacks {missing[:3]}"
+        for name, tensor in current.items():
+            if tuple(saved[name].shape) != tuple(tensor.shape):
+                return (f"layer {idx} {name} is {tuple(saved[name].shape)} in the checkpoint but "
+                        f"{tuple(tensor.shape)} in this model")
+    return None
+
+
+def export_state_dict(checkpoint_dir: str, tag: Optional[str] = None) -> dict[str, torch.Tensor]:
+    """One plain state dict ``{"<layer index>.<param>": tensor}`` from a pipeline checkpoint, on CPU.
+
+    Needs no process group: it reads the per-layer files DeepSpeed wrote (any number of stages), after
+    verifying the manifest. Tied layers appear under each index that uses them.
+    """
+    tag = tag or read_latest(checkpoint_dir)
+    if tag is None:
+        raise CheckpointError(f"{checkpoint_dir} has no 'latest' file; pass tag= (one of "
+                              f"{sorted(os.listdir(checkpoint_dir)) if os.path.isdir(checkpoint_dir) else []})")
+    tag_dir = os.path.join(checkpoint_dir, tag)
+    verify_manifest(tag_dir)
+    out: dict[str, torch.Tensor] = {}
+    for path in sorted(glob.glob(os.path.join(tag_dir, "layer_*model_states.pt"))):
+        match = _LAYER_FILE.search(os.path.basename(path))
+        if match is None:
+            continue
+        layer = int(match.group(1))
+        for name, tensor in torch.load(path, map_location="cpu", weights_only=True).items():
+            out.setdefault(f"{layer}.{name}", tensor)
+    if not out:
+        raise CheckpointError(f"checkpoint {tag_dir} holds no layer files (layer_XX-...model_states.pt)")
+    return out

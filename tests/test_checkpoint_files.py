@@ -1,0 +1,64 @@
+"""Tier a: checkpoint manifest, latest pointer and export, on synthetic files (no processes)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from ds_terapipe.runtime.checkpoint import (MANIFEST, CheckpointError, export_state_dict, read_latest,
+                                            verify_manifest, write_latest, write_manifest)
+
+
+def make_ckpt(root, tag: str = "global_step3") -> str:
+    tag_dir = root / tag
+    tag_dir.mkdir(parents=True)
+    torch.save({"weight": torch.arange(6.0).view(2, 3)}, tag_dir / "layer_00-model_00-model_states.pt")
+    torch.save({"bias": torch.ones(3)}, tag_dir / "layer_01-model_00-model_states.pt")
+    torch.save({"optimizer": {}}, tag_dir / "mp_rank_00_model_states.pt")
+    write_manifest(str(tag_dir), {"num_stages": 2})
+    write_latest(str(root), tag)
+    return str(tag_dir)
+
+
+def test_round_trip_and_export(tmp_path) -> None:
+    tag_dir = make_ckpt(tmp_path)
+    assert verify_manifest(tag_dir)["num_stages"] == 2
+    assert read_latest(str(tmp_path)) == "global_step3"
+    flat = export_state_dict(str(tmp_path))
+    assert set(flat) == {"0.weight", "1.bias"} and torch.equal(flat["0.weight"], torch.arange(6.0).view(2, 3))
+
+
+def test_truncated_altered_missing_and_unfinished_are_refused(tmp_path) -> None:
+    tag_dir = make_ckpt(tmp_path)
+    layer = os.path.join(tag_dir, "layer_01-model_00-model_states.pt")
+    data = open(layer, "rb").read()
+    open(layer, "wb").write(data[:-5])
+    with pytest.raises(CheckpointError, match="layer_01-model_00-model_states.pt has .* bytes.*truncated"):
+        verify_manifest(tag_dir)
+    open(layer, "wb").write(data[:-1] + bytes([data[-1] ^ 1]))
+    with pytest.raises(CheckpointError, match="does not match its SHA-256"):
+        verify_manifest(tag_dir)
+    os.remove(layer)
+    with pytest.raises(CheckpointError, match="incomplete: layer_01-model_00-model_states.pt is missing"):
+        verify_manifest(tag_dir)
+    os.remove(os.path.join(tag_dir, MANIFEST))
+    with pytest.raises(CheckpointError, match="no terapipe_manifest.json: it is incomplete"):
+        export_state_dict(str(tmp_path))
+
+
+def test_interrupted_save_keeps_latest_on_the_previous_checkpoint(tmp_path) -> None:
+    make_ckpt(tmp_path, "global_step3")
+    # a later save that died after writing files but before its manifest: latest was never moved
+    (tmp_path / "global_step6").mkdir()
+    torch.save({"weight": torch.zeros(2, 3)}, tmp_path / "global_step6" / "layer_00-model_00-model_states.pt")
+    assert read_latest(str(tmp_path)) == "global_step3"
+    assert set(export_state_dict(str(tmp_path))) == {"0.weight", "1.bias"}
+    with pytest.raises(CheckpointError, match="incomplete"):
+        export_state_dict(str(tmp_path), tag="global_step6")
+
+
+def test_no_latest_names_the_fix(tmp_path) -> None:
+    with pytest.raises(CheckpointError, match="no 'latest' file; pass tag="):
+        export_state_dict(str(tmp_path))
