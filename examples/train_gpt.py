@@ -52,6 +52,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--save-every", type=int, default=50)
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save-dir")
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--metrics", default=None, help="append one JSON line per step (step, loss) to this file")
     parser.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
     parser = deepspeed.add_config_arguments(parser)
     args = parser.parse_args()
@@ -161,6 +162,9 @@ def main() -> None:
         loss = engine.train_batch(train.iterator(step, gas))
         window_steps += 1
         done = step + 1
+        if args.metrics and rank == 0:
+            with open(args.metrics, "a") as f:
+                f.write(json.dumps({"step": done, "loss": float(loss)}) + "\n")
         if rank == 0 and (done % args.log_every == 0 or done == args.steps):
             elapsed = time.perf_counter() - window_start
             print(f"step {done:5d}  loss {float(loss):.4f}  {tokens_per_step * window_steps / elapsed:,.0f} tokens/s  "

@@ -27,46 +27,56 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(suite: str, world_size: int, out_dir: Path, *, timeout_s: float = 600, extra: dict | None = None,
-           expect_fail: bool = False) -> list[dict[str, Any]]:
-    """Run ``suite`` on ``world_size`` ranks; return each rank's result dict (rank order)."""
+def run_ranks(argv: list[str], world_size: int, out_dir: Path, *, timeout_s: float = 600,
+              kill: tuple[int, str] | None = None, fail_fast: bool = True) -> tuple[list[int | None], list[str]]:
+    """Start ``argv`` on ``world_size`` local ranks; return exit codes (None: killed) and each rank's output.
+
+    ``kill=(rank, text)``: SIGKILL that rank once ``text`` appears in rank 0's output (a crash mid-run).
+    Past ``timeout_s`` every rank still running is killed; with ``fail_fast``, so is every rank still running
+    5 s after one failed (it would only wait for its peer until its own p2p timeout).
+    """
     out_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     procs, logs = [], []
     for rank in range(world_size):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                   LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   OMP_NUM_THREADS="1", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+                   LOCAL_WORLD_SIZE=str(world_size), LOCAL_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                   PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                    DS_TERAPIPE_WATCHDOG_S=str(timeout_s - 15))
         log = open(out_dir / f"rank{rank}.log", "w")
         logs.append(log)
-        args = [sys.executable, str(WORKER), suite, str(out_dir), json.dumps(extra or {})]
-        procs.append(subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
+        procs.append(subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
     deadline = time.monotonic() + timeout_s
-    failed = False
-    while any(p.poll() is None for p in procs):
-        if time.monotonic() > deadline or (not expect_fail and any(p.poll() not in (None, 0) for p in procs)):
-            failed = True
-            time.sleep(3 if time.monotonic() <= deadline else 0)  # let the others report their own error
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-            break
+    killed: set[int] = set()
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        if fail_fast and any(p.poll() not in (None, 0) for p in procs):
+            deadline = min(deadline, time.monotonic() + 5)
+        if kill is not None and kill[0] not in killed and \
+                kill[1] in (out_dir / "rank0.log").read_text(errors="replace"):
+            procs[kill[0]].kill()
+            killed.add(kill[0])
         time.sleep(0.2)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
     for p in procs:
         p.wait()
     for log in logs:
         log.close()
-    codes = [p.returncode for p in procs]
-    if (failed or any(codes)) and not expect_fail:
-        tails = []
-        for rank in range(world_size):
-            text = (out_dir / f"rank{rank}.log").read_text(errors="replace").splitlines()
-            tails.append(f"--- rank {rank} (exit {codes[rank]}) last lines:\n" + "\n".join(text[-40:]))
+    codes = [None if i in killed else p.returncode for i, p in enumerate(procs)]
+    texts = [(out_dir / f"rank{rank}.log").read_text(errors="replace") for rank in range(world_size)]
+    return codes, texts
+
+
+def launch(suite: str, world_size: int, out_dir: Path, *, timeout_s: float = 600,
+           extra: dict | None = None) -> list[dict[str, Any]]:
+    """Run ``suite`` of tests/dist_worker.py on ``world_size`` ranks; return each rank's result dict."""
+    argv = [sys.executable, str(WORKER), suite, str(out_dir), json.dumps(extra or {})]
+    codes, texts = run_ranks(argv, world_size, out_dir, timeout_s=timeout_s)
+    if any(code != 0 for code in codes):
+        tails = [f"--- rank {rank} (exit {codes[rank]}) last lines:\n" + "\n".join(text.splitlines()[-40:])
+                 for rank, text in enumerate(texts)]
         raise AssertionError(f"suite {suite!r} on {world_size} rank(s) failed or timed out after {timeout_s}s\n"
                              + "\n".join(tails))
-    results = []
-    for rank in range(world_size):
-        path = out_dir / f"rank{rank}.json"
-        results.append(json.loads(path.read_text()) if path.exists() else {"rank": rank, "exit": codes[rank]})
-    return results
+    return [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(world_size)]

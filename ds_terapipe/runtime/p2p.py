@@ -116,6 +116,6 @@ class SliceP2P:
         try:
             work.wait(timeout=self.timeout)
         except RuntimeError as err:
-            raise P2PTimeoutError(f"rank {dist.get_rank()}: no progress on {what} within "
-                                  f"{self.timeout.total_seconds():.0f}s (terapipe.p2p_timeout_s): a peer died, hung "
+            raise P2PTimeoutError(f"rank {dist.get_rank()}: waiting for {what} failed (limit "
+                                  f"{self.timeout.total_seconds():.0f}s, terapipe.p2p_timeout_s): a peer died, hung "
                                   f"or runs a different schedule ({err})") from err

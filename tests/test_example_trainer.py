@@ -1,0 +1,75 @@
+"""Tier b, end to end: examples/train_gpt.py in fresh processes, as a user runs it.
+
+* Resume is exact: 6 steps uninterrupted == 3 steps + checkpoint + new processes + --resume + 3 steps, to the
+  last bit of every loss.
+* A rank killed mid-run: the survivor exits with an error (no hang), and --resume continues from the last
+  checkpoint, losing at most the checkpoint interval.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.dist_harness import ROOT, run_ranks
+
+pytestmark = pytest.mark.multiproc
+
+CONFIG = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
+          "steps_per_print": 10**9, "pipeline": {"stages": 2},
+          "terapipe": {"enabled": True, "seq_len": 64, "slices": 2, "granularity": 8, "schedule": "1f1b",
+                       "p2p_timeout_s": 20}}
+
+
+def trainer(tmp: Path, name: str, *extra: str) -> list[str]:
+    config = tmp / "ds_config.json"
+    config.write_text(json.dumps(CONFIG))
+    return [sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--deepspeed_config", str(config),
+            "--layers", "2", "--hidden", "32", "--heads", "4", "--log-every", "1", "--eval-every", "0",
+            "--max-corpus-mb", "0.3", "--metrics", str(tmp / f"{name}.jsonl"), *extra]
+
+
+def losses(tmp: Path, name: str) -> dict[int, float]:
+    return {row["step"]: row["loss"] for row in map(json.loads, (tmp / f"{name}.jsonl").read_text().splitlines())}
+
+
+def check(codes, texts) -> None:
+    assert codes == [0, 0], "\n".join(f"--- rank {r}:\n{t[-3000:]}" for r, t in enumerate(texts))
+
+
+@pytest.mark.timeout(600)
+def test_resume_in_fresh_processes_is_bit_identical(tmp_path) -> None:
+    check(*run_ranks(trainer(tmp_path, "full", "--steps", "6"), 2, tmp_path / "full", timeout_s=240))
+    ckpt = str(tmp_path / "ckpt")
+    check(*run_ranks(trainer(tmp_path, "first", "--steps", "3", "--save-dir", ckpt, "--save-every", "3"), 2,
+                     tmp_path / "first", timeout_s=240))
+    codes, texts = run_ranks(trainer(tmp_path, "second", "--steps", "6", "--save-dir", ckpt, "--resume"), 2,
+                             tmp_path / "second", timeout_s=240)
+    check(codes, texts)
+    assert "at step 3" in texts[0]
+    full, first, second = losses(tmp_path, "full"), losses(tmp_path, "first"), losses(tmp_path, "second")
+    assert sorted(full) == [1, 2, 3, 4, 5, 6] and sorted(second) == [4, 5, 6]
+    assert [first[s] for s in (1, 2, 3)] == [full[s] for s in (1, 2, 3)]
+    assert [second[s] for s in (4, 5, 6)] == [full[s] for s in (4, 5, 6)]  # exact float equality
+    assert full[6] < full[1]
+
+
+@pytest.mark.timeout(600)
+def test_killed_rank_fails_fast_and_resume_loses_at_most_one_interval(tmp_path) -> None:
+    ckpt = str(tmp_path / "ckpt")
+    codes, texts = run_ranks(trainer(tmp_path, "crash", "--steps", "200", "--save-dir", ckpt, "--save-every", "2"),
+                             2, tmp_path / "crash", timeout_s=240, kill=(1, "step     5 "), fail_fast=False)
+    assert codes[1] is None, "rank 1 should have been killed"
+    assert codes[0] not in (0, None), f"rank 0 should fail, not finish or hang:\n{texts[0][-3000:]}"
+    assert re.search(r"P2PTimeoutError|Connection closed|Connection reset|failed in step", texts[0]), texts[0][-3000:]
+    crashed_at = max(losses(tmp_path, "crash"))
+    codes, texts = run_ranks(trainer(tmp_path, "resume", "--steps", str(crashed_at + 2), "--save-dir", ckpt,
+                                     "--resume"), 2, tmp_path / "resume", timeout_s=240)
+    check(codes, texts)
+    resumed_at = int(re.search(r"at step (\d+)", texts[0]).group(1))
+    assert crashed_at - 2 <= resumed_at <= crashed_at
+    assert "done" in texts[0]
