@@ -101,3 +101,11 @@ def test_checkpoint_export_restage_and_refusals(features) -> None:
         assert "different dimensions" in case["dims"]
         assert "is (64, 32) in the checkpoint but (64, 64) in this model" in case["dims"]
         assert case["corrupt_untouched"] and case["dims_untouched"]
+
+
+@pytest.mark.timeout(700)
+def test_zero_stage_2_is_refused_with_the_fix(features) -> None:
+    for rank in features:
+        case = rank["zero2"]
+        assert case["raised"] == "ValueError" and "zero_optimization.stage=2" in case["message"]
+        assert "use stage 0 or 1" in case["message"]
