@@ -14,8 +14,9 @@ import sys
 import threading
 import time
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -74,6 +75,25 @@ def reference_step(cfg: GPTConfig, batches: list[tuple], num_steps: int, lr: flo
     return losses, first_grads, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+@contextmanager
+def first_step_grads(engine: Any) -> Iterator[dict[str, torch.Tensor]]:
+    """Inside the block, snapshot parameter gradients right before the first optimizer step."""
+    grads: dict[str, torch.Tensor] = {}
+    original = engine._take_model_step
+
+    def snapshot_then_step(*args, **kwargs):
+        if not grads:
+            grads.update({n: p.grad.detach().clone() for n, p in engine.module.named_parameters()
+                          if p.grad is not None})
+        return original(*args, **kwargs)
+
+    engine._take_model_step = snapshot_then_step
+    try:
+        yield grads
+    finally:
+        engine._take_model_step = original
+
+
 def run_pipeline(cfg: GPTConfig, *, stages: int, micro_batches: int, batch: int, seq_len: int,
                  batches_for_rank: Callable[[int], list[tuple]], num_steps: int, lr: float, momentum: float,
                  terapipe: dict | None, zero_stage: int = 0) -> dict[str, Any]:
@@ -92,19 +112,9 @@ def run_pipeline(cfg: GPTConfig, *, stages: int, micro_batches: int, batch: int,
     init = ds_terapipe.initialize if terapipe is not None else deepspeed.initialize
     engine, _, _, _ = init(model=model, optimizer=opt, config=config)
     ENGINE_REF["engine"] = engine
-    grads: dict[str, torch.Tensor] = {}
-    original_step = engine._take_model_step
-
-    def snapshot_then_step(*args, **kwargs):
-        if not grads:
-            for name, p in engine.module.named_parameters():
-                if p.grad is not None:
-                    grads[name] = p.grad.detach().clone()
-        return original_step(*args, **kwargs)
-
-    engine._take_model_step = snapshot_then_step
     data = iter(batches_for_rank(engine.grid.data_parallel_id))
-    losses = [float(engine.train_batch(data)) for _ in range(num_steps)]
+    with first_step_grads(engine) as grads:
+        losses = [float(engine.train_batch(data)) for _ in range(num_steps)]
     params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     result = {"stage": engine.stage_id, "losses": losses, "grads": grads, "params": params, "engine": engine,
               "slices": list(getattr(engine, "slices", [seq_len]))}
@@ -239,12 +249,8 @@ def suite_features(extra: dict) -> list[dict]:
     for attempt in ("first", "second"):
         STATUS["case"] = f"auto {attempt}"
         engine = _engine(cfg, gpt_layer_specs(cfg), auto)
-        grads: dict[str, torch.Tensor] = {}
-        step = engine._take_model_step
-        engine._take_model_step = lambda *a, **k: (grads.update({n: p.grad.clone() for n, p in
-                                                                 engine.module.named_parameters()
-                                                                 if p.grad is not None}), step(*a, **k))[1]
-        loss = float(engine.train_batch(iter(batches)))
+        with first_step_grads(engine) as grads:
+            loss = float(engine.train_batch(iter(batches)))
         err, name, _ = compare(grads, ref_grads, engine.stage_id)
         results.append({"case": STATUS["case"], "source": engine.plan_source, "slices": list(engine.slices),
                         "predicted_ms": engine.slicing_plan.predicted_ms, "loss": loss, "ref_loss": ref_losses[0],
@@ -403,13 +409,8 @@ def suite_varlen(extra: dict) -> list[dict]:
             total = sum(causal_lm_loss(ref(x), y) for x, y in batches) / len(batches)
             total.backward()
             ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
-            grads: dict[str, torch.Tensor] = {}
-            take = engine._take_model_step
-            engine._take_model_step = lambda *a, **k: (grads.update({n: p.grad.clone() for n, p in
-                                                                     engine.module.named_parameters()
-                                                                     if p.grad is not None}), take(*a, **k))[1]
-            loss = float(engine.train_batch(iter(batches)))
-            engine._take_model_step = take
+            with first_step_grads(engine) as grads:
+                loss = float(engine.train_batch(iter(batches)))
             err, name, _ = compare(grads, ref_grads, engine.stage_id)
             seen.append({"length": length, "slices": list(engine.slices), "loss": loss, "ref_loss": float(total),
                          "grad_rel_err": err, "grad_worst": name, "source": engine.plan_source})
