@@ -63,6 +63,9 @@ def _first_tensor(value: Any) -> Optional[torch.Tensor]:
     return None
 
 
+# Slots of the per-batch sequence-length agreement that are not lengths.
+_UNSET, _NO_SEQ_DIM, _EXHAUSTED, _NOT_READING = -100, -3, -2, -1
+
 _TIMED = {ds_schedule.ForwardPass: ActionKind.FORWARD, ds_schedule.BackwardPass: ActionKind.BACKWARD}
 
 
@@ -151,33 +154,34 @@ class TokenPipelineEngine(PipelineEngine):
         together, and a length that cannot be run fails on every rank at once instead of hanging the others.
         Returns the iterator with the peeked micro-batch put back in front.
         """
-        local = -1
+        local = _NOT_READING
         if self.is_first_stage() or self.is_last_stage():
             try:
                 batch = next(iterator)
             except StopIteration:
-                batch, local = None, -2
+                batch, local = None, _EXHAUSTED
             if batch is not None:
-                part = batch[0] if self.is_first_stage() else batch[1]
-                first = _first_tensor(part)
-                local = first.shape[1] if first is not None and first.dim() >= 2 else -3
+                first = _first_tensor(batch[0] if self.is_first_stage() else batch[1])
+                local = first.shape[1] if first is not None and first.dim() >= 2 else _NO_SEQ_DIM
                 iterator = itertools.chain([batch], iterator)
-        lengths = torch.full((torch.distributed.get_world_size(), ), -100, dtype=torch.int64)
-        lengths[self.global_rank] = local
+        lengths = torch.full((torch.distributed.get_world_size(), ), _UNSET, dtype=torch.int64)
+        lengths[self.global_rank] = local  # each rank fills its own slot; MAX merges them
         work = torch.distributed.all_reduce(lengths, op=torch.distributed.ReduceOp.MAX, async_op=True)
-        self._p2p.wait(work, "the sequence-length agreement at the start of a batch")  # each rank fills its slot
+        self._p2p.wait(work, "the sequence-length agreement at the start of a batch")
         values = lengths.tolist()
-        if -2 in values:
+        # Every rank sees every pipeline's first and last stage, so every rank reaches the same verdict.
+        if _EXHAUSTED in values:
             raise StopIteration("token pipeline: a data iterator ran out at the start of a batch")
-        stage0 = [values[self.grid.stage_to_global(0, data=d)] for d in range(self.grid.data_parallel_size)]
-        mine = values[self.grid.stage_to_global(0)]
-        bad = [v for v in values if v == -3]
-        if bad:
+        if _NO_SEQ_DIM in values:
             raise ValueError("token pipeline: batch inputs/labels must be (batch, seq_len, ...) tensors; a stage got "
                              "a tensor without a sequence dimension")
-        if self.is_last_stage() and local != mine:
-            raise ValueError(f"token pipeline: the last stage's labels have length {local} but the first stage's "
-                             f"inputs have {mine}; both must read the same batches")
+        replicas = range(self.grid.data_parallel_size)
+        stage0 = [values[self.grid.stage_to_global(0, data=d)] for d in replicas]
+        last = [values[self.grid.stage_to_global(self.num_stages - 1, data=d)] for d in replicas]
+        if stage0 != last:
+            raise ValueError(f"token pipeline: first-stage inputs have lengths {stage0} but last-stage labels "
+                             f"{last} (per data-parallel replica); both stages must read the same batches")
+        mine = values[self.grid.stage_to_global(0)]
         from .profile import plan_for_length
         for length in sorted(set(stage0)):
             if length not in self._plans:
