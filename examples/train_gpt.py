@@ -178,6 +178,10 @@ def main() -> None:
             engine.save_checkpoint(args.save_dir, client_state={"step": done, "terapipe": plan})
     if rank == 0:
         print("done", flush=True)
+    # Leave together and tear the process group down explicitly: exiting with gloo's threads still alive
+    # can abort the interpreter at shutdown.
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
