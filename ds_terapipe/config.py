@@ -140,10 +140,13 @@ class TeraPipeConfig(DeepSpeedConfigModel):
                              f"{self.seq_len // self.granularity}; use fewer slices or a smaller granularity")
         return self
 
-    def equal_slices(self) -> List[int]:
-        """Token counts for ``slices: n``: multiples of granularity, as equal as possible, larger first."""
-        assert isinstance(self.slices, int) and self.seq_len is not None
-        units, n = self.seq_len // self.granularity, self.slices
+    def equal_slices(self, seq_len: Optional[int] = None) -> List[int]:
+        """Token counts for ``slices: n`` over ``seq_len`` (default: ``self.seq_len``): multiples of granularity,
+        as equal as possible, larger first; fewer than n if the sequence has fewer granularity units."""
+        seq_len = self.seq_len if seq_len is None else seq_len
+        assert isinstance(self.slices, int) and seq_len is not None and seq_len % self.granularity == 0
+        units = seq_len // self.granularity
+        n = min(self.slices, units)
         return [(units // n + (1 if i < units % n else 0)) * self.granularity for i in range(n)]
 
 

@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["MANIFEST", "write_manifest", "verify_manifest", "write_latest", "read_latest", "read_manifest",
+__all__ = ["MANIFEST", "atomic_write_text", "write_manifest", "verify_manifest", "write_latest", "read_latest", "read_manifest",
            "check_layer_shapes", "export_state_dict", "CheckpointError"]
 
 MANIFEST = "terapipe_manifest.json"
@@ -43,7 +43,8 @@ def _sha256(path: str) -> str:
     return digest.hexdigest()
 
 
-def _atomic_write(path: str, text: str) -> None:
+def atomic_write_text(path: str, text: str) -> None:
+    """Write via a temporary file and a rename: readers see the old file or the whole new one, never half."""
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
         f.write(text)
@@ -65,7 +66,7 @@ def write_manifest(tag_dir: str, meta: dict[str, Any]) -> None:
     """Record every file of a finished checkpoint (call once, after all ranks wrote theirs)."""
     files = {rel: {"bytes": os.path.getsize(os.path.join(tag_dir, rel)), "sha256": _sha256(os.path.join(tag_dir, rel))}
              for rel in _files(tag_dir)}
-    _atomic_write(os.path.join(tag_dir, MANIFEST), json.dumps({"files": files, **meta}, indent=1))
+    atomic_write_text(os.path.join(tag_dir, MANIFEST), json.dumps({"files": files, **meta}, indent=1))
 
 
 def read_manifest(tag_dir: str) -> dict[str, Any]:
@@ -98,7 +99,7 @@ def verify_manifest(tag_dir: str) -> dict[str, Any]:
 
 
 def write_latest(save_dir: str, tag: str) -> None:
-    _atomic_write(os.path.join(save_dir, "latest"), tag)
+    atomic_write_text(os.path.join(save_dir, "latest"), tag)
 
 
 def read_latest(load_dir: str) -> Optional[str]:

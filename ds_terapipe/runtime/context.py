@@ -18,11 +18,12 @@ from __future__ import annotations
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Hashable, Iterator
+from typing import Any, Hashable, Iterator
 
 import torch
 
-__all__ = ["KVBuffers", "MicroBatchState", "SliceContext", "current_slice", "token_offset", "slice_scope"]
+__all__ = ["KVBuffers", "MicroBatchState", "SliceContext", "current_slice", "token_offset", "slice_scope",
+           "cut_tokens"]
 
 
 class KVBuffers:
@@ -123,3 +124,13 @@ def slice_scope(ctx: SliceContext | None) -> Iterator[SliceContext | None]:
         yield ctx
     finally:
         _local.ctx = previous
+
+
+def cut_tokens(value: Any, start: int, end: int, seq_len: int) -> Any:
+    """Tokens ``[start, end)`` of every tensor whose dim 1 is the sequence (``seq_len`` long); other values,
+    and tensors without that dimension, pass whole (they are the same for every slice)."""
+    if torch.is_tensor(value):
+        return value[:, start:end] if value.dim() >= 2 and value.shape[1] == seq_len else value
+    if isinstance(value, (tuple, list)):
+        return tuple(cut_tokens(v, start, end, seq_len) for v in value)
+    return value

@@ -37,22 +37,13 @@ from ..config import TeraPipeConfig
 from ..planner.schedule import Action, ActionKind
 from ..planner.simulate import TimedAction
 from . import checkpoint as ckpt
-from .context import MicroBatchState, SliceContext, slice_scope
+from .context import MicroBatchState, SliceContext, cut_tokens, slice_scope
 from .p2p import SliceP2P, as_tuple
 from .schedule import TokenPipeSchedule
 
 __all__ = ["TokenPipelineEngine"]
 
 logger = logging.getLogger(__name__)
-
-
-def _cut(value: Any, start: int, end: int, seq_len: int) -> Any:
-    """Tokens ``[start, end)`` of every tensor whose dim 1 is the sequence; other values pass whole."""
-    if torch.is_tensor(value):
-        return value[:, start:end] if value.dim() >= 2 and value.shape[1] == seq_len else value
-    if isinstance(value, (tuple, list)):
-        return tuple(_cut(v, start, end, seq_len) for v in value)
-    return value
 
 
 def _first_tensor(value: Any) -> Optional[torch.Tensor]:
@@ -294,9 +285,9 @@ class TokenPipelineEngine(PipelineEngine):
         start, end = self.slice_bounds(slice)
         loaded = self._loaded.get(microbatch, {})
         if self.is_first_stage():
-            self.pipe_buffers["inputs"][buffer_id] = _cut(loaded["inputs"], start, end, self.seq_len)
+            self.pipe_buffers["inputs"][buffer_id] = cut_tokens(loaded["inputs"], start, end, self.seq_len)
         if self.is_last_stage():
-            self.pipe_buffers["labels"][buffer_id] = _cut(loaded["labels"], start, end, self.seq_len)
+            self.pipe_buffers["labels"][buffer_id] = cut_tokens(loaded["labels"], start, end, self.seq_len)
         ctx = SliceContext(microbatch, slice, start, end, self._state(microbatch))
         with slice_scope(ctx), self._weighted_loss((end - start) / self.seq_len):
             super()._exec_forward_pass(buffer_id)

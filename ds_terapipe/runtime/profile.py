@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from .context import MicroBatchState, SliceContext, slice_scope
+from .checkpoint import atomic_write_text
+from .context import MicroBatchState, SliceContext, cut_tokens, slice_scope
 from .p2p import as_tuple
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -44,11 +45,6 @@ class SlicingMismatchError(ValueError):
 
 
 # -- helpers -------------------------------------------------------------------------------------------------
-def _cut(value: Any, start: int, end: int, seq_len: int) -> Any:
-    from .engine import _cut as cut
-    return cut(value, start, end, seq_len)
-
-
 def _concat_like(parts: list[Any], full: Any, seq_len: int) -> Any:
     """Reassemble per-slice outputs along dim 1 wherever the unsliced output has the sequence on dim 1."""
     if torch.is_tensor(full):
@@ -127,7 +123,7 @@ def check_slicing_equivalence(layers: list[Callable], first_layer_idx: int, stag
             parts = []
             for i, (lo, hi) in enumerate(bounds):
                 with slice_scope(SliceContext(0, i, lo, hi, state)):
-                    parts.append(layer(_cut(x, lo, hi, seq_len)))
+                    parts.append(layer(cut_tokens(x, lo, hi, seq_len)))
             sliced = _concat_like(parts, full, seq_len)
             dtype = as_tuple(full)[0].dtype
             tolerance = 1e-3 if dtype in (torch.float32, torch.float64) else 5e-2
@@ -181,8 +177,8 @@ def profile_stage(run: Callable[[Any], Any], params: list[torch.nn.Parameter], s
                 state = MicroBatchState(0, seq_len, 2, with_grad=True)
                 if context > 0:
                     with torch.no_grad(), slice_scope(SliceContext(0, 0, 0, context, state)):
-                        run(_cut(stage_input, 0, context, seq_len))
-                piece = as_tuple(_cut(stage_input, context, context + length, seq_len))
+                        run(cut_tokens(stage_input, 0, context, seq_len))
+                piece = as_tuple(cut_tokens(stage_input, context, context + length, seq_len))
                 piece = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in piece)
                 inputs = piece[0] if len(piece) == 1 else piece
                 _sync(device)
@@ -222,14 +218,6 @@ def _cache_path(engine: "TokenPipelineEngine", fingerprints: list, seq_len: int)
     if cfg.plan_cache is None:
         return None, key
     return os.path.join(cfg.plan_cache, f"terapipe-plan-{key}.json"), key
-
-
-def _write_atomic(path: str, obj: dict) -> None:
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(tmp, path)
 
 
 def _solve(engine: "TokenPipelineEngine", cost: Any, seq_len: int) -> Any:
@@ -322,8 +310,9 @@ def _auto_plan(engine: "TokenPipelineEngine", stage_input: Any, seq_len: int) ->
 
 def _store(path: Optional[str], key: str, plan: Any, engine: "TokenPipelineEngine", **extra: Any) -> None:
     if path is not None:
-        _write_atomic(path, {"key": key, "plan": plan.to_dict(), "cost": engine._cost_dict,
-                             "stage_meta": engine._stage_meta, **extra})
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        atomic_write_text(path, json.dumps({"key": key, "plan": plan.to_dict(), "cost": engine._cost_dict,
+                                            "stage_meta": engine._stage_meta, **extra}, indent=1))
 
 
 def plan_for_length(engine: "TokenPipelineEngine", seq_len: int) -> tuple[int, ...]:
@@ -336,8 +325,7 @@ def plan_for_length(engine: "TokenPipelineEngine", seq_len: int) -> tuple[int, .
         raise ValueError(f"terapipe.slices={cfg.slices} is a fixed list for seq_len {sum(cfg.slices)}, but a batch has "
                          f"sequence length {seq_len}; use slices \"auto\" or an int for variable lengths")
     if isinstance(cfg.slices, int):
-        units, n = seq_len // cfg.granularity, min(cfg.slices, seq_len // cfg.granularity)
-        return tuple((units // n + (1 if i < units % n else 0)) * cfg.granularity for i in range(n))
+        return tuple(cfg.equal_slices(seq_len))
     return _auto_plan(engine, None, seq_len)
 
 
