@@ -39,8 +39,10 @@ class KVBuffers:
         batch, heads, _, k_dim = like_k.shape
         v_dim = like_v.shape[-1]
         opts = dict(dtype=like_k.dtype, device=like_k.device)
-        self.k = torch.zeros(batch, heads, seq_len, k_dim, **opts)  # (B, nh, L, hs)
-        self.v = torch.zeros(batch, heads, seq_len, v_dim, **opts)  # (B, nh, L, hs)
+        # No zero-fill: slice i writes rows [start, end) before reading [0, end), and earlier rows were
+        # written by earlier slices. Gradients accumulate, so those buffers start at zero.
+        self.k = torch.empty(batch, heads, seq_len, k_dim, **opts)  # (B, nh, L, hs)
+        self.v = torch.empty(batch, heads, seq_len, v_dim, **opts)  # (B, nh, L, hs)
         self.k_w = self.k.data
         self.v_w = self.v.data
         # Gradients w.r.t. cached keys/values, filled by later slices' backwards.
