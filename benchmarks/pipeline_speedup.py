@@ -710,6 +710,18 @@ def cost_model_check(report: dict) -> list[dict]:
     return out
 
 
+def _git_describe() -> str | None:
+    """The commit measured, with "+dirty" when tracked files under ds_terapipe/ differ from it."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "ds_terapipe"],
+                               cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+dirty" if dirty else "")
+
+
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         worker_main(Path(sys.argv[2]), json.loads(sys.argv[3]))
@@ -800,6 +812,7 @@ def main() -> int:
             print(f"timelines: {plots['measured_png']} {plots.get('planned_png', '')}")
     wall = time.perf_counter() - started
     report.update(options=opts, wall_s=wall, command=" ".join([Path(sys.executable).name, *sys.argv]),
+                  git=_git_describe(),
                   machine={"cpus": os.cpu_count(), "python": sys.version.split()[0], "torch": ranks[0]["torch"],
                            "deepspeed": ranks[0]["deepspeed"], "threads_per_rank": ranks[0]["threads"]})
     print(f"\nwall time {wall:.0f} s")
