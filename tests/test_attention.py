@@ -51,7 +51,7 @@ def test_sliced_forward_backward_equals_unsliced(rotary: bool, seed: int) -> Non
     x.grad = None
 
     slices = random_slices(seq_len, rng)
-    state = MicroBatchState(0, seq_len, len(slices), with_grad=True)
+    state = MicroBatchState(0, seq_len, len(slices))
     units, start = [], 0
     for i, length in enumerate(slices):
         piece = x[:, start:start + length].detach().requires_grad_()
@@ -95,6 +95,6 @@ def test_slice_check_accepts_sliced_attention_and_refuses_the_rest() -> None:
 
 def test_wrong_slice_length_is_a_clear_error() -> None:
     attn = CausalSelfAttention(16, 4)
-    state = MicroBatchState(0, 32, 2, with_grad=False)
+    state = MicroBatchState(0, 32, 2)
     with slice_scope(SliceContext(0, 1, 8, 16, state)), pytest.raises(ValueError, match="running slice has 8"):
         attn(torch.randn(1, 32, 16))

@@ -20,7 +20,7 @@ def test_sliced_attention_on_cuda(dtype: torch.dtype) -> None:
     full.float().square().sum().backward()
     ref_grad = x.grad.clone()
     x.grad = None
-    state = MicroBatchState(0, 512, 3, with_grad=True)
+    state = MicroBatchState(0, 512, 3)
     units, start = [], 0
     for i, length in enumerate([128, 256, 128]):
         piece = x[:, start:start + length].detach().requires_grad_()

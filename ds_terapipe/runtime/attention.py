@@ -49,8 +49,7 @@ class _PrefixKV(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         bufs: KVBuffers = ctx.bufs
-        acc = bufs.grad_k if ctx.which == "k" else bufs.grad_v
-        assert acc is not None, "KV cache built without gradient buffers took part in a backward"
+        acc = bufs.grad_buffer(ctx.which)
         start, end = ctx.start, ctx.end
         if start > 0:
             acc[:, :, :start].add_(grad[:, :, :start])
@@ -61,14 +60,19 @@ class _PrefixKV(torch.autograd.Function):
 _MASKS: dict[tuple, torch.Tensor] = {}
 
 
-def _prefix_causal_mask(start: int, end: int, device: torch.device) -> torch.Tensor:
-    """(end - start, end) boolean mask: query row r (global position start + r) sees keys <= start + r."""
-    key = (start, end, str(device))
+def _prefix_causal_mask(start: int, end: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """(end - start, end) additive mask: query row r (global position start + r) sees keys <= start + r.
+
+    Additive and already in the query dtype: SDPA would otherwise convert a boolean mask on every call, in
+    every layer, and keep that copy for backward.
+    """
+    key = (start, end, dtype, str(device))
     mask = _MASKS.get(key)
     if mask is None:
         if len(_MASKS) > 256:
             _MASKS.clear()
-        mask = torch.ones(end - start, end, dtype=torch.bool, device=device).tril(diagonal=start)
+        visible = torch.ones(end - start, end, dtype=torch.bool, device=device).tril(diagonal=start)
+        mask = torch.zeros(end - start, end, dtype=dtype, device=device).masked_fill(~visible, float("-inf"))
         _MASKS[key] = mask
     return mask
 
@@ -98,11 +102,14 @@ def sliced_causal_attention(q: torch.Tensor,
                          f"slice has {ctx.length} (tokens [{ctx.start}, {ctx.end})); pass (B, heads, T, head_dim) "
                          "tensors of the slice, not of the whole sequence")
     bufs = ctx.state.buffers(cache_key, k, v)
+    # SDPA saves q for backward; q is usually a view of a fused qkv projection whose k/v parts now live in the
+    # cache, so give q its own storage (same (B, nh, T, hs) strides as before) and let that projection go.
+    q = q.transpose(1, 2).contiguous().transpose(1, 2)
     keys = _PrefixKV.apply(k, bufs, "k", ctx.start)  # (B, nh, end, hs)
     values = _PrefixKV.apply(v, bufs, "v", ctx.start)
     if ctx.start == 0:
         return F.scaled_dot_product_attention(q, keys, values, is_causal=True, dropout_p=dropout_p, scale=scale)
-    mask = _prefix_causal_mask(ctx.start, ctx.end, q.device)
+    mask = _prefix_causal_mask(ctx.start, ctx.end, q.dtype, q.device)
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, dropout_p=dropout_p, scale=scale)
 
 

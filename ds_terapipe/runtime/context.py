@@ -35,7 +35,7 @@ class KVBuffers:
     what makes that safe.
     """
 
-    def __init__(self, like_k: torch.Tensor, like_v: torch.Tensor, seq_len: int, with_grad: bool) -> None:
+    def __init__(self, like_k: torch.Tensor, like_v: torch.Tensor, seq_len: int) -> None:
         batch, heads, _, k_dim = like_k.shape
         v_dim = like_v.shape[-1]
         opts = dict(dtype=like_k.dtype, device=like_k.device)
@@ -45,9 +45,20 @@ class KVBuffers:
         self.v = torch.empty(batch, heads, seq_len, v_dim, **opts)  # (B, nh, L, hs)
         self.k_w = self.k.data
         self.v_w = self.v.data
-        # Gradients w.r.t. cached keys/values, filled by later slices' backwards.
-        self.grad_k = torch.zeros_like(self.k) if with_grad else None
-        self.grad_v = torch.zeros_like(self.v) if with_grad else None
+        # Gradients w.r.t. cached keys/values, filled by later slices' backwards; allocated by the first
+        # backward (the last slice's), so forwards in flight do not hold them.
+        self.grad_k: torch.Tensor | None = None
+        self.grad_v: torch.Tensor | None = None
+
+    def grad_buffer(self, which: str) -> torch.Tensor:
+        """The gradient accumulator for ``"k"`` or ``"v"``, zeroed on first use."""
+        if which == "k":
+            if self.grad_k is None:
+                self.grad_k = torch.zeros_like(self.k)
+            return self.grad_k
+        if self.grad_v is None:
+            self.grad_v = torch.zeros_like(self.v)
+        return self.grad_v
 
     def nbytes(self) -> int:
         tensors = [self.k, self.v, self.grad_k, self.grad_v]
@@ -61,7 +72,6 @@ class MicroBatchState:
     microbatch: int
     seq_len: int
     num_slices: int
-    with_grad: bool
     kv: dict[Hashable, KVBuffers] = field(default_factory=dict)
     # Slices whose backward finished, to check the later-slices-first invariant at run time.
     backward_done: set[int] = field(default_factory=set)
@@ -69,7 +79,7 @@ class MicroBatchState:
     def buffers(self, key: Hashable, like_k: torch.Tensor, like_v: torch.Tensor) -> KVBuffers:
         bufs = self.kv.get(key)
         if bufs is None:
-            bufs = KVBuffers(like_k, like_v, self.seq_len, self.with_grad)
+            bufs = KVBuffers(like_k, like_v, self.seq_len)
             self.kv[key] = bufs
         return bufs
 

@@ -86,6 +86,9 @@ class TokenPipelineEngine(PipelineEngine):
         self._unit_grads: dict[int, Any] = {}
         self._logits: list[torch.Tensor] = []
         self._trail: deque[str] = deque(maxlen=8)
+        # Activation shapes per (seq_len, slice_len) that this stage boundary already exchanged (header once).
+        self._shapes_sent: set[tuple[int, int]] = set()
+        self._shapes_known: dict[tuple[int, int], list[tuple[tuple[int, ...], torch.dtype]]] = {}
         # Measured timeline of the last batch: compute actions with host-clock start/end (ms since the epoch).
         self.record_timeline = self.terapipe.trace_dir is not None
         self.last_timeline: list[TimedAction] = []
@@ -257,6 +260,11 @@ class TokenPipelineEngine(PipelineEngine):
             raise ValueError(f"token pipeline: batch {what} must be (batch, seq_len, ...) tensors with seq_len = "
                              f"terapipe.seq_len = {self.seq_len}; got shape {got}. Set terapipe.seq_len to the "
                              "data's sequence length (or pad/crop the data)")
+        if first.shape[0] != self.micro_batch_size:
+            # Stages exchange activation shapes once per slice length: a micro-batch of another size must stop here.
+            raise ValueError(f"token pipeline: a micro-batch of {what} has {first.shape[0]} sequences, but "
+                             f"train_micro_batch_size_per_gpu = {self.micro_batch_size}; drop or pad the last "
+                             "incomplete batch (e.g. DataLoader(drop_last=True))")
         if torch.is_tensor(value):
             return value.to(self.device).detach()
         return tuple(v.to(self.device).detach() if torch.is_tensor(v) else v for v in value)
@@ -264,7 +272,7 @@ class TokenPipelineEngine(PipelineEngine):
     def _state(self, microbatch: int) -> MicroBatchState:
         state = self._states.get(microbatch)
         if state is None:
-            state = MicroBatchState(microbatch, self.seq_len, self.num_slices, with_grad=torch.is_grad_enabled())
+            state = MicroBatchState(microbatch, self.seq_len, self.num_slices)
             self._states[microbatch] = state
         return state
 
@@ -337,13 +345,20 @@ class TokenPipelineEngine(PipelineEngine):
 
     def _exec_send_activations(self, buffer_id: int, microbatch: int, slice: int) -> None:
         outputs = as_tuple(self.pipe_buffers["outputs"][buffer_id])
+        key = (self.seq_len, self.slices[slice])
         self._p2p.send(outputs, self.next_stage, f"activations of micro-batch {microbatch} slice {slice}",
-                       header=True)
+                       header=key not in self._shapes_sent)
+        self._shapes_sent.add(key)
         if not torch.is_grad_enabled():
             self.pipe_buffers["outputs"][buffer_id] = None
 
     def _exec_recv_activations(self, buffer_id: int, microbatch: int, slice: int) -> None:
-        received = self._p2p.recv(self.prev_stage, f"activations of micro-batch {microbatch} slice {slice}")
+        key, what = (self.seq_len, self.slices[slice]), f"activations of micro-batch {microbatch} slice {slice}"
+        if key in self._shapes_known:
+            received = self._p2p.recv_specs(self._shapes_known[key], self.prev_stage, what)
+        else:
+            received = self._p2p.recv(self.prev_stage, what)
+            self._shapes_known[key] = [(tuple(t.shape), t.dtype) for t in received]
         if torch.is_grad_enabled():
             for tensor in received:
                 tensor.requires_grad_(tensor.is_floating_point())

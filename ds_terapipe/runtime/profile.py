@@ -119,7 +119,7 @@ def check_slicing_equivalence(layers: list[Callable], first_layer_idx: int, stag
         for idx, layer in enumerate(layers):
             with slice_scope(None):
                 full = layer(x)
-            state = MicroBatchState(0, seq_len, len(slices), with_grad=False)
+            state = MicroBatchState(0, seq_len, len(slices))
             parts = []
             for i, (lo, hi) in enumerate(bounds):
                 with slice_scope(SliceContext(0, i, lo, hi, state)):
@@ -174,7 +174,7 @@ def profile_stage(run: Callable[[Any], Any], params: list[torch.nn.Parameter], s
         for context in contexts:
             fwd, bwd = [], []
             for rep in range(warmup + repeats):
-                state = MicroBatchState(0, seq_len, 2, with_grad=True)
+                state = MicroBatchState(0, seq_len, 2)
                 if context > 0:
                     with torch.no_grad(), slice_scope(SliceContext(0, 0, 0, context, state)):
                         run(cut_tokens(stage_input, 0, context, seq_len))
