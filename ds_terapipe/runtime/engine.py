@@ -38,7 +38,7 @@ from ..planner.schedule import Action, ActionKind
 from ..planner.simulate import TimedAction
 from . import checkpoint as ckpt
 from .context import MicroBatchState, SliceContext, cut_tokens, slice_scope
-from .p2p import SliceP2P, as_tuple
+from .p2p import SliceP2P, agree_or_raise, as_tuple
 from .schedule import TokenPipeSchedule
 
 __all__ = ["TokenPipelineEngine"]
@@ -305,7 +305,7 @@ class TokenPipelineEngine(PipelineEngine):
         if self.is_last_stage():
             self._unit_losses[buffer_id] = self.loss
             if self.eval_return_logits:
-                self._collect_logits(microbatch, slice)
+                self._collect_logits(slice)
         if not torch.is_grad_enabled():
             # No backward will run: nothing needs the inputs, and the KV cache only lives until the last slice.
             self.pipe_buffers["inputs"][buffer_id] = None
@@ -316,7 +316,7 @@ class TokenPipelineEngine(PipelineEngine):
             if last_slice:
                 self._states.pop(microbatch, None)
 
-    def _collect_logits(self, microbatch: int, slice: int) -> None:
+    def _collect_logits(self, slice: int) -> None:
         if slice == 0:
             self._logits = []
         self._logits.append(self.outputs)
@@ -424,7 +424,6 @@ class TokenPipelineEngine(PipelineEngine):
             logger.warning("terapipe: no 'latest' file in %s: nothing loaded", load_dir)
             return None, None
         tag_dir = os.path.join(load_dir, tag)
-        from .profile import _all_agree_or_raise
         manifest, problem = None, None
         try:
             manifest = ckpt.verify_manifest(tag_dir)
@@ -434,7 +433,7 @@ class TokenPipelineEngine(PipelineEngine):
                            "build the model with the checkpoint's dimensions")
         except ckpt.CheckpointError as err:
             problem = str(err)
-        _all_agree_or_raise(problem, ckpt.CheckpointError)
+        agree_or_raise(problem, ckpt.CheckpointError)
         assert manifest is not None
         if manifest.get("num_stages", self.num_stages) != self.num_stages:
             if self.global_rank == 0:

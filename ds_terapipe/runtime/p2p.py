@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import datetime
 import logging
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["P2PTimeoutError", "SliceP2P", "as_tuple"]
+__all__ = ["P2PTimeoutError", "SliceP2P", "agree_or_raise", "as_tuple"]
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +32,17 @@ _HEADER_SIZE = 64
 
 
 class P2PTimeoutError(RuntimeError):
-    """A pipeline peer did not answer within ``terapipe.p2p_timeout_s``."""
+    """Waiting for a pipeline peer failed: no answer within ``terapipe.p2p_timeout_s``, or the peer went away."""
+
+
+def agree_or_raise(problem: Optional[str], error: type[Exception]) -> None:
+    """Collective: every rank raises ``error`` if any rank found a problem (the first rank's message), so no
+    rank is left waiting for a peer that gave up."""
+    messages: list[Optional[str]] = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, problem)
+    failures = [m for m in messages if m]
+    if failures:
+        raise error(failures[0])
 
 
 def as_tuple(value: torch.Tensor | Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -91,12 +101,12 @@ class SliceP2P:
         head = torch.zeros(_HEADER_SIZE, dtype=torch.int64, device=self.device)
         self.wait(dist.irecv(head, rank), f"header of {what} from stage {stage} (rank {rank})")
         fields = head.tolist()
-        count, pos, specs = fields[0], 1, []
-        for _ in range(count):
-            dtype, ndim = _DTYPES[fields[pos]], fields[pos + 1]
-            specs.append((dtype, fields[pos + 2:pos + 2 + ndim]))
+        pos, specs = 1, []
+        for _ in range(fields[0]):
+            ndim = fields[pos + 1]
+            specs.append((tuple(fields[pos + 2:pos + 2 + ndim]), _DTYPES[fields[pos]]))
             pos += 2 + ndim
-        return self.recv_specs([(tuple(shape), dtype) for dtype, shape in specs], stage, what)
+        return self.recv_specs(specs, stage, what)
 
     def recv_like(self, likes: Sequence[torch.Tensor], stage: int, what: str) -> tuple[torch.Tensor, ...]:
         """Receive tensors shaped like ``likes`` (gradients of our own outputs: no header needed)."""

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from .checkpoint import atomic_write_text
 from .context import MicroBatchState, SliceContext, cut_tokens, slice_scope
-from .p2p import as_tuple
+from .p2p import agree_or_raise, as_tuple
 
 if TYPE_CHECKING:  # pragma: no cover
     from .engine import TokenPipelineEngine
@@ -330,15 +330,6 @@ def plan_for_length(engine: "TokenPipelineEngine", seq_len: int) -> tuple[int, .
 
 
 # -- 4. entry point ---------------------------------------------------------------------------------------------
-def _all_agree_or_raise(problem: Optional[str], error: type[Exception]) -> None:
-    """Every rank raises if any rank found a problem, so no rank is left waiting for a peer that gave up."""
-    messages: list[Optional[str]] = [None] * dist.get_world_size()
-    dist.all_gather_object(messages, problem)
-    failures = [m for m in messages if m]
-    if failures:
-        raise error(failures[0])
-
-
 def resolve_plan(engine: "TokenPipelineEngine") -> tuple[int, ...]:
     """Decide the slices every rank will run (collective over all ranks)."""
     cfg = engine.terapipe
@@ -365,7 +356,7 @@ def resolve_plan(engine: "TokenPipelineEngine") -> tuple[int, ...]:
             problem = check_slicing_equivalence(list(module.forward_funcs), module._local_start, stage_input, cuts)
             if problem:
                 problem = f"terapipe: stage {engine.stage_id}: {problem}"
-        _all_agree_or_raise(problem, SlicingMismatchError)
+        agree_or_raise(problem, SlicingMismatchError)
     elif slices is not None and len(slices) > 1 and engine.global_rank == 0:
         logger.warning("terapipe: %s has no input sampler, so the slice check (refusing layers that mix tokens "
                        "non-causally) was skipped; use ds_terapipe.TokenPipelineModule(..., vocab_size=V)",
