@@ -48,6 +48,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ds_terapipe.runtime.shm import remove_shm_segments
+
 ROOT = Path(__file__).resolve().parents[1]
 NUM_STAGES = 2
 
@@ -495,6 +497,7 @@ def launch(out_dir: Path, opts: dict, timeout_s: float) -> list[dict]:
             p.wait()
         for log in logs:
             log.close()
+        remove_shm_segments(port)  # DeepSpeed's CPU allreduce never unlinks its 66 MB segments
     codes = [p.returncode for p in procs]
     if any(codes):
         tails = "\n".join(f"--- rank {r} (exit {codes[r]}):\n" + "\n".join(

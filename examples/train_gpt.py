@@ -30,6 +30,7 @@ import torch
 import deepspeed
 import ds_terapipe
 from ds_terapipe.models.gpt import GPTConfig, causal_lm_loss, gpt_layer_specs
+from ds_terapipe.runtime.shm import remove_shm_segments
 
 logger = logging.getLogger("train_gpt")
 
@@ -182,6 +183,7 @@ def main() -> None:
     # can abort the interpreter at shutdown.
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+    remove_shm_segments(os.environ.get("MASTER_PORT", "29500"), args.local_rank)  # DeepSpeed leaves them behind
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ds_terapipe.runtime.shm import remove_shm_segments
+
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "dist_worker.py"
 
@@ -64,6 +66,7 @@ def run_ranks(argv: list[str], world_size: int, out_dir: Path, *, timeout_s: flo
         p.wait()
     for log in logs:
         log.close()
+    remove_shm_segments(port)  # DeepSpeed's CPU allreduce never unlinks its 66 MB segments
     codes = [None if i in killed else p.returncode for i, p in enumerate(procs)]
     texts = [(out_dir / f"rank{rank}.log").read_text(errors="replace") for rank in range(world_size)]
     return codes, texts
