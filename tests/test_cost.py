@@ -348,3 +348,23 @@ def test_analytic_pipeline_cost_splits_layers_and_puts_the_head_last():
         analytic_pipeline_cost("gpt3-1b", "v100", 25)
     mem = preset_memory_model("gpt3-13b", 3)
     assert mem.num_layers_per_stage == (14, 13, 13) and mem.hidden == 5120
+
+
+def test_a_noisy_context_fit_never_makes_a_prefix_free():
+    # Measured on a shared 2-core machine: short slices got *faster* with a long prefix (noise), so the least
+    # squares context part has a large negative intercept. Without a floor the model said t(8, 8) = 0 and the
+    # planner cut 1024 tokens into 30 slices of 8 that cost 2x in reality.
+    points = [{"slice": 8, "context": 0, "forward_ms": 14.7, "backward_ms": 18.5},
+              {"slice": 8, "context": 512, "forward_ms": 12.7, "backward_ms": 16.6},
+              {"slice": 8, "context": 1016, "forward_ms": 15.2, "backward_ms": 24.0},
+              {"slice": 128, "context": 0, "forward_ms": 49.7, "backward_ms": 52.8},
+              {"slice": 128, "context": 448, "forward_ms": 58.8, "backward_ms": 71.8},
+              {"slice": 128, "context": 896, "forward_ms": 68.1, "backward_ms": 93.0},
+              {"slice": 512, "context": 0, "forward_ms": 196.1, "backward_ms": 232.8},
+              {"slice": 512, "context": 256, "forward_ms": 255.5, "backward_ms": 320.5},
+              {"slice": 512, "context": 512, "forward_ms": 234.7, "backward_ms": 326.7}]
+    cost = MeasuredCost(points)
+    for s in (8, 16, 64, 128):
+        for c in (8, 64, 256):
+            assert float(cost.forward_ms(s, c)) >= float(cost.forward_ms(s, 0)) > 0
+            assert float(cost.backward_ms(s, c)) >= float(cost.backward_ms(s, 0)) > 0

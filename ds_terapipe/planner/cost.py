@@ -8,7 +8,8 @@ tiny slices underuse the device, so t(s, 0) / s falls with s. Two models provide
   follows TeraPipe (ICML 2021, eq. 9): a context-free part t0(s), interpolated over the measured slice
   lengths, plus a context part ``a0 + a1*s + a2*c + a3*s*c`` least-squares fitted to ``t - t0(s)`` on the points
   with c > 0. Unlike the reference implementation the context part is *not* added at c = 0, so the model
-  returns the measured t0(s) exactly there instead of counting the intercept twice.
+  returns the measured t0(s) exactly there instead of counting the intercept twice; and it is never negative
+  (a prefix does not make a slice cheaper), which keeps a noisy fit from promising free slices.
 * ``AnalyticCost`` derives t from FLOPs and bytes of a transformer layer on a device (``presets.py``), for
   planning before any hardware is at hand.
 
@@ -179,7 +180,10 @@ class _BatchFit:
     def eval(self, kind: int, s: np.ndarray, c: np.ndarray) -> np.ndarray:
         t = _interp_linear(s, self.s0, self.t0[kind])
         a = self.coef[kind]
-        t = t + np.where(c > 0, a[0] + a[1] * s + a[2] * c + a[3] * s * c, 0.0)
+        # A prefix never makes a slice cheaper: a noisy fit (its intercept a0 is poorly determined when the
+        # contexts measured are long) can go negative for short contexts, which once made the planner cut a
+        # sequence into 30 slices of 8 tokens that it believed cost nothing. The context part is clamped at 0.
+        t = t + np.where(c > 0, np.maximum(a[0] + a[1] * s + a[2] * c + a[3] * s * c, 0.0), 0.0)
         return np.maximum(t, 0.0)  # an extrapolated fit must never promise negative time
 
 
