@@ -350,6 +350,19 @@ def test_analytic_pipeline_cost_splits_layers_and_puts_the_head_last():
     assert mem.num_layers_per_stage == (14, 13, 13) and mem.hidden == 5120
 
 
+def test_weight_ms_per_token_round_trips_and_defaults_to_zero():
+    points = [{"slice": 8, "context": 0, "forward_ms": 1.0, "backward_ms": 2.0},
+              {"slice": 16, "context": 0, "forward_ms": 2.0, "backward_ms": 4.0}]
+    plain = MeasuredCost(points)
+    assert float(plain.weight_ms(64, 2)) == 0.0 and "weight_ms_per_token" not in plain.to_dict()
+    cost = PipelineCost.from_dict({"points": points, "weight_ms_per_token": 0.25}, num_stages=2)
+    assert float(cost.stage(1).weight_ms(64, 2)) == pytest.approx(0.25 * 64 * 2)
+    again = PipelineCost.from_dict(cost.to_dict())
+    assert float(again.stage(0).weight_ms(10)) == pytest.approx(2.5)
+    with pytest.raises(ValueError, match="weight_ms_per_token"):
+        PipelineCost.from_dict({"points": points, "weight_ms_per_token": "fast"})
+
+
 def test_a_noisy_context_fit_never_makes_a_prefix_free():
     # Measured on a shared 2-core machine: short slices got *faster* with a long prefix (noise), so the least
     # squares context part has a large negative intercept. Without a floor the model said t(8, 8) = 0 and the

@@ -14,8 +14,8 @@ import pytest
 
 from ds_terapipe.planner.schedule import (
     SCHEDULES, Action, ActionKind, DeadlockError, PairingError, Schedule, ScheduleError, add_communication,
-    build_1f1b, build_gpipe, build_schedule, match_messages, replay, schedule_from_strings, stream_strings,
-    validate, warmup_forwards,
+    build_1f1b, build_gpipe, build_schedule, defer_weights, match_messages, replay, schedule_from_strings,
+    stream_strings, validate, warmup_forwards,
 )
 
 F, B = ActionKind.FORWARD, ActionKind.BACKWARD
@@ -390,3 +390,56 @@ def test_deadlock_grid_of_a_long_schedule_is_elided_around_the_stuck_actions():
     msg = str(info.value)
     assert "rows elided" in msg and ">0RECV_B0.0<" in msg and ">1RECV_F199.0<" in msg
     assert len(msg.splitlines()) < 120
+
+
+# -- deferred weight gradients (W actions) ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("K,m,n", [(1, 1, 1), (2, 1, 4), (3, 2, 3), (4, 3, 2)])
+def test_defer_weights_adds_one_w_after_each_microbatch_last_backward(name, K, m, n):
+    base = build_schedule(name, K, m, n)
+    sched = defer_weights(base)
+    assert sched.defers_weights and not base.defers_weights
+    validate(sched)
+    lowered = add_communication(sched)
+    validate(lowered)
+    replay(sched)
+    for s, stream in enumerate(sched.stages):
+        ws = [a for a in stream if a.kind is ActionKind.WEIGHT]
+        assert [a.microbatch for a in ws] == sorted(range(m), key=lambda b: stream.index(Action(s, "B", b, 0)))
+        for w in ws:
+            assert stream[stream.index(w) - 1] == Action(s, "B", w.microbatch, 0)
+        # without the W actions it is the same schedule
+        assert tuple(a for a in stream if a.kind is not ActionKind.WEIGHT) == base.stages[s]
+    for s, stream in enumerate(lowered.stages):  # on s > 0 the gradient leaves before W runs
+        for p, a in enumerate(stream):
+            if a.kind is ActionKind.WEIGHT and s > 0:
+                assert stream[p - 1] == Action(s, "SEND_B", a.microbatch, 0)
+    assert defer_weights(sched) is sched
+
+
+def test_w_action_round_trips_as_text():
+    assert str(Action.parse("1W2.0")) == "1W2.0"
+    sched = defer_weights(build_schedule("1f1b", 2, 2, 2))
+    again = schedule_from_strings("1f1b", 2, 2, stream_strings(sched))
+    assert again.stages == sched.stages and again.defers_weights
+
+
+def test_validate_catches_misplaced_or_missing_w():
+    good = stream_strings(defer_weights(build_schedule("gpipe", 1, 2, 2)))[0].split()
+    early = [t for t in good if t != "0W0.0"]
+    early.insert(early.index("0B0.0"), "0W0.0")   # before the micro-batch's last backward
+    missing = [t for t in good if t != "0W1.0"]
+    wrong_slice = [t if t != "0W1.0" else "0W1.1" for t in good]
+    for tokens, expect in ((early, "0W0.0 at position"), (missing, "0W1.0 is missing"),
+                           (wrong_slice, "must be written with slice 0")):
+        with pytest.raises(ScheduleError, match=expect):
+            validate(schedule_from_strings("gpipe", 2, 2, [" ".join(tokens)]))
+
+
+def test_defer_weights_needs_a_compute_only_schedule():
+    with pytest.raises(ValueError, match="compute-only"):
+        defer_weights(add_communication(build_schedule("gpipe", 2, 1, 2)))
+    with pytest.raises(TypeError):
+        defer_weights("gpipe")

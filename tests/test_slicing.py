@@ -457,3 +457,20 @@ def test_cost_must_be_a_pipeline_cost_and_models_must_be_sane():
 
     with pytest.raises(ValueError, match="stage 0 cost model returned a negative or non-finite backward_ms"):
         plan_slicing(PipelineCost.uniform(Broken(np.random.default_rng(0), 4, 4), 2), 16, granularity=4)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_deferred_weight_grads_are_planned_by_simulating_w_actions(schedule):
+    from ds_terapipe.planner.schedule import build_schedule, defer_weights
+    from ds_terapipe.planner.simulate import simulate
+
+    points = [{"slice": s, "context": c, "forward_ms": 0.2 + 0.01 * s * (1 + c / 512),
+               "backward_ms": 0.3 + 0.012 * s * (1 + c / 512)} for s in (16, 64, 256) for c in (0, 256 - s)]
+    cost = PipelineCost.from_dict({"points": points, "weight_ms_per_token": 0.01}, num_stages=2)
+    plan = plan_slicing(cost, 256, num_microbatches=1, granularity=16, schedule=schedule,
+                        deferred_weight_grads=True)
+    sched = defer_weights(build_schedule(schedule, 2, 1, plan.num_slices))
+    assert plan.predicted_ms == pytest.approx(simulate(sched, cost, list(plan.slices)).makespan_ms)
+    unsliced = simulate(defer_weights(build_schedule(schedule, 2, 1, 1)), cost, [256]).makespan_ms
+    assert plan.unsliced_ms == pytest.approx(unsliced)
+    assert plan.num_slices > 1 and plan.predicted_ms < unsliced

@@ -46,8 +46,8 @@ ArrayLike = Union[int, float, np.ndarray, Sequence[float]]
 
 _POINT_KEYS = ("batch", "slice", "context", "forward_ms", "backward_ms")
 _COMM_KEYS = ("latency_ms", "gbps")
-_STAGE_KEYS = ("points", "comm", "hidden", "bytes_per_element")
-_TOP_KEYS = ("points", "stages", "comm", "hidden", "bytes_per_element", "num_stages", "meta")
+_STAGE_KEYS = ("points", "comm", "hidden", "bytes_per_element", "weight_ms_per_token")
+_TOP_KEYS = ("points", "stages", "comm", "hidden", "bytes_per_element", "weight_ms_per_token", "num_stages", "meta")
 
 
 def _result(x: np.ndarray) -> Any:
@@ -81,6 +81,14 @@ class StageCost(ABC):
     @abstractmethod
     def comm_ms(self, slice_len: ArrayLike, batch: ArrayLike = 1) -> Any:
         """Point-to-point time to send this unit's activations to the next stage."""
+
+    def weight_ms(self, tokens: ArrayLike, batch: ArrayLike = 1) -> Any:
+        """Deferred weight-gradient pass (a ``W`` action) of a micro-batch of ``tokens`` tokens per sequence.
+
+        0 unless the model was measured with deferred weight gradients: then ``backward_ms`` is the
+        input-gradient part only and this is the rest, computed once per micro-batch.
+        """
+        return _result(np.zeros(np.broadcast_shapes(np.shape(tokens), np.shape(batch))))
 
     def covers(self, slice_len: ArrayLike, context: ArrayLike, batch: ArrayLike | None = None) -> bool:
         """Whether every (slice_len, context) lies inside the data the model was built from (else extrapolated)."""
@@ -198,10 +206,13 @@ class MeasuredCost(StageCost):
     ``comm`` is ``{"latency_ms": ..., "gbps": ...}`` (Gbit/s); without it sending costs nothing, which is right
     for a single stage and optimistic otherwise. ``hidden`` and ``bytes_per_element`` size a slice's activations
     (batch * slice * hidden * bytes_per_element bytes) and are required when ``gbps`` is given.
+    ``weight_ms_per_token``: when the points were measured with deferred weight gradients (``backward_ms``
+    without the ``nn.Linear`` weight gradients), the time of the deferred pass per token and sequence.
     """
 
     def __init__(self, points: Sequence[Mapping[str, Any]], *, comm: Mapping[str, Any] | None = None,
-                 hidden: int | None = None, bytes_per_element: int = 2, where: str = "cost") -> None:
+                 hidden: int | None = None, bytes_per_element: int = 2, weight_ms_per_token: float | None = None,
+                 where: str = "cost") -> None:
         if isinstance(points, (str, bytes)) or not isinstance(points, Sequence) or len(points) == 0:
             raise ValueError(f"{where}.points = {points!r:.60} must be a non-empty list of measured points; "
                              "profile at least one slice length at context 0")
@@ -225,6 +236,8 @@ class MeasuredCost(StageCost):
         self._gbps = None if gbps is None else _number(gbps, f"{where}.comm.gbps", positive=True)
         self.hidden = None if hidden is None else _integer(hidden, f"{where}.hidden", minimum=1)
         self.bytes_per_element = _integer(bytes_per_element, f"{where}.bytes_per_element", minimum=1)
+        self.weight_ms_per_token = None if weight_ms_per_token is None else \
+            _number(weight_ms_per_token, f"{where}.weight_ms_per_token")
         if self._gbps is not None and self.hidden is None:
             raise ValueError(f"{where}.comm.gbps = {gbps!r} needs the activation size: add \"hidden\" (the model "
                              "width) next to \"comm\"")
@@ -277,6 +290,10 @@ class MeasuredCost(StageCost):
         num_bytes = b * s * float(self.hidden or 0) * self.bytes_per_element
         return _result(_comm_time_ms(self._latency_ms, self._gbps, num_bytes))
 
+    def weight_ms(self, tokens: ArrayLike, batch: ArrayLike = 1) -> Any:
+        rate = self.weight_ms_per_token or 0.0
+        return _result(rate * np.asarray(tokens, float) * np.asarray(batch, float))
+
     def covers(self, slice_len: ArrayLike, context: ArrayLike, batch: ArrayLike | None = None) -> bool:
         fit = self._fits[self._nearest(1.0 if batch is None else float(np.max(batch)))]
         s, c = np.asarray(slice_len, float), np.asarray(context, float)
@@ -327,16 +344,20 @@ class MeasuredCost(StageCost):
         if self.hidden is not None:
             out["hidden"] = self.hidden
         out["bytes_per_element"] = self.bytes_per_element
+        if self.weight_ms_per_token is not None:
+            out["weight_ms_per_token"] = self.weight_ms_per_token
         return out
 
     @classmethod
     def from_dict(cls, obj: Mapping[str, Any], where: str = "cost") -> MeasuredCost:
-        """Parse one per-stage object of the cost file (keys: points, comm, hidden, bytes_per_element)."""
+        """Parse one per-stage object of the cost file (keys: points, comm, hidden, bytes_per_element,
+        weight_ms_per_token)."""
         _check_keys(obj, _STAGE_KEYS, where)
         if "points" not in obj:
             raise ValueError(f"{where} has no \"points\"; add the measured points (see docs/cost_format.md)")
         return cls(obj["points"], comm=obj.get("comm"), hidden=obj.get("hidden"),
-                   bytes_per_element=obj.get("bytes_per_element", 2), where=where)
+                   bytes_per_element=obj.get("bytes_per_element", 2),
+                   weight_ms_per_token=obj.get("weight_ms_per_token"), where=where)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -514,7 +535,7 @@ class PipelineCost:
         meta = obj.get("meta")
         if meta is not None and not isinstance(meta, Mapping):
             raise ValueError(f"cost.meta = {meta!r:.60} must be a JSON object; use {{}} or drop it")
-        defaults = {k: obj[k] for k in ("comm", "hidden", "bytes_per_element") if k in obj}
+        defaults = {k: obj[k] for k in ("comm", "hidden", "bytes_per_element", "weight_ms_per_token") if k in obj}
         if ("points" in obj) == ("stages" in obj):
             raise ValueError("cost needs exactly one of \"points\" (same cost on every stage) or \"stages\" "
                              f"(one object per stage), got keys {sorted(obj)}; see docs/cost_format.md")

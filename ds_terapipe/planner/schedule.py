@@ -3,7 +3,9 @@
 How data flows: a sequence is cut into ``num_slices`` slices; a *unit* is one (micro-batch ``b``, slice ``i``).
 ``F(s,b,i)`` on stage ``s`` consumes the activation ``F(s-1,b,i)`` produced and reads the key/value cache of
 slices ``< i`` of micro-batch ``b`` on stage ``s``; ``B(s,b,i)`` consumes the gradient from ``B(s+1,b,i)`` and adds
-cache gradients that ``B(s,b,i-1)`` will propagate, hence later slices are backwarded first.
+cache gradients that ``B(s,b,i-1)`` will propagate, hence later slices are backwarded first. With deferred weight
+gradients (:func:`defer_weights`), ``B`` computes input gradients only and one ``W(s,b,0)`` per micro-batch and
+stage computes the weight gradients of all its slices, after ``B(s,b,0)``; it talks to no other stage.
 
 A schedule is data (the torch.distributed.pipelining pattern): one ordered tuple of :class:`Action` per stage.
 Builders write compute-only schedules; :func:`add_communication` lowers them to the exact send/recv streams the
@@ -29,7 +31,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "SCHEDULES", "Action", "ActionKind", "DeadlockError", "PairingError", "ReplayResult", "Schedule",
-    "ScheduleError", "add_communication", "build_1f1b", "build_gpipe", "build_schedule", "format_grid",
+    "ScheduleError", "add_communication", "build_1f1b", "build_gpipe", "build_schedule", "defer_weights",
+    "format_grid",
     "match_messages", "replay", "schedule_from_strings", "stream_strings", "validate", "warmup_forwards",
 ]
 
@@ -46,6 +49,7 @@ class ActionKind(str, enum.Enum):
 
     FORWARD = "F"
     BACKWARD = "B"
+    WEIGHT = "W"
     SEND_F = "SEND_F"
     RECV_F = "RECV_F"
     SEND_B = "SEND_B"
@@ -55,15 +59,15 @@ class ActionKind(str, enum.Enum):
         return self.value
 
 
-F, B = ActionKind.FORWARD, ActionKind.BACKWARD
+F, B, W = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.WEIGHT
 SEND_F, RECV_F, SEND_B, RECV_B = ActionKind.SEND_F, ActionKind.RECV_F, ActionKind.SEND_B, ActionKind.RECV_B
-_COMPUTE = frozenset({F, B})
+_COMPUTE = frozenset({F, B, W})
 _SENDS = frozenset({SEND_F, SEND_B})
 _RECVS = frozenset({RECV_F, RECV_B})
 # Stage offset of the peer of each comm kind: activations flow to s+1, gradients to s-1.
 _PEER_OFFSET = {SEND_F: +1, RECV_B: +1, RECV_F: -1, SEND_B: -1}
 # ASCII digits only, so that parse accepts exactly what str writes.
-_ACTION_RE = re.compile(r"([0-9]+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B)([0-9]+)\.([0-9]+)")
+_ACTION_RE = re.compile(r"([0-9]+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|W)([0-9]+)\.([0-9]+)")
 
 
 class ScheduleError(ValueError):
@@ -96,7 +100,9 @@ def _index(name: str, value: object) -> int:
 
 @dataclass(frozen=True, repr=False)
 class Action:
-    """One step of one stage: a compute (F/B) or a p2p message for unit (microbatch, slice).
+    """One step of one stage: a compute (F/B/W) or a p2p message for unit (microbatch, slice).
+
+    ``W`` (deferred weight gradients) covers a whole micro-batch and is written with slice 0.
 
     A value: equal actions hash equal, and ``str`` gives the short form ``"1F0.2"`` that :meth:`parse` reads back,
     so schedules can be written, logged and compared as text.
@@ -171,6 +177,9 @@ class Schedule:
     has_comm: bool = field(init=False, repr=False, compare=False)
     """Whether send/recv actions are present (lowered by :func:`add_communication` or written by hand)."""
 
+    defers_weights: bool = field(init=False, repr=False, compare=False)
+    """Whether weight gradients run as separate ``W`` actions (see :func:`defer_weights`)."""
+
     def __post_init__(self) -> None:
         for attr in ("num_stages", "num_microbatches", "num_slices"):
             _check_size(attr, getattr(self, attr))
@@ -189,6 +198,7 @@ class Schedule:
                 kinds.add(a.kind)
         object.__setattr__(self, "stages", stages)
         object.__setattr__(self, "has_comm", not kinds <= _COMPUTE)
+        object.__setattr__(self, "defers_weights", W in kinds)
 
     @property
     def num_units(self) -> int:
@@ -223,12 +233,13 @@ def _make(stage: int, kind: ActionKind, microbatch: int, slice_: int) -> Action:
 
 
 def _trusted(name: str, num_stages: int, num_microbatches: int, num_slices: int,
-             stages: tuple[tuple[Action, ...], ...], has_comm: bool) -> Schedule:
+             stages: tuple[tuple[Action, ...], ...], has_comm: bool, defers_weights: bool = False) -> Schedule:
     """Schedule without the per-action checks of ``__post_init__``, for builders whose output the tests validate
     over grids; at K=48 and 256 units the checks cost more than simulating the schedule."""
     sched = _new(Schedule)
     for attr, value in (("name", name), ("num_stages", num_stages), ("num_microbatches", num_microbatches),
-                        ("num_slices", num_slices), ("stages", stages), ("has_comm", has_comm)):
+                        ("num_slices", num_slices), ("stages", stages), ("has_comm", has_comm),
+                        ("defers_weights", defers_weights)):
         object.__setattr__(sched, attr, value)
     return sched
 
@@ -362,12 +373,40 @@ def build_schedule(name: str, num_stages: int, num_microbatches: int, num_slices
     return builder(num_stages, num_microbatches, num_slices)
 
 
+@functools.lru_cache(maxsize=32)
+@_no_gc()
+def defer_weights(schedule: Schedule) -> Schedule:
+    """The same schedule with deferred weight gradients: ``W(s,b,0)`` right after ``B(s,b,0)`` on every stage.
+
+    ``B(s,b,0)`` is the micro-batch's last backward on the stage, so every slice's output gradient is known;
+    running ``W`` at once (rather than at the end of the step) bounds how long the recorded pairs live, and on
+    stage s > 0 it runs after ``SEND_B(s,b,0)``, so the previous stage is never kept waiting for it.
+    """
+    if not isinstance(schedule, Schedule):
+        raise TypeError(f"defer_weights needs a Schedule, got {type(schedule).__name__}")
+    if schedule.has_comm:
+        raise ValueError(f"defer_weights needs a compute-only schedule; {schedule.name!r} already has comm "
+                         "(call add_communication after defer_weights)")
+    if schedule.defers_weights:
+        return schedule
+    streams = []
+    for s, stream in enumerate(schedule.stages):
+        out: list[Action] = []
+        for a in stream:
+            out.append(a)
+            if a.kind is B and a.slice == 0:
+                out.append(_make(s, W, a.microbatch, 0))
+        streams.append(tuple(out))
+    return _trusted(schedule.name, schedule.num_stages, schedule.num_microbatches, schedule.num_slices,
+                    tuple(streams), False, True)
+
+
 @_no_gc()
 def add_communication(schedule: Schedule) -> Schedule:
     """Lower a compute-only schedule to the exact p2p streams the runtime runs.
 
     ``RECV_F`` right before each F (s > 0), ``SEND_F`` right after it (s < K-1), ``RECV_B`` right before each B
-    (s < K-1), ``SEND_B`` right after it (s > 0). A schedule that already has comm (or needs none: one stage) is
+    (s < K-1), ``SEND_B`` right after it (s > 0); ``W`` needs no message. A schedule that already has comm (or needs none: one stage) is
     returned unchanged, so the runtime may call this defensively; :func:`validate` checks hand-written comm.
     """
     if schedule.has_comm or schedule.num_stages == 1:
@@ -384,6 +423,8 @@ def add_communication(schedule: Schedule) -> Schedule:
                 out.append(a)
                 if s < last:
                     out.append(_make(s, SEND_F, b, i))
+            elif a.kind is W:
+                out.append(a)
             else:
                 if s < last:
                     out.append(_make(s, RECV_B, b, i))
@@ -393,7 +434,7 @@ def add_communication(schedule: Schedule) -> Schedule:
         streams.append(tuple(out))
     # Derived from an already checked schedule, one stage's actions per stream: no need to re-check.
     return _trusted(schedule.name, schedule.num_stages, schedule.num_microbatches, schedule.num_slices,
-                    tuple(streams), True)
+                    tuple(streams), True, schedule.defers_weights)
 
 
 # --------------------------------------------------------------------------------------------- validation
@@ -411,13 +452,15 @@ def validate(schedule: Schedule) -> None:
     """Check every per-stage rule and list all violations in one :class:`ScheduleError`.
 
     Rules: each stage runs F and B of every unit exactly once; F(s,b,i) after F(s,b,i-1); B(s,b,i) after
-    F(s,b,i) and after B(s,b,i+1); with comm, each stage has exactly the messages its position in the pipeline
+    F(s,b,i) and after B(s,b,i+1); with deferred weight gradients, every stage runs W(s,b,0) once per micro-batch,
+    after B(s,b,0) (and never W of another slice index); with comm, each stage has exactly the messages its position in the pipeline
     needs, RECV before and SEND after the compute it belongs to. Cross-stage order is :func:`replay`'s job.
     """
     if not isinstance(schedule, Schedule):
         raise TypeError(f"validate needs a Schedule, got {type(schedule).__name__}")
     K, m, n = schedule.num_stages, schedule.num_microbatches, schedule.num_slices
-    needs = {F: lambda s: True, B: lambda s: True, RECV_F: lambda s: s > 0, SEND_F: lambda s: s < K - 1,
+    deferred = schedule.defers_weights
+    needs = {F: lambda s: True, B: lambda s: True, W: lambda s: deferred, RECV_F: lambda s: s > 0, SEND_F: lambda s: s < K - 1,
              RECV_B: lambda s: s < K - 1, SEND_B: lambda s: s > 0}
     out: list[str] = []
     for s, stream in enumerate(schedule.stages):
@@ -425,6 +468,9 @@ def validate(schedule: Schedule) -> None:
         for p, a in enumerate(stream):
             if a.microbatch >= m or a.slice >= n:
                 out.append(f"stage {s} position {p}: {a} is outside {m} micro-batches x {n} slices")
+                continue
+            if a.kind is W and a.slice != 0:
+                out.append(f"stage {s} position {p}: {a} must be written with slice 0 (one W per micro-batch)")
                 continue
             if not needs[a.kind](s):
                 out.append(f"stage {s} position {p}: {a} has no peer (stage {a.peer} does not exist)")
@@ -439,11 +485,13 @@ def validate(schedule: Schedule) -> None:
             for i in range(n):
                 u = (b, i)
                 for k in kinds:
-                    if u not in pos[k]:
+                    if u not in pos[k] and (k is not W or i == 0):
                         out.append(f"stage {s}: {Action(s, k, b, i)} is missing")
                 fp, bp = pos[F].get(u), pos[B].get(u)
                 rules = [(pos[F].get((b, i - 1)), F, i - 1, fp, F, i), (fp, F, i, bp, B, i),
                          (pos[B].get((b, i + 1)), B, i + 1, bp, B, i)]
+                if deferred and i == 0:
+                    rules.append((bp, B, 0, pos[W].get(u), W, 0))
                 if schedule.has_comm:
                     rules += [(pos[RECV_F].get(u), RECV_F, i, fp, F, i), (fp, F, i, pos[SEND_F].get(u), SEND_F, i),
                               (pos[RECV_B].get(u), RECV_B, i, bp, B, i), (bp, B, i, pos[SEND_B].get(u), SEND_B, i)]

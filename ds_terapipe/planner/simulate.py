@@ -3,7 +3,8 @@
 The semantics are the runtime's (and :func:`~ds_terapipe.planner.schedule.replay`'s): each stage runs its
 stream in order, one compute action at a time; a send is issued when the stream reaches it and costs the stream
 nothing (isend); a receive blocks the stream until ``send issue time + comm_ms`` of the sender. F(s,b,i) costs
-``cost.stage(s).forward_ms(slices[i], context=sum(slices[:i]), batch)``; B likewise with ``backward_ms``.
+``cost.stage(s).forward_ms(slices[i], context=sum(slices[:i]), batch)``; B likewise with ``backward_ms``; a W
+(deferred weight gradients of a micro-batch) ``weight_ms(sum(slices), batch)`` (0 for cost models without it).
 
 Speed matters (the slicing planner simulates many candidate plans), so the simulation is a lock-step sweep
 vectorised across stages with numpy: each sweep advances every stage whose next action's dependency is done, so
@@ -36,8 +37,9 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["DeadlockError", "PairingError", "SimResult", "StageCostLike", "TimedAction", "simulate"]
 
-# Node codes in the compiled program. Comm and padding cost nothing on the compute stream.
-_F, _B, _COMM = 0, 1, 2
+# Node codes in the compiled program (also the row of the cost table). Comm and padding cost nothing.
+_F, _B, _COMM, _W = 0, 1, 2, 3
+_CODE = {ActionKind.FORWARD: _F, ActionKind.BACKWARD: _B, ActionKind.WEIGHT: _W}
 _NEVER = np.iinfo(np.int64).max // 2  # dependency position of a receive that has no send: never ready
 
 
@@ -47,6 +49,7 @@ class StageCostLike(Protocol):
     def forward_ms(self, slice_len: Any, context: Any, batch: int = 1) -> Any: ...
     def backward_ms(self, slice_len: Any, context: Any, batch: int = 1) -> Any: ...
     def comm_ms(self, slice_len: Any, batch: int = 1) -> Any: ...
+    # optional: weight_ms(tokens, batch) for W actions
 
 
 class TimedAction(NamedTuple):
@@ -73,7 +76,7 @@ class _Program:
 
     num_stages: int
     width: int              # W
-    kind: np.ndarray        # (K*W+1,) int8: _F, _B or _COMM (sentinels: _COMM, so they cost nothing)
+    kind: np.ndarray        # (K*W+1,) int8: _F, _B, _W or _COMM (sentinels: _COMM, so they cost nothing)
     slice_idx: np.ndarray   # (K*W+1,) slice of the node's unit
     dep: np.ndarray         # (K*W+1,) node that must finish first
     delay_stage: np.ndarray  # (K*W+1,) stage whose comm_ms delays the node after its dependency; -1: none
@@ -110,7 +113,7 @@ def _compile(schedule: Schedule) -> _Program:
     kind = np.full((K, W), _COMM, np.int8)
     slice_idx = np.zeros((K, W), np.int64)
     unit = np.zeros((K, W), np.int64)  # microbatch * n + slice: to compare unit orders across stages
-    kind[real] = np.fromiter([a.kind is ActionKind.BACKWARD for a in flat], np.int8, len(flat))
+    kind[real] = np.fromiter([_CODE[a.kind] for a in flat], np.int8, len(flat))
     slice_idx[real] = np.fromiter([a.slice for a in flat], np.int64, len(flat))
     unit[real] = np.fromiter([a.microbatch for a in flat], np.int64, len(flat)) * n + slice_idx[real]
     fpos = [np.flatnonzero(kind[s] == _F) for s in range(K)]
@@ -140,7 +143,7 @@ def _compile_full(schedule: Schedule) -> _Program:
     matches = match_messages(schedule)  # raises PairingError
     streams = schedule.stages
     W = max(len(st) for st in streams) + 1
-    code = {ActionKind.FORWARD: _F, ActionKind.BACKWARD: _B}
+    code = _CODE
     kind = np.full((K, W), _COMM, np.int8)
     slice_idx = np.zeros((K, W), np.int64)
     dep = np.repeat(np.arange(K)[:, None] * W + (W - 1), W, axis=1)
@@ -209,7 +212,8 @@ class SimResult:
 
 
 def _cost_table(cost: Any, K: int, slices: Sequence[int], batch: int) -> np.ndarray:
-    """(3, K, n) forward, backward and comm times; the cost model is asked once per stage, vectorised."""
+    """(4, K, n) forward, backward, comm and weight-gradient times; the cost model is asked once per stage,
+    vectorised. Row 3 (a whole micro-batch's W, the same in every column) is 0 for models without weight_ms."""
     num = getattr(cost, "num_stages", K)
     if num != K:
         raise ValueError(f"cost model has num_stages={num} but the schedule has {K} stages; "
@@ -218,12 +222,16 @@ def _cost_table(cost: Any, K: int, slices: Sequence[int], batch: int) -> np.ndar
         raise TypeError(f"cost must have a .stage(s) method (like PipelineCost), got {type(cost).__name__}")
     lens = np.asarray(slices, dtype=np.int64)
     context = np.concatenate(([0], np.cumsum(lens)[:-1])).astype(np.int64)
-    table = np.empty((3, K, len(lens)))
+    table = np.zeros((4, K, len(lens)))
+    tokens = int(lens.sum())
     for s in range(K):
         sc = cost.stage(s)
-        for row, name, values in ((0, "forward_ms", lambda: sc.forward_ms(lens, context=context, batch=batch)),
-                                  (1, "backward_ms", lambda: sc.backward_ms(lens, context=context, batch=batch)),
-                                  (2, "comm_ms", lambda: sc.comm_ms(lens, batch=batch))):
+        rows = [(0, "forward_ms", lambda: sc.forward_ms(lens, context=context, batch=batch)),
+                (1, "backward_ms", lambda: sc.backward_ms(lens, context=context, batch=batch)),
+                (2, "comm_ms", lambda: sc.comm_ms(lens, batch=batch))]
+        if callable(getattr(sc, "weight_ms", None)):
+            rows.append((3, "weight_ms", lambda: sc.weight_ms(tokens, batch=batch)))
+        for row, name, values in rows:
             got = np.broadcast_to(np.asarray(values(), dtype=float), lens.shape)
             if not np.all(np.isfinite(got)) or np.any(got < 0):
                 raise ValueError(f"cost.stage({s}).{name} returned {got.tolist()} for slices {list(slices)}; "
@@ -260,9 +268,10 @@ def simulate(schedule: Schedule, cost: Any, slices: Sequence[int], micro_batch_s
     lens = _check_inputs(schedule, slices, micro_batch_size)
     prog = _program(schedule)
     K = schedule.num_stages
-    table = _cost_table(cost, K, lens, micro_batch_size)  # (3, K, n)
+    table = _cost_table(cost, K, lens, micro_batch_size)  # (4, K, n)
     stage_of = np.minimum(np.arange(prog.kind.size) // prog.width, K - 1)
-    dur = np.where(prog.kind == _COMM, 0.0, table[np.minimum(prog.kind, 1), stage_of, prog.slice_idx])
+    row = np.where(prog.kind == _COMM, 0, prog.kind)
+    dur = np.where(prog.kind == _COMM, 0.0, table[row, stage_of, prog.slice_idx])
     delay = np.where(prog.delay_stage < 0, 0.0, table[2, prog.delay_stage, prog.slice_idx])
     times = _sweep(prog, dur, delay)
     if times is None:

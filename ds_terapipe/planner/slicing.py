@@ -425,13 +425,13 @@ def _tables(cost: PipelineCost, n: int, granularity: int, batch: int) -> tuple[n
 class _Simulated:
     """Scores candidate plans with ``simulate`` under the real per-stage costs, skipping hopeless ones."""
 
-    def __init__(self, cost: PipelineCost, schedule: str, seq_len: int) -> None:
+    def __init__(self, cost: PipelineCost, schedule: str, seq_len: int, deferred: bool = False) -> None:
         try:
-            from .schedule import build_schedule
+            from .schedule import build_schedule, defer_weights
             from .simulate import simulate
         except ImportError as exc:  # pragma: no cover - both ship with the package
             raise RuntimeError(f"planning {schedule!r} over unequal stages needs planner.simulate ({exc})") from exc
-        self._build, self._simulate = build_schedule, simulate
+        self._build, self._simulate, self._defer = build_schedule, simulate, defer_weights if deferred else None
         self.cost, self.schedule, self.seq_len = cost, schedule, seq_len
         self._schedules: dict[tuple[int, int], Any] = {}
         self.num_simulated = 0
@@ -439,7 +439,8 @@ class _Simulated:
     def run(self, slices: Sequence[int], units: int, batch: int) -> Any:
         key = (units, len(slices))
         if key not in self._schedules:
-            self._schedules[key] = self._build(self.schedule, self.cost.num_stages, units, len(slices))
+            built = self._build(self.schedule, self.cost.num_stages, units, len(slices))
+            self._schedules[key] = self._defer(built) if self._defer else built
         self.num_simulated += 1
         return self._simulate(self._schedules[key], self.cost, list(slices), micro_batch_size=batch)
 
@@ -452,6 +453,7 @@ class _Simulated:
         last backward still crosses stages < k. Path: slice 0 down to stage k, slices 0..i forward on k, slice i
         down to the last stage and back up to k, slices i-1..0 backward on k, slice 0 up to stage 0 -- the
         critical path behind the closed form's (K-1) * max term. The bound is the max over k, i of both.
+        Deferred weight gradients (W actions) only add work, so the bound stays sound without them.
         """
         lens = np.concatenate([np.asarray(p, dtype=float) for p in plans])
         starts = np.cumsum([0] + [len(p) for p in plans])
@@ -494,7 +496,7 @@ def _check_int(value: Any, name: str, minimum: int, fix: str) -> int:
 def plan_slicing(cost: PipelineCost, seq_len: int, *, num_microbatches: int = 1, micro_batch_size: int = 1,
                  granularity: int = 8, schedule: str = "gpipe", memory_limit_bytes: float | None = None,
                  split_batch: bool = False, max_slices: int | None = None,
-                 memory: MemoryModel | None = None) -> SlicingPlan:
+                 memory: MemoryModel | None = None, deferred_weight_grads: bool = False) -> SlicingPlan:
     """The fastest slicing of ``seq_len``-token sequences for this pipeline, cost model and schedule.
 
     Slice lengths are multiples of ``granularity`` (smaller granularity: finer plans, slower planning); at
@@ -517,6 +519,9 @@ def plan_slicing(cost: PipelineCost, seq_len: int, *, num_microbatches: int = 1,
     are the only ones the runtime executes. ``memory_limit_bytes`` with ``memory`` (a MemoryModel) keeps only
     plans whose ``MemoryModel.peak_bytes`` estimate fits; for 1F1B that may demand a minimum number of slices.
     Sequence lengths outside what the cost model measured are extrapolated (a warning is logged).
+    ``deferred_weight_grads``: the runtime computes weight gradients in one ``W`` action per micro-batch and
+    stage (``schedule.defer_weights``); ``cost`` then has ``backward_ms`` without them and ``weight_ms`` for W.
+    Candidates are always simulated (W changes the critical path; the closed form does not know it).
     """
     if not isinstance(cost, PipelineCost):
         raise TypeError(f"cost must be a PipelineCost, got {type(cost).__name__}; build one with "
@@ -572,8 +577,8 @@ def plan_slicing(cost: PipelineCost, seq_len: int, *, num_microbatches: int = 1,
                          f"peak is {smallest:.4g} bytes; raise the limit, add stages, use schedule='1f1b' or "
                          "split_batch=True, or recompute activations (MemoryModel.activation_factor)")
 
-    exact = schedule == "gpipe" and cost.is_uniform()
-    sim = None if exact else _Simulated(cost, schedule, seq_len)
+    exact = schedule == "gpipe" and cost.is_uniform() and not deferred_weight_grads
+    sim = None if exact else _Simulated(cost, schedule, seq_len, deferred_weight_grads)
     best: tuple[float, int, list[int], Any] | None = None   # (ms, q, cuts, SimResult or None)
     for q, n_min in options:
         units, sub = m * q, batch // q
