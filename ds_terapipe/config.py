@@ -71,6 +71,12 @@ class TeraPipeConfig(DeepSpeedConfigModel):
     schedule: Literal["gpipe", "1f1b"] = "gpipe"
     """``gpipe``: all forwards, then all backwards (TeraPipe). ``1f1b``: token-level 1F1B, bounded memory."""
 
+    deferred_weight_grads: Optional[bool] = None
+    """Backward of a slice computes input gradients only; the ``nn.Linear`` weight gradients of a micro-batch
+    are computed together after its last slice's backward (a ``W`` action), so the previous stage gets its
+    gradients sooner (runtime/deferred.py). Costs memory: each micro-batch's Linear inputs and output gradients
+    live until its ``W``. Default (None): on with ``gpipe`` (speed), off with ``1f1b`` (bounded memory)."""
+
     max_slices: Optional[int] = None
     """Upper bound on the number of slices ``"auto"`` may choose."""
 
@@ -120,6 +126,8 @@ class TeraPipeConfig(DeepSpeedConfigModel):
 
     @model_validator(mode="after")
     def _check_consistency(self) -> "TeraPipeConfig":
+        if self.deferred_weight_grads is None:
+            self.deferred_weight_grads = self.schedule == "gpipe"
         if isinstance(self.slices, list):
             total = sum(self.slices)
             if self.seq_len is None:

@@ -150,7 +150,8 @@ def suite_equivalence(extra: dict) -> list[dict]:
     cfg = GPTConfig(num_layers=4, hidden=32, num_heads=4, vocab_size=64, max_seq_len=64, seed=7)
     seq_len, batch = 48, 2
     slicings = extra.get("slicings", [1, [8, 24, 16], 8])
-    schedules = extra.get("schedules", ["gpipe", "1f1b"])
+    # "+W": deferred weight gradients (one W action per micro-batch and stage)
+    schedules = extra.get("schedules", ["gpipe", "1f1b", "gpipe+W", "1f1b+W"])
     micro_list = extra.get("micro_batches", [1, 3])
     zero_stage = extra.get("zero_stage", 0)
     steps_for_params = 3
@@ -173,7 +174,8 @@ def suite_equivalence(extra: dict) -> list[dict]:
                 t0 = time.perf_counter()
                 run = run_pipeline(cfg, stages=stages, micro_batches=m, batch=batch, seq_len=seq_len,
                                    batches_for_rank=for_rank, num_steps=steps_for_params, lr=0.1, momentum=0.9,
-                                   terapipe={"slices": slices, "schedule": sched, "granularity": 2,
+                                   terapipe={"slices": slices, "schedule": sched.removesuffix("+W"),
+                                             "deferred_weight_grads": sched.endswith("+W"), "granularity": 2,
                                              "p2p_timeout_s": 60}, zero_stage=zero_stage)
                 # ZeRO-1 keeps reduced gradients in its own partitions: there, parameters are the check
                 grads_ok = zero_stage == 0
@@ -257,6 +259,17 @@ def suite_features(extra: dict) -> list[dict]:
                         "grad_rel_err": err, "grad_worst": name,
                         "cache_files": sorted(os.listdir(cache)) if os.path.isdir(cache) else []})
 
+    # auto with deferred weight gradients: profiled split backward + W pass, plan, still the reference gradients
+    STATUS["case"] = "auto deferred"
+    engine = _engine(cfg, gpt_layer_specs(cfg), dict(auto, plan_cache=None, deferred_weight_grads=True))
+    with first_step_grads(engine) as grads:
+        loss = float(engine.train_batch(iter(batches)))
+    err, name, _ = compare(grads, ref_grads, engine.stage_id)
+    rates = [st.get("weight_ms_per_token") for st in (engine._cost_dict or {}).get("stages", [])]
+    results.append({"case": STATUS["case"], "slices": list(engine.slices), "loss": loss, "ref_loss": ref_losses[0],
+                    "grad_rel_err": err, "grad_worst": name, "weight_rates": rates,
+                    "weight_actions": sum(1 for a in engine._train_schedule().actions if a.kind.value == "W")})
+
     # eval_batch: no gradients, same loss as the reference forward
     STATUS["case"] = "eval"
     engine = _engine(cfg, gpt_layer_specs(cfg), {"seq_len": seq_len, "slices": [8, 40, 16], "schedule": "gpipe"})
@@ -295,6 +308,25 @@ def suite_features(extra: dict) -> list[dict]:
                                    "zero_allow_untested_optimizer": True})
     losses = [float(engine.train_batch(iter(batches))) for _ in range(2)]
     results.append({"case": "bf16", "losses": losses, "ref_loss": ref_losses[0]})
+
+    # bf16 through DeepSpeed's BF16_Optimizer (ZeRO 0: fp32 master gradients updated after every backward):
+    # deferred weight gradients must reach the master gradients too, so both runs end at the same weights
+    finals = {}
+    for deferred in (False, True):
+        STATUS["case"] = f"bf16 zero0 deferred={deferred}"
+        engine = _engine(cfg, gpt_layer_specs(cfg), {"seq_len": seq_len, "slices": [16, 32, 16], "schedule": "1f1b",
+                                                     "deferred_weight_grads": deferred},
+                         extra_config={"bf16": {"enabled": True}, "zero_optimization": {"stage": 0}})
+        start = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+        losses = [float(engine.train_batch(iter(batches))) for _ in range(2)]
+        finals[deferred] = ({n: p.detach().float().clone() for n, p in engine.module.named_parameters()}, losses,
+                            engine.using_bf16_optimizer)
+    (plain, plain_losses, bf16_opt), (deferred_params, deferred_losses, _) = finals[False], finals[True]
+    results.append({"case": "bf16 deferred", "bf16_optimizer": bf16_opt, "losses": plain_losses,
+                    "deferred_losses": deferred_losses,
+                    "max_param_diff": max(rel_err(deferred_params[n], plain[n]) for n in plain),
+                    "min_linear_moved": min([rel_err(plain[n], start[n]) for n in plain if n.endswith(
+                        ("fc_in.weight", "fc_out.weight", "qkv.weight", "proj.weight"))], default=None)})
 
     # checkpoint: save after 2 steps, load in a fresh engine (same and different slicing), continue exactly
     STATUS["case"] = "checkpoint"

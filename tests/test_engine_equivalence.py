@@ -1,7 +1,7 @@
 """Tier b: the token pipeline equals the single-process unsliced reference, gradient by gradient.
 
-One launch per topology runs the whole grid (slices {1, [8, 24, 16], 8} x schedules {gpipe, 1f1b} x
-micro-batches {1, 3}) inside one process group; see tests/dist_worker.py. Tolerance: fp32 relative error
+One launch per topology runs the whole grid (slices {1, [8, 24, 16], 8} x schedules {gpipe, 1f1b} x weight
+gradients {per slice, deferred} x micro-batches {1, 3}) inside one process group; see tests/dist_worker.py. Tolerance: fp32 relative error
 <= 1e-5 for the loss, every parameter gradient after one step, and every parameter after 3 SGD+momentum steps.
 """
 
@@ -42,7 +42,7 @@ def _check(results: list[dict], expected_cases: int) -> None:
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_equivalence_grid(world: int, tmp_path) -> None:
     results = launch("equivalence", world, tmp_path, timeout_s=840)
-    _check(results, expected_cases=2 * 3 * 2)
+    _check(results, expected_cases=2 * 3 * 4)
     slices_seen = {tuple(c["slices"]) for c in results[0]["results"]}
     assert slices_seen == {(48, ), (8, 24, 16), (6, 6, 6, 6, 6, 6, 6, 6)}, slices_seen
 
@@ -53,6 +53,6 @@ def test_pipeline_times_data_parallel(zero_stage: int, tmp_path) -> None:
     """2 stages x 2 replicas (4 processes), ZeRO 0/1: equal to the reference over the global batch."""
     results = launch("equivalence", 4, tmp_path, timeout_s=840,
                      extra={"dp": 2, "zero_stage": zero_stage, "slicings": [1, [8, 24, 16]],
-                            "schedules": ["1f1b"], "micro_batches": [3]})
-    _check(results, expected_cases=2)
+                            "schedules": ["1f1b", "1f1b+W"], "micro_batches": [3]})
+    _check(results, expected_cases=4)
     assert {c["dp"] for r in results for c in r["results"]} == {2}

@@ -75,6 +75,8 @@ class MicroBatchState:
     kv: dict[Hashable, KVBuffers] = field(default_factory=dict)
     # Slices whose backward finished, to check the later-slices-first invariant at run time.
     backward_done: set[int] = field(default_factory=set)
+    # With deferred weight gradients: the micro-batch's WeightGradStash (runtime/deferred.py), else None.
+    weight_stash: Any = None
 
     def buffers(self, key: Hashable, like_k: torch.Tensor, like_v: torch.Tensor) -> KVBuffers:
         bufs = self.kv.get(key)

@@ -11,7 +11,9 @@ How one training step flows (``train_batch``), on every stage:
    tokens, so the per-slice losses add up to the unsliced loss.
 3. ``BackwardPass`` runs DeepSpeed's own backward of that one slice. Backwards go later slices first within a
    micro-batch; attention routes the gradients of earlier slices' keys/values into the KV gradient buffers
-   (:mod:`ds_terapipe.runtime.attention`), where those slices' backwards pick them up.
+   (:mod:`ds_terapipe.runtime.attention`), where those slices' backwards pick them up. With
+   ``deferred_weight_grads``, ``nn.Linear`` weight gradients wait for ``WeightGradPass`` after the
+   micro-batch's last backward (:mod:`ds_terapipe.runtime.deferred`).
 4. Gradient reduction across data-parallel replicas, tied weights and the optimizer step are DeepSpeed's.
 
 Transfers go through :class:`~ds_terapipe.runtime.p2p.SliceP2P` (per-transfer shapes, non-blocking sends,
@@ -39,7 +41,8 @@ from ..planner.simulate import TimedAction
 from . import checkpoint as ckpt
 from .context import MicroBatchState, SliceContext, cut_tokens, slice_scope
 from .p2p import SliceP2P, agree_or_raise, as_tuple
-from .schedule import TokenPipeSchedule
+from .deferred import WeightGradStash, enable_deferred_weight_grads
+from .schedule import TokenPipeSchedule, WeightGradPass
 
 __all__ = ["TokenPipelineEngine"]
 
@@ -57,7 +60,8 @@ def _first_tensor(value: Any) -> Optional[torch.Tensor]:
 # Slots of the per-batch sequence-length agreement that are not lengths.
 _UNSET, _NO_SEQ_DIM, _EXHAUSTED, _NOT_READING = -100, -3, -2, -1
 
-_TIMED = {ds_schedule.ForwardPass: ActionKind.FORWARD, ds_schedule.BackwardPass: ActionKind.BACKWARD}
+_TIMED = {ds_schedule.ForwardPass: ActionKind.FORWARD, ds_schedule.BackwardPass: ActionKind.BACKWARD,
+          WeightGradPass: ActionKind.WEIGHT}
 
 
 class TokenPipelineEngine(PipelineEngine):
@@ -99,6 +103,12 @@ class TokenPipelineEngine(PipelineEngine):
         self._cache_fingerprints: Optional[list] = None
         self._cost_dict: Optional[dict] = None
         self._stage_meta: Optional[list] = None
+        # Deferred weight gradients: per micro-batch, the (input, output-gradient) pairs until its W action.
+        self._stashes: dict[int, WeightGradStash] = {}
+        if self.terapipe.deferred_weight_grads:  # before profiling, which measures the split backward
+            count = enable_deferred_weight_grads(self.module)
+            logger.info("terapipe: stage %d defers the weight gradients of %d nn.Linear module(s)", self.stage_id,
+                        count)
         from .profile import resolve_plan  # late import: profile imports the engine's helpers
         self.slices: tuple[int, ...] = resolve_plan(self)
         # One plan per sequence length seen, planned once (variable-length training).
@@ -188,7 +198,8 @@ class TokenPipelineEngine(PipelineEngine):
 
     def _train_schedule(self) -> TokenPipeSchedule:
         return TokenPipeSchedule(self.terapipe.schedule, self.micro_batches, self.num_stages, self.stage_id,
-                                 self.num_slices, train=True)
+                                 self.num_slices, train=True,
+                                 deferred_weight_grads=self.terapipe.deferred_weight_grads)
 
     def _inference_schedule(self, micro_batches: int) -> TokenPipeSchedule:
         return TokenPipeSchedule(self.terapipe.schedule, micro_batches, self.num_stages, self.stage_id,
@@ -203,6 +214,7 @@ class TokenPipelineEngine(PipelineEngine):
         self._loaded.clear()
         self._unit_losses.clear()
         self._unit_grads.clear()
+        self._stashes.clear()
         self._logits = []
         self._trail.clear()
         timeline: list[TimedAction] = []
@@ -273,6 +285,8 @@ class TokenPipelineEngine(PipelineEngine):
         state = self._states.get(microbatch)
         if state is None:
             state = MicroBatchState(microbatch, self.seq_len, self.num_slices)
+            if self.terapipe.deferred_weight_grads and torch.is_grad_enabled():
+                state.weight_stash = self._stashes.setdefault(microbatch, WeightGradStash())
             self._states[microbatch] = state
         return state
 
@@ -343,6 +357,17 @@ class TokenPipelineEngine(PipelineEngine):
         if slice == 0:
             del self._states[microbatch]
 
+    def _exec_weight_grad_pass(self, buffer_id: int, microbatch: int, slice: int) -> None:
+        """Deferred weight gradients of one micro-batch: one GEMM per ``nn.Linear`` over all its slices."""
+        stash = self._stashes.pop(microbatch, None)
+        if stash is None or not len(stash):
+            return
+        if self.using_bf16_optimizer:
+            self.optimizer.clear_lp_grads()  # as DeepSpeed's own backward does around each backward pass
+        stash.flush()
+        if self.using_bf16_optimizer and not self._config.bfloat16_config.immediate_grad_update:
+            self.optimizer.update_hp_grads(clear_lp_grads=False)
+
     def _exec_send_activations(self, buffer_id: int, microbatch: int, slice: int) -> None:
         outputs = as_tuple(self.pipe_buffers["outputs"][buffer_id])
         key = (self.seq_len, self.slices[slice])
@@ -389,6 +414,7 @@ class TokenPipelineEngine(PipelineEngine):
         ds_schedule.SendGrad: _exec_send_grads,
         ds_schedule.RecvGrad: _exec_recv_grads,
         ds_schedule.CommitP2P: _exec_commit_p2p,
+        WeightGradPass: _exec_weight_grad_pass,
     }
 
     def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: Optional[dict] = None,

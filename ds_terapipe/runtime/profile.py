@@ -28,16 +28,18 @@ import torch.distributed as dist
 
 from .checkpoint import atomic_write_text
 from .context import MicroBatchState, SliceContext, cut_tokens, slice_scope
+from .deferred import WeightGradStash
 from .p2p import agree_or_raise, as_tuple
 
 if TYPE_CHECKING:  # pragma: no cover
     from .engine import TokenPipelineEngine
 
-__all__ = ["resolve_plan", "check_slicing_equivalence", "profile_stage", "SlicingMismatchError"]
+__all__ = ["resolve_plan", "check_slicing_equivalence", "profile_stage", "profile_weight_grads",
+           "SlicingMismatchError"]
 
 logger = logging.getLogger(__name__)
 
-PLAN_CACHE_VERSION = 1
+PLAN_CACHE_VERSION = 2
 
 
 class SlicingMismatchError(ValueError):
@@ -157,11 +159,13 @@ def _sync(device: torch.device) -> None:
 
 def profile_stage(run: Callable[[Any], Any], params: list[torch.nn.Parameter], stage_input: Any, seq_len: int,
                   granularity: int, batch: int, *, slice_lengths: Optional[list[int]] = None, num_contexts: int = 3,
-                  warmup: int = 1, repeats: int = 2, device: torch.device = torch.device("cpu")) -> list[dict]:
+                  warmup: int = 1, repeats: int = 2, device: torch.device = torch.device("cpu"),
+                  deferred: bool = False) -> list[dict]:
     """Time forward and backward of this stage's layers for slices of length s after a prefix of c tokens.
 
     Backward uses ``torch.autograd.grad``, so parameter ``.grad`` (and DeepSpeed's gradient hooks) are never
-    touched. Returns points in the planner's cost-file format.
+    touched. With ``deferred`` (weight gradients deferred, ``runtime/deferred.py``) the backward measured is the
+    input-gradient part the runtime runs per slice. Returns points in the planner's cost-file format.
     """
     lengths = slice_lengths or _default_lengths(seq_len, granularity)
     points = []
@@ -175,6 +179,7 @@ def profile_stage(run: Callable[[Any], Any], params: list[torch.nn.Parameter], s
             fwd, bwd = [], []
             for rep in range(warmup + repeats):
                 state = MicroBatchState(0, seq_len, 2)
+                state.weight_stash = WeightGradStash() if deferred else None
                 if context > 0:
                     with torch.no_grad(), slice_scope(SliceContext(0, 0, 0, context, state)):
                         run(cut_tokens(stage_input, 0, context, seq_len))
@@ -199,6 +204,39 @@ def profile_stage(run: Callable[[Any], Any], params: list[torch.nn.Parameter], s
     return points
 
 
+def profile_weight_grads(run: Callable[[Any], Any], params: list[torch.nn.Parameter], stage_input: Any, seq_len: int,
+                         granularity: int, batch: int, *,
+                         warmup: int = 1, repeats: int = 2, device: torch.device = torch.device("cpu")) -> float:
+    """Milliseconds per token (and sequence) of the deferred weight-gradient pass of this stage.
+
+    One micro-batch of ``seq_len`` tokens in two slices (so the pass concatenates slices, as the runtime's does)
+    is run forward and backward, then the pass is timed without touching ``.grad``.
+    """
+    half = max(granularity, (seq_len // 2) // granularity * granularity)
+    bounds = [(0, half), (half, seq_len)] if half < seq_len else [(0, seq_len)]
+    times = []
+    for rep in range(warmup + repeats):
+        state = MicroBatchState(0, seq_len, len(bounds))
+        state.weight_stash = WeightGradStash()
+        outs = []
+        for i, (lo, hi) in enumerate(bounds):
+            piece = as_tuple(cut_tokens(stage_input, lo, hi, seq_len))
+            piece = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in piece)
+            with slice_scope(SliceContext(0, i, lo, hi, state)):
+                out = [t for t in as_tuple(run(piece[0] if len(piece) == 1 else piece))
+                       if t.is_floating_point() and t.requires_grad]
+            outs.append((out, [p for p in params if p.requires_grad] + [t for t in piece if t.requires_grad]))
+        for out, wrt in reversed(outs):  # later slices first, as the runtime (KV gradients flow backwards)
+            torch.autograd.grad(out, wrt, [torch.ones_like(t) for t in out], allow_unused=True)
+        _sync(device)
+        t0 = time.perf_counter()
+        state.weight_stash.compute()
+        _sync(device)
+        if rep >= warmup:
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times) / (seq_len * batch)
+
+
 def _stage_fingerprint(engine: "TokenPipelineEngine") -> list:
     return [[name, list(p.shape), str(p.dtype)] for name, p in engine.module.named_parameters()] + \
         [type(f).__name__ for f in engine.module.forward_funcs]
@@ -211,6 +249,7 @@ def _cache_path(engine: "TokenPipelineEngine", fingerprints: list, seq_len: int)
         "dp": engine.dp_world_size, "micro_batch_size": engine.micro_batch_size,
         "micro_batches": engine.micro_batches, "seq_len": seq_len, "granularity": cfg.granularity,
         "schedule": cfg.schedule, "max_slices": cfg.max_slices, "memory_limit_gb": cfg.memory_limit_gb,
+        "deferred_weight_grads": cfg.deferred_weight_grads,
         "profile": cfg.profile.model_dump(), "device": str(engine.device.type), "torch": torch.__version__,
         "threads": torch.get_num_threads(),
     }
@@ -233,7 +272,7 @@ def _solve(engine: "TokenPipelineEngine", cost: Any, seq_len: int) -> Any:
         limit = cfg.memory_limit_gb * 2**30
     plan = plan_slicing(cost, seq_len, num_microbatches=engine.micro_batches, micro_batch_size=engine.micro_batch_size,
                         granularity=cfg.granularity, schedule=cfg.schedule, memory_limit_bytes=limit, memory=memory,
-                        max_slices=cfg.max_slices)
+                        max_slices=cfg.max_slices, deferred_weight_grads=cfg.deferred_weight_grads)
     logger.info("terapipe: plan for seq_len %d: %s slices=%s predicted %.1f ms vs %.1f ms unsliced (%.2fx)", seq_len,
                 cfg.schedule, list(plan.slices), plan.predicted_ms, plan.unsliced_ms, plan.speedup)
     return plan
@@ -280,12 +319,19 @@ def _auto_plan(engine: "TokenPipelineEngine", stage_input: Any, seq_len: int) ->
     params = list(engine.module.parameters())
     points = profile_stage(engine.module, params, stage_input, seq_len, cfg.granularity, engine.micro_batch_size,
                            slice_lengths=cfg.profile.slice_lengths, num_contexts=cfg.profile.num_contexts,
-                           warmup=cfg.profile.warmup, repeats=cfg.profile.repeats, device=engine.device)
+                           warmup=cfg.profile.warmup, repeats=cfg.profile.repeats, device=engine.device,
+                           deferred=cfg.deferred_weight_grads)
+    weight_rate = None
+    if cfg.deferred_weight_grads:
+        weight_rate = profile_weight_grads(engine.module, params, stage_input, seq_len, cfg.granularity,
+                                           engine.micro_batch_size, warmup=cfg.profile.warmup,
+                                           repeats=cfg.profile.repeats, device=engine.device)
     profile_s = time.perf_counter() - started
     first = as_tuple(stage_input)[0]
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, {"stage": engine.stage_id, "dp": engine.grid.data_parallel_id,
-                                      "points": points, "layers": len(engine.module.forward_funcs),
+                                      "points": points, "weight_ms_per_token": weight_rate,
+                                      "layers": len(engine.module.forward_funcs),
                                       "hidden": first.shape[-1] if first.is_floating_point() else None,
                                       "bytes": first.element_size() if first.is_floating_point() else 4})
     result: list[Any] = [None]
@@ -295,8 +341,9 @@ def _auto_plan(engine: "TokenPipelineEngine", stage_input: Any, seq_len: int) ->
         hidden = next((m["hidden"] for m in engine._stage_meta if m["hidden"]), None)
         for m in engine._stage_meta:
             m["hidden"] = hidden
-        cost = PipelineCost.from_dict({"stages": [{"points": g["points"]} for g in stages]},
-                                      num_stages=engine.num_stages)
+        cost = PipelineCost.from_dict({"stages": [{"points": g["points"], **({} if g["weight_ms_per_token"] is None else
+                                                  {"weight_ms_per_token": g["weight_ms_per_token"]})}
+                                                for g in stages]}, num_stages=engine.num_stages)
         engine._cost_dict = cost.to_dict()
         logger.info("terapipe: profiled %d stage(s) in %.1fs", engine.num_stages, profile_s)
         plan = _solve(engine, cost, seq_len)

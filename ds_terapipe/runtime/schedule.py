@@ -8,7 +8,8 @@ Because every rank lowers the same validated schedule, the sends and receives of
 by construction (checked by ``replay`` in the tests).
 
 Buffer ids: unit (b, i) uses pipe buffer ``b * num_slices + i``; a micro-batch is loaded once, before the
-forward of its slice 0, on the first and last stages.
+forward of its slice 0, on the first and last stages. A ``W`` action (deferred weight gradients of micro-batch b)
+becomes :class:`WeightGradPass` with slice 0.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Iterator
 
 from deepspeed.runtime.pipe import schedule as ds_schedule
 
-from ..planner.schedule import Action, ActionKind, Schedule, add_communication, build_schedule
+from ..planner.schedule import Action, ActionKind, Schedule, add_communication, build_schedule, defer_weights
 
 __all__ = ["TokenPipeSchedule", "forward_only"]
 
@@ -29,6 +30,10 @@ def forward_only(schedule: Schedule) -> Schedule:
                     num_microbatches=schedule.num_microbatches, num_slices=schedule.num_slices, stages=stages)
 
 
+class WeightGradPass(ds_schedule.PipeInstruction):
+    """Compute the deferred weight gradients of one micro-batch (all its slices' backwards are done)."""
+
+
 class TokenPipeSchedule(ds_schedule.PipeSchedule):
     """One stage's view of a token-level schedule, as DeepSpeed instructions.
 
@@ -37,15 +42,21 @@ class TokenPipeSchedule(ds_schedule.PipeSchedule):
         micro_batches, stages, stage_id: as in DeepSpeed's ``PipeSchedule``.
         num_slices: slices per micro-batch.
         train: with backward, gradient reduction and optimizer step; else forwards only.
+        deferred_weight_grads: add a ``W`` action (:class:`WeightGradPass`) per micro-batch after its last
+            backward (``planner.schedule.defer_weights``).
     """
 
     def __init__(self, name: str, micro_batches: int, stages: int, stage_id: int, num_slices: int,
-                 train: bool = True) -> None:
+                 train: bool = True, deferred_weight_grads: bool = False) -> None:
         super().__init__(micro_batches=micro_batches, stages=stages, stage_id=stage_id)
         self.num_slices = num_slices
         self.train = train
         plan = build_schedule(name, stages, micro_batches, num_slices)
-        self.schedule = add_communication(plan if train else forward_only(plan))
+        if not train:
+            plan = forward_only(plan)
+        elif deferred_weight_grads:
+            plan = defer_weights(plan)
+        self.schedule = add_communication(plan)
         self.actions: tuple[Action, ...] = self.schedule.stages[stage_id]
 
     def num_pipe_buffers(self) -> int:
@@ -70,6 +81,8 @@ class TokenPipeSchedule(ds_schedule.PipeSchedule):
                 cmds.append(ds_schedule.ForwardPass(**fields))
             elif kind == ActionKind.BACKWARD:
                 cmds.append(ds_schedule.BackwardPass(**fields))
+            elif kind == ActionKind.WEIGHT:
+                cmds.append(WeightGradPass(**fields))
             elif kind == ActionKind.SEND_F:
                 cmds.append(ds_schedule.SendActivation(**fields))
             elif kind == ActionKind.RECV_F:

@@ -1,0 +1,112 @@
+"""Deferred weight gradients (runtime/deferred.py): the split backward gives ordinary autograd's gradients.
+
+Single process, no DeepSpeed engine: GPT blocks run slice by slice through the slice context exactly as a
+stage does, backwards later slices first, then the micro-batch's W pass. Every parameter gradient must equal
+plain autograd over the unsliced sequence, the pass must go through AccumulateGrad (DeepSpeed's gradient
+hooks), and nothing may be deferred outside a slice context with a stash.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ds_terapipe.models.gpt import GPTBlock, GPTConfig
+from ds_terapipe.runtime.context import MicroBatchState, SliceContext, slice_scope
+from ds_terapipe.runtime.deferred import WeightGradStash, deferred_linear_count, enable_deferred_weight_grads
+
+CFG = GPTConfig(num_layers=2, hidden=32, num_heads=4, max_seq_len=64, seed=3)
+
+
+def _blocks() -> nn.Sequential:
+    return nn.Sequential(GPTBlock(CFG, 0), GPTBlock(CFG, 1)).double()
+
+
+def _sliced_grads(model: nn.Module, x: torch.Tensor, slices: list[int], deferred: bool) -> tuple[dict, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    seq_len = x.shape[1]
+    state = MicroBatchState(0, seq_len, len(slices))
+    state.weight_stash = WeightGradStash() if deferred else None
+    outs, pieces, start = [], [], 0
+    for i, length in enumerate(slices):
+        piece = x[:, start:start + length].detach().requires_grad_()
+        with slice_scope(SliceContext(0, i, start, start + length, state)):
+            outs.append(model(piece))
+        pieces.append(piece)
+        start += length
+    weights = torch.linspace(0.5, 1.5, seq_len, dtype=x.dtype)[None, :, None]
+    start_of = [sum(slices[:i]) for i in range(len(slices))]
+    for i in reversed(range(len(slices))):
+        w = weights[:, start_of[i]:start_of[i] + slices[i]]
+        outs[i].backward((w * torch.ones_like(outs[i])))
+    if deferred:
+        assert len(state.weight_stash) == 4 * 2 * len(slices)  # 4 Linears per block, one pair per slice
+        state.weight_stash.flush()
+        assert len(state.weight_stash) == 0
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return grads, torch.cat([p.grad for p in pieces], dim=1)
+
+
+def test_deferred_weight_grads_equal_unsliced_autograd() -> None:
+    model = _blocks()
+    x = torch.randn(2, 40, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    ref, ref_input = _sliced_grads(model, x, [40], deferred=False)
+    assert enable_deferred_weight_grads(model) == 8
+    for slices in ([40], [8, 24, 8], [16, 8, 8, 8]):
+        got, got_input = _sliced_grads(model, x, slices, deferred=True)
+        assert torch.allclose(got_input, ref_input, rtol=1e-10, atol=1e-12)
+        for name, g in ref.items():
+            assert torch.allclose(got[name], g, rtol=1e-10, atol=1e-12), (slices, name)
+
+
+def test_weight_pass_goes_through_accumulate_grad_hooks() -> None:
+    model = _blocks()
+    enable_deferred_weight_grads(model)
+    fired: list[str] = []
+    for name, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda p, name=name: fired.append(name))
+    x = torch.randn(1, 16, 32, dtype=torch.float64)
+    _sliced_grads(model, x, [8, 8], deferred=True)
+    linear = {n for n, _ in model.named_parameters() if any(k in n for k in ("qkv", "proj", "fc_in", "fc_out"))}
+    assert linear and linear <= set(fired)
+    assert all(fired.count(n) == 1 for n in linear)  # one accumulation per weight per micro-batch, not per slice
+
+
+def test_without_a_stash_the_wrapped_linear_is_plain_autograd() -> None:
+    model = _blocks()
+    enable_deferred_weight_grads(model)
+    x = torch.randn(1, 16, 32, dtype=torch.float64)
+    model(x).sum().backward()  # no slice context at all: weights get gradients at once
+    assert all(p.grad is not None for p in model.parameters())
+    model.zero_grad(set_to_none=True)
+    state = MicroBatchState(0, 16, 1)
+    state.weight_stash = WeightGradStash()
+    with torch.no_grad(), slice_scope(SliceContext(0, 0, 0, 16, state)):
+        model(x)  # evaluation: nothing recorded
+    assert len(state.weight_stash) == 0
+
+
+def test_compute_leaves_grad_untouched_and_empties_the_stash() -> None:
+    model = _blocks()
+    enable_deferred_weight_grads(model)
+    state = MicroBatchState(0, 16, 1)
+    state.weight_stash = WeightGradStash()
+    with slice_scope(SliceContext(0, 0, 0, 16, state)):
+        out = model(torch.randn(1, 16, 32, dtype=torch.float64))
+    out.sum().backward()
+    weight = model[0].fc_in.weight
+    assert weight.grad is None and state.weight_stash.nbytes() > 0
+    params, grads = state.weight_stash.compute()
+    assert any(p is weight for p in params) and len(params) == len(grads) == 16
+    assert weight.grad is None and len(state.weight_stash) == 0
+
+
+def test_only_plain_linears_are_wrapped_once() -> None:
+    class Custom(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x) * 2
+
+    model = nn.Sequential(nn.Linear(4, 4), Custom(4, 4), nn.Sequential(nn.Linear(4, 2)))
+    assert enable_deferred_weight_grads(model) == 2
+    assert enable_deferred_weight_grads(model) == 0
+    assert deferred_linear_count(model) == 2
