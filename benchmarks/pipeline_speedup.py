@@ -57,8 +57,13 @@ NUM_STAGES = 2
 VARIANTS: dict[str, dict | None] = {
     "stock": None,
     "slices=1": {"slices": 1, "schedule": "1f1b"},
-    "auto/gpipe": {"slices": "auto", "schedule": "gpipe"},
-    "auto/1f1b": {"slices": "auto", "schedule": "1f1b"},
+    "auto/gpipe": {"slices": "auto", "schedule": "gpipe"},   # deferred weight gradients (the default)
+    "auto/1f1b": {"slices": "auto", "schedule": "1f1b"},     # weight gradients per slice (the default)
+}
+#: more variants for --variants (not run by default)
+OPTIONAL_VARIANTS: dict[str, dict] = {
+    "auto/gpipe-noW": {"slices": "auto", "schedule": "gpipe", "deferred_weight_grads": False},
+    "auto/1f1b+W": {"slices": "auto", "schedule": "1f1b", "deferred_weight_grads": True},
 }
 
 
@@ -89,7 +94,7 @@ class ActivationMeter:
         self.param_ptrs = {p.untyped_storage().data_ptr() for p in engine.module.parameters()}
         self.live: dict[int, list[int]] = {}   # storage data_ptr -> [saved references alive, storage bytes]
         self.saved_bytes = 0
-        self.peak_total = self.peak_saved = self.peak_kv = 0
+        self.peak_total = self.peak_saved = self.peak_kv = self.peak_stash = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _states(self) -> list:
@@ -136,11 +141,27 @@ class ActivationMeter:
             self.saved_bytes -= entry[1]
             del self.live[ptr]
 
+    def stash_bytes(self) -> int:
+        """Deferred weight gradients: the recorded (input, output-gradient) pairs that no saved tensor counts."""
+        seen: set[int] = set()
+        total = 0
+        for stash in getattr(self.engine, "_stashes", {}).values():
+            for pairs in stash._pairs.values():
+                for pair in pairs:
+                    for t in pair:
+                        storage = t.untyped_storage()
+                        ptr = storage.data_ptr()
+                        if ptr not in seen and ptr not in self.live:
+                            seen.add(ptr)
+                            total += storage.nbytes()
+        return total
+
     def sample(self) -> None:
-        kv = self.kv_bytes()
+        kv, stash = self.kv_bytes(), self.stash_bytes()
         self.peak_saved = max(self.peak_saved, self.saved_bytes)
         self.peak_kv = max(self.peak_kv, kv)
-        self.peak_total = max(self.peak_total, self.saved_bytes + kv)
+        self.peak_stash = max(self.peak_stash, stash)
+        self.peak_total = max(self.peak_total, self.saved_bytes + kv + stash)
 
     def __enter__(self) -> "ActivationMeter":
         self._hooks.__enter__()
@@ -177,7 +198,7 @@ class InstructionRecorder:
             t0 = time.time() * 1e3
             out = handler(engine, *args, **kwargs)
             t1 = time.time() * 1e3
-            if name in ("ForwardPass", "BackwardPass"):
+            if name in _KINDS:
                 recorder.compute_cpu_ms += (time.thread_time() - c0) * 1e3
             if "microbatch" in kwargs:
                 mb, sl = kwargs["microbatch"], kwargs.get("slice", 0)
@@ -250,25 +271,29 @@ def _step_summary(records: list[tuple[str, int, int, float, float]], t_start: fl
     total: dict[str, float] = {}
     for name, _, _, t0, t1 in records:
         total[name] = total.get(name, 0.0) + (t1 - t0)
-    compute = [(t0, t1) for name, _, _, t0, t1 in records if name in ("ForwardPass", "BackwardPass")]
-    fwd, bwd = total.get("ForwardPass", 0.0), total.get("BackwardPass", 0.0)
+    compute = [(t0, t1) for name, _, _, t0, t1 in records if name in _KINDS]
+    fwd, bwd, wgt = total.get("ForwardPass", 0.0), total.get("BackwardPass", 0.0), total.get("WeightGradPass", 0.0)
     recv = total.get("RecvActivation", 0.0) + total.get("RecvGrad", 0.0)
     send = total.get("SendActivation", 0.0) + total.get("SendGrad", 0.0)
     tail = sum(total.get(k, 0.0) for k in ("ReduceTiedGrads", "ReduceGrads", "OptimizerStep", "CommitP2P"))
     instr = sum(total.values())
-    return {"step_ms": t_end - t_start, "forward_ms": fwd, "backward_ms": bwd, "busy_ms": fwd + bwd,
+    return {"step_ms": t_end - t_start, "forward_ms": fwd, "backward_ms": bwd, "weight_ms": wgt,
+            "busy_ms": fwd + bwd + wgt,
             "recv_ms": recv, "send_ms": send, "tail_ms": tail, "load_ms": total.get("LoadMicroBatch", 0.0),
             "outside_ms": (t_end - t_start) - instr,
             "compute_start_ms": min(t0 for t0, _ in compute) - t_start if compute else 0.0,
             "compute_end_ms": max(t1 for _, t1 in compute) - t_start if compute else 0.0,
             "num_forward": sum(1 for r in records if r[0] == "ForwardPass"),
-            "cpu_share": compute_cpu_ms / (fwd + bwd) if fwd + bwd > 0 else float("nan")}
+            "cpu_share": compute_cpu_ms / (fwd + bwd + wgt) if fwd + bwd + wgt > 0 else float("nan")}
+
+
+#: compute instructions and their schedule-IR kind (W: deferred weight gradients of a micro-batch)
+_KINDS = {"ForwardPass": "F", "BackwardPass": "B", "WeightGradPass": "W"}
 
 
 def _compute_events(records: list, stage: int, t_start: float) -> list[list]:
-    """Forward/backward records as [stage, "F"|"B", microbatch, slice, start_ms, end_ms] relative to t_start."""
-    kinds = {"ForwardPass": "F", "BackwardPass": "B"}
-    return [[stage, kinds[n], mb, sl, t0 - t_start, t1 - t_start] for n, mb, sl, t0, t1 in records if n in kinds]
+    """Compute records as [stage, "F"|"B"|"W", microbatch, slice, start_ms, end_ms] relative to t_start."""
+    return [[stage, _KINDS[n], mb, sl, t0 - t_start, t1 - t_start] for n, mb, sl, t0, t1 in records if n in _KINDS]
 
 
 def _build_engine(variant: str, m: int, cfg: Any, opts: dict, out_dir: Path) -> tuple[Any, float]:
@@ -284,7 +309,7 @@ def _build_engine(variant: str, m: int, cfg: Any, opts: dict, out_dir: Path) -> 
     config: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": m,
                               "train_batch_size": m, "steps_per_print": 10**9, "gradient_clipping": 0.0,
                               "zero_optimization": {"stage": 0}}
-    section = {**VARIANTS, **opts.get("extra_variants", {})}[variant]
+    section = {**VARIANTS, **OPTIONAL_VARIANTS, **opts.get("extra_variants", {})}[variant]
     if section is not None:
         config["terapipe"] = {"p2p_timeout_s": 900.0, **section, "enabled": True, "seq_len": opts["seq_len"],
                               "plan_cache": str(_plan_dir(out_dir, m, variant))}
@@ -310,6 +335,7 @@ def _engine_info(engine: Any, variant: str, m: int, seq_len: int, build_s: float
             "slices": list(getattr(engine, "slices", [seq_len])),
             "plan": plan.to_dict() if plan is not None else None,
             "plan_source": getattr(engine, "plan_source", None),
+            "deferred_weight_grads": bool(getattr(tp, "deferred_weight_grads", False)),
             "layers": [type(f).__name__ for f in engine.module.forward_funcs], "steps": [], "losses": []}
     files = sorted(_plan_dir(out_dir, m, variant).glob("terapipe-plan-*.json")) if plan is not None else []
     if files:  # the profiled cost model (written by rank 0), for the simulated timeline and the per-slice check
@@ -392,12 +418,15 @@ def _measure_memory(engine: Any, rec: InstructionRecorder, batches: list) -> dic
         engine.train_batch(iter(batches))
     rec.meter = None
     return {"peak_total_bytes": meter.peak_total, "peak_saved_bytes": meter.peak_saved,
-            "peak_kv_bytes": meter.peak_kv, "left_alive_bytes": meter.saved_bytes}
+            "peak_kv_bytes": meter.peak_kv, "peak_stash_bytes": meter.peak_stash, "left_alive_bytes": meter.saved_bytes}
 
 
 def worker_main(out_dir: Path, opts: dict) -> None:
     """One stage: build every variant's engine per m, alternate their steps, measure memory, write rank{R}.json."""
     rank = int(os.environ["RANK"])
+    if opts.get("bind_cores"):  # like the deepspeed launcher's --bind_cores_to_rank: one core per stage
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cores[rank % len(cores)]})
     import torch
 
     torch.set_num_threads(1)
@@ -520,7 +549,7 @@ def analyse(ranks: list[dict], opts: dict) -> dict:
     first = str(opts["micro_batches"][0])
     by_stage = sorted(ranks, key=lambda r: r["per_m"][first][opts["variants"][0]]["stage"])
     base = opts["variants"][0]
-    keys = ("step_ms", "forward_ms", "backward_ms", "busy_ms", "recv_ms", "send_ms", "tail_ms", "load_ms",
+    keys = ("step_ms", "forward_ms", "backward_ms", "weight_ms", "busy_ms", "recv_ms", "send_ms", "tail_ms", "load_ms",
             "outside_ms", "compute_start_ms", "compute_end_ms", "cpu_share", "user_ms", "sys_ms", "minflt", "nivcsw",
             "nvcsw")
     for m in opts["micro_batches"]:
@@ -559,6 +588,7 @@ def analyse(ranks: list[dict], opts: dict) -> dict:
                 "pred_err": (plan["predicted_ms"] - med) / med if plan else None,
                 "pred_err_vs_span": (plan["predicted_ms"] - _median(span)) / _median(span) if plan else None,
                 "plan_source": infos[0][v]["plan_source"], "schedule": infos[0][v]["schedule"],
+                "deferred_weight_grads": infos[0][v].get("deferred_weight_grads", False),
                 "stages": stage_rows,
                 "foreign_cores": _median([max(s["foreign_cores"] for s in ps) for ps in per_round]),
                 "losses": infos[-1][v]["losses"],
@@ -592,13 +622,13 @@ def print_tables(report: dict, opts: dict) -> str:
     out.append("")
     out.append("rounds: timed rounds in the medians; * = too few clean rounds, noisy rounds included")
     out.append("")
-    out.append("Per stage (medians, ms): forward / backward / waiting in recv / send / grads+optimizer tail / "
-               "outside instructions; cpu = thread CPU time / wall time inside forward+backward")
-    out.append("| m | variant | stage 0 F/B/recv/send/tail/out | stage 1 F/B/recv/send/tail/out | cpu s0/s1 | "
+    out.append("Per stage (medians, ms): forward / backward / deferred weight gradients / waiting in recv / send / "
+               "grads+optimizer tail / outside instructions; cpu = thread CPU time / wall time inside compute")
+    out.append("| m | variant | stage 0 F/B/W/recv/send/tail/out | stage 1 F/B/W/recv/send/tail/out | cpu s0/s1 | "
                "planned slices |")
     out.append("|---|---|---|---|---|---|")
     for r in rows:
-        cells = ["/".join(f"{s[k]:.0f}" for k in ("forward_ms", "backward_ms", "recv_ms", "send_ms", "tail_ms",
+        cells = ["/".join(f"{s[k]:.0f}" for k in ("forward_ms", "backward_ms", "weight_ms", "recv_ms", "send_ms", "tail_ms",
                                                    "outside_ms")) for s in r["stages"]]
         sl = r["slices"] if r["num_slices"] <= 12 else f"{r['slices'][:12]}..."
         cpu = "/".join(f"{s['cpu_share']:.2f}" for s in r["stages"])
@@ -640,13 +670,13 @@ def check_targets(report: dict) -> list[dict]:
 def write_plots(report: dict, which: tuple[int, str], out_dir: Path, work_dir: Path) -> dict:
     """Measured timeline of the median step (per-rank traces merged) and the planner's simulated one."""
     from ds_terapipe.planner.cost import PipelineCost
-    from ds_terapipe.planner.schedule import Action, ActionKind, build_schedule
+    from ds_terapipe.planner.schedule import Action, ActionKind, build_schedule, defer_weights
     from ds_terapipe.planner.simulate import TimedAction, simulate
     from ds_terapipe.trace import events_to_chrome_trace, load_chrome_trace, merge_traces, plot_timeline
 
     m, variant = which
     row = next(r for r in report["rows"] if r["m"] == m and r["variant"] == variant)
-    kinds = {"F": ActionKind.FORWARD, "B": ActionKind.BACKWARD}
+    kinds = {"F": ActionKind.FORWARD, "B": ActionKind.BACKWARD, "W": ActionKind.WEIGHT}
     per_rank = []
     for stage in range(NUM_STAGES):
         evs = [TimedAction(s, Action(s, kinds[k], mb, sl), t0, t1) for s, k, mb, sl, t0, t1 in
@@ -668,6 +698,8 @@ def write_plots(report: dict, which: tuple[int, str], out_dir: Path, work_dir: P
     if row["cost"] is not None:
         cost = PipelineCost.from_dict(row["cost"], num_stages=NUM_STAGES)
         sched = build_schedule(row["schedule"], NUM_STAGES, m, row["num_slices"])
+        if row.get("deferred_weight_grads"):
+            sched = defer_weights(sched)
         sim = simulate(sched, cost, row["slices"], micro_batch_size=1)
         events_to_chrome_trace(sim.events, out_dir / f"timeline-planned-{tag}.json",
                                metadata={"m": m, "variant": variant, "slices": row["slices"],
@@ -683,9 +715,10 @@ def write_plots(report: dict, which: tuple[int, str], out_dir: Path, work_dir: P
         ctx = [sum(lens[:i]) for i in range(len(lens))]
         for s, k, mb, sl, t0, t1 in row["median_step_events"]:
             model = cost.stage(s)
-            f = model.forward_ms if k == "F" else model.backward_ms
+            pred = float(model.weight_ms(sum(lens), 1)) if k == "W" else \
+                float((model.forward_ms if k == "F" else model.backward_ms)(lens[sl], ctx[sl], 1))
             per_action.append({"stage": s, "kind": k, "microbatch": mb, "slice": sl, "measured_ms": t1 - t0,
-                               "predicted_ms": float(f(lens[sl], ctx[sl], 1))})
+                               "predicted_ms": pred})
         paths["per_action"] = per_action
     return paths
 
@@ -702,14 +735,20 @@ def cost_model_check(report: dict) -> list[dict]:
         lens = r["slices"]
         ctx = [sum(lens[:i]) for i in range(len(lens))]
         for stage in range(NUM_STAGES):
-            for kind in ("F", "B"):
-                fn = cost.stage(stage).forward_ms if kind == "F" else cost.stage(stage).backward_ms
-                pred = sum(float(fn(lens[i], ctx[i], 1)) for i in range(len(lens))) * r["m"]
-                key = "forward_ms" if kind == "F" else "backward_ms"
-                meas = r["stages"][stage][key]
+            for kind in ("F", "B", "W"):
+                model = cost.stage(stage)
+                if kind == "W":
+                    if not r.get("deferred_weight_grads"):
+                        continue
+                    pred, actions = float(model.weight_ms(sum(lens), 1)) * r["m"], r["m"]
+                else:
+                    fn = model.forward_ms if kind == "F" else model.backward_ms
+                    pred = sum(float(fn(lens[i], ctx[i], 1)) for i in range(len(lens))) * r["m"]
+                    actions = len(lens) * r["m"]
+                meas = r["stages"][stage][{"F": "forward_ms", "B": "backward_ms", "W": "weight_ms"}[kind]]
                 out.append({"m": r["m"], "variant": r["variant"], "stage": stage, "kind": kind,
                             "predicted_ms": pred, "measured_ms": meas, "err": (pred - meas) / meas,
-                            "per_action_overhead_ms": (meas - pred) / (len(lens) * r["m"])})
+                            "per_action_overhead_ms": (meas - pred) / actions})
     return out
 
 
@@ -738,7 +777,7 @@ def main() -> int:
     ap.add_argument("--vocab", type=int, default=256)
     ap.add_argument("--micro-batches", type=str, default="1,2,4", help="m values, comma-separated")
     ap.add_argument("--variants", type=str, default=",".join(VARIANTS),
-                    help=f"comma-separated subset of {', '.join(VARIANTS)} (first: baseline)")
+                    help=f"comma-separated, from {', '.join([*VARIANTS, *OPTIONAL_VARIANTS])} (first: baseline)")
     ap.add_argument("--extra-variant", action="append", default=[], metavar="NAME=JSON",
                     help='another token-pipeline variant: its "terapipe" section, e.g. '
                          '\'fixed8={"slices": 8, "schedule": "gpipe"}\' (repeatable; appended to --variants)')
@@ -758,15 +797,18 @@ def main() -> int:
                     help="whose median step --plots draws (repeatable; default 1,auto/gpipe and 4,auto/1f1b)")
     ap.add_argument("--out", metavar="DIR", help="worker logs and raw records (default: a temporary directory)")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds before the workers are killed")
+    ap.add_argument("--no-bind-cores", dest="bind_cores", action="store_false",
+                    help="do not pin each stage's process (all its threads) to its own core (default: pinned, "
+                         "like the deepspeed launcher's --bind_cores_to_rank)")
     args = ap.parse_args()
     if args.quick:
         args.seq_len, args.layers, args.hidden, args.heads = 256, 4, 256, 4
         args.micro_batches = "1,2" if args.micro_batches == "1,2,4" else args.micro_batches
         args.warmup, args.steps = 1, 3
     variants = args.variants.split(",")
-    unknown = [v for v in variants if v not in VARIANTS]
+    unknown = [v for v in variants if v not in VARIANTS and v not in OPTIONAL_VARIANTS]
     if unknown:
-        ap.error(f"--variants: unknown {unknown}; valid: {', '.join(VARIANTS)}")
+        ap.error(f"--variants: unknown {unknown}; valid: {', '.join([*VARIANTS, *OPTIONAL_VARIANTS])}")
     extra: dict[str, dict] = {}
     for item in args.extra_variant:
         name, _, text = item.partition("=")
@@ -774,7 +816,7 @@ def main() -> int:
             section = json.loads(text)
         except json.JSONDecodeError as err:
             ap.error(f"--extra-variant {item!r}: the part after '=' must be a JSON object ({err})")
-        if not name or name in VARIANTS or name in extra or not isinstance(section, dict):
+        if not name or name in VARIANTS or name in OPTIONAL_VARIANTS or name in extra or not isinstance(section, dict):
             ap.error(f"--extra-variant {item!r}: use a new NAME and a JSON object, e.g. 'fixed8={{\"slices\": 8}}'")
         extra[name] = section
         variants.append(name)
@@ -782,7 +824,7 @@ def main() -> int:
             "vocab": args.vocab, "micro_batches": [int(x) for x in args.micro_batches.split(",")],
             "variants": variants, "extra_variants": extra, "profile": json.loads(args.profile) if args.profile else None, "warmup": args.warmup, "steps": args.steps,
             "max_rounds": args.max_rounds or 2 * args.steps, "quiet_wait": args.quiet_wait,
-            "foreign_max": args.foreign_max}
+            "foreign_max": args.foreign_max, "bind_cores": args.bind_cores}
     out_dir = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="pipeline_speedup-"))
     print(f"2 stages x 1 thread, GPT {args.layers} layers, hidden {args.hidden}, {args.heads} heads, vocab "
           f"{args.vocab}, seq_len {args.seq_len}, micro-batch 1, m in {opts['micro_batches']}; "

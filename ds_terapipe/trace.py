@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["events_to_chrome_trace", "load_chrome_trace", "merge_traces", "plot_timeline"]
 
-_CATEGORY = {ActionKind.FORWARD: "forward", ActionKind.BACKWARD: "backward"}
+_CATEGORY = {ActionKind.FORWARD: "forward", ActionKind.BACKWARD: "backward", ActionKind.WEIGHT: "weights"}
 
 
 def _normalise(events: Iterable[Any]) -> list[TimedAction]:
@@ -145,7 +145,7 @@ def _px_per_char(fontsize: float, dpi: float) -> float:
 def plot_timeline(events: Iterable[Any], path: str | os.PathLike[str], *, title: str | None = None) -> Path:
     """Draw a PNG Gantt chart: stages as rows (stage 0 on top), time on x.
 
-    Forward boxes are blue and backward boxes orange, a shade per micro-batch (cycling every 4) so consecutive
+    Forward boxes are blue, backward boxes orange and deferred weight-gradient passes (W) green, a shade per micro-batch (cycling every 4) so consecutive
     micro-batches are told apart; boxes wide enough carry their "microbatch.slice" label. Uses matplotlib's
     object API (no pyplot), so it never touches a caller's interactive backend.
     """
@@ -167,7 +167,7 @@ def plot_timeline(events: Iterable[Any], path: str | os.PathLike[str], *, title:
     fig = Figure(figsize=(width_in, height_in), dpi=dpi)
     FigureCanvasAgg(fig)
     ax = fig.add_axes((0.07, 0.55 / height_in, 0.9, 1 - 1.0 / height_in))  # fixed margins in inches
-    maps = {"forward": colormaps["Blues"], "backward": colormaps["Oranges"]}
+    maps = {"forward": colormaps["Blues"], "backward": colormaps["Oranges"], "weights": colormaps["Greens"]}
     groups: dict[tuple[int, str, int], list[tuple[float, float]]] = {}
     for e in evs:
         cat = _CATEGORY.get(e.action.kind, "other")
@@ -188,7 +188,7 @@ def plot_timeline(events: Iterable[Any], path: str | os.PathLike[str], *, title:
     ax.set_xlim(0, span)
     ax.set_xlabel("time (ms)")
     kinds = {_CATEGORY.get(e.action.kind, "other") for e in evs}
-    handles = [Patch(color=maps[c](0.7), label=c) for c in ("forward", "backward") if c in kinds]
+    handles = [Patch(color=maps[c](0.7), label=c) for c in ("forward", "backward", "weights") if c in kinds]
     handles += [Patch(color="0.6", label="other")] if "other" in kinds else []
     fig.legend(handles=handles, loc="upper right", ncol=len(handles), frameon=False, fontsize=8)
     ax.set_title(title or f"{num_rows} stages, makespan {span:.3g} ms", fontsize=10, loc="left")

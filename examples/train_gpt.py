@@ -54,6 +54,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save-dir")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--metrics", default=None, help="append one JSON line per step (step, loss) to this file")
+    parser.add_argument("--bind-cores", action="store_true",
+                        help="CPU: pin each local process to its own share of the cores (what the deepspeed launcher's "
+                             "--bind_cores_to_rank does with numactl); stages then stop preempting each other")
     parser.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
     parser = deepspeed.add_config_arguments(parser)
     args = parser.parse_args()
@@ -114,6 +117,13 @@ def main() -> None:
         # against the others (10x slower on a 2-core machine).
         local = int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1")))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+    if args.bind_cores and not torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        cores = sorted(os.sched_getaffinity(0))
+        share = max(1, len(cores) // local)
+        mine = cores[(args.local_rank * share) % len(cores):][:share]
+        os.sched_setaffinity(0, mine)
+        torch.set_num_threads(len(mine))
     deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else None)
     with open(args.deepspeed_config) as f:
         ds_config = json.load(f)

@@ -101,3 +101,12 @@ def test_plot_timeline_writes_a_png(tmp_path, sim_events):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
     with pytest.raises(ValueError, match="no events"):
         plot_timeline([], tmp_path / "empty.png")
+
+
+def test_weight_passes_get_their_own_category(tmp_path):
+    events = [TimedAction(0, Action(0, ActionKind.BACKWARD, 0, 0), 0.0, 1.0),
+              TimedAction(0, Action(0, ActionKind.WEIGHT, 0, 0), 1.0, 3.0)]
+    path = events_to_chrome_trace(events, tmp_path / "w.json")
+    cats = [e["cat"] for e in json.loads(path.read_text())["traceEvents"] if e.get("ph") == "X"]
+    assert cats == ["backward", "weights"]
+    assert load_chrome_trace(path) == events
