@@ -406,8 +406,9 @@ def add_communication(schedule: Schedule) -> Schedule:
     """Lower a compute-only schedule to the exact p2p streams the runtime runs.
 
     ``RECV_F`` right before each F (s > 0), ``SEND_F`` right after it (s < K-1), ``RECV_B`` right before each B
-    (s < K-1), ``SEND_B`` right after it (s > 0); ``W`` needs no message. A schedule that already has comm (or needs none: one stage) is
-    returned unchanged, so the runtime may call this defensively; :func:`validate` checks hand-written comm.
+    (s < K-1), ``SEND_B`` right after it (s > 0); ``W`` needs no message. A schedule that already has comm (or
+    needs none: one stage) is returned unchanged, so the runtime may call this defensively; :func:`validate`
+    checks hand-written comm.
     """
     if schedule.has_comm or schedule.num_stages == 1:
         return schedule
@@ -452,16 +453,16 @@ def validate(schedule: Schedule) -> None:
     """Check every per-stage rule and list all violations in one :class:`ScheduleError`.
 
     Rules: each stage runs F and B of every unit exactly once; F(s,b,i) after F(s,b,i-1); B(s,b,i) after
-    F(s,b,i) and after B(s,b,i+1); with deferred weight gradients, every stage runs W(s,b,0) once per micro-batch,
-    after B(s,b,0) (and never W of another slice index); with comm, each stage has exactly the messages its position in the pipeline
-    needs, RECV before and SEND after the compute it belongs to. Cross-stage order is :func:`replay`'s job.
+    F(s,b,i) and after B(s,b,i+1); with deferred weight gradients, every stage runs W(s,b,0) once per
+    micro-batch, after B(s,b,0) (and never W of another slice index); with comm, each stage has exactly the
+    messages its position in the pipeline needs, RECV before and SEND after the compute it belongs to. Cross-stage order is :func:`replay`'s job.
     """
     if not isinstance(schedule, Schedule):
         raise TypeError(f"validate needs a Schedule, got {type(schedule).__name__}")
     K, m, n = schedule.num_stages, schedule.num_microbatches, schedule.num_slices
     deferred = schedule.defers_weights
-    needs = {F: lambda s: True, B: lambda s: True, W: lambda s: deferred, RECV_F: lambda s: s > 0, SEND_F: lambda s: s < K - 1,
-             RECV_B: lambda s: s < K - 1, SEND_B: lambda s: s > 0}
+    needs = {F: lambda s: True, B: lambda s: True, W: lambda s: deferred, RECV_F: lambda s: s > 0,
+             SEND_F: lambda s: s < K - 1, RECV_B: lambda s: s < K - 1, SEND_B: lambda s: s > 0}
     out: list[str] = []
     for s, stream in enumerate(schedule.stages):
         pos: dict[ActionKind, dict[tuple[int, int], int]] = {k: {} for k in ActionKind}

@@ -3,12 +3,11 @@ micro-batch.
 
 Why: the weight gradient sits on the critical path of a sliced backward. The previous stage waits for this
 stage's input gradient, which does not need the weight gradient at all; at one micro-batch on 2 stages the
-pipeline's idle gap and the last stage's share of the step shrink by the weight-gradient time of one slice.
-Accumulating into ``.grad`` once per micro-batch instead of once per slice also saves a pass over memory. With deferral, each
-slice's backward records the Linear's (input, output gradient) pair and returns at once; a ``W`` action after
-the micro-batch's last backward (``1W<b>.0`` in the schedule IR) computes every weight gradient in one go and
-adds it to ``.grad`` once. The input gradient reaches the previous stage sooner (zero-bubble pipelines, Qi et
-al. 2024, apply the same split to whole micro-batches).
+pipeline's idle gap shrinks by the weight-gradient time of one slice. With deferral, each slice's backward
+records the Linear's (input, output gradient) pair and returns at once; a ``W`` action after the micro-batch's
+last backward (``1W<b>.0`` in the schedule IR) computes every weight gradient in one go and adds it to
+``.grad`` once, which also saves the per-slice accumulation. Zero-bubble pipelines (Qi et al. 2024) apply the
+same split to whole micro-batches.
 
 What is deferred: ``nn.Linear`` modules of the stage (their ``forward`` is wrapped at engine init, the module
 is otherwise untouched). Everything else (embeddings, norms, attention's prefix cache) keeps ordinary autograd.
@@ -56,7 +55,7 @@ class WeightGradStash:
         return sum(t.numel() * t.element_size() for pairs in self._pairs.values() for pair in pairs for t in pair)
 
     def flush(self) -> None:
-        """Compute every recorded weight (and bias) gradient with one GEMM per module and add it to ``.grad``."""
+        """Compute every recorded weight (and bias) gradient and add it to ``.grad`` (once per parameter)."""
         params, grads = self.compute()
         if params:
             # Through autograd, not ``.grad +=``: AccumulateGrad runs DeepSpeed's hooks as in any backward.

@@ -358,7 +358,7 @@ class TokenPipelineEngine(PipelineEngine):
             del self._states[microbatch]
 
     def _exec_weight_grad_pass(self, buffer_id: int, microbatch: int, slice: int) -> None:
-        """Deferred weight gradients of one micro-batch: one GEMM per ``nn.Linear`` over all its slices."""
+        """Deferred weight gradients of one micro-batch, all its slices at once (``runtime/deferred.py``)."""
         stash = self._stashes.pop(microbatch, None)
         if stash is None or not len(stash):
             return

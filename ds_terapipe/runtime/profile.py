@@ -209,8 +209,8 @@ def profile_weight_grads(run: Callable[[Any], Any], params: list[torch.nn.Parame
                          warmup: int = 1, repeats: int = 2, device: torch.device = torch.device("cpu")) -> float:
     """Milliseconds per token (and sequence) of the deferred weight-gradient pass of this stage.
 
-    One micro-batch of ``seq_len`` tokens in two slices (so the pass concatenates slices, as the runtime's does)
-    is run forward and backward, then the pass is timed without touching ``.grad``.
+    One micro-batch of ``seq_len`` tokens in two slices (so the pass accumulates over slices, as the runtime's
+    does) is run forward and backward, then the pass is timed without touching ``.grad``.
     """
     half = max(granularity, (seq_len // 2) // granularity * granularity)
     bounds = [(0, half), (half, seq_len)] if half < seq_len else [(0, seq_len)]
