@@ -123,7 +123,8 @@ def main() -> None:
         share = max(1, len(cores) // local)
         mine = cores[(args.local_rank * share) % len(cores):][:share]
         os.sched_setaffinity(0, mine)
-        torch.set_num_threads(len(mine))
+        if "OMP_NUM_THREADS" not in os.environ:  # an explicit thread count stays the user's
+            torch.set_num_threads(len(mine))
     deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else None)
     with open(args.deepspeed_config) as f:
         ds_config = json.load(f)

@@ -47,8 +47,9 @@ def test_resume_in_fresh_processes_is_bit_identical(tmp_path) -> None:
     ckpt = str(tmp_path / "ckpt")
     check(*run_ranks(trainer(tmp_path, "first", "--steps", "3", "--save-dir", ckpt, "--save-every", "3"), 2,
                      tmp_path / "first", timeout_s=240))
-    codes, texts = run_ranks(trainer(tmp_path, "second", "--steps", "6", "--save-dir", ckpt, "--resume"), 2,
-                             tmp_path / "second", timeout_s=240)
+    # the resumed run also pins its processes to cores (--bind-cores): same threads per process, same numbers
+    codes, texts = run_ranks(trainer(tmp_path, "second", "--steps", "6", "--save-dir", ckpt, "--resume",
+                                     "--bind-cores"), 2, tmp_path / "second", timeout_s=240)
     check(codes, texts)
     assert "at step 3" in texts[0]
     full, first, second = losses(tmp_path, "full"), losses(tmp_path, "first"), losses(tmp_path, "second")
