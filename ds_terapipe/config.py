@@ -71,11 +71,11 @@ class TeraPipeConfig(DeepSpeedConfigModel):
     schedule: Literal["gpipe", "1f1b"] = "gpipe"
     """``gpipe``: all forwards, then all backwards (TeraPipe). ``1f1b``: token-level 1F1B, bounded memory."""
 
-    deferred_weight_grads: Optional[bool] = None
-    """Backward of a slice computes input gradients only; the ``nn.Linear`` weight gradients of a micro-batch
-    are computed together after its last slice's backward (a ``W`` action), so the previous stage gets its
-    gradients sooner (runtime/deferred.py). Costs memory: each micro-batch's Linear inputs and output gradients
-    live until its ``W``. Default (None): on with ``gpipe`` (speed), off with ``1f1b`` (bounded memory)."""
+    deferred_weight_grads: bool = True
+    """Backward of a slice computes input gradients only and sends them on; the ``nn.Linear`` weight gradients
+    follow in a ``W`` action (runtime/deferred.py), so the previous stage gets its gradients sooner. With
+    ``gpipe`` one W per micro-batch after its last backward (its Linear inputs and output gradients wait until
+    then); with ``1f1b`` one W per slice right after the send (memory as without deferral)."""
 
     max_slices: Optional[int] = None
     """Upper bound on the number of slices ``"auto"`` may choose."""
@@ -126,8 +126,6 @@ class TeraPipeConfig(DeepSpeedConfigModel):
 
     @model_validator(mode="after")
     def _check_consistency(self) -> "TeraPipeConfig":
-        if self.deferred_weight_grads is None:
-            self.deferred_weight_grads = self.schedule == "gpipe"
         if isinstance(self.slices, list):
             total = sum(self.slices)
             if self.seq_len is None:

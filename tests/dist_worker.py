@@ -425,7 +425,7 @@ def suite_varlen(extra: dict) -> list[dict]:
     results: list[dict] = []
     for slices in ("auto", 3):
         STATUS["case"] = f"varlen slices={slices}"
-        # auto with gpipe: deferred weight gradients (the default there), W costs scaled to every new length
+        # auto with gpipe: one W per micro-batch, its cost scaled from the profiled rate to every new length
         tp = {"seq_len": 64, "slices": slices, "granularity": 8, "schedule": "gpipe" if slices == "auto" else "1f1b",
               "profile": {"slice_lengths": [8, 32, 64], "num_contexts": 2, "warmup": 0, "repeats": 1}}
         engine = _engine(cfg, gpt_layer_specs(cfg), tp, micro=micro, batch=batch)

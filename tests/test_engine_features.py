@@ -65,7 +65,7 @@ def test_auto_plan_with_deferred_weight_grads(features) -> None:
         case = rank["auto deferred"]
         assert case["loss"] == pytest.approx(case["ref_loss"], rel=1e-5)
         assert case["grad_rel_err"] <= 1e-5, f"gradient of {case['grad_worst']} off by {case['grad_rel_err']}"
-        assert case["weight_actions"] == 2  # one W per micro-batch on every stage
+        assert case["weight_actions"] == 2 * len(case["slices"])  # 1f1b: a W per unit on every stage
     rates = features[0]["auto deferred"]["weight_rates"]  # rank 0 planned: it holds the measured costs
     assert len(rates) == 2 and all(r is not None and r > 0 for r in rates), rates
 
@@ -109,7 +109,8 @@ def test_measured_timeline_per_rank(features) -> None:
         # 4 training batches were traced (2 before the checkpoint, 2 after), one file per batch per rank
         assert sum(f.endswith(f"rank{rank}.json") for f in case["trace_files"]) == 4
         names = [name for name, _, _ in case["timeline"]]
-        assert len(names) == 2 * 2 * 3  # F and B of 2 micro-batches x 3 slices
+        assert len(names) == 3 * 2 * 3  # F, B and W (1f1b: deferred per slice) of 2 micro-batches x 3 slices
+        assert sum(n[1] == "W" for n in names) == 2 * 3
         assert names[0] == f"{rank}F0.0"
         assert all(end >= start for _, start, end in case["timeline"])
 

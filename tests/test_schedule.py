@@ -396,27 +396,35 @@ def test_deadlock_grid_of_a_long_schedule_is_elided_around_the_stuck_actions():
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("per_slice", [False, True])
 @pytest.mark.parametrize("K,m,n", [(1, 1, 1), (2, 1, 4), (3, 2, 3), (4, 3, 2)])
-def test_defer_weights_adds_one_w_after_each_microbatch_last_backward(name, K, m, n):
+def test_defer_weights_adds_w_after_the_backwards_it_follows(name, per_slice, K, m, n):
     base = build_schedule(name, K, m, n)
-    sched = defer_weights(base)
+    sched = defer_weights(base, per_slice=per_slice)
     assert sched.defers_weights and not base.defers_weights
+    assert sched.weights_per_slice == (per_slice and n > 1)
     validate(sched)
     lowered = add_communication(sched)
     validate(lowered)
     replay(sched)
     for s, stream in enumerate(sched.stages):
         ws = [a for a in stream if a.kind is ActionKind.WEIGHT]
-        assert [a.microbatch for a in ws] == sorted(range(m), key=lambda b: stream.index(Action(s, "B", b, 0)))
+        follows = [a for a in stream if a.kind is ActionKind.BACKWARD and (per_slice or a.slice == 0)]
+        assert [w.unit for w in ws] == [b.unit for b in follows]  # one W per unit / per micro-batch, in order
         for w in ws:
-            assert stream[stream.index(w) - 1] == Action(s, "B", w.microbatch, 0)
+            assert stream[stream.index(w) - 1] == Action(s, "B", w.microbatch, w.slice)
         # without the W actions it is the same schedule
         assert tuple(a for a in stream if a.kind is not ActionKind.WEIGHT) == base.stages[s]
     for s, stream in enumerate(lowered.stages):  # on s > 0 the gradient leaves before W runs
         for p, a in enumerate(stream):
             if a.kind is ActionKind.WEIGHT and s > 0:
-                assert stream[p - 1] == Action(s, "SEND_B", a.microbatch, 0)
-    assert defer_weights(sched) is sched
+                assert stream[p - 1] == Action(s, "SEND_B", a.microbatch, a.slice)
+    assert defer_weights(sched) == sched  # already deferred: unchanged
+
+
+def test_default_w_placement_follows_the_schedule():
+    assert not defer_weights(build_schedule("gpipe", 2, 2, 3)).weights_per_slice
+    assert defer_weights(build_schedule("1f1b", 2, 2, 3)).weights_per_slice
 
 
 def test_w_action_round_trips_as_text():
@@ -427,13 +435,13 @@ def test_w_action_round_trips_as_text():
 
 
 def test_validate_catches_misplaced_or_missing_w():
-    good = stream_strings(defer_weights(build_schedule("gpipe", 1, 2, 2)))[0].split()
+    good = stream_strings(defer_weights(build_schedule("gpipe", 1, 2, 2), per_slice=False))[0].split()
     early = [t for t in good if t != "0W0.0"]
     early.insert(early.index("0B0.0"), "0W0.0")   # before the micro-batch's last backward
     missing = [t for t in good if t != "0W1.0"]
     wrong_slice = [t if t != "0W1.0" else "0W1.1" for t in good]
     for tokens, expect in ((early, "0W0.0 at position"), (missing, "0W1.0 is missing"),
-                           (wrong_slice, "must be written with slice 0")):
+                           (wrong_slice, "0W0.1 is missing")):  # a W of slice > 0: one W per unit needed
         with pytest.raises(ScheduleError, match=expect):
             validate(schedule_from_strings("gpipe", 2, 2, [" ".join(tokens)]))
 

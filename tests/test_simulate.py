@@ -311,3 +311,19 @@ def test_w_actions_cost_nothing_without_a_weight_model():
     plain = simulate(build_gpipe(2, 2, 3), cost, [4, 4, 4])
     deferred = simulate(sch.defer_weights(build_gpipe(2, 2, 3)), cost, [4, 4, 4])
     assert deferred.makespan_ms == pytest.approx(plain.makespan_ms)
+
+
+def test_w_per_slice_is_timed_per_slice_length():
+    # K=2, m=1, slices [4, 8], F=1, B=2, W=0.5 per token: stage 1 runs B1 [3,5], W1 [5,9], B0 [9,11], W0 [11,13];
+    # stage 0 gets gradients at 5 and 11: B1 [5,7], W1 [7,11], B0 [11,13], W0 [13,15].
+    class PerToken(WeightedStage):
+        def weight_ms(self, tokens, batch=1):
+            return 0.5 * np.asarray(tokens, float) * batch
+
+    cost = FakeCost.uniform(PerToken(1.0, 2.0, 0.0), 2)
+    sched = sch.defer_weights(build_gpipe(2, 1, 2), per_slice=True)
+    res = simulate(sched, cost, [4, 8])
+    assert res.makespan_ms == pytest.approx(15.0)
+    w_events = sorted((e.stage, e.action.slice, e.start_ms, e.end_ms) for e in res.events
+                      if e.action.kind is ActionKind.WEIGHT)
+    assert w_events == [(0, 0, 13.0, 15.0), (0, 1, 7.0, 11.0), (1, 0, 11.0, 13.0), (1, 1, 5.0, 9.0)]

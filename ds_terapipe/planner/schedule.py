@@ -4,8 +4,9 @@ How data flows: a sequence is cut into ``num_slices`` slices; a *unit* is one (m
 ``F(s,b,i)`` on stage ``s`` consumes the activation ``F(s-1,b,i)`` produced and reads the key/value cache of
 slices ``< i`` of micro-batch ``b`` on stage ``s``; ``B(s,b,i)`` consumes the gradient from ``B(s+1,b,i)`` and adds
 cache gradients that ``B(s,b,i-1)`` will propagate, hence later slices are backwarded first. With deferred weight
-gradients (:func:`defer_weights`), ``B`` computes input gradients only and one ``W(s,b,0)`` per micro-batch and
-stage computes the weight gradients of all its slices, after ``B(s,b,0)``; it talks to no other stage.
+gradients (:func:`defer_weights`), ``B`` computes input gradients only and ``W`` actions compute the weight
+gradients: either one ``W(s,b,0)`` per micro-batch and stage, after ``B(s,b,0)``, for all its slices, or one
+``W(s,b,i)`` per unit right after ``B(s,b,i)`` (``per_slice``). W talks to no other stage.
 
 A schedule is data (the torch.distributed.pipelining pattern): one ordered tuple of :class:`Action` per stage.
 Builders write compute-only schedules; :func:`add_communication` lowers them to the exact send/recv streams the
@@ -31,8 +32,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "SCHEDULES", "Action", "ActionKind", "DeadlockError", "PairingError", "ReplayResult", "Schedule",
-    "ScheduleError", "add_communication", "build_1f1b", "build_gpipe", "build_schedule", "defer_weights",
-    "format_grid",
+    "ScheduleError", "WEIGHTS_PER_SLICE", "add_communication", "build_1f1b", "build_gpipe", "build_schedule",
+    "defer_weights", "format_grid",
     "match_messages", "replay", "schedule_from_strings", "stream_strings", "validate", "warmup_forwards",
 ]
 
@@ -180,6 +181,9 @@ class Schedule:
     defers_weights: bool = field(init=False, repr=False, compare=False)
     """Whether weight gradients run as separate ``W`` actions (see :func:`defer_weights`)."""
 
+    weights_per_slice: bool = field(init=False, repr=False, compare=False)
+    """Whether there is a ``W`` per unit (``W`` of a slice > 0 exists) rather than one per micro-batch."""
+
     def __post_init__(self) -> None:
         for attr in ("num_stages", "num_microbatches", "num_slices"):
             _check_size(attr, getattr(self, attr))
@@ -199,6 +203,8 @@ class Schedule:
         object.__setattr__(self, "stages", stages)
         object.__setattr__(self, "has_comm", not kinds <= _COMPUTE)
         object.__setattr__(self, "defers_weights", W in kinds)
+        object.__setattr__(self, "weights_per_slice",
+                           any(a.kind is W and a.slice > 0 for stream in stages for a in stream))
 
     @property
     def num_units(self) -> int:
@@ -233,13 +239,14 @@ def _make(stage: int, kind: ActionKind, microbatch: int, slice_: int) -> Action:
 
 
 def _trusted(name: str, num_stages: int, num_microbatches: int, num_slices: int,
-             stages: tuple[tuple[Action, ...], ...], has_comm: bool, defers_weights: bool = False) -> Schedule:
+             stages: tuple[tuple[Action, ...], ...], has_comm: bool, defers_weights: bool = False,
+             weights_per_slice: bool = False) -> Schedule:
     """Schedule without the per-action checks of ``__post_init__``, for builders whose output the tests validate
     over grids; at K=48 and 256 units the checks cost more than simulating the schedule."""
     sched = _new(Schedule)
     for attr, value in (("name", name), ("num_stages", num_stages), ("num_microbatches", num_microbatches),
                         ("num_slices", num_slices), ("stages", stages), ("has_comm", has_comm),
-                        ("defers_weights", defers_weights)):
+                        ("defers_weights", defers_weights), ("weights_per_slice", weights_per_slice)):
         object.__setattr__(sched, attr, value)
     return sched
 
@@ -373,14 +380,21 @@ def build_schedule(name: str, num_stages: int, num_microbatches: int, num_slices
     return builder(num_stages, num_microbatches, num_slices)
 
 
-@functools.lru_cache(maxsize=32)
-@_no_gc()
-def defer_weights(schedule: Schedule) -> Schedule:
-    """The same schedule with deferred weight gradients: ``W(s,b,0)`` right after ``B(s,b,0)`` on every stage.
+#: Default W placement per schedule: gpipe holds every activation until its backwards anyway, so one W per
+#: micro-batch (fewer, longer passes) costs little extra memory; 1F1B bounds memory, so W follows each slice.
+WEIGHTS_PER_SLICE = {"gpipe": False, "1f1b": True}
 
-    ``B(s,b,0)`` is the micro-batch's last backward on the stage, so every slice's output gradient is known;
-    running ``W`` at once (rather than at the end of the step) bounds how long the recorded pairs live, and on
-    stage s > 0 it runs after ``SEND_B(s,b,0)``, so the previous stage is never kept waiting for it.
+
+@functools.lru_cache(maxsize=64)
+@_no_gc()
+def defer_weights(schedule: Schedule, per_slice: bool | None = None) -> Schedule:
+    """The same schedule with deferred weight gradients (``W`` actions) on every stage.
+
+    Per micro-batch (``per_slice=False``): ``W(s,b,0)`` right after ``B(s,b,0)``, the micro-batch's last
+    backward on the stage, for all its slices. Per slice (``True``): ``W(s,b,i)`` right after each ``B(s,b,i)``:
+    the recorded pairs live only that long, as activations would. Either way, once lowered, W on stage s > 0
+    runs after ``SEND_B``, so the previous stage is never kept waiting for it. ``None``: the schedule's default,
+    :data:`WEIGHTS_PER_SLICE`.
     """
     if not isinstance(schedule, Schedule):
         raise TypeError(f"defer_weights needs a Schedule, got {type(schedule).__name__}")
@@ -389,16 +403,18 @@ def defer_weights(schedule: Schedule) -> Schedule:
                          "(call add_communication after defer_weights)")
     if schedule.defers_weights:
         return schedule
+    if per_slice is None:
+        per_slice = WEIGHTS_PER_SLICE.get(schedule.name, False)
     streams = []
     for s, stream in enumerate(schedule.stages):
         out: list[Action] = []
         for a in stream:
             out.append(a)
-            if a.kind is B and a.slice == 0:
-                out.append(_make(s, W, a.microbatch, 0))
+            if a.kind is B and (per_slice or a.slice == 0):
+                out.append(_make(s, W, a.microbatch, a.slice))
         streams.append(tuple(out))
     return _trusted(schedule.name, schedule.num_stages, schedule.num_microbatches, schedule.num_slices,
-                    tuple(streams), False, True)
+                    tuple(streams), False, True, per_slice and schedule.num_slices > 1)
 
 
 @_no_gc()
@@ -435,7 +451,7 @@ def add_communication(schedule: Schedule) -> Schedule:
         streams.append(tuple(out))
     # Derived from an already checked schedule, one stage's actions per stream: no need to re-check.
     return _trusted(schedule.name, schedule.num_stages, schedule.num_microbatches, schedule.num_slices,
-                    tuple(streams), True, schedule.defers_weights)
+                    tuple(streams), True, schedule.defers_weights, schedule.weights_per_slice)
 
 
 # --------------------------------------------------------------------------------------------- validation
@@ -454,13 +470,13 @@ def validate(schedule: Schedule) -> None:
 
     Rules: each stage runs F and B of every unit exactly once; F(s,b,i) after F(s,b,i-1); B(s,b,i) after
     F(s,b,i) and after B(s,b,i+1); with deferred weight gradients, every stage runs W(s,b,0) once per
-    micro-batch, after B(s,b,0) (and never W of another slice index); with comm, each stage has exactly the
+    micro-batch after B(s,b,0), or (per slice) W(s,b,i) once per unit after B(s,b,i); with comm, each stage has exactly the
     messages its position in the pipeline needs, RECV before and SEND after the compute it belongs to. Cross-stage order is :func:`replay`'s job.
     """
     if not isinstance(schedule, Schedule):
         raise TypeError(f"validate needs a Schedule, got {type(schedule).__name__}")
     K, m, n = schedule.num_stages, schedule.num_microbatches, schedule.num_slices
-    deferred = schedule.defers_weights
+    deferred, per_slice = schedule.defers_weights, schedule.weights_per_slice
     needs = {F: lambda s: True, B: lambda s: True, W: lambda s: deferred, RECV_F: lambda s: s > 0,
              SEND_F: lambda s: s < K - 1, RECV_B: lambda s: s < K - 1, SEND_B: lambda s: s > 0}
     out: list[str] = []
@@ -470,9 +486,7 @@ def validate(schedule: Schedule) -> None:
             if a.microbatch >= m or a.slice >= n:
                 out.append(f"stage {s} position {p}: {a} is outside {m} micro-batches x {n} slices")
                 continue
-            if a.kind is W and a.slice != 0:
-                out.append(f"stage {s} position {p}: {a} must be written with slice 0 (one W per micro-batch)")
-                continue
+
             if not needs[a.kind](s):
                 out.append(f"stage {s} position {p}: {a} has no peer (stage {a.peer} does not exist)")
                 continue
@@ -486,13 +500,13 @@ def validate(schedule: Schedule) -> None:
             for i in range(n):
                 u = (b, i)
                 for k in kinds:
-                    if u not in pos[k] and (k is not W or i == 0):
+                    if u not in pos[k] and (k is not W or i == 0 or per_slice):
                         out.append(f"stage {s}: {Action(s, k, b, i)} is missing")
                 fp, bp = pos[F].get(u), pos[B].get(u)
                 rules = [(pos[F].get((b, i - 1)), F, i - 1, fp, F, i), (fp, F, i, bp, B, i),
                          (pos[B].get((b, i + 1)), B, i + 1, bp, B, i)]
-                if deferred and i == 0:
-                    rules.append((bp, B, 0, pos[W].get(u), W, 0))
+                if deferred and (i == 0 or per_slice):
+                    rules.append((bp, B, i, pos[W].get(u), W, i))
                 if schedule.has_comm:
                     rules += [(pos[RECV_F].get(u), RECV_F, i, fp, F, i), (fp, F, i, pos[SEND_F].get(u), SEND_F, i),
                               (pos[RECV_B].get(u), RECV_B, i, bp, B, i), (bp, B, i, pos[SEND_B].get(u), SEND_B, i)]

@@ -4,7 +4,8 @@ The semantics are the runtime's (and :func:`~ds_terapipe.planner.schedule.replay
 stream in order, one compute action at a time; a send is issued when the stream reaches it and costs the stream
 nothing (isend); a receive blocks the stream until ``send issue time + comm_ms`` of the sender. F(s,b,i) costs
 ``cost.stage(s).forward_ms(slices[i], context=sum(slices[:i]), batch)``; B likewise with ``backward_ms``; a W
-(deferred weight gradients of a micro-batch) ``weight_ms(sum(slices), batch)`` (0 for cost models without it).
+(deferred weight gradients) ``weight_ms(sum(slices), batch)`` for a whole micro-batch, ``weight_ms(slices[i],
+batch)`` when the schedule has one W per slice (0 for cost models without ``weight_ms``).
 
 Speed matters (the slicing planner simulates many candidate plans), so the simulation is a lock-step sweep
 vectorised across stages with numpy: each sweep advances every stage whose next action's dependency is done, so
@@ -211,9 +212,9 @@ class SimResult:
         return tuple(out)
 
 
-def _cost_table(cost: Any, K: int, slices: Sequence[int], batch: int) -> np.ndarray:
+def _cost_table(cost: Any, K: int, slices: Sequence[int], batch: int, weights_per_slice: bool = False) -> np.ndarray:
     """(4, K, n) forward, backward, comm and weight-gradient times; the cost model is asked once per stage,
-    vectorised. Row 3 (a whole micro-batch's W, the same in every column) is 0 for models without weight_ms."""
+    vectorised. Row 3 is the W of slice i, or of the whole micro-batch in every column; 0 without weight_ms."""
     num = getattr(cost, "num_stages", K)
     if num != K:
         raise ValueError(f"cost model has num_stages={num} but the schedule has {K} stages; "
@@ -223,7 +224,7 @@ def _cost_table(cost: Any, K: int, slices: Sequence[int], batch: int) -> np.ndar
     lens = np.asarray(slices, dtype=np.int64)
     context = np.concatenate(([0], np.cumsum(lens)[:-1])).astype(np.int64)
     table = np.zeros((4, K, len(lens)))
-    tokens = int(lens.sum())
+    tokens = lens if weights_per_slice else int(lens.sum())
     for s in range(K):
         sc = cost.stage(s)
         rows = [(0, "forward_ms", lambda: sc.forward_ms(lens, context=context, batch=batch)),
@@ -268,7 +269,7 @@ def simulate(schedule: Schedule, cost: Any, slices: Sequence[int], micro_batch_s
     lens = _check_inputs(schedule, slices, micro_batch_size)
     prog = _program(schedule)
     K = schedule.num_stages
-    table = _cost_table(cost, K, lens, micro_batch_size)  # (4, K, n)
+    table = _cost_table(cost, K, lens, micro_batch_size, schedule.weights_per_slice)  # (4, K, n)
     stage_of = np.minimum(np.arange(prog.kind.size) // prog.width, K - 1)
     row = np.where(prog.kind == _COMM, 0, prog.kind)
     dur = np.where(prog.kind == _COMM, 0.0, table[row, stage_of, prog.slice_idx])

@@ -358,8 +358,9 @@ class TokenPipelineEngine(PipelineEngine):
             del self._states[microbatch]
 
     def _exec_weight_grad_pass(self, buffer_id: int, microbatch: int, slice: int) -> None:
-        """Deferred weight gradients of one micro-batch, all its slices at once (``runtime/deferred.py``)."""
-        stash = self._stashes.pop(microbatch, None)
+        """Deferred weight gradients (``runtime/deferred.py``) of what the micro-batch's backwards recorded so
+        far: all its slices (a W per micro-batch, slice 0) or the one just backwarded (a W per slice)."""
+        stash = self._stashes.get(microbatch) if slice > 0 else self._stashes.pop(microbatch, None)
         if stash is None or not len(stash):
             return
         if self.using_bf16_optimizer:
