@@ -57,13 +57,14 @@ NUM_STAGES = 2
 VARIANTS: dict[str, dict | None] = {
     "stock": None,
     "slices=1": {"slices": 1, "schedule": "1f1b"},
-    "auto/gpipe": {"slices": "auto", "schedule": "gpipe"},   # deferred weight gradients (the default): W per
-    "auto/1f1b": {"slices": "auto", "schedule": "1f1b"},     # micro-batch with gpipe, per slice with 1f1b
+    "auto/gpipe": {"slices": "auto", "schedule": "gpipe"},   # defaults: deferred weight gradients (a W per
+    "auto/1f1b": {"slices": "auto", "schedule": "1f1b"},     # micro-batch) with gpipe, none with 1f1b
 }
 #: more variants for --variants (not run by default)
 OPTIONAL_VARIANTS: dict[str, dict] = {
     "auto/gpipe-noW": {"slices": "auto", "schedule": "gpipe", "deferred_weight_grads": False},
-    "auto/1f1b-noW": {"slices": "auto", "schedule": "1f1b", "deferred_weight_grads": False},
+    "auto/1f1b+W": {"slices": "auto", "schedule": "1f1b", "deferred_weight_grads": True},   # a W per slice
+    "slices=1+W": {"slices": 1, "schedule": "1f1b", "deferred_weight_grads": True},
 }
 
 

@@ -109,8 +109,7 @@ def test_measured_timeline_per_rank(features) -> None:
         # 4 training batches were traced (2 before the checkpoint, 2 after), one file per batch per rank
         assert sum(f.endswith(f"rank{rank}.json") for f in case["trace_files"]) == 4
         names = [name for name, _, _ in case["timeline"]]
-        assert len(names) == 3 * 2 * 3  # F, B and W (1f1b: deferred per slice) of 2 micro-batches x 3 slices
-        assert sum(n[1] == "W" for n in names) == 2 * 3
+        assert len(names) == 2 * 2 * 3  # F and B of 2 micro-batches x 3 slices (1f1b: no deferral by default)
         assert names[0] == f"{rank}F0.0"
         assert all(end >= start for _, start, end in case["timeline"])
 

@@ -4,10 +4,11 @@ micro-batch.
 Why: the weight gradient sits on the critical path of a sliced backward. The previous stage waits for this
 stage's input gradient, which does not need the weight gradient at all; at one micro-batch on 2 stages the
 pipeline's idle gap shrinks by the weight-gradient time of one slice. With deferral, each slice's backward
-records the Linear's (input, output gradient) pair and returns at once; a ``W`` action after the micro-batch's
-last backward (``1W<b>.0`` in the schedule IR) computes every weight gradient in one go and adds it to
-``.grad`` once, which also saves the per-slice accumulation. Zero-bubble pipelines (Qi et al. 2024) apply the
-same split to whole micro-batches.
+records the Linear's (input, output gradient) pair and returns at once; a ``W`` action after the gradient was
+sent on computes the recorded weight gradients and adds them to ``.grad``: with gpipe once per micro-batch,
+after its last backward (``1W<b>.0`` in the schedule IR: one pass, one accumulation), with 1f1b after every
+slice (``1W<b>.<i>``: the pairs live no longer than activations would). Zero-bubble pipelines (Qi et al. 2024)
+apply the same split to whole micro-batches.
 
 What is deferred: ``nn.Linear`` modules of the stage (their ``forward`` is wrapped at engine init, the module
 is otherwise untouched). Everything else (embeddings, norms, attention's prefix cache) keeps ordinary autograd.
@@ -19,7 +20,7 @@ gradient-accumulation hooks fire exactly as in an ordinary backward.
 
 Memory: each pending pair holds the Linear's input (which autograd would have saved anyway until the slice's
 backward) and its output gradient (new: about 9 x hidden floats per token per transformer block), from the
-slice's backward until the micro-batch's ``W``.
+slice's backward until its ``W``.
 """
 
 from __future__ import annotations
