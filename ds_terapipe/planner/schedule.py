@@ -103,7 +103,8 @@ def _index(name: str, value: object) -> int:
 class Action:
     """One step of one stage: a compute (F/B/W) or a p2p message for unit (microbatch, slice).
 
-    ``W`` (deferred weight gradients) covers a whole micro-batch and is written with slice 0.
+    ``W`` (deferred weight gradients) covers a whole micro-batch, written with slice 0, or one slice when the
+    schedule has a W per unit (see :func:`defer_weights`).
 
     A value: equal actions hash equal, and ``str`` gives the short form ``"1F0.2"`` that :meth:`parse` reads back,
     so schedules can be written, logged and compared as text.
@@ -470,8 +471,9 @@ def validate(schedule: Schedule) -> None:
 
     Rules: each stage runs F and B of every unit exactly once; F(s,b,i) after F(s,b,i-1); B(s,b,i) after
     F(s,b,i) and after B(s,b,i+1); with deferred weight gradients, every stage runs W(s,b,0) once per
-    micro-batch after B(s,b,0), or (per slice) W(s,b,i) once per unit after B(s,b,i); with comm, each stage has exactly the
-    messages its position in the pipeline needs, RECV before and SEND after the compute it belongs to. Cross-stage order is :func:`replay`'s job.
+    micro-batch after B(s,b,0), or (per slice) W(s,b,i) once per unit after B(s,b,i); with comm, each stage
+    has exactly the messages its position in the pipeline needs, RECV before and SEND after the compute it
+    belongs to. Cross-stage order is :func:`replay`'s job.
     """
     if not isinstance(schedule, Schedule):
         raise TypeError(f"validate needs a Schedule, got {type(schedule).__name__}")
