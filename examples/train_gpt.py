@@ -112,19 +112,19 @@ class Batches:
 def main() -> None:
     args = parse_args()
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] [%(name)s] %(message)s")
-    if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
+    if not torch.cuda.is_available():
         # One process per stage shares the cores: more threads than cores per process makes every rank spin
         # against the others (10x slower on a 2-core machine).
         local = int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1")))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
-    if args.bind_cores and not torch.cuda.is_available():
-        local = int(os.environ.get("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1")))
-        cores = sorted(os.sched_getaffinity(0))
-        share = max(1, len(cores) // local)
-        mine = cores[(args.local_rank * share) % len(cores):][:share]
-        os.sched_setaffinity(0, mine)
+        threads = max(1, (os.cpu_count() or 1) // local)
+        if args.bind_cores:
+            cores = sorted(os.sched_getaffinity(0))
+            share = max(1, len(cores) // local)
+            mine = cores[(args.local_rank * share) % len(cores):][:share]
+            os.sched_setaffinity(0, mine)
+            threads = len(mine)
         if "OMP_NUM_THREADS" not in os.environ:  # an explicit thread count stays the user's
-            torch.set_num_threads(len(mine))
+            torch.set_num_threads(threads)
     deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else None)
     with open(args.deepspeed_config) as f:
         ds_config = json.load(f)

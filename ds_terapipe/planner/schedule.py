@@ -193,6 +193,7 @@ class Schedule:
             raise ValueError(f"Schedule.stages has {len(stages)} streams but num_stages={self.num_stages}; "
                              f"give one action sequence per stage")
         kinds: set[ActionKind] = set()
+        w_per_slice = False
         for s, stream in enumerate(stages):
             for p, a in enumerate(stream):
                 if not isinstance(a, Action):
@@ -201,11 +202,11 @@ class Schedule:
                     raise ValueError(f"Schedule.stages[{s}][{p}] is {a}, an action of stage {a.stage}; "
                                      f"each stage's stream may only hold its own actions")
                 kinds.add(a.kind)
+                w_per_slice = w_per_slice or (a.kind is W and a.slice > 0)
         object.__setattr__(self, "stages", stages)
         object.__setattr__(self, "has_comm", not kinds <= _COMPUTE)
         object.__setattr__(self, "defers_weights", W in kinds)
-        object.__setattr__(self, "weights_per_slice",
-                           any(a.kind is W and a.slice > 0 for stream in stages for a in stream))
+        object.__setattr__(self, "weights_per_slice", w_per_slice)
 
     @property
     def num_units(self) -> int:

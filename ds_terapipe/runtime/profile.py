@@ -157,6 +157,24 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _slice_leaves(stage_input: Any, start: int, end: int, seq_len: int) -> tuple[Any, tuple[torch.Tensor, ...]]:
+    """Tokens ``[start, end)`` of the stage input as fresh leaves (floats require grad): what ``run`` takes, and
+    the leaves whose gradients the backward computes."""
+    leaves = tuple(t.detach().requires_grad_(t.is_floating_point())
+                   for t in as_tuple(cut_tokens(stage_input, start, end, seq_len)))
+    return (leaves[0] if len(leaves) == 1 else leaves), leaves
+
+
+def _differentiable(outputs: Any) -> list[torch.Tensor]:
+    return [t for t in as_tuple(outputs) if t.is_floating_point() and t.requires_grad]
+
+
+def _backward(out: list[torch.Tensor], params: list[torch.nn.Parameter], leaves: tuple[torch.Tensor, ...]) -> None:
+    """Backward of one slice through ``torch.autograd.grad``: ``.grad`` (and DeepSpeed's hooks) stay untouched."""
+    wrt = [p for p in params if p.requires_grad] + [t for t in leaves if t.requires_grad]
+    torch.autograd.grad(out, wrt, [torch.ones_like(t) for t in out], allow_unused=True)
+
+
 def profile_stage(run: Callable[[Any], Any], params: list[torch.nn.Parameter], stage_input: Any, seq_len: int,
                   granularity: int, batch: int, *, slice_lengths: Optional[list[int]] = None, num_contexts: int = 3,
                   warmup: int = 1, repeats: int = 2, device: torch.device = torch.device("cpu"),
@@ -183,17 +201,14 @@ def profile_stage(run: Callable[[Any], Any], params: list[torch.nn.Parameter], s
                 if context > 0:
                     with torch.no_grad(), slice_scope(SliceContext(0, 0, 0, context, state)):
                         run(cut_tokens(stage_input, 0, context, seq_len))
-                piece = as_tuple(cut_tokens(stage_input, context, context + length, seq_len))
-                piece = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in piece)
-                inputs = piece[0] if len(piece) == 1 else piece
+                inputs, leaves = _slice_leaves(stage_input, context, context + length, seq_len)
                 _sync(device)
                 t0 = time.perf_counter()
                 with slice_scope(SliceContext(0, 1, context, context + length, state)):
-                    out = [t for t in as_tuple(run(inputs)) if t.is_floating_point() and t.requires_grad]
+                    out = _differentiable(run(inputs))
                 _sync(device)
                 t1 = time.perf_counter()
-                wrt = [p for p in params if p.requires_grad] + [t for t in piece if t.requires_grad]
-                torch.autograd.grad(out, wrt, [torch.ones_like(t) for t in out], allow_unused=True)
+                _backward(out, params, leaves)
                 _sync(device)
                 t2 = time.perf_counter()
                 if rep >= warmup:
@@ -220,14 +235,11 @@ def profile_weight_grads(run: Callable[[Any], Any], params: list[torch.nn.Parame
         state.weight_stash = WeightGradStash()
         outs = []
         for i, (lo, hi) in enumerate(bounds):
-            piece = as_tuple(cut_tokens(stage_input, lo, hi, seq_len))
-            piece = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in piece)
+            inputs, leaves = _slice_leaves(stage_input, lo, hi, seq_len)
             with slice_scope(SliceContext(0, i, lo, hi, state)):
-                out = [t for t in as_tuple(run(piece[0] if len(piece) == 1 else piece))
-                       if t.is_floating_point() and t.requires_grad]
-            outs.append((out, [p for p in params if p.requires_grad] + [t for t in piece if t.requires_grad]))
-        for out, wrt in reversed(outs):  # later slices first, as the runtime (KV gradients flow backwards)
-            torch.autograd.grad(out, wrt, [torch.ones_like(t) for t in out], allow_unused=True)
+                outs.append((_differentiable(run(inputs)), leaves))
+        for out, leaves in reversed(outs):  # later slices first, as the runtime (KV gradients flow backwards)
+            _backward(out, params, leaves)
         _sync(device)
         t0 = time.perf_counter()
         state.weight_stash.compute()
