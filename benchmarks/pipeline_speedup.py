@@ -66,6 +66,7 @@ OPTIONAL_VARIANTS: dict[str, dict] = {
     "auto/1f1b+W": {"slices": "auto", "schedule": "1f1b", "deferred_weight_grads": True},   # a W per slice
     "slices=1+W": {"slices": 1, "schedule": "1f1b", "deferred_weight_grads": True},
 }
+KNOWN_VARIANTS = {**VARIANTS, **OPTIONAL_VARIANTS}
 
 
 # ================================================================================================================
@@ -147,14 +148,12 @@ class ActivationMeter:
         seen: set[int] = set()
         total = 0
         for stash in getattr(self.engine, "_stashes", {}).values():
-            for pairs in stash._pairs.values():
-                for pair in pairs:
-                    for t in pair:
-                        storage = t.untyped_storage()
-                        ptr = storage.data_ptr()
-                        if ptr not in seen and ptr not in self.live:
-                            seen.add(ptr)
-                            total += storage.nbytes()
+            for t in stash.tensors():
+                storage = t.untyped_storage()
+                ptr = storage.data_ptr()
+                if ptr not in seen and ptr not in self.live:
+                    seen.add(ptr)
+                    total += storage.nbytes()
         return total
 
     def sample(self) -> None:
@@ -310,7 +309,7 @@ def _build_engine(variant: str, m: int, cfg: Any, opts: dict, out_dir: Path) -> 
     config: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": m,
                               "train_batch_size": m, "steps_per_print": 10**9, "gradient_clipping": 0.0,
                               "zero_optimization": {"stage": 0}}
-    section = {**VARIANTS, **OPTIONAL_VARIANTS, **opts.get("extra_variants", {})}[variant]
+    section = {**KNOWN_VARIANTS, **opts.get("extra_variants", {})}[variant]
     if section is not None:
         config["terapipe"] = {"p2p_timeout_s": 900.0, **section, "enabled": True, "seq_len": opts["seq_len"],
                               "plan_cache": str(_plan_dir(out_dir, m, variant))}
@@ -716,7 +715,8 @@ def write_plots(report: dict, which: tuple[int, str], out_dir: Path, work_dir: P
         ctx = [sum(lens[:i]) for i in range(len(lens))]
         for s, k, mb, sl, t0, t1 in row["median_step_events"]:
             model = cost.stage(s)
-            pred = float(model.weight_ms(sum(lens), 1)) if k == "W" else \
+            w_tokens = lens[sl] if sched.weights_per_slice else sum(lens)
+            pred = float(model.weight_ms(w_tokens, 1)) if k == "W" else \
                 float((model.forward_ms if k == "F" else model.backward_ms)(lens[sl], ctx[sl], 1))
             per_action.append({"stage": s, "kind": k, "microbatch": mb, "slice": sl, "measured_ms": t1 - t0,
                                "predicted_ms": pred})
@@ -725,8 +725,9 @@ def write_plots(report: dict, which: tuple[int, str], out_dir: Path, work_dir: P
 
 
 def cost_model_check(report: dict) -> list[dict]:
-    """For every auto row: the cost model's F/B per slice vs the measured medians over all rounds (per stage)."""
+    """For every auto row: the cost model's F/B/W per slice vs the measured medians over all rounds (per stage)."""
     from ds_terapipe.planner.cost import PipelineCost
+    from ds_terapipe.planner.schedule import WEIGHTS_PER_SLICE
 
     out = []
     for r in report["rows"]:
@@ -741,7 +742,9 @@ def cost_model_check(report: dict) -> list[dict]:
                 if kind == "W":
                     if not r.get("deferred_weight_grads"):
                         continue
-                    pred, actions = float(model.weight_ms(sum(lens), 1)) * r["m"], r["m"]
+                    # linear in tokens: the same total whether W runs per micro-batch or per slice
+                    pred = float(model.weight_ms(sum(lens), 1)) * r["m"]
+                    actions = r["m"] * (len(lens) if WEIGHTS_PER_SLICE.get(r["schedule"]) else 1)
                 else:
                     fn = model.forward_ms if kind == "F" else model.backward_ms
                     pred = sum(float(fn(lens[i], ctx[i], 1)) for i in range(len(lens))) * r["m"]
@@ -778,7 +781,7 @@ def main() -> int:
     ap.add_argument("--vocab", type=int, default=256)
     ap.add_argument("--micro-batches", type=str, default="1,2,4", help="m values, comma-separated")
     ap.add_argument("--variants", type=str, default=",".join(VARIANTS),
-                    help=f"comma-separated, from {', '.join([*VARIANTS, *OPTIONAL_VARIANTS])} (first: baseline)")
+                    help=f"comma-separated, from {', '.join(KNOWN_VARIANTS)} (first: baseline)")
     ap.add_argument("--extra-variant", action="append", default=[], metavar="NAME=JSON",
                     help='another token-pipeline variant: its "terapipe" section, e.g. '
                          '\'fixed8={"slices": 8, "schedule": "gpipe"}\' (repeatable; appended to --variants)')
@@ -807,9 +810,9 @@ def main() -> int:
         args.micro_batches = "1,2" if args.micro_batches == "1,2,4" else args.micro_batches
         args.warmup, args.steps = 1, 3
     variants = args.variants.split(",")
-    unknown = [v for v in variants if v not in VARIANTS and v not in OPTIONAL_VARIANTS]
+    unknown = [v for v in variants if v not in KNOWN_VARIANTS]
     if unknown:
-        ap.error(f"--variants: unknown {unknown}; valid: {', '.join([*VARIANTS, *OPTIONAL_VARIANTS])}")
+        ap.error(f"--variants: unknown {unknown}; valid: {', '.join(KNOWN_VARIANTS)}")
     extra: dict[str, dict] = {}
     for item in args.extra_variant:
         name, _, text = item.partition("=")
@@ -817,7 +820,7 @@ def main() -> int:
             section = json.loads(text)
         except json.JSONDecodeError as err:
             ap.error(f"--extra-variant {item!r}: the part after '=' must be a JSON object ({err})")
-        if not name or name in VARIANTS or name in OPTIONAL_VARIANTS or name in extra or not isinstance(section, dict):
+        if not name or name in KNOWN_VARIANTS or name in extra or not isinstance(section, dict):
             ap.error(f"--extra-variant {item!r}: use a new NAME and a JSON object, e.g. 'fixed8={{\"slices\": 8}}'")
         extra[name] = section
         variants.append(name)

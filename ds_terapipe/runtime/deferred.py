@@ -25,9 +25,8 @@ slice's backward until its ``W``.
 
 from __future__ import annotations
 
-import logging
 from types import MethodType
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -36,8 +35,6 @@ import torch.nn.functional as F
 from .context import current_slice
 
 __all__ = ["WeightGradStash", "enable_deferred_weight_grads", "deferred_linear_count"]
-
-logger = logging.getLogger(__name__)
 
 
 class WeightGradStash:
@@ -52,8 +49,14 @@ class WeightGradStash:
     def __len__(self) -> int:
         return sum(len(p) for p in self._pairs.values())
 
+    def tensors(self) -> Iterator[torch.Tensor]:
+        """Every recorded input and output gradient (what the stash keeps alive)."""
+        for pairs in self._pairs.values():
+            for pair in pairs:
+                yield from pair
+
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for pairs in self._pairs.values() for pair in pairs for t in pair)
+        return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def flush(self) -> None:
         """Compute every recorded weight (and bias) gradient and add it to ``.grad`` (once per parameter)."""
