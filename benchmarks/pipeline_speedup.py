@@ -22,6 +22,13 @@ receives, sends and the optimizer tail. Reported per row (medians over the measu
 * ``step ms``: median step time; ``speedup``: median over rounds of stock step / variant step (paired);
 * ``bound ms``: the bubble-free bound, the slowest stage's busy time; ``eff``: bound / step;
 * ``pred ms``, ``err``: the planner's ``slicing_plan.predicted_ms`` and (pred - measured) / measured;
+* ``drift``, ``err@drift``: a fixed probe (one GPT block forward + backward, :class:`SpeedProbe`) timed right after
+  each engine is built, i.e. right after its profile, and at the start of every round; their ratio is how much the
+  host slowed down (or sped up) since the planner measured its costs, and ``err@drift`` is the prediction scaled
+  by it: the cost model's and simulator's error without the host's;
+* ``peak MiB``: everything one more untimed step allocates above what the process held when it began (parameter
+  gradients, backward temporaries, communication buffers included), from glibc's ``mallinfo2`` after every aten op
+  (:class:`HeapMeter`); the peak a stage's device must fit;
 * activation memory per stage, from one extra (untimed) step under ``torch.autograd.graph.saved_tensors_hooks``:
   peak bytes of storages saved for backward and still alive (deduplicated by storage, parameters excluded; a
   ``weakref.finalize`` on the packed handle drops a storage when autograd frees its last saved reference) plus
@@ -171,6 +178,103 @@ class ActivationMeter:
         self._hooks.__exit__(*exc)
 
 
+class HeapMeter:
+    """Peak bytes the stage's process allocates during one step, above what it held when the step began.
+
+    :class:`ActivationMeter` counts what autograd keeps for backward; this counts everything a step allocates:
+    saved activations, KV buffers and their gradients, backward temporaries, gradients, communication buffers,
+    optimizer scratch. That is the peak a device must fit, and it treats stock DeepSpeed and the token pipeline
+    alike (the unsliced backward's full-length temporaries count as much as the KV gradient buffers). CPU tensors
+    are plain ``malloc``, so glibc's ``mallinfo2`` (live bytes of the main arena plus mmapped chunks; CPU backward
+    runs on the calling thread, in the main arena) is read after every aten op through a ``TorchDispatchMode``
+    and after every instruction. Scratch a kernel frees before it returns is not seen.
+    """
+
+    def __init__(self) -> None:
+        import ctypes
+
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class _MallInfo2(ctypes.Structure):
+            _fields_ = [(name, ctypes.c_size_t) for name in
+                        ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+                         "fordblks", "keepcost")]
+
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = _MallInfo2
+        self._mallinfo = libc.mallinfo2
+        meter = self
+
+        class _SampleAfterOps(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: N805 (torch's signature)
+                out = func(*args, **(kwargs or {}))
+                meter.sample(func)
+                return out
+
+        self._mode = _SampleAfterOps()
+        self.base = self.peak = 0
+        self.instruction = ""   # set by InstructionRecorder before each instruction runs
+        self.peak_at = ""       # "instruction / op" where the peak was reached
+        import torch
+
+        with self._mode:   # the mode's first use allocates for good (~20 MB); not the step's to pay
+            x = torch.ones(8, requires_grad=True)
+            (x * 2).sum().backward()
+
+    def in_use(self) -> int:
+        info = self._mallinfo()
+        return info.uordblks + info.hblkhd
+
+    def sample(self, op: Any = None) -> None:
+        now = self.in_use()
+        if now > self.peak:
+            self.peak = now
+            self.peak_at = f"{self.instruction} / {op}"
+
+    def __enter__(self) -> "HeapMeter":
+        self.base = self.peak = self.in_use()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._mode.__exit__(*exc)
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.peak - self.base
+
+
+class SpeedProbe:
+    """How fast this host is right now, relative to when a plan was profiled.
+
+    The planner predicts from costs measured at engine init; on a shared host the same work can run 20% slower a
+    minute later (stock DeepSpeed's own step time moves as much between rounds). A fixed workload, one GPT block's
+    forward and backward on ``tokens`` tokens, is timed right after each engine is built (so right after its
+    profile) and at the start of every round; ``probe(round) / probe(build)`` is the drift, and the prediction
+    scaled by it separates the cost model's error from the host's.
+    """
+
+    def __init__(self, hidden: int, heads: int, tokens: int = 256, repeats: int = 5) -> None:
+        import torch
+
+        from ds_terapipe.models.gpt import GPTBlock, GPTConfig
+
+        cfg = GPTConfig(num_layers=1, hidden=hidden, num_heads=heads, max_seq_len=tokens)
+        self.block = GPTBlock(cfg, 0)
+        self.x = torch.randn(1, tokens, hidden, generator=torch.Generator().manual_seed(0))
+        self.repeats = repeats
+
+    def time_ms(self) -> float:
+        times = []
+        for _ in range(self.repeats + 1):   # the first is a warm-up
+            for param in self.block.parameters():
+                param.grad = None
+            t0 = time.perf_counter()
+            self.block(self.x).square().mean().backward()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times[1:])
+
+
 class InstructionRecorder:
     """Wraps every handler of an engine's instruction map (on the instance) to time it.
 
@@ -183,7 +287,7 @@ class InstructionRecorder:
         self.stage = stage
         self.records: list[tuple[str, int, int, float, float]] = []   # (instruction, microbatch, slice, t0, t1)
         self.compute_cpu_ms = 0.0   # this thread's CPU time inside forward/backward (vs wall: descheduling)
-        self.meter: ActivationMeter | None = None
+        self.meter: ActivationMeter | HeapMeter | None = None
         self._counts: dict[str, int] = {}
         wrapped = {}
         for cls, handler in type(engine)._INSTRUCTION_MAP.items():
@@ -194,6 +298,8 @@ class InstructionRecorder:
         recorder = self
 
         def timed(engine: Any, *args: Any, **kwargs: Any) -> Any:
+            if isinstance(recorder.meter, HeapMeter):
+                recorder.meter.instruction = f"{name}{kwargs.get('microbatch', '')}.{kwargs.get('slice', '')}"
             c0 = time.thread_time()
             t0 = time.time() * 1e3
             out = handler(engine, *args, **kwargs)
@@ -367,7 +473,7 @@ def _timed_step(engine: Any, rec: InstructionRecorder, batches: list, cpu: CpuMe
 
 
 def _run_rounds(engines: dict, recorders: dict, info: dict, batches: list, m: int, opts: dict,
-                cpu: CpuMeter | None, rank: int) -> list[dict]:
+                cpu: CpuMeter | None, rank: int, probe: SpeedProbe) -> list[dict]:
     """Warm-up rounds, then timed rounds until ``steps`` clean ones (or ``max_rounds``); one step per variant each."""
     import torch.distributed as dist
 
@@ -378,11 +484,14 @@ def _run_rounds(engines: dict, recorders: dict, info: dict, batches: list, m: in
         warm = rnd < opts["warmup"]
         waited = cpu.wait_quiet(opts["quiet_wait"]) if cpu is not None and not warm else 0.0
         foreign: dict[str, float] = {}
+        dist.barrier()
+        probe_ms = probe.time_ms()   # both stages at once, as when they profiled
         for variant in names[rnd % len(names):] + names[:rnd % len(names)]:   # rotated order
             summary, loss = _timed_step(engines[variant], recorders[variant], batches, cpu)
             foreign[variant] = summary["foreign_cores"]
             if not warm:
                 summary["round"] = rnd - opts["warmup"]
+                summary["probe_ms"] = probe_ms
                 info[variant]["steps"].append(summary)
                 info[variant]["losses"].append(loss)
         rnd += 1
@@ -407,7 +516,7 @@ def _run_rounds(engines: dict, recorders: dict, info: dict, batches: list, m: in
 
 
 def _measure_memory(engine: Any, rec: InstructionRecorder, batches: list) -> dict:
-    """One untimed step under the saved-tensor hooks: peak activation bytes of this stage."""
+    """Two untimed steps: peak activation bytes of this stage (saved-tensor hooks), then its peak heap bytes."""
     import torch.distributed as dist
 
     rec.reset()
@@ -416,9 +525,20 @@ def _measure_memory(engine: Any, rec: InstructionRecorder, batches: list) -> dic
     dist.barrier()
     with meter:
         engine.train_batch(iter(batches))
+    result = {"peak_total_bytes": meter.peak_total, "peak_saved_bytes": meter.peak_saved,
+              "peak_kv_bytes": meter.peak_kv, "peak_stash_bytes": meter.peak_stash,
+              "left_alive_bytes": meter.saved_bytes}
+    del meter
+    gc.collect()
+    heap = HeapMeter()
+    rec.meter = heap
+    dist.barrier()
+    with heap:
+        engine.train_batch(iter(batches))
     rec.meter = None
-    return {"peak_total_bytes": meter.peak_total, "peak_saved_bytes": meter.peak_saved,
-            "peak_kv_bytes": meter.peak_kv, "peak_stash_bytes": meter.peak_stash, "left_alive_bytes": meter.saved_bytes}
+    result["peak_heap_bytes"] = heap.peak_bytes
+    result["peak_heap_at"] = heap.peak_at
+    return result
 
 
 def worker_main(out_dir: Path, opts: dict) -> None:
@@ -454,6 +574,7 @@ def worker_main(out_dir: Path, opts: dict) -> None:
     pids: list[Any] = [None] * world
     dist.all_gather_object(pids, os.getpid())
     cpu = CpuMeter(pids) if rank == 0 and os.path.exists("/proc/stat") else None
+    probe = SpeedProbe(cfg.hidden, cfg.num_heads)
     for m in opts["micro_batches"]:
         engines, recorders, info = {}, {}, {}
         for variant in opts["variants"]:
@@ -467,10 +588,12 @@ def worker_main(out_dir: Path, opts: dict) -> None:
             build_foreign = cpu.foreign_cores() if cpu is not None else float("nan")
             engines[variant] = engine
             recorders[variant] = InstructionRecorder(engine, engine.stage_id)
+            dist.barrier()
             info[variant] = _engine_info(engine, variant, m, seq_len, build_s, build_foreign, out_dir)
+            info[variant]["probe_build_ms"] = probe.time_ms()
             print(f"[rank {rank}] m={m} {variant}: built in {build_s:.1f}s (foreign cores {build_foreign:.2f}), "
                   f"slices {info[variant]['slices']}", flush=True)
-        rounds = _run_rounds(engines, recorders, info, batches[:m], m, opts, cpu, rank)
+        rounds = _run_rounds(engines, recorders, info, batches[:m], m, opts, cpu, rank, probe)
         for variant in engines:
             info[variant]["rounds"] = rounds
             info[variant]["memory"] = _measure_memory(engines[variant], recorders[variant], batches[:m])
@@ -570,6 +693,9 @@ def analyse(ranks: list[dict], opts: dict) -> dict:
             ratios = [step_ms[base][r] / t for r, t in step_ms[v].items() if r in step_ms[base]]
             plan = infos[0][v]["plan"]
             med = _median(times)
+            # host speed during the rounds relative to just after this variant was built (and profiled)
+            drift = statistics.mean(_median([ps[stage]["probe_ms"] for ps in per_round]) / info[v]["probe_build_ms"]
+                                    for stage, info in enumerate(infos))
             med_i = min(range(len(times)), key=lambda i: abs(times[i] - med))
             stage_rows = []
             for stage, info in enumerate(infos):
@@ -587,6 +713,8 @@ def analyse(ranks: list[dict], opts: dict) -> dict:
                 "planner_unsliced_ms": plan["unsliced_ms"] if plan else None,
                 "pred_err": (plan["predicted_ms"] - med) / med if plan else None,
                 "pred_err_vs_span": (plan["predicted_ms"] - _median(span)) / _median(span) if plan else None,
+                "host_drift": drift,
+                "pred_err_drift": (plan["predicted_ms"] * drift - med) / med if plan else None,
                 "plan_source": infos[0][v]["plan_source"], "schedule": infos[0][v]["schedule"],
                 "deferred_weight_grads": infos[0][v].get("deferred_weight_grads", False),
                 "stages": stage_rows,
@@ -597,6 +725,7 @@ def analyse(ranks: list[dict], opts: dict) -> dict:
                 "cost": next((info[v].get("cost") for info in infos if info[v].get("cost")), None),
             }
             row["activation_mib"] = [s["memory"]["peak_total_bytes"] / 2**20 for s in stage_rows]
+            row["heap_mib"] = [s["memory"]["peak_heap_bytes"] / 2**20 for s in stage_rows]
             rows.append(row)
     return {"rows": rows}
 
@@ -608,18 +737,23 @@ def _fmt(x: float | None, spec: str) -> str:
 def print_tables(report: dict, opts: dict) -> str:
     rows = report["rows"]
     out = []
-    out.append("| m | variant | slices | step ms | speedup | bound ms | eff | pred ms | pred err | act MiB s0/s1 "
-               "| rounds |")
-    out.append("|---|---|---|---|---|---|---|---|---|---|---|")
+    out.append("| m | variant | slices | step ms | speedup | bound ms | eff | pred ms | pred err | drift | err@drift "
+               "| act MiB s0/s1 | peak MiB s0/s1 | rounds |")
+    out.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         n = r["num_slices"]
         sl = str(n) if n > 1 else "1"
         act = "/".join(f"{a:.0f}" for a in r["activation_mib"])
+        heap = "/".join(f"{a:.0f}" for a in r["heap_mib"])
         err = "-" if r["pred_err"] is None else f"{100 * r['pred_err']:+.1f}%"
+        err_d = "-" if r["pred_err_drift"] is None else f"{100 * r['pred_err_drift']:+.1f}%"
         out.append(f"| {r['m']} | {r['variant']} | {sl} | {r['step_ms']:.0f} | {r['speedup']:.2f}x | "
                    f"{r['bound_ms']:.0f} | {100 * r['efficiency']:.0f}% | {_fmt(r['predicted_ms'], '.0f')} | "
-                   f"{err} | {act} | {len(r['rounds_used'])}{'' if r['clean_rounds'] >= len(r['rounds_used']) else '*'} |")
+                   f"{err} | {r['host_drift']:.2f} | {err_d} | {act} | {heap} | {len(r['rounds_used'])}{'' if r['clean_rounds'] >= len(r['rounds_used']) else '*'} |")
     out.append("")
+    out.append("drift: host speed probe during the rounds / right after the variant was built and profiled; "
+               "err@drift: the prediction scaled by it. act: saved for backward + KV buffers; peak: everything the "
+               "step allocates (grads, temporaries) above the step's start")
     out.append("rounds: timed rounds in the medians; * = too few clean rounds, noisy rounds included")
     out.append("")
     out.append("Per stage (medians, ms): forward / backward / deferred weight gradients / waiting in recv / send / "
@@ -651,6 +785,8 @@ def check_targets(report: dict) -> list[dict]:
                            "met": r["efficiency"] >= 0.85})
             checks.append({"target": f"m={r['m']} {r['variant']} |prediction error| <= 10%", "value": r["pred_err"],
                            "met": abs(r["pred_err"]) <= 0.10})
+            checks.append({"target": f"m={r['m']} {r['variant']} |prediction error| <= 10%, host drift removed",
+                           "value": r["pred_err_drift"], "met": abs(r["pred_err_drift"]) <= 0.10})
         if r["variant"] == "slices=1":
             checks.append({"target": f"m={r['m']} slices=1 within 3% of stock", "value": r["speedup"],
                            "met": abs(1.0 / r["speedup"] - 1.0) <= 0.03})
@@ -662,6 +798,9 @@ def check_targets(report: dict) -> list[dict]:
             peak = max(r["activation_mib"]) / max(stock["activation_mib"])
             checks.append({"target": f"m={r['m']} auto/1f1b activations <= stock, busiest stage (ratio)",
                            "value": peak, "met": peak <= 1.0})
+            worst = max(a / s for a, s in zip(r["heap_mib"], stock["heap_mib"]))
+            checks.append({"target": f"m={r['m']} auto/1f1b peak step memory <= stock, every stage (worst ratio)",
+                           "value": worst, "met": worst <= 1.0})
     for c in checks:
         print(f"  [{'met ' if c['met'] else 'MISS'}] {c['target']}: {c['value']:.3f}")
     return checks
