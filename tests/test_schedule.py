@@ -145,7 +145,7 @@ def test_1f1b_golden():
     assert stream_strings(build_1f1b(3, 2, 2)) == (
         "0F0.0 0F0.1 0F1.0 0F1.1 0B0.1 0B0.0 0B1.1 0B1.0",  # warm-up 2+3-1-0 = 4 = every unit
         "1F0.0 1F0.1 1F1.0 1B0.1 1F1.1 1B0.0 1B1.1 1B1.0",
-        "2F0.0 2F0.1 2B0.1 2F1.0 2B0.0 2F1.1 2B1.1 2B1.0",  # last stage: all n slices of microbatch 0 first
+        "2F0.0 2F0.1 2B0.1 2B0.0 2F1.0 2F1.1 2B1.1 2B1.0",  # last stage: one micro-batch at a time
     )
 
 
@@ -158,6 +158,14 @@ def test_1f1b_warmup_and_peak_in_flight_bounded():
             assert peak_in_flight(stream) == warm
             assert peak_in_flight(gp.stages[s]) == m * n
         assert peak_in_flight(one.stages[-1]) == n
+        # the last stage never holds two micro-batches (their KV caches would both be alive there)
+        alive: set[int] = set()
+        for a in one.stages[-1]:
+            if a.kind is F:
+                alive.add(a.microbatch)
+                assert len(alive) == 1, f"K={K} m={m} n={n}: last stage forwards {sorted(alive)} at once"
+            elif a.kind is B and a.slice == 0:
+                alive.discard(a.microbatch)
         if m >= 4 and K >= 2:
             assert sum(map(peak_in_flight, one.stages)) < sum(map(peak_in_flight, gp.stages))
             assert peak_in_flight(one.stages[-1]) < m * n

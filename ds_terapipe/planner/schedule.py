@@ -346,7 +346,7 @@ def _one_f_one_b(num_stages: int, num_microbatches: int, num_slices: int) -> Sch
     units = [(b, i) for b in range(num_microbatches) for i in range(num_slices)]
     backward = [(b, i) for b in range(num_microbatches) for i in reversed(range(num_slices))]
     streams = []
-    for s in range(num_stages):
+    for s in range(num_stages - 1):
         done = warmup_forwards(s, num_stages, num_microbatches, num_slices)
         ops = [_make(s, F, b, i) for b, i in units[:done]]
         for b, i in backward:  # steady state: one backward, one forward; then the cool-down backwards
@@ -355,6 +355,10 @@ def _one_f_one_b(num_stages: int, num_microbatches: int, num_slices: int) -> Sch
                 ops.append(_make(s, F, *units[done]))
                 done += 1
         streams.append(tuple(ops))
+    last = num_stages - 1   # one micro-batch at a time: all its forwards, then all its backwards
+    streams.append(tuple(_make(last, kind, b, i) for b in range(num_microbatches)
+                         for kind, order in ((F, range(num_slices)), (B, reversed(range(num_slices))))
+                         for i in order))
     return _trusted("1f1b", num_stages, num_microbatches, num_slices, tuple(streams), False)
 
 
@@ -363,6 +367,12 @@ def build_1f1b(num_stages: int, num_microbatches: int, num_slices: int) -> Sched
 
     Stage ``s`` holds at most :func:`warmup_forwards` (``n + K - 1 - s``) units in flight instead of GPipe's
     ``m * n``, at the same bubble when F and B costs are uniform.
+
+    The last stage runs one micro-batch at a time (its ``n`` forwards, then its ``n`` backwards), as stock 1F1B's
+    last stage does. Interleaving the next micro-batch's forwards into those backwards would hold a second
+    micro-batch's KV cache there (measured: 174 vs 133 MiB on the last stage, 2 CPU stages, m = 2) and delays the
+    gradients the stage before it waits for; the simulator finds the sequential order no slower for K = 2..8 and
+    m = 1..8 under measured costs (benchmarks/pipeline_speedup.py, docs/performance.md).
     """
     for name, value in (("num_stages", num_stages), ("num_microbatches", num_microbatches),
                         ("num_slices", num_slices)):
