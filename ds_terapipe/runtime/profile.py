@@ -34,7 +34,7 @@ from .p2p import agree_or_raise, as_tuple
 if TYPE_CHECKING:  # pragma: no cover
     from .engine import TokenPipelineEngine
 
-__all__ = ["resolve_plan", "check_slicing_equivalence", "profile_stage", "profile_weight_grads",
+__all__ = ["resolve_plan", "check_slicing_equivalence", "profile_stage", "profile_weight_grads", "measure_costs",
            "SlicingMismatchError"]
 
 logger = logging.getLogger(__name__)
@@ -295,7 +295,6 @@ def _auto_plan(engine: "TokenPipelineEngine", stage_input: Any, seq_len: int) ->
     from ..planner.cost import PipelineCost
     from ..planner.slicing import SlicingPlan
 
-    cfg = engine.terapipe
     if engine._cache_fingerprints is None:
         fingerprints = [None] * dist.get_world_size()
         dist.all_gather_object(fingerprints,
@@ -327,6 +326,39 @@ def _auto_plan(engine: "TokenPipelineEngine", stage_input: Any, seq_len: int) ->
 
     if stage_input is None:
         raise ValueError(f"terapipe: no measured costs to plan seq_len={seq_len}; the plan cache lost them")
+    measured = measure_costs(engine, stage_input, seq_len)
+    result: list[Any] = [None]
+    if measured is not None:
+        cost, engine._stage_meta, profile_s = measured
+        engine._cost_dict = cost.to_dict()
+        logger.info("terapipe: profiled %d stage(s) in %.1fs", engine.num_stages, profile_s)
+        plan = _solve(engine, cost, seq_len)
+        _store(path, key, plan, engine, profile_seconds=profile_s)
+        result = [plan.to_dict()]
+    dist.broadcast_object_list(result, src=0)
+    engine.slicing_plan = SlicingPlan.from_dict(result[0])
+    engine.plan_source = "profiled"
+    return tuple(engine.slicing_plan.slices)
+
+
+def measure_costs(engine: "TokenPipelineEngine", stage_input: Any = None,
+                  seq_len: Optional[int] = None) -> Optional[tuple[Any, list, float]]:
+    """Profile every stage's layers now and gather the costs (collective: every rank calls it).
+
+    Engine init calls it for ``slices: "auto"``. Called again later it tells how far the costs a plan was made
+    from have moved: on a shared host the same work can run 10-20% slower a few minutes on, which is the
+    planner's error against a measured step unless both are taken in the same window
+    (``benchmarks/pipeline_speedup.py`` does that). ``stage_input`` (``seq_len`` tokens, default
+    ``terapipe.seq_len``) defaults to a fresh probe pass.
+
+    Returns ``(PipelineCost, stage_meta, seconds)`` on global rank 0 and None on other ranks.
+    """
+    from ..planner.cost import PipelineCost
+
+    cfg = engine.terapipe
+    seq_len = cfg.seq_len if seq_len is None else seq_len
+    if stage_input is None:
+        stage_input = _probe_pass(engine, seq_len)
     started = time.perf_counter()
     params = list(engine.module.parameters())
     points = profile_stage(engine.module, params, stage_input, seq_len, cfg.granularity, engine.micro_batch_size,
@@ -346,25 +378,17 @@ def _auto_plan(engine: "TokenPipelineEngine", stage_input: Any, seq_len: int) ->
                                       "layers": len(engine.module.forward_funcs),
                                       "hidden": first.shape[-1] if first.is_floating_point() else None,
                                       "bytes": first.element_size() if first.is_floating_point() else 4})
-    result: list[Any] = [None]
-    if dist.get_rank() == 0:
-        stages = sorted((g for g in gathered if g["dp"] == 0), key=lambda g: g["stage"])
-        engine._stage_meta = [{k: g[k] for k in ("layers", "hidden", "bytes")} for g in stages]
-        hidden = next((m["hidden"] for m in engine._stage_meta if m["hidden"]), None)
-        for m in engine._stage_meta:
-            m["hidden"] = hidden
-        cost = PipelineCost.from_dict({"stages": [{"points": g["points"], **({} if g["weight_ms_per_token"] is None else
-                                                  {"weight_ms_per_token": g["weight_ms_per_token"]})}
-                                                for g in stages]}, num_stages=engine.num_stages)
-        engine._cost_dict = cost.to_dict()
-        logger.info("terapipe: profiled %d stage(s) in %.1fs", engine.num_stages, profile_s)
-        plan = _solve(engine, cost, seq_len)
-        _store(path, key, plan, engine, profile_seconds=profile_s)
-        result = [plan.to_dict()]
-    dist.broadcast_object_list(result, src=0)
-    engine.slicing_plan = SlicingPlan.from_dict(result[0])
-    engine.plan_source = "profiled"
-    return tuple(engine.slicing_plan.slices)
+    if dist.get_rank() != 0:
+        return None
+    stages = sorted((g for g in gathered if g["dp"] == 0), key=lambda g: g["stage"])
+    stage_meta = [{k: g[k] for k in ("layers", "hidden", "bytes")} for g in stages]
+    hidden = next((m["hidden"] for m in stage_meta if m["hidden"]), None)
+    for m in stage_meta:
+        m["hidden"] = hidden
+    cost = PipelineCost.from_dict({"stages": [{"points": g["points"], **({} if g["weight_ms_per_token"] is None else
+                                              {"weight_ms_per_token": g["weight_ms_per_token"]})}
+                                            for g in stages]}, num_stages=engine.num_stages)
+    return cost, stage_meta, profile_s
 
 
 def _store(path: Optional[str], key: str, plan: Any, engine: "TokenPipelineEngine", **extra: Any) -> None:
