@@ -22,10 +22,10 @@ receives, sends and the optimizer tail. Reported per row (medians over the measu
 * ``step ms``: median step time; ``speedup``: median over rounds of stock step / variant step (paired);
 * ``bound ms``: the bubble-free bound, the slowest stage's busy time; ``eff``: bound / step;
 * ``pred ms``, ``err``: the planner's ``slicing_plan.predicted_ms`` and (pred - measured) / measured;
-* ``drift``, ``err@drift``: a fixed probe (one GPT block forward + backward, :class:`SpeedProbe`) timed right after
-  each engine is built, i.e. right after its profile, and at the start of every round; their ratio is how much the
-  host slowed down (or sped up) since the planner measured its costs, and ``err@drift`` is the prediction scaled
-  by it: the cost model's and simulator's error without the host's;
+* ``re-prof ms``, ``re-prof err``: the same plan predicted again from costs profiled right after the timed rounds
+  (``ds_terapipe.runtime.profile.measure_costs``, the engine's own profiler): on this shared host the same work
+  runs 10-20% slower or faster minutes apart, so ``pred err`` mixes the host's drift since init with the cost
+  model's and simulator's error, and ``re-prof err`` is mostly the latter;
 * ``peak MiB``: everything one more untimed step allocates above what the process held when it began (parameter
   gradients, backward temporaries, communication buffers included), from glibc's ``mallinfo2`` after every aten op
   (:class:`HeapMeter`); the peak a stage's device must fit;
@@ -244,37 +244,6 @@ class HeapMeter:
         return self.peak - self.base
 
 
-class SpeedProbe:
-    """How fast this host is right now, relative to when a plan was profiled.
-
-    The planner predicts from costs measured at engine init; on a shared host the same work can run 20% slower a
-    minute later (stock DeepSpeed's own step time moves as much between rounds). A fixed workload, one GPT block's
-    forward and backward on ``tokens`` tokens, is timed right after each engine is built (so right after its
-    profile) and at the start of every round; ``probe(round) / probe(build)`` is the drift, and the prediction
-    scaled by it separates the cost model's error from the host's.
-    """
-
-    def __init__(self, hidden: int, heads: int, tokens: int = 256, repeats: int = 5) -> None:
-        import torch
-
-        from ds_terapipe.models.gpt import GPTBlock, GPTConfig
-
-        cfg = GPTConfig(num_layers=1, hidden=hidden, num_heads=heads, max_seq_len=tokens)
-        self.block = GPTBlock(cfg, 0)
-        self.x = torch.randn(1, tokens, hidden, generator=torch.Generator().manual_seed(0))
-        self.repeats = repeats
-
-    def time_ms(self) -> float:
-        times = []
-        for _ in range(self.repeats + 1):   # the first is a warm-up
-            for param in self.block.parameters():
-                param.grad = None
-            t0 = time.perf_counter()
-            self.block(self.x).square().mean().backward()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times[1:])
-
-
 class InstructionRecorder:
     """Wraps every handler of an engine's instruction map (on the instance) to time it.
 
@@ -473,7 +442,7 @@ def _timed_step(engine: Any, rec: InstructionRecorder, batches: list, cpu: CpuMe
 
 
 def _run_rounds(engines: dict, recorders: dict, info: dict, batches: list, m: int, opts: dict,
-                cpu: CpuMeter | None, rank: int, probe: SpeedProbe) -> list[dict]:
+                cpu: CpuMeter | None, rank: int) -> list[dict]:
     """Warm-up rounds, then timed rounds until ``steps`` clean ones (or ``max_rounds``); one step per variant each."""
     import torch.distributed as dist
 
@@ -484,14 +453,11 @@ def _run_rounds(engines: dict, recorders: dict, info: dict, batches: list, m: in
         warm = rnd < opts["warmup"]
         waited = cpu.wait_quiet(opts["quiet_wait"]) if cpu is not None and not warm else 0.0
         foreign: dict[str, float] = {}
-        dist.barrier()
-        probe_ms = probe.time_ms()   # both stages at once, as when they profiled
         for variant in names[rnd % len(names):] + names[:rnd % len(names)]:   # rotated order
             summary, loss = _timed_step(engines[variant], recorders[variant], batches, cpu)
             foreign[variant] = summary["foreign_cores"]
             if not warm:
                 summary["round"] = rnd - opts["warmup"]
-                summary["probe_ms"] = probe_ms
                 info[variant]["steps"].append(summary)
                 info[variant]["losses"].append(loss)
         rnd += 1
@@ -513,6 +479,29 @@ def _run_rounds(engines: dict, recorders: dict, info: dict, batches: list, m: in
                   f"(waited {waited:.0f}s; foreign cores {load}) {line}", flush=True)
         if done:
             return rounds
+
+
+def _reprofile(engine: Any) -> dict | None:
+    """Profile the stages again right after the timed rounds and predict the same plan from those costs.
+
+    The plan's ``predicted_ms`` comes from costs measured at init, minutes before the rounds; on this shared host
+    the same work runs up to 20% slower (or faster) minutes later, so its error mixes the model's with the
+    host's. Costs measured next to the rounds, fed to the same schedule and simulator, leave the model's.
+    """
+    from ds_terapipe.planner.schedule import build_schedule, defer_weights
+    from ds_terapipe.planner.simulate import simulate
+    from ds_terapipe.runtime.profile import measure_costs
+
+    measured = measure_costs(engine)
+    if measured is None:   # not global rank 0
+        return None
+    cost, _, seconds = measured
+    tp = engine.terapipe
+    plan = build_schedule(tp.schedule, engine.num_stages, engine.micro_batches, len(engine.slices))
+    if tp.deferred_weight_grads:
+        plan = defer_weights(plan)
+    sim = simulate(plan, cost, list(engine.slices), micro_batch_size=engine.micro_batch_size)
+    return {"predicted_ms": float(sim.makespan_ms), "profile_s": seconds, "cost": cost.to_dict()}
 
 
 def _measure_memory(engine: Any, rec: InstructionRecorder, batches: list) -> dict:
@@ -574,7 +563,6 @@ def worker_main(out_dir: Path, opts: dict) -> None:
     pids: list[Any] = [None] * world
     dist.all_gather_object(pids, os.getpid())
     cpu = CpuMeter(pids) if rank == 0 and os.path.exists("/proc/stat") else None
-    probe = SpeedProbe(cfg.hidden, cfg.num_heads)
     for m in opts["micro_batches"]:
         engines, recorders, info = {}, {}, {}
         for variant in opts["variants"]:
@@ -588,14 +576,14 @@ def worker_main(out_dir: Path, opts: dict) -> None:
             build_foreign = cpu.foreign_cores() if cpu is not None else float("nan")
             engines[variant] = engine
             recorders[variant] = InstructionRecorder(engine, engine.stage_id)
-            dist.barrier()
             info[variant] = _engine_info(engine, variant, m, seq_len, build_s, build_foreign, out_dir)
-            info[variant]["probe_build_ms"] = probe.time_ms()
             print(f"[rank {rank}] m={m} {variant}: built in {build_s:.1f}s (foreign cores {build_foreign:.2f}), "
                   f"slices {info[variant]['slices']}", flush=True)
-        rounds = _run_rounds(engines, recorders, info, batches[:m], m, opts, cpu, rank, probe)
+        rounds = _run_rounds(engines, recorders, info, batches[:m], m, opts, cpu, rank)
         for variant in engines:
             info[variant]["rounds"] = rounds
+            if info[variant]["plan_source"] == "profiled":
+                info[variant]["reprofiled"] = _reprofile(engines[variant])
             info[variant]["memory"] = _measure_memory(engines[variant], recorders[variant], batches[:m])
         result["per_m"][str(m)] = info
         engines.clear()
@@ -693,9 +681,7 @@ def analyse(ranks: list[dict], opts: dict) -> dict:
             ratios = [step_ms[base][r] / t for r, t in step_ms[v].items() if r in step_ms[base]]
             plan = infos[0][v]["plan"]
             med = _median(times)
-            # host speed during the rounds relative to just after this variant was built (and profiled)
-            drift = statistics.mean(_median([ps[stage]["probe_ms"] for ps in per_round]) / info[v]["probe_build_ms"]
-                                    for stage, info in enumerate(infos))
+            again = infos[0][v].get("reprofiled")
             med_i = min(range(len(times)), key=lambda i: abs(times[i] - med))
             stage_rows = []
             for stage, info in enumerate(infos):
@@ -713,8 +699,9 @@ def analyse(ranks: list[dict], opts: dict) -> dict:
                 "planner_unsliced_ms": plan["unsliced_ms"] if plan else None,
                 "pred_err": (plan["predicted_ms"] - med) / med if plan else None,
                 "pred_err_vs_span": (plan["predicted_ms"] - _median(span)) / _median(span) if plan else None,
-                "host_drift": drift,
-                "pred_err_drift": (plan["predicted_ms"] * drift - med) / med if plan else None,
+                "reprofiled_ms": again["predicted_ms"] if again else None,
+                "reprofiled_err": (again["predicted_ms"] - med) / med if again else None,
+                "reprofiled_cost": again["cost"] if again else None,
                 "plan_source": infos[0][v]["plan_source"], "schedule": infos[0][v]["schedule"],
                 "deferred_weight_grads": infos[0][v].get("deferred_weight_grads", False),
                 "stages": stage_rows,
@@ -737,7 +724,7 @@ def _fmt(x: float | None, spec: str) -> str:
 def print_tables(report: dict, opts: dict) -> str:
     rows = report["rows"]
     out = []
-    out.append("| m | variant | slices | step ms | speedup | bound ms | eff | pred ms | pred err | drift | err@drift "
+    out.append("| m | variant | slices | step ms | speedup | bound ms | eff | pred ms | pred err | re-prof ms | re-prof err "
                "| act MiB s0/s1 | peak MiB s0/s1 | rounds |")
     out.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
@@ -746,13 +733,13 @@ def print_tables(report: dict, opts: dict) -> str:
         act = "/".join(f"{a:.0f}" for a in r["activation_mib"])
         heap = "/".join(f"{a:.0f}" for a in r["heap_mib"])
         err = "-" if r["pred_err"] is None else f"{100 * r['pred_err']:+.1f}%"
-        err_d = "-" if r["pred_err_drift"] is None else f"{100 * r['pred_err_drift']:+.1f}%"
+        err_r = "-" if r["reprofiled_err"] is None else f"{100 * r['reprofiled_err']:+.1f}%"
         out.append(f"| {r['m']} | {r['variant']} | {sl} | {r['step_ms']:.0f} | {r['speedup']:.2f}x | "
                    f"{r['bound_ms']:.0f} | {100 * r['efficiency']:.0f}% | {_fmt(r['predicted_ms'], '.0f')} | "
-                   f"{err} | {r['host_drift']:.2f} | {err_d} | {act} | {heap} | {len(r['rounds_used'])}{'' if r['clean_rounds'] >= len(r['rounds_used']) else '*'} |")
+                   f"{err} | {_fmt(r['reprofiled_ms'], '.0f')} | {err_r} | {act} | {heap} | {len(r['rounds_used'])}{'' if r['clean_rounds'] >= len(r['rounds_used']) else '*'} |")
     out.append("")
-    out.append("drift: host speed probe during the rounds / right after the variant was built and profiled; "
-               "err@drift: the prediction scaled by it. act: saved for backward + KV buffers; peak: everything the "
+    out.append("pred: the plan's prediction from costs profiled at init; re-prof: the same plan predicted from costs "
+               "profiled again right after the rounds. act: saved for backward + KV buffers; peak: everything the "
                "step allocates (grads, temporaries) above the step's start")
     out.append("rounds: timed rounds in the medians; * = too few clean rounds, noisy rounds included")
     out.append("")
@@ -785,8 +772,9 @@ def check_targets(report: dict) -> list[dict]:
                            "met": r["efficiency"] >= 0.85})
             checks.append({"target": f"m={r['m']} {r['variant']} |prediction error| <= 10%", "value": r["pred_err"],
                            "met": abs(r["pred_err"]) <= 0.10})
-            checks.append({"target": f"m={r['m']} {r['variant']} |prediction error| <= 10%, host drift removed",
-                           "value": r["pred_err_drift"], "met": abs(r["pred_err_drift"]) <= 0.10})
+            if r["reprofiled_err"] is not None:
+                checks.append({"target": f"m={r['m']} {r['variant']} |prediction error| <= 10%, costs re-profiled "
+                               "after the rounds", "value": r["reprofiled_err"], "met": abs(r["reprofiled_err"]) <= 0.10})
         if r["variant"] == "slices=1":
             checks.append({"target": f"m={r['m']} slices=1 within 3% of stock", "value": r["speedup"],
                            "met": abs(1.0 / r["speedup"] - 1.0) <= 0.03})
