@@ -32,10 +32,11 @@ class ProfileConfig(DeepSpeedConfigModel):
     """How many prefix lengths (spread over ``[0, seq_len)``) to time per slice length, for the context term."""
 
     warmup: int = 1
-    """Untimed repetitions before timing each point (first calls allocate)."""
+    """Untimed rounds over the grid before the timed ones (first calls allocate)."""
 
-    repeats: int = 2
-    """Timed repetitions per point; the median is kept."""
+    repeats: int = 3
+    """Timed rounds over the grid; each point keeps its median. Three, so the median rejects one disturbed sample
+    (the median of two is their mean)."""
 
     @field_validator("num_contexts", "repeats")
     @classmethod

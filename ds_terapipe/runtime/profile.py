@@ -39,7 +39,7 @@ __all__ = ["resolve_plan", "check_slicing_equivalence", "profile_stage", "profil
 
 logger = logging.getLogger(__name__)
 
-PLAN_CACHE_VERSION = 2
+PLAN_CACHE_VERSION = 3
 
 
 class SlicingMismatchError(ValueError):
@@ -177,7 +177,7 @@ def _backward(out: list[torch.Tensor], params: list[torch.nn.Parameter], leaves:
 
 def profile_stage(run: Callable[[Any], Any], params: list[torch.nn.Parameter], stage_input: Any, seq_len: int,
                   granularity: int, batch: int, *, slice_lengths: Optional[list[int]] = None, num_contexts: int = 3,
-                  warmup: int = 1, repeats: int = 2, device: torch.device = torch.device("cpu"),
+                  warmup: int = 1, repeats: int = 3, device: torch.device = torch.device("cpu"),
                   deferred: bool = False) -> list[dict]:
     """Time forward and backward of this stage's layers for slices of length s after a prefix of c tokens.
 
@@ -186,42 +186,46 @@ def profile_stage(run: Callable[[Any], Any], params: list[torch.nn.Parameter], s
     input-gradient part the runtime runs per slice. Returns points in the planner's cost-file format.
     """
     lengths = slice_lengths or _default_lengths(seq_len, granularity)
-    points = []
+    grid = []
     for length in lengths:
         if length % granularity or length > seq_len or length < 1:
             raise ValueError(f"terapipe.profile.slice_lengths: {length} must be a multiple of granularity "
                              f"{granularity} and <= seq_len {seq_len}")
         free = (seq_len - length) // granularity
         contexts = sorted({round(free * k / max(1, num_contexts - 1)) * granularity for k in range(num_contexts)})
-        for context in contexts:
-            fwd, bwd = [], []
-            for rep in range(warmup + repeats):
-                state = MicroBatchState(0, seq_len, 2)
-                state.weight_stash = WeightGradStash() if deferred else None
-                if context > 0:
-                    with torch.no_grad(), slice_scope(SliceContext(0, 0, 0, context, state)):
-                        run(cut_tokens(stage_input, 0, context, seq_len))
-                inputs, leaves = _slice_leaves(stage_input, context, context + length, seq_len)
-                _sync(device)
-                t0 = time.perf_counter()
-                with slice_scope(SliceContext(0, 1, context, context + length, state)):
-                    out = _differentiable(run(inputs))
-                _sync(device)
-                t1 = time.perf_counter()
-                _backward(out, params, leaves)
-                _sync(device)
-                t2 = time.perf_counter()
-                if rep >= warmup:
-                    fwd.append((t1 - t0) * 1e3)
-                    bwd.append((t2 - t1) * 1e3)
-            points.append({"batch": batch, "slice": length, "context": context,
-                           "forward_ms": statistics.median(fwd), "backward_ms": statistics.median(bwd)})
-    return points
+        grid.extend((length, context) for context in contexts)
+    samples: dict[tuple[int, int], tuple[list[float], list[float]]] = {point: ([], []) for point in grid}
+    # Rounds over the whole grid, not a point's repeats back to back: on a shared host a burst of foreign load
+    # then spoils one sample of many points, which the median rejects, instead of every sample of a few points,
+    # which skews the fitted model and with it the plan (seen: 4 or 13 slices where 6-8 are best).
+    for rep in range(warmup + repeats):
+        for length, context in grid:
+            state = MicroBatchState(0, seq_len, 2)
+            state.weight_stash = WeightGradStash() if deferred else None
+            if context > 0:
+                with torch.no_grad(), slice_scope(SliceContext(0, 0, 0, context, state)):
+                    run(cut_tokens(stage_input, 0, context, seq_len))
+            inputs, leaves = _slice_leaves(stage_input, context, context + length, seq_len)
+            _sync(device)
+            t0 = time.perf_counter()
+            with slice_scope(SliceContext(0, 1, context, context + length, state)):
+                out = _differentiable(run(inputs))
+            _sync(device)
+            t1 = time.perf_counter()
+            _backward(out, params, leaves)
+            _sync(device)
+            t2 = time.perf_counter()
+            if rep >= warmup:
+                fwd, bwd = samples[(length, context)]
+                fwd.append((t1 - t0) * 1e3)
+                bwd.append((t2 - t1) * 1e3)
+    return [{"batch": batch, "slice": length, "context": context, "forward_ms": statistics.median(fwd),
+             "backward_ms": statistics.median(bwd)} for (length, context), (fwd, bwd) in samples.items()]
 
 
 def profile_weight_grads(run: Callable[[Any], Any], params: list[torch.nn.Parameter], stage_input: Any, seq_len: int,
                          granularity: int, batch: int, *,
-                         warmup: int = 1, repeats: int = 2, device: torch.device = torch.device("cpu")) -> float:
+                         warmup: int = 1, repeats: int = 3, device: torch.device = torch.device("cpu")) -> float:
     """Milliseconds per token (and sequence) of the deferred weight-gradient pass of this stage.
 
     One micro-batch of ``seq_len`` tokens in two slices (so the pass accumulates over slices, as the runtime's
