@@ -193,6 +193,7 @@ class HeapMeter:
     def __init__(self) -> None:
         import ctypes
 
+        import torch
         from torch.utils._python_dispatch import TorchDispatchMode
 
         class _MallInfo2(ctypes.Structure):
@@ -215,8 +216,6 @@ class HeapMeter:
         self.base = self.peak = 0
         self.instruction = ""   # set by InstructionRecorder before each instruction runs
         self.peak_at = ""       # "instruction / op" where the peak was reached
-        import torch
-
         with self._mode:   # the mode's first use allocates for good (~20 MB); not the step's to pay
             x = torch.ones(8, requires_grad=True)
             (x * 2).sum().backward()

@@ -350,10 +350,10 @@ def measure_costs(engine: "TokenPipelineEngine", stage_input: Any = None,
     """Profile every stage's layers now and gather the costs (collective: every rank calls it).
 
     Engine init calls it for ``slices: "auto"``. Called again later it tells how far the costs a plan was made
-    from have moved: on a shared host the same work can run 10-20% slower a few minutes on, which is the
-    planner's error against a measured step unless both are taken in the same window
-    (``benchmarks/pipeline_speedup.py`` does that). ``stage_input`` (``seq_len`` tokens, default
-    ``terapipe.seq_len``) defaults to a fresh probe pass.
+    from have moved: on a shared host the same work can run 10-20% slower a few minutes on, and a prediction
+    compared with steps timed later carries that drift as error unless its costs are measured in the same window
+    (``benchmarks/pipeline_speedup.py`` re-profiles after its rounds). ``stage_input`` (``seq_len`` tokens,
+    default ``terapipe.seq_len``) defaults to a fresh probe pass.
 
     Returns ``(PipelineCost, stage_meta, seconds)`` on global rank 0 and None on other ranks.
     """
