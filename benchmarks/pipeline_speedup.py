@@ -487,7 +487,7 @@ def _reprofile(engine: Any) -> dict | None:
     the same work runs up to 20% slower (or faster) minutes later, so its error mixes the model's with the
     host's. Costs measured next to the rounds, fed to the same schedule and simulator, leave the model's.
     """
-    from ds_terapipe.planner.schedule import build_schedule, defer_weights
+    from ds_terapipe.planner.schedule import build_schedule
     from ds_terapipe.planner.simulate import simulate
     from ds_terapipe.runtime.profile import measure_costs
 
@@ -496,9 +496,8 @@ def _reprofile(engine: Any) -> dict | None:
         return None
     cost, _, seconds = measured
     tp = engine.terapipe
-    plan = build_schedule(tp.schedule, engine.num_stages, engine.micro_batches, len(engine.slices))
-    if tp.deferred_weight_grads:
-        plan = defer_weights(plan)
+    plan = build_schedule(tp.schedule, engine.num_stages, engine.micro_batches, len(engine.slices),
+                          tp.deferred_weight_grads)
     sim = simulate(plan, cost, list(engine.slices), micro_batch_size=engine.micro_batch_size)
     return {"predicted_ms": float(sim.makespan_ms), "profile_s": seconds, "cost": cost.to_dict()}
 
@@ -796,7 +795,7 @@ def check_targets(report: dict) -> list[dict]:
 def write_plots(report: dict, which: tuple[int, str], out_dir: Path, work_dir: Path) -> dict:
     """Measured timeline of the median step (per-rank traces merged) and the planner's simulated one."""
     from ds_terapipe.planner.cost import PipelineCost
-    from ds_terapipe.planner.schedule import Action, ActionKind, build_schedule, defer_weights
+    from ds_terapipe.planner.schedule import Action, ActionKind, build_schedule
     from ds_terapipe.planner.simulate import TimedAction, simulate
     from ds_terapipe.trace import events_to_chrome_trace, load_chrome_trace, merge_traces, plot_timeline
 
@@ -823,9 +822,7 @@ def write_plots(report: dict, which: tuple[int, str], out_dir: Path, work_dir: P
     paths = {"measured_trace": str(merged), "measured_png": str(out_dir / f"timeline-measured-{tag}.png")}
     if row["cost"] is not None:
         cost = PipelineCost.from_dict(row["cost"], num_stages=NUM_STAGES)
-        sched = build_schedule(row["schedule"], NUM_STAGES, m, row["num_slices"])
-        if row.get("deferred_weight_grads"):
-            sched = defer_weights(sched)
+        sched = build_schedule(row["schedule"], NUM_STAGES, m, row["num_slices"], row.get("deferred_weight_grads", False))
         sim = simulate(sched, cost, row["slices"], micro_batch_size=1)
         events_to_chrome_trace(sim.events, out_dir / f"timeline-planned-{tag}.json",
                                metadata={"m": m, "variant": variant, "slices": row["slices"],

@@ -384,12 +384,15 @@ _BUILDERS = {"gpipe": build_gpipe, "1f1b": build_1f1b}
 assert tuple(_BUILDERS) == SCHEDULES
 
 
-def build_schedule(name: str, num_stages: int, num_microbatches: int, num_slices: int) -> Schedule:
-    """Build a compute-only schedule by name (one of :data:`SCHEDULES`)."""
+def build_schedule(name: str, num_stages: int, num_microbatches: int, num_slices: int,
+                   deferred_weight_grads: bool = False) -> Schedule:
+    """Build a compute-only schedule by name (one of :data:`SCHEDULES`); with ``deferred_weight_grads``, with
+    the ``W`` actions the runtime runs for it (:func:`defer_weights` at the schedule's default placement)."""
     builder = _BUILDERS.get(name) if isinstance(name, str) else None
     if builder is None:
         raise ValueError(f"unknown schedule {name!r}; valid names are {', '.join(SCHEDULES)}")
-    return builder(num_stages, num_microbatches, num_slices)
+    schedule = builder(num_stages, num_microbatches, num_slices)
+    return defer_weights(schedule) if deferred_weight_grads else schedule
 
 
 #: Default W placement per schedule: gpipe holds every activation until its backwards anyway, so one W per

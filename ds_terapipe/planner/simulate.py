@@ -144,14 +144,13 @@ def _compile_full(schedule: Schedule) -> _Program:
     matches = match_messages(schedule)  # raises PairingError
     streams = schedule.stages
     W = max(len(st) for st in streams) + 1
-    code = _CODE
     kind = np.full((K, W), _COMM, np.int8)
     slice_idx = np.zeros((K, W), np.int64)
     dep = np.repeat(np.arange(K)[:, None] * W + (W - 1), W, axis=1)
     delay_stage = np.full((K, W), -1, np.int64)
     for s, st in enumerate(streams):
         for p, a in enumerate(st):
-            kind[s, p] = code.get(a.kind, _COMM)
+            kind[s, p] = _CODE.get(a.kind, _COMM)
             slice_idx[s, p] = a.slice
             if a.kind in (ActionKind.RECV_F, ActionKind.RECV_B):
                 src = matches[s].get(p)

@@ -427,20 +427,19 @@ class _Simulated:
 
     def __init__(self, cost: PipelineCost, schedule: str, seq_len: int, deferred: bool = False) -> None:
         try:
-            from .schedule import build_schedule, defer_weights
+            from .schedule import build_schedule
             from .simulate import simulate
         except ImportError as exc:  # pragma: no cover - both ship with the package
             raise RuntimeError(f"planning {schedule!r} over unequal stages needs planner.simulate ({exc})") from exc
-        self._build, self._simulate, self._defer = build_schedule, simulate, defer_weights if deferred else None
-        self.cost, self.schedule, self.seq_len = cost, schedule, seq_len
+        self._build, self._simulate = build_schedule, simulate
+        self.cost, self.schedule, self.seq_len, self.deferred = cost, schedule, seq_len, deferred
         self._schedules: dict[tuple[int, int], Any] = {}
         self.num_simulated = 0
 
     def run(self, slices: Sequence[int], units: int, batch: int) -> Any:
         key = (units, len(slices))
         if key not in self._schedules:
-            built = self._build(self.schedule, self.cost.num_stages, units, len(slices))
-            self._schedules[key] = self._defer(built) if self._defer else built
+            self._schedules[key] = self._build(self.schedule, self.cost.num_stages, units, len(slices), self.deferred)
         self.num_simulated += 1
         return self._simulate(self._schedules[key], self.cost, list(slices), micro_batch_size=batch)
 
@@ -519,8 +518,9 @@ def plan_slicing(cost: PipelineCost, seq_len: int, *, num_microbatches: int = 1,
     are the only ones the runtime executes. ``memory_limit_bytes`` with ``memory`` (a MemoryModel) keeps only
     plans whose ``MemoryModel.peak_bytes`` estimate fits; for 1F1B that may demand a minimum number of slices.
     Sequence lengths outside what the cost model measured are extrapolated (a warning is logged).
-    ``deferred_weight_grads``: the runtime computes weight gradients in one ``W`` action per micro-batch and
-    stage (``schedule.defer_weights``); ``cost`` then has ``backward_ms`` without them and ``weight_ms`` for W.
+    ``deferred_weight_grads``: the runtime computes weight gradients in ``W`` actions (``schedule.defer_weights``:
+    one per micro-batch with gpipe, one per slice with 1f1b); ``cost`` then has ``backward_ms`` without them and
+    ``weight_ms`` for W.
     Candidates are always simulated (W changes the critical path; the closed form does not know it).
     """
     if not isinstance(cost, PipelineCost):

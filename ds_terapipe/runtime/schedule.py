@@ -8,8 +8,8 @@ Because every rank lowers the same validated schedule, the sends and receives of
 by construction (checked by ``replay`` in the tests).
 
 Buffer ids: unit (b, i) uses pipe buffer ``b * num_slices + i``; a micro-batch is loaded once, before the
-forward of its slice 0, on the first and last stages. A ``W`` action (deferred weight gradients of micro-batch b)
-becomes :class:`WeightGradPass` with slice 0.
+forward of its slice 0, on the first and last stages. A ``W`` action (deferred weight gradients of a micro-batch,
+slice 0, or of one slice) becomes :class:`WeightGradPass` with the same micro-batch and slice.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Iterator
 
 from deepspeed.runtime.pipe import schedule as ds_schedule
 
-from ..planner.schedule import Action, ActionKind, Schedule, add_communication, build_schedule, defer_weights
+from ..planner.schedule import Action, ActionKind, Schedule, add_communication, build_schedule
 
 __all__ = ["TokenPipeSchedule", "forward_only"]
 
@@ -31,7 +31,8 @@ def forward_only(schedule: Schedule) -> Schedule:
 
 
 class WeightGradPass(ds_schedule.PipeInstruction):
-    """Compute the deferred weight gradients of one micro-batch (all its slices' backwards are done)."""
+    """Compute the deferred weight gradients recorded so far: a micro-batch's (slice 0, after all its
+    backwards) or one slice's (when the schedule has a W per slice)."""
 
 
 class TokenPipeSchedule(ds_schedule.PipeSchedule):
@@ -42,8 +43,9 @@ class TokenPipeSchedule(ds_schedule.PipeSchedule):
         micro_batches, stages, stage_id: as in DeepSpeed's ``PipeSchedule``.
         num_slices: slices per micro-batch.
         train: with backward, gradient reduction and optimizer step; else forwards only.
-        deferred_weight_grads: add a ``W`` action (:class:`WeightGradPass`) per micro-batch after its last
-            backward (``planner.schedule.defer_weights``).
+        deferred_weight_grads: add ``W`` actions (:class:`WeightGradPass`) at the schedule's default placement
+            (``planner.schedule.defer_weights``): gpipe one per micro-batch after its last backward, 1f1b one
+            per slice after its backward.
     """
 
     def __init__(self, name: str, micro_batches: int, stages: int, stage_id: int, num_slices: int,
@@ -51,12 +53,8 @@ class TokenPipeSchedule(ds_schedule.PipeSchedule):
         super().__init__(micro_batches=micro_batches, stages=stages, stage_id=stage_id)
         self.num_slices = num_slices
         self.train = train
-        plan = build_schedule(name, stages, micro_batches, num_slices)
-        if not train:
-            plan = forward_only(plan)
-        elif deferred_weight_grads:
-            plan = defer_weights(plan)
-        self.schedule = add_communication(plan)
+        plan = build_schedule(name, stages, micro_batches, num_slices, deferred_weight_grads and train)
+        self.schedule = add_communication(plan if train else forward_only(plan))
         self.actions: tuple[Action, ...] = self.schedule.stages[stage_id]
 
     def num_pipe_buffers(self) -> int:
