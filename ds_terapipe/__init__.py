@@ -29,7 +29,7 @@ _LAZY = {
     "token_offset": ".runtime.context",
     "SliceContext": ".runtime.context",
     "P2PTimeoutError": ".runtime.p2p",
-    "SlicingMismatchError": ".runtime.profile",
+    "SlicingMismatchError": ".runtime.slice_check",
     "CheckpointError": ".runtime.checkpoint",
     "export_state_dict": ".runtime.checkpoint",
 }

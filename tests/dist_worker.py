@@ -265,7 +265,7 @@ def suite_features(extra: dict) -> list[dict]:
     with first_step_grads(engine) as grads:
         loss = float(engine.train_batch(iter(batches)))
     err, name, _ = compare(grads, ref_grads, engine.stage_id)
-    rates = [st.get("weight_ms_per_token") for st in (engine._cost_dict or {}).get("stages", [])]
+    rates = [st.get("weight_ms_per_token") for st in (engine.plan.cost or {}).get("stages", [])]
     results.append({"case": STATUS["case"], "slices": list(engine.slices), "loss": loss, "ref_loss": ref_losses[0],
                     "grad_rel_err": err, "grad_worst": name, "weight_rates": rates,
                     "weight_actions": sum(1 for a in engine._train_schedule().actions if a.kind.value == "W")})

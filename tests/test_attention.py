@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from ds_terapipe.runtime.attention import CausalSelfAttention
 from ds_terapipe.runtime.context import MicroBatchState, SliceContext, slice_scope
-from ds_terapipe.runtime.profile import check_slicing_equivalence
+from ds_terapipe.runtime.slice_check import check_slicing_equivalence
 
 
 def random_slices(seq_len: int, rng: random.Random) -> list[int]:

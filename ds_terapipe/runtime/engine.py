@@ -38,10 +38,12 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from ..config import TeraPipeConfig
 from ..planner.schedule import Action, ActionKind
 from ..planner.simulate import TimedAction
+from ..trace import events_to_chrome_trace
 from . import checkpoint as ckpt
 from .context import MicroBatchState, SliceContext, cut_tokens, slice_scope
-from .p2p import SliceP2P, agree_or_raise, as_tuple
 from .deferred import WeightGradStash, enable_deferred_weight_grads
+from .p2p import SliceP2P, agree_or_raise, as_tuple
+from .plan import ResolvedPlan, plan_for_length, resolve_plan
 from .schedule import TokenPipeSchedule, WeightGradPass
 
 __all__ = ["TokenPipelineEngine"]
@@ -71,9 +73,8 @@ class TokenPipelineEngine(PipelineEngine):
     ``train_batch()``, ``eval_batch()`` and checkpointing work as with DeepSpeed's engine.
 
     Attributes:
-        slices: token counts of the plan in use (summing to ``terapipe.seq_len``).
-        slicing_plan: the planner's :class:`~ds_terapipe.planner.slicing.SlicingPlan` when ``slices`` was
-            ``"auto"`` (predicted time, speedup), else None.
+        plan: the :class:`~ds_terapipe.runtime.plan.ResolvedPlan` in use (for the current batches' sequence
+            length); ``slices``, ``slicing_plan`` and ``plan_source`` read it.
     """
 
     def __init__(self, *args, terapipe_config: TeraPipeConfig, **kwargs) -> None:
@@ -97,28 +98,37 @@ class TokenPipelineEngine(PipelineEngine):
         self.record_timeline = self.terapipe.trace_dir is not None
         self.last_timeline: list[TimedAction] = []
         self._batches_traced = 0
-        self.slicing_plan = None
-        self.plan_source = "config"  # or "profiled" / "cache" / "planned" for slices: "auto"
-        # What planning other sequence lengths needs later (rank 0 keeps the measured costs).
-        self._cache_fingerprints: Optional[list] = None
-        self._cost_dict: Optional[dict] = None
-        self._stage_meta: Optional[list] = None
         # Deferred weight gradients: per micro-batch, the (input, output-gradient) pairs until its W action.
         self._stashes: dict[int, WeightGradStash] = {}
         if self.terapipe.deferred_weight_grads:  # before profiling, which measures the split backward
             count = enable_deferred_weight_grads(self.module)
             logger.info("terapipe: stage %d defers the weight gradients of %d nn.Linear module(s)", self.stage_id,
                         count)
-        from .profile import resolve_plan  # late import: profile imports the engine's helpers
-        self.slices: tuple[int, ...] = resolve_plan(self)
-        # One plan per sequence length seen, planned once (variable-length training).
-        self._plans: dict[int, tuple[tuple[int, ...], Any]] = {self.seq_len: (self.slices, self.slicing_plan)}
+        self.plan: ResolvedPlan = resolve_plan(self)
+        # One plan per sequence length seen, planned once (variable-length training), in the order resolved.
+        self._plans: dict[int, ResolvedPlan] = {self.plan.seq_len: self.plan}
         self._check_model_supports_slicing()
 
     # -- plan ------------------------------------------------------------------------------------------------
     @property
+    def slices(self) -> tuple[int, ...]:
+        """Token counts of the plan in use (summing to the current batches' sequence length)."""
+        return self.plan.slices
+
+    @property
+    def slicing_plan(self) -> Any:
+        """The planner's :class:`~ds_terapipe.planner.slicing.SlicingPlan` when ``slices`` was ``"auto"``
+        (predicted time, speedup), else None."""
+        return self.plan.planner
+
+    @property
+    def plan_source(self) -> str:
+        """Where the plan in use came from: "config", "profiled", "cache" or "planned"."""
+        return self.plan.source
+
+    @property
     def seq_len(self) -> int:
-        return sum(self.slices)
+        return self.plan.seq_len
 
     @property
     def num_slices(self) -> int:
@@ -186,14 +196,15 @@ class TokenPipelineEngine(PipelineEngine):
             raise ValueError(f"token pipeline: first-stage inputs have lengths {stage0} but last-stage labels "
                              f"{last} (per data-parallel replica); both stages must read the same batches")
         mine = values[self.grid.stage_to_global(0)]
-        from .profile import plan_for_length
         for length in sorted(set(stage0)):
             if length not in self._plans:
-                slices = plan_for_length(self, length)
-                self._plans[length] = (slices, self.slicing_plan if self.plan_source != "config" else None)
+                latest = next(reversed(self._plans.values()))  # carries the costs known so far
+                resolved = plan_for_length(self, latest, length)
+                self._plans[length] = resolved
                 if self.global_rank == 0:
-                    logger.info("terapipe: sequence length %d -> %d slice(s) %s", length, len(slices), list(slices))
-        self.slices, self.slicing_plan = self._plans[mine]
+                    logger.info("terapipe: sequence length %d -> %d slice(s) %s", length, len(resolved.slices),
+                                list(resolved.slices))
+        self.plan = self._plans[mine]
         return iterator
 
     def _train_schedule(self) -> TokenPipeSchedule:
@@ -245,8 +256,6 @@ class TokenPipelineEngine(PipelineEngine):
                 self._write_trace(timeline)
 
     def _write_trace(self, timeline: list[TimedAction]) -> None:
-        from ..trace import events_to_chrome_trace
-
         path = os.path.join(self.terapipe.trace_dir, f"batch{self._batches_traced:05d}-rank{self.global_rank}.json")
         events_to_chrome_trace(timeline, path, metadata={"rank": self.global_rank, "stage": self.stage_id,
                                                          "plan": self.plan_summary()})

@@ -1,146 +1,42 @@
-"""Choosing the plan at engine init: slice probe, on-device profiling, one plan for all ranks, plan cache.
+"""On-device profiling: how long this stage's layers take per slice, measured where they run.
 
-Order of events in :func:`resolve_plan` (every rank runs it, collectively):
-
-1. Probe pass: stage 0 samples an input (``TokenPipelineModule.sample_input``), every stage runs its layers on
-   what it receives, unsliced, and passes the result on. Each stage now holds a realistic input.
-2. Slice check: each stage runs its layers layer by layer on that input both unsliced and cut into slices
-   through the slice context; a layer whose sliced output differs mixes tokens non-causally or ignores the
-   context, and training it sliced would give wrong gradients, so every rank refuses, naming the layer.
-3. For ``slices: "auto"``: unless the plan cache has a plan for exactly this setting, each stage times
-   forward and backward of its own layers over a grid of (slice length, context) points, the measurements
-   are gathered, global rank 0 solves with the planner, and broadcasts the plan. A rank never plans alone.
-4. All ranks check they hold the same slices before the first step.
+The planner needs, per stage, forward and backward time of a slice of ``s`` tokens after a prefix of ``c``
+tokens (attention cost grows with the prefix). :func:`profile_stage` times that over a small grid of
+``(s, c)`` points on this rank's own device; with deferred weight gradients :func:`profile_weight_grads` adds
+the rate of the deferred pass. :func:`measure_costs` runs both on every stage and gathers the points into one
+:class:`~ds_terapipe.planner.cost.PipelineCost` on global rank 0, which plans (:mod:`ds_terapipe.runtime.plan`).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import logging
-import os
 import statistics
 import time
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 
-from .checkpoint import atomic_write_text
+from ..planner.cost import PipelineCost
 from .context import MicroBatchState, SliceContext, cut_tokens, slice_scope
 from .deferred import WeightGradStash
-from .p2p import agree_or_raise, as_tuple
+from .p2p import as_tuple
+from .slice_check import probe_pass
 
-if TYPE_CHECKING:  # pragma: no cover
+if TYPE_CHECKING:  # pragma: no cover - annotations only
     from .engine import TokenPipelineEngine
 
-__all__ = ["resolve_plan", "check_slicing_equivalence", "profile_stage", "profile_weight_grads", "measure_costs",
-           "SlicingMismatchError"]
-
-logger = logging.getLogger(__name__)
-
-PLAN_CACHE_VERSION = 3
+__all__ = ["MeasuredCosts", "measure_costs", "profile_stage", "profile_weight_grads"]
 
 
-class SlicingMismatchError(ValueError):
-    """A layer gives different results when the sequence is cut into slices."""
+class MeasuredCosts(NamedTuple):
+    """Every stage's costs, gathered on global rank 0 (a tuple, so ``cost, meta, seconds = measured`` works)."""
+
+    cost: PipelineCost
+    #: per stage, what the memory model needs: ``{"layers": int, "hidden": int | None, "bytes": int}``
+    stage_meta: tuple[dict, ...]
+    seconds: float
 
 
-# -- helpers -------------------------------------------------------------------------------------------------
-def _concat_like(parts: list[Any], full: Any, seq_len: int) -> Any:
-    """Reassemble per-slice outputs along dim 1 wherever the unsliced output has the sequence on dim 1."""
-    if torch.is_tensor(full):
-        if full.dim() >= 2 and full.shape[1] == seq_len:
-            return torch.cat(parts, dim=1)
-        return parts[-1]
-    return tuple(_concat_like([p[i] for p in parts], f, seq_len) for i, f in enumerate(full))
-
-
-def _max_rel_diff(a: Any, b: Any) -> float:
-    worst = 0.0
-    for x, y in zip(as_tuple(a), as_tuple(b)):
-        if x.shape != y.shape:
-            return float("inf")
-        if not x.is_floating_point():
-            worst = max(worst, 0.0 if torch.equal(x, y) else float("inf"))
-            continue
-        scale = float(y.abs().max()) + 1e-6
-        worst = max(worst, float((x.float() - y.float()).abs().max()) / scale)
-    return worst
-
-
-def _probe_cuts(seq_len: int, granularity: int, slices: Optional[tuple[int, ...]]) -> list[int]:
-    """The slicing used for the check: the plan's if known, else three unequal slices on the granularity."""
-    if slices is not None and len(slices) > 1:
-        return list(slices)
-    units = seq_len // granularity
-    if units < 2:
-        return [seq_len]
-    first = max(1, units // 4)
-    second = max(1, (units - first) // 2) if units - first > 1 else 0
-    cuts = [first, second, units - first - second] if second else [first, units - first]
-    return [c * granularity for c in cuts if c > 0]
-
-
-# -- 1. probe pass --------------------------------------------------------------------------------------------
-def _probe_pass(engine: "TokenPipelineEngine", seq_len: int) -> Any:
-    """Run one unsliced forward through the pipeline on a sampled input; return this stage's input."""
-    module = engine.module
-    gen = torch.Generator().manual_seed(20210701)
-    was_training = module.training
-    module.eval()
-    try:
-        if engine.is_first_stage():
-            sample = module.sample_input(engine.micro_batch_size, seq_len, gen)
-            stage_input = tuple(t.to(engine.device) for t in sample) if isinstance(sample, tuple) else \
-                sample.to(engine.device)
-        else:
-            received = engine._p2p.recv(engine.prev_stage, "probe activations")
-            stage_input = received[0] if len(received) == 1 else received
-        with torch.no_grad(), slice_scope(None):
-            output = module(stage_input)
-        if not engine.is_last_stage():
-            engine._p2p.send(as_tuple(output), engine.next_stage, "probe activations", header=True)
-            engine._p2p.drain()
-    finally:
-        module.train(was_training)
-    return stage_input
-
-
-# -- 2. slice check ---------------------------------------------------------------------------------------------
-def check_slicing_equivalence(layers: list[Callable], first_layer_idx: int, stage_input: Any,
-                              slices: list[int]) -> Optional[str]:
-    """Run ``layers`` unsliced and sliced; return a description of the first layer that differs, or None."""
-    seq_len = sum(slices)
-    bounds, start = [], 0
-    for length in slices:
-        bounds.append((start, start + length))
-        start += length
-    x = stage_input
-    with torch.no_grad():
-        for idx, layer in enumerate(layers):
-            with slice_scope(None):
-                full = layer(x)
-            state = MicroBatchState(0, seq_len, len(slices))
-            parts = []
-            for i, (lo, hi) in enumerate(bounds):
-                with slice_scope(SliceContext(0, i, lo, hi, state)):
-                    parts.append(layer(cut_tokens(x, lo, hi, seq_len)))
-            sliced = _concat_like(parts, full, seq_len)
-            dtype = as_tuple(full)[0].dtype
-            tolerance = 1e-3 if dtype in (torch.float32, torch.float64) else 5e-2
-            diff = _max_rel_diff(sliced, full)
-            if diff > tolerance:
-                name = getattr(layer, "__name__", None) or type(layer).__name__
-                return (f"layer {first_layer_idx + idx} ({name}) gives different outputs when the sequence is cut "
-                        f"into slices {slices} (max relative difference {diff:.2e}): it mixes tokens non-causally or "
-                        "does not read the slice context. Use ds_terapipe.sliced_causal_attention for attention "
-                        "(and ds_terapipe.token_offset for positions), or run with terapipe.slices=1")
-            x = full
-    return None
-
-
-# -- 3. profiling -----------------------------------------------------------------------------------------------
 def _default_lengths(seq_len: int, granularity: int) -> list[int]:
     lengths, s = [], granularity
     while s < seq_len:
@@ -178,12 +74,13 @@ def _backward(out: list[torch.Tensor], params: list[torch.nn.Parameter], leaves:
 def profile_stage(run: Callable[[Any], Any], params: list[torch.nn.Parameter], stage_input: Any, seq_len: int,
                   granularity: int, batch: int, *, slice_lengths: Optional[list[int]] = None, num_contexts: int = 3,
                   warmup: int = 1, repeats: int = 3, device: torch.device = torch.device("cpu"),
-                  deferred: bool = False) -> list[dict]:
+                  deferred: bool = False, clock: Callable[[], float] = time.perf_counter) -> list[dict]:
     """Time forward and backward of this stage's layers for slices of length s after a prefix of c tokens.
 
     Backward uses ``torch.autograd.grad``, so parameter ``.grad`` (and DeepSpeed's gradient hooks) are never
     touched. With ``deferred`` (weight gradients deferred, ``runtime/deferred.py``) the backward measured is the
-    input-gradient part the runtime runs per slice. Returns points in the planner's cost-file format.
+    input-gradient part the runtime runs per slice. ``clock`` (seconds) is a parameter so tests can drive the
+    timing. Returns points in the planner's cost-file format.
     """
     lengths = slice_lengths or _default_lengths(seq_len, granularity)
     grid = []
@@ -207,14 +104,14 @@ def profile_stage(run: Callable[[Any], Any], params: list[torch.nn.Parameter], s
                     run(cut_tokens(stage_input, 0, context, seq_len))
             inputs, leaves = _slice_leaves(stage_input, context, context + length, seq_len)
             _sync(device)
-            t0 = time.perf_counter()
+            t0 = clock()
             with slice_scope(SliceContext(0, 1, context, context + length, state)):
                 out = _differentiable(run(inputs))
             _sync(device)
-            t1 = time.perf_counter()
+            t1 = clock()
             _backward(out, params, leaves)
             _sync(device)
-            t2 = time.perf_counter()
+            t2 = clock()
             if rep >= warmup:
                 fwd, bwd = samples[(length, context)]
                 fwd.append((t1 - t0) * 1e3)
@@ -225,7 +122,8 @@ def profile_stage(run: Callable[[Any], Any], params: list[torch.nn.Parameter], s
 
 def profile_weight_grads(run: Callable[[Any], Any], params: list[torch.nn.Parameter], stage_input: Any, seq_len: int,
                          granularity: int, batch: int, *,
-                         warmup: int = 1, repeats: int = 3, device: torch.device = torch.device("cpu")) -> float:
+                         warmup: int = 1, repeats: int = 3, device: torch.device = torch.device("cpu"),
+                         clock: Callable[[], float] = time.perf_counter) -> float:
     """Milliseconds per token (and sequence) of the deferred weight-gradient pass of this stage.
 
     One micro-batch of ``seq_len`` tokens in two slices (so the pass accumulates over slices, as the runtime's
@@ -245,108 +143,16 @@ def profile_weight_grads(run: Callable[[Any], Any], params: list[torch.nn.Parame
         for out, leaves in reversed(outs):  # later slices first, as the runtime (KV gradients flow backwards)
             _backward(out, params, leaves)
         _sync(device)
-        t0 = time.perf_counter()
+        t0 = clock()
         state.weight_stash.compute()
         _sync(device)
         if rep >= warmup:
-            times.append((time.perf_counter() - t0) * 1e3)
+            times.append((clock() - t0) * 1e3)
     return statistics.median(times) / (seq_len * batch)
 
 
-def _stage_fingerprint(engine: "TokenPipelineEngine") -> list:
-    return [[name, list(p.shape), str(p.dtype)] for name, p in engine.module.named_parameters()] + \
-        [type(f).__name__ for f in engine.module.forward_funcs]
-
-
-def _cache_path(engine: "TokenPipelineEngine", fingerprints: list, seq_len: int) -> tuple[Optional[str], str]:
-    cfg = engine.terapipe
-    material = {
-        "version": PLAN_CACHE_VERSION, "model": fingerprints, "num_stages": engine.num_stages,
-        "dp": engine.dp_world_size, "micro_batch_size": engine.micro_batch_size,
-        "micro_batches": engine.micro_batches, "seq_len": seq_len, "granularity": cfg.granularity,
-        "schedule": cfg.schedule, "max_slices": cfg.max_slices, "memory_limit_gb": cfg.memory_limit_gb,
-        "deferred_weight_grads": cfg.deferred_weight_grads,
-        "profile": cfg.profile.model_dump(), "device": str(engine.device.type), "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-    }
-    key = hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:20]
-    if cfg.plan_cache is None:
-        return None, key
-    return os.path.join(cfg.plan_cache, f"terapipe-plan-{key}.json"), key
-
-
-def _solve(engine: "TokenPipelineEngine", cost: Any, seq_len: int) -> Any:
-    """Run the planner for one sequence length (rank 0 only; the caller broadcasts)."""
-    from ..planner.slicing import MemoryModel, plan_slicing
-
-    cfg = engine.terapipe
-    meta = engine._stage_meta
-    memory, limit = None, None
-    if cfg.memory_limit_gb is not None:
-        memory = MemoryModel(num_layers_per_stage=max(m["layers"] for m in meta), hidden=meta[0]["hidden"] or 1,
-                             bytes_per_element=max(m["bytes"] for m in meta))
-        limit = cfg.memory_limit_gb * 2**30
-    plan = plan_slicing(cost, seq_len, num_microbatches=engine.micro_batches, micro_batch_size=engine.micro_batch_size,
-                        granularity=cfg.granularity, schedule=cfg.schedule, memory_limit_bytes=limit, memory=memory,
-                        max_slices=cfg.max_slices, deferred_weight_grads=cfg.deferred_weight_grads)
-    logger.info("terapipe: plan for seq_len %d: %s slices=%s predicted %.1f ms vs %.1f ms unsliced (%.2fx)", seq_len,
-                cfg.schedule, list(plan.slices), plan.predicted_ms, plan.unsliced_ms, plan.speedup)
-    return plan
-
-
-def _auto_plan(engine: "TokenPipelineEngine", stage_input: Any, seq_len: int) -> tuple[int, ...]:
-    """Plan for ``seq_len``: from the plan cache, from costs already measured, or by profiling (collective)."""
-    from ..planner.cost import PipelineCost
-    from ..planner.slicing import SlicingPlan
-
-    if engine._cache_fingerprints is None:
-        fingerprints = [None] * dist.get_world_size()
-        dist.all_gather_object(fingerprints,
-                               (engine.stage_id, engine.grid.data_parallel_id, _stage_fingerprint(engine)))
-        engine._cache_fingerprints = sorted(fingerprints, key=lambda f: (f[1], f[0]))
-    path, key = _cache_path(engine, engine._cache_fingerprints, seq_len)
-    decision: list[Any] = [None]
-    if dist.get_rank() == 0:
-        if path is not None and os.path.exists(path):
-            try:
-                with open(path) as f:
-                    cached = json.load(f)
-                decision = [("cache", cached["plan"])]
-                engine._cost_dict = engine._cost_dict or cached.get("cost")
-                engine._stage_meta = engine._stage_meta or cached.get("stage_meta")
-                logger.info("terapipe: plan cache hit %s", path)
-            except (OSError, ValueError, KeyError) as err:
-                logger.warning("terapipe: ignoring unreadable plan cache %s (%s)", path, err)
-        if decision[0] is None and engine._cost_dict is not None:
-            # a new sequence length: the costs measured at init cover it, no re-profiling
-            plan = _solve(engine, PipelineCost.from_dict(engine._cost_dict, num_stages=engine.num_stages), seq_len)
-            decision = [("planned", plan.to_dict())]
-            _store(path, key, plan, engine)
-    dist.broadcast_object_list(decision, src=0)
-    if decision[0] is not None:
-        engine.plan_source, plan_dict = decision[0]
-        engine.slicing_plan = SlicingPlan.from_dict(plan_dict)
-        return tuple(engine.slicing_plan.slices)
-
-    if stage_input is None:
-        raise ValueError(f"terapipe: no measured costs to plan seq_len={seq_len}; the plan cache lost them")
-    measured = measure_costs(engine, stage_input, seq_len)
-    result: list[Any] = [None]
-    if measured is not None:
-        cost, engine._stage_meta, profile_s = measured
-        engine._cost_dict = cost.to_dict()
-        logger.info("terapipe: profiled %d stage(s) in %.1fs", engine.num_stages, profile_s)
-        plan = _solve(engine, cost, seq_len)
-        _store(path, key, plan, engine, profile_seconds=profile_s)
-        result = [plan.to_dict()]
-    dist.broadcast_object_list(result, src=0)
-    engine.slicing_plan = SlicingPlan.from_dict(result[0])
-    engine.plan_source = "profiled"
-    return tuple(engine.slicing_plan.slices)
-
-
 def measure_costs(engine: "TokenPipelineEngine", stage_input: Any = None,
-                  seq_len: Optional[int] = None) -> Optional[tuple[Any, list, float]]:
+                  seq_len: Optional[int] = None) -> Optional[MeasuredCosts]:
     """Profile every stage's layers now and gather the costs (collective: every rank calls it).
 
     Engine init calls it for ``slices: "auto"``. Called again later it tells how far the costs a plan was made
@@ -355,14 +161,12 @@ def measure_costs(engine: "TokenPipelineEngine", stage_input: Any = None,
     (``benchmarks/pipeline_speedup.py`` re-profiles after its rounds). ``stage_input`` (``seq_len`` tokens,
     default ``terapipe.seq_len``) defaults to a fresh probe pass.
 
-    Returns ``(PipelineCost, stage_meta, seconds)`` on global rank 0 and None on other ranks.
+    Returns ``(PipelineCost, stage_meta, seconds)`` as :class:`MeasuredCosts` on global rank 0, None elsewhere.
     """
-    from ..planner.cost import PipelineCost
-
     cfg = engine.terapipe
     seq_len = cfg.seq_len if seq_len is None else seq_len
     if stage_input is None:
-        stage_input = _probe_pass(engine, seq_len)
+        stage_input = probe_pass(engine, seq_len)
     started = time.perf_counter()
     params = list(engine.module.parameters())
     points = profile_stage(engine.module, params, stage_input, seq_len, cfg.granularity, engine.micro_batch_size,
@@ -392,70 +196,4 @@ def measure_costs(engine: "TokenPipelineEngine", stage_input: Any = None,
     cost = PipelineCost.from_dict({"stages": [{"points": g["points"], **({} if g["weight_ms_per_token"] is None else
                                               {"weight_ms_per_token": g["weight_ms_per_token"]})}
                                             for g in stages]}, num_stages=engine.num_stages)
-    return cost, stage_meta, profile_s
-
-
-def _store(path: Optional[str], key: str, plan: Any, engine: "TokenPipelineEngine", **extra: Any) -> None:
-    if path is not None:
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        atomic_write_text(path, json.dumps({"key": key, "plan": plan.to_dict(), "cost": engine._cost_dict,
-                                            "stage_meta": engine._stage_meta, **extra}, indent=1))
-
-
-def plan_for_length(engine: "TokenPipelineEngine", seq_len: int) -> tuple[int, ...]:
-    """Slices for a sequence length other than ``terapipe.seq_len`` (collective: every rank calls it)."""
-    cfg = engine.terapipe
-    if seq_len % cfg.granularity:
-        raise ValueError(f"terapipe: a batch has sequence length {seq_len}, not a multiple of terapipe.granularity="
-                         f"{cfg.granularity}; pad sequences to a multiple of {cfg.granularity} (or lower granularity)")
-    if isinstance(cfg.slices, list):
-        raise ValueError(f"terapipe.slices={cfg.slices} is a fixed list for seq_len {sum(cfg.slices)}, but a batch has "
-                         f"sequence length {seq_len}; use slices \"auto\" or an int for variable lengths")
-    if isinstance(cfg.slices, int):
-        return tuple(cfg.equal_slices(seq_len))
-    return _auto_plan(engine, None, seq_len)
-
-
-# -- 4. entry point ---------------------------------------------------------------------------------------------
-def resolve_plan(engine: "TokenPipelineEngine") -> tuple[int, ...]:
-    """Decide the slices every rank will run (collective over all ranks)."""
-    cfg = engine.terapipe
-    if isinstance(cfg.slices, list):
-        slices: Optional[tuple[int, ...]] = tuple(cfg.slices)
-    elif isinstance(cfg.slices, int):
-        slices = tuple(cfg.equal_slices())
-    else:
-        slices = None
-    seq_len = cfg.seq_len
-    assert seq_len is not None
-    module = engine.module
-    can_sample = hasattr(module, "has_sampler") and module.has_sampler()
-    if slices is None and not can_sample:
-        raise ValueError("terapipe.slices=\"auto\" needs to profile each stage on a sample input: build the model "
-                         "as ds_terapipe.TokenPipelineModule(..., vocab_size=V) or with input_sampler=fn, or set "
-                         "terapipe.slices to an int or a list")
-    stage_input = None
-    if can_sample and (slices is None or len(slices) > 1):
-        stage_input = _probe_pass(engine, seq_len)
-        cuts = _probe_cuts(seq_len, cfg.granularity, slices)
-        problem = None
-        if len(cuts) > 1:
-            problem = check_slicing_equivalence(list(module.forward_funcs), module._local_start, stage_input, cuts)
-            if problem:
-                problem = f"terapipe: stage {engine.stage_id}: {problem}"
-        agree_or_raise(problem, SlicingMismatchError)
-    elif slices is not None and len(slices) > 1 and engine.global_rank == 0:
-        logger.warning("terapipe: %s has no input sampler, so the slice check (refusing layers that mix tokens "
-                       "non-causally) was skipped; use ds_terapipe.TokenPipelineModule(..., vocab_size=V)",
-                       type(module).__name__)
-    if slices is None:
-        slices = _auto_plan(engine, stage_input, seq_len)
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, (list(slices), cfg.schedule))
-    if any(e != every[0] for e in every):
-        raise ValueError(f"terapipe: ranks disagree on the plan ({every}); every rank must get the same "
-                         "DeepSpeed config")
-    if engine.global_rank == 0:
-        logger.info("terapipe: running %s with %d slice(s) %s over %d stage(s), %d micro-batch(es)", cfg.schedule,
-                    len(slices), list(slices), engine.num_stages, engine.micro_batches)
-    return tuple(slices)
+    return MeasuredCosts(cost, tuple(stage_meta), profile_s)

@@ -1,0 +1,175 @@
+"""Which slices every rank runs: the plan, resolved once at engine init and once per new sequence length.
+
+:func:`resolve_plan` is the one call (collective: every rank makes it, in the same order):
+
+1. Slices from the config (a list, or an int for equal slices), or ``None`` for ``slices: "auto"``.
+2. The slice check (:mod:`ds_terapipe.runtime.slice_check`): a layer that would train wrong when sliced is
+   refused on every rank; its probe pass leaves each stage a realistic input.
+3. For ``"auto"``: global rank 0 looks in the plan cache (:mod:`ds_terapipe.runtime.plan_cache`). On a miss
+   every stage profiles its own layers on its own device (:mod:`ds_terapipe.runtime.profile`), rank 0 gathers
+   the costs, solves with the planner and broadcasts the plan. A rank never plans alone.
+4. All ranks check they hold the same slices before the first step.
+
+The result is a :class:`ResolvedPlan`, an immutable value the engine keeps. It carries what planning another
+sequence length needs (the measured costs, on rank 0), so :func:`plan_for_length` returns a new value from it
+instead of writing into the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch.distributed as dist
+
+from ..planner.cost import PipelineCost
+from ..planner.slicing import MemoryModel, SlicingPlan, plan_slicing
+from .plan_cache import cache_entry, gather_fingerprints, load_cached, store_plan
+from .profile import measure_costs
+from .slice_check import check_stage_slicing
+
+if TYPE_CHECKING:  # pragma: no cover - annotations only
+    from .engine import TokenPipelineEngine
+
+__all__ = ["ResolvedPlan", "resolve_plan", "plan_for_length"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ResolvedPlan:
+    """The slices all ranks run for one sequence length, and where they came from.
+
+    Attributes:
+        slices: token counts per slice, summing to the sequence length.
+        source: ``"config"`` (a list or an int), ``"profiled"`` (measured at init), ``"cache"`` (the plan cache)
+            or ``"planned"`` (another sequence length, from costs measured earlier).
+        planner: the planner's :class:`~ds_terapipe.planner.slicing.SlicingPlan` (predicted time, speedup) for
+            ``slices: "auto"``, else None.
+        cost: the measured costs (``PipelineCost.to_dict()``) other lengths are planned from; global rank 0 only.
+        stage_meta: per stage, the layer count, hidden size and element size the memory model needs; rank 0 only.
+        fingerprints: every rank's model fingerprint (the plan cache's key), once gathered.
+    """
+
+    slices: tuple[int, ...]
+    source: str
+    planner: Optional[SlicingPlan] = None
+    cost: Optional[dict] = None
+    stage_meta: Optional[tuple[dict, ...]] = None
+    fingerprints: Optional[tuple] = None
+
+    @property
+    def seq_len(self) -> int:
+        return sum(self.slices)
+
+
+def _solve(engine: "TokenPipelineEngine", cost: PipelineCost, stage_meta: Any, seq_len: int) -> SlicingPlan:
+    """Run the planner for one sequence length (rank 0 only; the caller broadcasts)."""
+    cfg = engine.terapipe
+    memory, limit = None, None
+    if cfg.memory_limit_gb is not None:
+        memory = MemoryModel(num_layers_per_stage=max(m["layers"] for m in stage_meta),
+                             hidden=stage_meta[0]["hidden"] or 1, bytes_per_element=max(m["bytes"] for m in stage_meta))
+        limit = cfg.memory_limit_gb * 2**30
+    plan = plan_slicing(cost, seq_len, num_microbatches=engine.micro_batches, micro_batch_size=engine.micro_batch_size,
+                        granularity=cfg.granularity, schedule=cfg.schedule, memory_limit_bytes=limit, memory=memory,
+                        max_slices=cfg.max_slices, deferred_weight_grads=cfg.deferred_weight_grads)
+    logger.info("terapipe: plan for seq_len %d: %s slices=%s predicted %.1f ms vs %.1f ms unsliced (%.2fx)", seq_len,
+                cfg.schedule, list(plan.slices), plan.predicted_ms, plan.unsliced_ms, plan.speedup)
+    return plan
+
+
+def _auto_plan(engine: "TokenPipelineEngine", known: Optional[ResolvedPlan], stage_input: Any,
+               seq_len: int) -> ResolvedPlan:
+    """Plan for ``seq_len``: from the plan cache, from costs already measured (``known``), or by profiling.
+
+    Collective over all ranks: rank 0 decides and broadcasts, so every rank returns the same slices.
+    """
+    fingerprints = known.fingerprints if known is not None and known.fingerprints is not None else \
+        gather_fingerprints(engine)
+    cost = known.cost if known is not None else None
+    stage_meta = known.stage_meta if known is not None else None
+    entry = cache_entry(engine, fingerprints, seq_len)
+    decision: list[Any] = [None]
+    if dist.get_rank() == 0:
+        cached = load_cached(entry)
+        if cached is not None:
+            decision = [("cache", cached["plan"])]
+            cost = cost or cached.get("cost")
+            stage_meta = stage_meta or cached.get("stage_meta")
+        elif cost is not None:
+            # a new sequence length: the costs measured at init cover it, no re-profiling
+            plan = _solve(engine, PipelineCost.from_dict(cost, num_stages=engine.num_stages), stage_meta, seq_len)
+            decision = [("planned", plan.to_dict())]
+            store_plan(entry, plan, cost, stage_meta)
+    dist.broadcast_object_list(decision, src=0)
+    if decision[0] is not None:
+        source, plan_dict = decision[0]
+        plan = SlicingPlan.from_dict(plan_dict)
+        return ResolvedPlan(tuple(plan.slices), source, plan, cost, stage_meta, fingerprints)
+
+    if stage_input is None:
+        raise ValueError(f"terapipe: no measured costs to plan seq_len={seq_len}; the plan cache lost them")
+    measured = measure_costs(engine, stage_input, seq_len)
+    result: list[Any] = [None]
+    if measured is not None:
+        cost, stage_meta = measured.cost.to_dict(), measured.stage_meta
+        logger.info("terapipe: profiled %d stage(s) in %.1fs", engine.num_stages, measured.seconds)
+        plan = _solve(engine, measured.cost, stage_meta, seq_len)
+        store_plan(entry, plan, cost, stage_meta, profile_seconds=measured.seconds)
+        result = [plan.to_dict()]
+    dist.broadcast_object_list(result, src=0)
+    plan = SlicingPlan.from_dict(result[0])
+    return ResolvedPlan(tuple(plan.slices), "profiled", plan, cost, stage_meta, fingerprints)
+
+
+def _agree(engine: "TokenPipelineEngine", slices: tuple[int, ...]) -> None:
+    """Every rank must run the same slices and schedule (collective); a mismatch is a config mismatch."""
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, (list(slices), engine.terapipe.schedule))
+    if any(e != every[0] for e in every):
+        raise ValueError(f"terapipe: ranks disagree on the plan ({every}); every rank must get the same "
+                         "DeepSpeed config")
+
+
+def resolve_plan(engine: "TokenPipelineEngine") -> ResolvedPlan:
+    """Decide the slices every rank will run for ``terapipe.seq_len`` (collective over all ranks)."""
+    cfg = engine.terapipe
+    if isinstance(cfg.slices, list):
+        slices: Optional[tuple[int, ...]] = tuple(cfg.slices)
+    elif isinstance(cfg.slices, int):
+        slices = tuple(cfg.equal_slices())
+    else:
+        slices = None
+    seq_len = cfg.seq_len
+    assert seq_len is not None
+    module = engine.module
+    if slices is None and not (hasattr(module, "has_sampler") and module.has_sampler()):
+        raise ValueError("terapipe.slices=\"auto\" needs to profile each stage on a sample input: build the model "
+                         "as ds_terapipe.TokenPipelineModule(..., vocab_size=V) or with input_sampler=fn, or set "
+                         "terapipe.slices to an int or a list")
+    stage_input = check_stage_slicing(engine, seq_len, slices)
+    resolved = ResolvedPlan(slices, "config") if slices is not None else _auto_plan(engine, None, stage_input, seq_len)
+    _agree(engine, resolved.slices)
+    if engine.global_rank == 0:
+        logger.info("terapipe: running %s with %d slice(s) %s over %d stage(s), %d micro-batch(es)", cfg.schedule,
+                    len(resolved.slices), list(resolved.slices), engine.num_stages, engine.micro_batches)
+    return resolved
+
+
+def plan_for_length(engine: "TokenPipelineEngine", known: ResolvedPlan, seq_len: int) -> ResolvedPlan:
+    """The plan for a sequence length other than ``terapipe.seq_len`` (collective: every rank calls it).
+
+    ``known`` is the latest plan resolved: its measured costs plan the new length without profiling again.
+    """
+    cfg = engine.terapipe
+    if seq_len % cfg.granularity:
+        raise ValueError(f"terapipe: a batch has sequence length {seq_len}, not a multiple of terapipe.granularity="
+                         f"{cfg.granularity}; pad sequences to a multiple of {cfg.granularity} (or lower granularity)")
+    if isinstance(cfg.slices, list):
+        raise ValueError(f"terapipe.slices={cfg.slices} is a fixed list for seq_len {sum(cfg.slices)}, but a batch has "
+                         f"sequence length {seq_len}; use slices \"auto\" or an int for variable lengths")
+    if isinstance(cfg.slices, int):
+        return ResolvedPlan(tuple(cfg.equal_slices(seq_len)), "config")
+    return _auto_plan(engine, known, None, seq_len)
