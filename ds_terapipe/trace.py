@@ -20,6 +20,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from ._io import atomic_write_text
 from .planner.schedule import Action, ActionKind
 from .planner.simulate import TimedAction
 
@@ -53,12 +54,10 @@ def _normalise(events: Iterable[Any]) -> list[TimedAction]:
 
 
 def _write_json(obj: Any, path: str | os.PathLike[str]) -> Path:
-    """Write via a temporary file so a reader never sees half a trace (ranks may write concurrently)."""
+    """Write atomically so a reader never sees half a trace (ranks may write concurrently)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, separators=(",", ":")))
-    tmp.replace(path)
+    atomic_write_text(path, json.dumps(obj, separators=(",", ":")))
     return path
 
 

@@ -24,7 +24,9 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["MANIFEST", "atomic_write_text", "write_manifest", "verify_manifest", "write_latest", "read_latest", "read_manifest",
+from .._io import atomic_write_text
+
+__all__ = ["MANIFEST", "write_manifest", "verify_manifest", "write_latest", "read_latest", "read_manifest",
            "check_layer_shapes", "export_state_dict", "CheckpointError"]
 
 MANIFEST = "terapipe_manifest.json"
@@ -41,16 +43,6 @@ def _sha256(path: str) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
-
-
-def atomic_write_text(path: str, text: str) -> None:
-    """Write via a temporary file and a rename: readers see the old file or the whole new one, never half."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _files(tag_dir: str) -> list[str]:
