@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 
 __version__ = "0.1.0"
 
@@ -45,16 +44,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'ds_terapipe' has no attribute {name!r}")
 
 
-def _setup_logging() -> None:
-    """Show the plan and progress at INFO like DeepSpeed's own logs do, unless the application configured logging."""
-    log = logging.getLogger(__name__)
-    if log.handlers or logging.getLogger().handlers:
-        return
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("[%(asctime)s] [%(levelname)s] [%(name)s] %(message)s"))
-    log.addHandler(handler)
-    log.setLevel(os.environ.get("DS_TERAPIPE_LOG_LEVEL", "INFO").upper())
-    log.propagate = False
-
-
-_setup_logging()
+# A library configures no logging: the application (the CLI, a training script) decides what is shown. The
+# NullHandler only keeps Python from printing this package's warnings through its last-resort handler when the
+# application configured nothing.
+logging.getLogger(__name__).addHandler(logging.NullHandler())
