@@ -27,11 +27,7 @@ import torch.nn.functional as F
 
 from .context import KVBuffers, current_slice, token_offset
 
-__all__ = ["CausalSelfAttention", "sliced_causal_attention", "TOKEN_MIXING_ATTR"]
-
-# Layers that mix information across tokens set this attribute to "causal-sliced" when they read the slice
-# context correctly. The engine's slice probe refuses layers that change results when sliced regardless.
-TOKEN_MIXING_ATTR = "terapipe_token_mixing"
+__all__ = ["CausalSelfAttention", "sliced_causal_attention"]
 
 
 class _PrefixKV(torch.autograd.Function):

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from .context import current_slice
 
-__all__ = ["WeightGradStash", "enable_deferred_weight_grads", "deferred_linear_count"]
+__all__ = ["WeightGradStash", "enable_deferred_weight_grads"]
 
 
 class WeightGradStash:
@@ -146,7 +146,3 @@ def enable_deferred_weight_grads(module: nn.Module) -> int:
             sub._terapipe_deferred = True
             count += 1
     return count
-
-
-def deferred_linear_count(module: nn.Module) -> int:
-    return sum(1 for sub in module.modules() if getattr(sub, "_terapipe_deferred", False))
