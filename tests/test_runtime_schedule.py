@@ -26,7 +26,7 @@ def lowered(name: str, stages: int, micro: int, slices: int, train: bool) -> tup
         sched = TokenPipeSchedule(name, micro, stages, stage, slices, train=train)
         cmds = [cmd for step in sched for cmd in step]
         raw.append(cmds)
-        streams.append(tuple(Action(stage, KIND[type(c)], c.microbatch, c.slice) for c in cmds if type(c) in KIND))
+        streams.append(tuple(Action(stage, KIND[type(c)], c.microbatch, c.slice_index) for c in cmds if type(c) in KIND))
     return Schedule(name=name, num_stages=stages, num_microbatches=micro, num_slices=slices,
                     stages=tuple(streams)), raw
 
@@ -62,7 +62,7 @@ def test_backward_order_is_later_slices_first() -> None:
         seen: dict[int, list[int]] = {}
         for c in cmds:
             if isinstance(c, ds.BackwardPass):
-                seen.setdefault(c.microbatch, []).append(c.slice)
+                seen.setdefault(c.microbatch, []).append(c.slice_index)
         assert all(order == sorted(order, reverse=True) for order in seen.values()), seen
 
 
@@ -91,11 +91,11 @@ def test_deferred_weight_grads_lower_to_weight_passes_after_the_sends(name: str)
         cmds = [cmd for step in sched for cmd in step]
         passes = [i for i, c in enumerate(cmds) if isinstance(c, WeightGradPass)]
         expected = [(b, i) for b in range(micro) for i in reversed(range(slices)) if per_slice or i == 0]
-        assert [(cmds[i].microbatch, cmds[i].slice) for i in passes] == expected
+        assert [(cmds[i].microbatch, cmds[i].slice_index) for i in passes] == expected
         for i in passes:
             before = cmds[i - 1]
             # right after the backward it follows and, except on stage 0, after its gradient was sent on
             assert isinstance(before, ds.SendGrad if stage > 0 else ds.BackwardPass)
-            assert (before.microbatch, before.slice) == (cmds[i].microbatch, cmds[i].slice)
+            assert (before.microbatch, before.slice_index) == (cmds[i].microbatch, cmds[i].slice_index)
         evaluation = TokenPipeSchedule(name, micro, stages, stage, slices, train=False, deferred_weight_grads=True)
         assert not any(isinstance(c, WeightGradPass) for step in evaluation for c in step)

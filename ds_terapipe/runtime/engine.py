@@ -3,7 +3,7 @@
 How one training step flows (``train_batch``), on every stage:
 
 1. :class:`~ds_terapipe.runtime.schedule.TokenPipeSchedule` yields DeepSpeed instructions for this stage's
-   actions of the planner schedule; each carries ``microbatch`` and ``slice``.
+   actions of the planner schedule; each carries ``microbatch`` and ``slice_index``.
 2. ``LoadMicroBatch`` (first/last stage, before a micro-batch's slice 0) reads the whole micro-batch once.
    ``ForwardPass`` cuts the slice's tokens out of it (first stage: inputs; last stage: labels) or takes the
    activations received from the previous stage, opens the slice context (token offset, the micro-batch's
@@ -240,7 +240,7 @@ class TokenPipelineEngine(PipelineEngine):
                     start = time.time() * 1e3 if kind else 0.0
                     MethodType(handler, self)(**cmd.kwargs)
                     if kind:
-                        action = Action(self.stage_id, kind, cmd.microbatch, cmd.slice)
+                        action = Action(self.stage_id, kind, cmd.microbatch, cmd.slice_index)
                         timeline.append(TimedAction(self.stage_id, action, start, time.time() * 1e3))
                 except Exception as err:
                     note = (f"[ds_terapipe] rank {self.global_rank} (stage {self.stage_id}) failed in step {step_id} "
@@ -312,23 +312,23 @@ class TokenPipelineEngine(PipelineEngine):
         finally:
             self.module.loss_fn = loss_fn
 
-    def _exec_forward_pass(self, buffer_id: int, microbatch: int, slice: int) -> None:
-        start, end = self.slice_bounds(slice)
+    def _exec_forward_pass(self, buffer_id: int, microbatch: int, slice_index: int) -> None:
+        start, end = self.slice_bounds(slice_index)
         loaded = self._loaded.get(microbatch, {})
         if self.is_first_stage():
             self.pipe_buffers["inputs"][buffer_id] = cut_tokens(loaded["inputs"], start, end, self.seq_len)
         if self.is_last_stage():
             self.pipe_buffers["labels"][buffer_id] = cut_tokens(loaded["labels"], start, end, self.seq_len)
-        ctx = SliceContext(microbatch, slice, start, end, self._state(microbatch))
+        ctx = SliceContext(microbatch, slice_index, start, end, self._state(microbatch))
         with slice_scope(ctx), self._weighted_loss((end - start) / self.seq_len):
             super()._exec_forward_pass(buffer_id)
-        last_slice = slice == self.num_slices - 1
+        last_slice = slice_index == self.num_slices - 1
         if last_slice:
             self._loaded.pop(microbatch, None)
         if self.is_last_stage():
             self._unit_losses[buffer_id] = self.loss
             if self.eval_return_logits:
-                self._collect_logits(slice)
+                self._collect_logits(slice_index)
         if not torch.is_grad_enabled():
             # No backward will run: nothing needs the inputs, and the KV cache only lives until the last slice.
             self.pipe_buffers["inputs"][buffer_id] = None
@@ -339,37 +339,37 @@ class TokenPipelineEngine(PipelineEngine):
             if last_slice:
                 self._states.pop(microbatch, None)
 
-    def _collect_logits(self, slice: int) -> None:
-        if slice == 0:
+    def _collect_logits(self, slice_index: int) -> None:
+        if slice_index == 0:
             self._logits = []
         self._logits.append(self.outputs)
-        if slice == self.num_slices - 1:
+        if slice_index == self.num_slices - 1:
             self.outputs = torch.cat(self._logits, dim=1) if len(self._logits) > 1 else self._logits[0]
             self._logits = []
 
-    def _exec_backward_pass(self, buffer_id: int, microbatch: int, slice: int) -> None:
+    def _exec_backward_pass(self, buffer_id: int, microbatch: int, slice_index: int) -> None:
         state = self._states[microbatch]
-        pending = [j for j in range(slice + 1, self.num_slices) if j not in state.backward_done]
-        assert not pending, f"backward of slice {slice} before later slices {pending} of micro-batch {microbatch}"
+        pending = [j for j in range(slice_index + 1, self.num_slices) if j not in state.backward_done]
+        assert not pending, f"backward of slice {slice_index} before later slices {pending} of micro-batch {microbatch}"
         if self.is_last_stage():
             self.loss = self._unit_losses.pop(buffer_id)
         else:
             self.grad_layer = self._unit_grads.pop(buffer_id)
         super()._exec_backward_pass(buffer_id)
         self.grad_layer = None
-        state.backward_done.add(slice)
+        state.backward_done.add(slice_index)
         # DeepSpeed relies on cyclic buffer reuse to drop these; units are not reused, so drop them here.
         self.pipe_buffers["outputs"][buffer_id] = None
         self.pipe_buffers["labels"][buffer_id] = None
         if self.is_first_stage():
             self.pipe_buffers["inputs"][buffer_id] = None
-        if slice == 0:
+        if slice_index == 0:
             del self._states[microbatch]
 
-    def _exec_weight_grad_pass(self, buffer_id: int, microbatch: int, slice: int) -> None:
+    def _exec_weight_grad_pass(self, buffer_id: int, microbatch: int, slice_index: int) -> None:
         """Deferred weight gradients (``runtime/deferred.py``) of what the micro-batch's backwards recorded so
         far: all its slices (a W per micro-batch, slice 0) or the one just backwarded (a W per slice)."""
-        stash = self._stashes.get(microbatch) if slice > 0 else self._stashes.pop(microbatch, None)
+        stash = self._stashes.get(microbatch) if slice_index > 0 else self._stashes.pop(microbatch, None)
         if stash is None or not len(stash):
             return
         if self.using_bf16_optimizer:
@@ -378,17 +378,18 @@ class TokenPipelineEngine(PipelineEngine):
         if self.using_bf16_optimizer and not self._config.bfloat16_config.immediate_grad_update:
             self.optimizer.update_hp_grads(clear_lp_grads=False)
 
-    def _exec_send_activations(self, buffer_id: int, microbatch: int, slice: int) -> None:
+    def _exec_send_activations(self, buffer_id: int, microbatch: int, slice_index: int) -> None:
         outputs = as_tuple(self.pipe_buffers["outputs"][buffer_id])
-        key = (self.seq_len, self.slices[slice])
-        self._p2p.send(outputs, self.next_stage, f"activations of micro-batch {microbatch} slice {slice}",
+        key = (self.seq_len, self.slices[slice_index])
+        self._p2p.send(outputs, self.next_stage, f"activations of micro-batch {microbatch} slice {slice_index}",
                        header=key not in self._shapes_sent)
         self._shapes_sent.add(key)
         if not torch.is_grad_enabled():
             self.pipe_buffers["outputs"][buffer_id] = None
 
-    def _exec_recv_activations(self, buffer_id: int, microbatch: int, slice: int) -> None:
-        key, what = (self.seq_len, self.slices[slice]), f"activations of micro-batch {microbatch} slice {slice}"
+    def _exec_recv_activations(self, buffer_id: int, microbatch: int, slice_index: int) -> None:
+        key = (self.seq_len, self.slices[slice_index])
+        what = f"activations of micro-batch {microbatch} slice {slice_index}"
         if key in self._shapes_known:
             received = self._p2p.recv_specs(self._shapes_known[key], self.prev_stage, what)
         else:
@@ -399,16 +400,18 @@ class TokenPipelineEngine(PipelineEngine):
                 tensor.requires_grad_(tensor.is_floating_point())
         self.pipe_buffers["inputs"][buffer_id] = received[0] if len(received) == 1 else received
 
-    def _exec_send_grads(self, buffer_id: int, microbatch: int, slice: int) -> None:
+    def _exec_send_grads(self, buffer_id: int, microbatch: int, slice_index: int) -> None:
         inputs = as_tuple(self.pipe_buffers["inputs"][buffer_id])
         grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs if t.is_floating_point()]
-        self._p2p.send(grads, self.prev_stage, f"gradients of micro-batch {microbatch} slice {slice}", header=False)
+        self._p2p.send(grads, self.prev_stage, f"gradients of micro-batch {microbatch} slice {slice_index}",
+                       header=False)
         self.pipe_buffers["inputs"][buffer_id] = None
 
-    def _exec_recv_grads(self, buffer_id: int, microbatch: int, slice: int) -> None:
+    def _exec_recv_grads(self, buffer_id: int, microbatch: int, slice_index: int) -> None:
         outputs = self.pipe_buffers["outputs"][buffer_id]
         floats = [t for t in as_tuple(outputs) if t.is_floating_point()]
-        grads = self._p2p.recv_like(floats, self.next_stage, f"gradients of micro-batch {microbatch} slice {slice}")
+        grads = self._p2p.recv_like(floats, self.next_stage,
+                                    f"gradients of micro-batch {microbatch} slice {slice_index}")
         self._unit_grads[buffer_id] = grads[0] if torch.is_tensor(outputs) else list(grads)
 
     def _exec_commit_p2p(self) -> None:

@@ -3,7 +3,7 @@
 The planner (:mod:`ds_terapipe.planner.schedule`) says, per stage, in which order the forward and backward
 of every (micro-batch, slice) unit run, with communication derived by ``add_communication``. This class turns
 one stage's action list into DeepSpeed's own instruction types (``ForwardPass``, ``SendActivation``, ...)
-carrying two extra fields, ``microbatch`` and ``slice``, which :class:`TokenPipelineEngine`'s handlers read.
+carrying two extra fields, ``microbatch`` and ``slice_index``, which :class:`TokenPipelineEngine`'s handlers read.
 Because every rank lowers the same validated schedule, the sends and receives of neighbouring ranks pair up
 by construction (checked by ``replay`` in the tests).
 
@@ -67,7 +67,7 @@ class TokenPipeSchedule(ds_schedule.PipeSchedule):
         loaded = -1
         for action in self.actions:
             fields = dict(buffer_id=self.unit_buffer(action.microbatch, action.slice), microbatch=action.microbatch,
-                          slice=action.slice)
+                          slice_index=action.slice)
             cmds: list[ds_schedule.PipeInstruction] = []
             kind = action.kind
             if kind == ActionKind.FORWARD:
