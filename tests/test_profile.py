@@ -1,66 +1,141 @@
 """On-device profiling (runtime/profile.py, profile_stage): one point per (slice, context), rounds over the grid.
 
-Single process, a linear "stage": what matters here is the grid, the order of the timed calls and the median,
-not the model.
+Single process, a linear "stage" and a fake clock: the stage advances the clock by a duration chosen per timed
+call (forward, and backward through a custom autograd function), so medians are exact and nothing depends on
+the host's load.
 """
 
 from __future__ import annotations
 
-import time
-
+import pytest
 import torch
 import torch.nn as nn
 
 from ds_terapipe.runtime.context import current_slice
-from ds_terapipe.runtime.profile import profile_stage
+from ds_terapipe.runtime.profile import profile_stage, profile_weight_grads
 
 SEQ, HIDDEN = 64, 16
+LENGTHS = [8, 16, 32]
+GRID = [(8, 0), (8, 56), (16, 0), (16, 48), (32, 0), (32, 32)]   # (slice, context), 2 contexts per length
+
+
+class FakeClock:
+    """Seconds that pass only when told to."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance_ms(self, ms: float) -> None:
+        self.now += ms / 1e3
+
+
+def _forward_ms(length: int, context: int) -> float:
+    return length + context / 8   # distinct for every grid point
+
+
+def _backward_ms(length: int, context: int) -> float:
+    return 3 * length + context   # not a multiple of the forward: a swapped pair would show
+
+
+class _ChargeBackward(torch.autograd.Function):
+    """Identity whose backward advances the clock: the 'cost' of this slice's backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, clock: FakeClock, ms: float) -> torch.Tensor:
+        ctx.clock, ctx.ms = clock, ms
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.clock.advance_ms(ctx.ms)
+        return grad, None, None
 
 
 class _Recorder:
-    """A linear stage that records the (start, end) of every timed forward and can stall chosen calls."""
+    """A linear stage that records every timed forward and charges the fake clock for it (stalls: extra ms)."""
 
-    def __init__(self, stall_calls: frozenset[int] = frozenset(), stall_s: float = 0.0) -> None:
+    def __init__(self, clock: FakeClock, stalls: dict[int, float] | None = None) -> None:
         self.layer = nn.Linear(HIDDEN, HIDDEN)
+        self.clock = clock
         self.timed: list[tuple[int, int]] = []
-        self.stall_calls, self.stall_s = stall_calls, stall_s
+        self.stalls = stalls or {}   # 1-based timed call -> extra forward ms
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         ctx = current_slice()
+        y = self.layer(x)
         if ctx is not None and ctx.slice_index == 1:   # the timed slice (slice 0 is the untimed prefix)
             self.timed.append((ctx.start, ctx.end))
-            if len(self.timed) in self.stall_calls:
-                time.sleep(self.stall_s)
-        return self.layer(x)
+            length, context = ctx.end - ctx.start, ctx.start
+            self.clock.advance_ms(_forward_ms(length, context) + self.stalls.get(len(self.timed), 0.0))
+            y = _ChargeBackward.apply(y, self.clock, _backward_ms(length, context))
+        return y
 
 
 def _profile(stage: _Recorder, **kw) -> list[dict]:
     x = torch.randn(1, SEQ, HIDDEN)
-    return profile_stage(stage, list(stage.layer.parameters()), x, SEQ, 8, 1, slice_lengths=[8, 16, 32],
-                         num_contexts=2, **kw)
+    return profile_stage(stage, list(stage.layer.parameters()), x, SEQ, 8, 1, slice_lengths=LENGTHS,
+                         num_contexts=2, clock=stage.clock, **kw)
 
 
-def test_one_point_per_slice_and_context_in_the_cost_file_format() -> None:
-    points = _profile(_Recorder(), warmup=1, repeats=3)
-    grid = [(p["slice"], p["context"]) for p in points]
-    assert grid == [(8, 0), (8, 56), (16, 0), (16, 48), (32, 0), (32, 32)]
+def _exact(points: list[dict]) -> bool:
+    """Every point reports its own forward and backward time (to float rounding of the clock's seconds)."""
+    return all(p["forward_ms"] == pytest.approx(_forward_ms(p["slice"], p["context"]), abs=1e-9) and
+               p["backward_ms"] == pytest.approx(_backward_ms(p["slice"], p["context"]), abs=1e-9) for p in points)
+
+
+def test_one_point_per_slice_and_context_with_its_own_forward_and_backward_time() -> None:
+    points = _profile(_Recorder(FakeClock()), warmup=1, repeats=3)
+    assert [(p["slice"], p["context"]) for p in points] == GRID
     for p in points:
         assert set(p) == {"batch", "slice", "context", "forward_ms", "backward_ms"}
-        assert p["batch"] == 1 and p["forward_ms"] > 0 and p["backward_ms"] > 0
+        assert p["batch"] == 1
+    assert _exact(points), points
 
 
 def test_timed_calls_go_round_the_grid_rather_than_repeating_a_point() -> None:
-    stage = _Recorder()
+    stage = _Recorder(FakeClock())
     _profile(stage, warmup=1, repeats=3)
-    grid = [(c, c + s) for s in (8, 16, 32) for c in sorted({0, SEQ - s})]
+    grid = [(c, c + s) for s in LENGTHS for c in sorted({0, SEQ - s})]
     assert stage.timed == grid * 4   # warm-up round, then 3 timed rounds, each over every point once
 
 
-def test_a_burst_of_load_spoils_no_median() -> None:
-    # calls 2-4 stall: with a point's repeats back to back they would be all three timed samples of point 0
-    stage = _Recorder(stall_calls=frozenset({2, 3, 4}), stall_s=0.25)
+@pytest.mark.parametrize("stalled", [(2, 3, 4), (7, 14)], ids=["burst", "two-points"])
+def test_a_burst_of_load_spoils_no_median(stalled: tuple[int, ...]) -> None:
+    # timed calls 2-4 stall: with a point's repeats back to back they would be all three timed samples of point 0;
+    # calls 7 and 14 are one sample each of two points
+    stage = _Recorder(FakeClock(), stalls={call: 250.0 for call in stalled})
     points = _profile(stage, warmup=1, repeats=3)
-    assert max(p["forward_ms"] for p in points) < 150, points
-    stage = _Recorder(stall_calls=frozenset({7, 14}), stall_s=0.25)   # one sample each of two points
+    assert _exact(points), points
+
+
+def test_warm_up_rounds_are_not_counted() -> None:
+    # both warm-up rounds stall at every point: counted, they would be the median of 3 samples
+    stage = _Recorder(FakeClock(), stalls={call: 1000.0 for call in range(1, 2 * len(GRID) + 1)})
+    points = _profile(stage, warmup=2, repeats=1)
+    assert _exact(points), points
+
+
+def test_the_median_rejects_one_slow_sample() -> None:
+    stage = _Recorder(FakeClock(), stalls={len(GRID) + 1: 90.0})   # the first timed sample of point 0
     points = _profile(stage, warmup=1, repeats=3)
-    assert max(p["forward_ms"] for p in points) < 150, points
+    assert _exact(points), points
+
+
+def test_weight_grad_rate_is_ms_per_token_and_sequence() -> None:
+    class Ticking:
+        """Every read advances 6 ms: the timed pass (two reads) takes exactly 6 ms."""
+
+        def __init__(self) -> None:
+            self.now = 0.0
+
+        def __call__(self) -> float:
+            self.now += 0.006
+            return self.now
+
+    layer = nn.Linear(HIDDEN, HIDDEN)
+    x = torch.randn(2, SEQ, HIDDEN)   # 2 sequences of 64 tokens
+    rate = profile_weight_grads(layer, list(layer.parameters()), x, SEQ, 8, 2, warmup=1, repeats=3, clock=Ticking())
+    assert rate == pytest.approx(6.0 / (SEQ * 2), rel=1e-9)
