@@ -153,8 +153,9 @@ def resolve_plan(engine: "TokenPipelineEngine") -> ResolvedPlan:
     resolved = ResolvedPlan(slices, "config") if slices is not None else _auto_plan(engine, None, stage_input, seq_len)
     _agree(engine, resolved.slices)
     if engine.global_rank == 0:
-        logger.info("terapipe: running %s with %d slice(s) %s over %d stage(s), %d micro-batch(es)", cfg.schedule,
-                    len(resolved.slices), list(resolved.slices), engine.num_stages, engine.micro_batches)
+        logger.info("terapipe: running %s with %d slice(s) %s over %d stage(s), %d micro-batch(es) (plan from %s)",
+                    cfg.schedule, len(resolved.slices), list(resolved.slices), engine.num_stages, engine.micro_batches,
+                    resolved.source)
     return resolved
 
 
