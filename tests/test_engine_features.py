@@ -3,35 +3,66 @@ non-causal layer, bf16 on CPU, and a dead peer turning into an error instead of 
 
 from __future__ import annotations
 
+import json
+import re
+from pathlib import Path
+
 import pytest
 
+from ds_terapipe.planner.cost import PipelineCost
+from ds_terapipe.planner.schedule import build_schedule
+from ds_terapipe.planner.slicing import plan_slicing
+from ds_terapipe.trace import load_chrome_trace
 from tests.dist_harness import launch
 
 pytestmark = pytest.mark.multiproc
 
+# what the workers' "auto" cases configure (tests/dist_worker.py suite_features)
+SEQ_LEN, MICRO_BATCHES, MICRO_BATCH_SIZE, GRANULARITY = 64, 2, 2, 8
+
 
 @pytest.fixture(scope="module")
-def features(tmp_path_factory) -> list[dict[str, dict]]:
-    results = launch("features", 2, tmp_path_factory.mktemp("features"), timeout_s=600)
+def features_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("features")
+
+
+@pytest.fixture(scope="module")
+def features(features_dir) -> list[dict[str, dict]]:
+    results = launch("features", 2, features_dir, timeout_s=600)
     errors = [r["error"] for r in results if "error" in r]
     assert not errors, errors[0]
     return [{case["case"]: case for case in r["results"]} for r in results]
 
 
+def solve(cost: dict, schedule: str, deferred_weight_grads: bool = False):
+    return plan_slicing(PipelineCost.from_dict(cost, num_stages=2), SEQ_LEN, num_microbatches=MICRO_BATCHES,
+                        micro_batch_size=MICRO_BATCH_SIZE, granularity=GRANULARITY, schedule=schedule,
+                        deferred_weight_grads=deferred_weight_grads)
+
+
+def compute_actions(name: str, stage: int, num_slices: int, deferred_weight_grads: bool = False) -> list[str]:
+    schedule = build_schedule(name, 2, MICRO_BATCHES, num_slices, deferred_weight_grads)
+    return [str(a) for a in schedule.stages[stage]]
+
+
 @pytest.mark.timeout(700)
-def test_auto_plan_is_profiled_once_then_cached_and_exact(features) -> None:
+def test_auto_plan_is_profiled_once_then_cached_and_exact(features, features_dir) -> None:
+    files = sorted((features_dir / "plan_cache").iterdir())
+    assert len(files) == 1 and re.fullmatch(r"terapipe-plan-[0-9a-f]{20}\.json", files[0].name), files
+    cached = json.loads(files[0].read_text())
+    # the cached plan is the planner's choice over the costs measured beside it, for this config
+    solved = solve(cached["cost"], "1f1b")
+    assert cached["plan"]["slices"] == list(solved.slices)
+    assert cached["plan"] == solved.to_dict()
     for rank in features:
         first, second = rank["auto first"], rank["auto second"]
-        assert first["source"] == "profiled" and second["source"] == "cache"
-        assert first["slices"] == second["slices"] and sum(first["slices"]) == 64
-        assert all(s % 8 == 0 for s in first["slices"])
-        assert first["predicted_ms"] > 0
-        assert len(first["cache_files"]) == 1
-        for case in (first, second):
-            assert case["loss"] == pytest.approx(case["ref_loss"], rel=1e-5)
+        assert (first["source"], second["source"]) == ("profiled", "cache")
+        assert first["cache_files"] == second["cache_files"] == [files[0].name]
+        for case in (first, second):  # every rank runs exactly the cached plan (one plan for all ranks)
+            assert case["planner"] == cached["plan"]
+            assert case["slices"] == cached["plan"]["slices"]
+            assert case["losses"] == pytest.approx(case["ref_losses"], rel=1e-5)  # 3 steps
             assert case["grad_rel_err"] <= 1e-5, case
-    # one plan: every rank runs the same slices
-    assert len({tuple(r["auto first"]["slices"]) for r in features}) == 1
 
 
 @pytest.mark.timeout(700)
@@ -39,8 +70,11 @@ def test_eval_batch_matches_reference_without_gradients(features) -> None:
     for rank in features:
         case = rank["eval"]
         assert case["loss"] == pytest.approx(case["ref_loss"], rel=1e-5)
-        assert case["logits_rel_err"] <= 1e-5
         assert case["grads_touched"] is False
+    first, last = features[0]["eval"], features[1]["eval"]
+    assert first["logits_rel_err"] is None and first["logits_shape"] is None  # only the last stage has logits
+    assert last["logits_shape"] == [MICRO_BATCH_SIZE, SEQ_LEN, 64]  # the last micro-batch, all slices joined
+    assert last["logits_rel_err"] <= 1e-5
 
 
 @pytest.mark.timeout(700)
@@ -52,34 +86,53 @@ def test_non_causal_layer_is_refused_on_every_rank(features) -> None:
 
 
 @pytest.mark.timeout(700)
-def test_bf16_on_cpu_trains(features) -> None:
+def test_bf16_zero1_on_cpu_follows_the_fp32_reference(features) -> None:
     for rank in features:
-        losses = rank["bf16"]["losses"]
-        assert losses[0] == pytest.approx(rank["bf16"]["ref_loss"], rel=2e-2)
-        assert losses[1] < losses[0]
+        case = rank["bf16"]
+        # over 3 steps the reference loss falls by 1.6%; bf16 stays within 1e-5 of it here, 1e-3 leaves room
+        assert case["losses"] == pytest.approx(case["ref_losses"], rel=1e-3)
+        # the fp32 master weights moved as the reference's did (bf16 rounding: ~1% seen; no or double step: 100%)
+        assert case["update_rel_err"] <= 5e-2, f"update of {case['update_worst']} off by {case['update_rel_err']}"
 
 
 @pytest.mark.timeout(700)
 def test_auto_plan_with_deferred_weight_grads(features) -> None:
-    for rank in features:
+    plan = features[0]["auto deferred"]["planner"]
+    for stage, rank in enumerate(features):
         case = rank["auto deferred"]
-        assert case["loss"] == pytest.approx(case["ref_loss"], rel=1e-5)
+        assert case["source"] == "profiled" and case["planner"] == plan and case["slices"] == plan["slices"]
+        assert case["losses"] == pytest.approx(case["ref_losses"], rel=1e-5)  # 3 steps
         assert case["grad_rel_err"] <= 1e-5, f"gradient of {case['grad_worst']} off by {case['grad_rel_err']}"
-        assert case["weight_actions"] == 2 * len(case["slices"])  # 1f1b: a W per unit on every stage
-    rates = features[0]["auto deferred"]["weight_rates"]  # rank 0 planned: it holds the measured costs
-    assert len(rates) == 2 and all(r is not None and r > 0 for r in rates), rates
+        # 1f1b: the schedule without deferral, with each backward followed by the W of its unit
+        actions, n = case["actions"], len(plan["slices"])
+        assert [a for a in actions if "W" not in a] == compute_actions("1f1b", stage, n)
+        assert [a for a in actions if "W" in a] == [a.replace("B", "W") for a in actions if "B" in a]
+        assert all(actions[i + 1] == a.replace("B", "W") for i, a in enumerate(actions) if "B" in a)
+    cost = features[0]["auto deferred"]["cost"]  # rank 0 planned: it holds the measured costs
+    assert features[1]["auto deferred"]["cost"] is None
+    rates = [stage.get("weight_ms_per_token") for stage in cost["stages"]]
+    assert len(rates) == 2 and all(r is not None and r > 0 for r in rates), rates  # measured on both stages
+    # the plan was solved with the W passes costed: re-solving the measured costs gives it back exactly, and
+    # leaving W out of the step would have predicted a shorter step
+    with_w = solve(cost, "1f1b", deferred_weight_grads=True)
+    assert plan["slices"] == list(with_w.slices) and plan == with_w.to_dict()
+    assert solve(cost, "1f1b").predicted_ms < plan["predicted_ms"]
 
 
 @pytest.mark.timeout(700)
 def test_bf16_optimizer_gets_deferred_weight_grads(features) -> None:
-    moved = [rank["bf16 deferred"]["min_linear_moved"] for rank in features]
-    assert any(m is not None for m in moved), moved  # some stage holds the blocks' Linears
     for rank in features:
         case = rank["bf16 deferred"]
         assert case["bf16_optimizer"] is True
-        assert case["min_linear_moved"] is None or case["min_linear_moved"] > 1e-4  # every Linear trained ...
-        assert case["max_param_diff"] <= 1e-2, case  # ... to the same place as without deferral (bf16 rounding)
-        assert case["deferred_losses"] == pytest.approx(case["losses"], rel=1e-2)
+        # 3 steps; updates compared on the fp32 master weights, per parameter (the worst one is reported)
+        assert case["losses"] == pytest.approx(case["ref_losses"], rel=1e-3)
+        assert case["deferred_losses"] == pytest.approx(case["ref_losses"], rel=1e-3)
+        err, name = case["plain_vs_ref"]
+        assert err <= 5e-2, f"without deferral, the update of {name} is off the reference's by {err}"
+        err, name = case["update_vs_ref"]
+        assert err <= 5e-2, f"with deferral, the update of {name} is off the reference's by {err}"
+        err, name = case["update_vs_plain"]  # the same gradients, summed in another order: 0.0 seen
+        assert err <= 1e-3, f"the update of {name} differs with and without deferral by {err}"
 
 
 @pytest.mark.timeout(700)
@@ -103,15 +156,25 @@ def test_checkpoint_resume_is_exact_and_loads_into_another_slicing(features) -> 
 
 
 @pytest.mark.timeout(700)
-def test_measured_timeline_per_rank(features) -> None:
+def test_measured_timeline_per_rank(features, features_dir) -> None:
+    # 4 training batches were traced (2 before the checkpoint, 2 after), one file per batch per rank
+    assert features[0]["checkpoint"]["trace_files"] == sorted(f"batch{b:05d}-rank{r}.json" for b in range(4)
+                                                              for r in range(2))
     for rank, results in enumerate(features):
-        case = results["checkpoint"]
-        # 4 training batches were traced (2 before the checkpoint, 2 after), one file per batch per rank
-        assert sum(f.endswith(f"rank{rank}.json") for f in case["trace_files"]) == 4
-        names = [name for name, _, _ in case["timeline"]]
-        assert len(names) == 2 * 2 * 3  # F and B of 2 micro-batches x 3 slices (1f1b: no deferral by default)
-        assert names[0] == f"{rank}F0.0"
-        assert all(end >= start for _, start, end in case["timeline"])
+        timeline = results["checkpoint"]["timeline"]  # the second batch, the last before the checkpoint
+        # exactly the 1f1b compute actions of this stage, in schedule order (no deferral by default)
+        assert [name for name, _, _ in timeline] == compute_actions("1f1b", rank, 3)
+        # one action at a time on a rank: each starts after the previous one ended
+        assert all(start <= end for _, start, end in timeline)
+        assert all(prev[2] <= nxt[1] for prev, nxt in zip(timeline, timeline[1:]))
+        # the trace file of that batch holds the same actions and times, and the plan it ran
+        path = features_dir / "traces" / f"batch00001-rank{rank}.json"
+        traced = load_chrome_trace(path)
+        assert [(str(e.action), e.stage) for e in traced] == [(name, rank) for name, _, _ in timeline]
+        for event, (_, start, end) in zip(traced, timeline):
+            assert (event.start_ms, event.end_ms) == pytest.approx((start, end), abs=1e-3)
+        other = json.loads(path.read_text())["otherData"]
+        assert (other["rank"], other["stage"], other["plan"]["slices"]) == (rank, rank, [16, 32, 16])
 
 
 @pytest.mark.timeout(700)
