@@ -1,8 +1,8 @@
 """Token pipeline vs stock DeepSpeed pipeline on CPU: step time, bubble-free bound, planner error, activation memory.
 
     python benchmarks/pipeline_speedup.py --quick                       # 1-2 minute smoke run
-    python benchmarks/pipeline_speedup.py --json out.json               # the full table (~10-15 min, 2 cores)
-    python benchmarks/pipeline_speedup.py --json docs/pipeline_speedup.json --plots docs   # + timelines
+    python benchmarks/pipeline_speedup.py                               # the full table (~15 min, 2 cores)
+    python benchmarks/pipeline_speedup.py --plots docs                  # + timelines
 
 Two stages, one process per stage with ONE thread each (``OMP_NUM_THREADS=1``, ``torch.set_num_threads(1)``),
 gloo, the reference GPT (``ds_terapipe.models.gpt``, blocks split evenly over the stages), micro-batch size 1.
@@ -35,8 +35,9 @@ receives, sends and the optimizer tail. Reported per row (medians over the measu
   the KV cache buffers (``engine._states[*].nbytes()``, sampled at every pack and after every instruction).
 
 The parent launches the workers (free port, RANK/WORLD_SIZE/MASTER_PORT env vars, like ``tests/dist_harness.py``),
-prints the tables and the targets, writes ``--json``, and with ``--plots DIR`` the measured timeline of the
-median step of ``--timeline`` (merged Chrome trace + PNG) beside the planner's simulated timeline of the same plan.
+prints the tables and the targets, writes the report (``--json``, default
+``benchmarks/results/pipeline_speedup.json``), and with ``--plots DIR`` the measured timeline of the median step of
+``--timeline`` (merged Chrome trace + PNG) beside the planner's simulated timeline of the same plan.
 """
 from __future__ import annotations
 
@@ -58,6 +59,7 @@ from typing import Any
 from ds_terapipe.runtime.shm import remove_shm_segments
 
 ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "pipeline_speedup.json"   # the committed run's report
 NUM_STAGES = 2
 
 #: variant name -> terapipe section (None: stock DeepSpeed); the first variant is the baseline.
@@ -918,7 +920,9 @@ def main() -> int:
     ap.add_argument("--foreign-max", type=float, default=0.2,
                     help="a round is clean when other processes used fewer cores than this during each step")
     ap.add_argument("--quick", action="store_true", help="small model and few steps: a 1-2 minute smoke run")
-    ap.add_argument("--json", metavar="PATH", help="write the report as JSON")
+    ap.add_argument("--json", metavar="PATH",
+                    help=f"where to write the report as JSON (default: {RESULTS.relative_to(ROOT)}; with --quick: "
+                         "the --out directory, so a smoke run never replaces the committed results)")
     ap.add_argument("--plots", metavar="DIR", help="write timelines (planned/measured PNG + Chrome traces) to DIR")
     ap.add_argument("--timeline", action="append", metavar="M,VARIANT",
                     help="whose median step --plots draws (repeatable; default 1,auto/gpipe and 4,auto/1f1b)")
@@ -988,9 +992,10 @@ def main() -> int:
                   machine={"cpus": os.cpu_count(), "python": sys.version.split()[0], "torch": ranks[0]["torch"],
                            "deepspeed": ranks[0]["deepspeed"], "threads_per_rank": ranks[0]["threads"]})
     print(f"\nwall time {wall:.0f} s")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=1))
+    json_path = Path(args.json) if args.json else (out_dir / "pipeline_speedup.json" if args.quick else RESULTS)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(report, indent=1))
+    print(f"report: {json_path}")
     return 0
 
 
