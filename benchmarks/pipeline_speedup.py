@@ -1,8 +1,8 @@
 """Token pipeline vs stock DeepSpeed pipeline on CPU: step time, bubble-free bound, planner error, activation memory.
 
     python benchmarks/pipeline_speedup.py --quick                       # 1-2 minute smoke run
-    python benchmarks/pipeline_speedup.py --json out.json               # the full table (~10-15 min, 2 cores)
-    python benchmarks/pipeline_speedup.py --json docs/pipeline_speedup.json --plots docs   # + timelines
+    python benchmarks/pipeline_speedup.py                               # the full table (~15 min, 2 cores)
+    python benchmarks/pipeline_speedup.py --plots docs                  # + timelines
 
 Two stages, one process per stage with ONE thread each (``OMP_NUM_THREADS=1``, ``torch.set_num_threads(1)``),
 gloo, the reference GPT (``ds_terapipe.models.gpt``, blocks split evenly over the stages), micro-batch size 1.
@@ -34,9 +34,10 @@ receives, sends and the optimizer tail. Reported per row (medians over the measu
   ``weakref.finalize`` on the packed handle drops a storage when autograd frees its last saved reference) plus
   the KV cache buffers (``engine._states[*].nbytes()``, sampled at every pack and after every instruction).
 
-The parent launches the workers (free port, RANK/WORLD_SIZE/MASTER_PORT env vars, like ``tests/dist_harness.py``),
-prints the tables and the targets, writes ``--json``, and with ``--plots DIR`` the measured timeline of the
-median step of ``--timeline`` (merged Chrome trace + PNG) beside the planner's simulated timeline of the same plan.
+The parent launches the workers (``ds_terapipe.runtime.local_launch``: a free port, the RANK/WORLD_SIZE/MASTER_PORT
+environment), prints the tables and the targets, writes the report (``--json``, default
+``benchmarks/results/pipeline_speedup.json``), and with ``--plots DIR`` the measured timeline of the median step of
+``--timeline`` (merged Chrome trace + PNG) beside the planner's simulated timeline of the same plan.
 """
 from __future__ import annotations
 
@@ -46,18 +47,18 @@ import json
 import os
 import resource
 import shutil
-import socket
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from ds_terapipe.runtime.shm import remove_shm_segments
+from benchlib.alternate import alternate, median, median_index, paired_ratios, rounds_in_use
+from benchlib.launch import configure_logging, launch_workers, pin_and_single_thread, worker_args
+from benchlib.meters import ActivationMeter, CpuMeter, HeapMeter, InstructionRecorder, compute_events, step_summary
+from benchlib.tables import ROOT, fmt, machine_info, markdown_table, print_checks, results_path, write_report
 
-ROOT = Path(__file__).resolve().parents[1]
+NAME = "pipeline_speedup"   # its report: benchmarks/results/pipeline_speedup.json
 NUM_STAGES = 2
 
 #: variant name -> terapipe section (None: stock DeepSpeed); the first variant is the baseline.
@@ -79,297 +80,6 @@ KNOWN_VARIANTS = {**VARIANTS, **OPTIONAL_VARIANTS}
 # ================================================================================================================
 # Worker (one per stage)
 # ================================================================================================================
-class _Saved:
-    """What a pack hook hands autograd: the tensor, plus a finalizer that fires when autograd lets go of it."""
-
-    __slots__ = ("tensor", "__weakref__")
-
-    def __init__(self, tensor: Any) -> None:
-        self.tensor = tensor
-
-
-class ActivationMeter:
-    """Peak bytes of activations held for backward on this stage, plus KV cache buffers.
-
-    Install with ``with meter:`` around ``train_batch``. Each saved tensor's storage is counted once while any
-    saved reference to it is alive; parameters (weights saved by linear layers) and the KV buffers (counted
-    whole via ``nbytes()`` instead) are excluded.
-    """
-
-    def __init__(self, engine: Any) -> None:
-        import torch
-
-        self.engine = engine
-        self.param_ptrs = {p.untyped_storage().data_ptr() for p in engine.module.parameters()}
-        self.live: dict[int, list[int]] = {}   # storage data_ptr -> [saved references alive, storage bytes]
-        self.saved_bytes = 0
-        self.peak_total = self.peak_saved = self.peak_kv = self.peak_stash = 0
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-
-    def _states(self) -> list:
-        return list(getattr(self.engine, "_states", {}).values())
-
-    def kv_bytes(self) -> int:
-        return sum(state.nbytes() for state in self._states())
-
-    def _kv_ptrs(self) -> set[int]:
-        ptrs = set()
-        for state in self._states():
-            for bufs in state.kv.values():
-                for t in (bufs.k, bufs.v, bufs.grad_k, bufs.grad_v):
-                    if t is not None:
-                        ptrs.add(t.untyped_storage().data_ptr())
-        return ptrs
-
-    def _pack(self, tensor: Any) -> Any:
-        import weakref
-
-        storage = tensor.untyped_storage()
-        ptr, nbytes = storage.data_ptr(), storage.nbytes()
-        if nbytes == 0 or ptr in self.param_ptrs or ptr in self._kv_ptrs():
-            return tensor
-        entry = self.live.get(ptr)
-        if entry is None:
-            self.live[ptr] = [1, nbytes]
-            self.saved_bytes += nbytes
-        else:
-            entry[0] += 1
-        box = _Saved(tensor)
-        weakref.finalize(box, self._release, ptr)
-        self.sample()
-        return box
-
-    @staticmethod
-    def _unpack(packed: Any) -> Any:
-        return packed.tensor if isinstance(packed, _Saved) else packed
-
-    def _release(self, ptr: int) -> None:
-        entry = self.live[ptr]
-        entry[0] -= 1
-        if entry[0] == 0:
-            self.saved_bytes -= entry[1]
-            del self.live[ptr]
-
-    def stash_bytes(self) -> int:
-        """Deferred weight gradients: the recorded (input, output-gradient) pairs that no saved tensor counts."""
-        seen: set[int] = set()
-        total = 0
-        for stash in getattr(self.engine, "_stashes", {}).values():
-            for t in stash.tensors():
-                storage = t.untyped_storage()
-                ptr = storage.data_ptr()
-                if ptr not in seen and ptr not in self.live:
-                    seen.add(ptr)
-                    total += storage.nbytes()
-        return total
-
-    def sample(self) -> None:
-        kv, stash = self.kv_bytes(), self.stash_bytes()
-        self.peak_saved = max(self.peak_saved, self.saved_bytes)
-        self.peak_kv = max(self.peak_kv, kv)
-        self.peak_stash = max(self.peak_stash, stash)
-        self.peak_total = max(self.peak_total, self.saved_bytes + kv + stash)
-
-    def __enter__(self) -> "ActivationMeter":
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._hooks.__exit__(*exc)
-
-
-class HeapMeter:
-    """Peak bytes the stage's process allocates during one step, above what it held when the step began.
-
-    :class:`ActivationMeter` counts what autograd keeps for backward; this counts everything a step allocates:
-    saved activations, KV buffers and their gradients, backward temporaries, gradients, communication buffers,
-    optimizer scratch. That is the peak a device must fit, and it treats stock DeepSpeed and the token pipeline
-    alike (the unsliced backward's full-length temporaries count as much as the KV gradient buffers). CPU tensors
-    are plain ``malloc``, so glibc's ``mallinfo2`` (live bytes of the main arena plus mmapped chunks; CPU backward
-    runs on the calling thread, in the main arena) is read after every aten op through a ``TorchDispatchMode``
-    and after every instruction. Scratch a kernel frees before it returns is not seen.
-    """
-
-    def __init__(self) -> None:
-        import ctypes
-
-        import torch
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        class _MallInfo2(ctypes.Structure):
-            _fields_ = [(name, ctypes.c_size_t) for name in
-                        ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
-                         "fordblks", "keepcost")]
-
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallinfo2.restype = _MallInfo2
-        self._mallinfo = libc.mallinfo2
-        meter = self
-
-        class _SampleAfterOps(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: N805 (torch's signature)
-                out = func(*args, **(kwargs or {}))
-                meter.sample(func)
-                return out
-
-        self._mode = _SampleAfterOps()
-        self.base = self.peak = 0
-        self.instruction = ""   # set by InstructionRecorder before each instruction runs
-        self.peak_at = ""       # "instruction / op" where the peak was reached
-        with self._mode:   # the mode's first use allocates for good (~20 MB); not the step's to pay
-            x = torch.ones(8, requires_grad=True)
-            (x * 2).sum().backward()
-
-    def in_use(self) -> int:
-        info = self._mallinfo()
-        return info.uordblks + info.hblkhd
-
-    def sample(self, op: Any = None) -> None:
-        now = self.in_use()
-        if now > self.peak:
-            self.peak = now
-            self.peak_at = f"{self.instruction} / {op}"
-
-    def __enter__(self) -> "HeapMeter":
-        self.base = self.peak = self.in_use()
-        self._mode.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._mode.__exit__(*exc)
-
-    @property
-    def peak_bytes(self) -> int:
-        return self.peak - self.base
-
-
-class InstructionRecorder:
-    """Wraps every handler of an engine's instruction map (on the instance) to time it.
-
-    ``PipelineEngine._exec_schedule`` dispatches through ``self._INSTRUCTION_MAP`` (class-level functions bound
-    with ``MethodType``), so patching ``engine._exec_forward_pass`` on the instance would never be called; an
-    instance-level copy of the map is. Times are ``time.time()`` ms, the clock ranks on one host share.
-    """
-
-    def __init__(self, engine: Any, stage: int) -> None:
-        self.stage = stage
-        self.records: list[tuple[str, int, int, float, float]] = []   # (instruction, microbatch, slice, t0, t1)
-        self.compute_cpu_ms = 0.0   # this thread's CPU time inside forward/backward (vs wall: descheduling)
-        self.meter: ActivationMeter | HeapMeter | None = None
-        self._counts: dict[str, int] = {}
-        wrapped = {}
-        for cls, handler in type(engine)._INSTRUCTION_MAP.items():
-            wrapped[cls] = self._wrap(cls.__name__, handler)
-        engine._INSTRUCTION_MAP = wrapped
-
-    def _wrap(self, name: str, handler: Any) -> Any:
-        recorder = self
-
-        def timed(engine: Any, *args: Any, **kwargs: Any) -> Any:
-            if isinstance(recorder.meter, HeapMeter):
-                recorder.meter.instruction = f"{name}{kwargs.get('microbatch', '')}.{kwargs.get('slice', '')}"
-            c0 = time.thread_time()
-            t0 = time.time() * 1e3
-            out = handler(engine, *args, **kwargs)
-            t1 = time.time() * 1e3
-            if name in _KINDS:
-                recorder.compute_cpu_ms += (time.thread_time() - c0) * 1e3
-            if "microbatch" in kwargs:
-                mb, sl = kwargs["microbatch"], kwargs.get("slice", 0)
-            else:  # stock DeepSpeed: micro-batches run in order per instruction type
-                mb, sl = recorder._counts.get(name, 0), 0
-                recorder._counts[name] = mb + 1
-            recorder.records.append((name, int(mb), int(sl), t0, t1))
-            if recorder.meter is not None:
-                recorder.meter.sample()
-            return out
-
-        return timed
-
-    def reset(self) -> None:
-        self.records = []
-        self._counts = {}
-        self.compute_cpu_ms = 0.0
-
-
-class CpuMeter:
-    """CPU used on this machine by processes other than the benchmark's workers (Linux /proc), in cores.
-
-    Busy = user + nice + system + irq + softirq + steal jiffies of /proc/stat; ours = utime + stime of every
-    worker (all threads). On a shared machine a foreign process steals a core from a token pipeline, whose two
-    stages compute at the same time, far more than from stock 1F1B at m=1, where one stage mostly waits: the
-    noise is not symmetric, so rounds with foreign load are flagged (and excluded from the table).
-    """
-
-    def __init__(self, pids: list[int]) -> None:
-        self.pids = pids
-        self.tick = os.sysconf("SC_CLK_TCK")
-        self._last = self._read()
-
-    def _read(self) -> tuple[float, float, float] | None:
-        try:
-            with open("/proc/stat") as f:
-                v = [int(x) for x in f.readline().split()[1:9]]
-            busy = v[0] + v[1] + v[2] + v[5] + v[6] + v[7]
-            ours = 0
-            for pid in self.pids:
-                with open(f"/proc/{pid}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                ours += int(fields[11]) + int(fields[12])
-            return busy / self.tick, ours / self.tick, time.monotonic()
-        except (OSError, ValueError, IndexError):
-            return None
-
-    def foreign_cores(self) -> float:
-        """Foreign cores used since the previous call (NaN where /proc is not readable)."""
-        now, last = self._read(), self._last
-        self._last = now
-        if now is None or last is None or now[2] <= last[2]:
-            return float("nan")
-        return max(0.0, ((now[0] - last[0]) - (now[1] - last[1])) / (now[2] - last[2]))
-
-    def wait_quiet(self, max_s: float, below: float = 0.1, window_s: float = 1.0) -> float:
-        """Block until foreign load stays below ``below`` cores for ``window_s`` (at most ``max_s``); seconds waited."""
-        start = time.monotonic()
-        self.foreign_cores()
-        while time.monotonic() - start < max_s:
-            time.sleep(window_s)
-            if self.foreign_cores() < below:
-                break
-        return time.monotonic() - start
-
-
-def _step_summary(records: list[tuple[str, int, int, float, float]], t_start: float, t_end: float,
-                  compute_cpu_ms: float = float("nan")) -> dict:
-    """Per-rank breakdown of one step, in ms."""
-    total: dict[str, float] = {}
-    for name, _, _, t0, t1 in records:
-        total[name] = total.get(name, 0.0) + (t1 - t0)
-    compute = [(t0, t1) for name, _, _, t0, t1 in records if name in _KINDS]
-    fwd, bwd, wgt = total.get("ForwardPass", 0.0), total.get("BackwardPass", 0.0), total.get("WeightGradPass", 0.0)
-    recv = total.get("RecvActivation", 0.0) + total.get("RecvGrad", 0.0)
-    send = total.get("SendActivation", 0.0) + total.get("SendGrad", 0.0)
-    tail = sum(total.get(k, 0.0) for k in ("ReduceTiedGrads", "ReduceGrads", "OptimizerStep", "CommitP2P"))
-    instr = sum(total.values())
-    return {"step_ms": t_end - t_start, "forward_ms": fwd, "backward_ms": bwd, "weight_ms": wgt,
-            "busy_ms": fwd + bwd + wgt,
-            "recv_ms": recv, "send_ms": send, "tail_ms": tail, "load_ms": total.get("LoadMicroBatch", 0.0),
-            "outside_ms": (t_end - t_start) - instr,
-            "compute_start_ms": min(t0 for t0, _ in compute) - t_start if compute else 0.0,
-            "compute_end_ms": max(t1 for _, t1 in compute) - t_start if compute else 0.0,
-            "num_forward": sum(1 for r in records if r[0] == "ForwardPass"),
-            "cpu_share": compute_cpu_ms / (fwd + bwd + wgt) if fwd + bwd + wgt > 0 else float("nan")}
-
-
-#: compute instructions and their schedule-IR kind (W: deferred weight gradients of a micro-batch)
-_KINDS = {"ForwardPass": "F", "BackwardPass": "B", "WeightGradPass": "W"}
-
-
-def _compute_events(records: list, stage: int, t_start: float) -> list[list]:
-    """Compute records as [stage, "F"|"B"|"W", microbatch, slice, start_ms, end_ms] relative to t_start."""
-    return [[stage, _KINDS[n], mb, sl, t0 - t_start, t1 - t_start] for n, mb, sl, t0, t1 in records if n in _KINDS]
-
-
 def _build_engine(variant: str, m: int, cfg: Any, opts: dict, out_dir: Path) -> tuple[Any, float]:
     """One engine of ``variant`` for m micro-batches of 1 sequence; returns it and its build seconds."""
     import deepspeed
@@ -430,54 +140,14 @@ def _timed_step(engine: Any, rec: InstructionRecorder, batches: list, cpu: CpuMe
     loss = engine.train_batch(iter(batches))
     t_end = time.time() * 1e3
     ru1 = resource.getrusage(resource.RUSAGE_SELF)
-    summary = _step_summary(rec.records, t_start, t_end, rec.compute_cpu_ms)
+    summary = step_summary(rec.records, t_start, t_end, rec.compute_cpu_ms)
     summary["foreign_cores"] = cpu.foreign_cores() if cpu is not None else float("nan")
     # this process (all threads): user/system CPU, minor page faults, involuntary/voluntary context switches
     summary.update(user_ms=(ru1.ru_utime - ru0.ru_utime) * 1e3, sys_ms=(ru1.ru_stime - ru0.ru_stime) * 1e3,
                    minflt=ru1.ru_minflt - ru0.ru_minflt, nivcsw=ru1.ru_nivcsw - ru0.ru_nivcsw,
                    nvcsw=ru1.ru_nvcsw - ru0.ru_nvcsw)
-    summary["events"] = _compute_events(rec.records, engine.stage_id, t_start)
+    summary["events"] = compute_events(rec.records, engine.stage_id, t_start)
     return summary, float(loss)
-
-
-def _run_rounds(engines: dict, recorders: dict, info: dict, batches: list, m: int, opts: dict,
-                cpu: CpuMeter | None, rank: int) -> list[dict]:
-    """Warm-up rounds, then timed rounds until ``steps`` clean ones (or ``max_rounds``); one step per variant each."""
-    import torch.distributed as dist
-
-    names = list(engines)
-    rounds: list[dict] = []
-    rnd = clean = 0
-    while True:
-        warm = rnd < opts["warmup"]
-        waited = cpu.wait_quiet(opts["quiet_wait"]) if cpu is not None and not warm else 0.0
-        foreign: dict[str, float] = {}
-        for variant in names[rnd % len(names):] + names[:rnd % len(names)]:   # rotated order
-            summary, loss = _timed_step(engines[variant], recorders[variant], batches, cpu)
-            foreign[variant] = summary["foreign_cores"]
-            if not warm:
-                summary["round"] = rnd - opts["warmup"]
-                info[variant]["steps"].append(summary)
-                info[variant]["losses"].append(loss)
-        rnd += 1
-        if warm:
-            continue
-        # rank 0 measures the machine: it decides whether the round was clean and whether to go on
-        is_clean = cpu is None or max(foreign.values()) < opts["foreign_max"]
-        clean += int(is_clean)
-        done = clean >= opts["steps"] or rnd - opts["warmup"] >= opts["max_rounds"]
-        decision = [(is_clean, done, waited, foreign)]
-        dist.broadcast_object_list(decision, src=0)
-        is_clean, done, waited, foreign = decision[0]
-        rounds.append({"round": rnd - 1 - opts["warmup"], "clean": is_clean, "waited_s": waited,
-                       "foreign_cores": foreign})
-        if rank == 0:
-            line = " ".join(f"{v}={info[v]['steps'][-1]['step_ms']:.0f}ms" for v in names)
-            load = " ".join(f"{foreign[v]:.2f}" for v in names)
-            print(f"[rank 0] m={m} round {rnd - 1 - opts['warmup']} {'clean' if is_clean else 'NOISY'} "
-                  f"(waited {waited:.0f}s; foreign cores {load}) {line}", flush=True)
-        if done:
-            return rounds
 
 
 def _reprofile(engine: Any) -> dict | None:
@@ -531,17 +201,9 @@ def _measure_memory(engine: Any, rec: InstructionRecorder, batches: list) -> dic
 def worker_main(out_dir: Path, opts: dict) -> None:
     """One stage: build every variant's engine per m, alternate their steps, measure memory, write rank{R}.json."""
     rank = int(os.environ["RANK"])
-    if opts.get("bind_cores"):  # like the deepspeed launcher's --bind_cores_to_rank: one core per stage
-        cores = sorted(os.sched_getaffinity(0))
-        os.sched_setaffinity(0, {cores[rank % len(cores)]})
-    import torch
-
-    torch.set_num_threads(1)
-    try:
-        torch.set_num_interop_threads(1)
-    except RuntimeError:
-        pass
+    pin_and_single_thread(rank, opts.get("bind_cores", False))   # before torch starts any thread
     import deepspeed
+    import torch
     import torch.distributed as dist
 
     from ds_terapipe.models.gpt import GPTConfig
@@ -577,7 +239,17 @@ def worker_main(out_dir: Path, opts: dict) -> None:
             info[variant] = _engine_info(engine, variant, m, seq_len, build_s, build_foreign, out_dir)
             print(f"[rank {rank}] m={m} {variant}: built in {build_s:.1f}s (foreign cores {build_foreign:.2f}), "
                   f"slices {info[variant]['slices']}", flush=True)
-        rounds = _run_rounds(engines, recorders, info, batches[:m], m, opts, cpu, rank)
+        def run_step(variant: str, rnd: int | None) -> dict:
+            summary, loss = _timed_step(engines[variant], recorders[variant], batches[:m], cpu)
+            if rnd is not None:   # a timed round (not warm-up)
+                summary["round"] = rnd
+                info[variant]["steps"].append(summary)
+                info[variant]["losses"].append(loss)
+            return summary
+
+        rounds = alternate(list(engines), run_step, warmup=opts["warmup"], steps=opts["steps"],
+                           max_rounds=opts["max_rounds"], quiet_wait=opts["quiet_wait"],
+                           foreign_max=opts["foreign_max"], cpu=cpu, rank=rank, label=f"m={m}")
         for variant in engines:
             info[variant]["rounds"] = rounds
             if info[variant]["plan_source"] == "profiled":
@@ -594,60 +266,6 @@ def worker_main(out_dir: Path, opts: dict) -> None:
 # ================================================================================================================
 # Parent
 # ================================================================================================================
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def launch(out_dir: Path, opts: dict, timeout_s: float) -> list[dict]:
-    """Run the two workers; return each rank's result (raises with the log tails if one fails or hangs)."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(out_dir / "plans", ignore_errors=True)  # profile afresh: a cached plan would skip profiling
-    port = _free_port()
-    procs, logs = [], []
-    for rank in range(NUM_STAGES):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(NUM_STAGES),
-                   LOCAL_WORLD_SIZE=str(NUM_STAGES), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
-                   PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-        log = open(out_dir / f"rank{rank}.log", "w")
-        logs.append(log)
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", str(out_dir), json.dumps(opts)]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
-    deadline = time.monotonic() + timeout_s
-    shown = 0
-    try:
-        while any(p.poll() is None for p in procs):
-            if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs):
-                time.sleep(3)
-                break
-            lines = (out_dir / "rank0.log").read_text(errors="replace").splitlines()
-            for line in lines[shown:]:
-                if line.startswith("[rank 0]"):
-                    print(line, flush=True)
-            shown = len(lines)
-            time.sleep(1.0)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-        for log in logs:
-            log.close()
-        remove_shm_segments(port)  # DeepSpeed's CPU allreduce never unlinks its 66 MB segments
-    codes = [p.returncode for p in procs]
-    if any(codes):
-        tails = "\n".join(f"--- rank {r} (exit {codes[r]}):\n" + "\n".join(
-            (out_dir / f"rank{r}.log").read_text(errors="replace").splitlines()[-30:]) for r in range(NUM_STAGES))
-        raise SystemExit(f"benchmark workers failed or timed out after {timeout_s:.0f}s (logs in {out_dir})\n{tails}")
-    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(NUM_STAGES)]
-
-
-def _median(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
-
-
 def analyse(ranks: list[dict], opts: dict) -> dict:
     """Combine the ranks' records into rows: per (m, variant) medians, ratios, bound, planner error, memory.
 
@@ -664,8 +282,8 @@ def analyse(ranks: list[dict], opts: dict) -> dict:
     for m in opts["micro_batches"]:
         infos = [r["per_m"][str(m)] for r in by_stage]   # index = stage
         rounds = infos[0][base]["rounds"]
-        clean = {r["round"] for r in rounds if r["clean"]}
-        use = clean if len(clean) >= min(3, opts["steps"]) else {r["round"] for r in rounds}
+        num_clean = sum(1 for r in rounds if r["clean"])
+        use = rounds_in_use(rounds, opts["steps"])
         # per variant: list over used rounds of per-stage step summaries
         steps = {v: [per_stage for per_stage in zip(*(info[v]["steps"] for info in infos))
                      if per_stage[0]["round"] in use] for v in opts["variants"]}
@@ -676,34 +294,34 @@ def analyse(ranks: list[dict], opts: dict) -> dict:
             bound = [max(s["busy_ms"] for s in ps) for ps in per_round]
             span = [max(s["compute_end_ms"] for s in ps) - min(s["compute_start_ms"] for s in ps) for ps in per_round]
             eff = [b / t for b, t in zip(bound, times)]
-            ratios = [step_ms[base][r] / t for r, t in step_ms[v].items() if r in step_ms[base]]
+            ratios = paired_ratios(step_ms[base], step_ms[v])
             plan = infos[0][v]["plan"]
-            med = _median(times)
+            med = median(times)
             again = infos[0][v].get("reprofiled")
-            med_i = min(range(len(times)), key=lambda i: abs(times[i] - med))
+            med_i = median_index(times)
             stage_rows = []
             for stage, info in enumerate(infos):
                 ss = [ps[stage] for ps in per_round]
-                stage_rows.append({k: _median([x[k] for x in ss]) for k in keys})
+                stage_rows.append({k: median([x[k] for x in ss]) for k in keys})
                 stage_rows[-1].update(memory=info[v]["memory"], build_s=info[v]["build_s"])
             row = {
                 "m": m, "variant": v, "slices": infos[0][v]["slices"], "num_slices": len(infos[0][v]["slices"]),
-                "rounds_used": sorted(use), "clean_rounds": len(clean), "all_rounds": len(rounds),
+                "rounds_used": sorted(use), "clean_rounds": num_clean, "all_rounds": len(rounds),
                 "step_ms": med, "step_ms_all": times, "step_ms_min": min(times), "step_ms_max": max(times),
-                "speedup": _median(ratios), "speedup_ratios": ratios, "speedup_of_medians": _median(
+                "speedup": median(ratios), "speedup_ratios": ratios, "speedup_of_medians": median(
                     [step_ms[base][ps[0]["round"]] for ps in steps[base]]) / med,
-                "bound_ms": _median(bound), "efficiency": _median(eff), "span_ms": _median(span),
+                "bound_ms": median(bound), "efficiency": median(eff), "span_ms": median(span),
                 "predicted_ms": plan["predicted_ms"] if plan else None,
                 "planner_unsliced_ms": plan["unsliced_ms"] if plan else None,
                 "pred_err": (plan["predicted_ms"] - med) / med if plan else None,
-                "pred_err_vs_span": (plan["predicted_ms"] - _median(span)) / _median(span) if plan else None,
+                "pred_err_vs_span": (plan["predicted_ms"] - median(span)) / median(span) if plan else None,
                 "reprofiled_ms": again["predicted_ms"] if again else None,
                 "reprofiled_err": (again["predicted_ms"] - med) / med if again else None,
                 "reprofiled_cost": again["cost"] if again else None,
                 "plan_source": infos[0][v]["plan_source"], "schedule": infos[0][v]["schedule"],
                 "deferred_weight_grads": infos[0][v].get("deferred_weight_grads", False),
                 "stages": stage_rows,
-                "foreign_cores": _median([max(s["foreign_cores"] for s in ps) for ps in per_round]),
+                "foreign_cores": median([max(s["foreign_cores"] for s in ps) for ps in per_round]),
                 "losses": infos[-1][v]["losses"],
                 "median_step_events": [e for ev in (ps["events"] for ps in per_round[med_i]) for e in ev],
                 "median_step_ms": times[med_i],
@@ -715,26 +333,23 @@ def analyse(ranks: list[dict], opts: dict) -> dict:
     return {"rows": rows}
 
 
-def _fmt(x: float | None, spec: str) -> str:
-    return "-" if x is None else format(x, spec)
-
-
 def print_tables(report: dict, opts: dict) -> str:
+    """The main table (one row per m and variant) and the per-stage breakdown, printed and returned as text."""
     rows = report["rows"]
-    out = []
-    out.append("| m | variant | slices | step ms | speedup | bound ms | eff | pred ms | pred err | re-prof ms | re-prof err "
-               "| act MiB s0/s1 | peak MiB s0/s1 | rounds |")
-    out.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    main_rows = []
     for r in rows:
         n = r["num_slices"]
-        sl = str(n) if n > 1 else "1"
-        act = "/".join(f"{a:.0f}" for a in r["activation_mib"])
-        heap = "/".join(f"{a:.0f}" for a in r["heap_mib"])
         err = "-" if r["pred_err"] is None else f"{100 * r['pred_err']:+.1f}%"
         err_r = "-" if r["reprofiled_err"] is None else f"{100 * r['reprofiled_err']:+.1f}%"
-        out.append(f"| {r['m']} | {r['variant']} | {sl} | {r['step_ms']:.0f} | {r['speedup']:.2f}x | "
-                   f"{r['bound_ms']:.0f} | {100 * r['efficiency']:.0f}% | {_fmt(r['predicted_ms'], '.0f')} | "
-                   f"{err} | {_fmt(r['reprofiled_ms'], '.0f')} | {err_r} | {act} | {heap} | {len(r['rounds_used'])}{'' if r['clean_rounds'] >= len(r['rounds_used']) else '*'} |")
+        used = len(r["rounds_used"])
+        main_rows.append([r["m"], r["variant"], str(n) if n > 1 else "1", f"{r['step_ms']:.0f}",
+                          f"{r['speedup']:.2f}x", f"{r['bound_ms']:.0f}", f"{100 * r['efficiency']:.0f}%",
+                          fmt(r["predicted_ms"], ".0f"), err, fmt(r["reprofiled_ms"], ".0f"), err_r,
+                          "/".join(f"{a:.0f}" for a in r["activation_mib"]),
+                          "/".join(f"{a:.0f}" for a in r["heap_mib"]),
+                          f"{used}{'' if r['clean_rounds'] >= used else '*'}"])
+    out = markdown_table(["m", "variant", "slices", "step ms", "speedup", "bound ms", "eff", "pred ms", "pred err",
+                          "re-prof ms", "re-prof err", "act MiB s0/s1", "peak MiB s0/s1", "rounds"], main_rows)
     out.append("")
     out.append("pred: the plan's prediction from costs profiled at init; re-prof: the same plan predicted from costs "
                "profiled again right after the rounds. act: saved for backward + KV buffers; peak: everything the "
@@ -743,22 +358,22 @@ def print_tables(report: dict, opts: dict) -> str:
     out.append("")
     out.append("Per stage (medians, ms): forward / backward / deferred weight gradients / waiting in recv / send / "
                "grads+optimizer tail / outside instructions; cpu = thread CPU time / wall time inside compute")
-    out.append("| m | variant | stage 0 F/B/W/recv/send/tail/out | stage 1 F/B/W/recv/send/tail/out | cpu s0/s1 | "
-               "planned slices |")
-    out.append("|---|---|---|---|---|---|")
+    stage_keys = ("forward_ms", "backward_ms", "weight_ms", "recv_ms", "send_ms", "tail_ms", "outside_ms")
+    stage_rows = []
     for r in rows:
-        cells = ["/".join(f"{s[k]:.0f}" for k in ("forward_ms", "backward_ms", "weight_ms", "recv_ms", "send_ms", "tail_ms",
-                                                   "outside_ms")) for s in r["stages"]]
+        cells = ["/".join(f"{s[k]:.0f}" for k in stage_keys) for s in r["stages"]]
         sl = r["slices"] if r["num_slices"] <= 12 else f"{r['slices'][:12]}..."
         cpu = "/".join(f"{s['cpu_share']:.2f}" for s in r["stages"])
-        out.append(f"| {r['m']} | {r['variant']} | {cells[0]} | {cells[1]} | {cpu} | "
-                   f"{sl if r['num_slices'] > 1 else '-'} |")
+        stage_rows.append([r["m"], r["variant"], cells[0], cells[1], cpu, sl if r["num_slices"] > 1 else "-"])
+    out += markdown_table(["m", "variant", "stage 0 F/B/W/recv/send/tail/out", "stage 1 F/B/W/recv/send/tail/out",
+                           "cpu s0/s1", "planned slices"], stage_rows)
     text = "\n".join(out)
     print(text)
     return text
 
 
 def check_targets(report: dict) -> list[dict]:
+    """The targets of docs/performance.md, each with its value and whether it was met (printed too)."""
     rows = report["rows"]
     checks = []
     for r in rows:
@@ -772,7 +387,8 @@ def check_targets(report: dict) -> list[dict]:
                            "met": abs(r["pred_err"]) <= 0.10})
             if r["reprofiled_err"] is not None:
                 checks.append({"target": f"m={r['m']} {r['variant']} |prediction error| <= 10%, costs re-profiled "
-                               "after the rounds", "value": r["reprofiled_err"], "met": abs(r["reprofiled_err"]) <= 0.10})
+                               "after the rounds", "value": r["reprofiled_err"],
+                               "met": abs(r["reprofiled_err"]) <= 0.10})
         if r["variant"] == "slices=1":
             checks.append({"target": f"m={r['m']} slices=1 within 3% of stock", "value": r["speedup"],
                            "met": abs(1.0 / r["speedup"] - 1.0) <= 0.03})
@@ -787,8 +403,7 @@ def check_targets(report: dict) -> list[dict]:
             worst = max(a / s for a, s in zip(r["heap_mib"], stock["heap_mib"]))
             checks.append({"target": f"m={r['m']} auto/1f1b peak step memory <= stock, every stage (worst ratio)",
                            "value": worst, "met": worst <= 1.0})
-    for c in checks:
-        print(f"  [{'met ' if c['met'] else 'MISS'}] {c['target']}: {c['value']:.3f}")
+    print_checks(checks)
     return checks
 
 
@@ -822,7 +437,8 @@ def write_plots(report: dict, which: tuple[int, str], out_dir: Path, work_dir: P
     paths = {"measured_trace": str(merged), "measured_png": str(out_dir / f"timeline-measured-{tag}.png")}
     if row["cost"] is not None:
         cost = PipelineCost.from_dict(row["cost"], num_stages=NUM_STAGES)
-        sched = build_schedule(row["schedule"], NUM_STAGES, m, row["num_slices"], row.get("deferred_weight_grads", False))
+        sched = build_schedule(row["schedule"], NUM_STAGES, m, row["num_slices"],
+                               row.get("deferred_weight_grads", False))
         sim = simulate(sched, cost, row["slices"], micro_batch_size=1)
         events_to_chrome_trace(sim.events, out_dir / f"timeline-planned-{tag}.json",
                                metadata={"m": m, "variant": variant, "slices": row["slices"],
@@ -879,21 +495,11 @@ def cost_model_check(report: dict) -> list[dict]:
     return out
 
 
-def _git_describe() -> str | None:
-    """The commit measured, with "+dirty" when tracked files under ds_terapipe/ differ from it."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "ds_terapipe"],
-                               cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return head + ("+dirty" if dirty else "")
-
-
 def main() -> int:
-    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        worker_main(Path(sys.argv[2]), json.loads(sys.argv[3]))
+    configure_logging()
+    worker = worker_args()
+    if worker is not None:
+        worker_main(*worker)
         return 0
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -918,7 +524,9 @@ def main() -> int:
     ap.add_argument("--foreign-max", type=float, default=0.2,
                     help="a round is clean when other processes used fewer cores than this during each step")
     ap.add_argument("--quick", action="store_true", help="small model and few steps: a 1-2 minute smoke run")
-    ap.add_argument("--json", metavar="PATH", help="write the report as JSON")
+    ap.add_argument("--json", metavar="PATH",
+                    help=f"where to write the report as JSON (default: {results_path(NAME).relative_to(ROOT)}; "
+                         "with --quick: the --out directory, so a smoke run never replaces the committed results)")
     ap.add_argument("--plots", metavar="DIR", help="write timelines (planned/measured PNG + Chrome traces) to DIR")
     ap.add_argument("--timeline", action="append", metavar="M,VARIANT",
                     help="whose median step --plots draws (repeatable; default 1,auto/gpipe and 4,auto/1f1b)")
@@ -949,7 +557,8 @@ def main() -> int:
         variants.append(name)
     opts = {"seq_len": args.seq_len, "layers": args.layers, "hidden": args.hidden, "heads": args.heads,
             "vocab": args.vocab, "micro_batches": [int(x) for x in args.micro_batches.split(",")],
-            "variants": variants, "extra_variants": extra, "profile": json.loads(args.profile) if args.profile else None, "warmup": args.warmup, "steps": args.steps,
+            "variants": variants, "extra_variants": extra,
+            "profile": json.loads(args.profile) if args.profile else None, "warmup": args.warmup, "steps": args.steps,
             "max_rounds": args.max_rounds or 2 * args.steps, "quiet_wait": args.quiet_wait,
             "foreign_max": args.foreign_max, "bind_cores": args.bind_cores}
     out_dir = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="pipeline_speedup-"))
@@ -957,7 +566,8 @@ def main() -> int:
           f"{args.vocab}, seq_len {args.seq_len}, micro-batch 1, m in {opts['micro_batches']}; "
           f"{args.warmup} warm-up + {args.steps} timed rounds; logs in {out_dir}", flush=True)
     started = time.perf_counter()
-    ranks = launch(out_dir, opts, args.timeout)
+    shutil.rmtree(out_dir / "plans", ignore_errors=True)  # profile afresh: a cached plan would skip profiling
+    ranks = launch_workers(Path(__file__), NUM_STAGES, out_dir, opts, timeout_s=args.timeout)
     report = analyse(ranks, opts)
     print()
     report["table"] = print_tables(report, opts)
@@ -983,14 +593,12 @@ def main() -> int:
             report["plots"].append(plots)
             print(f"timelines: {plots['measured_png']} {plots.get('planned_png', '')}")
     wall = time.perf_counter() - started
-    report.update(options=opts, wall_s=wall, command=" ".join([Path(sys.executable).name, *sys.argv]),
-                  git=_git_describe(),
-                  machine={"cpus": os.cpu_count(), "python": sys.version.split()[0], "torch": ranks[0]["torch"],
-                           "deepspeed": ranks[0]["deepspeed"], "threads_per_rank": ranks[0]["threads"]})
+    report.update(options=opts, wall_s=wall)
+    machine = machine_info(torch=ranks[0]["torch"], deepspeed=ranks[0]["deepspeed"],
+                           threads_per_rank=ranks[0]["threads"], cores_pinned=args.bind_cores)
     print(f"\nwall time {wall:.0f} s")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=1))
+    json_path = Path(args.json) if args.json else (out_dir / f"{NAME}.json" if args.quick else results_path(NAME))
+    print(f"report: {write_report(report, json_path, machine=machine)}")
     return 0
 
 

@@ -1,7 +1,7 @@
 """How long a user waits for a plan: a fresh ``python`` process that imports the planner and solves one case.
 
-    python benchmarks/planner_speed.py                 # the table
-    python benchmarks/planner_speed.py --json out.json # and the numbers as JSON
+    python benchmarks/planner_speed.py                 # the table; the report: benchmarks/results/planner_speed.json
+    python benchmarks/planner_speed.py --json out.json # the report elsewhere
     python benchmarks/planner_speed.py --repeats 5 --case l2048-k48
 
 Each case runs ``--repeats`` times in a new interpreter (startup + numpy + planner import + cost + plan), and the
@@ -21,7 +21,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchlib.tables import ROOT, machine_info, results_path, write_report
+
+NAME = "planner_speed"
 
 # name: (model, device, stages, seq_len, granularity, micro-batches, micro-batch size, schedule, cost, split, target_s)
 # cost: False = analytic, equal stages; True = analytic with the LM head on the last stage; "measured" = noisy fits
@@ -81,7 +83,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3, help="fresh processes per case (default 3)")
     ap.add_argument("--case", action="append", choices=sorted(CASES), help="run only these cases (repeatable)")
-    ap.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    ap.add_argument("--json", metavar="PATH", help=f"where to write the report (default: "
+                    f"{results_path(NAME).relative_to(ROOT)}, with the commit and machine)")
     args = ap.parse_args()
     names = args.case or list(CASES)
     header = (f"{'case':<19} {'model':<10} {'K':>3} {'L':>5} {'N':>5} {'m':>2} {'B':>2} {'sched':<5} {'cost':<4} "
@@ -100,9 +103,11 @@ def main() -> int:
               flush=True)
         results.append({"case": name, "model": model, "device": device, "num_stages": k, "seq_len": seq,
                         "granularity": g, "num_microbatches": m, "micro_batch_size": b, "schedule": sched,
-                        "cost": "measured" if head == "measured" else ("analytic+head" if head else "analytic"), "split_batch": split, "target_s": target, "repeats": args.repeats, **r})
-    if args.json:
-        Path(args.json).write_text(json.dumps({"python": sys.version.split()[0], "results": results}, indent=1))
+                        "cost": "measured" if head == "measured" else ("analytic+head" if head else "analytic"),
+                        "split_batch": split, "target_s": target, "repeats": args.repeats, **r})
+    path = Path(args.json) if args.json else results_path(NAME)
+    written = write_report({"python": sys.version.split()[0], "results": results}, path, machine=machine_info())
+    print(f"report: {written}")
     return 0
 
 

@@ -32,7 +32,23 @@ import ds_terapipe
 from ds_terapipe.models.gpt import GPTConfig, causal_lm_loss, gpt_layer_specs
 from ds_terapipe.runtime.shm import remove_shm_segments
 
-logger = logging.getLogger("train_gpt")
+LOG_FORMAT = "[%(asctime)s] [%(levelname)s] [%(name)s] %(message)s"
+
+
+def setup_logging() -> None:
+    """Show ds_terapipe's log lines (the plan, profiling, faults) the way DeepSpeed shows its own.
+
+    A library only adds a NullHandler; the application decides what is shown. Here: ds_terapipe at INFO, or at
+    ``DS_TERAPIPE_LOG_LEVEL`` (e.g. DEBUG), on stderr as ``[time] [LEVEL] [name] message``; other loggers at INFO.
+    """
+    logging.basicConfig(level=logging.INFO, format="[%(asctime)s] [%(name)s] %(message)s")
+    lib = logging.getLogger("ds_terapipe")
+    lib.setLevel(os.environ.get("DS_TERAPIPE_LOG_LEVEL", "INFO").upper())
+    if not any(not isinstance(h, logging.NullHandler) for h in lib.handlers):   # not configured yet
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(LOG_FORMAT))
+        lib.addHandler(handler)
+        lib.propagate = False   # its own format, not the root logger's
 
 
 def parse_args() -> argparse.Namespace:
@@ -111,7 +127,7 @@ class Batches:
 
 def main() -> None:
     args = parse_args()
-    logging.basicConfig(level=logging.INFO, format="[%(asctime)s] [%(name)s] %(message)s")
+    setup_logging()
     if not torch.cuda.is_available():
         # One process per stage shares the cores: more threads than cores per process makes every rank spin
         # against the others (10x slower on a 2-core machine).

@@ -1,0 +1,92 @@
+"""Start a benchmark's workers on local ranks and collect their results.
+
+The convention: the benchmark script is also its worker. The parent runs ``script --worker OUT_DIR OPTS_JSON``
+on every rank (:func:`launch_workers`); each worker does its part, writes ``OUT_DIR/rank{R}.json`` and prints
+progress lines starting ``[rank 0]`` on rank 0, which the parent echoes as they come. Processes are started by
+:func:`ds_terapipe.runtime.local_launch.run_local` (free port, one log per rank, deadline, fail-fast, DeepSpeed shm
+cleanup), the launcher the tests use too.
+
+Worker side: :func:`worker_args` recognises the worker invocation; :func:`pin_and_single_thread` pins the
+process to one core per rank and leaves torch one thread, before anything else imports torch.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from ds_terapipe.runtime.local_launch import run_local
+
+from .tables import ROOT
+
+__all__ = ["configure_logging", "launch_workers", "pin_and_single_thread", "worker_args"]
+
+WORKER_FLAG = "--worker"
+
+
+def launch_workers(script: Path, world_size: int, out_dir: Path, opts: dict, *, timeout_s: float,
+                   echo_prefix: str = "[rank 0]") -> list[dict[str, Any]]:
+    """Run ``script --worker out_dir opts`` on ``world_size`` local ranks; return each rank's ``rank{R}.json``.
+
+    Lines of rank 0's log starting with ``echo_prefix`` are printed as they appear. A worker that fails or a
+    launch past ``timeout_s`` ends the benchmark (SystemExit) with every rank's last log lines.
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shown = 0
+
+    def echo_rank0() -> None:
+        nonlocal shown
+        log = out_dir / "rank0.log"
+        lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+        for line in lines[shown:]:
+            if line.startswith(echo_prefix):
+                print(line, flush=True)
+        shown = len(lines)
+
+    argv = [sys.executable, str(Path(script).resolve()), WORKER_FLAG, str(out_dir), json.dumps(opts)]
+    result = run_local(argv, world_size, out_dir, timeout_s=timeout_s, pythonpath=[ROOT], cwd=ROOT,
+                       fail_fast_grace_s=3.0, on_poll=echo_rank0, poll_s=1.0)
+    if not result.ok:
+        raise SystemExit(f"benchmark workers failed or timed out after {timeout_s:.0f}s (logs in {out_dir})\n"
+                         + result.failure_report(30))
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
+
+
+def configure_logging() -> None:
+    """Show ds_terapipe's log lines (plans, written traces) as ``[time] [LEVEL] [name] message`` on stderr, at INFO
+    or ``DS_TERAPIPE_LOG_LEVEL``: the library itself only adds a NullHandler. For the parent and every worker (a
+    worker's log then shows its plan, which the failure report's log tails include)."""
+    lib = logging.getLogger("ds_terapipe")
+    lib.setLevel(os.environ.get("DS_TERAPIPE_LOG_LEVEL", "INFO").upper())
+    if not any(not isinstance(h, logging.NullHandler) for h in lib.handlers):   # not configured yet
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[%(asctime)s] [%(levelname)s] [%(name)s] %(message)s"))
+        lib.addHandler(handler)
+        lib.propagate = False
+
+
+def worker_args(argv: list[str] | None = None) -> tuple[Path, dict] | None:
+    """``(out_dir, opts)`` when this process was started as a worker by :func:`launch_workers`, else None."""
+    argv = sys.argv if argv is None else argv
+    if len(argv) > 1 and argv[1] == WORKER_FLAG:
+        return Path(argv[2]), json.loads(argv[3])
+    return None
+
+
+def pin_and_single_thread(rank: int, bind_cores: bool) -> None:
+    """One thread of torch compute per process and, with ``bind_cores``, the process on core ``rank`` (mod the
+    usable cores), like the deepspeed launcher's ``--bind_cores_to_rank``. Call before importing torch elsewhere:
+    threads started before the pin would not inherit it."""
+    if bind_cores:
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cores[rank % len(cores)]})
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:   # already set, or the pool already started: keep what is there
+        pass
