@@ -252,10 +252,9 @@ def _check_memory(args: argparse.Namespace, memory: Any, num_stages: int, granul
                              split_batch=args.split_batch)
     if short is None:
         return
-    fixes = ["raise --memory-gb", "add --stages"]
-    fixes += [f"use --schedule {short.lower_schedule}"] if short.lower_schedule else []
-    fixes += ["add --split-batch"] if short.split_batch_helps else []
-    fixes += ["raise --max-slices"] if short.more_slices_help else []
+    fixes = ["raise --memory-gb", "add --stages", *short.fixes(schedule="use --schedule {}",
+                                                               split_batch="add --split-batch",
+                                                               max_slices="raise --max-slices")]
     raise UsageError(f"--memory-gb {args.memory_gb:g} cannot be met: the smallest activation estimate of any "
                      f"allowed plan is {short.smallest_bytes / _GIB:.3g} GiB on the busiest stage; "
                      f"{', '.join(fixes[:-1])} or {fixes[-1]}")

@@ -490,6 +490,11 @@ class MemoryShortfall:
     more_slices_help: bool
     """Lifting ``max_slices`` would lower the estimate."""
 
+    def fixes(self, *, schedule: str, split_batch: str, max_slices: str) -> list[str]:
+        """The changes that would help, in the caller's words (``schedule`` is formatted with the name)."""
+        return ([schedule.format(self.lower_schedule)] if self.lower_schedule else []) + \
+            ([split_batch] if self.split_batch_helps else []) + ([max_slices] if self.more_slices_help else [])
+
 
 def memory_shortfall(memory: MemoryModel, limit_bytes: float, *, schedule: str, num_stages: int,
                      num_microbatches: int, micro_batch_size: int, seq_len: int, granularity: int,
@@ -595,10 +600,9 @@ def plan_slicing(cost: PipelineCost, seq_len: int, *, num_microbatches: int = 1,
                                  num_microbatches=m, micro_batch_size=batch, seq_len=seq_len,
                                  granularity=granularity, max_slices=max_slices, split_batch=split_batch)
         if short is not None:
-            fixes = ["raise the limit", "add stages"]
-            fixes += [f"use schedule={short.lower_schedule!r}"] if short.lower_schedule else []
-            fixes += ["split_batch=True"] if short.split_batch_helps else []
-            fixes += ["raise max_slices"] if short.more_slices_help else []
+            fixes = ["raise the limit", "add stages", *short.fixes(schedule="use schedule={!r}",
+                                                                    split_batch="split_batch=True",
+                                                                    max_slices="raise max_slices")]
             raise ValueError(f"memory_limit_bytes = {memory_limit_bytes:.4g} cannot be met: the smallest estimated "
                              f"peak is {short.smallest_bytes:.4g} bytes; {', '.join(fixes)}, or recompute "
                              "activations (MemoryModel.activation_factor)")
