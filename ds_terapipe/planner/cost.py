@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass

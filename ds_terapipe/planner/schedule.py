@@ -9,7 +9,8 @@ gradients: either one ``W(s,b,0)`` per micro-batch and stage, after ``B(s,b,0)``
 ``W(s,b,i)`` per unit right after ``B(s,b,i)`` (``per_slice``). W talks to no other stage.
 
 A schedule is data (the torch.distributed.pipelining pattern): one ordered tuple of :class:`Action` per stage.
-Builders write compute-only schedules; :func:`add_communication` lowers them to the exact send/recv streams the
+Builders live one per module in ``planner/schedules/`` and are registered by name (``planner/registry.py``);
+:func:`build_schedule` dispatches through the registry. Builders write compute-only schedules; :func:`add_communication` lowers them to the exact send/recv streams the
 runtime executes; :func:`validate` checks the per-stage rules and :func:`replay` dry-runs all ranks under the
 runtime's p2p semantics (non-blocking sends, blocking receives, FIFO channels), reporting deadlocks and
 mis-paired messages with the whole rank x step grid. Try it::
