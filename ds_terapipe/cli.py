@@ -5,12 +5,14 @@
     ds-terapipe simulate --model gpt3-13b --device a100 --stages 8 --seq-len 2048 --microbatches 4 \
         --schedule 1f1b --trace timeline.json --plot timeline.png
     ds-terapipe presets
+    ds-terapipe schedules
 
 ``plan`` solves the slicing (``planner.slicing.plan_slicing``) under the analytic cost of a model preset on a
 device preset, or under a measured cost file (``--cost``, the format of ``planner/cost.py``), and prints the
 slices, the predicted step time with and without slicing, the speedup and the bubble. ``simulate`` runs the
 event simulator (``planner.simulate``) on the planned slicing or on ``--slices``, and can write a Chrome trace
-(open in https://ui.perfetto.dev) and a PNG timeline.
+(open in https://ui.perfetto.dev) and a PNG timeline. ``schedules`` prints the table of registered schedules
+(``planner.registry``), the same table README shows.
 
 Only the planner is imported (numpy and the standard library; matplotlib only for ``--plot``), never torch or
 deepspeed, so the command starts fast. Every mistake a user can make ends in one line on stderr,
@@ -29,14 +31,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from .planner._checks import check_int, check_number
 from .planner.presets import DEVICE_PRESETS, MODEL_PRESETS, analytic_pipeline_cost, preset_memory_model
+from .planner.registry import schedule_names, schedule_table
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["main", "build_parser"]
 
 PROG = "ds-terapipe"
-_SCHEDULES = ("gpipe", "1f1b")   # planner.slicing.SCHEDULES; repeated so building the parser imports no solver
 _DEFAULT_GRANULARITY = 8
 _GIB = 1024 ** 3
 
@@ -60,9 +63,10 @@ def _positive_int(text: str) -> int:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer; pass a whole number >= 1") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be >= 1; pass a whole number >= 1")
-    return value
+    try:
+        return check_int(value, repr(text), fix="pass a whole number >= 1")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _positive_float(text: str) -> float:
@@ -70,9 +74,10 @@ def _positive_float(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number; pass e.g. 32") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number > 0; pass e.g. 32")
-    return value
+    try:
+        return check_number(value, repr(text), positive=True, fix="pass e.g. 32")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _slice_list(text: str) -> list[int]:
@@ -107,7 +112,8 @@ def _add_planning_args(p: argparse.ArgumentParser) -> None:
                    help="sequences per micro-batch (default 1)")
     g.add_argument("--microbatches", type=_positive_int, default=1, metavar="M",
                    help="micro-batches per step and pipeline (default 1)")
-    g.add_argument("--schedule", choices=_SCHEDULES, default="gpipe", help="pipeline schedule (default gpipe)")
+    g.add_argument("--schedule", choices=schedule_names(), default="gpipe",
+                   help="pipeline schedule (default gpipe; see 'ds-terapipe schedules')")
     s = p.add_argument_group("slicing search")
     s.add_argument("--granularity", type=_positive_int, default=None, metavar="G",
                    help=f"slice lengths are multiples of G, which must divide --seq-len (default "
@@ -124,7 +130,7 @@ def _add_planning_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description="Plan and simulate token-level (TeraPipe) pipeline slicing.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{plan,simulate,presets}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{plan,simulate,presets,schedules}")
     plan = sub.add_parser("plan", help="find the fastest slicing and its predicted speedup",
                           description="Find the fastest slicing of sequences for a pipeline and print it with the "
                                       "predicted step time, with and without slicing.")
@@ -144,6 +150,11 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     pre.add_argument("-v", "--verbose", action="count", default=0, help=argparse.SUPPRESS)
     pre.set_defaults(func=_cmd_presets)
+    sch = sub.add_parser("schedules", help="list the pipeline schedules (--schedule NAME)",
+                         description="List the registered schedules: placement, bubble, memory, deferred W "
+                                     "default. The README's table is this output.")
+    sch.add_argument("-v", "--verbose", action="count", default=0, help=argparse.SUPPRESS)
+    sch.set_defaults(func=_cmd_schedules)
     return parser
 
 
@@ -152,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _load_cost(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     """The PipelineCost the arguments describe and a JSON-safe description of where it came from."""
-    from .planner.cost import PipelineCost
+    from .planner.cost import CostFileError, PipelineCost, read_cost_json
 
     if args.cost is None:
         for flag, value in (("--model", args.model), ("--device", args.device), ("--stages", args.stages)):
@@ -173,17 +184,10 @@ def _load_cost(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     if args.model is not None and args.memory_gb is None:
         logger.warning("--model %s is only used with --memory-gb; with --cost %s the file gives the times",
                        args.model, args.cost)
-    path = Path(args.cost)
     try:
-        text = path.read_text()
-    except OSError as exc:
-        raise UsageError(f"--cost {args.cost}: cannot read the file ({exc.strerror or exc}); check the path") \
-            from None
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise UsageError(f"--cost {args.cost}: not valid JSON ({exc.msg} at line {exc.lineno} column "
-                         f"{exc.colno}); fix the file") from None
+        obj = read_cost_json(args.cost)
+    except CostFileError as exc:
+        raise UsageError(f"--cost {args.cost}: {exc.reason}") from None
     if not isinstance(obj, dict):
         raise UsageError(f"--cost {args.cost}: the top level is a JSON {type(obj).__name__}, not an object; write "
                          "{\"points\": [...]} or {\"stages\": [...]} (see ds_terapipe/planner/cost.py)")
@@ -194,7 +198,7 @@ def _load_cost(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         cost = PipelineCost.from_dict(obj, num_stages=args.stages)
     except (ValueError, TypeError) as exc:
         raise UsageError(f"--cost {args.cost}: {_one_line(exc)}") from None
-    return cost, {"kind": "measured", "file": str(path)}
+    return cost, {"kind": "measured", "file": str(Path(args.cost))}
 
 
 def _memory_model(args: argparse.Namespace, num_stages: int) -> Any:
@@ -240,28 +244,20 @@ def _check_memory(args: argparse.Namespace, memory: Any, num_stages: int, granul
     """Refuse a --memory-gb no allowed plan meets, in the CLI's terms (flags and GiB, not the planner's API names
     and bytes), suggesting only changes that lower the estimate. The estimate never grows with the slice count,
     so the most slices allowed give the smallest one; the planner refuses exactly the same cases."""
-    all_slices = args.seq_len // granularity
-    max_slices = all_slices if args.max_slices is None else min(all_slices, args.max_slices)
+    from .planner.slicing import memory_shortfall
 
-    def smallest(schedule: str, split_batch: bool, num_slices: int) -> float:
-        splits = [q for q in range(1, args.micro_batch + 1) if args.micro_batch % q == 0] if split_batch else [1]
-        return min(memory.peak_bytes(schedule=schedule, num_stages=num_stages, num_microbatches=args.microbatches,
-                                     micro_batch_size=args.micro_batch, num_splits=q, seq_len=args.seq_len,
-                                     num_slices=num_slices) for q in splits)
-
-    now = smallest(args.schedule, args.split_batch, max_slices)
-    if now <= args.memory_gb * _GIB:
+    short = memory_shortfall(memory, args.memory_gb * _GIB, schedule=args.schedule, num_stages=num_stages,
+                             num_microbatches=args.microbatches, micro_batch_size=args.micro_batch,
+                             seq_len=args.seq_len, granularity=granularity, max_slices=args.max_slices,
+                             split_batch=args.split_batch)
+    if short is None:
         return
-    fixes = ["raise --memory-gb", "add --stages"]
-    if args.schedule != "1f1b" and smallest("1f1b", args.split_batch, max_slices) < now:
-        fixes.append("use --schedule 1f1b")
-    if not args.split_batch and smallest(args.schedule, True, max_slices) < now:
-        fixes.append("add --split-batch")
-    if max_slices < all_slices and smallest(args.schedule, args.split_batch, all_slices) < now:
-        fixes.append("raise --max-slices")
+    fixes = ["raise --memory-gb", "add --stages", *short.fixes(schedule="use --schedule {}",
+                                                               split_batch="add --split-batch",
+                                                               max_slices="raise --max-slices")]
     raise UsageError(f"--memory-gb {args.memory_gb:g} cannot be met: the smallest activation estimate of any "
-                     f"allowed plan is {now / _GIB:.3g} GiB on the busiest stage; {', '.join(fixes[:-1])} or "
-                     f"{fixes[-1]}")
+                     f"allowed plan is {short.smallest_bytes / _GIB:.3g} GiB on the busiest stage; "
+                     f"{', '.join(fixes[:-1])} or {fixes[-1]}")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -424,6 +420,11 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_schedules(args: argparse.Namespace) -> int:
+    print(schedule_table())
+    return 0
+
+
 def _cmd_presets(args: argparse.Namespace) -> int:
     models = {name: {"num_layers": m.num_layers, "hidden": m.hidden, "num_heads": m.num_heads, "vocab": m.vocab,
                      "seq_len": m.seq_len} for name, m in MODEL_PRESETS.items()}
@@ -449,11 +450,19 @@ def _cmd_presets(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------------------------------------------
 # Entry point
 
-def _log_level(verbose: int) -> int | None:
-    """-v: INFO, -vv: DEBUG; otherwise WARNING unless DS_TERAPIPE_LOG_LEVEL chose (None: leave as set)."""
+_LOG_FORMAT = "[%(asctime)s] [%(levelname)s] [%(name)s] %(message)s"
+
+
+def _log_level(verbose: int) -> int:
+    """-v: INFO, -vv: DEBUG; otherwise DS_TERAPIPE_LOG_LEVEL, else WARNING (planner progress is opt-in)."""
     if verbose:
         return logging.DEBUG if verbose > 1 else logging.INFO
-    return None if os.environ.get("DS_TERAPIPE_LOG_LEVEL") else logging.WARNING
+    name = (os.environ.get("DS_TERAPIPE_LOG_LEVEL") or "WARNING").strip().upper()
+    level = logging.getLevelName(name)
+    if not isinstance(level, int):
+        raise UsageError(f"DS_TERAPIPE_LOG_LEVEL={name!r} is not a logging level; use DEBUG, INFO, WARNING or "
+                         "ERROR, or unset it")
+    return level
 
 
 def _silence_stdout() -> None:
@@ -466,13 +475,14 @@ def _silence_stdout() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit status (0, or 2 for a user error, whose one-line message is on stderr)."""
+    # The CLI is the application: it configures logging (the library only adds a NullHandler). basicConfig does
+    # nothing where the embedding program already configured the root logger.
+    logging.basicConfig(format=_LOG_FORMAT)
     pkg_logger = logging.getLogger("ds_terapipe")
     saved_level = pkg_logger.level
     try:
         args = build_parser().parse_args(argv)
-        level = _log_level(args.verbose)
-        if level is not None:
-            pkg_logger.setLevel(level)
+        pkg_logger.setLevel(_log_level(args.verbose))
         return int(args.func(args))
     except UsageError as exc:
         message = str(exc)

@@ -5,8 +5,11 @@ Example::
     "terapipe": {"enabled": true, "seq_len": 1024, "slices": "auto", "schedule": "1f1b",
                  "plan_cache": "runs/plans"}
 
-Validated once, with DeepSpeed's own config base class, so it reads like any other DeepSpeed section.
-Unknown keys are refused with the list of valid ones (a typo must not silently fall back to a default).
+Validated once, with DeepSpeed's own config base class, so it reads like any other DeepSpeed section: unknown
+keys are refused by pydantic (the base's ``extra="forbid"``; a typo must not silently fall back to a default)
+and ranges are field constraints. :func:`parse_terapipe_config` turns pydantic's report into one line naming
+the key, the value and the rule, and lists the valid keys for an unknown one. Allowed ``schedule`` values and
+the default for ``deferred_weight_grads`` come from the schedule registry (``planner/registry.py``).
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ from __future__ import annotations
 from typing import Any, List, Literal, Optional, Union
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
-from pydantic import ValidationError, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .planner.registry import get_schedule, schedule_names
 
 __all__ = ["ProfileConfig", "TeraPipeConfig", "parse_terapipe_config", "TERAPIPE_KEY"]
 
@@ -28,67 +33,59 @@ class ProfileConfig(DeepSpeedConfigModel):
     """Slice lengths (tokens) to time at context 0; default: powers of two from ``granularity`` to ``seq_len``
     (at most 6 of them), which brackets every slice the planner may pick."""
 
-    num_contexts: int = 3
+    model_config = ConfigDict(extra="forbid")
+
+    num_contexts: int = Field(3, ge=1)
     """How many prefix lengths (spread over ``[0, seq_len)``) to time per slice length, for the context term."""
 
-    warmup: int = 1
+    warmup: int = Field(1, ge=0)
     """Untimed rounds over the grid before the timed ones (first calls allocate)."""
 
-    repeats: int = 3
+    repeats: int = Field(3, ge=1)
     """Timed rounds over the grid; each point keeps its median. Three, so the median rejects one disturbed sample
     (the median of two is their mean)."""
-
-    @field_validator("num_contexts", "repeats")
-    @classmethod
-    def _positive(cls, value: int, info) -> int:
-        if value < 1:
-            raise ValueError(f"terapipe.profile.{info.field_name}={value} must be >= 1")
-        return value
-
-    @field_validator("warmup")
-    @classmethod
-    def _non_negative(cls, value: int) -> int:
-        if value < 0:
-            raise ValueError(f"terapipe.profile.warmup={value} must be >= 0")
-        return value
 
 
 class TeraPipeConfig(DeepSpeedConfigModel):
     """Token-level pipeline settings (the ``"terapipe"`` section of the DeepSpeed config)."""
 
+    model_config = ConfigDict(extra="forbid")
+
     enabled: bool = False
     """Turn token-level pipelining on. Off: ``ds_terapipe.initialize`` is exactly ``deepspeed.initialize``."""
 
-    seq_len: Optional[int] = None
+    seq_len: Optional[int] = Field(None, ge=1)
     """Tokens per sequence the plan is made for. Required unless ``slices`` is a list (then its sum)."""
 
     slices: Union[Literal["auto"], int, List[int]] = "auto"
     """``"auto"``: profile each stage at engine init and let the planner choose; an int n: n equal slices
     (multiples of ``granularity``, the remainder spread over the first slices); a list: exact token counts."""
 
-    granularity: int = 8
+    granularity: int = Field(8, ge=1)
     """Slice lengths are multiples of this many tokens (keeps kernels efficient and the planner fast)."""
 
-    schedule: Literal["gpipe", "1f1b"] = "gpipe"
-    """``gpipe``: all forwards, then all backwards (TeraPipe). ``1f1b``: token-level 1F1B, bounded memory."""
+    schedule: str = "gpipe"
+    """A registered schedule (``ds-terapipe schedules`` lists them). ``gpipe``: all forwards, then all backwards
+    (TeraPipe). ``1f1b``: token-level 1F1B, bounded memory."""
 
     deferred_weight_grads: Optional[bool] = None
     """Backward of a slice computes input gradients only and sends them on; the ``nn.Linear`` weight gradients
     follow in a ``W`` action (runtime/deferred.py), so the previous stage gets its gradients sooner. With
     ``gpipe`` one W per micro-batch after its last backward (its Linear inputs and output gradients wait until
     then); with ``1f1b`` one W per slice right after the send (one slice's pairs wait). Default (None): on with
-    ``gpipe``; off with ``1f1b``, whose point is bounded memory (per-slice W measured +5-30% activations)."""
+    ``gpipe``; off with ``1f1b``, whose point is bounded memory (per-slice W measured +5-30% activations): the
+    schedule's registered ``ScheduleSpec.deferred_weight_grads``."""
 
-    max_slices: Optional[int] = None
+    max_slices: Optional[int] = Field(None, ge=1)
     """Upper bound on the number of slices ``"auto"`` may choose."""
 
-    memory_limit_gb: Optional[float] = None
+    memory_limit_gb: Optional[float] = Field(None, gt=0)
     """Per-stage memory budget for activations + KV caches; ``"auto"`` rejects plans estimated above it."""
 
     plan_cache: Optional[str] = None
     """Directory where plans are stored, keyed by everything that determines them; a restart skips profiling."""
 
-    p2p_timeout_s: float = 300.0
+    p2p_timeout_s: float = Field(300.0, gt=0)
     """Seconds a rank waits for a pipeline peer before failing with the instruction it was stuck on."""
 
     trace_dir: Optional[str] = None
@@ -99,18 +96,14 @@ class TeraPipeConfig(DeepSpeedConfigModel):
     profile: ProfileConfig = ProfileConfig()
     """Profiling settings for ``slices: "auto"``."""
 
-    @field_validator("seq_len", "granularity", "max_slices")
+    @field_validator("schedule")
     @classmethod
-    def _positive_int(cls, value: Optional[int], info) -> Optional[int]:
-        if value is not None and value < 1:
-            raise ValueError(f"terapipe.{info.field_name}={value} must be >= 1")
-        return value
-
-    @field_validator("memory_limit_gb", "p2p_timeout_s")
-    @classmethod
-    def _positive_float(cls, value: Optional[float], info) -> Optional[float]:
-        if value is not None and not value > 0:
-            raise ValueError(f"terapipe.{info.field_name}={value} must be > 0")
+    def _check_schedule(cls, value: str) -> str:
+        try:
+            get_schedule(value)
+        except ValueError:
+            raise ValueError(f"terapipe.schedule={value!r} is unknown; use one of {', '.join(schedule_names())} "
+                             "(ds-terapipe schedules describes them)") from None
         return value
 
     @field_validator("slices", mode="before")
@@ -129,7 +122,7 @@ class TeraPipeConfig(DeepSpeedConfigModel):
     @model_validator(mode="after")
     def _check_consistency(self) -> "TeraPipeConfig":
         if self.deferred_weight_grads is None:
-            self.deferred_weight_grads = self.schedule == "gpipe"
+            self.deferred_weight_grads = get_schedule(self.schedule).deferred_weight_grads
         if isinstance(self.slices, list):
             total = sum(self.slices)
             if self.seq_len is None:
@@ -160,33 +153,47 @@ class TeraPipeConfig(DeepSpeedConfigModel):
         return [(units // n + (1 if i < units % n else 0)) * self.granularity for i in range(n)]
 
 
-def _check_keys(section: dict, model: type[DeepSpeedConfigModel], prefix: str) -> None:
-    valid = sorted(model.model_fields)
-    unknown = sorted(set(section) - set(valid))
-    if unknown:
-        raise ValueError(f"{prefix}: unknown key(s) {unknown}; valid keys are {valid}")
+#: pydantic error types for range constraints -> the rule in the message (``ctx`` holds the bound).
+_RULES = {"greater_than_equal": (">=", "ge"), "greater_than": (">", "gt"), "less_than_equal": ("<=", "le"),
+          "less_than": ("<", "lt")}
 
 
 def parse_terapipe_config(ds_config: dict) -> TeraPipeConfig:
     """Read and validate the ``"terapipe"`` section of a DeepSpeed config dict (absent: disabled).
 
     Raises:
-        ValueError: naming the key, the value and the fix.
+        ValueError: one line naming the key, the value and the rule (for an unknown key: the valid keys).
     """
     section = ds_config.get(TERAPIPE_KEY, {})
     if section is None:
         section = {}
     if not isinstance(section, dict):
         raise ValueError(f"DeepSpeed config key {TERAPIPE_KEY!r} must be an object, got {type(section).__name__}")
-    _check_keys(section, TeraPipeConfig, TERAPIPE_KEY)
-    if isinstance(section.get("profile"), dict):
-        _check_keys(section["profile"], ProfileConfig, f"{TERAPIPE_KEY}.profile")
     try:
         return TeraPipeConfig(strict=True, **section)
     except ValidationError as err:
-        first = err.errors()[0]
-        message = first.get("msg", str(err)).removeprefix("Value error, ")
-        if message.startswith(TERAPIPE_KEY):
-            raise ValueError(message) from None
-        where = ".".join(str(p) for p in first.get("loc", ()) if not str(p).startswith(("literal[", "list[")))
-        raise ValueError(f"{TERAPIPE_KEY}.{where}={first.get('input')!r}: {message}") from None
+        raise ValueError(_one_message(err)) from None
+
+
+def _one_message(err: ValidationError) -> str:
+    """pydantic's report as the one line users get: unknown keys first (all of them, with the valid ones), else
+    the first error as ``terapipe.<key>=<value> <rule>``."""
+    errors = err.errors()
+    unknown = [e["loc"] for e in errors if e["type"] == "extra_forbidden"]
+    if unknown:
+        parent = unknown[0][:-1]
+        model: type[DeepSpeedConfigModel] = ProfileConfig if parent == ("profile",) else TeraPipeConfig
+        keys = sorted(str(loc[-1]) for loc in unknown if loc[:-1] == parent)
+        where = ".".join((TERAPIPE_KEY, *map(str, parent)))
+        return f"{where}: unknown key(s) {keys}; valid keys are {sorted(model.model_fields)}"
+    first = errors[0]
+    message = first.get("msg", str(err)).removeprefix("Value error, ")
+    if message.startswith(TERAPIPE_KEY):
+        return message
+    where = ".".join(str(p) for p in first.get("loc", ()) if not str(p).startswith(("literal[", "list[")))
+    rule = _RULES.get(first["type"])
+    if rule is not None:
+        bound = f"{rule[0]} {first['ctx'][rule[1]]:g}"
+        return (f"{TERAPIPE_KEY}.{where}={first.get('input')!r} must be {bound}; set a value {bound} or drop the "
+                "key for the default")
+    return f"{TERAPIPE_KEY}.{where}={first.get('input')!r}: {message}"

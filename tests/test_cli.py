@@ -85,6 +85,32 @@ def test_module_error_exit_status() -> None:
     assert lines[0].startswith("ds-terapipe: error: --granularity 8 does not divide --seq-len 500")
 
 
+def test_cli_configures_its_own_logging(tmp_path: Path) -> None:
+    """The library installs only a NullHandler; the CLI, being the application, must show warnings itself and
+    honour DS_TERAPIPE_LOG_LEVEL (set after import here, as the library no longer reads it)."""
+    path = write_json(tmp_path / "cost.json", {"points": linear_cost_points(512, 0.01)})
+    argv = ["plan", "--cost", path, "--stages", "2", "--seq-len", "512", "--device", "a100", "--json"]
+
+    def run_cli(level: str | None) -> subprocess.CompletedProcess:
+        script = ("import logging, os, sys, ds_terapipe; lg = logging.getLogger('ds_terapipe'); "
+                  "lg.handlers[:] = [logging.NullHandler()]; lg.propagate = True; lg.setLevel(logging.NOTSET); "
+                  f"os.environ.pop('DS_TERAPIPE_LOG_LEVEL', None); {level!r} and os.environ.update("
+                  f"DS_TERAPIPE_LOG_LEVEL={level!r}); from ds_terapipe.cli import main; sys.exit(main(sys.argv[1:]))")
+        return subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=120)
+
+    proc = run_cli(None)
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"^\[.+\] \[WARNING\] \[ds_terapipe\.cli\] --device a100 is not used with --cost",
+                     proc.stderr, flags=re.M), proc.stderr
+    assert json.loads(proc.stdout)["num_stages"] == 2
+    assert "[DEBUG]" not in proc.stderr
+    assert "[DEBUG] [ds_terapipe.planner" in run_cli("debug").stderr
+    quiet = run_cli("error")
+    assert quiet.returncode == 0 and quiet.stderr == ""
+    bad = run_cli("loud")
+    assert bad.returncode == 2 and "DS_TERAPIPE_LOG_LEVEL='LOUD' is not a logging level; use" in bad.stderr
+
+
 # --------------------------------------------------------------------------------------------------------------
 # plan
 
@@ -312,7 +338,7 @@ ERRORS = {
                        ["--cost {malformed}", "not valid JSON", "line 1"]),
     "cost-not-object": (["plan", "--cost", "{list}", "--stages", "2", "--seq-len", "512"], ["--cost {list}", "list"]),
     "cost-missing-file": (["plan", "--cost", "{missing}", "--stages", "2", "--seq-len", "512"],
-                          ["--cost {missing}", "cannot read"]),
+                          ["--cost {missing}", "cannot read the file"]),
     "cost-needs-stages": (["plan", "--cost", "{good}", "--seq-len", "512"], ["--stages", "--cost {good}"]),
     "cost-stage-count": (["plan", "--cost", "{three}", "--stages", "4", "--seq-len", "512"],
                          ["--cost {three}", "3 entries", "4"]),

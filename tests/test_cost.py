@@ -192,7 +192,7 @@ def test_load_cost_file(tmp_path):
     with pytest.raises(ValueError) as err:
         load_cost_file(path)
     assert str(path) in str(err.value) and "line 2 column" in str(err.value)
-    with pytest.raises(ValueError, match="cannot be read"):
+    with pytest.raises(ValueError, match="cannot read the file"):
         load_cost_file(tmp_path / "missing.json")
     bad = file_obj()
     bad["points"][3]["forward_ms"] = -1

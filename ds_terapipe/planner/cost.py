@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
@@ -28,6 +27,8 @@ from pathlib import Path
 from typing import Any, Union
 
 import numpy as np
+
+from ._checks import check_int, check_number
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +39,9 @@ __all__ = [
     "DeviceSpec",
     "AnalyticCost",
     "PipelineCost",
+    "CostFileError",
     "load_cost_file",
+    "read_cost_json",
 ]
 
 #: Scalars or numpy arrays; every cost method broadcasts its arguments against each other like a ufunc.
@@ -112,24 +115,9 @@ def _check_keys(obj: Any, valid: Sequence[str], where: str) -> Mapping[str, Any]
 
 
 def _number(value: Any, where: str, *, positive: bool = False) -> float:
-    """A finite float >= 0 (> 0 if ``positive``); bools and strings are refused, not coerced."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise ValueError(f"{where} = {value!r} is not a number; write a plain JSON number")
-    x = float(value)
-    if not math.isfinite(x):
-        raise ValueError(f"{where} = {value!r} is not finite; write a finite number")
-    if x < 0 or (positive and x == 0):
-        bound = "> 0" if positive else ">= 0"
-        raise ValueError(f"{where} = {value!r} must be {bound}; fix the measurement or drop it")
-    return x
-
-
-def _integer(value: Any, where: str, *, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{where} = {value!r} must be an integer >= {minimum}; write a whole number")
-    if value < minimum:
-        raise ValueError(f"{where} = {value!r} must be >= {minimum}; fix the value")
-    return int(value)
+    """A measured time or rate from a cost file: finite, >= 0 (> 0 if ``positive``)."""
+    return check_number(value, where, positive=positive, fix="write a finite JSON number (fix the measurement or "
+                                                            "drop it)")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -224,9 +212,9 @@ class MeasuredCost(StageCost):
                 if key not in p:
                     raise ValueError(f"{w} is missing {key!r}; each point needs slice, context, forward_ms, "
                                      "backward_ms (and optionally batch)")
-            rows.append((_integer(p.get("batch", 1), f"{w}.batch", minimum=1),
-                         _integer(p["slice"], f"{w}.slice", minimum=1),
-                         _integer(p["context"], f"{w}.context", minimum=0),
+            rows.append((check_int(p.get("batch", 1), f"{w}.batch", minimum=1, wrong_type=ValueError),
+                         check_int(p["slice"], f"{w}.slice", minimum=1, wrong_type=ValueError),
+                         check_int(p["context"], f"{w}.context", minimum=0, wrong_type=ValueError),
                          _number(p["forward_ms"], f"{w}.forward_ms"),
                          _number(p["backward_ms"], f"{w}.backward_ms")))
         self._points = np.array(rows, dtype=float)  # (n, 5)
@@ -234,8 +222,10 @@ class MeasuredCost(StageCost):
         self._latency_ms = 0.0 if comm is None else _number(comm.get("latency_ms", 0.0), f"{where}.comm.latency_ms")
         gbps = None if comm is None or comm.get("gbps") is None else comm["gbps"]
         self._gbps = None if gbps is None else _number(gbps, f"{where}.comm.gbps", positive=True)
-        self.hidden = None if hidden is None else _integer(hidden, f"{where}.hidden", minimum=1)
-        self.bytes_per_element = _integer(bytes_per_element, f"{where}.bytes_per_element", minimum=1)
+        self.hidden = None if hidden is None else check_int(hidden, f"{where}.hidden", minimum=1,
+                                                            wrong_type=ValueError)
+        self.bytes_per_element = check_int(bytes_per_element, f"{where}.bytes_per_element", minimum=1,
+                                           wrong_type=ValueError)
         self.weight_ms_per_token = None if weight_ms_per_token is None else \
             _number(weight_ms_per_token, f"{where}.weight_ms_per_token")
         if self._gbps is not None and self.hidden is None:
@@ -375,7 +365,7 @@ class TransformerSpec:
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden", "num_heads", "vocab", "seq_len"):
-            _integer(getattr(self, name), f"TransformerSpec.{name}", minimum=1)
+            check_int(getattr(self, name), f"TransformerSpec.{name}", minimum=1, wrong_type=ValueError)
         if self.hidden % self.num_heads:
             raise ValueError(f"TransformerSpec.hidden = {self.hidden} is not divisible by num_heads = "
                              f"{self.num_heads}; pick num_heads dividing hidden")
@@ -438,8 +428,9 @@ class AnalyticCost(StageCost):
         if not isinstance(device, DeviceSpec):
             raise TypeError(f"device must be a DeviceSpec, got {type(device).__name__}; see presets.py")
         self.model, self.device = model, device
-        self.num_layers = _integer(num_layers, "num_layers", minimum=0)
-        self.bytes_per_element = _integer(bytes_per_element, "bytes_per_element", minimum=1)
+        self.num_layers = check_int(num_layers, "num_layers", minimum=0, wrong_type=ValueError)
+        self.bytes_per_element = check_int(bytes_per_element, "bytes_per_element", minimum=1,
+                                           wrong_type=ValueError)
         self.lm_head = bool(lm_head)
 
     def _pass_ms(self, s: np.ndarray, c: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -511,7 +502,7 @@ class PipelineCost:
     @classmethod
     def uniform(cls, stage_cost: StageCost, num_stages: int) -> PipelineCost:
         """The same cost on every stage (a model split into equal stages on equal devices)."""
-        num_stages = _integer(num_stages, "num_stages", minimum=1)
+        num_stages = check_int(num_stages, "num_stages", minimum=1, wrong_type=ValueError)
         return cls([stage_cost] * num_stages)
 
     @classmethod
@@ -525,9 +516,9 @@ class PipelineCost:
         """
         _check_keys(obj, _TOP_KEYS, "cost")
         if num_stages is not None:
-            num_stages = _integer(num_stages, "num_stages", minimum=1)
+            num_stages = check_int(num_stages, "num_stages", minimum=1, wrong_type=ValueError)
         if "num_stages" in obj:
-            n_file = _integer(obj["num_stages"], "cost.num_stages", minimum=1)
+            n_file = check_int(obj["num_stages"], "cost.num_stages", minimum=1, wrong_type=ValueError)
             if num_stages is not None and n_file != num_stages:
                 raise ValueError(f"cost.num_stages = {n_file} but num_stages = {num_stages} was requested; "
                                  "use a cost file for this pipeline depth")
@@ -575,18 +566,33 @@ class PipelineCost:
                f"{'/'.join(kinds)})"
 
 
-def load_cost_file(path: str | Path, num_stages: int | None = None) -> PipelineCost:
-    """Read a cost file; malformed JSON raises ValueError with the path and the error position."""
+class CostFileError(ValueError):
+    """A cost file that cannot be read or parsed. ``reason`` is the message without the path, for callers that
+    name the file their own way (the CLI's ``--cost FILE``)."""
+
+    def __init__(self, path: Path, reason: str) -> None:
+        super().__init__(f"cost file {str(path)!r}: {reason}")
+        self.path, self.reason = path, reason
+
+
+def read_cost_json(path: str | Path) -> Any:
+    """The JSON value in a cost file; CostFileError (a ValueError) with the error position if it is malformed."""
     path = Path(path)
     try:
         text = path.read_text()
     except OSError as exc:
-        raise ValueError(f"cost file {str(path)!r} cannot be read ({exc.strerror}); check the path") from exc
+        raise CostFileError(path, f"cannot read the file ({exc.strerror or exc}); check the path") from exc
     try:
-        obj = json.loads(text)
+        return json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"cost file {str(path)!r} is not valid JSON: {exc.msg} at line {exc.lineno} column "
-                         f"{exc.colno}; fix the file") from exc
+        raise CostFileError(path, f"not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno}); fix "
+                                  "the file") from exc
+
+
+def load_cost_file(path: str | Path, num_stages: int | None = None) -> PipelineCost:
+    """Read a cost file; malformed JSON raises ValueError with the path and the error position."""
+    path = Path(path)
+    obj = read_cost_json(path)
     try:
         return PipelineCost.from_dict(obj, num_stages=num_stages)
     except (ValueError, TypeError) as exc:

@@ -18,7 +18,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from .cost import AnalyticCost, DeviceSpec, PipelineCost, TransformerSpec, _integer
+from ._checks import check_int
+from .cost import AnalyticCost, DeviceSpec, PipelineCost, TransformerSpec
 
 if TYPE_CHECKING:
     from .slicing import MemoryModel
@@ -79,8 +80,8 @@ def get_device_preset(name: str) -> DeviceSpec:
 def split_layers(num_layers: int, num_stages: int) -> list[int]:
     """Layers per stage, as even as possible, the remainder going to the first stages (the last stage also
     carries the LM head, so it should not get an extra layer too)."""
-    num_layers = _integer(num_layers, "num_layers", minimum=1)
-    num_stages = _integer(num_stages, "num_stages", minimum=1)
+    num_layers = check_int(num_layers, "num_layers", minimum=1, wrong_type=ValueError)
+    num_stages = check_int(num_stages, "num_stages", minimum=1, wrong_type=ValueError)
     if num_stages > num_layers:
         raise ValueError(f"num_stages = {num_stages} exceeds the model's {num_layers} layers; use at most "
                          f"{num_layers} stages")

@@ -9,7 +9,8 @@ gradients: either one ``W(s,b,0)`` per micro-batch and stage, after ``B(s,b,0)``
 ``W(s,b,i)`` per unit right after ``B(s,b,i)`` (``per_slice``). W talks to no other stage.
 
 A schedule is data (the torch.distributed.pipelining pattern): one ordered tuple of :class:`Action` per stage.
-Builders write compute-only schedules; :func:`add_communication` lowers them to the exact send/recv streams the
+Builders live one per module in ``planner/schedules/`` and are registered by name (``planner/registry.py``);
+:func:`build_schedule` dispatches through the registry. Builders write compute-only schedules; :func:`add_communication` lowers them to the exact send/recv streams the
 runtime executes; :func:`validate` checks the per-stage rules and :func:`replay` dry-runs all ranks under the
 runtime's p2p semantics (non-blocking sends, blocking receives, FIFO channels), reporting deadlocks and
 mis-paired messages with the whole rank x step grid. Try it::
@@ -22,23 +23,27 @@ import contextlib
 import enum
 import functools
 import gc
+import importlib
 import logging
 import operator
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
+
+from ._checks import check_int
+from .registry import find_schedule, get_schedule, schedule_names
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "SCHEDULES", "Action", "ActionKind", "DeadlockError", "PairingError", "ReplayResult", "Schedule",
     "ScheduleError", "WEIGHTS_PER_SLICE", "add_communication", "build_1f1b", "build_gpipe", "build_schedule",
-    "defer_weights", "format_grid",
+    "check_sizes", "defer_weights", "format_grid",
     "match_messages", "replay", "schedule_from_strings", "stream_strings", "validate", "warmup_forwards",
 ]
 
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b")
-
+_SIZE_FIX = "a pipeline needs at least one stage, micro-batch and slice"
 # Messages list at most this many violations; the exception keeps all of them.
 _MAX_LISTED = 50
 # Grids longer than this elide rows far from any marked action (a K=48 comm stream has ~1500 rows).
@@ -187,7 +192,7 @@ class Schedule:
 
     def __post_init__(self) -> None:
         for attr in ("num_stages", "num_microbatches", "num_slices"):
-            _check_size(attr, getattr(self, attr))
+            check_int(getattr(self, attr), attr, fix=_SIZE_FIX)
         stages = tuple(tuple(stream) for stream in self.stages)
         if len(stages) != self.num_stages:
             raise ValueError(f"Schedule.stages has {len(stages)} streams but num_stages={self.num_stages}; "
@@ -266,14 +271,6 @@ def _no_gc() -> Iterator[None]:
             gc.enable()
 
 
-def _check_size(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}; a pipeline needs at least one of each")
-    return value
-
-
 def format_grid(stages: Sequence[Sequence[Action]], marks: Mapping[tuple[int, int], str] | None = None) -> str:
     """Render per-rank streams as a grid: one column per rank, one row per stream position.
 
@@ -304,100 +301,20 @@ def format_grid(stages: Sequence[Sequence[Action]], marks: Mapping[tuple[int, in
 # ----------------------------------------------------------------------------------------------- builders
 
 
-@functools.lru_cache(maxsize=32)
-@_no_gc()
-def _gpipe(num_stages: int, num_microbatches: int, num_slices: int) -> Schedule:
-    units = [(b, i) for b in range(num_microbatches) for i in range(num_slices)]
-    backward = [(b, i) for b in range(num_microbatches) for i in reversed(range(num_slices))]
-    streams = tuple(tuple([_make(s, F, b, i) for b, i in units] + [_make(s, B, b, i) for b, i in backward])
-                    for s in range(num_stages))
-    return _trusted("gpipe", num_stages, num_microbatches, num_slices, streams, False)
-
-
-def build_gpipe(num_stages: int, num_microbatches: int, num_slices: int) -> Schedule:
-    """TeraPipe's schedule: every stage runs all forwards in (microbatch, slice) order, then all backwards.
-
-    Backwards go micro-batch 0 first and, within a micro-batch, later slices first (required: B(s,b,i) needs the
-    cache gradient from B(s,b,i+1)). Running micro-batches in the same order as :func:`build_1f1b` gives every
-    stage the same backward sequence under both schedules, so weight gradients accumulate in the same order and
-    the two schedules produce bitwise-identical gradients; the timing is the same as reverse micro-batch order
-    because every micro-batch has the same slice costs.
-    """
+def check_sizes(num_stages: int, num_microbatches: int, num_slices: int) -> None:
+    """Refuse sizes a builder cannot build (each must be an int >= 1); builders call it before their cache."""
     for name, value in (("num_stages", num_stages), ("num_microbatches", num_microbatches),
                         ("num_slices", num_slices)):
-        _check_size(name, value)
-    return _gpipe(num_stages, num_microbatches, num_slices)
-
-
-def warmup_forwards(stage: int, num_stages: int, num_microbatches: int, num_slices: int) -> int:
-    """Forwards stage ``stage`` of the token-level 1F1B schedule runs before its first backward.
-
-    The last stage must forward all ``n`` slices of micro-batch 0 before it can backward slice ``n-1``; each
-    earlier stage runs one more so that its forward of the next unit overlaps the round trip of the backward
-    from the stage after it (classic 1F1B uses ``K - s`` with ``n = 1``). The count is non-increasing in the
-    stage, which is what makes the schedule deadlock-free, and it bounds the units in flight on the stage.
-    """
-    return min(num_slices + num_stages - 1 - stage, num_microbatches * num_slices)
-
-
-@functools.lru_cache(maxsize=32)
-@_no_gc()
-def _one_f_one_b(num_stages: int, num_microbatches: int, num_slices: int) -> Schedule:
-    units = [(b, i) for b in range(num_microbatches) for i in range(num_slices)]
-    backward = [(b, i) for b in range(num_microbatches) for i in reversed(range(num_slices))]
-    streams = []
-    for s in range(num_stages - 1):
-        done = warmup_forwards(s, num_stages, num_microbatches, num_slices)
-        ops = [_make(s, F, b, i) for b, i in units[:done]]
-        for b, i in backward:  # steady state: one backward, one forward; then the cool-down backwards
-            ops.append(_make(s, B, b, i))
-            if done < len(units):
-                ops.append(_make(s, F, *units[done]))
-                done += 1
-        streams.append(tuple(ops))
-    last = num_stages - 1   # one micro-batch at a time: all its forwards, then all its backwards
-    streams.append(tuple(_make(last, kind, b, i) for b in range(num_microbatches)
-                         for kind, order in ((F, range(num_slices)), (B, reversed(range(num_slices))))
-                         for i in order))
-    return _trusted("1f1b", num_stages, num_microbatches, num_slices, tuple(streams), False)
-
-
-def build_1f1b(num_stages: int, num_microbatches: int, num_slices: int) -> Schedule:
-    """Token-level 1F1B (Seq1F1B): units in (microbatch, slice) order, warm-up, one backward / one forward, cool-down.
-
-    Stage ``s`` holds at most :func:`warmup_forwards` (``n + K - 1 - s``) units in flight instead of GPipe's
-    ``m * n``, at the same bubble when F and B costs are uniform.
-
-    The last stage runs one micro-batch at a time (its ``n`` forwards, then its ``n`` backwards), as stock 1F1B's
-    last stage does. Interleaving the next micro-batch's forwards into those backwards would hold a second
-    micro-batch's KV cache there (measured: 174 vs 133 MiB on the last stage, 2 CPU stages, m = 2) and delays the
-    gradients the stage before it waits for; the simulator finds the sequential order no slower for K = 2..8 and
-    m = 1..8 under measured costs (benchmarks/pipeline_speedup.py, docs/performance.md).
-    """
-    for name, value in (("num_stages", num_stages), ("num_microbatches", num_microbatches),
-                        ("num_slices", num_slices)):
-        _check_size(name, value)
-    return _one_f_one_b(num_stages, num_microbatches, num_slices)
-
-
-_BUILDERS = {"gpipe": build_gpipe, "1f1b": build_1f1b}
-assert tuple(_BUILDERS) == SCHEDULES
+        check_int(value, name, fix=_SIZE_FIX)
 
 
 def build_schedule(name: str, num_stages: int, num_microbatches: int, num_slices: int,
                    deferred_weight_grads: bool = False) -> Schedule:
-    """Build a compute-only schedule by name (one of :data:`SCHEDULES`); with ``deferred_weight_grads``, with
-    the ``W`` actions the runtime runs for it (:func:`defer_weights` at the schedule's default placement)."""
-    builder = _BUILDERS.get(name) if isinstance(name, str) else None
-    if builder is None:
-        raise ValueError(f"unknown schedule {name!r}; valid names are {', '.join(SCHEDULES)}")
-    schedule = builder(num_stages, num_microbatches, num_slices)
+    """Build a compute-only schedule by its registered name (``registry.schedule_names()``); with
+    ``deferred_weight_grads``, with the ``W`` actions the runtime runs for it (:func:`defer_weights` at the
+    schedule's default placement)."""
+    schedule = get_schedule(name).builder(num_stages, num_microbatches, num_slices)
     return defer_weights(schedule) if deferred_weight_grads else schedule
-
-
-#: Default W placement per schedule: gpipe holds every activation until its backwards anyway, so one W per
-#: micro-batch (fewer, longer passes) costs little extra memory; 1F1B bounds memory, so W follows each slice.
-WEIGHTS_PER_SLICE = {"gpipe": False, "1f1b": True}
 
 
 @functools.lru_cache(maxsize=64)
@@ -409,7 +326,7 @@ def defer_weights(schedule: Schedule, per_slice: bool | None = None) -> Schedule
     backward on the stage, for all its slices. Per slice (``True``): ``W(s,b,i)`` right after each ``B(s,b,i)``:
     the recorded pairs live only that long, as activations would. Either way, once lowered, W on stage s > 0
     runs after ``SEND_B``, so the previous stage is never kept waiting for it. ``None``: the schedule's default,
-    :data:`WEIGHTS_PER_SLICE`.
+    the registered ``ScheduleSpec.weights_per_slice`` (per micro-batch for a schedule not registered).
     """
     if not isinstance(schedule, Schedule):
         raise TypeError(f"defer_weights needs a Schedule, got {type(schedule).__name__}")
@@ -419,7 +336,8 @@ def defer_weights(schedule: Schedule, per_slice: bool | None = None) -> Schedule
     if schedule.defers_weights:
         return schedule
     if per_slice is None:
-        per_slice = WEIGHTS_PER_SLICE.get(schedule.name, False)
+        spec = find_schedule(schedule.name)
+        per_slice = spec is not None and spec.weights_per_slice
     streams = []
     for s, stream in enumerate(schedule.stages):
         out: list[Action] = []
@@ -676,3 +594,19 @@ def schedule_from_strings(name: str, num_microbatches: int, num_slices: int, lin
     """Inverse of :func:`stream_strings`: build a (possibly hand-written) schedule from one line per rank."""
     streams = tuple(tuple(Action.parse(tok) for tok in line.split()) for line in lines)
     return Schedule(name, len(streams), num_microbatches, num_slices, streams)
+
+
+# Names that lived here before schedules moved to one module each (``planner/schedules/``). Resolved on access,
+# not imported at the top: those modules build on this one. SCHEDULES and WEIGHTS_PER_SLICE are read from the
+# registry, so they include schedules registered later.
+_MOVED = {"build_gpipe": "gpipe", "build_1f1b": "one_f_one_b", "warmup_forwards": "one_f_one_b"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        return getattr(importlib.import_module(f"{__package__}.schedules.{_MOVED[name]}"), name)
+    if name == "SCHEDULES":
+        return schedule_names()
+    if name == "WEIGHTS_PER_SLICE":
+        return {n: get_schedule(n).weights_per_slice for n in schedule_names()}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

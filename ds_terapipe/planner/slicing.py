@@ -34,14 +34,16 @@ from typing import Any
 
 import numpy as np
 
-from .cost import PipelineCost, _integer
+from ._checks import check_int
+from .cost import PipelineCost
+from .registry import find_schedule, get_schedule, schedule_names
+from .schedule import Schedule, build_schedule
+from .simulate import SimResult, simulate
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SCHEDULES", "MemoryModel", "SlicingPlan", "plan_slicing"]
+__all__ = ["SCHEDULES", "MemoryModel", "MemoryShortfall", "SlicingPlan", "memory_shortfall", "plan_slicing"]
 
-#: Schedule names the planner understands (the builders live in ``schedule.py``).
-SCHEDULES = ("gpipe", "1f1b")
 _INF = math.inf
 #: Simulated candidates: distinct min-sum plans whose slowest-stage closed form is within this fraction of the
 #: best one, at most _SIM_MAX of them, best closed form first (see plan_slicing).
@@ -72,12 +74,12 @@ class MemoryModel:
         layers = self.num_layers_per_stage
         if isinstance(layers, Sequence) and not isinstance(layers, str):
             object.__setattr__(self, "num_layers_per_stage",
-                               tuple(_integer(x, f"MemoryModel.num_layers_per_stage[{i}]", minimum=0)
-                                     for i, x in enumerate(layers)))
+                               tuple(check_int(x, f"MemoryModel.num_layers_per_stage[{i}]", minimum=0,
+                                               wrong_type=ValueError) for i, x in enumerate(layers)))
         else:
-            _integer(layers, "MemoryModel.num_layers_per_stage", minimum=0)
-        _integer(self.hidden, "MemoryModel.hidden", minimum=1)
-        _integer(self.bytes_per_element, "MemoryModel.bytes_per_element", minimum=1)
+            check_int(layers, "MemoryModel.num_layers_per_stage", minimum=0, wrong_type=ValueError)
+        check_int(self.hidden, "MemoryModel.hidden", minimum=1, wrong_type=ValueError)
+        check_int(self.bytes_per_element, "MemoryModel.bytes_per_element", minimum=1, wrong_type=ValueError)
         f = self.activation_factor
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or f < 0:
             raise ValueError(f"MemoryModel.activation_factor = {f!r} must be a finite number >= 0; use 34 "
@@ -94,18 +96,12 @@ class MemoryModel:
 
     @staticmethod
     def live_subbatches(schedule: str, stage: int, num_stages: int, num_units: int, num_slices: int) -> float:
-        """Sub-batches' worth of tokens whose activations and KV caches a stage holds at its peak.
-
-        GPipe runs every forward before any backward: all ``num_units`` (micro-batches x splits) are alive.
-        Token 1F1B (``schedule.warmup_forwards``) keeps at most W = n + K - 1 - stage units in flight, i.e.
-        W / n sub-batches' worth of tokens when the n slices are equal (for n = 1 that is classic 1F1B's
-        K - stage micro-batches). This is an estimate, not a bound: the in-flight window can hold the longest
-        slices, up to (K - 1 - stage) * (longest - mean slice) more tokens per sequence. It never grows with n,
-        so a memory cap translates into a minimum slice count.
+        """Sub-batches' worth of tokens whose activations and KV caches a stage holds at its peak: the
+        schedule's registered estimate (``ScheduleSpec.live_subbatches``; e.g. gpipe: all ``num_units``
+        micro-batches x splits). It never grows with the slice count, so a memory cap translates into a
+        minimum slice count.
         """
-        if schedule == "gpipe":
-            return float(num_units)
-        return min(float(num_units), (num_slices + num_stages - 1 - stage) / num_slices)
+        return get_schedule(schedule).live_subbatches(stage, num_stages, num_units, num_slices)
 
     def peak_bytes(self, *, schedule: str, num_stages: int, num_microbatches: int, micro_batch_size: int,
                    num_splits: int, seq_len: int, num_slices: int) -> float:
@@ -163,8 +159,9 @@ class SlicingPlan:
         if not self.batch_splits or min(self.batch_splits) <= 0 or sum(self.batch_splits) != self.micro_batch_size:
             raise ValueError(f"SlicingPlan.batch_splits = {self.batch_splits} must be positive and sum to "
                              f"micro_batch_size = {self.micro_batch_size}; re-plan for this batch size")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"SlicingPlan.schedule = {self.schedule!r} is unknown; valid: {', '.join(SCHEDULES)}")
+        if find_schedule(self.schedule) is None:
+            raise ValueError(f"SlicingPlan.schedule = {self.schedule!r} is unknown; valid: "
+                             f"{', '.join(schedule_names())}")
 
     @property
     def num_slices(self) -> int:
@@ -426,22 +423,17 @@ class _Simulated:
     """Scores candidate plans with ``simulate`` under the real per-stage costs, skipping hopeless ones."""
 
     def __init__(self, cost: PipelineCost, schedule: str, seq_len: int, deferred: bool = False) -> None:
-        try:
-            from .schedule import build_schedule
-            from .simulate import simulate
-        except ImportError as exc:  # pragma: no cover - both ship with the package
-            raise RuntimeError(f"planning {schedule!r} over unequal stages needs planner.simulate ({exc})") from exc
-        self._build, self._simulate = build_schedule, simulate
         self.cost, self.schedule, self.seq_len, self.deferred = cost, schedule, seq_len, deferred
-        self._schedules: dict[tuple[int, int], Any] = {}
+        self._schedules: dict[tuple[int, int], Schedule] = {}
         self.num_simulated = 0
 
-    def run(self, slices: Sequence[int], units: int, batch: int) -> Any:
+    def run(self, slices: Sequence[int], units: int, batch: int) -> SimResult:
         key = (units, len(slices))
         if key not in self._schedules:
-            self._schedules[key] = self._build(self.schedule, self.cost.num_stages, units, len(slices), self.deferred)
+            self._schedules[key] = build_schedule(self.schedule, self.cost.num_stages, units, len(slices),
+                                                  self.deferred)
         self.num_simulated += 1
-        return self._simulate(self._schedules[key], self.cost, list(slices), micro_batch_size=batch)
+        return simulate(self._schedules[key], self.cost, list(slices), micro_batch_size=batch)
 
     def lower_bounds(self, plans: Sequence[Sequence[int]], units: int, batch: int) -> np.ndarray:
         """A sound makespan bound per plan (slices in tokens) from the dependencies every schedule obeys
@@ -484,12 +476,54 @@ def _divisors(x: int) -> list[int]:
     return [d for d in range(1, x + 1) if x % d == 0]
 
 
-def _check_int(value: Any, name: str, minimum: int, fix: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} = {value!r} must be an int; {fix}")
-    if value < minimum:
-        raise ValueError(f"{name} = {value!r} must be >= {minimum}; {fix}")
-    return int(value)
+@dataclass(frozen=True)
+class MemoryShortfall:
+    """Why no plan fits a memory cap, and which changes would lower the smallest estimate (callers phrase them in
+    their own terms: the planner's arguments, the CLI's flags)."""
+
+    smallest_bytes: float
+    """The smallest peak estimate of any allowed plan (most slices allowed, best batch split)."""
+    lower_schedule: str | None
+    """The registered schedule with the smallest estimate, where it is below ``smallest_bytes``."""
+    split_batch_helps: bool
+    """Splitting micro-batches (not asked for) would lower the estimate."""
+    more_slices_help: bool
+    """Lifting ``max_slices`` would lower the estimate."""
+
+    def fixes(self, *, schedule: str, split_batch: str, max_slices: str) -> list[str]:
+        """The changes that would help, in the caller's words (``schedule`` is formatted with the name)."""
+        return ([schedule.format(self.lower_schedule)] if self.lower_schedule else []) + \
+            ([split_batch] if self.split_batch_helps else []) + ([max_slices] if self.more_slices_help else [])
+
+
+def memory_shortfall(memory: MemoryModel, limit_bytes: float, *, schedule: str, num_stages: int,
+                     num_microbatches: int, micro_batch_size: int, seq_len: int, granularity: int,
+                     max_slices: int | None = None, split_batch: bool = False) -> MemoryShortfall | None:
+    """None when some plan allowed by these arguments fits ``limit_bytes``; else what the smallest is and what
+    would help. The one memory-feasibility check: ``plan_slicing`` refuses exactly these cases.
+
+    The estimate never grows with the slice count (``ScheduleSpec.live_subbatches``), so the most slices allowed
+    give the smallest one, and the other schedules, splits and slice caps are compared there.
+    """
+    all_slices = seq_len // granularity
+    most = all_slices if max_slices is None else min(all_slices, max_slices)
+
+    def smallest(name: str, split: bool, num_slices: int) -> float:
+        return min(memory.peak_bytes(schedule=name, num_stages=num_stages, num_microbatches=num_microbatches,
+                                     micro_batch_size=micro_batch_size, num_splits=q, seq_len=seq_len,
+                                     num_slices=num_slices)
+                   for q in (_divisors(micro_batch_size) if split else [1]))
+
+    now = smallest(schedule, split_batch, most)
+    if now <= limit_bytes:
+        return None
+    others = {name: smallest(name, split_batch, most) for name in schedule_names() if name != schedule}
+    best = min(others, key=others.__getitem__, default=None)
+    return MemoryShortfall(
+        smallest_bytes=now,
+        lower_schedule=best if best is not None and others[best] < now else None,
+        split_batch_helps=not split_batch and smallest(schedule, True, most) < now,
+        more_slices_help=most < all_slices and smallest(schedule, split_batch, all_slices) < now)
 
 
 def plan_slicing(cost: PipelineCost, seq_len: int, *, num_microbatches: int = 1, micro_batch_size: int = 1,
@@ -526,19 +560,18 @@ def plan_slicing(cost: PipelineCost, seq_len: int, *, num_microbatches: int = 1,
     if not isinstance(cost, PipelineCost):
         raise TypeError(f"cost must be a PipelineCost, got {type(cost).__name__}; build one with "
                         "PipelineCost.from_dict / load_cost_file / presets.analytic_pipeline_cost")
-    granularity = _check_int(granularity, "granularity", 1, "use a positive token count such as 8")
-    seq_len = _check_int(seq_len, "seq_len", 1, "pass the training sequence length")
+    granularity = check_int(granularity, "granularity", fix="use a positive token count such as 8")
+    seq_len = check_int(seq_len, "seq_len", fix="pass the training sequence length")
     if seq_len < granularity:
         raise ValueError(f"seq_len = {seq_len} is smaller than granularity = {granularity}; lower the granularity")
     if seq_len % granularity:
         raise ValueError(f"seq_len = {seq_len} is not a multiple of granularity = {granularity}; pick a "
                          f"granularity dividing it (e.g. {math.gcd(seq_len, granularity)})")
-    m = _check_int(num_microbatches, "num_microbatches", 1, "pass the micro-batches per step (>= 1)")
-    batch = _check_int(micro_batch_size, "micro_batch_size", 1, "pass the sequences per micro-batch (>= 1)")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule = {schedule!r} is unknown; valid: {', '.join(SCHEDULES)}")
+    m = check_int(num_microbatches, "num_microbatches", fix="pass the micro-batches per step (>= 1)")
+    batch = check_int(micro_batch_size, "micro_batch_size", fix="pass the sequences per micro-batch (>= 1)")
+    spec = get_schedule(schedule)
     n = seq_len // granularity
-    n_max = n if max_slices is None else min(n, _check_int(max_slices, "max_slices", 1, "use None for no cap"))
+    n_max = n if max_slices is None else min(n, check_int(max_slices, "max_slices", fix="use None for no cap"))
     if memory is not None and not isinstance(memory, MemoryModel):
         raise TypeError(f"memory must be a MemoryModel, got {type(memory).__name__}")
     if memory_limit_bytes is not None:
@@ -562,6 +595,17 @@ def plan_slicing(cost: PipelineCost, seq_len: int, *, num_microbatches: int = 1,
         return memory.peak_bytes(schedule=schedule, num_stages=num_stages, num_microbatches=m,
                                  micro_batch_size=batch, num_splits=q, seq_len=seq_len, num_slices=num_slices)
 
+    if memory is not None and memory_limit_bytes is not None:
+        short = memory_shortfall(memory, memory_limit_bytes, schedule=schedule, num_stages=num_stages,
+                                 num_microbatches=m, micro_batch_size=batch, seq_len=seq_len,
+                                 granularity=granularity, max_slices=max_slices, split_batch=split_batch)
+        if short is not None:
+            fixes = ["raise the limit", "add stages", *short.fixes(schedule="use schedule={!r}",
+                                                                    split_batch="split_batch=True",
+                                                                    max_slices="raise max_slices")]
+            raise ValueError(f"memory_limit_bytes = {memory_limit_bytes:.4g} cannot be met: the smallest estimated "
+                             f"peak is {short.smallest_bytes:.4g} bytes; {', '.join(fixes)}, or recompute "
+                             "activations (MemoryModel.activation_factor)")
     options: list[tuple[int, int]] = []  # (splits q, minimum slice count the memory cap allows)
     for q in _divisors(batch) if split_batch else [1]:
         n_min = 1
@@ -571,13 +615,8 @@ def plan_slicing(cost: PipelineCost, seq_len: int, *, num_microbatches: int = 1,
                 continue
             n_min = fits[0]
         options.append((q, n_min))
-    if not options:
-        smallest = min(peak(q, n_max) for q in (_divisors(batch) if split_batch else [1]))  # type: ignore
-        raise ValueError(f"memory_limit_bytes = {memory_limit_bytes:.4g} cannot be met: the smallest estimated "
-                         f"peak is {smallest:.4g} bytes; raise the limit, add stages, use schedule='1f1b' or "
-                         "split_batch=True, or recompute activations (MemoryModel.activation_factor)")
 
-    exact = schedule == "gpipe" and cost.is_uniform() and not deferred_weight_grads
+    exact = spec.dp_exact and cost.is_uniform() and not deferred_weight_grads
     sim = None if exact else _Simulated(cost, schedule, seq_len, deferred_weight_grads)
     best: tuple[float, int, list[int], Any] | None = None   # (ms, q, cuts, SimResult or None)
     for q, n_min in options:
@@ -639,3 +678,9 @@ def _plan_max_t(cost: PipelineCost, slices: Sequence[int], batch: int, num_stage
     times = _stage_times(cost, lens, ctx, batch)
     comm_factor = 2.0 if num_stages > 1 else 0.0
     return float(np.max([f + bw + comm_factor * c for f, bw, c in times]))
+
+
+def __getattr__(name: str) -> Any:
+    if name == "SCHEDULES":  # kept for callers from before the registry: the registered names, read now
+        return schedule_names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,227 @@
+"""Schedules by name: one :class:`ScheduleSpec` value per schedule, everything else derived from it.
+
+Why one value: the config's allowed ``schedule`` values, the CLI's ``--schedule`` choices, the default for
+deferred weight gradients, the slicing planner's memory estimate and exactness shortcut, and the README's table
+of schedules all need to know about every schedule. Listing names in each of those places made adding a schedule
+a hunt through five files; now a schedule is one builder module that calls :func:`register_schedule`, and the
+rest reads the registry (the torchtitan ``get_schedule_class`` / torch ``_PipelineScheduleRuntime`` pattern).
+
+This module imports only the standard library, so the CLI can build its parser and the config can validate
+``schedule`` without loading numpy or the solver. The built-in schedules (``planner/schedules/``) register
+themselves when the registry is first read: they build on the IR in ``planner/schedule.py``, which dispatches
+``build_schedule`` through here, so loading them on first use rather than at import keeps the two modules from
+importing each other half-initialised. Try it::
+
+    python -c "from ds_terapipe.planner.registry import *; print(schedule_table())"
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the IR imports this module; at run time builders are plain callables
+    from .schedule import Schedule
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "ScheduleSpec", "find_schedule", "get_schedule", "one_chunk_per_rank", "register_schedule", "registered_schedule",
+    "schedule_names", "schedule_table", "uniform_bubble", "unregister_schedule",
+]
+
+#: Modules under ``planner/schedules`` that register the built-in schedules, in the order names are listed
+#: (config errors, ``--schedule`` choices, the docs table). Adding a built-in schedule = one module + one entry.
+_BUILTIN_MODULES = ("gpipe", "one_f_one_b")
+
+Builder = Callable[[int, int, int], "Schedule"]
+"""(num_stages, num_microbatches, num_slices) -> a compute-only Schedule named after its spec."""
+
+Placement = Callable[[int, int], "tuple[int, ...]"]
+"""(num_ranks, virtual_stages) -> the rank of each chunk, chunk-indexed; ValueError if the schedule cannot place
+``virtual_stages`` chunks per rank."""
+
+LiveSubbatches = Callable[[int, int, int, int], float]
+"""(stage, num_stages, num_units, num_slices) -> sub-batches' worth of tokens a stage keeps alive at its peak."""
+
+BubbleFormula = Callable[[int, int], float]
+"""(num_stages, num_units) -> bubble fraction with equal unit costs and no communication."""
+
+
+def one_chunk_per_rank(num_ranks: int, virtual_stages: int = 1) -> tuple[int, ...]:
+    """The placement of every schedule without virtual stages: chunk r on rank r.
+
+    Refuses ``virtual_stages > 1`` rather than silently running one chunk per rank: such a config asks for a
+    schedule that places several chunks on a rank (interleaved, looped, V-shaped).
+    """
+    if virtual_stages != 1:
+        raise ValueError(f"virtual_stages = {virtual_stages!r}: this schedule places one chunk per rank; use "
+                         "virtual_stages = 1 or a schedule with virtual stages")
+    return tuple(range(num_ranks))
+
+
+def uniform_bubble(num_stages: int, num_units: int) -> float:
+    """(K - 1) / (N + K - 1): the GPipe bubble over N = micro-batches x slices equal units on K stages."""
+    return (num_stages - 1) / (num_units + num_stages - 1)
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """Everything the planner, runtime, config, CLI and docs need to know about one schedule.
+
+    A value: frozen and compared by its fields, so a registration can be checked for conflicts and restored.
+    """
+
+    name: str
+    """The name users write (config ``terapipe.schedule``, ``--schedule``) and ``Schedule.name`` carries."""
+
+    builder: Builder
+    """Writes the compute-only schedule (F and B actions per stage); ``W`` and comm are added by passes."""
+
+    description: str
+    """One line for the docs table and ``ds-terapipe schedules``: what it does and when to use it."""
+
+    live_subbatches: LiveSubbatches
+    """The memory estimate (``slicing.MemoryModel``): sub-batches' worth of tokens alive on a stage at its peak.
+    It must not grow with the slice count, so that a memory cap translates into a minimum slice count."""
+
+    deferred_weight_grads: bool = False
+    """Default of ``terapipe.deferred_weight_grads`` for this schedule (the config's ``None``)."""
+
+    weights_per_slice: bool = False
+    """Default W placement (``schedule.defer_weights``): one W per (micro-batch, slice) rather than one per
+    micro-batch after its last backward. Per slice bounds the recorded pairs as activations are bounded."""
+
+    dp_exact: bool = False
+    """Whether the slicing DP's closed form m * sum(w) + (K - 1) * max(t) is this schedule's step time over
+    equal stages (without W); otherwise the planner scores candidates with the simulator."""
+
+    bubble: BubbleFormula | None = None
+    """Closed-form bubble with equal unit costs and no communication, where one exists (tests check it against
+    the simulator)."""
+
+    bubble_text: str = "-"
+    """The closed form as docs show it."""
+
+    memory_text: str = "-"
+    """The activation memory as docs show it (units alive on stage s at its peak)."""
+
+    placement: Placement = one_chunk_per_rank
+    """Chunk -> rank map for ``num_ranks`` ranks and ``virtual_stages`` chunks per rank."""
+
+    placement_text: str = "chunk r on rank r"
+    """The placement as docs show it."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name or self.name != self.name.strip() or \
+                any(c in self.name for c in " ,|\n"):
+            raise ValueError(f"ScheduleSpec.name = {self.name!r} must be a non-empty word (no spaces, commas or "
+                             "'|'), as users type it in --schedule and the config")
+        for attr in ("builder", "live_subbatches", "placement"):
+            if not callable(getattr(self, attr)):
+                raise TypeError(f"ScheduleSpec.{attr} of {self.name!r} must be callable, got "
+                                f"{type(getattr(self, attr)).__name__}")
+        if self.bubble is not None and not callable(self.bubble):
+            raise TypeError(f"ScheduleSpec.bubble of {self.name!r} must be callable or None")
+        if not isinstance(self.description, str) or "\n" in self.description or "|" in self.description:
+            raise ValueError(f"ScheduleSpec.description of {self.name!r} must be one line without '|' (it is a "
+                             "cell of a markdown table)")
+
+
+_REGISTRY: dict[str, ScheduleSpec] = {}
+_builtins_loaded = False
+
+
+def _load_builtins() -> None:
+    """Import the built-in schedule modules once; each registers its spec."""
+    global _builtins_loaded
+    if _builtins_loaded:
+        return
+    _builtins_loaded = True   # set first: the modules call register_schedule, which lands here again
+    try:
+        for module in _BUILTIN_MODULES:
+            importlib.import_module(f"{__package__}.schedules.{module}")
+    except BaseException:
+        _builtins_loaded = False
+        raise
+
+
+def register_schedule(spec: ScheduleSpec, *, replace: bool = False) -> ScheduleSpec:
+    """Make ``spec`` available by name everywhere (config, CLI, planner, runtime). Returns it.
+
+    Registering a different spec under a taken name is refused unless ``replace``: two modules claiming one name
+    would otherwise make the schedule depend on import order. Re-registering the same value is a no-op.
+    """
+    if not isinstance(spec, ScheduleSpec):
+        raise TypeError(f"register_schedule needs a ScheduleSpec, got {type(spec).__name__}")
+    _load_builtins()
+    old = _REGISTRY.get(spec.name)
+    if old is not None and old != spec and not replace:
+        raise ValueError(f"schedule {spec.name!r} is already registered (by {_origin(old)}); pick another name or "
+                         "pass replace=True")
+    _REGISTRY[spec.name] = spec
+    logger.debug("registered schedule %r (%s)", spec.name, _origin(spec))
+    return spec
+
+
+def unregister_schedule(name: str) -> ScheduleSpec:
+    """Remove a schedule and return its spec (tests and plugins undo their registrations with it)."""
+    _load_builtins()
+    try:
+        return _REGISTRY.pop(name)
+    except KeyError:
+        raise ValueError(f"schedule {name!r} is not registered; registered: {', '.join(_REGISTRY)}") from None
+
+
+@contextlib.contextmanager
+def registered_schedule(spec: ScheduleSpec) -> Iterator[ScheduleSpec]:
+    """Register ``spec`` for the duration of a ``with`` block, then restore what was there (nothing leaks)."""
+    _load_builtins()
+    previous = _REGISTRY.get(spec.name)
+    register_schedule(spec, replace=True)
+    try:
+        yield spec
+    finally:
+        if previous is None:
+            _REGISTRY.pop(spec.name, None)
+        else:
+            _REGISTRY[spec.name] = previous
+
+
+def get_schedule(name: str) -> ScheduleSpec:
+    """The spec registered as ``name``; ValueError listing the valid names otherwise."""
+    spec = find_schedule(name)
+    if spec is None:
+        raise ValueError(f"schedule = {name!r} is unknown; valid: {', '.join(_REGISTRY)}")
+    return spec
+
+
+def find_schedule(name: str) -> ScheduleSpec | None:
+    """The spec registered as ``name``, or None (for schedules derived from a registered one, e.g. edited)."""
+    _load_builtins()
+    return _REGISTRY.get(name) if isinstance(name, str) else None
+
+
+def schedule_names() -> tuple[str, ...]:
+    """Registered names in registration order (built-ins first)."""
+    _load_builtins()
+    return tuple(_REGISTRY)
+
+
+def _origin(spec: ScheduleSpec) -> str:
+    return getattr(spec.builder, "__module__", None) or "?"
+
+
+def schedule_table() -> str:
+    """The README's table of schedules, rendered from the registry (a test keeps the README equal to it)."""
+    rows = ["| schedule | placement | bubble (equal units) | activation memory on stage s | deferred W | what and "
+            "when |", "| --- | --- | --- | --- | --- | --- |"]
+    for spec in map(get_schedule, schedule_names()):
+        where = "per slice" if spec.weights_per_slice else "per micro-batch"
+        w = f"{'on' if spec.deferred_weight_grads else 'off'}, {where}"
+        rows.append(f"| `{spec.name}` | {spec.placement_text} | {spec.bubble_text} | {spec.memory_text} | {w} | "
+                    f"{spec.description} |")
+    return "\n".join(rows)
