@@ -53,8 +53,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ds_terapipe.log import configure_logging
+
 from benchlib.alternate import alternate, median, median_index, paired_ratios, rounds_in_use
-from benchlib.launch import configure_logging, launch_workers, pin_and_single_thread, worker_args
+from benchlib.launch import launch_workers, pin_and_single_thread, worker_args
 from benchlib.meters import ActivationMeter, CpuMeter, HeapMeter, InstructionRecorder, compute_events, step_summary
 from benchlib.tables import ROOT, fmt, machine_info, markdown_table, print_checks, results_path, write_report
 

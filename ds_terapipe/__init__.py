@@ -31,6 +31,7 @@ _LAZY = {
     "SlicingMismatchError": ".runtime.slice_check",
     "CheckpointError": ".runtime.checkpoint",
     "export_state_dict": ".runtime.checkpoint",
+    "configure_logging": ".log",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

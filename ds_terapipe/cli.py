@@ -27,10 +27,11 @@ import math
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from .log import LOG_FORMAT, env_log_level
 from .planner._checks import check_int, check_number
 from .planner.presets import DEVICE_PRESETS, MODEL_PRESETS, analytic_pipeline_cost, preset_memory_model
 from .planner.registry import schedule_names, schedule_table
@@ -58,26 +59,25 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message}; see '{self.prog} --help'")
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; pass a whole number >= 1") from None
-    try:
-        return check_int(value, repr(text), fix="pass a whole number >= 1")
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+def _parsed(convert: Callable[[str], Any], noun: str, check: Callable[[Any, str], Any]) -> Callable[[str], Any]:
+    """An argparse ``type``: ``convert`` the text, then ``check`` it with the planner's own validator, so the CLI
+    and the planner refuse the same values with the same words."""
+    def parse(text: str) -> Any:
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {noun}") from None
+        try:
+            return check(value, repr(text))
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return parse
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number; pass e.g. 32") from None
-    try:
-        return check_number(value, repr(text), positive=True, fix="pass e.g. 32")
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+_positive_int = _parsed(int, "an integer; pass a whole number >= 1",
+                        lambda v, name: check_int(v, name, fix="pass a whole number >= 1"))
+_positive_float = _parsed(float, "a number; pass e.g. 32",
+                          lambda v, name: check_number(v, name, positive=True, fix="pass e.g. 32"))
 
 
 def _slice_list(text: str) -> list[int]:
@@ -450,19 +450,14 @@ def _cmd_presets(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------------------------------------------
 # Entry point
 
-_LOG_FORMAT = "[%(asctime)s] [%(levelname)s] [%(name)s] %(message)s"
-
-
 def _log_level(verbose: int) -> int:
     """-v: INFO, -vv: DEBUG; otherwise DS_TERAPIPE_LOG_LEVEL, else WARNING (planner progress is opt-in)."""
     if verbose:
         return logging.DEBUG if verbose > 1 else logging.INFO
-    name = (os.environ.get("DS_TERAPIPE_LOG_LEVEL") or "WARNING").strip().upper()
-    level = logging.getLevelName(name)
-    if not isinstance(level, int):
-        raise UsageError(f"DS_TERAPIPE_LOG_LEVEL={name!r} is not a logging level; use DEBUG, INFO, WARNING or "
-                         "ERROR, or unset it")
-    return level
+    try:
+        return env_log_level(default="WARNING")
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _silence_stdout() -> None:
@@ -477,7 +472,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit status (0, or 2 for a user error, whose one-line message is on stderr)."""
     # The CLI is the application: it configures logging (the library only adds a NullHandler). basicConfig does
     # nothing where the embedding program already configured the root logger.
-    logging.basicConfig(format=_LOG_FORMAT)
+    logging.basicConfig(format=LOG_FORMAT)
     pkg_logger = logging.getLogger("ds_terapipe")
     saved_level = pkg_logger.level
     try:

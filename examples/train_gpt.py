@@ -32,9 +32,6 @@ import ds_terapipe
 from ds_terapipe.models.gpt import GPTConfig, causal_lm_loss, gpt_layer_specs
 from ds_terapipe.runtime.shm import remove_shm_segments
 
-LOG_FORMAT = "[%(asctime)s] [%(levelname)s] [%(name)s] %(message)s"
-
-
 def setup_logging() -> None:
     """Show ds_terapipe's log lines (the plan, profiling, faults) the way DeepSpeed shows its own.
 
@@ -42,13 +39,7 @@ def setup_logging() -> None:
     ``DS_TERAPIPE_LOG_LEVEL`` (e.g. DEBUG), on stderr as ``[time] [LEVEL] [name] message``; other loggers at INFO.
     """
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] [%(name)s] %(message)s")
-    lib = logging.getLogger("ds_terapipe")
-    lib.setLevel(os.environ.get("DS_TERAPIPE_LOG_LEVEL", "INFO").upper())
-    if not any(not isinstance(h, logging.NullHandler) for h in lib.handlers):   # not configured yet
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter(LOG_FORMAT))
-        lib.addHandler(handler)
-        lib.propagate = False   # its own format, not the root logger's
+    ds_terapipe.configure_logging()
 
 
 def parse_args() -> argparse.Namespace:

@@ -140,7 +140,7 @@ def test_register_refuses_conflicts_and_unregister_restores() -> None:
     ("name", "", ValueError, "must be a non-empty word"),
     ("builder", None, TypeError, "ScheduleSpec.builder of 'sequential' must be callable"),
     ("live_subbatches", 1.0, TypeError, "ScheduleSpec.live_subbatches of 'sequential' must be callable"),
-    ("bubble", 0.5, TypeError, "ScheduleSpec.bubble of 'sequential' must be callable or None"),
+    ("bubble", 0.5, TypeError, "ScheduleSpec.bubble of 'sequential' must be a BubbleFormula or None"),
     ("description", "a | b", ValueError, "one line without '|'"),
 ])
 def test_spec_refuses_what_would_break_a_consumer(field: str, value: object, exc: type, needle: str) -> None:

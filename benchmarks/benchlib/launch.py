@@ -12,7 +12,6 @@ process to one core per rank and leaves torch one thread, before anything else i
 from __future__ import annotations
 
 import json
-import logging
 import os
 import sys
 from pathlib import Path
@@ -22,7 +21,7 @@ from ds_terapipe.runtime.local_launch import run_local
 
 from .tables import ROOT
 
-__all__ = ["configure_logging", "launch_workers", "pin_and_single_thread", "worker_args"]
+__all__ = ["launch_workers", "pin_and_single_thread", "worker_args"]
 
 WORKER_FLAG = "--worker"
 
@@ -53,19 +52,6 @@ def launch_workers(script: Path, world_size: int, out_dir: Path, opts: dict, *, 
         raise SystemExit(f"benchmark workers failed or timed out after {timeout_s:.0f}s (logs in {out_dir})\n"
                          + result.failure_report(30))
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
-
-
-def configure_logging() -> None:
-    """Show ds_terapipe's log lines (plans, written traces) as ``[time] [LEVEL] [name] message`` on stderr, at INFO
-    or ``DS_TERAPIPE_LOG_LEVEL``: the library itself only adds a NullHandler. For the parent and every worker (a
-    worker's log then shows its plan, which the failure report's log tails include)."""
-    lib = logging.getLogger("ds_terapipe")
-    lib.setLevel(os.environ.get("DS_TERAPIPE_LOG_LEVEL", "INFO").upper())
-    if not any(not isinstance(h, logging.NullHandler) for h in lib.handlers):   # not configured yet
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("[%(asctime)s] [%(levelname)s] [%(name)s] %(message)s"))
-        lib.addHandler(handler)
-        lib.propagate = False
 
 
 def worker_args(argv: list[str] | None = None) -> tuple[Path, dict] | None:

@@ -29,8 +29,8 @@ if TYPE_CHECKING:  # the IR imports this module; at run time builders are plain 
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "ScheduleSpec", "find_schedule", "get_schedule", "one_chunk_per_rank", "register_schedule", "registered_schedule",
-    "schedule_names", "schedule_table", "uniform_bubble", "unregister_schedule",
+    "BubbleFormula", "ScheduleSpec", "find_schedule", "get_schedule", "one_chunk_per_rank", "register_schedule",
+    "registered_schedule", "schedule_names", "schedule_table", "uniform_bubble", "unregister_schedule",
 ]
 
 #: Modules under ``planner/schedules`` that register the built-in schedules, in the order names are listed
@@ -47,8 +47,6 @@ Placement = Callable[[int, int], "tuple[int, ...]"]
 LiveSubbatches = Callable[[int, int, int, int], float]
 """(stage, num_stages, num_units, num_slices) -> sub-batches' worth of tokens a stage keeps alive at its peak."""
 
-BubbleFormula = Callable[[int, int], float]
-"""(num_stages, num_units) -> bubble fraction with equal unit costs and no communication."""
 
 
 def one_chunk_per_rank(num_ranks: int, virtual_stages: int = 1) -> tuple[int, ...]:
@@ -63,9 +61,23 @@ def one_chunk_per_rank(num_ranks: int, virtual_stages: int = 1) -> tuple[int, ..
     return tuple(range(num_ranks))
 
 
-def uniform_bubble(num_stages: int, num_units: int) -> float:
-    """(K - 1) / (N + K - 1): the GPipe bubble over N = micro-batches x slices equal units on K stages."""
-    return (num_stages - 1) / (num_units + num_stages - 1)
+@dataclass(frozen=True)
+class BubbleFormula:
+    """A closed-form bubble and how docs write it, kept in one value so the two cannot drift apart.
+
+    ``formula(num_stages, num_units)``: the bubble fraction with equal unit costs and no communication (tests
+    check it against the simulator). Calling the value calls the formula.
+    """
+
+    formula: Callable[[int, int], float]
+    text: str
+
+    def __call__(self, num_stages: int, num_units: int) -> float:
+        return self.formula(num_stages, num_units)
+
+
+#: (K - 1) / (N + K - 1): the GPipe bubble over N = micro-batches x slices equal units on K stages.
+uniform_bubble = BubbleFormula(lambda k, n: (k - 1) / (n + k - 1), "(K-1)/(m·n+K-1)")
 
 
 @dataclass(frozen=True)
@@ -100,11 +112,7 @@ class ScheduleSpec:
     equal stages (without W); otherwise the planner scores candidates with the simulator."""
 
     bubble: BubbleFormula | None = None
-    """Closed-form bubble with equal unit costs and no communication, where one exists (tests check it against
-    the simulator)."""
-
-    bubble_text: str = "-"
-    """The closed form as docs show it."""
+    """Closed-form bubble with equal unit costs and no communication, where one exists, with its docs text."""
 
     memory_text: str = "-"
     """The activation memory as docs show it (units alive on stage s at its peak)."""
@@ -124,8 +132,8 @@ class ScheduleSpec:
             if not callable(getattr(self, attr)):
                 raise TypeError(f"ScheduleSpec.{attr} of {self.name!r} must be callable, got "
                                 f"{type(getattr(self, attr)).__name__}")
-        if self.bubble is not None and not callable(self.bubble):
-            raise TypeError(f"ScheduleSpec.bubble of {self.name!r} must be callable or None")
+        if self.bubble is not None and not isinstance(self.bubble, BubbleFormula):
+            raise TypeError(f"ScheduleSpec.bubble of {self.name!r} must be a BubbleFormula or None")
         if not isinstance(self.description, str) or "\n" in self.description or "|" in self.description:
             raise ValueError(f"ScheduleSpec.description of {self.name!r} must be one line without '|' (it is a "
                              "cell of a markdown table)")
@@ -222,6 +230,7 @@ def schedule_table() -> str:
     for spec in map(get_schedule, schedule_names()):
         where = "per slice" if spec.weights_per_slice else "per micro-batch"
         w = f"{'on' if spec.deferred_weight_grads else 'off'}, {where}"
-        rows.append(f"| `{spec.name}` | {spec.placement_text} | {spec.bubble_text} | {spec.memory_text} | {w} | "
+        bubble = spec.bubble.text if spec.bubble else "-"
+        rows.append(f"| `{spec.name}` | {spec.placement_text} | {bubble} | {spec.memory_text} | {w} | "
                     f"{spec.description} |")
     return "\n".join(rows)

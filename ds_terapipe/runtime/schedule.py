@@ -39,7 +39,7 @@ class TokenPipeSchedule(ds_schedule.PipeSchedule):
     """One stage's view of a token-level schedule, as DeepSpeed instructions.
 
     Args:
-        name: planner schedule name ("gpipe" or "1f1b").
+        name: a registered schedule name (``ds-terapipe schedules`` lists them).
         micro_batches, stages, stage_id: as in DeepSpeed's ``PipeSchedule``.
         num_slices: slices per micro-batch.
         train: with backward, gradient reduction and optimizer step; else forwards only.

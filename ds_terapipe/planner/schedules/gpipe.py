@@ -52,6 +52,5 @@ GPIPE = register_schedule(ScheduleSpec(
     weights_per_slice=False,
     dp_exact=True,
     bubble=uniform_bubble,
-    bubble_text="(K-1)/(m·n+K-1)",
     memory_text="all m·n units",
 ))
