@@ -29,11 +29,11 @@ TERAPIPE_KEY = "terapipe"
 class ProfileConfig(DeepSpeedConfigModel):
     """How each stage measures its own layers when ``slices`` is ``"auto"``."""
 
+    model_config = ConfigDict(extra="forbid")
+
     slice_lengths: Optional[List[int]] = None
     """Slice lengths (tokens) to time at context 0; default: powers of two from ``granularity`` to ``seq_len``
     (at most 6 of them), which brackets every slice the planner may pick."""
-
-    model_config = ConfigDict(extra="forbid")
 
     num_contexts: int = Field(3, ge=1)
     """How many prefix lengths (spread over ``[0, seq_len)``) to time per slice length, for the context term."""
