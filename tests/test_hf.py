@@ -205,13 +205,11 @@ def test_from_config_is_deterministic_and_exact(arch: str) -> None:
     assert worst <= TOL, f"{arch}: gradient of {name} off by {worst:.2e}"
 
 
-def test_grouped_query_cache_holds_only_kv_heads(tmp_path) -> None:
-    """Llama with 4 query / 2 key-value heads: the KV buffers hold 2 heads' worth, not 4 (no repeated K/V); a
-    local directory (save_pretrained) loads with its weights."""
+def test_grouped_query_cache_holds_only_kv_heads() -> None:
+    """Llama with 4 query / 2 key-value heads: the KV buffers hold 2 heads' worth, not 4 (no repeated K/V)."""
     model = hf_model("llama")
-    model.save_pretrained(tmp_path)
     config = model.config
-    stages, _ = build_stages(causal_lm_specs(tmp_path), num_stages=1)
+    stages, _ = build_stages(causal_lm_specs(copy.deepcopy(model)), num_stages=1)
     with torch.no_grad():
         logits, states = run_sliced_forward_only(stages[0], make_batches()[0][0], SLICINGS["unequal"])
         logits_ref = model(input_ids=make_batches()[0][0]).logits
@@ -219,6 +217,24 @@ def test_grouped_query_cache_holds_only_kv_heads(tmp_path) -> None:
     per_layer = 2 * BATCH * config.num_key_value_heads * SEQ_LEN * head_dim * 4  # k and v, fp32
     assert states.nbytes() == config.num_hidden_layers * per_layer
     assert rel_err(logits, logits_ref) <= TOL
+
+
+@pytest.mark.parametrize("arch, shard, dtype", [("llama", None, torch.float32), ("gpt2", "100KB", torch.float32),
+                                                 ("qwen3", None, torch.bfloat16)])
+def test_local_directory_loads_each_layer_from_safetensors(arch: str, shard, dtype, tmp_path) -> None:
+    """A save_pretrained directory (one file, or sharded with an index): every layer reads its own tensors,
+    in config.json's dtype; weights and outputs equal the saved model's."""
+    model = hf_model(arch).to(dtype)
+    model.save_pretrained(tmp_path, **({"max_shard_size": shard} if shard else {}))
+    assert (tmp_path / "model.safetensors.index.json").is_file() == bool(shard)
+    stages, params = build_stages(causal_lm_specs(tmp_path), num_stages=1)
+    saved = dict(model.named_parameters())
+    for name, param in params.items():
+        assert param.dtype == dtype and torch.equal(param, saved[hf_param_name(name, model.config)]), name
+    with torch.no_grad():
+        logits, _ = run_sliced_forward_only(stages[0], make_batches()[0][0], SLICINGS["unequal"])
+        logits_ref = model(input_ids=make_batches()[0][0]).logits
+    assert rel_err(logits.float(), logits_ref.float()) <= (TOL if dtype == torch.float32 else 1e-2)
 
 
 def run_sliced_forward_only(layers: list, ids: torch.Tensor, slices: list[int]):

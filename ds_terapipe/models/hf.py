@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import copy
 import importlib
+import json
 import math
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Mapping
 
 import torch
@@ -100,8 +102,10 @@ def _fold_query_groups(query: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
 
     Query head ``h`` uses key/value head ``h // g`` (transformers' ``repeat_kv``). Keys/values reshaped to
     (1, B * nkv, T, hs) then broadcast over the g query groups inside SDPA, so neither the KV cache nor the
-    cached prefix is ever repeated. Costs: one copy of q (the sliced attention makes one anyway) and, on GPU,
-    SDPA's math kernel instead of the fused ones for grouped-query layers (they need equal batch sizes).
+    cached prefix is ever repeated. Costs: one copy of q (the sliced attention makes one anyway) and, expected
+    on GPU (not measured), SDPA's math kernel instead of the fused ones, which want equal batch sizes. Relies on
+    SDPA broadcasting a batch dimension of size 1, which torch's math path does (the GQA tests fail otherwise);
+    passing ``enable_gqa`` inside ``sliced_causal_attention`` would remove the fold.
     """
     batch, num_heads, tokens, head_dim = query.shape
     groups = num_heads // num_kv_heads
@@ -232,10 +236,72 @@ def _adopt(source: nn.Module, config: PretrainedConfig) -> nn.Module:
     return source
 
 
+class _Checkpoint:
+    """The safetensors files of a ``save_pretrained`` directory, read tensor by tensor when a layer is built,
+    so each rank reads only its own stage's weights (``from_pretrained`` would load the whole model per rank).
+
+    Tensor names are the ``transformers`` model's (:func:`hf_param_name`); GPT-2 checkpoints written without the
+    ``transformer.`` prefix are read too. Parameters take ``dtype`` (None: as built, fp32); the rotary
+    frequencies stay fp32, as ``from_pretrained`` keeps them.
+    """
+
+    def __init__(self, path: Path, files: dict[str, Path], config: PretrainedConfig,
+                 dtype: torch.dtype | None) -> None:
+        self.path, self.files, self.config, self.dtype = path, files, config, dtype
+
+    @classmethod
+    def find(cls, path: Path, config: PretrainedConfig, dtype: torch.dtype | None) -> _Checkpoint | None:
+        """The directory's safetensors weights, or None when it has none (then ``from_pretrained`` loads it)."""
+        from safetensors import safe_open
+
+        index, single = path / "model.safetensors.index.json", path / "model.safetensors"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            return cls(path, {key: path / name for key, name in weight_map.items()}, config, dtype)
+        if single.is_file():
+            with safe_open(str(single), framework="pt") as f:
+                return cls(path, {key: single for key in f.keys()}, config, dtype)
+        return None
+
+    def load_into(self, module: nn.Module, index: int) -> None:
+        """Fill pipeline layer ``index`` (its parameters and persistent buffers) from the checkpoint."""
+        from safetensors import safe_open
+
+        base = _FAMILIES[self.config.model_type].base + "."
+        keys = {}
+        for name in module.state_dict():
+            key = hf_param_name(f"{index}.{name}", self.config)
+            if key not in self.files and key.removeprefix(base) in self.files:
+                key = key.removeprefix(base)  # GPT-2 checkpoints of the original layout
+            if key not in self.files:
+                raise ValueError(f"{self.path}: no tensor {key!r} for pipeline layer {index} "
+                                 f"({type(module).__name__}.{name}); the weights do not match config.json")
+            keys[name] = key
+        state = {}
+        for file in sorted(set(self.files[key] for key in keys.values())):
+            with safe_open(str(file), framework="pt") as f:
+                state.update({name: f.get_tensor(key) for name, key in keys.items() if self.files[key] == file})
+        module.load_state_dict(state, strict=True)
+        if self.dtype is not None:
+            for name, tensor in list(module.named_parameters()) + list(module.named_buffers()):
+                if name in state and tensor.is_floating_point():
+                    tensor.data = tensor.data.to(self.dtype)
+
+
+def _fill(module: nn.Module, config: PretrainedConfig, index: int, seed: int,
+          checkpoint: _Checkpoint | None) -> None:
+    """Weights of pipeline layer ``index``: from the checkpoint, else transformers-style random init."""
+    if checkpoint is not None:
+        checkpoint.load_into(module, index)
+    else:
+        _init_hf_style_(module, config, seed + index, config.num_hidden_layers)
+
+
 class HFEmbedding(nn.Module):
     """Token embedding (GPT-2: plus learned positions from :func:`token_offset`); also the tied LM head."""
 
-    def __init__(self, config: PretrainedConfig, source: nn.Module | None = None, seed: int = 0) -> None:
+    def __init__(self, config: PretrainedConfig, source: nn.Module | None = None, seed: int = 0,
+                 checkpoint: _Checkpoint | None = None) -> None:
         super().__init__()
         self.family = _FAMILIES[config.model_type]
         self.is_gpt2 = self.family.rotary is None
@@ -250,7 +316,7 @@ class HFEmbedding(nn.Module):
         if self.is_gpt2:
             self.wpe = nn.Embedding(config.max_position_embeddings, config.hidden_size)
             self.drop = nn.Dropout(config.embd_pdrop)
-        _init_hf_style_(self, config, seed, config.num_hidden_layers)
+        _fill(self, config, 0, seed, checkpoint)
 
     @property
     def token_embedding(self) -> nn.Embedding:
@@ -283,7 +349,7 @@ class HFDecoderLayer(nn.Module):
     """One ``transformers`` decoder layer (``self.layer``, unmodified) fed the slice's true positions."""
 
     def __init__(self, config: PretrainedConfig, layer_idx: int, source: nn.Module | None = None,
-                 seed: int = 0) -> None:
+                 seed: int = 0, checkpoint: _Checkpoint | None = None) -> None:
         super().__init__()
         family = _FAMILIES[config.model_type]
         modeling = _modeling(family)
@@ -291,9 +357,10 @@ class HFDecoderLayer(nn.Module):
             self.layer = _adopt(source, config)
         else:
             self.layer = getattr(modeling, family.decoder_layer)(config, layer_idx=layer_idx)
-            _init_hf_style_(self.layer, config, seed + 1 + layer_idx, config.num_hidden_layers)
         # The rotary module has no parameters; each layer keeps its own, so a stage needs nothing from others.
         self.rotary = getattr(modeling, family.rotary)(config=config) if family.rotary else None
+        if source is None:
+            _fill(self, config, 1 + layer_idx, seed, checkpoint)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.rotary is None:  # GPT-2: positions were added by the embedding
@@ -308,16 +375,21 @@ class HFDecoderLayer(nn.Module):
 class HFFinalNorm(nn.Module):
     """The final norm (Llama family: RMSNorm ``norm``; GPT-2: LayerNorm ``ln_f``)."""
 
-    def __init__(self, config: PretrainedConfig, source: nn.Module | None = None) -> None:
+    def __init__(self, config: PretrainedConfig, source: nn.Module | None = None,
+                 checkpoint: _Checkpoint | None = None) -> None:
         super().__init__()
         family = _FAMILIES[config.model_type]
         self.attr = family.norm
-        if source is None:
-            if family.final_norm is None:
-                source = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
-            else:
-                source = getattr(_modeling(family), family.final_norm)(config.hidden_size, eps=config.rms_norm_eps)
-        setattr(self, self.attr, source)
+        if source is not None:
+            setattr(self, self.attr, source)
+            return
+        if family.final_norm is None:
+            setattr(self, self.attr, nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon))
+        else:
+            setattr(self, self.attr,
+                    getattr(_modeling(family), family.final_norm)(config.hidden_size, eps=config.rms_norm_eps))
+        if checkpoint is not None:  # built norms are ones (and zeros), as transformers initialises them
+            checkpoint.load_into(self, config.num_hidden_layers + 1)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return getattr(self, self.attr)(hidden)
@@ -326,36 +398,56 @@ class HFFinalNorm(nn.Module):
 class HFLMHead(nn.Module):
     """An untied LM head ``lm_head`` (B, T, C) -> (B, T, V)."""
 
-    def __init__(self, config: PretrainedConfig, source: nn.Module | None = None, seed: int = 0) -> None:
+    def __init__(self, config: PretrainedConfig, source: nn.Module | None = None, seed: int = 0,
+                 checkpoint: _Checkpoint | None = None) -> None:
         super().__init__()
-        if source is None:
-            source = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-            _init_hf_style_(source, config, seed + 1 + config.num_hidden_layers, config.num_hidden_layers)
-        self.lm_head = source
+        if source is not None:
+            self.lm_head = source
+            return
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        _fill(self, config, config.num_hidden_layers + 2, seed, checkpoint)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
 
 # -- specs -----------------------------------------------------------------------------------------------------
-def _load(model_or_config: Any, load_kwargs: Mapping[str, Any] | None) -> tuple[PretrainedConfig, Any]:
-    """(config, loaded model or None) from a config, a loaded model, or a local directory."""
+def _checkpoint_dtype(config: PretrainedConfig, requested: Any) -> torch.dtype | None:
+    """``dtype`` as ``from_pretrained`` resolves it: "auto" (its default) means config.json's ``dtype``."""
+    if requested is None or isinstance(requested, torch.dtype):
+        return requested
+    if requested != "auto":
+        raise ValueError(f"causal_lm_specs: load_kwargs dtype={requested!r}; use a torch.dtype or 'auto'")
+    stored = getattr(config, "dtype", None)
+    if isinstance(stored, str):
+        stored = getattr(torch, stored, None)
+    return stored if isinstance(stored, torch.dtype) else None
+
+
+def _load(model_or_config: Any, load_kwargs: Mapping[str, Any] | None
+          ) -> tuple[PretrainedConfig, Any, _Checkpoint | None]:
+    """(config, loaded model or None, checkpoint reader or None) from a config, a model or a local directory."""
     if isinstance(model_or_config, PretrainedConfig):
-        return model_or_config, None
-    if isinstance(model_or_config, (str, os.PathLike)):
-        path = os.fspath(model_or_config)
-        if not os.path.isdir(path):
-            raise ValueError(f"causal_lm_specs: {path!r} is not a local directory; pass a directory written by "
-                             "save_pretrained, a loaded model, or a config (nothing is downloaded)")
-        config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
-        _check_config(config)  # refuse before loading any weights
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True,
-                                                                  **dict(load_kwargs or {}))
-        return model.config, model
+        return model_or_config, None, None
     if isinstance(model_or_config, PreTrainedModel):
-        return model_or_config.config, model_or_config
-    raise TypeError(f"causal_lm_specs takes a transformers config, a loaded *ForCausalLM model or a local "
-                    f"directory, got {type(model_or_config).__name__}")
+        return model_or_config.config, model_or_config, None
+    if not isinstance(model_or_config, (str, os.PathLike)):
+        raise TypeError(f"causal_lm_specs takes a transformers config, a loaded *ForCausalLM model or a local "
+                        f"directory, got {type(model_or_config).__name__}")
+    path = Path(model_or_config)
+    if not path.is_dir():
+        raise ValueError(f"causal_lm_specs: {str(path)!r} is not a local directory; pass a directory written by "
+                         "save_pretrained, a loaded model, or a config (nothing is downloaded)")
+    load_kwargs = dict(load_kwargs or {})
+    config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+    _check_config(config)  # refuse before reading any weights
+    if set(load_kwargs) <= {"dtype"}:
+        checkpoint = _Checkpoint.find(path, config, _checkpoint_dtype(config, load_kwargs.get("dtype", "auto")))
+        if checkpoint is not None:
+            return config, None, checkpoint
+    # Other formats or loading options: transformers loads the whole model (on every rank).
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True, **load_kwargs)
+    return model.config, model, None
 
 
 def causal_lm_specs(model_or_config: Any, *, seed: int = 1234,
@@ -364,16 +456,19 @@ def causal_lm_specs(model_or_config: Any, *, seed: int = 1234,
 
     Args:
         model_or_config: a ``transformers`` config (weights initialised as ``transformers`` does, from
-            ``seed`` and the layer index, so any stage count builds the same model), a loaded ``*ForCausalLM``
+            ``seed`` and the layer index, so any stage count builds the same model); a loaded ``*ForCausalLM``
             (its modules become the pipeline's layers: weights kept, not copied; don't use the model on its own
-            afterwards), or a local directory written by ``save_pretrained`` (loaded with
-            ``AutoModelForCausalLM.from_pretrained(path, **load_kwargs)``, no download).
+            afterwards; every rank holds the whole model); or a local directory written by ``save_pretrained``
+            (nothing is downloaded): with safetensors weights each stage reads only its own layers' tensors, in
+            ``load_kwargs["dtype"]`` (default ``"auto"``: config.json's dtype, as ``from_pretrained``); other
+            formats or other ``load_kwargs`` go through ``AutoModelForCausalLM.from_pretrained(path,
+            **load_kwargs)``, the whole model on every rank.
 
     Use with ``TokenPipelineModule(specs, num_stages=..., loss_fn=causal_lm_loss, vocab_size=config.vocab_size)``;
     batches are ``(input_ids, labels)``, labels already shifted (``ids[:, 1:]``), both (micro_batch, seq_len).
     Parameter names map to the ``transformers`` model's with :func:`hf_param_name`.
     """
-    config, model = _load(model_or_config, load_kwargs)
+    config, model, checkpoint = _load(model_or_config, load_kwargs)
     family = _check_config(config)
     attn_config = _attention_config(config)
     num_layers = config.num_hidden_layers
@@ -388,22 +483,26 @@ def causal_lm_specs(model_or_config: Any, *, seed: int = 1234,
                                         f"the *ForCausalLM / *LMHeadModel class), got {type(model).__name__}")
         tied = head.weight is getattr(base, family.embed).weight
 
-    def layer(i: int) -> nn.Module | None:
-        return None if base is None else getattr(base, family.layers)[i]
+    def part(name: str, index: int | None = None) -> nn.Module | None:
+        if base is None:
+            return None
+        return getattr(base, name) if index is None else getattr(base, name)[index]
 
     embed_attr = f"{family.embed}.weight"
+    embed = dict(source=base, seed=seed, checkpoint=checkpoint)
     specs: list = []
     if tied:
-        specs.append(TiedLayerSpec("embed", HFEmbedding, attn_config, base, seed, tied_weight_attr=embed_attr))
+        specs.append(TiedLayerSpec("embed", HFEmbedding, attn_config, tied_weight_attr=embed_attr, **embed))
     else:
-        specs.append(LayerSpec(HFEmbedding, attn_config, base, seed))
-    specs += [LayerSpec(HFDecoderLayer, attn_config, i, layer(i), seed) for i in range(num_layers)]
-    specs.append(LayerSpec(HFFinalNorm, attn_config, None if base is None else getattr(base, family.norm)))
+        specs.append(LayerSpec(HFEmbedding, attn_config, **embed))
+    specs += [LayerSpec(HFDecoderLayer, attn_config, i, source=part(family.layers, i), seed=seed,
+                        checkpoint=checkpoint) for i in range(num_layers)]
+    specs.append(LayerSpec(HFFinalNorm, attn_config, source=part(family.norm), checkpoint=checkpoint))
     if tied:
-        specs.append(TiedLayerSpec("embed", HFEmbedding, attn_config, base, seed, forward_fn=_tied_head,
-                                   tied_weight_attr=embed_attr))
+        specs.append(TiedLayerSpec("embed", HFEmbedding, attn_config, forward_fn=_tied_head,
+                                   tied_weight_attr=embed_attr, **embed))
     else:
-        specs.append(LayerSpec(HFLMHead, attn_config, head, seed))
+        specs.append(LayerSpec(HFLMHead, attn_config, source=head, seed=seed, checkpoint=checkpoint))
     return specs
 
 
