@@ -38,7 +38,8 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=150, help="optimizer steps to train")
-    parser.add_argument("--stages", type=int, default=None, help="pipeline stages (default: config pipeline.stages or 2)")
+    parser.add_argument("--stages", type=int, default=None,
+                        help="pipeline stages (default: config pipeline.stages or 2)")
     parser.add_argument("--arch", choices=[*CONFIGS, "gpt2"], default="llama", help="architecture built from a config")
     parser.add_argument("--model-dir", default=None, help="a local save_pretrained directory (weights kept)")
     parser.add_argument("--layers", type=int, default=4)
@@ -126,9 +127,10 @@ def main() -> None:
     held_out = Batches(tokens[split:], seq_len, micro, args.seed + 1, dp_rank)
     plan = engine.plan_summary() if hasattr(engine, "plan_summary") else {"slices": [seq_len]}
     if rank == 0:
+        kv_heads = getattr(config, "num_key_value_heads", config.num_attention_heads)
         print(f"model {config.model_type} ({args.model_dir or 'from config'}): {config.num_hidden_layers} layers, "
-              f"hidden {config.hidden_size}, {config.num_attention_heads} heads / "
-              f"{getattr(config, 'num_key_value_heads', config.num_attention_heads)} kv heads, vocab {config.vocab_size}; "
+              f"hidden {config.hidden_size}, {config.num_attention_heads} heads / {kv_heads} kv heads, "
+              f"vocab {config.vocab_size}; "
               f"world {world} = {stages} stage(s) x {world // stages} replica(s), micro-batch {micro} x {gas}, "
               f"seq_len {seq_len}", flush=True)
         print(f"plan: {json.dumps(plan)}", flush=True)

@@ -86,8 +86,8 @@ def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     config = tiny_llama()
     config._attn_implementation = "eager"  # the reference's attention; the pipeline's specs use their own
-    payload: dict[str, Any] = {"rank": RANK, "cases": [],
-                               "all_params": sorted(n for n, _ in transformers.LlamaForCausalLM(config).named_parameters())}
+    all_params = sorted(n for n, _ in transformers.LlamaForCausalLM(config).named_parameters())
+    payload: dict[str, Any] = {"rank": RANK, "cases": [], "all_params": all_params}
     code = 0
     try:
         for schedule in ("1f1b", "gpipe"):

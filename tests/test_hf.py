@@ -23,7 +23,7 @@ transformers = pytest.importorskip("transformers", minversion="5")
 from deepspeed.pipe import TiedLayerSpec  # noqa: E402
 
 from ds_terapipe.models.hf import (UnsupportedModelError, causal_lm_loss, causal_lm_specs,  # noqa: E402
-                                   hf_param_name, terapipe_attention)
+                                   hf_param_name, hf_state_dict, terapipe_attention)
 from ds_terapipe.planner.schedule import ActionKind, build_schedule  # noqa: E402
 from ds_terapipe.runtime.context import MicroBatchState, SliceContext, slice_scope  # noqa: E402
 
@@ -235,6 +235,27 @@ def test_local_directory_loads_each_layer_from_safetensors(arch: str, shard, dty
         logits, _ = run_sliced_forward_only(stages[0], make_batches()[0][0], SLICINGS["unequal"])
         logits_ref = model(input_ids=make_batches()[0][0]).logits
     assert rel_err(logits.float(), logits_ref.float()) <= (TOL if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama-tied", "gpt2"])
+def test_exported_pipeline_weights_load_into_transformers(arch: str) -> None:
+    """export_state_dict's layout ("<layer>.<param>", a tied layer under each index that uses it) maps back to
+    the transformers model: strict load, same weights."""
+    config = tiny_config(arch)
+    specs = causal_lm_specs(config, seed=2)
+    head = f"{config.num_hidden_layers + 2}."
+    exported = {}
+    for index, spec in reversed(list(enumerate(specs))):  # the head first: a dict's order must not matter
+        module = spec.build()
+        exported.update({f"{index}.{n}": p.detach() for n, p in module.state_dict().items()})
+    if arch == "gpt2":  # the last stage's copy of the position embedding is never trained
+        exported[f"{head}wpe.weight"] = torch.zeros_like(exported["0.wpe.weight"])
+    model = hf_model(arch, seed=42)
+    model.load_state_dict(hf_state_dict(exported, config), strict=True)
+    for name, param in model.named_parameters():
+        sources = [k for k in exported if hf_param_name(k, config) == name]
+        source = next((k for k in sources if not k.startswith(head)), sources[0])
+        assert torch.equal(param, exported[source]), name
 
 
 def run_sliced_forward_only(layers: list, ids: torch.Tensor, slices: list[int]):

@@ -51,7 +51,8 @@ except ImportError as exc:  # pragma: no cover - exercised only where the extra 
                       "(or pip install 'transformers>=5')") from exc
 
 __all__ = ["ATTN_IMPLEMENTATION", "SUPPORTED_MODEL_TYPES", "UnsupportedModelError", "causal_lm_specs",
-           "causal_lm_loss", "hf_param_name", "HFEmbedding", "HFDecoderLayer", "HFFinalNorm", "HFLMHead"]
+           "causal_lm_loss", "hf_param_name", "hf_state_dict", "HFEmbedding", "HFDecoderLayer", "HFFinalNorm",
+           "HFLMHead"]
 
 #: The name under which the sliced attention is registered in ``transformers.AttentionInterface``.
 ATTN_IMPLEMENTATION = "ds_terapipe"
@@ -511,7 +512,7 @@ def hf_param_name(pipe_name: str, config: PretrainedConfig) -> str:
 
     ``"3.layer.self_attn.q_proj.weight"`` -> ``"model.layers.2.self_attn.q_proj.weight"``,
     ``"tied_modules.embed.wte.weight"`` -> ``"transformer.wte.weight"``; layer 0 is the embedding, 1..N the
-    decoder layers, N+1 the final norm, N+2 the LM head (``"lm_head.weight"``).
+    decoder layers, N+1 the final norm, N+2 the LM head (``"lm_head.weight"``, or the tied embedding's names).
     """
     family = _FAMILIES[config.model_type]
     num_layers = config.num_hidden_layers
@@ -519,10 +520,28 @@ def hf_param_name(pipe_name: str, config: PretrainedConfig) -> str:
         return f"{family.base}.{pipe_name[len('tied_modules.embed.'):]}"
     index, _, rest = pipe_name.partition(".")
     idx = int(index)
-    if idx == 0:
-        return f"{family.base}.{rest}"
-    if idx <= num_layers:
+    if 1 <= idx <= num_layers:
         return f"{family.base}.{family.layers}.{idx - 1}.{rest.removeprefix('layer.')}"
-    if idx == num_layers + 1:
+    if idx == num_layers + 2 and rest.startswith("lm_head."):
+        return rest
+    if idx in (0, num_layers + 1, num_layers + 2):  # embedding, final norm, the tied head's embedding
         return f"{family.base}.{rest}"
-    return rest  # lm_head.weight
+    raise ValueError(f"hf_param_name: {pipe_name!r} is not a parameter of a {num_layers}-layer "
+                     f"{config.model_type} pipeline (layers 0..{num_layers + 2})")
+
+
+def hf_state_dict(pipeline_state: Mapping[str, torch.Tensor], config: PretrainedConfig) -> dict[str, torch.Tensor]:
+    """A pipeline state dict (``ds_terapipe.export_state_dict(dir)``, or ``named_parameters`` of every stage)
+    as the ``transformers`` model's: ``AutoModelForCausalLM.from_config(config).load_state_dict(...)`` then
+    ``save_pretrained`` writes the trained model back. Tied copies collapse into one; a tied LM head gets the
+    embedding (transformers lists ``lm_head.weight`` too)."""
+    family = _FAMILIES[config.model_type]
+    head_index = f"{config.num_hidden_layers + 2}."
+    out: dict[str, torch.Tensor] = {}
+    # The tied head's copy of the embedding last: GPT-2's position embedding is trained on the first stage only.
+    for name, tensor in sorted(pipeline_state.items(), key=lambda item: item[0].startswith(head_index)):
+        out.setdefault(hf_param_name(name, config), tensor)
+    embed = f"{family.base}.{family.embed}.weight"
+    if "lm_head.weight" not in out and embed in out:
+        out["lm_head.weight"] = out[embed]
+    return out
