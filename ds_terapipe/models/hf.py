@@ -1,0 +1,547 @@
+"""Hugging Face causal LMs (Llama, Mistral, Qwen2, Qwen3, GPT-2) as token-pipeline LayerSpecs.
+
+    from transformers import LlamaConfig
+    from ds_terapipe.models.hf import causal_lm_specs, causal_lm_loss
+    config = LlamaConfig(hidden_size=256, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2)
+    model = TokenPipelineModule(causal_lm_specs(config), num_stages=2, loss_fn=causal_lm_loss,
+                                vocab_size=config.vocab_size)
+
+The decoder layers are ``transformers``' own classes, unmodified. Only the attention function differs: the specs
+set ``config._attn_implementation = "ds_terapipe"``, a function registered in ``transformers``'
+``AttentionInterface`` that hands q/k/v to :func:`~ds_terapipe.sliced_causal_attention` with the attention
+module as cache key, so each slice attends over its micro-batch's cached prefix. Rotary positions are
+``token_offset() + arange(slice_len)``, computed by the model's own rotary module in each decoder layer's
+wrapper. Grouped-query attention keeps the cache at ``num_key_value_heads``: the query heads of a group are
+folded into SDPA's batch dimension, against which the one cached K/V head broadcasts (see
+:func:`_fold_query_groups`). The pipeline layers are: embedding, the decoder layers, the final norm, the LM head
+(a ``TiedLayerSpec`` with the embedding when the weights are tied); the loss is :func:`causal_lm_loss`.
+
+Features whose result would depend on the slicing, or that the token pipeline cannot feed, are refused when
+the specs are built (:class:`UnsupportedModelError`, naming the feature and the fix): sliding-window attention,
+attention-logit softcapping, cross-attention and encoder-decoder models, bidirectional (non-causal) attention,
+rotary scalings that depend on the sequence length seen (``dynamic``, ``longrope``), architectures outside the
+list above. Attention masks (padding) are data, so they are refused at the first forward that carries one.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from deepspeed.pipe import LayerSpec, TiedLayerSpec
+
+from ..runtime.attention import sliced_causal_attention
+from ..runtime.context import token_offset
+from .gpt import causal_lm_loss
+
+try:
+    import transformers
+    from transformers import AttentionInterface, PretrainedConfig, PreTrainedModel
+except ImportError as exc:  # pragma: no cover - exercised only where the extra is missing
+    raise ImportError("ds_terapipe.models.hf needs transformers: pip install 'ds-terapipe[hf]' "
+                      "(or pip install 'transformers>=5')") from exc
+
+__all__ = ["ATTN_IMPLEMENTATION", "SUPPORTED_MODEL_TYPES", "UnsupportedModelError", "causal_lm_specs",
+           "causal_lm_loss", "hf_param_name", "hf_state_dict", "HFEmbedding", "HFDecoderLayer", "HFFinalNorm",
+           "HFLMHead"]
+
+#: The name under which the sliced attention is registered in ``transformers.AttentionInterface``.
+ATTN_IMPLEMENTATION = "ds_terapipe"
+
+
+class UnsupportedModelError(ValueError):
+    """A model or config uses a feature the token pipeline cannot run exactly; the message names the fix."""
+
+
+@dataclass(frozen=True)
+class _Family:
+    """Where one architecture keeps its parts, in ``transformers`` and in its checkpoints."""
+
+    module: str  # transformers.models.<module>.modeling_<module>
+    decoder_layer: str
+    final_norm: str | None  # class name; None: nn.LayerNorm (GPT-2)
+    rotary: str | None  # class name; None: learned positions (GPT-2)
+    base: str  # attribute of the *ForCausalLM holding the decoder stack
+    layers: str  # attribute of the base holding the decoder layers
+    embed: str  # attribute of the base (and of HFEmbedding) holding the token embedding
+    norm: str  # attribute of the base (and of HFFinalNorm) holding the final norm
+
+
+_LLAMA_LIKE = dict(base="model", layers="layers", embed="embed_tokens", norm="norm")
+_FAMILIES: dict[str, _Family] = {
+    "llama": _Family("llama", "LlamaDecoderLayer", "LlamaRMSNorm", "LlamaRotaryEmbedding", **_LLAMA_LIKE),
+    "mistral": _Family("mistral", "MistralDecoderLayer", "MistralRMSNorm", "MistralRotaryEmbedding", **_LLAMA_LIKE),
+    "qwen2": _Family("qwen2", "Qwen2DecoderLayer", "Qwen2RMSNorm", "Qwen2RotaryEmbedding", **_LLAMA_LIKE),
+    "qwen3": _Family("qwen3", "Qwen3DecoderLayer", "Qwen3RMSNorm", "Qwen3RotaryEmbedding", **_LLAMA_LIKE),
+    "gpt2": _Family("gpt2", "GPT2Block", None, None, base="transformer", layers="h", embed="wte", norm="ln_f"),
+}
+
+#: ``config.model_type`` values :func:`causal_lm_specs` accepts.
+SUPPORTED_MODEL_TYPES = tuple(_FAMILIES)
+
+# Rotary scalings whose frequencies depend on the longest position seen in the call: a slice sees fewer
+# positions than the whole sequence, so its rotation would differ from the unsliced one.
+_LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def _modeling(family: _Family) -> Any:
+    return importlib.import_module(f"transformers.models.{family.module}.modeling_{family.module}")
+
+
+# -- the attention function ------------------------------------------------------------------------------------
+def _fold_query_groups(query: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """(B, nh, T, hs) -> (g, B * nkv, T, hs) with g = nh / nkv query heads per key/value head.
+
+    Query head ``h`` uses key/value head ``h // g`` (transformers' ``repeat_kv``). Keys/values reshaped to
+    (1, B * nkv, T, hs) then broadcast over the g query groups inside SDPA, so neither the KV cache nor the
+    cached prefix is ever repeated. Costs: one copy of q (the sliced attention makes one anyway) and, expected
+    on GPU (not measured), SDPA's math kernel instead of the fused ones, which want equal batch sizes. Relies on
+    SDPA broadcasting a batch dimension of size 1, which torch's math path does (the GQA tests fail otherwise);
+    passing ``enable_gqa`` inside ``sliced_causal_attention`` would remove the fold.
+    """
+    batch, num_heads, tokens, head_dim = query.shape
+    groups = num_heads // num_kv_heads
+    query = query.view(batch, num_kv_heads, groups, tokens, head_dim).permute(2, 0, 1, 3, 4)
+    return query.reshape(groups, batch * num_kv_heads, tokens, head_dim)
+
+
+def _unfold_query_groups(out: torch.Tensor, batch: int, num_kv_heads: int) -> torch.Tensor:
+    """(g, B * nkv, T, hs) -> (B, T, nh, hs), the layout transformers' attention functions return."""
+    groups, _, tokens, head_dim = out.shape
+    out = out.view(groups, batch, num_kv_heads, tokens, head_dim).permute(1, 3, 2, 0, 4)
+    return out.reshape(batch, tokens, num_kv_heads * groups, head_dim)
+
+
+def terapipe_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                       **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers attention-function signature over :func:`~ds_terapipe.sliced_causal_attention`.
+
+    query (B, nh, T, hs), key/value (B, nkv, T, hs) for the running slice; returns ((B, T, nh, hs), None).
+    """
+    if attention_mask is not None:
+        raise UnsupportedModelError(
+            "ds_terapipe attention got an attention mask: padding masks are not supported with token slicing; "
+            "feed full-length sequences without padding (pack documents, as pretraining does) and call the "
+            "layers without attention_mask")
+    if kwargs.get("sliding_window") is not None:
+        raise UnsupportedModelError(f"ds_terapipe attention: sliding-window attention (sliding_window="
+                                    f"{kwargs['sliding_window']}) is not supported; set config.sliding_window = None")
+    if kwargs.get("softcap") is not None:
+        raise UnsupportedModelError("ds_terapipe attention: attention-logit softcapping is not supported; use a "
+                                    "model without attn_logit_softcapping")
+    if not getattr(module, "is_causal", True):
+        raise UnsupportedModelError(f"ds_terapipe attention: {type(module).__name__} is not causal (cross- or "
+                                    "bidirectional attention); only causal self-attention can be token-sliced")
+    batch, num_heads = query.shape[:2]
+    num_kv_heads = key.shape[1]
+    if num_heads == num_kv_heads:
+        out = sliced_causal_attention(query, key, value, cache_key=module, dropout_p=dropout, scale=scaling)
+        return out.transpose(1, 2), None  # (B, T, nh, hs)
+    if num_heads % num_kv_heads:
+        raise ValueError(f"ds_terapipe attention: {num_heads} query heads are not a multiple of {num_kv_heads} "
+                         "key/value heads")
+    folded = _fold_query_groups(query, num_kv_heads)  # (g, B*nkv, T, hs)
+    keys = key.reshape(1, batch * num_kv_heads, *key.shape[2:])  # (1, B*nkv, T, hs)
+    values = value.reshape(1, batch * num_kv_heads, *value.shape[2:])
+    out = sliced_causal_attention(folded, keys, values, cache_key=module, dropout_p=dropout, scale=scaling)
+    return _unfold_query_groups(out, batch, num_kv_heads), None
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, terapipe_attention)
+
+
+# -- refusals --------------------------------------------------------------------------------------------------
+def _check_config(config: PretrainedConfig) -> _Family:
+    """The architecture's family, or :class:`UnsupportedModelError` naming the feature and the fix."""
+    model_type = getattr(config, "model_type", None)
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(f"{model_type}: encoder-decoder models (cross-attention) are not supported by "
+                                    "the token pipeline; use a decoder-only causal LM")
+    if getattr(config, "add_cross_attention", False):
+        raise UnsupportedModelError(f"{model_type}: cross-attention (config.add_cross_attention=True) is not "
+                                    "supported; set add_cross_attention=False (a decoder-only causal LM)")
+    if getattr(config, "use_bidirectional_attention", False) or getattr(config, "is_causal", True) is False:
+        raise UnsupportedModelError(f"{model_type}: non-causal (bidirectional) attention mixes later tokens into "
+                                    "earlier ones, so it cannot be token-sliced; use a causal LM config")
+    family = _FAMILIES.get(model_type)
+    if family is None:
+        raise UnsupportedModelError(f"model_type {model_type!r} is not supported by ds_terapipe.models.hf; "
+                                    f"supported: {', '.join(SUPPORTED_MODEL_TYPES)} (or write the model as "
+                                    "LayerSpecs with ds_terapipe.sliced_causal_attention, see README)")
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None) or ()
+    if window is not None or "sliding_attention" in layer_types:
+        raise UnsupportedModelError(f"{model_type}: sliding-window attention (sliding_window={window}) is not "
+                                    "supported; set config.sliding_window = None (and use_sliding_window=False), "
+                                    "which is exact whenever the window covers the whole sequence")
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(config, name, None) is not None:
+            raise UnsupportedModelError(f"{model_type}: attention/logit softcapping (config.{name}="
+                                        f"{getattr(config, name)}) is not supported; set it to None")
+    if family.rotary is not None:
+        rope = getattr(config, "rope_parameters", None) or {}
+        rope_type = rope.get("rope_type", "default") if isinstance(rope, Mapping) else "default"
+        if rope_type in _LENGTH_DEPENDENT_ROPE:
+            raise UnsupportedModelError(f"{model_type}: rope_type {rope_type!r} rescales positions by the length "
+                                        "seen in a call, so a slice would rotate differently from the whole "
+                                        "sequence; use a static rope type (default, linear, llama3, yarn)")
+    return family
+
+
+def _attention_config(config: PretrainedConfig) -> PretrainedConfig:
+    """A copy of ``config`` that routes attention through :func:`terapipe_attention`."""
+    config = copy.deepcopy(config)
+    config._attn_implementation = ATTN_IMPLEMENTATION
+    config.use_cache = False
+    return config
+
+
+# -- pipeline layers -------------------------------------------------------------------------------------------
+def _init_hf_style_(module: nn.Module, config: PretrainedConfig, seed: int, num_layers: int) -> None:
+    """transformers' initialisation (normal(0, initializer_range) weights, zero biases, norms as built; GPT-2's
+    residual projections scaled by 1/sqrt(2 n_layer)) from a private generator: weights depend only on (seed,
+    layer), so any number of stages builds the same model."""
+    gen = torch.Generator().manual_seed(seed)
+    std = getattr(config, "initializer_range", 0.02)
+    with torch.no_grad():
+        for sub_name, sub in module.named_modules():
+            weight = getattr(sub, "weight", None)
+            if not isinstance(weight, nn.Parameter):
+                continue
+            if isinstance(sub, (nn.Linear, nn.Embedding)) or type(sub).__name__ == "Conv1D":
+                scale = std / math.sqrt(2 * num_layers) if sub_name.endswith("c_proj") else std
+                weight.copy_(torch.randn(weight.shape, generator=gen) * scale)
+                if isinstance(sub, nn.Embedding) and sub.padding_idx is not None:
+                    weight[sub.padding_idx].zero_()
+                bias = getattr(sub, "bias", None)
+                if isinstance(bias, nn.Parameter):
+                    bias.zero_()
+
+
+def _adopt(source: nn.Module, config: PretrainedConfig) -> nn.Module:
+    """Point every submodule of a loaded model's layer that holds the model's config at ``config`` (the same
+    values, attention routed through ds_terapipe); weights stay where they are, nothing is copied."""
+    for sub in source.modules():
+        if isinstance(getattr(sub, "config", None), PretrainedConfig):
+            sub.config = config
+    return source
+
+
+class _Checkpoint:
+    """The safetensors files of a ``save_pretrained`` directory, read tensor by tensor when a layer is built,
+    so each rank reads only its own stage's weights (``from_pretrained`` would load the whole model per rank).
+
+    Tensor names are the ``transformers`` model's (:func:`hf_param_name`); GPT-2 checkpoints written without the
+    ``transformer.`` prefix are read too. Parameters take ``dtype`` (None: as built, fp32); the rotary
+    frequencies stay fp32, as ``from_pretrained`` keeps them.
+    """
+
+    def __init__(self, path: Path, files: dict[str, Path], config: PretrainedConfig,
+                 dtype: torch.dtype | None) -> None:
+        self.path, self.files, self.config, self.dtype = path, files, config, dtype
+
+    @classmethod
+    def find(cls, path: Path, config: PretrainedConfig, dtype: torch.dtype | None) -> _Checkpoint | None:
+        """The directory's safetensors weights, or None when it has none (then ``from_pretrained`` loads it)."""
+        from safetensors import safe_open
+
+        index, single = path / "model.safetensors.index.json", path / "model.safetensors"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            return cls(path, {key: path / name for key, name in weight_map.items()}, config, dtype)
+        if single.is_file():
+            with safe_open(str(single), framework="pt") as f:
+                return cls(path, {key: single for key in f.keys()}, config, dtype)
+        return None
+
+    def load_into(self, module: nn.Module, index: int) -> None:
+        """Fill pipeline layer ``index`` (its parameters and persistent buffers) from the checkpoint."""
+        from safetensors import safe_open
+
+        base = _FAMILIES[self.config.model_type].base + "."
+        keys = {}
+        for name in module.state_dict():
+            key = hf_param_name(f"{index}.{name}", self.config)
+            if key not in self.files and key.removeprefix(base) in self.files:
+                key = key.removeprefix(base)  # GPT-2 checkpoints of the original layout
+            if key not in self.files:
+                raise ValueError(f"{self.path}: no tensor {key!r} for pipeline layer {index} "
+                                 f"({type(module).__name__}.{name}); the weights do not match config.json")
+            keys[name] = key
+        state = {}
+        for file in sorted(set(self.files[key] for key in keys.values())):
+            with safe_open(str(file), framework="pt") as f:
+                state.update({name: f.get_tensor(key) for name, key in keys.items() if self.files[key] == file})
+        module.load_state_dict(state, strict=True)
+        if self.dtype is not None:
+            for name, tensor in list(module.named_parameters()) + list(module.named_buffers()):
+                if name in state and tensor.is_floating_point():
+                    tensor.data = tensor.data.to(self.dtype)
+
+
+def _fill(module: nn.Module, config: PretrainedConfig, index: int, seed: int,
+          checkpoint: _Checkpoint | None) -> None:
+    """Weights of pipeline layer ``index``: from the checkpoint, else transformers-style random init."""
+    if checkpoint is not None:
+        checkpoint.load_into(module, index)
+    else:
+        _init_hf_style_(module, config, seed + index, config.num_hidden_layers)
+
+
+class HFEmbedding(nn.Module):
+    """Token embedding (GPT-2: plus learned positions from :func:`token_offset`); also the tied LM head."""
+
+    def __init__(self, config: PretrainedConfig, source: nn.Module | None = None, seed: int = 0,
+                 checkpoint: _Checkpoint | None = None) -> None:
+        super().__init__()
+        self.family = _FAMILIES[config.model_type]
+        self.is_gpt2 = self.family.rotary is None
+        if source is not None:
+            setattr(self, self.family.embed, getattr(source, self.family.embed))
+            if self.is_gpt2:
+                self.wpe, self.drop = source.wpe, source.drop
+            return
+        setattr(self, self.family.embed,
+                nn.Embedding(config.vocab_size, config.hidden_size, getattr(config, "pad_token_id", None)
+                             if not self.is_gpt2 else None))
+        if self.is_gpt2:
+            self.wpe = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+            self.drop = nn.Dropout(config.embd_pdrop)
+        _fill(self, config, 0, seed, checkpoint)
+
+    @property
+    def token_embedding(self) -> nn.Embedding:
+        return getattr(self, self.family.embed)
+
+    def forward(self, ids: Any) -> torch.Tensor:
+        if isinstance(ids, (tuple, list)):
+            raise UnsupportedModelError(
+                f"HFEmbedding got {len(ids)} inputs; it takes token ids (B, T) only. Attention/padding masks are "
+                "not supported with token slicing: feed full-length sequences without padding (pack documents)")
+        hidden = self.token_embedding(ids)  # (B, T, C)
+        if not self.is_gpt2:
+            return hidden
+        tokens, offset = ids.shape[1], token_offset()
+        if offset + tokens > self.wpe.num_embeddings:
+            raise ValueError(f"HFEmbedding: positions up to {offset + tokens} exceed n_positions="
+                             f"{self.wpe.num_embeddings}; use shorter sequences or a config with more positions")
+        pos = torch.arange(offset, offset + tokens, device=ids.device)
+        return self.drop(hidden + self.wpe(pos))
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.token_embedding.weight)  # (B, T, V)
+
+
+def _tied_head(embedding: HFEmbedding, hidden: torch.Tensor) -> torch.Tensor:
+    return embedding.head(hidden)
+
+
+class HFDecoderLayer(nn.Module):
+    """One ``transformers`` decoder layer (``self.layer``, unmodified) fed the slice's true positions."""
+
+    def __init__(self, config: PretrainedConfig, layer_idx: int, source: nn.Module | None = None,
+                 seed: int = 0, checkpoint: _Checkpoint | None = None) -> None:
+        super().__init__()
+        family = _FAMILIES[config.model_type]
+        modeling = _modeling(family)
+        if source is not None:
+            self.layer = _adopt(source, config)
+        else:
+            self.layer = getattr(modeling, family.decoder_layer)(config, layer_idx=layer_idx)
+        # The rotary module has no parameters; each layer keeps its own, so a stage needs nothing from others.
+        self.rotary = getattr(modeling, family.rotary)(config=config) if family.rotary else None
+        if source is None:
+            _fill(self, config, 1 + layer_idx, seed, checkpoint)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.rotary is None:  # GPT-2: positions were added by the embedding
+            return self.layer(hidden)
+        offset = token_offset()
+        position_ids = torch.arange(offset, offset + hidden.shape[1], device=hidden.device).unsqueeze(0)  # (1, T)
+        position_embeddings = self.rotary(hidden, position_ids)  # cos, sin: (1, T, hs)
+        return self.layer(hidden, attention_mask=None, position_ids=position_ids,
+                          position_embeddings=position_embeddings)
+
+
+class HFFinalNorm(nn.Module):
+    """The final norm (Llama family: RMSNorm ``norm``; GPT-2: LayerNorm ``ln_f``)."""
+
+    def __init__(self, config: PretrainedConfig, source: nn.Module | None = None,
+                 checkpoint: _Checkpoint | None = None) -> None:
+        super().__init__()
+        family = _FAMILIES[config.model_type]
+        self.attr = family.norm
+        if source is not None:
+            setattr(self, self.attr, source)
+            return
+        if family.final_norm is None:
+            setattr(self, self.attr, nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon))
+        else:
+            setattr(self, self.attr,
+                    getattr(_modeling(family), family.final_norm)(config.hidden_size, eps=config.rms_norm_eps))
+        if checkpoint is not None:  # built norms are ones (and zeros), as transformers initialises them
+            checkpoint.load_into(self, config.num_hidden_layers + 1)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return getattr(self, self.attr)(hidden)
+
+
+class HFLMHead(nn.Module):
+    """An untied LM head ``lm_head`` (B, T, C) -> (B, T, V)."""
+
+    def __init__(self, config: PretrainedConfig, source: nn.Module | None = None, seed: int = 0,
+                 checkpoint: _Checkpoint | None = None) -> None:
+        super().__init__()
+        if source is not None:
+            self.lm_head = source
+            return
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        _fill(self, config, config.num_hidden_layers + 2, seed, checkpoint)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+
+# -- specs -----------------------------------------------------------------------------------------------------
+def _checkpoint_dtype(config: PretrainedConfig, requested: Any) -> torch.dtype | None:
+    """``dtype`` as ``from_pretrained`` resolves it: "auto" (its default) means config.json's ``dtype``."""
+    if requested is None or isinstance(requested, torch.dtype):
+        return requested
+    if requested != "auto":
+        raise ValueError(f"causal_lm_specs: load_kwargs dtype={requested!r}; use a torch.dtype or 'auto'")
+    stored = getattr(config, "dtype", None)
+    if isinstance(stored, str):
+        stored = getattr(torch, stored, None)
+    return stored if isinstance(stored, torch.dtype) else None
+
+
+def _load(model_or_config: Any, load_kwargs: Mapping[str, Any] | None
+          ) -> tuple[PretrainedConfig, Any, _Checkpoint | None]:
+    """(config, loaded model or None, checkpoint reader or None) from a config, a model or a local directory."""
+    if isinstance(model_or_config, PretrainedConfig):
+        return model_or_config, None, None
+    if isinstance(model_or_config, PreTrainedModel):
+        return model_or_config.config, model_or_config, None
+    if not isinstance(model_or_config, (str, os.PathLike)):
+        raise TypeError(f"causal_lm_specs takes a transformers config, a loaded *ForCausalLM model or a local "
+                        f"directory, got {type(model_or_config).__name__}")
+    path = Path(model_or_config)
+    if not path.is_dir():
+        raise ValueError(f"causal_lm_specs: {str(path)!r} is not a local directory; pass a directory written by "
+                         "save_pretrained, a loaded model, or a config (nothing is downloaded)")
+    load_kwargs = dict(load_kwargs or {})
+    config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+    _check_config(config)  # refuse before reading any weights
+    if set(load_kwargs) <= {"dtype"}:
+        checkpoint = _Checkpoint.find(path, config, _checkpoint_dtype(config, load_kwargs.get("dtype", "auto")))
+        if checkpoint is not None:
+            return config, None, checkpoint
+    # Other formats or loading options: transformers loads the whole model (on every rank).
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True, **load_kwargs)
+    return model.config, model, None
+
+
+def causal_lm_specs(model_or_config: Any, *, seed: int = 1234,
+                    load_kwargs: Mapping[str, Any] | None = None) -> list:
+    """The causal LM as DeepSpeed layer specs: embedding, decoder layers, final norm, LM head.
+
+    Args:
+        model_or_config: a ``transformers`` config (weights initialised as ``transformers`` does, from
+            ``seed`` and the layer index, so any stage count builds the same model); a loaded ``*ForCausalLM``
+            (its modules become the pipeline's layers: weights kept, not copied; don't use the model on its own
+            afterwards; every rank holds the whole model); or a local directory written by ``save_pretrained``
+            (nothing is downloaded): with safetensors weights each stage reads only its own layers' tensors, in
+            ``load_kwargs["dtype"]`` (default ``"auto"``: config.json's dtype, as ``from_pretrained``); other
+            formats or other ``load_kwargs`` go through ``AutoModelForCausalLM.from_pretrained(path,
+            **load_kwargs)``, the whole model on every rank.
+
+    Use with ``TokenPipelineModule(specs, num_stages=..., loss_fn=causal_lm_loss, vocab_size=config.vocab_size)``;
+    batches are ``(input_ids, labels)``, labels already shifted (``ids[:, 1:]``), both (micro_batch, seq_len).
+    Parameter names map to the ``transformers`` model's with :func:`hf_param_name`.
+    """
+    config, model, checkpoint = _load(model_or_config, load_kwargs)
+    family = _check_config(config)
+    attn_config = _attention_config(config)
+    num_layers = config.num_hidden_layers
+    if model is None:
+        base = head = None
+        tied = bool(getattr(config, "tie_word_embeddings", False))
+    else:
+        base = getattr(model, family.base, None)
+        head = getattr(model, "lm_head", None)
+        if base is None or head is None:
+            raise UnsupportedModelError(f"causal_lm_specs needs a causal LM with an LM head ({config.model_type}: "
+                                        f"the *ForCausalLM / *LMHeadModel class), got {type(model).__name__}")
+        tied = head.weight is getattr(base, family.embed).weight
+
+    def part(name: str, index: int | None = None) -> nn.Module | None:
+        if base is None:
+            return None
+        return getattr(base, name) if index is None else getattr(base, name)[index]
+
+    embed_attr = f"{family.embed}.weight"
+    embed = dict(source=base, seed=seed, checkpoint=checkpoint)
+    specs: list = []
+    if tied:
+        specs.append(TiedLayerSpec("embed", HFEmbedding, attn_config, tied_weight_attr=embed_attr, **embed))
+    else:
+        specs.append(LayerSpec(HFEmbedding, attn_config, **embed))
+    specs += [LayerSpec(HFDecoderLayer, attn_config, i, source=part(family.layers, i), seed=seed,
+                        checkpoint=checkpoint) for i in range(num_layers)]
+    specs.append(LayerSpec(HFFinalNorm, attn_config, source=part(family.norm), checkpoint=checkpoint))
+    if tied:
+        specs.append(TiedLayerSpec("embed", HFEmbedding, attn_config, forward_fn=_tied_head,
+                                   tied_weight_attr=embed_attr, **embed))
+    else:
+        specs.append(LayerSpec(HFLMHead, attn_config, source=head, seed=seed, checkpoint=checkpoint))
+    return specs
+
+
+def hf_param_name(pipe_name: str, config: PretrainedConfig) -> str:
+    """The ``transformers`` model's name of a pipeline parameter.
+
+    ``"3.layer.self_attn.q_proj.weight"`` -> ``"model.layers.2.self_attn.q_proj.weight"``,
+    ``"tied_modules.embed.wte.weight"`` -> ``"transformer.wte.weight"``; layer 0 is the embedding, 1..N the
+    decoder layers, N+1 the final norm, N+2 the LM head (``"lm_head.weight"``, or the tied embedding's names).
+    """
+    family = _FAMILIES[config.model_type]
+    num_layers = config.num_hidden_layers
+    if pipe_name.startswith("tied_modules.embed."):
+        return f"{family.base}.{pipe_name[len('tied_modules.embed.'):]}"
+    index, _, rest = pipe_name.partition(".")
+    idx = int(index)
+    if 1 <= idx <= num_layers:
+        return f"{family.base}.{family.layers}.{idx - 1}.{rest.removeprefix('layer.')}"
+    if idx == num_layers + 2 and rest.startswith("lm_head."):
+        return rest
+    if idx in (0, num_layers + 1, num_layers + 2):  # embedding, final norm, the tied head's embedding
+        return f"{family.base}.{rest}"
+    raise ValueError(f"hf_param_name: {pipe_name!r} is not a parameter of a {num_layers}-layer "
+                     f"{config.model_type} pipeline (layers 0..{num_layers + 2})")
+
+
+def hf_state_dict(pipeline_state: Mapping[str, torch.Tensor], config: PretrainedConfig) -> dict[str, torch.Tensor]:
+    """A pipeline state dict (``ds_terapipe.export_state_dict(dir)``, or ``named_parameters`` of every stage)
+    as the ``transformers`` model's: ``AutoModelForCausalLM.from_config(config).load_state_dict(...)`` then
+    ``save_pretrained`` writes the trained model back. Tied copies collapse into one; a tied LM head gets the
+    embedding (transformers lists ``lm_head.weight`` too)."""
+    family = _FAMILIES[config.model_type]
+    head_index = f"{config.num_hidden_layers + 2}."
+    out: dict[str, torch.Tensor] = {}
+    # The tied head's copy of the embedding last: GPT-2's position embedding is trained on the first stage only.
+    for name, tensor in sorted(pipeline_state.items(), key=lambda item: item[0].startswith(head_index)):
+        out.setdefault(hf_param_name(name, config), tensor)
+    embed = f"{family.base}.{family.embed}.weight"
+    if "lm_head.weight" not in out and embed in out:
+        out["lm_head.weight"] = out[embed]
+    return out

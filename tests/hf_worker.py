@@ -1,0 +1,108 @@
+"""One rank of tests/test_hf.py's 2-stage run: ``python tests/hf_worker.py OUT_DIR`` (env: RANK, WORLD_SIZE, ...).
+
+A Llama model with grouped-query attention, built from a config by ``causal_lm_specs``, runs one training step
+through ``ds_terapipe.initialize`` on 2 stages (slices [3, 9, 4]; 1f1b, then gpipe with deferred weight
+gradients). The reference is ``transformers``' own LlamaForCausalLM with the pipeline's weights, gathered from
+both ranks, on the same batches. Writes ``OUT_DIR/rank{R}.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+import deepspeed
+import ds_terapipe
+from ds_terapipe.models.hf import causal_lm_loss, causal_lm_specs, hf_param_name
+
+RANK = int(os.environ["RANK"])
+SEQ_LEN, BATCH, MICRO_BATCHES = 16, 2, 2
+
+
+def tiny_llama() -> transformers.LlamaConfig:
+    return transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                    num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                    max_position_embeddings=64)
+
+
+def batches(vocab: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(11)
+    ids = torch.randint(0, vocab, (MICRO_BATCHES, BATCH, SEQ_LEN + 1), generator=gen)
+    return [(ids[b, :, :-1].contiguous(), ids[b, :, 1:].contiguous()) for b in range(MICRO_BATCHES)]
+
+
+def run_case(config: transformers.LlamaConfig, schedule: str) -> dict[str, Any]:
+    model = ds_terapipe.TokenPipelineModule(causal_lm_specs(config, seed=5), num_stages=2, loss_fn=causal_lm_loss,
+                                            vocab_size=config.vocab_size, partition_method="uniform")
+    ds_config = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": MICRO_BATCHES,
+                 "train_batch_size": BATCH * MICRO_BATCHES, "steps_per_print": 10**9, "gradient_clipping": 0.0,
+                 "terapipe": {"enabled": True, "seq_len": SEQ_LEN, "slices": [3, 9, 4], "granularity": 1,
+                              "schedule": schedule, "p2p_timeout_s": 60}}
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine, _, _, _ = ds_terapipe.initialize(model=model, optimizer=optimizer, config=ds_config)
+
+    # The reference: transformers' model with the pipeline's initial weights, gathered from both stages.
+    mine = {hf_param_name(n, config): p.detach().clone() for n, p in engine.module.named_parameters()}
+    parts: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(parts, mine)
+    reference = transformers.LlamaForCausalLM(config)
+    reference.load_state_dict({k: v for part in parts for k, v in part.items()}, strict=True)
+    data = batches(config.vocab_size)
+    ref_loss = sum(causal_lm_loss(reference(input_ids=x).logits, y) for x, y in data) / len(data)
+    ref_loss.backward()
+    ref_grads = {n: p.grad for n, p in reference.named_parameters()}
+
+    grads: dict[str, torch.Tensor] = {}
+    original = engine._take_model_step
+
+    def snapshot_then_step(*args: Any, **kwargs: Any) -> Any:
+        grads.update({n: p.grad.detach().clone() for n, p in engine.module.named_parameters() if p.grad is not None})
+        return original(*args, **kwargs)
+
+    engine._take_model_step = snapshot_then_step
+    loss = float(engine.train_batch(iter(data)))
+    engine._take_model_step = original
+    worst, worst_name = 0.0, ""
+    for name, grad in grads.items():
+        ref = ref_grads[hf_param_name(name, config)]
+        err = float((grad - ref).norm() / max(float(ref.norm()), 1e-12))
+        if err >= worst:
+            worst, worst_name = err, name
+    return {"schedule": schedule, "stage": engine.stage_id, "loss": loss, "ref_loss": float(ref_loss.detach()),
+            "grad_rel_err": worst, "grad_worst": worst_name,
+            "covered": sorted(hf_param_name(n, config) for n in grads), "slices": list(engine.slices)}
+
+
+def main() -> None:
+    out_dir = Path(sys.argv[1])
+    torch.manual_seed(0)
+    deepspeed.init_distributed(dist_backend="gloo")
+    config = tiny_llama()
+    config._attn_implementation = "eager"  # the reference's attention; the pipeline's specs use their own
+    all_params = sorted(n for n, _ in transformers.LlamaForCausalLM(config).named_parameters())
+    payload: dict[str, Any] = {"rank": RANK, "cases": [], "all_params": all_params}
+    code = 0
+    try:
+        for schedule in ("1f1b", "gpipe"):
+            payload["cases"].append(run_case(config, schedule))
+    except Exception as err:  # the test prints this; the peer fails on its p2p deadline or the launcher's kill
+        payload["error"] = f"{type(err).__name__}: {err}\n{traceback.format_exc()}"
+        print(payload["error"], flush=True)
+        code = 1
+    (out_dir / f"rank{RANK}.json").write_text(json.dumps(payload, indent=1))
+    sys.stdout.flush()
+    if code == 0:
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main()

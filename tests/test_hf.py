@@ -1,0 +1,323 @@
+"""Hugging Face models (ds_terapipe.models.hf) sliced vs the transformers model's own forward/backward.
+
+Tier a (one process): the pipeline layers built by ``causal_lm_specs`` run as 2 stages in this process, every
+(micro-batch, slice) forward and backward in the order the planner's schedule gives each stage (gpipe, 1f1b),
+with the engine's slice contexts and per-(stage, micro-batch) KV state; loss and every gradient must equal
+``transformers``' unsliced model on the same weights (fp32, relative error <= 1e-5). Tiny configs are made
+here; nothing is downloaded. Tier b: one 2-stage run through ``ds_terapipe.initialize`` (tests/hf_worker.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", minversion="5")
+
+from deepspeed.pipe import TiedLayerSpec  # noqa: E402
+
+from ds_terapipe.models.hf import (UnsupportedModelError, causal_lm_loss, causal_lm_specs,  # noqa: E402
+                                   hf_param_name, hf_state_dict, terapipe_attention)
+from ds_terapipe.planner.schedule import ActionKind, build_schedule  # noqa: E402
+from ds_terapipe.runtime.context import MicroBatchState, SliceContext, slice_scope  # noqa: E402
+
+TOL = 1e-5
+SEQ_LEN, BATCH, MICRO_BATCHES, VOCAB = 16, 2, 2, 128
+SLICINGS = {"one": [16], "equal": [4, 4, 4, 4], "unequal": [3, 9, 4]}
+COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, vocab_size=VOCAB,
+              max_position_embeddings=64)
+
+
+def tiny_config(arch: str) -> "transformers.PretrainedConfig":
+    """Tiny configs; the Llama family with grouped-query attention (4 query heads, 2 key/value heads)."""
+    if arch == "llama":
+        return transformers.LlamaConfig(**COMMON, num_key_value_heads=2)
+    if arch == "llama-tied":
+        return transformers.LlamaConfig(**COMMON, num_key_value_heads=4, tie_word_embeddings=True)
+    if arch == "mistral":
+        return transformers.MistralConfig(**COMMON, num_key_value_heads=2, sliding_window=None)
+    if arch == "qwen2":
+        return transformers.Qwen2Config(**COMMON, num_key_value_heads=2)
+    if arch == "qwen3":
+        return transformers.Qwen3Config(**COMMON, num_key_value_heads=2, head_dim=32)
+    if arch == "gpt2":
+        return transformers.GPT2Config(n_embd=64, n_layer=3, n_head=4, vocab_size=VOCAB, n_positions=64,
+                                       bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    raise KeyError(arch)
+
+
+ARCHS = ["llama", "llama-tied", "mistral", "qwen2", "qwen3", "gpt2"]
+MODEL_CLASSES = {"gpt2": "GPT2LMHeadModel", "llama-tied": "LlamaForCausalLM", "llama": "LlamaForCausalLM",
+                 "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def hf_model(arch: str, seed: int = 0) -> "transformers.PreTrainedModel":
+    torch.manual_seed(seed)
+    config = tiny_config(arch)
+    config._attn_implementation = "eager"  # the reference: transformers' own attention, not SDPA
+    return getattr(transformers, MODEL_CLASSES[arch])(config).eval()
+
+
+def make_batches(seed: int = 5) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (MICRO_BATCHES, BATCH, SEQ_LEN + 1), generator=gen)
+    return [(ids[b, :, :-1], ids[b, :, 1:]) for b in range(MICRO_BATCHES)]
+
+
+def build_stages(specs: list, num_stages: int) -> tuple[list[list], dict[str, torch.nn.Parameter]]:
+    """Build the specs as PipelineModule does (a tied module once, shared), cut into contiguous stages.
+
+    Returns each stage's callables and the parameters named as the pipeline module names them.
+    """
+    tied: dict[str, torch.nn.Module] = {}
+    calls, params = [], {}
+    for index, spec in enumerate(specs):
+        if isinstance(spec, TiedLayerSpec):
+            if spec.key not in tied:
+                tied[spec.key] = spec.build()
+                params.update({f"tied_modules.{spec.key}.{n}": p for n, p in tied[spec.key].named_parameters()})
+            module = tied[spec.key]
+            calls.append(partial(spec.forward_fn, module) if spec.forward_fn else module)
+        else:
+            module = spec.build()
+            params.update({f"{index}.{n}": p for n, p in module.named_parameters()})
+            calls.append(module)
+    per_stage = -(-len(calls) // num_stages)
+    return [calls[s * per_stage:(s + 1) * per_stage] for s in range(num_stages)], params
+
+
+def run_sliced(stages: list[list], batches: list, slices: list[int], schedule: str) -> tuple[float, list]:
+    """Every stage's actions of ``schedule`` in a dependency-respecting order, one graph per (stage, unit).
+
+    Returns the loss (the engine's weighting: slice i by len_i / seq_len, micro-batches averaged) and the
+    MicroBatchStates (for the KV-cache checks).
+    """
+    num_stages, num_micro = len(stages), len(batches)
+    plan = build_schedule(schedule, num_stages, num_micro, len(slices))
+    bounds = [sum(slices[:i]) for i in range(len(slices) + 1)]
+    states = [[MicroBatchState(b, SEQ_LEN, len(slices)) for b in range(num_micro)] for _ in range(num_stages)]
+    inputs, outputs, done = {}, {}, set()
+    pointers, total = [0] * num_stages, 0.0
+    while any(p < len(stream) for p, stream in zip(pointers, plan.stages)):
+        progressed = False
+        for s, stream in enumerate(plan.stages):
+            if pointers[s] == len(stream):
+                continue
+            action = stream[pointers[s]]
+            b, i = action.microbatch, action.slice
+            start, end = bounds[i], bounds[i + 1]
+            if action.kind is ActionKind.FORWARD:
+                if s > 0 and (s - 1, "F", b, i) not in done:
+                    continue
+                x = batches[b][0][:, start:end] if s == 0 else outputs[(s - 1, b, i)].detach().requires_grad_()
+                inputs[(s, b, i)] = x
+                with slice_scope(SliceContext(b, i, start, end, states[s][b])):
+                    for layer in stages[s]:
+                        x = layer(x)
+                if s == num_stages - 1:
+                    x = causal_lm_loss(x, batches[b][1][:, start:end]) * (end - start) / SEQ_LEN / num_micro
+                    total += float(x.detach())
+                outputs[(s, b, i)] = x
+                done.add((s, "F", b, i))
+            elif action.kind is ActionKind.BACKWARD:
+                if s < num_stages - 1 and (s + 1, "B", b, i) not in done:
+                    continue
+                if s == num_stages - 1:
+                    outputs[(s, b, i)].backward()
+                else:
+                    outputs[(s, b, i)].backward(inputs[(s + 1, b, i)].grad)
+                done.add((s, "B", b, i))
+            pointers[s] += 1
+            progressed = True
+        assert progressed, f"schedule {schedule} stalled at {pointers}"
+    return total, states
+
+
+def reference(model, batches: list) -> tuple[float, dict[str, torch.Tensor]]:
+    model.zero_grad()
+    loss = sum(causal_lm_loss(model(input_ids=x).logits, y) for x, y in batches) / len(batches)
+    loss.backward()
+    return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / max(float(b.norm()), 1e-12))
+
+
+def compare(params: dict, ref_grads: dict, config) -> tuple[float, str]:
+    """Worst relative gradient error over every transformers parameter (each must have a pipeline twin)."""
+    got = {hf_param_name(n, config): p for n, p in params.items()}
+    assert set(got) == set(ref_grads), (set(got) ^ set(ref_grads))
+    worst, worst_name = 0.0, ""
+    for name, ref in ref_grads.items():
+        grad = got[name].grad
+        assert grad is not None, f"{name} got no gradient"
+        err = rel_err(grad, ref)
+        if err >= worst:
+            worst, worst_name = err, name
+    return worst, worst_name
+
+
+WORST: dict[str, float] = {}
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("slicing", list(SLICINGS))
+@pytest.mark.parametrize("arch", ARCHS)
+def test_sliced_equals_transformers(arch: str, slicing: str, schedule: str) -> None:
+    """A loaded model's weights (kept), 2 in-process stages, 2 micro-batches: loss and every gradient."""
+    model = hf_model(arch)
+    ref_loss, ref_grads = reference(model, make_batches())
+    stages, params = build_stages(causal_lm_specs(copy.deepcopy(model)), num_stages=2)
+    loss, _ = run_sliced(stages, make_batches(), SLICINGS[slicing], schedule)
+    assert abs(loss - ref_loss) <= TOL * abs(ref_loss), (loss, ref_loss)
+    worst, name = compare(params, ref_grads, model.config)
+    WORST[arch] = max(WORST.get(arch, 0.0), worst)
+    assert worst <= TOL, f"{arch} {slicing} {schedule}: gradient of {name} off by {worst:.2e}"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_from_config_is_deterministic_and_exact(arch: str) -> None:
+    """From a config: seeded transformers-style init, the same for any stage count; equal to transformers on
+    the same weights."""
+    config = tiny_config(arch)
+    stages, params = build_stages(causal_lm_specs(config, seed=3), num_stages=2)
+    _, again = build_stages(causal_lm_specs(config, seed=3), num_stages=1)
+    assert all(torch.equal(p, again[n]) for n, p in params.items())
+    weights = {hf_param_name(n, config): p.detach() for n, p in params.items()}
+    model = hf_model(arch, seed=99)
+    missing = model.load_state_dict(weights, strict=False)
+    tied_head = model.lm_head.weight is model.get_input_embeddings().weight
+    assert missing.missing_keys == (["lm_head.weight"] if tied_head else []), missing
+    assert not missing.unexpected_keys, missing
+    std = max((p for n, p in weights.items() if ".0." in n and n.endswith("weight")), key=torch.numel).std()
+    assert 0.5 * config.initializer_range < float(std) < 1.5 * config.initializer_range  # transformers-style init
+    ref_loss, ref_grads = reference(model, make_batches())
+    loss, _ = run_sliced(stages, make_batches(), SLICINGS["unequal"], "1f1b")
+    assert abs(loss - ref_loss) <= TOL * abs(ref_loss)
+    worst, name = compare(params, ref_grads, config)
+    assert worst <= TOL, f"{arch}: gradient of {name} off by {worst:.2e}"
+
+
+def test_grouped_query_cache_holds_only_kv_heads() -> None:
+    """Llama with 4 query / 2 key-value heads: the KV buffers hold 2 heads' worth, not 4 (no repeated K/V)."""
+    model = hf_model("llama")
+    config = model.config
+    stages, _ = build_stages(causal_lm_specs(copy.deepcopy(model)), num_stages=1)
+    with torch.no_grad():
+        logits, states = run_sliced_forward_only(stages[0], make_batches()[0][0], SLICINGS["unequal"])
+        logits_ref = model(input_ids=make_batches()[0][0]).logits
+    head_dim = config.hidden_size // config.num_attention_heads
+    per_layer = 2 * BATCH * config.num_key_value_heads * SEQ_LEN * head_dim * 4  # k and v, fp32
+    assert states.nbytes() == config.num_hidden_layers * per_layer
+    assert rel_err(logits, logits_ref) <= TOL
+
+
+@pytest.mark.parametrize("arch, shard, dtype", [("llama", None, torch.float32), ("gpt2", "100KB", torch.float32),
+                                                 ("qwen3", None, torch.bfloat16)])
+def test_local_directory_loads_each_layer_from_safetensors(arch: str, shard, dtype, tmp_path) -> None:
+    """A save_pretrained directory (one file, or sharded with an index): every layer reads its own tensors,
+    in config.json's dtype; weights and outputs equal the saved model's."""
+    model = hf_model(arch).to(dtype)
+    model.save_pretrained(tmp_path, **({"max_shard_size": shard} if shard else {}))
+    assert (tmp_path / "model.safetensors.index.json").is_file() == bool(shard)
+    stages, params = build_stages(causal_lm_specs(tmp_path), num_stages=1)
+    saved = dict(model.named_parameters())
+    for name, param in params.items():
+        assert param.dtype == dtype and torch.equal(param, saved[hf_param_name(name, model.config)]), name
+    with torch.no_grad():
+        logits, _ = run_sliced_forward_only(stages[0], make_batches()[0][0], SLICINGS["unequal"])
+        logits_ref = model(input_ids=make_batches()[0][0]).logits
+    assert rel_err(logits.float(), logits_ref.float()) <= (TOL if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("arch", ["llama", "llama-tied", "gpt2"])
+def test_exported_pipeline_weights_load_into_transformers(arch: str) -> None:
+    """export_state_dict's layout ("<layer>.<param>", a tied layer under each index that uses it) maps back to
+    the transformers model: strict load, same weights."""
+    config = tiny_config(arch)
+    specs = causal_lm_specs(config, seed=2)
+    head = f"{config.num_hidden_layers + 2}."
+    exported = {}
+    for index, spec in reversed(list(enumerate(specs))):  # the head first: a dict's order must not matter
+        module = spec.build()
+        exported.update({f"{index}.{n}": p.detach() for n, p in module.state_dict().items()})
+    if arch == "gpt2":  # the last stage's copy of the position embedding is never trained
+        exported[f"{head}wpe.weight"] = torch.zeros_like(exported["0.wpe.weight"])
+    model = hf_model(arch, seed=42)
+    model.load_state_dict(hf_state_dict(exported, config), strict=True)
+    for name, param in model.named_parameters():
+        sources = [k for k in exported if hf_param_name(k, config) == name]
+        source = next((k for k in sources if not k.startswith(head)), sources[0])
+        assert torch.equal(param, exported[source]), name
+
+
+def run_sliced_forward_only(layers: list, ids: torch.Tensor, slices: list[int]):
+    state = MicroBatchState(0, SEQ_LEN, len(slices))
+    outs, start = [], 0
+    for i, length in enumerate(slices):
+        x = ids[:, start:start + length]
+        with slice_scope(SliceContext(0, i, start, start + length, state)):
+            for layer in layers:
+                x = layer(x)
+        outs.append(x)
+        start += length
+    return torch.cat(outs, dim=1), state
+
+
+@pytest.mark.parametrize("make, feature, fix", [
+    (lambda: transformers.MistralConfig(**COMMON, num_key_value_heads=2, sliding_window=8),
+     "sliding-window", "sliding_window = None"),
+    (lambda: transformers.Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=8, max_window_layers=0),
+     "sliding-window", "use_sliding_window=False"),
+    (lambda: transformers.LlamaConfig(**COMMON, attn_logit_softcapping=30.0), "softcapping", "set it to None"),
+    (lambda: transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, add_cross_attention=True),
+     "cross-attention", "add_cross_attention=False"),
+    (lambda: transformers.T5Config(), "encoder-decoder", "decoder-only"),
+    (lambda: transformers.LlamaConfig(**COMMON, use_bidirectional_attention=True), "non-causal", "causal LM"),
+    (lambda: transformers.BertConfig(), "'bert' is not supported", "supported: llama"),
+    (lambda: transformers.LlamaConfig(**COMMON, rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                                                 "rope_theta": 10000.0}),
+     "rope_type 'dynamic'", "static rope type"),
+])
+def test_unsupported_features_are_refused_when_building(make, feature: str, fix: str) -> None:
+    with pytest.raises(UnsupportedModelError) as err:
+        causal_lm_specs(make())
+    assert feature in str(err.value) and fix in str(err.value), str(err.value)
+
+
+def test_masks_and_headless_models_are_refused() -> None:
+    stages, _ = build_stages(causal_lm_specs(tiny_config("llama")), num_stages=1)
+    ids = make_batches()[0][0]
+    with pytest.raises(UnsupportedModelError, match="padding"):
+        stages[0][0]((ids, torch.ones_like(ids)))
+    q = torch.randn(1, 4, 3, 8)
+    with pytest.raises(UnsupportedModelError, match="padding masks are not supported"):
+        terapipe_attention(torch.nn.Module(), q, q, q, torch.zeros(1, 1, 3, 3))
+    with pytest.raises(UnsupportedModelError, match="LM head"):
+        causal_lm_specs(transformers.LlamaModel(tiny_config("llama")))
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_two_stage_engine_equals_transformers(tmp_path) -> None:
+    """ds_terapipe.initialize on 2 gloo processes, a Llama GQA model from a config, slices [3, 9, 4], 1f1b
+    and gpipe (deferred weight gradients): loss and every gradient equal transformers' on the same weights."""
+    from tests.dist_harness import run_ranks
+
+    worker = Path(__file__).resolve().parent / "hf_worker.py"
+    codes, texts = run_ranks([sys.executable, str(worker), str(tmp_path)], 2, tmp_path, timeout_s=240)
+    assert codes == [0, 0], "\n".join(t[-3000:] for t in texts)
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for result in results:
+        for case in result["cases"]:
+            assert abs(case["loss"] - case["ref_loss"]) <= TOL * abs(case["ref_loss"]), case
+            assert case["grad_rel_err"] <= TOL, case
+    covered = set().union(*(c["covered"] for r in results for c in r["cases"][:1]))
+    assert covered == set(results[0]["all_params"]), set(results[0]["all_params"]) - covered
