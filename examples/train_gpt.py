@@ -23,6 +23,7 @@ import sys
 import sysconfig
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -31,6 +32,7 @@ import deepspeed
 import ds_terapipe
 from ds_terapipe.models.gpt import GPTConfig, causal_lm_loss, gpt_layer_specs
 from ds_terapipe.runtime.shm import remove_shm_segments
+
 
 def setup_logging() -> None:
     """Show ds_terapipe's log lines (the plan, profiling, faults) the way DeepSpeed shows its own.
@@ -42,14 +44,14 @@ def setup_logging() -> None:
     ds_terapipe.configure_logging()
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+def training_parser(doc: str) -> argparse.ArgumentParser:
+    """The options every example trainer shares (data, schedule of the run, checkpoints, threads); a trainer adds
+    its model's options and calls :func:`parse_training_args`."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=150, help="optimizer steps to train")
-    parser.add_argument("--stages", type=int, default=None, help="pipeline stages (default: config pipeline.stages or 2)")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--stages", type=int, default=None,
+                        help="pipeline stages (default: config pipeline.stages or 2)")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--data", nargs="*", default=None, help="text files, or one .bin of uint16 token ids")
     parser.add_argument("--vocab-size", type=int, default=256, help="for .bin token files (bytes: 256)")
@@ -65,6 +67,10 @@ def parse_args() -> argparse.Namespace:
                         help="CPU: pin each local process to its own share of the cores (what the deepspeed launcher's "
                              "--bind_cores_to_rank does with numactl); stages then stop preempting each other")
     parser.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
+    return parser
+
+
+def parse_training_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
     parser = deepspeed.add_config_arguments(parser)
     args = parser.parse_args()
     if args.deepspeed_config is None:
@@ -72,6 +78,14 @@ def parse_args() -> argparse.Namespace:
     if args.resume and not args.save_dir:
         parser.error("--resume needs --save-dir (where the checkpoints are)")
     return args
+
+
+def parse_args() -> argparse.Namespace:
+    parser = training_parser(__doc__)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--heads", type=int, default=4)
+    return parse_training_args(parser)
 
 
 def load_tokens(args: argparse.Namespace) -> np.ndarray:
@@ -116,8 +130,8 @@ class Batches:
             yield ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
 
 
-def main() -> None:
-    args = parse_args()
+def start(args: argparse.Namespace, name: str) -> tuple[dict, Any, int, int]:
+    """Threads, the process group and the config: ``(ds_config, terapipe config, stages, seq_len)``."""
     setup_logging()
     if not torch.cuda.is_available():
         # One process per stage shares the cores: more threads than cores per process makes every rank spin
@@ -138,39 +152,30 @@ def main() -> None:
     terapipe = ds_terapipe.parse_terapipe_config(ds_config)
     stages = args.stages or ds_config.get("pipeline", {}).get("stages") or 2
     if not isinstance(stages, int) or stages < 1:
-        raise SystemExit(f"train_gpt: --stages / pipeline.stages must be a positive int, got {stages!r}")
-    seq_len = terapipe.seq_len or 256
-    world = torch.distributed.get_world_size()
-    rank = torch.distributed.get_rank()
+        raise SystemExit(f"{name}: --stages / pipeline.stages must be a positive int, got {stages!r}")
+    return ds_config, terapipe, stages, terapipe.seq_len or 256
 
-    tokens = load_tokens(args)
-    vocab = args.vocab_size if args.data and args.data[0].endswith(".bin") else 256
-    if int(tokens.max()) >= vocab:
-        raise SystemExit(f"train_gpt: token id {int(tokens.max())} >= --vocab-size {vocab}")
+
+def train(engine: Any, args: argparse.Namespace, tokens: np.ndarray, seq_len: int, stages: int, header: str,
+          name: str) -> None:
+    """The training loop: 90/10 train/held-out split, resume, logging, evaluation, checkpoints; then leave."""
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     split = int(len(tokens) * 0.9)
-    cfg = GPTConfig(num_layers=args.layers, hidden=args.hidden, num_heads=args.heads, vocab_size=vocab,
-                    max_seq_len=seq_len, seed=args.seed)
-    model = ds_terapipe.TokenPipelineModule(gpt_layer_specs(cfg), num_stages=stages, loss_fn=causal_lm_loss,
-                                            vocab_size=vocab, partition_method="uniform")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
-    engine, _, _, _ = ds_terapipe.initialize(args=args, model=model, optimizer=optimizer)
-
     micro, gas = engine.micro_batch_size, engine.micro_batches
     dp_rank = engine.grid.data_parallel_id
-    train = Batches(tokens[:split], seq_len, micro, args.seed, dp_rank)
+    train_data = Batches(tokens[:split], seq_len, micro, args.seed, dp_rank)
     held_out = Batches(tokens[split:], seq_len, micro, args.seed + 1, dp_rank)
     plan = engine.plan_summary() if hasattr(engine, "plan_summary") else {"slices": [seq_len]}
     if rank == 0:
-        print(f"corpus {len(tokens):,} tokens ({'--data' if args.data else 'Python stdlib source'}), "
-              f"world {world} = {stages} stage(s) x {world // stages} replica(s), micro-batch {micro} x {gas}, "
-              f"seq_len {seq_len}", flush=True)
+        print(f"{header}, world {world} = {stages} stage(s) x {world // stages} replica(s), micro-batch {micro} x "
+              f"{gas}, seq_len {seq_len}", flush=True)
         print(f"plan: {json.dumps(plan)}", flush=True)
 
     start_step = 0
     if args.resume:
         path, client = engine.load_checkpoint(args.save_dir)
         if path is None:
-            raise SystemExit(f"train_gpt: --resume but no checkpoint found in {args.save_dir}")
+            raise SystemExit(f"{name}: --resume but no checkpoint found in {args.save_dir}")
         start_step = int(client.get("step", 0))
         if rank == 0:
             print(f"resumed from {path} at step {start_step}", flush=True)
@@ -178,7 +183,7 @@ def main() -> None:
     tokens_per_step = micro * gas * (world // stages) * seq_len
     window_start, window_steps = time.perf_counter(), 0
     for step in range(start_step, args.steps):
-        loss = engine.train_batch(train.iterator(step, gas))
+        loss = engine.train_batch(train_data.iterator(step, gas))
         window_steps += 1
         done = step + 1
         if args.metrics and rank == 0:
@@ -208,6 +213,23 @@ def main() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def main() -> None:
+    args = parse_args()
+    _, _, stages, seq_len = start(args, "train_gpt")
+    tokens = load_tokens(args)
+    vocab = args.vocab_size if args.data and args.data[0].endswith(".bin") else 256
+    if int(tokens.max()) >= vocab:
+        raise SystemExit(f"train_gpt: token id {int(tokens.max())} >= --vocab-size {vocab}")
+    cfg = GPTConfig(num_layers=args.layers, hidden=args.hidden, num_heads=args.heads, vocab_size=vocab,
+                    max_seq_len=seq_len, seed=args.seed)
+    model = ds_terapipe.TokenPipelineModule(gpt_layer_specs(cfg), num_stages=stages, loss_fn=causal_lm_loss,
+                                            vocab_size=vocab, partition_method="uniform")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
+    engine, _, _, _ = ds_terapipe.initialize(args=args, model=model, optimizer=optimizer)
+    train(engine, args, tokens, seq_len, stages, name="train_gpt",
+          header=f"corpus {len(tokens):,} tokens ({'--data' if args.data else 'Python stdlib source'})")
 
 
 if __name__ == "__main__":
