@@ -53,7 +53,9 @@ class TokenPipeSchedule(ds_schedule.PipeSchedule):
         super().__init__(micro_batches=micro_batches, stages=stages, stage_id=stage_id)
         self.num_slices = num_slices
         self.train = train
-        plan = build_schedule(name, stages, micro_batches, num_slices, deferred_weight_grads and train)
+        # The engine runs one chunk per rank (virtual_stages = 1): a schedule that needs more is refused here.
+        plan = build_schedule(name, stages, micro_batches, num_slices, deferred_weight_grads and train,
+                              virtual_stages=1)
         self.schedule = add_communication(plan if train else forward_only(plan))
         self.actions: tuple[Action, ...] = self.schedule.stages[stage_id]
 
