@@ -73,10 +73,12 @@ def build_interleaved_1f1b(num_stages: int, num_microbatches: int, num_slices: i
 
 
 def _in_flight(stage: int, num_stages: int, num_units: int, num_slices: int, virtual_stages: int = 2) -> float:
-    """The cap (``interleaved_cap``) in chunk-units, each 1/v of the rank's layers and 1/n of a sequence; at
-    most every unit on every chunk. Does not grow with n: lcm(p, n) / n <= p."""
-    cap = interleaved_cap(stage, num_stages, num_slices, virtual_stages)
-    return min(float(num_units), cap / (virtual_stages * num_slices))
+    """The cap (``interleaved_cap``) in chunk-units, each 1/v of the rank's layers and 1/n of a sequence, with
+    lcm(p, n) <= p·n (the exact cap is not monotone in n; this bound is, as the memory model needs); at most
+    every unit on every chunk."""
+    p, v, n = num_stages, virtual_stages, num_slices
+    cap = 2 * (p - 1 - stage) + (v - 1) * p * n + n
+    return min(float(num_units), cap / (v * n))
 
 
 def _bubble(p: int, num_units: int, v: int = 2) -> float:
