@@ -49,6 +49,9 @@ _INF = math.inf
 #: best one, at most _SIM_MAX of them, best closed form first (see plan_slicing).
 _SIM_WINDOW = 0.05
 _SIM_MAX = 64
+#: With virtual stages each distinct slice count is a new schedule whose lowered comm is compiled in Python
+#: (~1 s at 48 ranks x 2 chunks x 256 units), so fewer candidates are simulated.
+_SIM_MAX_CHUNKS = 16
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -592,7 +595,8 @@ def plan_slicing(cost: PipelineCost, seq_len: int, *, num_microbatches: int = 1,
     ``analytic_pipeline_cost(model, device, p * v)``; a per-rank profile would have to be split by layers, which
     only the profiler knows). Candidates come from the DP on the slowest chunk with the closed form of the
     interleaved pipeline, v·units·sum(w) + (p-1)·max(t), and are scored by simulating the schedule actually run
-    (``build_schedule(schedule, p, ..., virtual_stages=v)``). ``memory`` is per rank (p layer counts).
+    (``build_schedule(schedule, p, ..., virtual_stages=v)``), the 16 best rather than 64 (each distinct slice
+    count compiles a new chunk schedule). ``memory`` is per rank (p layer counts).
     ``SlicingPlan.num_stages`` is p.
     """
     if not isinstance(cost, PipelineCost):
@@ -671,7 +675,8 @@ def plan_slicing(cost: PipelineCost, seq_len: int, *, num_microbatches: int = 1,
         dp = _Dp(w, t, n_min, n_max)
         window = 0.0 if exact else _SIM_WINDOW
         # v chunk-units per unit on every rank: the interleaved closed form v*units*sum(w) + (p-1)*max(t).
-        value, cuts, _, scored = _thresholds(dp, units * v, num_stages, window, 1 if exact else _SIM_MAX)
+        keep = 1 if exact else (_SIM_MAX if v == 1 else _SIM_MAX_CHUNKS)
+        value, cuts, _, scored = _thresholds(dp, units * v, num_stages, window, keep)
         if cuts is None:
             continue
         if exact:
