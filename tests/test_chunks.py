@@ -18,7 +18,7 @@ import pytest
 from ds_terapipe.planner.registry import get_schedule
 from ds_terapipe.planner.schedule import (
     Action, ActionKind, DeadlockError, PairingError, Schedule, ScheduleError, add_communication, build_schedule,
-    defer_weights, match_messages, replay, schedule_from_strings, stream_strings, validate,
+    match_messages, replay, schedule_from_strings, stream_strings, validate,
 )
 from ds_terapipe.planner.schedules.dualpipev import dualpipev_cap
 from ds_terapipe.planner.schedules.interleaved import interleaved_cap

@@ -29,10 +29,8 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
-from .schedule import (
-    Action, ActionKind, DeadlockError, PairingError, Schedule, add_communication, match_messages,
-    replay,
-)
+from .schedule import Action, ActionKind, DeadlockError, PairingError, Schedule, add_communication
+from .verify import match_messages, replay
 
 logger = logging.getLogger(__name__)
 
