@@ -166,3 +166,13 @@ def test_chrome_trace_of_one_chunk_runs_is_unchanged(tmp_path):
     doc = json.loads(events_to_chrome_trace(res.events, tmp_path / "t.json").read_text())
     assert {ev["args"]["name"] for ev in doc["traceEvents"] if ev["name"] == "process_name"} == {"stage 0", "stage 1"}
     assert all(set(ev["args"]) == {"microbatch", "slice"} for ev in doc["traceEvents"] if ev["ph"] == "X")
+
+
+def test_engine_schedule_refuses_chunk_schedules_until_the_engine_runs_them():
+    pytest.importorskip("deepspeed")
+    from ds_terapipe.runtime.schedule import TokenPipeSchedule
+
+    for name in CHUNKED:
+        with pytest.raises(ValueError, match=f"terapipe.schedule = '{name}' places several chunks per rank"):
+            TokenPipeSchedule(name, 2, 2, 0, 2)
+    assert TokenPipeSchedule("1f1b", 2, 2, 0, 2).actions   # one chunk per rank: as before
