@@ -523,54 +523,62 @@ def add_communication(schedule: Schedule) -> Schedule:
 
 
 def _add_chunk_communication(schedule: Schedule) -> Schedule:
-    place, last = schedule.placement, schedule.num_chunks - 1
+    place, C = schedule.placement, schedule.num_chunks
     assert place is not None
-
-    def remote(c: int, other: int) -> bool:
-        return 0 <= other <= last and place[other] != place[c]   # type: ignore[index]
+    # Per kind and chunk: the rank its output goes to / its input comes from, or -1 (none, or a local hand-off).
+    out_rank = {F: [place[c + 1] if c + 1 < C and place[c + 1] != place[c] else -1 for c in range(C)],
+                B: [place[c - 1] if c > 0 and place[c - 1] != place[c] else -1 for c in range(C)]}
+    in_rank = {F: out_rank[B], B: out_rank[F]}
+    step = {F: 1, B: -1}
+    send_kind, recv_kind = {F: SEND_F, B: SEND_B}, {F: RECV_F, B: RECV_B}
 
     # Every rank's sends in stream order: channel (src rank, dst rank) -> [message], message -> index.
     sent: dict[tuple[int, int], list[tuple[ActionKind, int, int, int]]] = {}
     for r, stream in enumerate(schedule.stages):
         for a in stream:
-            to = a.stage + 1 if a.kind is F else a.stage - 1
-            if a.kind is not W and remote(a.stage, to):
-                sent.setdefault((r, place[to]), []).append((a.kind, to, a.microbatch, a.slice))
+            if a.kind is not W and out_rank[a.kind][a.stage] >= 0:
+                sent.setdefault((r, out_rank[a.kind][a.stage]), []).append(
+                    (a.kind, a.stage + step[a.kind], a.microbatch, a.slice))
     index = {ch: {msg: k for k, msg in enumerate(msgs)} for ch, msgs in sent.items()}
     streams = []
     for r, stream in enumerate(schedule.stages):
         out: list[Action] = []
+        append = out.append
         received: dict[tuple[int, int], set[int]] = {}
         nxt: dict[tuple[int, int], int] = {}
         for a in stream:
+            kind = a.kind
+            if kind is W:
+                append(a)
+                continue
             c, b, i = a.stage, a.microbatch, a.slice
-            src = c - 1 if a.kind is F else c + 1
-            if a.kind is not W and remote(c, src):
-                recv = RECV_F if a.kind is F else RECV_B
-                ch = (place[src], r)
-                k = index.get(ch, {}).get((a.kind, c, b, i))
+            src = in_rank[kind][c]
+            if src >= 0:
+                ch = (src, r)
+                k = index.get(ch, {}).get((kind, c, b, i))
                 got = received.setdefault(ch, set())
                 if k is None:   # never sent: post it anyway, replay reports who waits forever
-                    out.append(_make(c, recv, b, i))
+                    append(_make(c, recv_kind[kind], b, i))
                 elif k not in got:
                     first = nxt.get(ch, 0)
-                    pending = [j for j in range(first, k) if j not in got]
-                    msgs = sent[ch]
-                    # Another message of the same flow ahead of this one is a unit-order mismatch: post only this
-                    # receive, as v = 1 does, and let FIFO pairing report it.
-                    if not any(msgs[j][:2] == (a.kind, c) for j in pending):
-                        for j in pending:
-                            kind, to, mb, sl = msgs[j]
-                            out.append(_make(to, RECV_F if kind is F else RECV_B, mb, sl))
-                            got.add(j)
-                    out.append(_make(c, recv, b, i))
+                    if k > first:
+                        pending = [j for j in range(first, k) if j not in got]
+                        msgs = sent[ch]
+                        # Another message of the same flow ahead of this one is a unit-order mismatch: post only
+                        # this receive, as v = 1 does, and let FIFO pairing report it.
+                        if not any(msgs[j][:2] == (kind, c) for j in pending):
+                            for j in pending:
+                                kj, to, mb, sl = msgs[j]
+                                append(_make(to, recv_kind[kj], mb, sl))
+                                got.add(j)
+                    append(_make(c, recv_kind[kind], b, i))
                     got.add(k)
-                    while nxt.get(ch, 0) in got:
-                        nxt[ch] = nxt.get(ch, 0) + 1
-            out.append(a)
-            to = c + 1 if a.kind is F else c - 1
-            if a.kind is not W and remote(c, to):
-                out.append(_make(c, SEND_F if a.kind is F else SEND_B, b, i))
+                    while first in got:
+                        first += 1
+                    nxt[ch] = first
+            append(a)
+            if out_rank[kind][c] >= 0:
+                append(_make(c, send_kind[kind], b, i))
         streams.append(tuple(out))
     return _trusted(schedule.name, schedule.num_stages, schedule.num_microbatches, schedule.num_slices,
                     tuple(streams), True, schedule.defers_weights, schedule.weights_per_slice,

@@ -148,20 +148,23 @@ def _compile_full(schedule: Schedule) -> _Program:
     matches = match_messages(schedule)  # raises PairingError
     streams = schedule.stages
     W = max(len(st) for st in streams) + 1
-    kind = np.full((K, W), _COMM, np.int8)
-    slice_idx = np.zeros((K, W), np.int64)
     dep = np.repeat(np.arange(K)[:, None] * W + (W - 1), W, axis=1)
     delay_stage = np.full((K, W), -1, np.int64)
+    kind = np.full((K, W), _COMM, np.int8)
+    slice_idx = np.zeros((K, W), np.int64)
     chunk = np.repeat(np.arange(K)[:, None], W, axis=1)
-    for s, st in enumerate(streams):
-        for p, a in enumerate(st):
-            kind[s, p] = _CODE.get(a.kind, _COMM)
-            slice_idx[s, p] = a.slice
-            chunk[s, p] = a.stage
-            if a.kind in (ActionKind.RECV_F, ActionKind.RECV_B):
-                src = matches[s].get(p)
-                dep[s, p] = K * W if src is None else src[0] * W + src[1]
-                delay_stage[s, p] = -1 if src is None else streams[src[0]][src[1]].stage
+    code = {k: _CODE.get(k, _COMM) for k in ActionKind}
+    for s, st in enumerate(streams):   # per stream: lists, then one numpy assignment (not per element)
+        n = len(st)
+        kind[s, :n] = [code[a.kind] for a in st]
+        slice_idx[s, :n] = [a.slice for a in st]
+        chunk[s, :n] = [a.stage for a in st]
+        match = matches[s]
+        recvs = [p for p, a in enumerate(st) if a.kind is ActionKind.RECV_F or a.kind is ActionKind.RECV_B]
+        if recvs:
+            src = [match.get(p) for p in recvs]
+            dep[s, recvs] = [K * W if m is None else m[0] * W + m[1] for m in src]
+            delay_stage[s, recvs] = [-1 if m is None else streams[m[0]][m[1]].stage for m in src]
     compute = tuple(tuple(a for a in st if a.is_compute) for st in streams)
     return _finish(schedule, kind, slice_idx, dep, delay_stage, chunk, [len(st) for st in streams], compute)
 

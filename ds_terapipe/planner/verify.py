@@ -155,16 +155,17 @@ def match_messages(schedule: Schedule) -> tuple[dict[tuple[int, int], tuple[int,
     bad: list[str] = []
     for r, stream in enumerate(schedule.stages):
         for p, a in enumerate(stream):
-            if a.kind in _COMPUTE:
+            kind = a.kind
+            if kind is F or kind is B or kind is W:
                 continue
-            peer = a.stage + _PEER_OFFSET[a.kind]
+            peer = a.stage + _PEER_OFFSET[kind]
             if not 0 <= peer < C:
                 what = f"rank {peer}" if one else f"chunk {peer}"
                 bad.append(f"{a} (rank {r}, position {p}) talks to {what}, which does not exist")
             elif place[peer] == r:
                 bad.append(f"{a} (rank {r}, position {p}) talks to chunk {peer} on its own rank; a local hand-off "
                            "needs no message")
-            elif a.kind in _SENDS:
+            elif kind is SEND_F or kind is SEND_B:
                 sends.setdefault((r, place[peer]), []).append((r, p, a))
             else:
                 recvs.setdefault((place[peer], r), []).append((r, p, a))
