@@ -4,6 +4,8 @@
     ds-terapipe plan --cost cost.json --stages 4 --seq-len 2048 --json
     ds-terapipe simulate --model gpt3-13b --device a100 --stages 8 --seq-len 2048 --microbatches 4 \
         --schedule 1f1b --trace timeline.json --plot timeline.png
+    ds-terapipe plan --model gpt3-175b --device v100 --stages 48 --seq-len 2048 --schedule interleaved-1f1b \
+        --virtual-stages 2
     ds-terapipe presets
     ds-terapipe schedules
 
@@ -11,7 +13,9 @@
 device preset, or under a measured cost file (``--cost``, the format of ``planner/cost.py``), and prints the
 slices, the predicted step time with and without slicing, the speedup and the bubble. ``simulate`` runs the
 event simulator (``planner.simulate``) on the planned slicing or on ``--slices``, and can write a Chrome trace
-(open in https://ui.perfetto.dev) and a PNG timeline. ``schedules`` prints the table of registered schedules
+(open in https://ui.perfetto.dev) and a PNG timeline. ``--stages K`` is the pipeline ranks; schedules with
+virtual stages (``--virtual-stages V``) cut the model into K*V chunks, placed as the schedule says, and the
+timelines keep one row per rank with the actions naming their chunks. ``schedules`` prints the table of registered schedules
 (``planner.registry``), the same table README shows.
 
 Only the planner is imported (numpy and the standard library; matplotlib only for ``--plot``), never torch or
@@ -106,7 +110,8 @@ def _add_planning_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cost", metavar="FILE.json",
                    help="measured cost file (format: ds_terapipe/planner/cost.py); replaces --model/--device")
     g.add_argument("--stages", type=_positive_int, metavar="K",
-                   help="pipeline stages (implied by a cost file with a \"stages\" list or \"num_stages\")")
+                   help="pipeline stages, i.e. ranks (implied by a cost file with a \"stages\" list or "
+                        "\"num_stages\": its chunks / V)")
     g.add_argument("--seq-len", type=_positive_int, required=True, metavar="L", help="tokens per sequence")
     g.add_argument("--micro-batch", type=_positive_int, default=1, metavar="B",
                    help="sequences per micro-batch (default 1)")
@@ -114,6 +119,9 @@ def _add_planning_args(p: argparse.ArgumentParser) -> None:
                    help="micro-batches per step and pipeline (default 1)")
     g.add_argument("--schedule", choices=schedule_names(), default="gpipe",
                    help="pipeline schedule (default gpipe; see 'ds-terapipe schedules')")
+    g.add_argument("--virtual-stages", type=_positive_int, default=None, metavar="V",
+                   help="chunks per rank (default: the schedule's, 1 for gpipe/1f1b, 2 for the others); the model "
+                        "is cut into K*V chunks placed as the schedule says, and a --cost file describes chunks")
     s = p.add_argument_group("slicing search")
     s.add_argument("--granularity", type=_positive_int, default=None, metavar="G",
                    help=f"slice lengths are multiples of G, which must divide --seq-len (default "
@@ -172,10 +180,15 @@ def _load_cost(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
                                  + ("K" if flag == "--stages" else "NAME (see 'ds-terapipe presets')")
                                  + " or use a measured --cost FILE.json")
         num_layers = MODEL_PRESETS[args.model].num_layers
-        if args.stages > num_layers:
-            raise UsageError(f"--stages {args.stages} exceeds the {num_layers} layers of {args.model}; use "
-                             f"--stages <= {num_layers}")
-        cost = analytic_pipeline_cost(args.model, args.device, args.stages)
+        v = _virtual_stages(args)
+        if args.stages * v > num_layers:
+            if v == 1:
+                raise UsageError(f"--stages {args.stages} exceeds the {num_layers} layers of {args.model}; use "
+                                 f"--stages <= {num_layers}")
+            raise UsageError(f"--stages {args.stages} x --virtual-stages {v} = {args.stages * v} chunks exceeds the "
+                             f"{num_layers} layers of {args.model} (a chunk needs a layer); use --stages x "
+                             f"--virtual-stages <= {num_layers}")
+        cost = analytic_pipeline_cost(args.model, args.device, args.stages * v)
         return cost, {"kind": "analytic", "model": args.model, "device": args.device}
 
     if args.device is not None:
@@ -194,11 +207,29 @@ def _load_cost(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     if args.stages is None and "num_stages" not in obj and not isinstance(obj.get("stages"), list):
         raise UsageError(f"--stages is required: --cost {args.cost} has one \"points\" list for every stage and "
                          "no \"num_stages\"; pass --stages K")
+    v = _virtual_stages(args)
     try:
-        cost = PipelineCost.from_dict(obj, num_stages=args.stages)
+        cost = PipelineCost.from_dict(obj, num_stages=None if args.stages is None else args.stages * v)
     except (ValueError, TypeError) as exc:
         raise UsageError(f"--cost {args.cost}: {_one_line(exc)}") from None
+    if cost.num_stages % v:
+        raise UsageError(f"--cost {args.cost} describes {cost.num_stages} stages, not a multiple of --virtual-stages "
+                         f"{v}: with virtual stages a cost file gives one entry per chunk (ranks x {v}); profile "
+                         "per chunk or pass --virtual-stages 1")
     return cost, {"kind": "measured", "file": str(Path(args.cost))}
+
+
+def _virtual_stages(args: argparse.Namespace) -> int:
+    """--virtual-stages, or the schedule's default; refused here (one line) when the schedule cannot place it."""
+    from .planner.registry import get_schedule
+
+    spec = get_schedule(args.schedule)
+    v = spec.virtual_stages if args.virtual_stages is None else args.virtual_stages
+    try:
+        spec.placement(args.stages or 1, v)
+    except ValueError as exc:
+        raise UsageError(f"--schedule {args.schedule} --virtual-stages {v}: {exc}") from None
+    return v
 
 
 def _memory_model(args: argparse.Namespace, num_stages: int) -> Any:
@@ -230,17 +261,21 @@ def _plan(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any], float]:
     t0 = time.perf_counter()
     granularity = _granularity(args)
     cost, source = _load_cost(args)
-    memory = _memory_model(args, cost.num_stages)
+    v = _virtual_stages(args)
+    num_ranks = cost.num_stages // v
+    memory = _memory_model(args, num_ranks)
     if memory is not None:
-        _check_memory(args, memory, cost.num_stages, granularity)
+        _check_memory(args, memory, num_ranks, granularity, v)
     plan = plan_slicing(cost, args.seq_len, num_microbatches=args.microbatches, micro_batch_size=args.micro_batch,
                         granularity=granularity, schedule=args.schedule,
                         memory_limit_bytes=None if memory is None else args.memory_gb * _GIB,
-                        split_batch=args.split_batch, max_slices=args.max_slices, memory=memory)
+                        split_batch=args.split_batch, max_slices=args.max_slices, memory=memory,
+                        virtual_stages=v)
     return cost, plan, source, time.perf_counter() - t0
 
 
-def _check_memory(args: argparse.Namespace, memory: Any, num_stages: int, granularity: int) -> None:
+def _check_memory(args: argparse.Namespace, memory: Any, num_stages: int, granularity: int,
+                  virtual_stages: int = 1) -> None:
     """Refuse a --memory-gb no allowed plan meets, in the CLI's terms (flags and GiB, not the planner's API names
     and bytes), suggesting only changes that lower the estimate. The estimate never grows with the slice count,
     so the most slices allowed give the smallest one; the planner refuses exactly the same cases."""
@@ -249,7 +284,7 @@ def _check_memory(args: argparse.Namespace, memory: Any, num_stages: int, granul
     short = memory_shortfall(memory, args.memory_gb * _GIB, schedule=args.schedule, num_stages=num_stages,
                              num_microbatches=args.microbatches, micro_batch_size=args.micro_batch,
                              seq_len=args.seq_len, granularity=granularity, max_slices=args.max_slices,
-                             split_batch=args.split_batch)
+                             split_batch=args.split_batch, virtual_stages=virtual_stages)
     if short is None:
         return
     fixes = ["raise --memory-gb", "add --stages", *short.fixes(schedule="use --schedule {}",
@@ -292,10 +327,11 @@ def _runs(values: Sequence[int]) -> str:
     return " ".join(out)
 
 
-def _describe(source: dict[str, Any], num_stages: int) -> str:
+def _describe(source: dict[str, Any], num_stages: int, virtual_stages: int = 1) -> str:
+    chunks = f" ({virtual_stages} chunks each)" if virtual_stages != 1 else ""
     if source["kind"] == "analytic":
-        return f"{source['model']} on {num_stages} x {source['device']} (analytic cost)"
-    return f"{num_stages} stages, measured cost {source['file']}"
+        return f"{source['model']} on {num_stages} x {source['device']}{chunks} (analytic cost)"
+    return f"{num_stages} stages{chunks}, measured cost {source['file']}"
 
 
 def _plan_lines(plan: Any, source: dict[str, Any], seconds: float) -> list[str]:
@@ -303,7 +339,8 @@ def _plan_lines(plan: Any, source: dict[str, Any], seconds: float) -> list[str]:
     if len(plan.batch_splits) > 1:
         split = f", split into {len(plan.batch_splits)} sub-batches of {plan.batch_splits[0]}"
     lines = [
-        f"pipeline:    {_describe(source, plan.num_stages)}, {plan.schedule}, seq_len {plan.seq_len}, "
+        f"pipeline:    {_describe(source, plan.num_stages, plan.virtual_stages)}, {plan.schedule}, "
+        f"seq_len {plan.seq_len}, "
         f"{plan.num_microbatches} micro-batch(es) of {plan.micro_batch_size}{split}",
         f"slices:      {plan.num_slices} of granularity {plan.granularity}: {_runs(plan.slices)}",
         f"             --slices {','.join(map(str, plan.slices))}",
@@ -380,19 +417,22 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     else:
         cost, plan, source, plan_seconds = _plan(args)
         slices, batch_splits = list(plan.slices), list(plan.batch_splits)
+    v = _virtual_stages(args)
+    num_ranks = cost.num_stages // v
     units, batch = args.microbatches * len(batch_splits), batch_splits[0]  # sub-batches are pipeline units too
     t0 = time.perf_counter()
-    result = simulate(build_schedule(args.schedule, cost.num_stages, units, len(slices)), cost, slices,
+    result = simulate(build_schedule(args.schedule, num_ranks, units, len(slices), virtual_stages=v), cost, slices,
                       micro_batch_size=batch)
-    unsliced = simulate(build_schedule(args.schedule, cost.num_stages, args.microbatches, 1), cost,
+    unsliced = simulate(build_schedule(args.schedule, num_ranks, args.microbatches, 1, virtual_stages=v), cost,
                         [args.seq_len], micro_batch_size=args.micro_batch)
     sim_seconds = time.perf_counter() - t0
     speedup = unsliced.makespan_ms / result.makespan_ms if result.makespan_ms > 0 else 1.0
-    meta = {"schedule": args.schedule, "num_stages": cost.num_stages, "seq_len": args.seq_len, "slices": slices,
+    meta = {"schedule": args.schedule, "num_stages": num_ranks, "virtual_stages": v, "seq_len": args.seq_len,
+            "slices": slices,
             "num_microbatches": args.microbatches, "micro_batch_size": args.micro_batch,
             "batch_splits": batch_splits, "makespan_ms": result.makespan_ms, "cost": source}
     what = "sub-batches" if len(batch_splits) > 1 else "micro-batch(es)"
-    title = (f"{_describe(source, cost.num_stages)}: {args.schedule}, {len(slices)} slices x {units} {what}, "
+    title = (f"{_describe(source, num_ranks, v)}: {args.schedule}, {len(slices)} slices x {units} {what}, "
              f"makespan {result.makespan_ms:.4g} ms, bubble {100 * result.bubble_fraction:.1f}%")
     trace_path, plot_path = _write_timelines(args, result, meta, title)
     if args.json:
@@ -403,14 +443,15 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
                      "trace": trace_path, "plot": plot_path})
         return 0
     lines = _plan_lines(plan, source, plan_seconds)[:-1] if plan is not None else [
-        f"pipeline:    {_describe(source, cost.num_stages)}, {args.schedule}, seq_len {args.seq_len}, "
+        f"pipeline:    {_describe(source, num_ranks, v)}, {args.schedule}, seq_len {args.seq_len}, "
         f"{args.microbatches} micro-batch(es) of {args.micro_batch}",
         f"slices:      {len(slices)} given: {_runs(slices)}"]
     lines += [
         f"simulated:   makespan {result.makespan_ms:.4g} ms vs {unsliced.makespan_ms:.4g} ms unsliced: "
         f"speedup {speedup:.2f}x, bubble {100 * result.bubble_fraction:.1f}%",
-        f"in flight:   peak units per stage {_runs(list(result.peak_in_flight))}",
-        f"busy:        {min(result.busy_ms):.4g}..{max(result.busy_ms):.4g} ms per stage",
+        f"in flight:   peak units per {'stage' if v == 1 else 'rank (chunk-units)'} "
+        f"{_runs(list(result.peak_in_flight))}",
+        f"busy:        {min(result.busy_ms):.4g}..{max(result.busy_ms):.4g} ms per {'stage' if v == 1 else 'rank'}",
     ]
     lines += [f"trace:       {trace_path} (open in https://ui.perfetto.dev)"] if trace_path else []
     lines += [f"timeline:    {plot_path}"] if plot_path else []

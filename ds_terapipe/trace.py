@@ -53,6 +53,12 @@ def _normalise(events: Iterable[Any]) -> list[TimedAction]:
     return out
 
 
+def _chunked(events: Sequence[TimedAction]) -> bool:
+    """Whether the events come from a schedule with several chunks per rank (an action's chunk is not its row):
+    rows are then ranks and labels name the chunk."""
+    return any(e.action.stage != e.stage for e in events)
+
+
 def _write_json(obj: Any, path: str | os.PathLike[str]) -> Path:
     """Write atomically so a reader never sees half a trace (ranks may write concurrently)."""
     path = Path(path)
@@ -70,15 +76,18 @@ def events_to_chrome_trace(events: Iterable[Any], path: str | os.PathLike[str], 
     """
     evs = _normalise(events)
     stages = sorted({e.stage for e in evs})
+    chunked = _chunked(evs)
+    row = "rank" if chunked else "stage"
     trace: list[dict[str, Any]] = []
     for s in stages:
-        trace.append({"name": "process_name", "ph": "M", "pid": s, "tid": 0, "args": {"name": f"stage {s}"}})
+        trace.append({"name": "process_name", "ph": "M", "pid": s, "tid": 0, "args": {"name": f"{row} {s}"}})
         trace.append({"name": "process_sort_index", "ph": "M", "pid": s, "tid": 0, "args": {"sort_index": s}})
     for e in evs:
         a = e.action
         trace.append({"name": str(a), "cat": _CATEGORY.get(a.kind, "comm"), "ph": "X", "pid": e.stage, "tid": 0,
                       "ts": e.start_ms * 1e3, "dur": (e.end_ms - e.start_ms) * 1e3,
-                      "args": {"microbatch": a.microbatch, "slice": a.slice}})
+                      "args": {"microbatch": a.microbatch, "slice": a.slice,
+                               **({"chunk": a.stage} if chunked else {})}})
     doc: dict[str, Any] = {"traceEvents": trace, "displayTimeUnit": "ms"}
     if metadata:
         doc["otherData"] = dict(metadata)
@@ -144,6 +153,7 @@ def _px_per_char(fontsize: float, dpi: float) -> float:
 def plot_timeline(events: Iterable[Any], path: str | os.PathLike[str], *, title: str | None = None) -> Path:
     """Draw a PNG Gantt chart: stages as rows (stage 0 on top), time on x.
 
+    With several chunks per rank (virtual stages) rows are ranks and labels read "c<chunk>:microbatch.slice".
     Forward boxes are blue, backward boxes orange and deferred weight-gradient passes (W) green, a shade per micro-batch (cycling every 4) so consecutive
     micro-batches are told apart; boxes wide enough carry their "microbatch.slice" label. Uses matplotlib's
     object API (no pyplot), so it never touches a caller's interactive backend.
@@ -176,14 +186,17 @@ def plot_timeline(events: Iterable[Any], path: str | os.PathLike[str], *, title:
         ax.broken_barh(boxes, (stage - 0.4, 0.8), facecolors=colour, edgecolors="white", linewidth=0.3)
     px_per_ms = width_in * 0.9 * dpi / span
     drawn = 0
+    chunked = _chunked(evs)
     for e in evs:
         text = f"{e.action.microbatch}.{e.action.slice}"
+        if chunked:
+            text = f"c{e.action.stage}:{text}"
         if drawn < 3000 and e.duration_ms * px_per_ms > _px_per_char(fontsize, dpi) * len(text) + 2:
             ax.text(e.start_ms - t0 + e.duration_ms / 2, e.stage, text, ha="center", va="center",
                     fontsize=fontsize, clip_on=True)
             drawn += 1  # beyond a few thousand labels the chart is unreadable anyway
     ax.set_ylim(num_rows - 0.5, -0.5)  # stage 0 on top
-    ax.set_yticks(range(num_rows), [f"stage {s}" for s in range(num_rows)])
+    ax.set_yticks(range(num_rows), [f"{'rank' if chunked else 'stage'} {s}" for s in range(num_rows)])
     ax.set_xlim(0, span)
     ax.set_xlabel("time (ms)")
     kinds = {_CATEGORY.get(e.action.kind, "other") for e in evs}

@@ -29,23 +29,28 @@ if TYPE_CHECKING:  # the IR imports this module; at run time builders are plain 
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "BubbleFormula", "ScheduleSpec", "find_schedule", "get_schedule", "one_chunk_per_rank", "register_schedule",
+    "BubbleFormula", "ScheduleSpec", "accepts_virtual_stages", "find_schedule", "get_schedule", "one_chunk_per_rank", "register_schedule",
     "registered_schedule", "schedule_names", "schedule_table", "uniform_bubble", "unregister_schedule",
 ]
 
 #: Modules under ``planner/schedules`` that register the built-in schedules, in the order names are listed
 #: (config errors, ``--schedule`` choices, the docs table). Adding a built-in schedule = one module + one entry.
-_BUILTIN_MODULES = ("gpipe", "one_f_one_b")
+_BUILTIN_MODULES = ("gpipe", "one_f_one_b", "interleaved", "looped_bfs", "dualpipev")
 
-Builder = Callable[[int, int, int], "Schedule"]
-"""(num_stages, num_microbatches, num_slices) -> a compute-only Schedule named after its spec."""
+Builder = Callable[..., "Schedule"]
+"""(num_stages, num_microbatches, num_slices) -> a compute-only Schedule named after its spec; a schedule with
+virtual stages also takes ``virtual_stages`` as a fourth argument (passed only when it is not 1). Sizes are
+pipeline ranks, micro-batches and slices; the builder may place ``W`` actions itself (``dualpipev``)."""
 
 Placement = Callable[[int, int], "tuple[int, ...]"]
 """(num_ranks, virtual_stages) -> the rank of each chunk, chunk-indexed; ValueError if the schedule cannot place
 ``virtual_stages`` chunks per rank."""
 
-LiveSubbatches = Callable[[int, int, int, int], float]
-"""(stage, num_stages, num_units, num_slices) -> sub-batches' worth of tokens a stage keeps alive at its peak."""
+LiveSubbatches = Callable[..., float]
+"""(stage, num_stages, num_units, num_slices) -> sub-batches' worth of tokens a stage keeps alive at its peak,
+in units of the stage's layers; schedules with virtual stages take ``virtual_stages`` as a fifth argument
+(passed only when it is not 1) and count per rank: a chunk holds 1/v of its rank's layers, so a unit alive on
+one chunk counts 1/v."""
 
 
 
@@ -69,11 +74,15 @@ class BubbleFormula:
     check it against the simulator). Calling the value calls the formula.
     """
 
-    formula: Callable[[int, int], float]
+    formula: Callable[..., float]
     text: str
 
-    def __call__(self, num_stages: int, num_units: int) -> float:
-        return self.formula(num_stages, num_units)
+    def __call__(self, num_stages: int, num_units: int, virtual_stages: int = 1) -> float:
+        """The bubble on ``num_stages`` ranks; formulas of schedules with virtual stages also take
+        ``virtual_stages`` (passed only when it is not 1, so v = 1 formulas keep two arguments)."""
+        if virtual_stages == 1:
+            return self.formula(num_stages, num_units)
+        return self.formula(num_stages, num_units, virtual_stages)
 
 
 #: (K - 1) / (N + K - 1): the GPipe bubble over N = micro-batches x slices equal units on K stages.
@@ -123,6 +132,9 @@ class ScheduleSpec:
     placement_text: str = "chunk r on rank r"
     """The placement as docs show it."""
 
+    virtual_stages: int = 1
+    """Chunks per rank when the caller gives none (``build_schedule``, the CLI, the planner)."""
+
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name or self.name != self.name.strip() or \
                 any(c in self.name for c in " ,|\n"):
@@ -134,6 +146,10 @@ class ScheduleSpec:
                                 f"{type(getattr(self, attr)).__name__}")
         if self.bubble is not None and not isinstance(self.bubble, BubbleFormula):
             raise TypeError(f"ScheduleSpec.bubble of {self.name!r} must be a BubbleFormula or None")
+        if isinstance(self.virtual_stages, bool) or not isinstance(self.virtual_stages, int) or \
+                self.virtual_stages < 1:
+            raise ValueError(f"ScheduleSpec.virtual_stages of {self.name!r} must be an int >= 1, got "
+                             f"{self.virtual_stages!r}")
         if not isinstance(self.description, str) or "\n" in self.description or "|" in self.description:
             raise ValueError(f"ScheduleSpec.description of {self.name!r} must be one line without '|' (it is a "
                              "cell of a markdown table)")
@@ -211,6 +227,15 @@ def find_schedule(name: str) -> ScheduleSpec | None:
     """The spec registered as ``name``, or None (for schedules derived from a registered one, e.g. edited)."""
     _load_builtins()
     return _REGISTRY.get(name) if isinstance(name, str) else None
+
+
+def accepts_virtual_stages(spec: ScheduleSpec, num_ranks: int, virtual_stages: int) -> bool:
+    """Whether ``spec``'s placement can put ``virtual_stages`` chunks on each of ``num_ranks`` ranks."""
+    try:
+        spec.placement(num_ranks, virtual_stages)
+    except ValueError:
+        return False
+    return True
 
 
 def schedule_names() -> tuple[str, ...]:

@@ -8,12 +8,14 @@ gradients (:func:`defer_weights`), ``B`` computes input gradients only and ``W``
 gradients: either one ``W(s,b,0)`` per micro-batch and stage, after ``B(s,b,0)``, for all its slices, or one
 ``W(s,b,i)`` per unit right after ``B(s,b,i)`` (``per_slice``). W talks to no other stage.
 
-A schedule is data (the torch.distributed.pipelining pattern): one ordered tuple of :class:`Action` per stage.
-Builders live one per module in ``planner/schedules/`` and are registered by name (``planner/registry.py``);
-:func:`build_schedule` dispatches through the registry. Builders write compute-only schedules; :func:`add_communication` lowers them to the exact send/recv streams the
-runtime executes; :func:`validate` checks the per-stage rules and :func:`replay` dry-runs all ranks under the
-runtime's p2p semantics (non-blocking sends, blocking receives, FIFO channels), reporting deadlocks and
-mis-paired messages with the whole rank x step grid. Try it::
+A schedule is data (the torch.distributed.pipelining pattern): one ordered tuple of :class:`Action` per rank.
+With virtual stages a rank holds several *chunks* (``Schedule.placement``: chunk -> rank), an action names its
+chunk, and the dependencies above hold per chunk (``c`` for ``s``). Builders live one per module in
+``planner/schedules/`` and are registered by name (``planner/registry.py``); :func:`build_schedule` dispatches
+through the registry. Builders write compute-only schedules; :func:`add_communication` lowers them to the exact
+send/recv streams the runtime executes (messages derived from the placement); ``verify.py`` holds
+:func:`validate` (the per-chunk rules) and :func:`replay` (a dry run of all ranks under the runtime's p2p
+semantics: non-blocking sends, blocking receives, FIFO channels), re-exported here. Try it::
 
     python -c "from ds_terapipe.planner.schedule import *; print(build_schedule('1f1b', 3, 2, 2))"
 """
@@ -39,13 +41,12 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "SCHEDULES", "Action", "ActionKind", "DeadlockError", "PairingError", "ReplayResult", "Schedule",
     "ScheduleError", "WEIGHTS_PER_SLICE", "add_communication", "build_1f1b", "build_gpipe", "build_schedule",
-    "check_sizes", "defer_weights", "format_grid",
-    "match_messages", "replay", "schedule_from_strings", "stream_strings", "validate", "warmup_forwards",
+    "check_placement", "check_sizes", "chunks_on", "defer_weights", "format_grid", "looped_placement",
+    "match_messages", "replay", "schedule_from_strings", "stream_strings", "v_placement", "validate",
+    "warmup_forwards", "without_weights",
 ]
 
 _SIZE_FIX = "a pipeline needs at least one stage, micro-batch and slice"
-# Messages list at most this many violations; the exception keeps all of them.
-_MAX_LISTED = 50
 # Grids longer than this elide rows far from any marked action (a K=48 comm stream has ~1500 rows).
 _MAX_GRID_ROWS = 300
 
@@ -108,6 +109,9 @@ def _index(name: str, value: object) -> int:
 class Action:
     """One step of one stage: a compute (F/B/W) or a p2p message for unit (microbatch, slice).
 
+    ``stage`` is the pipeline stage the action runs on: with virtual stages, its chunk (the rank is the
+    schedule's ``placement[stage]``); with one chunk per rank, chunk = stage = rank, as before.
+
     ``W`` (deferred weight gradients) covers a whole micro-batch, written with slice 0, or one slice when the
     schedule has a W per unit (see :func:`defer_weights`).
 
@@ -148,6 +152,11 @@ class Action:
         return cls(int(m[1]), ActionKind(m[2]), int(m[3]), int(m[4]))
 
     @property
+    def chunk(self) -> int:
+        """The chunk (virtual stage) the action runs on: ``stage`` under its virtual-stage name."""
+        return self.stage
+
+    @property
     def is_compute(self) -> bool:
         return self.kind in _COMPUTE
 
@@ -162,17 +171,22 @@ class Action:
 
     @property
     def peer(self) -> int | None:
-        """The stage at the other end of a comm action (``None`` for compute actions, which talk to no one)."""
+        """The stage (chunk) at the other end of a comm action (``None`` for compute actions, which talk to no one);
+        its rank is the schedule's ``rank_of(peer)``."""
         off = _PEER_OFFSET.get(self.kind)
         return None if off is None else self.stage + off
 
 
 @dataclass(frozen=True)
 class Schedule:
-    """Per-stage ordered actions for ``num_microbatches`` micro-batches cut into ``num_slices`` slices each.
+    """Per-rank ordered actions for ``num_microbatches`` micro-batches cut into ``num_slices`` slices each.
 
-    ``stages[s]`` is what rank ``s`` executes, in order. Immutable and hashable, so builders can be memoised and
-    the simulator can cache what it derives from a schedule.
+    ``stages[r]`` is what rank ``r`` executes, in order (the name is from before virtual stages, when rank and
+    stage were one). With ``virtual_stages`` v > 1 the model is cut into ``num_stages * v`` chunks and an
+    action's ``stage`` is its *chunk*; ``placement[c]`` is the rank that holds chunk ``c`` (the way
+    torch.distributed.pipelining keeps stage index and rank apart). ``placement`` defaults to looped (chunk c
+    on rank c mod p), which for v = 1 is chunk r on rank r: every schedule from before virtual stages.
+    Immutable and hashable, so builders can be memoised and the simulator can cache what it derives.
     """
 
     name: str
@@ -180,6 +194,8 @@ class Schedule:
     num_microbatches: int
     num_slices: int
     stages: tuple[tuple[Action, ...], ...] = field(repr=False)
+    virtual_stages: int = 1
+    placement: tuple[int, ...] | None = field(default=None, repr=False)
 
     has_comm: bool = field(init=False, repr=False, compare=False)
     """Whether send/recv actions are present (lowered by :func:`add_communication` or written by hand)."""
@@ -193,25 +209,58 @@ class Schedule:
     def __post_init__(self) -> None:
         for attr in ("num_stages", "num_microbatches", "num_slices"):
             check_int(getattr(self, attr), attr, fix=_SIZE_FIX)
+        check_int(self.virtual_stages, "virtual_stages", fix="use 1, or the chunks per rank of a schedule with "
+                  "virtual stages")
+        placement = check_placement(self.placement, self.num_stages, self.virtual_stages)
+        object.__setattr__(self, "placement", placement)
+        one = self.virtual_stages == 1 and placement == tuple(range(self.num_stages))
         stages = tuple(tuple(stream) for stream in self.stages)
         if len(stages) != self.num_stages:
             raise ValueError(f"Schedule.stages has {len(stages)} streams but num_stages={self.num_stages}; "
                              f"give one action sequence per stage")
         kinds: set[ActionKind] = set()
         w_per_slice = False
+        num_chunks = len(placement)
         for s, stream in enumerate(stages):
             for p, a in enumerate(stream):
                 if not isinstance(a, Action):
                     raise TypeError(f"Schedule.stages[{s}][{p}] must be an Action, got {type(a).__name__}")
-                if a.stage != s:
+                if one and a.stage != s:
                     raise ValueError(f"Schedule.stages[{s}][{p}] is {a}, an action of stage {a.stage}; "
                                      f"each stage's stream may only hold its own actions")
+                if not one and (a.stage >= num_chunks or placement[a.stage] != s):
+                    where = "does not exist" if a.stage >= num_chunks else f"is placed on rank {placement[a.stage]}"
+                    raise ValueError(f"Schedule.stages[{s}][{p}] is {a}, an action of chunk {a.stage}, which "
+                                     f"{where}; rank {s}'s stream may only hold actions of its chunks "
+                                     f"{list(chunks_on(placement, s))}")
                 kinds.add(a.kind)
                 w_per_slice = w_per_slice or (a.kind is W and a.slice > 0)
         object.__setattr__(self, "stages", stages)
         object.__setattr__(self, "has_comm", not kinds <= _COMPUTE)
         object.__setattr__(self, "defers_weights", W in kinds)
         object.__setattr__(self, "weights_per_slice", w_per_slice)
+
+    @property
+    def num_ranks(self) -> int:
+        """Pipeline ranks: one stream each (``num_stages``, named for the v = 1 case)."""
+        return self.num_stages
+
+    @property
+    def num_chunks(self) -> int:
+        """Chunks (virtual stages) the model is cut into: ``num_ranks * virtual_stages``."""
+        return self.num_stages * self.virtual_stages
+
+    @property
+    def is_one_chunk_per_rank(self) -> bool:
+        """chunk r on rank r: the schedules from before virtual stages, whose lowering and messages are v = 1's."""
+        return self.virtual_stages == 1 and self.placement == tuple(range(self.num_stages))
+
+    def rank_of(self, chunk: int) -> int:
+        return self.placement[chunk]  # type: ignore[index]
+
+    def chunks_of(self, rank: int) -> tuple[int, ...]:
+        """The chunks rank ``rank`` holds, ascending."""
+        return chunks_on(self.placement, rank)  # type: ignore[arg-type]
 
     @property
     def num_units(self) -> int:
@@ -221,17 +270,58 @@ class Schedule:
         """All (microbatch, slice) units in forward order: micro-batch major, slices ascending."""
         return tuple((b, i) for b in range(self.num_microbatches) for i in range(self.num_slices))
 
+    def with_streams(self, name: str, streams: Sequence[Sequence[Action]]) -> Schedule:
+        """A schedule on the same ranks, chunks and placement with other streams (checked)."""
+        return Schedule(name, self.num_stages, self.num_microbatches, self.num_slices, tuple(map(tuple, streams)),
+                        self.virtual_stages, self.placement)
+
     def compute_only(self) -> Schedule:
         """The same schedule with every comm action removed (undoes :func:`add_communication`)."""
         if not self.has_comm:
             return self
-        streams = tuple(tuple(a for a in stream if a.kind in _COMPUTE) for stream in self.stages)
-        return Schedule(self.name, self.num_stages, self.num_microbatches, self.num_slices, streams)
+        return self.with_streams(self.name, [[a for a in stream if a.kind in _COMPUTE] for stream in self.stages])
 
     def __str__(self) -> str:
         head = (f"Schedule {self.name!r}: {self.num_stages} stages x {self.num_microbatches} micro-batches x "
                 f"{self.num_slices} slices")
+        if not self.is_one_chunk_per_rank:
+            head += (f", {self.virtual_stages} chunks per rank (chunk -> rank {list(self.placement or ())}; "
+                     "actions are written <chunk><kind><microbatch>.<slice>)")
         return head + "\n" + format_grid(self.stages)
+
+
+def looped_placement(num_ranks: int, virtual_stages: int) -> tuple[int, ...]:
+    """Chunk c on rank c mod p (Megatron's interleaved 1F1B, looped BFS); v = 1: chunk r on rank r."""
+    return tuple(c % num_ranks for c in range(num_ranks * virtual_stages))
+
+
+def v_placement(num_ranks: int) -> tuple[int, ...]:
+    """Chunks r and 2p-1-r on rank r (DualPipeV): the activations go down the ranks and come back up."""
+    return tuple(range(num_ranks)) + tuple(reversed(range(num_ranks)))
+
+
+def chunks_on(placement: Sequence[int], rank: int) -> tuple[int, ...]:
+    return tuple(c for c, r in enumerate(placement) if r == rank)
+
+
+def check_placement(placement: Sequence[int] | None, num_ranks: int, virtual_stages: int) -> tuple[int, ...]:
+    """The chunk -> rank map as a tuple (looped when None); each rank must hold exactly ``virtual_stages``."""
+    if placement is None:
+        return looped_placement(num_ranks, virtual_stages)
+    try:
+        out = tuple(operator.index(r) for r in placement)
+    except TypeError:
+        raise TypeError(f"Schedule.placement must be a sequence of ranks (one per chunk), got {placement!r}") \
+            from None
+    counts = [0] * num_ranks
+    for r in out:
+        if 0 <= r < num_ranks:
+            counts[r] += 1
+    if len(out) != num_ranks * virtual_stages or any(c != virtual_stages for c in counts):
+        raise ValueError(f"Schedule.placement = {list(out)} must give each of the {num_ranks} ranks exactly "
+                         f"{virtual_stages} of the {num_ranks * virtual_stages} chunks; e.g. looped: chunk c on "
+                         "rank c mod num_stages")
+    return out
 
 
 _new = object.__new__
@@ -247,13 +337,17 @@ def _make(stage: int, kind: ActionKind, microbatch: int, slice_: int) -> Action:
 
 def _trusted(name: str, num_stages: int, num_microbatches: int, num_slices: int,
              stages: tuple[tuple[Action, ...], ...], has_comm: bool, defers_weights: bool = False,
-             weights_per_slice: bool = False) -> Schedule:
+             weights_per_slice: bool = False, virtual_stages: int = 1,
+             placement: tuple[int, ...] | None = None) -> Schedule:
     """Schedule without the per-action checks of ``__post_init__``, for builders whose output the tests validate
     over grids; at K=48 and 256 units the checks cost more than simulating the schedule."""
     sched = _new(Schedule)
     for attr, value in (("name", name), ("num_stages", num_stages), ("num_microbatches", num_microbatches),
                         ("num_slices", num_slices), ("stages", stages), ("has_comm", has_comm),
-                        ("defers_weights", defers_weights), ("weights_per_slice", weights_per_slice)):
+                        ("defers_weights", defers_weights), ("weights_per_slice", weights_per_slice),
+                        ("virtual_stages", virtual_stages),
+                        ("placement", looped_placement(num_stages, virtual_stages) if placement is None
+                         else placement)):
         object.__setattr__(sched, attr, value)
     return sched
 
@@ -309,24 +403,46 @@ def check_sizes(num_stages: int, num_microbatches: int, num_slices: int) -> None
 
 
 def build_schedule(name: str, num_stages: int, num_microbatches: int, num_slices: int,
-                   deferred_weight_grads: bool = False) -> Schedule:
-    """Build a compute-only schedule by its registered name (``registry.schedule_names()``); with
-    ``deferred_weight_grads``, with the ``W`` actions the runtime runs for it (:func:`defer_weights` at the
-    schedule's default placement)."""
-    schedule = get_schedule(name).builder(num_stages, num_microbatches, num_slices)
-    return defer_weights(schedule) if deferred_weight_grads else schedule
+                   deferred_weight_grads: bool = False, virtual_stages: int | None = None) -> Schedule:
+    """Build a compute-only schedule by its registered name (``registry.schedule_names()``) on ``num_stages``
+    pipeline ranks with ``virtual_stages`` chunks each (None: the schedule's default, 1 for ``gpipe`` and
+    ``1f1b``); with ``deferred_weight_grads``, with the ``W`` actions the runtime runs for it
+    (:func:`defer_weights` at the schedule's default placement), otherwise without any.
+
+    The schedule's placement is asked first, so a ``virtual_stages`` it cannot place is refused with its rule.
+    """
+    spec = get_schedule(name)
+    v = spec.virtual_stages if virtual_stages is None else virtual_stages
+    check_sizes(num_stages, num_microbatches, num_slices)
+    check_int(v, "virtual_stages", fix="use 1, or the chunks per rank of a schedule with virtual stages")
+    spec.placement(num_stages, v)   # ValueError (rule, values, fix) for a v the schedule cannot run
+    schedule = spec.builder(num_stages, num_microbatches, num_slices) if v == 1 else \
+        spec.builder(num_stages, num_microbatches, num_slices, v)
+    if deferred_weight_grads:
+        return defer_weights(schedule)
+    return without_weights(schedule) if schedule.defers_weights else schedule
+
+
+def without_weights(schedule: Schedule) -> Schedule:
+    """The same schedule with its ``W`` actions removed: backwards compute weight gradients too."""
+    if not schedule.defers_weights:
+        return schedule
+    streams = tuple(tuple(a for a in st if a.kind is not W) for st in schedule.stages)
+    return _trusted(schedule.name, schedule.num_stages, schedule.num_microbatches, schedule.num_slices, streams,
+                    schedule.has_comm, False, False, schedule.virtual_stages, schedule.placement)
 
 
 @functools.lru_cache(maxsize=64)
 @_no_gc()
 def defer_weights(schedule: Schedule, per_slice: bool | None = None) -> Schedule:
-    """The same schedule with deferred weight gradients (``W`` actions) on every stage.
+    """The same schedule with deferred weight gradients (``W`` actions) on every chunk.
 
-    Per micro-batch (``per_slice=False``): ``W(s,b,0)`` right after ``B(s,b,0)``, the micro-batch's last
-    backward on the stage, for all its slices. Per slice (``True``): ``W(s,b,i)`` right after each ``B(s,b,i)``:
-    the recorded pairs live only that long, as activations would. Either way, once lowered, W on stage s > 0
-    runs after ``SEND_B``, so the previous stage is never kept waiting for it. ``None``: the schedule's default,
-    the registered ``ScheduleSpec.weights_per_slice`` (per micro-batch for a schedule not registered).
+    Per micro-batch (``per_slice=False``): ``W(c,b,0)`` right after ``B(c,b,0)``, the micro-batch's last
+    backward on the chunk, for all its slices. Per slice (``True``): ``W(c,b,i)`` right after each ``B(c,b,i)``:
+    the recorded pairs live only that long, as activations would. Either way, once lowered, W on a chunk that
+    sends its gradient runs after ``SEND_B``, so the previous chunk is never kept waiting for it. ``None``: the
+    schedule's default, the registered ``ScheduleSpec.weights_per_slice`` (per micro-batch for a schedule not
+    registered). A schedule that already has W (a builder that places them itself) is returned unchanged.
     """
     if not isinstance(schedule, Schedule):
         raise TypeError(f"defer_weights needs a Schedule, got {type(schedule).__name__}")
@@ -339,15 +455,24 @@ def defer_weights(schedule: Schedule, per_slice: bool | None = None) -> Schedule
         spec = find_schedule(schedule.name)
         per_slice = spec is not None and spec.weights_per_slice
     streams = []
-    for s, stream in enumerate(schedule.stages):
+    for stream in schedule.stages:
         out: list[Action] = []
         for a in stream:
             out.append(a)
             if a.kind is B and (per_slice or a.slice == 0):
-                out.append(_make(s, W, a.microbatch, a.slice))
+                out.append(_make(a.stage, W, a.microbatch, a.slice))
         streams.append(tuple(out))
     return _trusted(schedule.name, schedule.num_stages, schedule.num_microbatches, schedule.num_slices,
-                    tuple(streams), False, True, per_slice and schedule.num_slices > 1)
+                    tuple(streams), False, True, per_slice and schedule.num_slices > 1, schedule.virtual_stages,
+                    schedule.placement)
+
+
+def _message_of(a: Action) -> tuple[ActionKind, int, int, int]:
+    """What a comm action carries, the same for a send and the receive it pairs with: (F or B, the chunk that
+    receives it, micro-batch, slice)."""
+    if a.kind is SEND_F or a.kind is SEND_B:
+        return (F if a.kind is SEND_F else B, a.stage + _PEER_OFFSET[a.kind], a.microbatch, a.slice)
+    return (F if a.kind is RECV_F else B, a.stage, a.microbatch, a.slice)
 
 
 @_no_gc()
@@ -358,9 +483,19 @@ def add_communication(schedule: Schedule) -> Schedule:
     (s < K-1), ``SEND_B`` right after it (s > 0); ``W`` needs no message. A schedule that already has comm (or
     needs none: one stage) is returned unchanged, so the runtime may call this defensively; :func:`validate`
     checks hand-written comm.
+
+    With several chunks per rank, messages are derived from the chunk -> rank map: a transfer between chunks on
+    the same rank is a local hand-off (no message); rank p-1 -> rank 0 wraps. Channels are FIFO per directed
+    pair of ranks and may then carry several flows (e.g. activations of chunks 0 -> 1 and 2 -> 3 and gradients
+    of 2 -> 1 on rank 0 -> 1 when p = 2): a receive is posted where its compute needs it, preceded by the
+    receives of other flows' messages the sender issued earlier on that channel (received early, kept until
+    their compute), so the k-th receive always pairs with the k-th send. Within one flow the unit orders of
+    the two chunks must agree, as with v = 1; :func:`replay` names the mis-paired messages otherwise.
     """
     if schedule.has_comm or schedule.num_stages == 1:
         return schedule
+    if not schedule.is_one_chunk_per_rank:
+        return _add_chunk_communication(schedule)
     last = schedule.num_stages - 1
     streams = []
     for s, stream in enumerate(schedule.stages):
@@ -387,202 +522,67 @@ def add_communication(schedule: Schedule) -> Schedule:
                     tuple(streams), True, schedule.defers_weights, schedule.weights_per_slice)
 
 
-# --------------------------------------------------------------------------------------------- validation
+def _add_chunk_communication(schedule: Schedule) -> Schedule:
+    place, C = schedule.placement, schedule.num_chunks
+    assert place is not None
+    # Per kind and chunk: the rank its output goes to / its input comes from, or -1 (none, or a local hand-off).
+    out_rank = {F: [place[c + 1] if c + 1 < C and place[c + 1] != place[c] else -1 for c in range(C)],
+                B: [place[c - 1] if c > 0 and place[c - 1] != place[c] else -1 for c in range(C)]}
+    in_rank = {F: out_rank[B], B: out_rank[F]}
+    step = {F: 1, B: -1}
+    send_kind, recv_kind = {F: SEND_F, B: SEND_B}, {F: RECV_F, B: RECV_B}
 
-
-def _raise_if(violations: list[str], cls: type[ScheduleError], what: str) -> None:
-    if not violations:
-        return
-    listed = violations[:_MAX_LISTED]
-    more = f"\n  ... and {len(violations) - _MAX_LISTED} more" if len(violations) > _MAX_LISTED else ""
-    raise cls(f"{what}: {len(violations)} problem(s)\n  " + "\n  ".join(listed) + more, violations)
-
-
-def validate(schedule: Schedule) -> None:
-    """Check every per-stage rule and list all violations in one :class:`ScheduleError`.
-
-    Rules: each stage runs F and B of every unit exactly once; F(s,b,i) after F(s,b,i-1); B(s,b,i) after
-    F(s,b,i) and after B(s,b,i+1); with deferred weight gradients, every stage runs W(s,b,0) once per
-    micro-batch after B(s,b,0), or (per slice) W(s,b,i) once per unit after B(s,b,i); with comm, each stage
-    has exactly the messages its position in the pipeline needs, RECV before and SEND after the compute it
-    belongs to. Cross-stage order is :func:`replay`'s job.
-    """
-    if not isinstance(schedule, Schedule):
-        raise TypeError(f"validate needs a Schedule, got {type(schedule).__name__}")
-    K, m, n = schedule.num_stages, schedule.num_microbatches, schedule.num_slices
-    deferred, per_slice = schedule.defers_weights, schedule.weights_per_slice
-    needs = {F: lambda s: True, B: lambda s: True, W: lambda s: deferred, RECV_F: lambda s: s > 0,
-             SEND_F: lambda s: s < K - 1, RECV_B: lambda s: s < K - 1, SEND_B: lambda s: s > 0}
-    out: list[str] = []
-    for s, stream in enumerate(schedule.stages):
-        pos: dict[ActionKind, dict[tuple[int, int], int]] = {k: {} for k in ActionKind}
-        for p, a in enumerate(stream):
-            if a.microbatch >= m or a.slice >= n:
-                out.append(f"stage {s} position {p}: {a} is outside {m} micro-batches x {n} slices")
-                continue
-
-            if not needs[a.kind](s):
-                out.append(f"stage {s} position {p}: {a} has no peer (stage {a.peer} does not exist)")
-                continue
-            table = pos[a.kind]
-            if a.unit in table:
-                out.append(f"stage {s} position {p}: {a} is a duplicate (first at position {table[a.unit]})")
-            else:
-                table[a.unit] = p
-        kinds = [k for k in ActionKind if needs[k](s) and (k in _COMPUTE or schedule.has_comm)]
-        for b in range(m):
-            for i in range(n):
-                u = (b, i)
-                for k in kinds:
-                    if u not in pos[k] and (k is not W or i == 0 or per_slice):
-                        out.append(f"stage {s}: {Action(s, k, b, i)} is missing")
-                fp, bp = pos[F].get(u), pos[B].get(u)
-                rules = [(pos[F].get((b, i - 1)), F, i - 1, fp, F, i), (fp, F, i, bp, B, i),
-                         (pos[B].get((b, i + 1)), B, i + 1, bp, B, i)]
-                if deferred and (i == 0 or per_slice):
-                    rules.append((bp, B, i, pos[W].get(u), W, i))
-                if schedule.has_comm:
-                    rules += [(pos[RECV_F].get(u), RECV_F, i, fp, F, i), (fp, F, i, pos[SEND_F].get(u), SEND_F, i),
-                              (pos[RECV_B].get(u), RECV_B, i, bp, B, i), (bp, B, i, pos[SEND_B].get(u), SEND_B, i)]
-                for first, k1, i1, then, k2, i2 in rules:
-                    # Absent actions are reported above; only present pairs in the wrong order are violations.
-                    if first is not None and then is not None and first > then:
-                        out.append(f"stage {s}: {Action(s, k2, b, i2)} at position {then} runs before "
-                                   f"{Action(s, k1, b, i1)} at position {first}, which it needs")
-    _raise_if(out, ScheduleError, f"schedule {schedule.name!r} is invalid")
-
-
-# ------------------------------------------------------------------------------------------------- replay
-
-
-@dataclass(frozen=True)
-class ReplayResult:
-    """What a dry run did: the comm-augmented schedule it ran and, per rank, the step of each action.
-
-    A step is a lock-step tick: each rank runs at most one action per step, and a receive runs at least one step
-    after its send. ``order[r]`` lists rank r's actions in completion order (its stream, when the run succeeds).
-    """
-
-    schedule: Schedule
-    order: tuple[tuple[Action, ...], ...]
-    steps: tuple[tuple[int, ...], ...]
-    num_steps: int
-
-
-def match_messages(schedule: Schedule) -> tuple[dict[tuple[int, int], tuple[int, int]], ...]:
-    """Pair receives with sends by FIFO order per directed channel; raise :class:`PairingError` on a mismatch.
-
-    Returns, per rank, ``{recv position: (sender rank, send position)}``. A receive with no k-th send is left
-    out: it waits forever, which :func:`replay` reports as a deadlock. Channel order is fixed by the streams alone
-    (each rank runs its stream in order), so mismatches are found before running, wherever they are.
-    """
-    K = schedule.num_stages
-    sends: dict[tuple[int, int], list[tuple[int, int, Action]]] = {}
-    recvs: dict[tuple[int, int], list[tuple[int, int, Action]]] = {}
-    bad: list[str] = []
+    # Every rank's sends in stream order: channel (src rank, dst rank) -> [message], message -> index.
+    sent: dict[tuple[int, int], list[tuple[ActionKind, int, int, int]]] = {}
     for r, stream in enumerate(schedule.stages):
-        for p, a in enumerate(stream):
-            if a.kind in _COMPUTE:
+        for a in stream:
+            if a.kind is not W and out_rank[a.kind][a.stage] >= 0:
+                sent.setdefault((r, out_rank[a.kind][a.stage]), []).append(
+                    (a.kind, a.stage + step[a.kind], a.microbatch, a.slice))
+    index = {ch: {msg: k for k, msg in enumerate(msgs)} for ch, msgs in sent.items()}
+    streams = []
+    for r, stream in enumerate(schedule.stages):
+        out: list[Action] = []
+        append = out.append
+        received: dict[tuple[int, int], set[int]] = {}
+        nxt: dict[tuple[int, int], int] = {}
+        for a in stream:
+            kind = a.kind
+            if kind is W:
+                append(a)
                 continue
-            peer = a.stage + _PEER_OFFSET[a.kind]
-            if not 0 <= peer < K:
-                bad.append(f"{a} (rank {r}, position {p}) talks to rank {peer}, which does not exist")
-            elif a.kind in _SENDS:
-                sends.setdefault((r, peer), []).append((r, p, a))
-            else:
-                recvs.setdefault((peer, r), []).append((r, p, a))
-    _raise_if(bad, ScheduleError, f"schedule {schedule.name!r} has comm without a peer")
-    matches: tuple[dict[tuple[int, int], tuple[int, int]], ...] = tuple({} for _ in range(K))
-    for channel in sorted(set(sends) | set(recvs)):
-        src, dst = channel
-        s_list, r_list = sends.get(channel, []), recvs.get(channel, [])
-        for k, ((sr, sp, sa), (rr, rp, ra)) in enumerate(zip(s_list, r_list)):
-            if sa.unit != ra.unit:
-                bad.append(f"channel {src}->{dst}: receive #{k} {ra} (rank {rr}, position {rp}) is paired with "
-                           f"send #{k} {sa} (rank {sr}, position {sp}); FIFO delivery would hand unit "
-                           f"{sa.microbatch}.{sa.slice} to {ra}. Make both ranks use the same unit order")
-                break  # later pairs on this channel are shifted by the same mistake
-            matches[rr][rp] = (sr, sp)
-        else:
-            for sr, sp, sa in s_list[len(r_list):]:
-                bad.append(f"channel {src}->{dst}: send {sa} (rank {sr}, position {sp}) is never received: rank "
-                           f"{dst} posts only {len(r_list)} receive(s) on this channel")
-    _raise_if(bad, PairingError, f"schedule {schedule.name!r} mis-pairs messages")
-    return matches
-
-
-def replay(schedule: Schedule) -> ReplayResult:
-    """Dry-run all ranks under the runtime's p2p semantics; raise on mis-paired messages or deadlock.
-
-    Sends are non-blocking (buffered isend); a receive blocks until its FIFO-matched send has been issued. The
-    comm-free schedule is lowered with :func:`add_communication` first. Per-stage rules are :func:`validate`'s.
-    """
-    if not isinstance(schedule, Schedule):
-        raise TypeError(f"replay needs a Schedule, got {type(schedule).__name__}")
-    lowered = add_communication(schedule)
-    streams = lowered.stages
-    matches = match_messages(lowered)
-    K = lowered.num_stages
-    steps: list[list[int]] = [[] for _ in range(K)]  # steps[r][p]: step of rank r's p-th action, once done
-    done = [0] * K
-    while True:
-        progressed = False
-        for r in range(K):
-            stream, mine, match = streams[r], steps[r], matches[r]
-            p = done[r]
-            while p < len(stream):
-                t = mine[p - 1] + 1 if p else 0
-                if stream[p].kind in _RECVS:
-                    src = match.get(p)
-                    if src is None or done[src[0]] <= src[1]:
-                        break
-                    t = max(t, steps[src[0]][src[1]] + 1)
-                mine.append(t)
-                p += 1
-            if p != done[r]:
-                done[r], progressed = p, True
-        if all(done[r] == len(streams[r]) for r in range(K)):
-            break
-        if not progressed:
-            raise _deadlock(lowered, done, matches)
-    num_steps = max((st[-1] + 1 for st in steps if st), default=0)
-    logger.debug("replayed %s: %d steps", lowered.name, num_steps)
-    return ReplayResult(lowered, streams, tuple(tuple(st) for st in steps), num_steps)
-
-
-def _deadlock(schedule: Schedule, done: Sequence[int], matches: Sequence[Mapping[tuple[int, int], object]]
-              ) -> DeadlockError:
-    """Explain who waits for whom, with the whole grid and each blocked rank's action marked."""
-    streams = schedule.stages
-    sends_on: dict[tuple[int, int], int] = {}
-    for st in streams:
-        for a in st:
-            if a.kind in _SENDS:
-                ch = (a.stage, a.stage + _PEER_OFFSET[a.kind])
-                sends_on[ch] = sends_on.get(ch, 0) + 1
-    marks: dict[tuple[int, int], str] = {}
-    lines = []
-    for r, st in enumerate(streams):
-        p = done[r]
-        if p == len(st):
-            continue
-        a = st[p]
-        src = matches[r].get(p)
-        peer = a.stage + _PEER_OFFSET[a.kind]
-        if src is None:
-            k = sum(1 for x in st[:p] if x.kind is a.kind)
-            why = (f"waits for send #{k} on channel {peer}->{r}, but rank {peer} issues only "
-                   f"{sends_on.get((peer, r), 0)}: it waits forever")
-        else:
-            sr, sp = src
-            state = "has finished" if done[sr] == len(streams[sr]) else \
-                f"is itself blocked at position {done[sr]} on {streams[sr][done[sr]]}"
-            why = f"waits for {streams[sr][sp]} (rank {sr}, position {sp}); rank {sr} {state}"
-        marks[(r, p)] = f"{a} {why}"
-        lines.append(f"rank {r} blocked at position {p} on {a}: {why}")
-    msg = (f"schedule {schedule.name!r} deadlocks: every unfinished rank is blocked\n  " + "\n  ".join(lines)
-           + "\n" + format_grid(streams, marks))
-    return DeadlockError(msg, lines)
+            c, b, i = a.stage, a.microbatch, a.slice
+            src = in_rank[kind][c]
+            if src >= 0:
+                ch = (src, r)
+                k = index.get(ch, {}).get((kind, c, b, i))
+                got = received.setdefault(ch, set())
+                if k is None:   # never sent: post it anyway, replay reports who waits forever
+                    append(_make(c, recv_kind[kind], b, i))
+                elif k not in got:
+                    first = nxt.get(ch, 0)
+                    if k > first:
+                        pending = [j for j in range(first, k) if j not in got]
+                        msgs = sent[ch]
+                        # Another message of the same flow ahead of this one is a unit-order mismatch: post only
+                        # this receive, as v = 1 does, and let FIFO pairing report it.
+                        if not any(msgs[j][:2] == (kind, c) for j in pending):
+                            for j in pending:
+                                kj, to, mb, sl = msgs[j]
+                                append(_make(to, recv_kind[kj], mb, sl))
+                                got.add(j)
+                    append(_make(c, recv_kind[kind], b, i))
+                    got.add(k)
+                    while first in got:
+                        first += 1
+                    nxt[ch] = first
+            append(a)
+            if out_rank[kind][c] >= 0:
+                append(_make(c, send_kind[kind], b, i))
+        streams.append(tuple(out))
+    return _trusted(schedule.name, schedule.num_stages, schedule.num_microbatches, schedule.num_slices,
+                    tuple(streams), True, schedule.defers_weights, schedule.weights_per_slice,
+                    schedule.virtual_stages, schedule.placement)
 
 
 def stream_strings(schedule: Schedule) -> tuple[str, ...]:
@@ -590,21 +590,28 @@ def stream_strings(schedule: Schedule) -> tuple[str, ...]:
     return tuple(" ".join(map(str, st)) for st in schedule.stages)
 
 
-def schedule_from_strings(name: str, num_microbatches: int, num_slices: int, lines: Iterable[str]) -> Schedule:
-    """Inverse of :func:`stream_strings`: build a (possibly hand-written) schedule from one line per rank."""
+def schedule_from_strings(name: str, num_microbatches: int, num_slices: int, lines: Iterable[str],
+                          virtual_stages: int = 1, placement: Sequence[int] | None = None) -> Schedule:
+    """Inverse of :func:`stream_strings`: build a (possibly hand-written) schedule from one line per rank
+    (actions name their chunk; ``placement`` maps chunks to ranks, looped by default)."""
     streams = tuple(tuple(Action.parse(tok) for tok in line.split()) for line in lines)
-    return Schedule(name, len(streams), num_microbatches, num_slices, streams)
+    return Schedule(name, len(streams), num_microbatches, num_slices, streams, virtual_stages,
+                    None if placement is None else tuple(placement))
 
 
 # Names that lived here before schedules moved to one module each (``planner/schedules/``). Resolved on access,
 # not imported at the top: those modules build on this one. SCHEDULES and WEIGHTS_PER_SLICE are read from the
 # registry, so they include schedules registered later.
 _MOVED = {"build_gpipe": "gpipe", "build_1f1b": "one_f_one_b", "warmup_forwards": "one_f_one_b"}
+# The validator and dry run live in ``verify.py`` (it builds on this module); importable from here as before.
+_VERIFY = ("ReplayResult", "match_messages", "replay", "validate")
 
 
 def __getattr__(name: str) -> Any:
     if name in _MOVED:
         return getattr(importlib.import_module(f"{__package__}.schedules.{_MOVED[name]}"), name)
+    if name in _VERIFY:
+        return getattr(importlib.import_module(f"{__package__}.verify"), name)
     if name == "SCHEDULES":
         return schedule_names()
     if name == "WEIGHTS_PER_SLICE":

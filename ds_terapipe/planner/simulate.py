@@ -29,10 +29,8 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
-from .schedule import (
-    Action, ActionKind, DeadlockError, PairingError, Schedule, add_communication, match_messages,
-    replay,
-)
+from .schedule import Action, ActionKind, DeadlockError, PairingError, Schedule, add_communication
+from .verify import match_messages, replay
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +78,8 @@ class _Program:
     kind: np.ndarray        # (K*W+1,) int8: _F, _B, _W or _COMM (sentinels: _COMM, so they cost nothing)
     slice_idx: np.ndarray   # (K*W+1,) slice of the node's unit
     dep: np.ndarray         # (K*W+1,) node that must finish first
-    delay_stage: np.ndarray  # (K*W+1,) stage whose comm_ms delays the node after its dependency; -1: none
+    delay_stage: np.ndarray  # (K*W+1,) chunk whose comm_ms delays the node after its dependency; -1: none
+    chunk: np.ndarray       # (K*W+1,) chunk whose cost the node takes (its rank's row when v = 1)
     length: np.ndarray      # (K,) real nodes per stage
     compute: tuple[tuple[Action, ...], ...]   # compute actions per stage, stream order
     compute_node: tuple[np.ndarray, ...]      # their node indices
@@ -102,7 +101,10 @@ def _program(schedule: Schedule) -> _Program:
 
 
 def _compile(schedule: Schedule) -> _Program:
-    """Folded program for compute-only schedules (and the standard lowering); exact nodes for other comm."""
+    """Folded program for compute-only schedules (and the standard lowering); exact nodes for other comm and
+    for several chunks per rank (whose lowering may post receives early: each one is a node)."""
+    if not schedule.is_one_chunk_per_rank:
+        return _compile_full(add_communication(schedule))
     if schedule.has_comm and schedule.stages != add_communication(schedule.compute_only()).stages:
         return _compile_full(schedule)
     K, n = schedule.num_stages, schedule.num_slices
@@ -135,33 +137,41 @@ def _compile(schedule: Schedule) -> _Program:
         if s < K - 1:
             dep[s, bpos[s]] = node[s + 1, bpos[s + 1]]
             delay_stage[s, bpos[s]] = s + 1
-    return _finish(schedule, kind, slice_idx, dep, delay_stage, lengths, streams)
+    chunk = np.repeat(np.arange(K)[:, None], W, axis=1)
+    return _finish(schedule, kind, slice_idx, dep, delay_stage, chunk, lengths, streams)
 
 
 def _compile_full(schedule: Schedule) -> _Program:
-    """Hand-written comm: every action is a node; a receive depends on its FIFO-matched send."""
+    """Comm as actions: every action is a node; a receive depends on its FIFO-matched send, delayed by the
+    sending chunk's comm_ms. Within a rank, stream order carries everything else (local hand-offs too)."""
     K = schedule.num_stages
     matches = match_messages(schedule)  # raises PairingError
     streams = schedule.stages
     W = max(len(st) for st in streams) + 1
-    kind = np.full((K, W), _COMM, np.int8)
-    slice_idx = np.zeros((K, W), np.int64)
     dep = np.repeat(np.arange(K)[:, None] * W + (W - 1), W, axis=1)
     delay_stage = np.full((K, W), -1, np.int64)
-    for s, st in enumerate(streams):
-        for p, a in enumerate(st):
-            kind[s, p] = _CODE.get(a.kind, _COMM)
-            slice_idx[s, p] = a.slice
-            if a.kind in (ActionKind.RECV_F, ActionKind.RECV_B):
-                src = matches[s].get(p)
-                dep[s, p] = K * W if src is None else src[0] * W + src[1]
-                delay_stage[s, p] = -1 if src is None else src[0]
+    kind = np.full((K, W), _COMM, np.int8)
+    slice_idx = np.zeros((K, W), np.int64)
+    chunk = np.repeat(np.arange(K)[:, None], W, axis=1)
+    code = {k: _CODE.get(k, _COMM) for k in ActionKind}
+    for s, st in enumerate(streams):   # per stream: lists, then one numpy assignment (not per element)
+        n = len(st)
+        kind[s, :n] = [code[a.kind] for a in st]
+        slice_idx[s, :n] = [a.slice for a in st]
+        chunk[s, :n] = [a.stage for a in st]
+        match = matches[s]
+        recvs = [p for p, a in enumerate(st) if a.kind is ActionKind.RECV_F or a.kind is ActionKind.RECV_B]
+        if recvs:
+            src = [match.get(p) for p in recvs]
+            dep[s, recvs] = [K * W if m is None else m[0] * W + m[1] for m in src]
+            delay_stage[s, recvs] = [-1 if m is None else streams[m[0]][m[1]].stage for m in src]
     compute = tuple(tuple(a for a in st if a.is_compute) for st in streams)
-    return _finish(schedule, kind, slice_idx, dep, delay_stage, [len(st) for st in streams], compute)
+    return _finish(schedule, kind, slice_idx, dep, delay_stage, chunk, [len(st) for st in streams], compute)
 
 
 def _finish(schedule: Schedule, kind: np.ndarray, slice_idx: np.ndarray, dep: np.ndarray,
-            delay_stage: np.ndarray, lengths: list[int], compute: tuple[tuple[Action, ...], ...]) -> _Program:
+            delay_stage: np.ndarray, chunk: np.ndarray, lengths: list[int],
+            compute: tuple[tuple[Action, ...], ...]) -> _Program:
     K, W = kind.shape
 
     def flat(x: np.ndarray, pad: int) -> np.ndarray:
@@ -170,7 +180,7 @@ def _finish(schedule: Schedule, kind: np.ndarray, slice_idx: np.ndarray, dep: np
     compute_node = tuple(s * W + np.flatnonzero(kind[s] != _COMM) for s in range(K))
     assert all(len(c) == len(a) for c, a in zip(compute_node, compute)), "compute nodes out of sync"
     return _Program(K, W, flat(kind, _COMM), flat(slice_idx, 0), flat(dep, K * W), flat(delay_stage, -1),
-                    np.array(lengths, np.int64), compute, compute_node, _peaks(kind))
+                    flat(chunk, 0), np.array(lengths, np.int64), compute, compute_node, _peaks(kind))
 
 
 def _peaks(kind: np.ndarray) -> tuple[int, ...]:
@@ -211,13 +221,19 @@ class SimResult:
         return tuple(out)
 
 
-def _cost_table(cost: Any, K: int, slices: Sequence[int], batch: int, weights_per_slice: bool = False) -> np.ndarray:
-    """(4, K, n) forward, backward, comm and weight-gradient times; the cost model is asked once per stage,
-    vectorised. Row 3 is the W of slice i, or of the whole micro-batch in every column; 0 without weight_ms."""
+def _cost_table(cost: Any, K: int, slices: Sequence[int], batch: int, weights_per_slice: bool = False,
+                virtual_stages: int = 1) -> np.ndarray:
+    """(4, K, n) forward, backward, comm and weight-gradient times of the K chunks; the cost model is asked once
+    per chunk, vectorised. Row 3 is the W of slice i, or of the whole micro-batch in every column; 0 without
+    weight_ms."""
     num = getattr(cost, "num_stages", K)
     if num != K:
-        raise ValueError(f"cost model has num_stages={num} but the schedule has {K} stages; "
-                         f"build the cost for the same pipeline depth")
+        if virtual_stages == 1:
+            raise ValueError(f"cost model has num_stages={num} but the schedule has {K} stages; "
+                             f"build the cost for the same pipeline depth")
+        raise ValueError(f"cost model has num_stages={num} but the schedule has {K} chunks ({K // virtual_stages} "
+                         f"ranks x {virtual_stages} virtual stages); the cost model's stages are chunks: build it "
+                         f"for {K} stages (e.g. analytic_pipeline_cost(model, device, {K}))")
     if not callable(getattr(cost, "stage", None)):
         raise TypeError(f"cost must have a .stage(s) method (like PipelineCost), got {type(cost).__name__}")
     lens = np.asarray(slices, dtype=np.int64)
@@ -260,6 +276,11 @@ def _check_inputs(schedule: Schedule, slices: Sequence[int], micro_batch_size: i
 def simulate(schedule: Schedule, cost: Any, slices: Sequence[int], micro_batch_size: int = 1) -> SimResult:
     """Simulate ``schedule`` under ``cost`` for a sequence cut into ``slices`` (tokens per slice).
 
+    With virtual stages the cost model's stages are the schedule's *chunks* (``cost.num_stages ==
+    schedule.num_chunks``): chunk c's actions cost ``cost.stage(c)``, a message from chunk c costs its
+    ``comm_ms``, and a hand-off between chunks on the same rank costs nothing. ``busy_ms``, ``bubble_fraction``,
+    ``peak_in_flight`` and the events' ``stage`` are per rank (a timeline row per rank, actions name chunks).
+
     ``cost`` is duck-typed like ``PipelineCost``: ``.num_stages`` and ``.stage(s)`` returning an object with
     vectorised ``forward_ms``, ``backward_ms`` and ``comm_ms`` (see :class:`StageCostLike`). Raises
     :class:`DeadlockError` / :class:`PairingError` (the classes ``replay`` raises) when the schedule cannot run.
@@ -268,10 +289,10 @@ def simulate(schedule: Schedule, cost: Any, slices: Sequence[int], micro_batch_s
     lens = _check_inputs(schedule, slices, micro_batch_size)
     prog = _program(schedule)
     K = schedule.num_stages
-    table = _cost_table(cost, K, lens, micro_batch_size, schedule.weights_per_slice)  # (4, K, n)
-    stage_of = np.minimum(np.arange(prog.kind.size) // prog.width, K - 1)
+    table = _cost_table(cost, schedule.num_chunks, lens, micro_batch_size, schedule.weights_per_slice,
+                        schedule.virtual_stages)  # (4, chunks, n)
     row = np.where(prog.kind == _COMM, 0, prog.kind)
-    dur = np.where(prog.kind == _COMM, 0.0, table[row, stage_of, prog.slice_idx])
+    dur = np.where(prog.kind == _COMM, 0.0, table[row, prog.chunk, prog.slice_idx])
     delay = np.where(prog.delay_stage < 0, 0.0, table[2, prog.delay_stage, prog.slice_idx])
     times = _sweep(prog, dur, delay)
     if times is None:

@@ -36,7 +36,7 @@ import numpy as np
 
 from ._checks import check_int
 from .cost import PipelineCost
-from .registry import find_schedule, get_schedule, schedule_names
+from .registry import accepts_virtual_stages, find_schedule, get_schedule, schedule_names
 from .schedule import Schedule, build_schedule
 from .simulate import SimResult, simulate
 
@@ -49,6 +49,9 @@ _INF = math.inf
 #: best one, at most _SIM_MAX of them, best closed form first (see plan_slicing).
 _SIM_WINDOW = 0.05
 _SIM_MAX = 64
+#: With virtual stages each distinct slice count is a new schedule whose lowered comm is compiled in Python
+#: (~1 s at 48 ranks x 2 chunks x 256 units), so fewer candidates are simulated.
+_SIM_MAX_CHUNKS = 16
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -95,22 +98,28 @@ class MemoryModel:
         return (int(layers),) * num_stages
 
     @staticmethod
-    def live_subbatches(schedule: str, stage: int, num_stages: int, num_units: int, num_slices: int) -> float:
+    def live_subbatches(schedule: str, stage: int, num_stages: int, num_units: int, num_slices: int,
+                        virtual_stages: int = 1) -> float:
         """Sub-batches' worth of tokens whose activations and KV caches a stage holds at its peak: the
         schedule's registered estimate (``ScheduleSpec.live_subbatches``; e.g. gpipe: all ``num_units``
         micro-batches x splits). It never grows with the slice count, so a memory cap translates into a
-        minimum slice count.
+        minimum slice count. With virtual stages, ``stage`` is a rank and the estimate covers its chunks.
         """
-        return get_schedule(schedule).live_subbatches(stage, num_stages, num_units, num_slices)
+        live = get_schedule(schedule).live_subbatches
+        if virtual_stages == 1:
+            return live(stage, num_stages, num_units, num_slices)
+        return live(stage, num_stages, num_units, num_slices, virtual_stages)
 
     def peak_bytes(self, *, schedule: str, num_stages: int, num_microbatches: int, micro_batch_size: int,
-                   num_splits: int, seq_len: int, num_slices: int) -> float:
+                   num_splits: int, seq_len: int, num_slices: int, virtual_stages: int = 1) -> float:
         """Estimated peak bytes of the busiest stage: live tokens x layers x hidden x (activations + KV).
 
         Live tokens = ``live_subbatches`` x (micro_batch_size / num_splits) x seq_len; per token per layer a stage
         stashes hidden * activation_factor * bytes_per_element / 2 activation bytes and keeps a KV cache of
         2 * hidden * bytes_per_element (the cache overlaps with the stashed K and V, so this errs high).
         Weights, gradients and optimizer state are not included: subtract them from the device memory yourself.
+        ``num_stages`` and ``num_layers_per_stage`` are per rank; with ``virtual_stages`` v a rank's layers are cut
+        into v chunks and the schedule's estimate counts a unit alive on one chunk as 1/v.
         """
         per_token_layer = self.hidden * (self.activation_factor * self.bytes_per_element / 2.0
                                          + 2.0 * self.bytes_per_element)
@@ -118,7 +127,7 @@ class MemoryModel:
         units = num_microbatches * num_splits
         peak = 0.0
         for s, layers in enumerate(self.layers(num_stages)):
-            live = self.live_subbatches(schedule, s, num_stages, units, num_slices)
+            live = self.live_subbatches(schedule, s, num_stages, units, num_slices, virtual_stages)
             peak = max(peak, layers * live * sub_batch * seq_len * per_token_layer)
         return peak
 
@@ -134,6 +143,7 @@ class SlicingPlan:
     ``micro_batch_size`` (``(B,)`` when unsplit); every sub-batch uses the same slices. ``predicted_ms`` and
     ``unsliced_ms`` are the step times with this plan and with whole sequences (stock pipelining);
     ``speedup = unsliced_ms / predicted_ms``. ``memory_bytes`` is the peak estimate when a MemoryModel was given.
+    ``num_stages`` is the pipeline ranks; ``virtual_stages`` the chunks per rank the schedule ran with.
     """
 
     slices: tuple[int, ...]
@@ -149,6 +159,7 @@ class SlicingPlan:
     speedup: float
     bubble_fraction: float
     memory_bytes: float | None = None
+    virtual_stages: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "slices", tuple(int(s) for s in self.slices))
@@ -179,7 +190,7 @@ class SlicingPlan:
         if not isinstance(obj, Mapping):
             raise TypeError(f"SlicingPlan.from_dict needs a dict, got {type(obj).__name__}")
         unknown = sorted(set(obj) - set(names))
-        missing = [n for n in names if n not in obj and n != "memory_bytes"]
+        missing = [n for n in names if n not in obj and n not in ("memory_bytes", "virtual_stages")]
         if unknown or missing:
             raise ValueError(f"SlicingPlan dict has unknown keys {unknown} / missing keys {missing}; valid keys: "
                              f"{', '.join(names)}")
@@ -189,7 +200,8 @@ class SlicingPlan:
         shown = ", ".join(map(str, self.slices[:8])) + (", ..." if len(self.slices) > 8 else "")
         split = f" x {len(self.batch_splits)} sub-batches of {self.batch_splits[0]}" if len(self.batch_splits) > 1 \
             else ""
-        return (f"{self.schedule} K={self.num_stages} m={self.num_microbatches} B={self.micro_batch_size}{split}: "
+        chunks = f" v={self.virtual_stages}" if self.virtual_stages != 1 else ""
+        return (f"{self.schedule} K={self.num_stages}{chunks} m={self.num_microbatches} B={self.micro_batch_size}{split}: "
                 f"{self.num_slices} slices [{shown}] of L={self.seq_len}; {self.predicted_ms:.4g} ms vs "
                 f"{self.unsliced_ms:.4g} unsliced ({self.speedup:.2f}x), bubble {100 * self.bubble_fraction:.1f}%")
 
@@ -422,16 +434,20 @@ def _tables(cost: PipelineCost, n: int, granularity: int, batch: int) -> tuple[n
 class _Simulated:
     """Scores candidate plans with ``simulate`` under the real per-stage costs, skipping hopeless ones."""
 
-    def __init__(self, cost: PipelineCost, schedule: str, seq_len: int, deferred: bool = False) -> None:
+    def __init__(self, cost: PipelineCost, schedule: str, seq_len: int, deferred: bool = False,
+                 virtual_stages: int = 1) -> None:
         self.cost, self.schedule, self.seq_len, self.deferred = cost, schedule, seq_len, deferred
+        self.virtual_stages = virtual_stages
+        self.num_ranks = cost.num_stages // virtual_stages
+        self.placement = get_schedule(schedule).placement(self.num_ranks, virtual_stages)
         self._schedules: dict[tuple[int, int], Schedule] = {}
         self.num_simulated = 0
 
     def run(self, slices: Sequence[int], units: int, batch: int) -> SimResult:
         key = (units, len(slices))
         if key not in self._schedules:
-            self._schedules[key] = build_schedule(self.schedule, self.cost.num_stages, units, len(slices),
-                                                  self.deferred)
+            self._schedules[key] = build_schedule(self.schedule, self.num_ranks, units, len(slices),
+                                                  self.deferred, self.virtual_stages)
         self.num_simulated += 1
         return simulate(self._schedules[key], self.cost, list(slices), micro_batch_size=batch)
 
@@ -445,6 +461,10 @@ class _Simulated:
         down to the last stage and back up to k, slices i-1..0 backward on k, slice 0 up to stage 0 -- the
         critical path behind the closed form's (K-1) * max term. The bound is the max over k, i of both.
         Deferred weight gradients (W actions) only add work, so the bound stays sound without them.
+
+        With virtual stages k runs over chunks, and comm is dropped (a hand-off between chunks on one rank costs
+        nothing, so charging it could overshoot); each rank also works all its chunks: it starts no earlier than
+        its first chunk's head and ends no earlier than its drain, the smallest over its chunks.
         """
         lens = np.concatenate([np.asarray(p, dtype=float) for p in plans])
         starts = np.cumsum([0] + [len(p) for p in plans])
@@ -452,6 +472,9 @@ class _Simulated:
         ctx -= np.repeat(ctx[starts[:-1]], np.diff(starts))              # context restarts at each plan
         times = _stage_times(self.cost, lens, ctx, batch)
         fwd, bwd, comm = (np.stack([x[j] for x in times]) for j in range(3))   # (K, total slices) each
+        if self.virtual_stages > 1:
+            comm = np.zeros_like(comm)
+        ranks = np.asarray(self.placement)
         zero = np.zeros(1)
         out = np.empty(len(plans))
         for p in range(len(plans)):
@@ -466,6 +489,12 @@ class _Simulated:
             up = b[::-1].cumsum(axis=0)[::-1] + c[::-1].cumsum(axis=0)[::-1] - c       # and back to stage k
             path = head[:, None] + f.cumsum(axis=1) + down + up + (b.cumsum(axis=1) - b) + tail[:, None]
             out[p] = max(float(work.max()), float(path.max()))
+            if self.virtual_stages > 1:
+                chunk_work = units * (f + b).sum(axis=1)
+                for r in range(self.num_ranks):
+                    mine = ranks == r
+                    bound = head[mine].min() + chunk_work[mine].sum() + drain[mine].min()
+                    out[p] = max(out[p], float(bound))
         return out
 
 
@@ -498,12 +527,14 @@ class MemoryShortfall:
 
 def memory_shortfall(memory: MemoryModel, limit_bytes: float, *, schedule: str, num_stages: int,
                      num_microbatches: int, micro_batch_size: int, seq_len: int, granularity: int,
-                     max_slices: int | None = None, split_batch: bool = False) -> MemoryShortfall | None:
+                     max_slices: int | None = None, split_batch: bool = False,
+                     virtual_stages: int = 1) -> MemoryShortfall | None:
     """None when some plan allowed by these arguments fits ``limit_bytes``; else what the smallest is and what
     would help. The one memory-feasibility check: ``plan_slicing`` refuses exactly these cases.
 
     The estimate never grows with the slice count (``ScheduleSpec.live_subbatches``), so the most slices allowed
-    give the smallest one, and the other schedules, splits and slice caps are compared there.
+    give the smallest one, and the other schedules, splits and slice caps are compared there; only schedules
+    that run ``virtual_stages`` chunks per rank are suggested (the cost model was built for that many chunks).
     """
     all_slices = seq_len // granularity
     most = all_slices if max_slices is None else min(all_slices, max_slices)
@@ -511,13 +542,14 @@ def memory_shortfall(memory: MemoryModel, limit_bytes: float, *, schedule: str, 
     def smallest(name: str, split: bool, num_slices: int) -> float:
         return min(memory.peak_bytes(schedule=name, num_stages=num_stages, num_microbatches=num_microbatches,
                                      micro_batch_size=micro_batch_size, num_splits=q, seq_len=seq_len,
-                                     num_slices=num_slices)
+                                     num_slices=num_slices, virtual_stages=virtual_stages)
                    for q in (_divisors(micro_batch_size) if split else [1]))
 
     now = smallest(schedule, split_batch, most)
     if now <= limit_bytes:
         return None
-    others = {name: smallest(name, split_batch, most) for name in schedule_names() if name != schedule}
+    others = {name: smallest(name, split_batch, most) for name in schedule_names() if name != schedule
+              and accepts_virtual_stages(get_schedule(name), num_stages, virtual_stages)}
     best = min(others, key=others.__getitem__, default=None)
     return MemoryShortfall(
         smallest_bytes=now,
@@ -529,7 +561,8 @@ def memory_shortfall(memory: MemoryModel, limit_bytes: float, *, schedule: str, 
 def plan_slicing(cost: PipelineCost, seq_len: int, *, num_microbatches: int = 1, micro_batch_size: int = 1,
                  granularity: int = 8, schedule: str = "gpipe", memory_limit_bytes: float | None = None,
                  split_batch: bool = False, max_slices: int | None = None,
-                 memory: MemoryModel | None = None, deferred_weight_grads: bool = False) -> SlicingPlan:
+                 memory: MemoryModel | None = None, deferred_weight_grads: bool = False,
+                 virtual_stages: int | None = None) -> SlicingPlan:
     """The fastest slicing of ``seq_len``-token sequences for this pipeline, cost model and schedule.
 
     Slice lengths are multiples of ``granularity`` (smaller granularity: finer plans, slower planning); at
@@ -556,6 +589,15 @@ def plan_slicing(cost: PipelineCost, seq_len: int, *, num_microbatches: int = 1,
     one per micro-batch with gpipe, one per slice with 1f1b); ``cost`` then has ``backward_ms`` without them and
     ``weight_ms`` for W.
     Candidates are always simulated (W changes the critical path; the closed form does not know it).
+
+    ``virtual_stages`` (None: the schedule's default, 1 for gpipe and 1f1b): chunks per rank. The cost model's
+    stages are then *chunks*: ``cost`` has p·v stages for p ranks (build it for p·v, e.g.
+    ``analytic_pipeline_cost(model, device, p * v)``; a per-rank profile would have to be split by layers, which
+    only the profiler knows). Candidates come from the DP on the slowest chunk with the closed form of the
+    interleaved pipeline, v·units·sum(w) + (p-1)·max(t), and are scored by simulating the schedule actually run
+    (``build_schedule(schedule, p, ..., virtual_stages=v)``), the 16 best rather than 64 (each distinct slice
+    count compiles a new chunk schedule). ``memory`` is per rank (p layer counts).
+    ``SlicingPlan.num_stages`` is p.
     """
     if not isinstance(cost, PipelineCost):
         raise TypeError(f"cost must be a PipelineCost, got {type(cost).__name__}; build one with "
@@ -581,9 +623,15 @@ def plan_slicing(cost: PipelineCost, seq_len: int, *, num_microbatches: int = 1,
         if memory is None:
             raise ValueError(f"memory_limit_bytes = {lim!r} needs memory=MemoryModel(num_layers_per_stage, hidden, "
                              "bytes_per_element) to estimate a plan's memory (see presets.preset_memory_model)")
-    num_stages = cost.num_stages
+    v = spec.virtual_stages if virtual_stages is None else check_int(
+        virtual_stages, "virtual_stages", fix="use 1, or the chunks per rank of a schedule with virtual stages")
+    if cost.num_stages % v:
+        raise ValueError(f"cost has {cost.num_stages} stages, not a multiple of virtual_stages = {v}: the cost "
+                         f"model's stages are chunks (ranks x virtual stages); build it for p * {v} chunks")
+    num_stages = cost.num_stages // v   # pipeline ranks
+    spec.placement(num_stages, v)       # refuses a v the schedule cannot run, with its rule and fix
     if memory is not None:
-        memory.layers(num_stages)  # validates the per-stage layer counts against the cost
+        memory.layers(num_stages)  # validates the per-rank layer counts against the cost
     if not cost.covers(np.array([granularity, seq_len, granularity]), np.array([0, 0, seq_len - granularity]), batch):
         logger.warning("the cost model does not cover slices of %d..%d tokens with up to %d context at batch %d: "
                        "times are extrapolated; profile that range for a reliable plan", granularity, seq_len,
@@ -593,12 +641,14 @@ def plan_slicing(cost: PipelineCost, seq_len: int, *, num_microbatches: int = 1,
         if memory is None:
             return None
         return memory.peak_bytes(schedule=schedule, num_stages=num_stages, num_microbatches=m,
-                                 micro_batch_size=batch, num_splits=q, seq_len=seq_len, num_slices=num_slices)
+                                 micro_batch_size=batch, num_splits=q, seq_len=seq_len, num_slices=num_slices,
+                                 virtual_stages=v)
 
     if memory is not None and memory_limit_bytes is not None:
         short = memory_shortfall(memory, memory_limit_bytes, schedule=schedule, num_stages=num_stages,
                                  num_microbatches=m, micro_batch_size=batch, seq_len=seq_len,
-                                 granularity=granularity, max_slices=max_slices, split_batch=split_batch)
+                                 granularity=granularity, max_slices=max_slices, split_batch=split_batch,
+                                 virtual_stages=v)
         if short is not None:
             fixes = ["raise the limit", "add stages", *short.fixes(schedule="use schedule={!r}",
                                                                     split_batch="split_batch=True",
@@ -617,14 +667,16 @@ def plan_slicing(cost: PipelineCost, seq_len: int, *, num_microbatches: int = 1,
         options.append((q, n_min))
 
     exact = spec.dp_exact and cost.is_uniform() and not deferred_weight_grads
-    sim = None if exact else _Simulated(cost, schedule, seq_len, deferred_weight_grads)
+    sim = None if exact else _Simulated(cost, schedule, seq_len, deferred_weight_grads, v)
     best: tuple[float, int, list[int], Any] | None = None   # (ms, q, cuts, SimResult or None)
     for q, n_min in options:
         units, sub = m * q, batch // q
         w, t = _tables(cost, n, granularity, sub)
         dp = _Dp(w, t, n_min, n_max)
         window = 0.0 if exact else _SIM_WINDOW
-        value, cuts, _, scored = _thresholds(dp, units, num_stages, window, 1 if exact else _SIM_MAX)
+        # v chunk-units per unit on every rank: the interleaved closed form v*units*sum(w) + (p-1)*max(t).
+        keep = 1 if exact else (_SIM_MAX if v == 1 else _SIM_MAX_CHUNKS)
+        value, cuts, _, scored = _thresholds(dp, units * v, num_stages, window, keep)
         if cuts is None:
             continue
         if exact:
@@ -666,7 +718,7 @@ def plan_slicing(cost: PipelineCost, seq_len: int, *, num_microbatches: int = 1,
                        num_microbatches=m, micro_batch_size=batch, granularity=granularity, schedule=schedule,
                        predicted_ms=float(value), unsliced_ms=unsliced,
                        speedup=unsliced / value if value > 0 else 1.0, bubble_fraction=bubble,
-                       memory_bytes=peak(q, len(slices)))
+                       memory_bytes=peak(q, len(slices)), virtual_stages=v)
     logger.debug("slicing plan: %s", plan)
     return plan
 

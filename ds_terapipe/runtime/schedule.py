@@ -18,6 +18,7 @@ from typing import Iterator
 
 from deepspeed.runtime.pipe import schedule as ds_schedule
 
+from ..planner.registry import get_schedule
 from ..planner.schedule import Action, ActionKind, Schedule, add_communication, build_schedule
 
 __all__ = ["TokenPipeSchedule", "forward_only"]
@@ -53,7 +54,13 @@ class TokenPipeSchedule(ds_schedule.PipeSchedule):
         super().__init__(micro_batches=micro_batches, stages=stages, stage_id=stage_id)
         self.num_slices = num_slices
         self.train = train
-        plan = build_schedule(name, stages, micro_batches, num_slices, deferred_weight_grads and train)
+        # The engine runs one chunk per rank (virtual_stages = 1): a schedule that needs more is refused here.
+        if get_schedule(name).virtual_stages != 1:
+            raise ValueError(f"terapipe.schedule = {name!r} places several chunks per rank (virtual stages), which "
+                             "the engine does not run yet; use 'gpipe' or '1f1b', or plan and simulate it with "
+                             f"'ds-terapipe simulate --schedule {name}'")
+        plan = build_schedule(name, stages, micro_batches, num_slices, deferred_weight_grads and train,
+                              virtual_stages=1)
         self.schedule = add_communication(plan if train else forward_only(plan))
         self.actions: tuple[Action, ...] = self.schedule.stages[stage_id]
 
