@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ds_terapipe.runtime.attention import CausalSelfAttention
+from ds_terapipe.runtime.attention import CausalSelfAttention, sliced_causal_attention
 from ds_terapipe.runtime.context import MicroBatchState, SliceContext, slice_scope
 from ds_terapipe.runtime.slice_check import check_slicing_equivalence
 
@@ -67,6 +67,51 @@ def test_sliced_forward_backward_equals_unsliced(rotary: bool, seed: int) -> Non
     assert torch.allclose(grad_x, ref_x, atol=1e-10), slices
     for p, ref in zip(model.parameters(), ref_params):
         assert torch.allclose(p.grad, ref, atol=1e-10), slices
+
+
+class ConstantKeyAttention(nn.Module):
+    """Attention that passes one constant ``cache_key`` for every instance (a common user shortcut)."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (t.unsqueeze(1) for t in self.qkv(x).chunk(3, dim=2))  # (B, 1, T, C)
+        return x + sliced_causal_attention(q, k, v, cache_key="attn").squeeze(1)
+
+
+def _sliced_vs_unsliced(model: nn.Module, x: torch.Tensor, slices: list[int]) -> float:
+    """Worst absolute difference of output, input gradient and parameter gradients, sliced vs unsliced."""
+    weight = torch.randn(x.shape, dtype=x.dtype, generator=torch.Generator().manual_seed(1))
+    x = x.detach().requires_grad_()
+    out = model(x)
+    (out * weight).sum().backward()
+    ref = [out.detach(), x.grad.clone(), *[p.grad.clone() for p in model.parameters()]]
+    model.zero_grad(set_to_none=True)
+    state = MicroBatchState(0, x.shape[1], len(slices))
+    units, start = [], 0
+    for i, length in enumerate(slices):
+        piece = x[:, start:start + length].detach().requires_grad_()
+        with slice_scope(SliceContext(0, i, start, start + length, state)):
+            units.append((piece, model(piece), start, length))
+        start += length
+    for piece, y, start, length in reversed(units):  # later slices first, one graph each
+        y.backward(weight[:, start:start + length])
+    got = [torch.cat([u[1] for u in units], dim=1).detach(), torch.cat([u[0].grad for u in units], dim=1),
+           *[p.grad for p in model.parameters()]]
+    return max(float((a - b).abs().max()) for a, b in zip(got, ref))
+
+
+def test_a_block_applied_twice_and_shared_cache_keys_train_exactly() -> None:
+    torch.manual_seed(3)
+    shared = Block(16, 4, rotary=True)
+    # one module at two depths (weight sharing), and two layers that pass the same constant cache_key
+    model = nn.Sequential(shared, nn.Linear(16, 16), shared, ConstantKeyAttention(16),
+                          ConstantKeyAttention(16)).double()
+    x = torch.randn(2, 24, 16, dtype=torch.double)
+    assert _sliced_vs_unsliced(model, x, [8, 4, 12]) < 1e-10
+    assert check_slicing_equivalence(list(model), 0, x, [8, 4, 12]) is None
 
 
 class PlainCausal(nn.Module):
