@@ -143,3 +143,49 @@ def test_wrong_slice_length_is_a_clear_error() -> None:
     state = MicroBatchState(0, 32, 2)
     with slice_scope(SliceContext(0, 1, 8, 16, state)), pytest.raises(ValueError, match="running slice has 8"):
         attn(torch.randn(1, 32, 16))
+
+
+class ZeroProjAttention(nn.Module):
+    """Residual attention with a zero-initialised output projection (outputs equal the input at init)."""
+
+    def __init__(self, hidden: int, mode: str, zero_qkv: bool = False) -> None:
+        super().__init__()
+        self.mode = mode
+        self.attn = CausalSelfAttention(hidden, 4)
+        nn.init.zeros_(self.attn.proj.weight)
+        nn.init.zeros_(self.attn.proj.bias)
+        if zero_qkv:
+            nn.init.zeros_(self.attn.qkv.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mode == "sliced":
+            return x + self.attn(x)
+        q, k, v = self.attn.qkv(x).unsqueeze(1).chunk(3, dim=3)  # (B, 1, T, C) each
+        # "bidirectional": no mask; "slice-blind": causal over the running slice alone
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.mode == "slice-blind").squeeze(1)
+        return x + self.attn.proj(y)
+
+
+@pytest.mark.parametrize("mode", ["bidirectional", "slice-blind"])
+@pytest.mark.parametrize("zero_qkv", [False, True])
+def test_zero_initialised_projection_does_not_hide_token_mixing(mode: str, zero_qkv: bool) -> None:
+    torch.manual_seed(0)
+    layer = ZeroProjAttention(16, mode, zero_qkv)
+    x = torch.randn(2, 32, 16)
+    assert torch.equal(layer(x), x)  # the outputs alone cannot tell
+    problem = check_slicing_equivalence([nn.LayerNorm(16), layer], 3, x, [8, 16, 8])
+    assert problem is not None and "layer 4 (ZeroProjAttention)" in problem and "slices=1" in problem
+    # zero proj alone: its own gradient shows the mixing; zero qkv too: found with the zero weights perturbed
+    assert ("all-zero weights set to random values" in problem) == zero_qkv, problem
+
+
+def test_slice_check_leaves_weights_and_grads_untouched() -> None:
+    torch.manual_seed(0)
+    layer = ZeroProjAttention(16, "sliced", zero_qkv=True)
+    grads = [torch.randn_like(p) for p in layer.parameters()]
+    for p, g in zip(layer.parameters(), grads):
+        p.grad = g
+    before = [p.detach().clone() for p in layer.parameters()]
+    assert check_slicing_equivalence([layer], 0, torch.randn(2, 32, 16), [8, 16, 8]) is None  # accepted
+    assert all(torch.equal(p, b) for p, b in zip(layer.parameters(), before))  # perturbed, restored bit for bit
+    assert all(p.grad is g for p, g in zip(layer.parameters(), grads))
