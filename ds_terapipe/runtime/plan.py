@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from ..planner.cost import PipelineCost
 from ..planner.slicing import MemoryModel, SlicingPlan, plan_slicing
+from .p2p import mark_collective
 from .plan_cache import cache_entry, gather_fingerprints, load_cached, store_plan
 from .profile import measure_costs
 from .slice_check import check_stage_slicing
@@ -129,8 +130,8 @@ def _agree(engine: "TokenPipelineEngine", slices: tuple[int, ...]) -> None:
     every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, (list(slices), engine.terapipe.schedule))
     if any(e != every[0] for e in every):
-        raise ValueError(f"terapipe: ranks disagree on the plan ({every}); every rank must get the same "
-                         "DeepSpeed config")
+        raise mark_collective(ValueError(f"terapipe: ranks disagree on the plan ({every}); every rank must get "
+                                         "the same DeepSpeed config"))
 
 
 def resolve_plan(engine: "TokenPipelineEngine") -> ResolvedPlan:
@@ -146,9 +147,10 @@ def resolve_plan(engine: "TokenPipelineEngine") -> ResolvedPlan:
     assert seq_len is not None
     module = engine.module
     if slices is None and not (hasattr(module, "has_sampler") and module.has_sampler()):
-        raise ValueError("terapipe.slices=\"auto\" needs to profile each stage on a sample input: build the model "
-                         "as ds_terapipe.TokenPipelineModule(..., vocab_size=V) or with input_sampler=fn, or set "
-                         "terapipe.slices to an int or a list")
+        raise mark_collective(ValueError(
+            "terapipe.slices=\"auto\" needs to profile each stage on a sample input: build the model as "
+            "ds_terapipe.TokenPipelineModule(..., vocab_size=V) or with input_sampler=fn, or set terapipe.slices to "
+            "an int or a list"))
     stage_input = check_stage_slicing(engine, seq_len, slices)
     resolved = ResolvedPlan(slices, "config") if slices is not None else _auto_plan(engine, None, stage_input, seq_len)
     _agree(engine, resolved.slices)
@@ -165,12 +167,15 @@ def plan_for_length(engine: "TokenPipelineEngine", known: ResolvedPlan, seq_len:
     ``known`` is the latest plan resolved: its measured costs plan the new length without profiling again.
     """
     cfg = engine.terapipe
+    # Every rank calls this with the same length and config, so every rank raises these together.
     if seq_len % cfg.granularity:
-        raise ValueError(f"terapipe: a batch has sequence length {seq_len}, not a multiple of terapipe.granularity="
-                         f"{cfg.granularity}; pad sequences to a multiple of {cfg.granularity} (or lower granularity)")
+        raise mark_collective(ValueError(
+            f"terapipe: a batch has sequence length {seq_len}, not a multiple of terapipe.granularity="
+            f"{cfg.granularity}; pad sequences to a multiple of {cfg.granularity} (or lower granularity)"))
     if isinstance(cfg.slices, list):
-        raise ValueError(f"terapipe.slices={cfg.slices} is a fixed list for seq_len {sum(cfg.slices)}, but a batch has "
-                         f"sequence length {seq_len}; use slices \"auto\" or an int for variable lengths")
+        raise mark_collective(ValueError(
+            f"terapipe.slices={cfg.slices} is a fixed list for seq_len {sum(cfg.slices)}, but a batch has sequence "
+            f"length {seq_len}; use slices \"auto\" or an int for variable lengths"))
     if isinstance(cfg.slices, int):
         return ResolvedPlan(tuple(cfg.equal_slices(seq_len)), "config")
     return _auto_plan(engine, known, None, seq_len)

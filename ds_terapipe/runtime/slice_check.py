@@ -340,7 +340,7 @@ def check_stage_slicing(engine: "TokenPipelineEngine", seq_len: int,
                 module.train(was_training)
             if problem:
                 problem = f"terapipe: stage {engine.stage_id}: {problem}"
-        agree_or_raise(problem, SlicingMismatchError)
+        agree_or_raise(problem, SlicingMismatchError, engine._p2p, "the slice check of every stage")
         return stage_input
     if slices is not None and len(slices) > 1 and engine.global_rank == 0:
         logger.warning("terapipe: %s has no input sampler, so the slice check (refusing layers that mix tokens "
