@@ -567,12 +567,12 @@ def spec_reference_grads(specs: list, batches: list[tuple]) -> tuple[float, dict
     return total, {n: p.grad.detach().clone() for n, p in named.items() if p.grad is not None}
 
 
-def train_until_error(engine: Any, data: list[tuple]) -> dict[str, Any]:
-    """One train_batch started on every rank at once: what it raised (with notes) and after how many seconds."""
+def run_until_error(run: Callable[[], Any]) -> dict[str, Any]:
+    """``run()`` started on every rank at once: what it raised (with notes) and after how many seconds."""
     torch.distributed.barrier()
     started = time.perf_counter()
     try:
-        engine.train_batch(iter(data))
+        run()
         return {"case": STATUS["case"], "raised": None}
     except Exception as err:  # noqa: BLE001 - the test checks the type name
         notes = " ".join(getattr(err, "__notes__", []))
@@ -635,15 +635,47 @@ def suite_faults(extra: dict) -> list[dict]:
         engine = _engine(cfg, gpt_layer_specs(cfg), {"seq_len": seq_len, "slices": 3, "schedule": "1f1b",
                                                      "granularity": 4, "p2p_timeout_s": 120},
                          loss_fn=raising_loss)
-        results.append(train_until_error(engine, batches))
+        results.append(run_until_error(lambda: engine.train_batch(iter(batches))))
     elif fault == "length":
         # micro-batch 1 of a step is shorter than micro-batch 0: the reading stages name the cause, the middle
         # stage (waiting for activations) stops within seconds too
         STATUS["case"] = "length change"
         engine = _engine(cfg, gpt_layer_specs(cfg), {"seq_len": seq_len, "slices": 3, "schedule": "gpipe",
                                                      "granularity": 4, "p2p_timeout_s": 120})
-        results.append(train_until_error(engine, [batches[0], make_batches(cfg, 1, batch, seq_len - 16, seed=22)[0]]))
+        mixed = [batches[0], make_batches(cfg, 1, batch, seq_len - 16, seed=22)[0]]
+        results.append(run_until_error(lambda: engine.train_batch(iter(mixed))))
+    elif fault == "init":
+        # a layer on the middle stage that raises in the sliced run of the init-time check, after the probe pass:
+        # its peers wait for its verdict and stop within seconds, naming it
+        STATUS["case"] = "init"
+        layers = gpt_layer_specs(cfg)
+        layers.insert(2, LayerSpec(RaisingWhenSliced))  # embed, block 0 | raising, block 1 | norm, head
+        results.append(run_until_error(lambda: _engine(cfg, layers, {"seq_len": seq_len, "slices": 3, "granularity": 4,
+                                                                     "p2p_timeout_s": 120})))
+    elif fault == "checkpoint":
+        # one rank fails while saving (here: its plan summary raises); the others stop within seconds
+        STATUS["case"] = "checkpoint"
+        engine = _engine(cfg, gpt_layer_specs(cfg), {"seq_len": seq_len, "slices": 3, "granularity": 4,
+                                                     "p2p_timeout_s": 120})
+        engine.train_batch(iter(batches))
+        if RANK == 1:
+            def broken_summary() -> dict:
+                raise OSError("simulated disk failure")
+
+            engine.plan_summary = broken_summary
+        results.append(run_until_error(lambda: engine.save_checkpoint(str(Path(extra["out"]) / "ckpt"))))
     return results
+
+
+class RaisingWhenSliced(torch.nn.Module):
+    """Position-wise when unsliced; raises inside a sliced forward (a bug that shows only under slicing)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from ds_terapipe.runtime.context import current_slice
+
+        if current_slice() is not None:
+            raise RuntimeError("simulated layer failure under slicing")
+        return x
 
 
 SUITES["faults"] = suite_faults

@@ -1,12 +1,14 @@
-"""Tier b, two 3-rank launches: no silent wrong gradients, and one rank's error stops every rank in seconds.
+"""Tier b, four 3-rank launches: no silent wrong gradients, and one rank's error stops every rank in seconds.
 
 * The init-time slice check refuses attention that a zero-initialised output projection hides from the
   outputs (bidirectional, or causal over the slice alone), naming the layer.
 * Two attention layers with one constant ``cache_key``, and one block applied at three depths (a
   ``TiedLayerSpec``, twice on the middle stage), train exactly: gpipe and 1f1b, with and without deferred
   weight gradients, against a single-process unsliced reference built from the same layer specs.
-* A fault ends a launch (it leaves transfers half done): a loss function raising on the last stage (launch 1)
-  and a micro-batch of another length in the middle of a step (launch 2). Every rank raises within 10 s
+* A fault ends a launch (it leaves transfers half done): a loss function raising on the last stage (launch 1),
+  a micro-batch of another length in the middle of a step (launch 2), a layer raising in the init-time slice
+  check on the middle stage (launch 3) and a rank failing in save_checkpoint (launch 4). Every rank raises
+  within 10 s
   (``p2p_timeout_s`` is 120 s), naming the origin rank and its error. A killed process, which raises nothing,
   is caught by the p2p deadline: tests/test_engine_features.py and tests/test_example_trainer.py.
 """
@@ -41,6 +43,30 @@ def launch_loss(tmp_path_factory) -> list[dict[str, dict]]:
 def launch_length(tmp_path_factory) -> list[dict[str, dict]]:
     return _by_case(launch("faults", WORLD, Path(tmp_path_factory.mktemp("faults_length")), timeout_s=300,
                            extra={"fault": "length", "cases": False}))
+
+
+@pytest.fixture(scope="module")
+def launch_init(tmp_path_factory) -> list[dict[str, dict]]:
+    return _by_case(launch("faults", WORLD, Path(tmp_path_factory.mktemp("faults_init")), timeout_s=300,
+                           extra={"fault": "init", "cases": False}))
+
+
+@pytest.fixture(scope="module")
+def launch_checkpoint(tmp_path_factory) -> list[dict[str, dict]]:
+    return _by_case(launch("faults", WORLD, Path(tmp_path_factory.mktemp("faults_ckpt")), timeout_s=300,
+                           extra={"fault": "checkpoint", "cases": False}))
+
+
+def _stopped_by(results: list[dict[str, dict]], case: str, origin: int, where: str, error: str) -> None:
+    """The origin raised ``error``; every other rank raised PeerFailedError naming it; all within 10 s."""
+    first = results[origin][case]
+    assert error in f"{first['raised']}: {first['message']}", first
+    for rank, result in enumerate(results):
+        if rank != origin:
+            assert result[case]["raised"] == "PeerFailedError", result[case]
+            assert f"rank {origin} (stage {origin}) failed in {where}: {error}" in result[case]["message"], \
+                result[case]["message"]
+    assert max(result[case]["seconds"] for result in results) < 10, results
 
 
 @pytest.mark.timeout(500)
@@ -95,3 +121,13 @@ def test_mid_step_length_change_names_the_cause_and_stops_every_rank(launch_leng
         assert "rank 0 (stage 0) failed in train_batch: ValueError: token pipeline: micro-batches of different " \
                "lengths in one step" in case["message"], case["message"]
     assert max(rank["length change"]["seconds"] for rank in launch_length) < 10, launch_length
+
+
+@pytest.mark.timeout(500)
+def test_a_rank_failing_at_init_stops_every_rank_within_seconds(launch_init) -> None:
+    _stopped_by(launch_init, "init", 1, "engine init", "RuntimeError: simulated layer failure under slicing")
+
+
+@pytest.mark.timeout(500)
+def test_a_rank_failing_in_save_checkpoint_stops_every_rank_within_seconds(launch_checkpoint) -> None:
+    _stopped_by(launch_checkpoint, "checkpoint", 1, "save_checkpoint", "OSError: simulated disk failure")
