@@ -36,6 +36,19 @@ class Block(nn.Module):
         return x + self.mlp(x)
 
 
+def run_slices(model: nn.Module, x: torch.Tensor, slices: list[int]) -> list[tuple]:
+    """Forward of each slice in order through the slice context, as a stage runs them: (input leaf, output,
+    start, length) per slice."""
+    state = MicroBatchState(0, x.shape[1], len(slices))
+    units, start = [], 0
+    for i, length in enumerate(slices):
+        piece = x[:, start:start + length].detach().requires_grad_()
+        with slice_scope(SliceContext(0, i, start, start + length, state)):
+            units.append((piece, model(piece), start, length))
+        start += length
+    return units
+
+
 @pytest.mark.parametrize("rotary", [False, True])
 @pytest.mark.parametrize("seed", range(6))
 def test_sliced_forward_backward_equals_unsliced(rotary: bool, seed: int) -> None:
@@ -51,13 +64,7 @@ def test_sliced_forward_backward_equals_unsliced(rotary: bool, seed: int) -> Non
     x.grad = None
 
     slices = random_slices(seq_len, rng)
-    state = MicroBatchState(0, seq_len, len(slices))
-    units, start = [], 0
-    for i, length in enumerate(slices):
-        piece = x[:, start:start + length].detach().requires_grad_()
-        with slice_scope(SliceContext(0, i, start, start + length, state)):
-            units.append((piece, model(piece), start, length))
-        start += length
+    units = run_slices(model, x, slices)
     out = torch.cat([u[1] for u in units], dim=1)
     assert torch.allclose(out, model(x.detach()), atol=1e-10), slices
     grad_x = torch.zeros_like(x)
@@ -89,13 +96,7 @@ def _sliced_vs_unsliced(model: nn.Module, x: torch.Tensor, slices: list[int]) ->
     (out * weight).sum().backward()
     ref = [out.detach(), x.grad.clone(), *[p.grad.clone() for p in model.parameters()]]
     model.zero_grad(set_to_none=True)
-    state = MicroBatchState(0, x.shape[1], len(slices))
-    units, start = [], 0
-    for i, length in enumerate(slices):
-        piece = x[:, start:start + length].detach().requires_grad_()
-        with slice_scope(SliceContext(0, i, start, start + length, state)):
-            units.append((piece, model(piece), start, length))
-        start += length
+    units = run_slices(model, x, slices)
     for piece, y, start, length in reversed(units):  # later slices first, one graph each
         y.backward(weight[:, start:start + length])
     got = [torch.cat([u[1] for u in units], dim=1).detach(), torch.cat([u[0].grad for u in units], dim=1),
@@ -128,10 +129,17 @@ class MeanMixer(nn.Module):
         return x + x.mean(dim=1, keepdim=True)
 
 
+class InplaceScale(nn.Module):
+    """Position-wise, in place on its input (allowed in training, where its input is not a leaf)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mul_(2.0)
+
+
 def test_slice_check_accepts_sliced_attention_and_refuses_the_rest() -> None:
     torch.manual_seed(0)
     x = torch.randn(2, 32, 16)
-    good = [nn.Linear(16, 16), CausalSelfAttention(16, 4, rotary=True), nn.LayerNorm(16)]
+    good = [nn.Linear(16, 16), CausalSelfAttention(16, 4, rotary=True), InplaceScale(), nn.LayerNorm(16)]
     assert check_slicing_equivalence(good, 0, x, [8, 16, 8]) is None
     for bad, name in ((PlainCausal(), "PlainCausal"), (MeanMixer(), "MeanMixer")):
         problem = check_slicing_equivalence([nn.Linear(16, 16), bad], 5, x, [8, 16, 8])

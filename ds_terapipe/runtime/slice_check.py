@@ -122,6 +122,16 @@ def _as_leaves(value: Any) -> Any:
     return value
 
 
+def _own_copy(value: Any) -> Any:
+    """A non-leaf copy of each floating tensor that needs a gradient (as a layer's input is in training, where
+    in-place ops on it are allowed), in storage of its own (each slice's input is its own tensor)."""
+    if torch.is_tensor(value):
+        return value.clone() if value.requires_grad else value
+    if isinstance(value, (tuple, list)):
+        return tuple(_own_copy(v) for v in value)
+    return value
+
+
 def _layer_params(layer: Callable) -> list[torch.nn.Parameter]:
     """The parameters a layer owns: a module's, or those of the modules a ``functools.partial`` binds (a
     ``TiedLayerSpec`` with ``forward_fn``)."""
@@ -171,7 +181,7 @@ def _run_unsliced(layer: Callable, x: Any, params: Sequence[torch.Tensor], seq_l
                   gen: torch.Generator) -> tuple[_Run, list[Optional[torch.Tensor]]]:
     leaves = _as_leaves(x)
     with slice_scope(None):
-        outputs = layer(leaves)
+        outputs = layer(_own_copy(leaves))
     upstream = _upstream(outputs, seq_len, gen)
     _backward(outputs, upstream, 0, seq_len)
     input_grads = [t.grad for t in _flat(leaves)]
@@ -188,7 +198,7 @@ def _run_sliced(layer: Callable, x: Any, params: Sequence[torch.Tensor], bounds:
     parts = []
     for i, (lo, hi) in enumerate(bounds):
         with slice_scope(SliceContext(0, i, lo, hi, state)):
-            parts.append(layer(cut_tokens(leaves, lo, hi, seq_len)))
+            parts.append(layer(_own_copy(cut_tokens(leaves, lo, hi, seq_len))))
     for (lo, hi), part in zip(reversed(bounds), reversed(parts)):
         _backward(part, upstream, lo, hi)
     # per-slice outputs; _compare joins them along the unsliced output's sequence dims
@@ -312,7 +322,7 @@ def check_slicing_equivalence(layers: list[Callable], first_layer_idx: int, stag
                     "alone). Use ds_terapipe.sliced_causal_attention for attention (and ds_terapipe.token_offset "
                     "for positions), or run with terapipe.slices=1")
         with torch.no_grad(), slice_scope(None):
-            x = layer(x)
+            x = layer(_as_leaves(x))  # a copy: a layer working in place must not change the probe input
     return None
 
 
