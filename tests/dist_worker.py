@@ -599,6 +599,13 @@ def suite_faults(extra: dict) -> list[dict]:
             except Exception as err:  # noqa: BLE001 - the test checks the type name
                 results.append({"case": STATUS["case"], "raised": type(err).__name__, "message": str(err)})
 
+        # the planner fails on global rank 0 (no slicing fits the memory limit): every rank raises it together,
+        # none waits for rank 0's decision (no fault: the process group stays usable)
+        STATUS["case"] = "planner failure"
+        results.append(run_until_error(lambda: _engine(cfg, gpt_layer_specs(cfg), {
+            "seq_len": seq_len, "slices": "auto", "granularity": 4, "memory_limit_gb": 1e-9, "p2p_timeout_s": 120,
+            "profile": {"slice_lengths": [8, 48], "num_contexts": 1, "warmup": 0, "repeats": 1}})))
+
         # two layers with one constant cache_key, and one block at three depths: trained exactly
         deep = GPTConfig(**{**cfg.to_dict(), "num_layers": 4})  # 7 layers on 3 stages: 2+ blocks on a stage
         models = {"constant key": [spec if not (isinstance(spec, LayerSpec) and spec.typename is GPTBlock)

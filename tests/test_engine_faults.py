@@ -97,6 +97,17 @@ def test_shared_keys_and_weight_shared_blocks_train_exactly(launch_loss, model: 
 
 
 @pytest.mark.timeout(500)
+def test_a_planner_failure_on_rank_0_is_raised_by_every_rank(launch_loss) -> None:
+    origin = launch_loss[0]["planner failure"]
+    assert origin["raised"] == "ValueError" and "cannot be met" in origin["message"], origin
+    for rank in launch_loss[1:]:
+        case = rank["planner failure"]
+        assert case["raised"] == "ValueError", case
+        assert "planning on global rank 0 failed: ValueError: memory_limit_bytes" in case["message"], case
+        assert case["seconds"] < 60, case  # profiling included; without the fix: the process group's timeout
+
+
+@pytest.mark.timeout(500)
 def test_raising_loss_stops_every_rank_within_seconds(launch_loss) -> None:
     origin = launch_loss[WORLD - 1]["raising loss"]
     assert origin["raised"] == "RuntimeError" and "simulated loss failure" in origin["message"], origin

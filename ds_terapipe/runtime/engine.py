@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import traceback
 import os
 import time
 from collections import deque

@@ -92,37 +92,62 @@ def _auto_plan(engine: "TokenPipelineEngine", known: Optional[ResolvedPlan], sta
     cost = known.cost if known is not None else None
     stage_meta = known.stage_meta if known is not None else None
     entry = cache_entry(engine, fingerprints, seq_len)
-    decision: list[Any] = [None]
-    if dist.get_rank() == 0:
+
+    def from_cache_or_known_costs() -> Optional[tuple[str, dict]]:
+        nonlocal cost, stage_meta
         cached = load_cached(entry)
         if cached is not None:
-            decision = [("cache", cached["plan"])]
             cost = cost or cached.get("cost")
             stage_meta = stage_meta or cached.get("stage_meta")
-        elif cost is not None:
+            return "cache", cached["plan"]
+        if cost is not None:
             # a new sequence length: the costs measured at init cover it, no re-profiling
             plan = _solve(engine, PipelineCost.from_dict(cost, num_stages=engine.num_stages), stage_meta, seq_len)
-            decision = [("planned", plan.to_dict())]
             store_plan(entry, plan, cost, stage_meta)
-    dist.broadcast_object_list(decision, src=0)
-    if decision[0] is not None:
-        source, plan_dict = decision[0]
+            return "planned", plan.to_dict()
+        return None
+
+    decision = _decided_on_rank0(from_cache_or_known_costs)
+    if decision is not None:
+        source, plan_dict = decision
         plan = SlicingPlan.from_dict(plan_dict)
         return ResolvedPlan(tuple(plan.slices), source, plan, cost, stage_meta, fingerprints)
 
     if stage_input is None:
         raise ValueError(f"terapipe: no measured costs to plan seq_len={seq_len}; the plan cache lost them")
-    measured = measure_costs(engine, stage_input, seq_len)
-    result: list[Any] = [None]
-    if measured is not None:
+    measured = measure_costs(engine, stage_input, seq_len)  # gathered on rank 0 (None elsewhere)
+
+    def from_measured() -> dict:
+        nonlocal cost, stage_meta
+        assert measured is not None
         cost, stage_meta = measured.cost.to_dict(), measured.stage_meta
         logger.info("terapipe: profiled %d stage(s) in %.1fs", engine.num_stages, measured.seconds)
         plan = _solve(engine, measured.cost, stage_meta, seq_len)
         store_plan(entry, plan, cost, stage_meta, profile_seconds=measured.seconds)
-        result = [plan.to_dict()]
-    dist.broadcast_object_list(result, src=0)
-    plan = SlicingPlan.from_dict(result[0])
+        return plan.to_dict()
+
+    plan = SlicingPlan.from_dict(_decided_on_rank0(from_measured))
     return ResolvedPlan(tuple(plan.slices), "profiled", plan, cost, stage_meta, fingerprints)
+
+
+def _decided_on_rank0(decide: Any) -> Any:
+    """``decide()`` on global rank 0, broadcast to every rank (collective). If it raises (the planner finds no
+    slicing, the cache cannot be written), every rank raises with its message, together: the others would
+    otherwise wait in the broadcast for a decision that never comes."""
+    payload: list[Any] = [None]
+    error: Optional[Exception] = None
+    if dist.get_rank() == 0:
+        try:
+            payload = [("ok", decide())]
+        except Exception as err:  # noqa: BLE001 - re-raised below, on every rank
+            error, payload = err, [("error", f"{type(err).__name__}: {err}")]
+    dist.broadcast_object_list(payload, src=0)
+    status, value = payload[0]
+    if status == "ok":
+        return value
+    if error is not None:
+        raise mark_collective(error)
+    raise mark_collective(ValueError(f"terapipe: planning on global rank 0 failed: {value}"))
 
 
 def _agree(engine: "TokenPipelineEngine", slices: tuple[int, ...]) -> None:

@@ -291,7 +291,6 @@ def check_slicing_equivalence(layers: list[Callable], first_layer_idx: int, stag
     to random values (restored bit for bit afterwards), for what zero weights hide from the gradients too.
     Parameter ``.grad`` are left as they were. ``param_names`` maps ``id(parameter)`` to a name for messages.
     """
-    seq_len = sum(slices)
     bounds, start = [], 0
     for length in slices:
         bounds.append((start, start + length))
