@@ -59,10 +59,13 @@ class TeraPipeConfig(DeepSpeedConfigModel):
 
     slices: Union[Literal["auto"], int, List[int]] = "auto"
     """``"auto"``: profile each stage at engine init and let the planner choose; an int n: n equal slices
-    (multiples of ``granularity``, the remainder spread over the first slices); a list: exact token counts."""
+    (multiples of ``granularity``, the remainder spread over the first slices); a list: exact token counts,
+    taken as given (any positive lengths summing to ``seq_len``; ``granularity`` does not apply to them)."""
 
     granularity: int = Field(8, ge=1)
-    """Slice lengths are multiples of this many tokens (keeps kernels efficient and the planner fast)."""
+    """Slices the engine chooses (``"auto"``, an int) are multiples of this many tokens (keeps kernels efficient
+    and the planner fast); it must then divide ``seq_len`` and every batch length. Not applied to a list of
+    ``slices``, which is run exactly as written."""
 
     schedule: str = "gpipe"
     """A registered schedule (``ds-terapipe schedules`` lists them). ``gpipe``: all forwards, then all backwards

@@ -22,7 +22,9 @@ import torch
 
 import deepspeed
 import ds_terapipe
-from ds_terapipe.models.gpt import (GPTConfig, GPTReference, causal_lm_loss, gpt_layer_specs,
+from deepspeed.pipe import LayerSpec, TiedLayerSpec
+from ds_terapipe.runtime.p2p import linger_for_peers
+from ds_terapipe.models.gpt import (GPTBlock, GPTConfig, GPTReference, causal_lm_loss, gpt_layer_specs,
                                     reference_param_name)
 
 RANK = int(os.environ["RANK"])
@@ -212,6 +214,7 @@ def main() -> None:
         print(payload["error"], flush=True)
     (out_dir / f"rank{RANK}.json").write_text(json.dumps(payload, indent=1))
     sys.stdout.flush()
+    linger_for_peers()  # what atexit would do after a failure: rank 0 holds the store its peers read
     os._exit(0 if "error" not in payload else 1)
 
 
@@ -225,8 +228,8 @@ class TokenMixer(torch.nn.Module):
 
 
 def _engine(cfg: GPTConfig, layers: list, terapipe: dict, *, micro: int = 2, batch: int = 2,
-            extra_config: dict | None = None):
-    model = ds_terapipe.TokenPipelineModule(layers, num_stages=WORLD, loss_fn=causal_lm_loss,
+            extra_config: dict | None = None, loss_fn: Callable = causal_lm_loss):
+    model = ds_terapipe.TokenPipelineModule(layers, num_stages=WORLD, loss_fn=loss_fn,
                                             vocab_size=cfg.vocab_size, partition_method="uniform")
     config = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": micro,
               "train_batch_size": batch * micro, "steps_per_print": 10**9, "gradient_clipping": 0.0,
@@ -429,13 +432,15 @@ def suite_features(extra: dict) -> list[dict]:
         robust[f"{label}_untouched"] = all(torch.equal(before[n], p) for n, p in engine.module.named_parameters())
     results.append(robust)
 
-    # a peer that dies mid-batch (its data fails on micro-batch 1): the waiting rank fails within
-    # p2p_timeout_s, naming the instruction it was stuck on
+    # a peer that goes silent mid-batch (its data hangs on micro-batch 1, past the deadline, then fails): the
+    # waiting rank fails within p2p_timeout_s, naming the instruction it was stuck on. (A peer that raises at
+    # once stops the others sooner through the abort flag: tests/test_engine_faults.py.)
     STATUS["case"] = "timeout"
     engine = _engine(cfg, gpt_layer_specs(cfg), {"seq_len": seq_len, "slices": 2, "p2p_timeout_s": 3})
 
     def failing_data():
         yield batches[0]
+        time.sleep(5)
         raise RuntimeError("simulated data failure on the last stage")
 
     t0 = time.perf_counter()
@@ -493,6 +498,194 @@ def suite_varlen(extra: dict) -> list[dict]:
 
 
 SUITES["varlen"] = suite_varlen
+
+
+
+# -- faults suite (3 ranks: a middle stage waits on peers that are not the failing one) ------------------------
+class ZeroProjMixer(torch.nn.Module):
+    """Residual attention with a zero-initialised output projection that mixes tokens wrongly when sliced:
+    ``"bidirectional"`` (no mask) or ``"slice-blind"`` (causal over the running slice alone). Its outputs equal
+    its inputs at init, so only gradients show the mixing."""
+
+    def __init__(self, cfg: GPTConfig, mode: str) -> None:
+        super().__init__()
+        self.mode = mode
+        self.qkv = torch.nn.Linear(cfg.hidden, 3 * cfg.hidden)
+        self.proj = torch.nn.Linear(cfg.hidden, cfg.hidden)
+        torch.nn.init.zeros_(self.proj.weight)
+        torch.nn.init.zeros_(self.proj.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).unsqueeze(1).chunk(3, dim=3)  # (B, 1, T, C)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=self.mode == "slice-blind")
+        return x + self.proj(y.squeeze(1))
+
+
+class ConstantKeyBlock(GPTBlock):
+    """A GPT block whose attention passes one constant cache_key (the same for every block of the model)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        attn = self.attn
+        batch, tokens, channels = x.shape
+        q, k, v = (t.view(batch, tokens, attn.num_heads, -1).transpose(1, 2)
+                   for t in attn.qkv(self.ln_1(x)).split(channels, dim=2))  # (B, nh, T, hs)
+        y = ds_terapipe.sliced_causal_attention(q, k, v, cache_key="attention")
+        x = x + attn.proj(y.transpose(1, 2).reshape(batch, tokens, channels))
+        return x + self.fc_out(torch.nn.functional.gelu(self.fc_in(self.ln_2(x))))
+
+
+def shared_block_specs(cfg: GPTConfig) -> list:
+    """Weight sharing: one block (TiedLayerSpec "shared") at three depths, twice on the middle stage of 3."""
+    names = [n for n, _ in GPTBlock(cfg, 0).named_parameters()]
+    shared = TiedLayerSpec("shared", GPTBlock, cfg, 7, tied_weight_attr=names)
+    specs = gpt_layer_specs(cfg)  # embed, block 0, block 1, final norm, head
+    return [specs[0], specs[1], shared, shared, specs[2], shared, specs[-2], specs[-1]]
+
+
+def spec_reference_grads(specs: list, batches: list[tuple]) -> tuple[float, dict[str, torch.Tensor]]:
+    """Single-process, unsliced: build the layer specs once (a TiedLayerSpec key once), apply them in order;
+    return the mean loss and every gradient under the pipeline module's parameter names."""
+    tied: dict[str, torch.nn.Module] = {}
+    steps, named = [], {}
+    for idx, spec in enumerate(specs):
+        if isinstance(spec, TiedLayerSpec):
+            module = tied.setdefault(spec.key, spec.build())
+            prefix = f"tied_modules.{spec.key}"
+            steps.append((lambda x, m=module, f=spec.forward_fn: f(m, x)) if spec.forward_fn else module)
+        else:
+            module, prefix = spec.build(), str(idx)
+            steps.append(module)
+        for name, param in module.named_parameters():
+            named.setdefault(f"{prefix}.{name}", param)
+    total = 0.0
+    for x, y in batches:
+        for step in steps:
+            x = step(x)
+        loss = causal_lm_loss(x, y) / len(batches)
+        loss.backward()
+        total += float(loss)
+    return total, {n: p.grad.detach().clone() for n, p in named.items() if p.grad is not None}
+
+
+def run_until_error(run: Callable[[], Any]) -> dict[str, Any]:
+    """``run()`` started on every rank at once: what it raised (with notes) and after how many seconds."""
+    torch.distributed.barrier()
+    started = time.perf_counter()
+    try:
+        run()
+        return {"case": STATUS["case"], "raised": None}
+    except Exception as err:  # noqa: BLE001 - the test checks the type name
+        notes = " ".join(getattr(err, "__notes__", []))
+        return {"case": STATUS["case"], "raised": type(err).__name__, "message": f"{err} {notes}",
+                "seconds": time.perf_counter() - started}
+
+
+def suite_faults(extra: dict) -> list[dict]:
+    """Slice-check refusals, shared KV keys and weight-shared blocks trained exactly, then ONE fault (a fault
+    leaves transfers half done, so it ends the launch): ``extra["fault"]`` is "loss" or "length"."""
+    cfg = GPTConfig(num_layers=2, hidden=32, num_heads=4, vocab_size=64, max_seq_len=64, seed=13)
+    seq_len, batch, micro = 48, 2, 2
+    batches = make_batches(cfg, micro, batch, seq_len, seed=21)
+    results: list[dict] = []
+    if extra.get("cases", True):
+        # a zero-initialised output projection hides a wrong attention from the outputs: refused at init
+        for mode in ("bidirectional", "slice-blind"):
+            STATUS["case"] = f"refusal {mode}"
+            layers = gpt_layer_specs(cfg)
+            layers.insert(1, LayerSpec(ZeroProjMixer, cfg, mode))
+            try:
+                _engine(cfg, layers, {"seq_len": seq_len, "slices": 4, "schedule": "gpipe", "granularity": 4})
+                results.append({"case": STATUS["case"], "raised": None})
+            except Exception as err:  # noqa: BLE001 - the test checks the type name
+                results.append({"case": STATUS["case"], "raised": type(err).__name__, "message": str(err)})
+
+        # the planner fails on global rank 0 (no slicing fits the memory limit): every rank raises it together,
+        # none waits for rank 0's decision (no fault: the process group stays usable)
+        STATUS["case"] = "planner failure"
+        results.append(run_until_error(lambda: _engine(cfg, gpt_layer_specs(cfg), {
+            "seq_len": seq_len, "slices": "auto", "granularity": 4, "memory_limit_gb": 1e-9, "p2p_timeout_s": 120,
+            "profile": {"slice_lengths": [8, 48], "num_contexts": 1, "warmup": 0, "repeats": 1}})))
+
+        # two layers with one constant cache_key, and one block at three depths: trained exactly
+        deep = GPTConfig(**{**cfg.to_dict(), "num_layers": 4})  # 7 layers on 3 stages: 2+ blocks on a stage
+        models = {"constant key": [spec if not (isinstance(spec, LayerSpec) and spec.typename is GPTBlock)
+                                   else LayerSpec(ConstantKeyBlock, *spec.module_args)
+                                   for spec in gpt_layer_specs(deep)],
+                  "shared block": shared_block_specs(cfg)}
+        for label, specs in models.items():
+            ref_loss, ref_grads = spec_reference_grads(specs, batches)
+            for sched in ("gpipe", "1f1b", "gpipe+W", "1f1b+W"):
+                STATUS["case"] = f"{label} {sched}"
+                # the constant-key model also runs a list of slices off the granularity (accepted, exact)
+                slices = [5, 27, 16] if label == "constant key" else [8, 24, 16]
+                engine = _engine(deep, specs, {"seq_len": seq_len, "slices": slices, "granularity": 4,
+                                              "schedule": sched.removesuffix("+W"),
+                                              "deferred_weight_grads": sched.endswith("+W")}, micro=micro, batch=batch)
+                with first_step_grads(engine) as grads:
+                    loss = float(engine.train_batch(iter(batches)))
+                errs = {n: rel_err(g, ref_grads[n]) for n, g in grads.items()
+                        if not (n == "tied_modules.embed.wpe.weight" and engine.stage_id != 0)}
+                worst = max(errs, key=errs.get)
+                # blocks this stage runs (a shared block counted once per depth): 2+ share a key or a module
+                blocks = sum(isinstance(f, GPTBlock) for f in engine.module.forward_funcs)
+                results.append({"case": STATUS["case"], "loss": loss, "ref_loss": ref_loss, "grad_rel_err": errs[worst],
+                                "grad_worst": worst, "covered": sorted(errs), "blocks": blocks})
+
+    fault = extra.get("fault")
+    if fault == "loss":
+        # a loss function that raises on the last stage: every rank stops within seconds, naming it
+        STATUS["case"] = "raising loss"
+
+        def raising_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            raise RuntimeError("simulated loss failure")
+
+        engine = _engine(cfg, gpt_layer_specs(cfg), {"seq_len": seq_len, "slices": 3, "schedule": "1f1b",
+                                                     "granularity": 4, "p2p_timeout_s": 120},
+                         loss_fn=raising_loss)
+        results.append(run_until_error(lambda: engine.train_batch(iter(batches))))
+    elif fault == "length":
+        # micro-batch 1 of a step is shorter than micro-batch 0: the reading stages name the cause, the middle
+        # stage (waiting for activations) stops within seconds too
+        STATUS["case"] = "length change"
+        engine = _engine(cfg, gpt_layer_specs(cfg), {"seq_len": seq_len, "slices": 3, "schedule": "gpipe",
+                                                     "granularity": 4, "p2p_timeout_s": 120})
+        mixed = [batches[0], make_batches(cfg, 1, batch, seq_len - 16, seed=22)[0]]
+        results.append(run_until_error(lambda: engine.train_batch(iter(mixed))))
+    elif fault == "init":
+        # a layer on the middle stage that raises in the sliced run of the init-time check, after the probe pass:
+        # its peers wait for its verdict and stop within seconds, naming it
+        STATUS["case"] = "init"
+        layers = gpt_layer_specs(cfg)
+        layers.insert(2, LayerSpec(RaisingWhenSliced))  # embed, block 0 | raising, block 1 | norm, head
+        results.append(run_until_error(lambda: _engine(cfg, layers, {"seq_len": seq_len, "slices": 3, "granularity": 4,
+                                                                     "p2p_timeout_s": 120})))
+    elif fault == "checkpoint":
+        # one rank fails while saving (here: its plan summary raises); the others stop within seconds
+        STATUS["case"] = "checkpoint"
+        engine = _engine(cfg, gpt_layer_specs(cfg), {"seq_len": seq_len, "slices": 3, "granularity": 4,
+                                                     "p2p_timeout_s": 120})
+        engine.train_batch(iter(batches))
+        if RANK == 1:
+            def broken_summary() -> dict:
+                raise OSError("simulated disk failure")
+
+            engine.plan_summary = broken_summary
+        results.append(run_until_error(lambda: engine.save_checkpoint(str(Path(extra["out"]) / "ckpt"))))
+    return results
+
+
+class RaisingWhenSliced(torch.nn.Module):
+    """Position-wise when unsliced; raises inside a sliced forward (a bug that shows only under slicing)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from ds_terapipe.runtime.context import current_slice
+
+        if current_slice() is not None:
+            raise RuntimeError("simulated layer failure under slicing")
+        return x
+
+
+SUITES["faults"] = suite_faults
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ds_terapipe.runtime.attention import CausalSelfAttention
+from ds_terapipe.runtime.attention import CausalSelfAttention, sliced_causal_attention
 from ds_terapipe.runtime.context import MicroBatchState, SliceContext, slice_scope
 from ds_terapipe.runtime.slice_check import check_slicing_equivalence
 
@@ -36,6 +36,19 @@ class Block(nn.Module):
         return x + self.mlp(x)
 
 
+def run_slices(model: nn.Module, x: torch.Tensor, slices: list[int]) -> list[tuple]:
+    """Forward of each slice in order through the slice context, as a stage runs them: (input leaf, output,
+    start, length) per slice."""
+    state = MicroBatchState(0, x.shape[1], len(slices))
+    units, start = [], 0
+    for i, length in enumerate(slices):
+        piece = x[:, start:start + length].detach().requires_grad_()
+        with slice_scope(SliceContext(0, i, start, start + length, state)):
+            units.append((piece, model(piece), start, length))
+        start += length
+    return units
+
+
 @pytest.mark.parametrize("rotary", [False, True])
 @pytest.mark.parametrize("seed", range(6))
 def test_sliced_forward_backward_equals_unsliced(rotary: bool, seed: int) -> None:
@@ -51,13 +64,7 @@ def test_sliced_forward_backward_equals_unsliced(rotary: bool, seed: int) -> Non
     x.grad = None
 
     slices = random_slices(seq_len, rng)
-    state = MicroBatchState(0, seq_len, len(slices))
-    units, start = [], 0
-    for i, length in enumerate(slices):
-        piece = x[:, start:start + length].detach().requires_grad_()
-        with slice_scope(SliceContext(0, i, start, start + length, state)):
-            units.append((piece, model(piece), start, length))
-        start += length
+    units = run_slices(model, x, slices)
     out = torch.cat([u[1] for u in units], dim=1)
     assert torch.allclose(out, model(x.detach()), atol=1e-10), slices
     grad_x = torch.zeros_like(x)
@@ -67,6 +74,45 @@ def test_sliced_forward_backward_equals_unsliced(rotary: bool, seed: int) -> Non
     assert torch.allclose(grad_x, ref_x, atol=1e-10), slices
     for p, ref in zip(model.parameters(), ref_params):
         assert torch.allclose(p.grad, ref, atol=1e-10), slices
+
+
+class ConstantKeyAttention(nn.Module):
+    """Attention that passes one constant ``cache_key`` for every instance (a common user shortcut)."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (t.unsqueeze(1) for t in self.qkv(x).chunk(3, dim=2))  # (B, 1, T, C)
+        return x + sliced_causal_attention(q, k, v, cache_key="attn").squeeze(1)
+
+
+def _sliced_vs_unsliced(model: nn.Module, x: torch.Tensor, slices: list[int]) -> float:
+    """Worst absolute difference of output, input gradient and parameter gradients, sliced vs unsliced."""
+    weight = torch.randn(x.shape, dtype=x.dtype, generator=torch.Generator().manual_seed(1))
+    x = x.detach().requires_grad_()
+    out = model(x)
+    (out * weight).sum().backward()
+    ref = [out.detach(), x.grad.clone(), *[p.grad.clone() for p in model.parameters()]]
+    model.zero_grad(set_to_none=True)
+    units = run_slices(model, x, slices)
+    for piece, y, start, length in reversed(units):  # later slices first, one graph each
+        y.backward(weight[:, start:start + length])
+    got = [torch.cat([u[1] for u in units], dim=1).detach(), torch.cat([u[0].grad for u in units], dim=1),
+           *[p.grad for p in model.parameters()]]
+    return max(float((a - b).abs().max()) for a, b in zip(got, ref))
+
+
+def test_a_block_applied_twice_and_shared_cache_keys_train_exactly() -> None:
+    torch.manual_seed(3)
+    shared = Block(16, 4, rotary=True)
+    # one module at two depths (weight sharing), and two layers that pass the same constant cache_key
+    model = nn.Sequential(shared, nn.Linear(16, 16), shared, ConstantKeyAttention(16),
+                          ConstantKeyAttention(16)).double()
+    x = torch.randn(2, 24, 16, dtype=torch.double)
+    assert _sliced_vs_unsliced(model, x, [8, 4, 12]) < 1e-10
+    assert check_slicing_equivalence(list(model), 0, x, [8, 4, 12]) is None
 
 
 class PlainCausal(nn.Module):
@@ -83,10 +129,17 @@ class MeanMixer(nn.Module):
         return x + x.mean(dim=1, keepdim=True)
 
 
+class InplaceScale(nn.Module):
+    """Position-wise, in place on its input (allowed in training, where its input is not a leaf)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mul_(2.0)
+
+
 def test_slice_check_accepts_sliced_attention_and_refuses_the_rest() -> None:
     torch.manual_seed(0)
     x = torch.randn(2, 32, 16)
-    good = [nn.Linear(16, 16), CausalSelfAttention(16, 4, rotary=True), nn.LayerNorm(16)]
+    good = [nn.Linear(16, 16), CausalSelfAttention(16, 4, rotary=True), InplaceScale(), nn.LayerNorm(16)]
     assert check_slicing_equivalence(good, 0, x, [8, 16, 8]) is None
     for bad, name in ((PlainCausal(), "PlainCausal"), (MeanMixer(), "MeanMixer")):
         problem = check_slicing_equivalence([nn.Linear(16, 16), bad], 5, x, [8, 16, 8])
@@ -98,3 +151,49 @@ def test_wrong_slice_length_is_a_clear_error() -> None:
     state = MicroBatchState(0, 32, 2)
     with slice_scope(SliceContext(0, 1, 8, 16, state)), pytest.raises(ValueError, match="running slice has 8"):
         attn(torch.randn(1, 32, 16))
+
+
+class ZeroProjAttention(nn.Module):
+    """Residual attention with a zero-initialised output projection (outputs equal the input at init)."""
+
+    def __init__(self, hidden: int, mode: str, zero_qkv: bool = False) -> None:
+        super().__init__()
+        self.mode = mode
+        self.attn = CausalSelfAttention(hidden, 4)
+        nn.init.zeros_(self.attn.proj.weight)
+        nn.init.zeros_(self.attn.proj.bias)
+        if zero_qkv:
+            nn.init.zeros_(self.attn.qkv.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mode == "sliced":
+            return x + self.attn(x)
+        q, k, v = self.attn.qkv(x).unsqueeze(1).chunk(3, dim=3)  # (B, 1, T, C) each
+        # "bidirectional": no mask; "slice-blind": causal over the running slice alone
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.mode == "slice-blind").squeeze(1)
+        return x + self.attn.proj(y)
+
+
+@pytest.mark.parametrize("mode", ["bidirectional", "slice-blind"])
+@pytest.mark.parametrize("zero_qkv", [False, True])
+def test_zero_initialised_projection_does_not_hide_token_mixing(mode: str, zero_qkv: bool) -> None:
+    torch.manual_seed(0)
+    layer = ZeroProjAttention(16, mode, zero_qkv)
+    x = torch.randn(2, 32, 16)
+    assert torch.equal(layer(x), x)  # the outputs alone cannot tell
+    problem = check_slicing_equivalence([nn.LayerNorm(16), layer], 3, x, [8, 16, 8])
+    assert problem is not None and "layer 4 (ZeroProjAttention)" in problem and "slices=1" in problem
+    # zero proj alone: its own gradient shows the mixing; zero qkv too: found with the zero weights perturbed
+    assert ("all-zero weights set to random values" in problem) == zero_qkv, problem
+
+
+def test_slice_check_leaves_weights_and_grads_untouched() -> None:
+    torch.manual_seed(0)
+    layer = ZeroProjAttention(16, "sliced", zero_qkv=True)
+    grads = [torch.randn_like(p) for p in layer.parameters()]
+    for p, g in zip(layer.parameters(), grads):
+        p.grad = g
+    before = [p.detach().clone() for p in layer.parameters()]
+    assert check_slicing_equivalence([layer], 0, torch.randn(2, 32, 16), [8, 16, 8]) is None  # accepted
+    assert all(torch.equal(p, b) for p, b in zip(layer.parameters(), before))  # perturbed, restored bit for bit
+    assert all(p.grad is g for p, g in zip(layer.parameters(), grads))

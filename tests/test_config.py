@@ -55,3 +55,9 @@ def test_errors_name_key_value_and_fix(section: dict, needle: str) -> None:
 def test_section_must_be_an_object() -> None:
     with pytest.raises(ValueError, match="must be an object"):
         parse_terapipe_config({"terapipe": [1]})
+
+
+def test_a_list_of_slices_is_taken_as_given_whatever_the_granularity() -> None:
+    # granularity applies to slices the engine chooses; a list runs exactly as written (README, config.py)
+    cfg = parse_terapipe_config({"terapipe": {"enabled": True, "slices": [5, 27, 16], "granularity": 8}})
+    assert cfg.slices == [5, 27, 16] and cfg.seq_len == 48

@@ -22,7 +22,8 @@ def _blocks() -> nn.Sequential:
     return nn.Sequential(GPTBlock(CFG, 0), GPTBlock(CFG, 1)).double()
 
 
-def _sliced_grads(model: nn.Module, x: torch.Tensor, slices: list[int], deferred: bool) -> tuple[dict, torch.Tensor]:
+def _sliced_grads(model: nn.Module, x: torch.Tensor, slices: list[int], deferred: bool,
+                  pairs_per_slice: int = 4 * 2) -> tuple[dict, torch.Tensor]:
     model.zero_grad(set_to_none=True)
     seq_len = x.shape[1]
     state = MicroBatchState(0, seq_len, len(slices))
@@ -40,7 +41,8 @@ def _sliced_grads(model: nn.Module, x: torch.Tensor, slices: list[int], deferred
         w = weights[:, start_of[i]:start_of[i] + slices[i]]
         outs[i].backward((w * torch.ones_like(outs[i])))
     if deferred:
-        assert len(state.weight_stash) == 4 * 2 * len(slices)  # 4 Linears per block, one pair per slice
+        # 4 Linears per block, one pair per call and slice
+        assert len(state.weight_stash) == pairs_per_slice * len(slices)
         state.weight_stash.flush()
         assert len(state.weight_stash) == 0
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -111,3 +113,16 @@ def test_only_plain_linears_are_wrapped_once() -> None:
     assert enable_deferred_weight_grads(model) == 0
     wrapped = [m for m in model.modules() if getattr(m, "_terapipe_deferred", False)]
     assert wrapped == [model[0], model[2][0]]   # the plain ones, not the subclass
+
+
+def test_a_module_applied_twice_defers_both_calls() -> None:
+    """Weight sharing: one block at two depths records two pairs per Linear per slice; the W pass sums them."""
+    block = GPTBlock(CFG, 0)
+    model = nn.Sequential(block, GPTBlock(CFG, 1), block).double()
+    x = torch.randn(2, 24, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    ref, ref_input = _sliced_grads(model, x, [24], deferred=False)
+    enable_deferred_weight_grads(model)
+    got, got_input = _sliced_grads(model, x, [8, 8, 8], deferred=True, pairs_per_slice=4 * 3)
+    assert torch.allclose(got_input, ref_input, rtol=1e-10, atol=1e-12)
+    for name, g in ref.items():
+        assert torch.allclose(got[name], g, rtol=1e-10, atol=1e-12), name

@@ -84,7 +84,9 @@ def sliced_causal_attention(q: torch.Tensor,
 
     Args:
         q, k, v: (B, nh, T, hs) for the running slice's T tokens (the whole sequence outside a pipeline).
-        cache_key: identifies the layer; must be unique per attention layer on a stage (``self`` works).
+        cache_key: names the attention layer (``self`` is the usual choice). Each call within one slice's
+            forward gets its own KV buffer, keyed by (cache_key, how many calls with this key came before it),
+            so a layer applied twice (shared weights) or two layers passing the same key still train exactly.
         dropout_p, scale: as in ``torch.nn.functional.scaled_dot_product_attention``.
 
     Returns:
@@ -97,7 +99,7 @@ def sliced_causal_attention(q: torch.Tensor,
         raise ValueError(f"sliced_causal_attention: q/k/v have {q.shape[2]}/{k.shape[2]} tokens but the running "
                          f"slice has {ctx.length} (tokens [{ctx.start}, {ctx.end})); pass (B, heads, T, head_dim) "
                          "tensors of the slice, not of the whole sequence")
-    bufs = ctx.state.buffers(cache_key, k, v)
+    bufs = ctx.kv_buffers(cache_key, k, v)
     # SDPA saves q for backward; q is usually a view of a fused qkv projection whose k/v parts now live in the
     # cache, so give q its own storage (same (B, nh, T, hs) strides as before) and let that projection go.
     q = q.transpose(1, 2).contiguous().transpose(1, 2)

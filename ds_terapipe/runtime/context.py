@@ -7,8 +7,12 @@ micro-batch, and position embeddings, which need the slice's token offset. The e
 engine (a plain forward, stock DeepSpeed, inference) there is no context and layers behave as usual, so one
 model definition serves both.
 
-Keys/values live in one full-length buffer per (micro-batch, attention layer) on each stage: slice ``i``
-writes its own rows and reads rows ``[0, end_i)`` as a view, never a copy. Their gradients accumulate in a
+Keys/values live in one full-length buffer per (micro-batch, attention call) on each stage: slice ``i``
+writes its own rows and reads rows ``[0, end_i)`` as a view, never a copy. An attention call is identified by
+its ``cache_key`` *and* how many calls with that key came before it in the same slice's forward
+(:meth:`SliceContext.kv_buffers`), so a layer applied twice (shared weights, a block reused in a loop) or two
+layers given the same key get a buffer each: every slice runs the stage's layers in the same order, so the
+n-th call of slice ``i`` and the n-th call of slice ``j`` are the same attention. Their gradients accumulate in a
 buffer of the same shape; because backwards run later slices first, slice ``i``'s backward finds the
 contributions of all later slices already there (see :mod:`ds_terapipe.runtime.attention`).
 """
@@ -98,6 +102,19 @@ class SliceContext:
     start: int
     end: int
     state: MicroBatchState
+    # Attention calls so far in this slice's forward, per cache key (see kv_buffers).
+    kv_calls: dict[Hashable, int] = field(default_factory=dict, repr=False)
+
+    def kv_buffers(self, cache_key: Hashable, like_k: torch.Tensor, like_v: torch.Tensor) -> KVBuffers:
+        """The KV buffers of the next attention call with ``cache_key`` in this slice's forward.
+
+        Keyed by (cache_key, occurrence): the n-th call with a key in slice ``i`` and the n-th in slice ``j`` are
+        the same attention (a stage runs its layers in the same order for every slice), while two calls in one
+        forward never share a buffer, whatever the model passes as key.
+        """
+        occurrence = self.kv_calls.get(cache_key, 0)
+        self.kv_calls[cache_key] = occurrence + 1
+        return self.state.buffers((cache_key, occurrence), like_k, like_v)
 
     @property
     def seq_len(self) -> int:

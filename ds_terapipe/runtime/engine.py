@@ -18,6 +18,13 @@ How one training step flows (``train_batch``), on every stage:
 
 Transfers go through :class:`~ds_terapipe.runtime.p2p.SliceP2P` (per-transfer shapes, non-blocking sends,
 deadlines), because slices have different lengths.
+
+Failing fast: an exception on any rank inside ``train_batch``, ``eval_batch``, engine init or checkpointing
+raises the job's abort flag (:class:`~ds_terapipe.runtime.p2p.AbortFlag`, on the process group's store) with
+this rank and its error, and every other rank's waits turn it into a ``PeerFailedError`` naming both within
+about a second. Errors that every rank raises together (a collective verdict) do not raise the flag. So that
+no rank sits in one of DeepSpeed's own blocking collectives (tied and data-parallel gradient reduction, the
+loss broadcast) while a peer fails behind it, the end of every schedule is one abort-aware all-reduce.
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ from ..trace import events_to_chrome_trace
 from . import checkpoint as ckpt
 from .context import MicroBatchState, SliceContext, cut_tokens, slice_scope
 from .deferred import WeightGradStash, enable_deferred_weight_grads
-from .p2p import SliceP2P, agree_or_raise, as_tuple
+from .p2p import AbortFlag, PeerFailedError, SliceP2P, agree_or_raise, as_tuple, mark_collective
 from .plan import ResolvedPlan, plan_for_length, resolve_plan
 from .schedule import TokenPipeSchedule, WeightGradPass
 
@@ -61,6 +68,10 @@ def _first_tensor(value: Any) -> Optional[torch.Tensor]:
 
 # Slots of the per-batch sequence-length agreement that are not lengths.
 _UNSET, _NO_SEQ_DIM, _EXHAUSTED, _NOT_READING = -100, -3, -2, -1
+
+# Engines numbered in creation order, the same on every rank (creation is collective): each gets its own
+# abort flag, so an engine built after a failure starts clean.
+_ENGINE_SERIAL = itertools.count()
 
 _TIMED = {ds_schedule.ForwardPass: ActionKind.FORWARD, ds_schedule.BackwardPass: ActionKind.BACKWARD,
           WeightGradPass: ActionKind.WEIGHT}
@@ -84,7 +95,8 @@ class TokenPipelineEngine(PipelineEngine):
             raise ValueError("terapipe: pipeline.pipe_partitioned / grad_partitioned are not supported by the "
                              "token pipeline; set both to false in the DeepSpeed config")
         self._p2p = SliceP2P([self.grid.stage_to_global(s) for s in range(self.num_stages)], self.device,
-                             self.terapipe.p2p_timeout_s)
+                             self.terapipe.p2p_timeout_s,
+                             abort=AbortFlag.on_default_group(f"ds_terapipe/abort/{next(_ENGINE_SERIAL)}"))
         self._states: dict[int, MicroBatchState] = {}
         self._loaded: dict[int, Any] = {}
         self._unit_losses: dict[int, torch.Tensor] = {}
@@ -100,14 +112,27 @@ class TokenPipelineEngine(PipelineEngine):
         self._batches_traced = 0
         # Deferred weight gradients: per micro-batch, the (input, output-gradient) pairs until its W action.
         self._stashes: dict[int, WeightGradStash] = {}
-        if self.terapipe.deferred_weight_grads:  # before profiling, which measures the split backward
-            count = enable_deferred_weight_grads(self.module)
-            logger.info("terapipe: stage %d defers the weight gradients of %d nn.Linear module(s)", self.stage_id,
-                        count)
-        self.plan: ResolvedPlan = resolve_plan(self)
-        # One plan per sequence length seen, planned once (variable-length training), in the order resolved.
-        self._plans: dict[int, ResolvedPlan] = {self.plan.seq_len: self.plan}
-        self._check_model_supports_slicing()
+        with self._failing_fast("engine init"):
+            if self.terapipe.deferred_weight_grads:  # before profiling, which measures the split backward
+                count = enable_deferred_weight_grads(self.module)
+                logger.info("terapipe: stage %d defers the weight gradients of %d nn.Linear module(s)",
+                            self.stage_id, count)
+            self.plan: ResolvedPlan = resolve_plan(self)
+            # One plan per sequence length seen, planned once (variable-length training), in the order resolved.
+            self._plans: dict[int, ResolvedPlan] = {self.plan.seq_len: self.plan}
+            self._check_model_supports_slicing()
+
+    # -- failing fast -----------------------------------------------------------------------------------------
+    @contextmanager
+    def _failing_fast(self, what: str) -> Iterator[None]:
+        """Raise the job's abort flag when the block raises on this rank alone, so peers stop within seconds."""
+        try:
+            yield
+        except Exception as err:
+            if not isinstance(err, PeerFailedError) and not getattr(err, "terapipe_collective", False) and \
+                    self._p2p.abort is not None:
+                self._p2p.abort.set(self.global_rank, self.stage_id, what, f"{type(err).__name__}: {err}")
+            raise
 
     # -- plan ------------------------------------------------------------------------------------------------
     @property
@@ -151,15 +176,17 @@ class TokenPipelineEngine(PipelineEngine):
 
     # -- variable sequence lengths ----------------------------------------------------------------------------
     def train_batch(self, data_iter: Optional[Iterator] = None) -> torch.Tensor:
-        if data_iter is not None:
-            self.set_dataiterator(data_iter)
-        peeked = self._use_plan_for_next_batch(self.data_iterator)
-        if self.is_first_stage() or self.is_last_stage():
-            self.data_iterator = peeked
-        return super().train_batch()
+        with self._failing_fast("train_batch"):
+            if data_iter is not None:
+                self.set_dataiterator(data_iter)
+            peeked = self._use_plan_for_next_batch(self.data_iterator)
+            if self.is_first_stage() or self.is_last_stage():
+                self.data_iterator = peeked
+            return super().train_batch()
 
     def eval_batch(self, data_iter: Iterator, *args: Any, **kwargs: Any) -> Any:
-        return super().eval_batch(self._use_plan_for_next_batch(data_iter), *args, **kwargs)
+        with self._failing_fast("eval_batch"):
+            return super().eval_batch(self._use_plan_for_next_batch(data_iter), *args, **kwargs)
 
     def _use_plan_for_next_batch(self, iterator: Optional[Iterator]) -> Optional[Iterator]:
         """Look at the next micro-batch's sequence length and switch to its plan (collective over all ranks).
@@ -178,23 +205,24 @@ class TokenPipelineEngine(PipelineEngine):
                 first = _first_tensor(batch[0] if self.is_first_stage() else batch[1])
                 local = first.shape[1] if first is not None and first.dim() >= 2 else _NO_SEQ_DIM
                 iterator = itertools.chain([batch], iterator)
-        lengths = torch.full((torch.distributed.get_world_size(), ), _UNSET, dtype=torch.int64)
+        lengths = torch.full((torch.distributed.get_world_size(), ), _UNSET, dtype=torch.int64, device=self.device)
         lengths[self.global_rank] = local  # each rank fills its own slot; MAX merges them
         work = torch.distributed.all_reduce(lengths, op=torch.distributed.ReduceOp.MAX, async_op=True)
         self._p2p.wait(work, "the sequence-length agreement at the start of a batch")
         values = lengths.tolist()
         # Every rank sees every pipeline's first and last stage, so every rank reaches the same verdict.
         if _EXHAUSTED in values:
-            raise StopIteration("token pipeline: a data iterator ran out at the start of a batch")
+            raise mark_collective(StopIteration("token pipeline: a data iterator ran out at the start of a batch"))
         if _NO_SEQ_DIM in values:
-            raise ValueError("token pipeline: batch inputs/labels must be (batch, seq_len, ...) tensors; a stage got "
-                             "a tensor without a sequence dimension")
+            raise mark_collective(ValueError("token pipeline: batch inputs/labels must be (batch, seq_len, ...) "
+                                             "tensors; a stage got a tensor without a sequence dimension"))
         replicas = range(self.grid.data_parallel_size)
         stage0 = [values[self.grid.stage_to_global(0, data=d)] for d in replicas]
         last = [values[self.grid.stage_to_global(self.num_stages - 1, data=d)] for d in replicas]
         if stage0 != last:
-            raise ValueError(f"token pipeline: first-stage inputs have lengths {stage0} but last-stage labels "
-                             f"{last} (per data-parallel replica); both stages must read the same batches")
+            raise mark_collective(ValueError(f"token pipeline: first-stage inputs have lengths {stage0} but last-stage "
+                                             f"labels {last} (per data-parallel replica); both stages must read the "
+                                             "same batches"))
         mine = values[self.grid.stage_to_global(0)]
         for length in sorted(set(stage0)):
             if length not in self._plans:
@@ -269,18 +297,24 @@ class TokenPipelineEngine(PipelineEngine):
         inputs, labels = batch
         loaded: dict[str, Any] = {}
         if self.is_first_stage():
-            loaded["inputs"] = self._to_device(inputs, "inputs")
+            loaded["inputs"] = self._to_device(inputs, "inputs", microbatch)
         if self.is_last_stage():
-            loaded["labels"] = self._to_device(labels, "labels")
+            loaded["labels"] = self._to_device(labels, "labels", microbatch)
         self._loaded[microbatch] = loaded
 
-    def _to_device(self, value: Any, what: str) -> Any:
+    def _to_device(self, value: Any, what: str, microbatch: int = 0) -> Any:
         first = _first_tensor(value)
-        if first is None or first.dim() < 2 or first.shape[1] != self.seq_len:
+        if first is None or first.dim() < 2:
             got = None if first is None else tuple(first.shape)
-            raise ValueError(f"token pipeline: batch {what} must be (batch, seq_len, ...) tensors with seq_len = "
-                             f"terapipe.seq_len = {self.seq_len}; got shape {got}. Set terapipe.seq_len to the "
-                             "data's sequence length (or pad/crop the data)")
+            raise ValueError(f"token pipeline: batch {what} must be (batch, seq_len, ...) tensors; got shape {got} in "
+                             f"micro-batch {microbatch}")
+        if first.shape[1] != self.seq_len:
+            # The step's plan was chosen for its first micro-batch's length (read before the step started).
+            raise ValueError(f"token pipeline: micro-batches of different lengths in one step: micro-batch "
+                             f"{microbatch} has {what} of sequence length {first.shape[1]}, but the step's first "
+                             f"micro-batch had {self.seq_len}; all micro-batches of a step (gradient_accumulation_steps of "
+                             "them) must share one length: group batches by length, or pad "
+                             "or crop them to a common length")
         if first.shape[0] != self.micro_batch_size:
             # Stages exchange activation shapes once per slice length: a micro-batch of another size must stop here.
             raise ValueError(f"token pipeline: a micro-batch of {what} has {first.shape[0]} sequences, but "
@@ -416,6 +450,10 @@ class TokenPipelineEngine(PipelineEngine):
 
     def _exec_commit_p2p(self) -> None:
         self._p2p.drain()
+        if self._p2p.abort is not None:
+            # Every rank finished its schedule before any enters DeepSpeed's blocking collectives, which cannot
+            # watch the abort flag: a rank failing in its last backward stops its peers here, not there.
+            self._barrier("the schedule of this batch")
 
     _INSTRUCTION_MAP = {
         **PipelineEngine._INSTRUCTION_MAP,
@@ -441,23 +479,29 @@ class TokenPipelineEngine(PipelineEngine):
         tag_dir = os.path.join(save_dir, tag)
         if self.global_rank == 0 and os.path.exists(os.path.join(tag_dir, ckpt.MANIFEST)):
             os.remove(os.path.join(tag_dir, ckpt.MANIFEST))  # being rewritten: incomplete until the end
-        state = dict(client_state or {})
-        state.setdefault("terapipe", {"plan": self.plan_summary(), "config": self.terapipe.model_dump()})
-        result = super().save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=False, **kwargs)
-        self._barrier("saving a checkpoint")
-        if self.global_rank == 0:
-            ckpt.write_manifest(tag_dir, {"num_stages": self.num_stages, "dp": self.dp_world_size,
-                                          "plan": self.plan_summary(), "terapipe": self.terapipe.model_dump()})
-            if save_latest:
-                ckpt.write_latest(save_dir, tag)
-            logger.info("terapipe: checkpoint %s complete (manifest written)", tag_dir)
-        self._barrier("finishing a checkpoint")
-        return result
+        with self._failing_fast("save_checkpoint"):
+            state = dict(client_state or {})
+            state.setdefault("terapipe", {"plan": self.plan_summary(), "config": self.terapipe.model_dump()})
+            self._barrier("starting a checkpoint")  # DeepSpeed's own barriers in the save cannot watch the flag
+            result = super().save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=False, **kwargs)
+            self._barrier("saving a checkpoint")
+            if self.global_rank == 0:
+                ckpt.write_manifest(tag_dir, {"num_stages": self.num_stages, "dp": self.dp_world_size,
+                                              "plan": self.plan_summary(), "terapipe": self.terapipe.model_dump()})
+                if save_latest:
+                    ckpt.write_latest(save_dir, tag)
+                logger.info("terapipe: checkpoint %s complete (manifest written)", tag_dir)
+            self._barrier("finishing a checkpoint")
+            return result
 
     def load_checkpoint(self, load_dir: str, tag: Any = None, **kwargs: Any) -> Any:
         """DeepSpeed's load, after checking the checkpoint is complete and fits this model (nothing is touched
         otherwise). A checkpoint from another number of stages loads its weights (per-layer files) but not the
         optimizer state, which DeepSpeed stores per stage."""
+        with self._failing_fast("load_checkpoint"):
+            return self._checked_load(load_dir, tag, **kwargs)
+
+    def _checked_load(self, load_dir: str, tag: Any, **kwargs: Any) -> Any:
         tag = str(tag) if tag is not None else ckpt.read_latest(load_dir)
         if tag is None:
             logger.warning("terapipe: no 'latest' file in %s: nothing loaded", load_dir)
@@ -472,7 +516,7 @@ class TokenPipelineEngine(PipelineEngine):
                            "build the model with the checkpoint's dimensions")
         except ckpt.CheckpointError as err:
             problem = str(err)
-        agree_or_raise(problem, ckpt.CheckpointError)
+        agree_or_raise(problem, ckpt.CheckpointError, self._p2p, f"the check of checkpoint {tag_dir}")
         assert manifest is not None
         if manifest.get("num_stages", self.num_stages) != self.num_stages:
             if self.global_rank == 0:
@@ -482,7 +526,8 @@ class TokenPipelineEngine(PipelineEngine):
         return super().load_checkpoint(load_dir, tag=tag, **kwargs)
 
     def _barrier(self, what: str) -> None:
-        flag = torch.zeros(1)
+        """An all-reduce of one number that waits with the p2p deadline and watches the abort flag."""
+        flag = torch.zeros(1, device=self.device)
         self._p2p.wait(torch.distributed.all_reduce(flag, async_op=True), f"the barrier after {what}")
 
     def plan_summary(self) -> dict[str, Any]:

@@ -10,18 +10,34 @@ so a dead peer becomes an error naming what this rank was waiting for, not a han
 
 Ordering: torch.distributed matches sends and receives between two ranks in FIFO order, so the schedule's
 per-rank order is the protocol; :func:`ds_terapipe.planner.schedule.replay` checks it pairs up.
+
+Failing fast: a rank that raises (a loss function, a bad batch, an OOM) writes its rank and error once to a
+job-wide :class:`AbortFlag` on the process group's store (host-side, so it works with NCCL as with gloo). Every
+wait here checks that flag every ``poll_s`` while it is still blocked, and a set flag becomes a
+:class:`PeerFailedError` naming the origin, within about a second, instead of waiting out ``p2p_timeout_s``.
+A healthy wait never touches the store: only waits still blocked after ``poll_s`` look. A gloo receive cannot
+be polled (its work never reports completion before ``wait``) nor waited on with a short timeout (a gloo
+timeout tears the connections down), so with gloo the blocking ``wait`` runs on a helper thread while this
+thread watches the flag; other backends poll ``is_completed``. A process that dies raises nothing: its peers
+still fail at the deadline (or at once, where the transport reports the closed connection).
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import json
 import logging
-from typing import Optional, Sequence
+import queue
+import threading
+import time
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["P2PTimeoutError", "SliceP2P", "agree_or_raise", "as_tuple"]
+__all__ = ["AbortFlag", "P2PTimeoutError", "PeerFailedError", "SliceP2P", "agree_or_raise", "as_tuple",
+           "linger_for_peers", "mark_collective"]
 
 logger = logging.getLogger(__name__)
 
@@ -35,14 +51,133 @@ class P2PTimeoutError(RuntimeError):
     """Waiting for a pipeline peer failed: no answer within ``terapipe.p2p_timeout_s``, or the peer went away."""
 
 
-def agree_or_raise(problem: Optional[str], error: type[Exception]) -> None:
+class PeerFailedError(RuntimeError):
+    """Another rank of the job raised (in ``train_batch``, ``eval_batch``, engine init or checkpointing), so
+    this rank stops too; the message names the origin rank and its error."""
+
+
+def mark_collective(err: BaseException) -> BaseException:
+    """Mark an error that every rank raises together (a verdict all ranks reached): no peer is left waiting,
+    so it does not set the abort flag (the engine may go on, e.g. after the data ran out)."""
+    err.terapipe_collective = True  # type: ignore[attr-defined]
+    return err
+
+
+def agree_or_raise(problem: Optional[str], error: type[Exception], waiter: Optional["SliceP2P"] = None,
+                   what: str = "the ranks' verdict") -> None:
     """Collective: every rank raises ``error`` if any rank found a problem (the first rank's message), so no
-    rank is left waiting for a peer that gave up."""
+    rank is left waiting for a peer that gave up.
+
+    With ``waiter`` the ranks first agree on a flag through an async all-reduce that ``waiter`` waits for
+    (deadline, abort flag), so a rank that raised before reaching this point stops the others within seconds;
+    only then are the messages gathered.
+    """
+    if waiter is not None:
+        flag = torch.tensor([1 if problem else 0], dtype=torch.int32, device=waiter.device)
+        waiter.wait(dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), what)
+        if not int(flag.item()):
+            return
     messages: list[Optional[str]] = [None] * dist.get_world_size()
     dist.all_gather_object(messages, problem)
     failures = [m for m in messages if m]
     if failures:
-        raise error(failures[0])
+        raise mark_collective(error(failures[0]))
+
+
+class AbortFlag:
+    """A job-wide flag on the process group's store: the first rank to fail writes who it is and its error.
+
+    ``key`` must be the same on every rank and new for every engine (an engine created after a failure starts
+    clean); the engine numbers its instances, which every rank creates in the same order. The store lives in
+    global rank 0's process (``env://``): once rank 0 has set or seen the flag, its exit waits (at most
+    ``LINGER_S``, :func:`linger_for_peers`) until every rank has read it, and a store that can no longer be
+    reached means rank 0's process is gone, which is itself reported as a failure.
+    """
+
+    LINGER_S = 3.0
+
+    def __init__(self, store: Any, key: str) -> None:
+        self.store, self.key = store, key
+        self._seen = False
+
+    @classmethod
+    def on_default_group(cls, key: str) -> Optional["AbortFlag"]:
+        """The flag on the default process group's store, or None without one (then waits only have deadlines)."""
+        try:
+            from torch.distributed.distributed_c10d import _get_default_store
+            return cls(_get_default_store(), key)
+        except (RuntimeError, ValueError, AttributeError, ImportError):  # pragma: no cover - no store
+            return None
+
+    def set(self, rank: int, stage: int, what: str, error: str) -> None:
+        """Record a failure; only the first one is kept (the origin, not the peers that stopped because of it)."""
+        value = json.dumps({"rank": rank, "stage": stage, "what": what, "error": error[:2000]})
+        try:
+            self.store.compare_set(self.key, "", value)
+            self._mark_seen()
+        except Exception as err:  # noqa: BLE001 - the store may be gone (rank 0 died); the deadline remains
+            logger.warning("terapipe: could not raise the abort flag (%s); peers will fail at their deadline", err)
+
+    def get(self) -> Optional[dict[str, Any]]:
+        """The recorded failure, or None."""
+        try:
+            if not self.store.check([self.key]):
+                return None
+            failure = json.loads(self.store.get(self.key))
+            self._mark_seen()
+            return failure
+        except Exception as err:  # noqa: BLE001 - the store's process is gone
+            return {"rank": 0, "stage": None, "what": "its process (it holds the job's store)",
+                    "error": f"the job's store is unreachable: rank 0 exited ({err})"}
+
+    def _mark_seen(self) -> None:
+        if not self._seen:
+            self._seen = True
+            self.store.add(f"{self.key}/seen", 1)
+            if dist.get_rank() == 0 and not _LINGERING:
+                _LINGERING.append(self)
+                atexit.register(linger_for_peers)
+
+    def seen_by(self) -> int:
+        """How many ranks have set or read the flag."""
+        return int(self.store.add(f"{self.key}/seen", 0))
+
+
+_LINGERING: list[AbortFlag] = []
+
+
+def linger_for_peers(timeout_s: Optional[float] = None) -> None:
+    """On global rank 0 after a failure: wait until every rank has read the abort flag (at most
+    ``AbortFlag.LINGER_S``) so that they can name the origin; the store dies with this process. Registered
+    with ``atexit``; a process that leaves through ``os._exit`` calls it first."""
+    if not _LINGERING:
+        return
+    flag = _LINGERING[0]
+    deadline = time.monotonic() + (AbortFlag.LINGER_S if timeout_s is None else timeout_s)
+    try:
+        while flag.seen_by() < dist.get_world_size() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    except Exception:  # noqa: BLE001 - nothing left to wait for
+        pass
+
+
+class _Waiter(threading.Thread):
+    """Blocks in ``Work.wait`` on behalf of the main thread (gloo), so the main thread can watch the abort flag."""
+
+    def __init__(self) -> None:
+        super().__init__(name="terapipe-p2p-wait", daemon=True)
+        self.jobs: "queue.SimpleQueue[tuple[Sequence[dist.Work], datetime.timedelta, threading.Event, list]]" = \
+            queue.SimpleQueue()
+
+    def run(self) -> None:
+        while True:
+            works, timeout, done, errors = self.jobs.get()
+            try:
+                for work in works:
+                    work.wait(timeout=timeout)
+            except Exception as err:  # noqa: BLE001 - handed to the main thread
+                errors.append(err)
+            done.set()
 
 
 def as_tuple(value: torch.Tensor | Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -52,11 +187,17 @@ def as_tuple(value: torch.Tensor | Sequence[torch.Tensor]) -> tuple[torch.Tensor
 class SliceP2P:
     """Non-blocking sends and deadline-bounded receives to the neighbouring pipeline stages."""
 
-    def __init__(self, stage_to_rank: Sequence[int], device: torch.device, timeout_s: float) -> None:
+    def __init__(self, stage_to_rank: Sequence[int], device: torch.device, timeout_s: float,
+                 abort: Optional[AbortFlag] = None, poll_s: float = 0.25) -> None:
         self.stage_to_rank = list(stage_to_rank)
         self.device = device
         self.timeout = datetime.timedelta(seconds=timeout_s)
         self._pending: list[tuple[dist.Work, tuple[torch.Tensor, ...], str]] = []
+        self.abort = abort
+        self.poll_s = poll_s
+        self.failure: Optional[dict[str, Any]] = None  # the peer failure this rank stopped for
+        self._waiter: Optional[_Waiter] = None
+        self._threaded = dist.get_backend() == "gloo"
 
     # -- sending ---------------------------------------------------------------------------------------------
     def send(self, tensors: Sequence[torch.Tensor], stage: int, what: str, *, header: bool) -> None:
@@ -91,8 +232,8 @@ class SliceP2P:
     def drain(self) -> None:
         """Wait for every outstanding send (end of a batch: nothing may still be in flight)."""
         pending, self._pending = self._pending, []
-        for work, _, what in pending:
-            self.wait(work, f"send of {what}")
+        if pending:
+            self.wait_all([work for work, _, _ in pending], f"{len(pending)} send(s), the last of {pending[-1][2]}")
 
     # -- receiving -------------------------------------------------------------------------------------------
     def recv(self, stage: int, what: str) -> tuple[torch.Tensor, ...]:
@@ -118,16 +259,81 @@ class SliceP2P:
         rank = self.stage_to_rank[stage]
         wire = [torch.empty(shape, dtype=torch.uint8 if dtype == torch.bool else dtype, device=self.device)
                 for shape, dtype in specs]
-        works = [dist.irecv(buf, rank) for buf in wire]
-        for work in works:
-            self.wait(work, f"{what} from stage {stage} (rank {rank})")
+        self.wait_all([dist.irecv(buf, rank) for buf in wire], f"{what} from stage {stage} (rank {rank})")
         return tuple(buf.bool() if dtype == torch.bool else buf for buf, (_, dtype) in zip(wire, specs))
 
     def wait(self, work: dist.Work, what: str) -> None:
-        """Wait for ``work`` (any async collective too) at most ``p2p_timeout_s``; fail naming ``what``."""
-        try:
-            work.wait(timeout=self.timeout)
-        except RuntimeError as err:
+        """Wait for ``work`` (any async collective too) at most ``p2p_timeout_s``; fail naming ``what``, or at
+        once (within ``poll_s``) when another rank raised the abort flag."""
+        self.wait_all([work], what)
+
+    def wait_all(self, works: Sequence[dist.Work], what: str) -> None:
+        """Wait for every one of ``works``, each at most ``p2p_timeout_s`` (see :meth:`wait`)."""
+        if self.failure is not None:  # this engine already stopped for a peer: nothing it waits for will come
+            self._raise_peer_failed(what)
+        if self.abort is None:
+            errors: list[Exception] = []
+            try:
+                for work in works:
+                    work.wait(timeout=self.timeout)
+            except RuntimeError as err:
+                errors.append(err)
+        elif self._threaded:
+            errors = self._wait_on_thread(works, what)
+        else:
+            errors = self._wait_polling(works, what)
+        if errors:
+            err = errors[0]
+            # A peer that raised usually exits next, so the transport may report its closed connection before
+            # this rank looked at the flag: name the origin if there is one.
+            failure = self.abort.get() if self.abort is not None else None
+            if failure is not None:
+                self.failure = failure
+                try:
+                    self._raise_peer_failed(what)
+                except PeerFailedError as peer:
+                    raise peer from err
             raise P2PTimeoutError(f"rank {dist.get_rank()}: waiting for {what} failed (limit "
                                   f"{self.timeout.total_seconds():.0f}s, terapipe.p2p_timeout_s): a peer died, hung "
                                   f"or runs a different schedule ({err})") from err
+
+    def _wait_on_thread(self, works: Sequence[dist.Work], what: str) -> list[Exception]:
+        if self._waiter is None:
+            self._waiter = _Waiter()
+            self._waiter.start()
+        done, errors = threading.Event(), []
+        self._waiter.jobs.put((works, self.timeout, done, errors))
+        while not done.wait(self.poll_s):
+            self._check_abort(what)
+        return errors
+
+    def _wait_polling(self, works: Sequence[dist.Work], what: str) -> list[Exception]:
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        next_check = time.monotonic() + self.poll_s
+        for work in works:
+            while not work.is_completed():
+                now = time.monotonic()
+                if now >= next_check:
+                    self._check_abort(what)
+                    next_check = now + self.poll_s
+                if now > deadline:
+                    return [RuntimeError(f"no completion within {self.timeout.total_seconds():.0f}s")]
+                time.sleep(20e-6)
+            try:
+                work.wait(timeout=self.timeout)  # completed: orders the device stream after it
+            except RuntimeError as err:
+                return [err]
+        return []
+
+    def _check_abort(self, what: str) -> None:
+        assert self.abort is not None
+        failure = self.abort.get()
+        if failure is not None:
+            self.failure = failure
+            self._raise_peer_failed(what)
+
+    def _raise_peer_failed(self, what: str) -> None:
+        failure = self.failure or {}
+        raise PeerFailedError(f"rank {dist.get_rank()}: stopped while waiting for {what}, because rank "
+                              f"{failure.get('rank')} (stage {failure.get('stage')}) failed in {failure.get('what')}: "
+                              f"{failure.get('error')}")

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from ..planner.cost import PipelineCost
 from ..planner.slicing import MemoryModel, SlicingPlan, plan_slicing
+from .p2p import mark_collective
 from .plan_cache import cache_entry, gather_fingerprints, load_cached, store_plan
 from .profile import measure_costs
 from .slice_check import check_stage_slicing
@@ -91,37 +92,62 @@ def _auto_plan(engine: "TokenPipelineEngine", known: Optional[ResolvedPlan], sta
     cost = known.cost if known is not None else None
     stage_meta = known.stage_meta if known is not None else None
     entry = cache_entry(engine, fingerprints, seq_len)
-    decision: list[Any] = [None]
-    if dist.get_rank() == 0:
+
+    def from_cache_or_known_costs() -> Optional[tuple[str, dict]]:
+        nonlocal cost, stage_meta
         cached = load_cached(entry)
         if cached is not None:
-            decision = [("cache", cached["plan"])]
             cost = cost or cached.get("cost")
             stage_meta = stage_meta or cached.get("stage_meta")
-        elif cost is not None:
+            return "cache", cached["plan"]
+        if cost is not None:
             # a new sequence length: the costs measured at init cover it, no re-profiling
             plan = _solve(engine, PipelineCost.from_dict(cost, num_stages=engine.num_stages), stage_meta, seq_len)
-            decision = [("planned", plan.to_dict())]
             store_plan(entry, plan, cost, stage_meta)
-    dist.broadcast_object_list(decision, src=0)
-    if decision[0] is not None:
-        source, plan_dict = decision[0]
+            return "planned", plan.to_dict()
+        return None
+
+    decision = _decided_on_rank0(from_cache_or_known_costs)
+    if decision is not None:
+        source, plan_dict = decision
         plan = SlicingPlan.from_dict(plan_dict)
         return ResolvedPlan(tuple(plan.slices), source, plan, cost, stage_meta, fingerprints)
 
     if stage_input is None:
         raise ValueError(f"terapipe: no measured costs to plan seq_len={seq_len}; the plan cache lost them")
-    measured = measure_costs(engine, stage_input, seq_len)
-    result: list[Any] = [None]
-    if measured is not None:
+    measured = measure_costs(engine, stage_input, seq_len)  # gathered on rank 0 (None elsewhere)
+
+    def from_measured() -> dict:
+        nonlocal cost, stage_meta
+        assert measured is not None
         cost, stage_meta = measured.cost.to_dict(), measured.stage_meta
         logger.info("terapipe: profiled %d stage(s) in %.1fs", engine.num_stages, measured.seconds)
         plan = _solve(engine, measured.cost, stage_meta, seq_len)
         store_plan(entry, plan, cost, stage_meta, profile_seconds=measured.seconds)
-        result = [plan.to_dict()]
-    dist.broadcast_object_list(result, src=0)
-    plan = SlicingPlan.from_dict(result[0])
+        return plan.to_dict()
+
+    plan = SlicingPlan.from_dict(_decided_on_rank0(from_measured))
     return ResolvedPlan(tuple(plan.slices), "profiled", plan, cost, stage_meta, fingerprints)
+
+
+def _decided_on_rank0(decide: Any) -> Any:
+    """``decide()`` on global rank 0, broadcast to every rank (collective). If it raises (the planner finds no
+    slicing, the cache cannot be written), every rank raises with its message, together: the others would
+    otherwise wait in the broadcast for a decision that never comes."""
+    payload: list[Any] = [None]
+    error: Optional[Exception] = None
+    if dist.get_rank() == 0:
+        try:
+            payload = [("ok", decide())]
+        except Exception as err:  # noqa: BLE001 - re-raised below, on every rank
+            error, payload = err, [("error", f"{type(err).__name__}: {err}")]
+    dist.broadcast_object_list(payload, src=0)
+    status, value = payload[0]
+    if status == "ok":
+        return value
+    if error is not None:
+        raise mark_collective(error)
+    raise mark_collective(ValueError(f"terapipe: planning on global rank 0 failed: {value}"))
 
 
 def _agree(engine: "TokenPipelineEngine", slices: tuple[int, ...]) -> None:
@@ -129,8 +155,8 @@ def _agree(engine: "TokenPipelineEngine", slices: tuple[int, ...]) -> None:
     every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, (list(slices), engine.terapipe.schedule))
     if any(e != every[0] for e in every):
-        raise ValueError(f"terapipe: ranks disagree on the plan ({every}); every rank must get the same "
-                         "DeepSpeed config")
+        raise mark_collective(ValueError(f"terapipe: ranks disagree on the plan ({every}); every rank must get "
+                                         "the same DeepSpeed config"))
 
 
 def resolve_plan(engine: "TokenPipelineEngine") -> ResolvedPlan:
@@ -146,9 +172,10 @@ def resolve_plan(engine: "TokenPipelineEngine") -> ResolvedPlan:
     assert seq_len is not None
     module = engine.module
     if slices is None and not (hasattr(module, "has_sampler") and module.has_sampler()):
-        raise ValueError("terapipe.slices=\"auto\" needs to profile each stage on a sample input: build the model "
-                         "as ds_terapipe.TokenPipelineModule(..., vocab_size=V) or with input_sampler=fn, or set "
-                         "terapipe.slices to an int or a list")
+        raise mark_collective(ValueError(
+            "terapipe.slices=\"auto\" needs to profile each stage on a sample input: build the model as "
+            "ds_terapipe.TokenPipelineModule(..., vocab_size=V) or with input_sampler=fn, or set terapipe.slices to "
+            "an int or a list"))
     stage_input = check_stage_slicing(engine, seq_len, slices)
     resolved = ResolvedPlan(slices, "config") if slices is not None else _auto_plan(engine, None, stage_input, seq_len)
     _agree(engine, resolved.slices)
@@ -165,12 +192,15 @@ def plan_for_length(engine: "TokenPipelineEngine", known: ResolvedPlan, seq_len:
     ``known`` is the latest plan resolved: its measured costs plan the new length without profiling again.
     """
     cfg = engine.terapipe
+    # Every rank calls this with the same length and config, so every rank raises these together.
     if seq_len % cfg.granularity:
-        raise ValueError(f"terapipe: a batch has sequence length {seq_len}, not a multiple of terapipe.granularity="
-                         f"{cfg.granularity}; pad sequences to a multiple of {cfg.granularity} (or lower granularity)")
+        raise mark_collective(ValueError(
+            f"terapipe: a batch has sequence length {seq_len}, not a multiple of terapipe.granularity="
+            f"{cfg.granularity}; pad sequences to a multiple of {cfg.granularity} (or lower granularity)"))
     if isinstance(cfg.slices, list):
-        raise ValueError(f"terapipe.slices={cfg.slices} is a fixed list for seq_len {sum(cfg.slices)}, but a batch has "
-                         f"sequence length {seq_len}; use slices \"auto\" or an int for variable lengths")
+        raise mark_collective(ValueError(
+            f"terapipe.slices={cfg.slices} is a fixed list for seq_len {sum(cfg.slices)}, but a batch has sequence "
+            f"length {seq_len}; use slices \"auto\" or an int for variable lengths"))
     if isinstance(cfg.slices, int):
         return ResolvedPlan(tuple(cfg.equal_slices(seq_len)), "config")
     return _auto_plan(engine, known, None, seq_len)

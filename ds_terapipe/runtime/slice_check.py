@@ -7,7 +7,12 @@ So before the first step every rank runs, collectively:
 1. Probe pass: stage 0 samples an input (``TokenPipelineModule.sample_input``), every stage runs its layers on
    what it receives, unsliced, and passes the result on; each stage now holds a realistic input.
 2. Check: each stage runs its layers one by one on that input both unsliced and cut into slices through the
-   slice context. The first layer whose sliced output differs is named, and every rank refuses with
+   slice context, forward and backward (one random upstream gradient; the sliced backward runs later slices
+   first through the KV gradient buffers, as training does), and compares what training uses: outputs, input
+   gradients and parameter gradients. Comparing outputs alone is not enough: a zero-initialised output
+   projection makes a bidirectional or slice-blind attention's outputs identical, while its own gradient
+   already differs. A layer with an all-zero weight matrix is checked once more with those weights set to
+   random values (restored bit for bit). The first layer that differs is named, and every rank refuses with
    :class:`SlicingMismatchError` (one rank's verdict, agreed by all, so no rank waits for a peer that gave up).
 
 The probe input is kept: profiling (:mod:`ds_terapipe.runtime.profile`) times the stage on it.
@@ -16,7 +21,8 @@ The probe input is kept: profiling (:mod:`ds_terapipe.runtime.profile`) times th
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -98,35 +104,224 @@ def probe_pass(engine: "TokenPipelineEngine", seq_len: int) -> Any:
     return stage_input
 
 
-def check_slicing_equivalence(layers: list[Callable], first_layer_idx: int, stage_input: Any,
-                              slices: list[int]) -> Optional[str]:
-    """Run ``layers`` unsliced and sliced; return a description of the first layer that differs, or None."""
-    seq_len = sum(slices)
+def _flat(value: Any) -> list[torch.Tensor]:
+    """Every tensor in a (nested) tuple/list, in order."""
+    if torch.is_tensor(value):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _flat(v)]
+    return []
+
+
+def _as_leaves(value: Any) -> Any:
+    """A copy of ``value`` whose floating tensors are fresh leaves that collect input gradients."""
+    if torch.is_tensor(value):
+        return value.detach().clone().requires_grad_(value.is_floating_point())
+    if isinstance(value, (tuple, list)):
+        return tuple(_as_leaves(v) for v in value)
+    return value
+
+
+def _own_copy(value: Any) -> Any:
+    """A non-leaf copy of each floating tensor that needs a gradient (as a layer's input is in training, where
+    in-place ops on it are allowed), in storage of its own (each slice's input is its own tensor)."""
+    if torch.is_tensor(value):
+        return value.clone() if value.requires_grad else value
+    if isinstance(value, (tuple, list)):
+        return tuple(_own_copy(v) for v in value)
+    return value
+
+
+def _layer_params(layer: Callable) -> list[torch.nn.Parameter]:
+    """The parameters a layer owns: a module's, or those of the modules a ``functools.partial`` binds (a
+    ``TiedLayerSpec`` with ``forward_fn``)."""
+    owners = [layer] if isinstance(layer, torch.nn.Module) else \
+        [a for a in getattr(layer, "args", ()) if isinstance(a, torch.nn.Module)]
+    seen: dict[int, torch.nn.Parameter] = {}
+    for owner in owners:
+        for p in owner.parameters():
+            seen.setdefault(id(p), p)
+    return list(seen.values())
+
+
+class _Run:
+    """One pass of a layer (unsliced or sliced): outputs, input gradients, parameter gradients."""
+
+    def __init__(self, outputs: Any, input_grads: list[Optional[torch.Tensor]],
+                 param_grads: list[Optional[torch.Tensor]]) -> None:
+        self.outputs, self.input_grads, self.param_grads = outputs, input_grads, param_grads
+
+
+def _take_grads(params: Sequence[torch.Tensor]) -> list[Optional[torch.Tensor]]:
+    grads = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    return grads
+
+
+def _upstream(outputs: Any, seq_len: int, gen: torch.Generator) -> list[Optional[torch.Tensor]]:
+    """A random upstream gradient for every output a backward reaches (floating, needing a gradient, with the
+    sequence on dim 1); None for the others."""
+    grads: list[Optional[torch.Tensor]] = []
+    for t in _flat(outputs):
+        if t.is_floating_point() and t.requires_grad and t.dim() >= 2 and t.shape[1] == seq_len:
+            grads.append(torch.randn(t.shape, generator=gen).to(dtype=t.dtype, device=t.device))
+        else:
+            grads.append(None)
+    return grads
+
+
+def _backward(outputs: Any, upstream: list[Optional[torch.Tensor]], lo: int, hi: int) -> None:
+    pairs = [(t, g[:, lo:hi]) for t, g in zip(_flat(outputs), upstream) if g is not None]
+    if pairs:
+        torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+
+
+def _run_unsliced(layer: Callable, x: Any, params: Sequence[torch.Tensor], seq_len: int,
+                  gen: torch.Generator) -> tuple[_Run, list[Optional[torch.Tensor]]]:
+    leaves = _as_leaves(x)
+    with slice_scope(None):
+        outputs = layer(_own_copy(leaves))
+    upstream = _upstream(outputs, seq_len, gen)
+    _backward(outputs, upstream, 0, seq_len)
+    input_grads = [t.grad for t in _flat(leaves)]
+    return _Run(_detach(outputs), input_grads, _take_grads(params)), upstream
+
+
+def _run_sliced(layer: Callable, x: Any, params: Sequence[torch.Tensor], bounds: list[tuple[int, int]],
+                upstream: list[Optional[torch.Tensor]]) -> _Run:
+    """Slices forward in order, then backward later slices first, one graph each: as a stage trains (KV
+    gradients of earlier slices travel through the KV gradient buffers)."""
+    seq_len = bounds[-1][1]
+    leaves = _as_leaves(x)
+    state = MicroBatchState(0, seq_len, len(bounds))
+    parts = []
+    for i, (lo, hi) in enumerate(bounds):
+        with slice_scope(SliceContext(0, i, lo, hi, state)):
+            parts.append(layer(_own_copy(cut_tokens(leaves, lo, hi, seq_len))))
+    for (lo, hi), part in zip(reversed(bounds), reversed(parts)):
+        _backward(part, upstream, lo, hi)
+    # per-slice outputs; _compare joins them along the unsliced output's sequence dims
+    return _Run([_detach(p) for p in parts], [t.grad for t in _flat(leaves)], _take_grads(params))
+
+
+def _detach(value: Any) -> Any:
+    if torch.is_tensor(value):
+        return value.detach()
+    if isinstance(value, (tuple, list)):
+        return tuple(_detach(v) for v in value)
+    return value
+
+
+def _grad_diff(got: Optional[torch.Tensor], ref: Optional[torch.Tensor], floor: float) -> float:
+    """Max absolute difference relative to the reference's largest entry, with a floor (a fraction of the
+    layer's largest gradient) so that gradients that are zero up to rounding are not compared digit by digit."""
+    if got is None and ref is None:
+        return 0.0
+    if got is None or ref is None:
+        only = got if ref is None else ref
+        assert only is not None
+        return float(only.abs().max()) / max(floor, 1e-30) if only.numel() else 0.0
+    if got.shape != ref.shape:
+        return float("inf")
+    if not got.numel():
+        return 0.0
+    scale = max(float(ref.abs().max()), floor, 1e-30)
+    return float((got.float() - ref.float()).abs().max()) / scale
+
+
+def _compare(sliced: _Run, full: _Run, seq_len: int, param_names: Sequence[str]) -> tuple[float, str]:
+    """The worst relative difference between two runs and what it is in (outputs, input or parameter grads)."""
+    worst, what = _max_rel_diff(_concat_like(sliced.outputs, full.outputs, seq_len), full.outputs), "outputs"
+    ref_grads = [g for g in [*full.input_grads, *full.param_grads] if g is not None and g.numel()]
+    floor = 1e-2 * max((float(g.abs().max()) for g in ref_grads), default=0.0)
+    for i, (got, ref) in enumerate(zip(sliced.input_grads, full.input_grads)):
+        diff = _grad_diff(got, ref, floor)
+        if diff > worst:
+            worst, what = diff, "input gradients" if len(full.input_grads) == 1 else f"gradients of input {i}"
+    for name, got, ref in zip(param_names, sliced.param_grads, full.param_grads):
+        diff = _grad_diff(got, ref, floor)
+        if diff > worst:
+            worst, what = diff, f"gradients of parameter {name}"
+    return worst, what
+
+
+def _zero_matrices(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Floating parameters of two or more dims that are all zero: a zero-initialised projection, behind which
+    a layer's token mixing is invisible to its outputs (and partly to its gradients)."""
+    return [p for p in params if p.is_floating_point() and p.dim() >= 2 and p.numel() and not bool(p.any())]
+
+
+@contextmanager
+def _perturbed(params: Sequence[torch.Tensor], gen: torch.Generator) -> Iterator[None]:
+    """Give zero matrices random values (1/sqrt(fan-in) scale) for the block, then restore them bit for bit."""
+    saved = [p.detach().clone() for p in params]
+    try:
+        with torch.no_grad():
+            for p in params:
+                noise = torch.randn(p.shape, generator=gen) / max(p.shape[-1], 1) ** 0.5
+                p.copy_(noise.to(dtype=p.dtype, device=p.device))
+        yield
+    finally:
+        with torch.no_grad():
+            for p, value in zip(params, saved):
+                p.copy_(value)
+
+
+def _check_layer(layer: Callable, x: Any, bounds: list[tuple[int, int]], params: Sequence[torch.Tensor],
+                 names: Sequence[str], gen: torch.Generator) -> tuple[float, str, float]:
+    """(worst relative difference, where, tolerance for the layer's output dtype)."""
+    seq_len = bounds[-1][1]
+    full, upstream = _run_unsliced(layer, x, params, seq_len, gen)
+    sliced = _run_sliced(layer, x, params, bounds, upstream)
+    dtype = next((t.dtype for t in _flat(full.outputs) if t.is_floating_point()), torch.float32)
+    tolerance = 1e-3 if dtype in (torch.float32, torch.float64) else 5e-2
+    return (*_compare(sliced, full, seq_len, names), tolerance)
+
+
+def check_slicing_equivalence(layers: list[Callable], first_layer_idx: int, stage_input: Any, slices: list[int],
+                              param_names: Optional[dict[int, str]] = None) -> Optional[str]:
+    """Run each of ``layers`` unsliced and sliced, forward and backward; return a description of the first
+    layer whose outputs, input gradients or parameter gradients differ, or None.
+
+    The backward takes one random upstream gradient for both runs and goes through the slice machinery as in
+    training (later slices first, KV gradients carried to earlier slices), so a layer that mixes tokens
+    non-causally is found by its parameter gradients even when a zero-initialised output projection hides it
+    from the outputs. A layer with an all-zero weight matrix is checked a second time with those matrices set
+    to random values (restored bit for bit afterwards), for what zero weights hide from the gradients too.
+    Parameter ``.grad`` are left as they were. ``param_names`` maps ``id(parameter)`` to a name for messages.
+    """
     bounds, start = [], 0
     for length in slices:
         bounds.append((start, start + length))
         start += length
+    gen = torch.Generator().manual_seed(_PROBE_SEED + 1)
     x = stage_input
-    with torch.no_grad():
-        for idx, layer in enumerate(layers):
-            with slice_scope(None):
-                full = layer(x)
-            state = MicroBatchState(0, seq_len, len(slices))
-            parts = []
-            for i, (lo, hi) in enumerate(bounds):
-                with slice_scope(SliceContext(0, i, lo, hi, state)):
-                    parts.append(layer(cut_tokens(x, lo, hi, seq_len)))
-            sliced = _concat_like(parts, full, seq_len)
-            dtype = as_tuple(full)[0].dtype
-            tolerance = 1e-3 if dtype in (torch.float32, torch.float64) else 5e-2
-            diff = _max_rel_diff(sliced, full)
-            if diff > tolerance:
-                name = getattr(layer, "__name__", None) or type(layer).__name__
-                return (f"layer {first_layer_idx + idx} ({name}) gives different outputs when the sequence is cut "
-                        f"into slices {slices} (max relative difference {diff:.2e}): it mixes tokens non-causally or "
-                        "does not read the slice context. Use ds_terapipe.sliced_causal_attention for attention "
-                        "(and ds_terapipe.token_offset for positions), or run with terapipe.slices=1")
-            x = full
+    for idx, layer in enumerate(layers):
+        params = [p for p in _layer_params(layer) if p.requires_grad]
+        names = [(param_names or {}).get(id(p), f"#{i}") for i, p in enumerate(params)]
+        saved_grads = _take_grads(params)
+        try:
+            with torch.enable_grad():
+                diff, what, tolerance = _check_layer(layer, x, bounds, params, names, gen)
+                note = ""
+                zeros = _zero_matrices(params)
+                if diff <= tolerance and zeros:
+                    with _perturbed(zeros, gen):
+                        diff, what, tolerance = _check_layer(layer, x, bounds, params, names, gen)
+                    note = " with its all-zero weights set to random values"
+        finally:
+            for p, g in zip(params, saved_grads):
+                p.grad = g
+        if diff > tolerance:
+            name = getattr(layer, "__name__", None) or type(layer).__name__
+            return (f"layer {first_layer_idx + idx} ({name}) gives different {what} when the sequence is cut into "
+                    f"slices {slices}{note} (max relative difference {diff:.2e}): it mixes tokens non-causally or "
+                    "does not read the slice context (e.g. plain F.scaled_dot_product_attention on the slice "
+                    "alone). Use ds_terapipe.sliced_causal_attention for attention (and ds_terapipe.token_offset "
+                    "for positions), or run with terapipe.slices=1")
+        with torch.no_grad(), slice_scope(None):
+            x = layer(_as_leaves(x))  # a copy: a layer working in place must not change the probe input
     return None
 
 
@@ -144,10 +339,17 @@ def check_stage_slicing(engine: "TokenPipelineEngine", seq_len: int,
         cuts = _probe_cuts(seq_len, engine.terapipe.granularity, slices)
         problem = None
         if len(cuts) > 1:
-            problem = check_slicing_equivalence(list(module.forward_funcs), module._local_start, stage_input, cuts)
+            names = {id(p): name for name, p in module.named_parameters()}
+            was_training = module.training
+            module.eval()  # dropout would make the two runs differ
+            try:
+                problem = check_slicing_equivalence(list(module.forward_funcs), module._local_start, stage_input,
+                                                    cuts, names)
+            finally:
+                module.train(was_training)
             if problem:
                 problem = f"terapipe: stage {engine.stage_id}: {problem}"
-        agree_or_raise(problem, SlicingMismatchError)
+        agree_or_raise(problem, SlicingMismatchError, engine._p2p, "the slice check of every stage")
         return stage_input
     if slices is not None and len(slices) > 1 and engine.global_rank == 0:
         logger.warning("terapipe: %s has no input sampler, so the slice check (refusing layers that mix tokens "

@@ -1,0 +1,144 @@
+"""Tier b, four 3-rank launches: no silent wrong gradients, and one rank's error stops every rank in seconds.
+
+* The init-time slice check refuses attention that a zero-initialised output projection hides from the
+  outputs (bidirectional, or causal over the slice alone), naming the layer.
+* Two attention layers with one constant ``cache_key``, and one block applied at three depths (a
+  ``TiedLayerSpec``, twice on the middle stage), train exactly: gpipe and 1f1b, with and without deferred
+  weight gradients, against a single-process unsliced reference built from the same layer specs.
+* A fault ends a launch (it leaves transfers half done): a loss function raising on the last stage (launch 1),
+  a micro-batch of another length in the middle of a step (launch 2), a layer raising in the init-time slice
+  check on the middle stage (launch 3) and a rank failing in save_checkpoint (launch 4). Every rank raises
+  within 10 s
+  (``p2p_timeout_s`` is 120 s), naming the origin rank and its error. A killed process, which raises nothing,
+  is caught by the p2p deadline: tests/test_engine_features.py and tests/test_example_trainer.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.dist_harness import launch
+
+pytestmark = pytest.mark.multiproc
+
+WORLD = 3
+TOL = 1e-5
+
+
+def _by_case(results: list[dict]) -> list[dict[str, dict]]:
+    errors = [r["error"] for r in results if "error" in r]
+    assert not errors, errors[0]
+    return [{case["case"]: case for case in r["results"]} for r in results]
+
+
+@pytest.fixture(scope="module")
+def launch_loss(tmp_path_factory) -> list[dict[str, dict]]:
+    return _by_case(launch("faults", WORLD, Path(tmp_path_factory.mktemp("faults_loss")), timeout_s=400,
+                           extra={"fault": "loss"}))
+
+
+@pytest.fixture(scope="module")
+def launch_length(tmp_path_factory) -> list[dict[str, dict]]:
+    return _by_case(launch("faults", WORLD, Path(tmp_path_factory.mktemp("faults_length")), timeout_s=300,
+                           extra={"fault": "length", "cases": False}))
+
+
+@pytest.fixture(scope="module")
+def launch_init(tmp_path_factory) -> list[dict[str, dict]]:
+    return _by_case(launch("faults", WORLD, Path(tmp_path_factory.mktemp("faults_init")), timeout_s=300,
+                           extra={"fault": "init", "cases": False}))
+
+
+@pytest.fixture(scope="module")
+def launch_checkpoint(tmp_path_factory) -> list[dict[str, dict]]:
+    return _by_case(launch("faults", WORLD, Path(tmp_path_factory.mktemp("faults_ckpt")), timeout_s=300,
+                           extra={"fault": "checkpoint", "cases": False}))
+
+
+def _stopped_by(results: list[dict[str, dict]], case: str, origin: int, where: str, error: str) -> None:
+    """The origin raised ``error``; every other rank raised PeerFailedError naming it; all within 10 s."""
+    first = results[origin][case]
+    assert error in f"{first['raised']}: {first['message']}", first
+    for rank, result in enumerate(results):
+        if rank != origin:
+            assert result[case]["raised"] == "PeerFailedError", result[case]
+            assert f"rank {origin} (stage {origin}) failed in {where}: {error}" in result[case]["message"], \
+                result[case]["message"]
+    assert max(result[case]["seconds"] for result in results) < 10, results
+
+
+@pytest.mark.timeout(500)
+@pytest.mark.parametrize("mode", ["bidirectional", "slice-blind"])
+def test_zero_initialised_projection_is_refused_naming_the_layer(launch_loss, mode: str) -> None:
+    for rank in launch_loss:
+        case = rank[f"refusal {mode}"]
+        assert case["raised"] == "SlicingMismatchError", case
+        assert "layer 1 (ZeroProjMixer)" in case["message"] and "slices=1" in case["message"], case["message"]
+        assert "gradients of parameter 1.proj.weight" in case["message"], case["message"]
+
+
+@pytest.mark.timeout(500)
+@pytest.mark.parametrize("model", ["constant key", "shared block"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "gpipe+W", "1f1b+W"])
+def test_shared_keys_and_weight_shared_blocks_train_exactly(launch_loss, model: str, schedule: str) -> None:
+    covered: set[str] = set()
+    for rank in launch_loss:
+        case = rank[f"{model} {schedule}"]
+        assert case["loss"] == pytest.approx(case["ref_loss"], rel=TOL), case
+        assert case["grad_rel_err"] <= TOL, f"gradient of {case['grad_worst']} off by {case['grad_rel_err']}"
+        covered.update(case["covered"])
+    # every parameter of the model got its gradient on some stage; the shared block's once per stage it is on
+    shared = {n for n in covered if n.startswith("tied_modules.shared.")}
+    assert len(shared) == (12 if model == "shared block" else 0), sorted(covered)
+    # some stage runs two blocks with one cache key (two blocks, or one shared block twice)
+    assert max(rank[f"{model} {schedule}"]["blocks"] for rank in launch_loss) >= 2
+
+
+@pytest.mark.timeout(500)
+def test_a_planner_failure_on_rank_0_is_raised_by_every_rank(launch_loss) -> None:
+    origin = launch_loss[0]["planner failure"]
+    assert origin["raised"] == "ValueError" and "cannot be met" in origin["message"], origin
+    for rank in launch_loss[1:]:
+        case = rank["planner failure"]
+        assert case["raised"] == "ValueError", case
+        assert "planning on global rank 0 failed: ValueError: memory_limit_bytes" in case["message"], case
+        assert case["seconds"] < 60, case  # profiling included; without the fix: the process group's timeout
+
+
+@pytest.mark.timeout(500)
+def test_raising_loss_stops_every_rank_within_seconds(launch_loss) -> None:
+    origin = launch_loss[WORLD - 1]["raising loss"]
+    assert origin["raised"] == "RuntimeError" and "simulated loss failure" in origin["message"], origin
+    for rank in launch_loss[:-1]:
+        case = rank["raising loss"]
+        assert case["raised"] == "PeerFailedError", case
+        assert f"rank {WORLD - 1} (stage {WORLD - 1}) failed in train_batch" in case["message"], case["message"]
+        assert "RuntimeError: simulated loss failure" in case["message"], case["message"]
+    assert max(rank["raising loss"]["seconds"] for rank in launch_loss) < 10, launch_loss
+
+
+@pytest.mark.timeout(500)
+def test_mid_step_length_change_names_the_cause_and_stops_every_rank(launch_length) -> None:
+    origin = launch_length[0]["length change"]  # stage 0 reads micro-batch 1 first and names the real cause
+    assert origin["raised"] == "ValueError", origin
+    assert "micro-batches of different lengths in one step" in origin["message"], origin["message"]
+    assert "micro-batch 1 has inputs of sequence length 32" in origin["message"], origin["message"]
+    assert "first micro-batch had 48" in origin["message"] and "terapipe.seq_len" not in origin["message"]
+    for rank in launch_length[1:]:  # the others wait for micro-batch 1's activations: stopped, naming rank 0
+        case = rank["length change"]
+        assert case["raised"] == "PeerFailedError", case
+        assert "rank 0 (stage 0) failed in train_batch: ValueError: token pipeline: micro-batches of different " \
+               "lengths in one step" in case["message"], case["message"]
+    assert max(rank["length change"]["seconds"] for rank in launch_length) < 10, launch_length
+
+
+@pytest.mark.timeout(500)
+def test_a_rank_failing_at_init_stops_every_rank_within_seconds(launch_init) -> None:
+    _stopped_by(launch_init, "init", 1, "engine init", "RuntimeError: simulated layer failure under slicing")
+
+
+@pytest.mark.timeout(500)
+def test_a_rank_failing_in_save_checkpoint_stops_every_rank_within_seconds(launch_checkpoint) -> None:
+    _stopped_by(launch_checkpoint, "checkpoint", 1, "save_checkpoint", "OSError: simulated disk failure")
