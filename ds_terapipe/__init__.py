@@ -28,6 +28,7 @@ _LAZY = {
     "token_offset": ".runtime.context",
     "SliceContext": ".runtime.context",
     "P2PTimeoutError": ".runtime.p2p",
+    "PeerFailedError": ".runtime.p2p",
     "SlicingMismatchError": ".runtime.slice_check",
     "CheckpointError": ".runtime.checkpoint",
     "export_state_dict": ".runtime.checkpoint",

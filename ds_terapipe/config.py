@@ -107,6 +107,8 @@ class TeraPipeConfig(DeepSpeedConfigModel):
         except ValueError:
             raise ValueError(f"terapipe.schedule={value!r} is unknown; use one of {', '.join(schedule_names())} "
                              "(ds-terapipe schedules describes them)") from None
+        from .runtime.schedule import require_one_chunk_per_rank  # the engine's limit; imports DeepSpeed's pipe
+        require_one_chunk_per_rank(value)
         return value
 
     @field_validator("slices", mode="before")

@@ -173,6 +173,6 @@ def test_engine_schedule_refuses_chunk_schedules_until_the_engine_runs_them():
     from ds_terapipe.runtime.schedule import TokenPipeSchedule
 
     for name in CHUNKED:
-        with pytest.raises(ValueError, match=f"terapipe.schedule = '{name}' places several chunks per rank"):
+        with pytest.raises(ValueError, match=f"terapipe.schedule='{name}' places several chunks per rank"):
             TokenPipeSchedule(name, 2, 2, 0, 2)
     assert TokenPipeSchedule("1f1b", 2, 2, 0, 2).actions   # one chunk per rank: as before

@@ -61,3 +61,13 @@ def test_a_list_of_slices_is_taken_as_given_whatever_the_granularity() -> None:
     # granularity applies to slices the engine chooses; a list runs exactly as written (README, config.py)
     cfg = parse_terapipe_config({"terapipe": {"enabled": True, "slices": [5, 27, 16], "granularity": 8}})
     assert cfg.slices == [5, 27, 16] and cfg.seq_len == 48
+
+
+@pytest.mark.parametrize("name", ["interleaved-1f1b", "looped-bfs", "dualpipev"])
+def test_schedules_with_virtual_stages_are_refused_at_parse_time(name: str) -> None:
+    # The planner runs them; the engine runs one chunk per rank: refused before any engine is built, on every rank.
+    with pytest.raises(ValueError) as info:
+        parse(schedule=name)
+    assert str(info.value) == (f"terapipe.schedule={name!r} places several chunks per rank (virtual stages), which "
+                               "the engine does not run yet; train with 'gpipe' or '1f1b', or plan and simulate it "
+                               f"with 'ds-terapipe simulate --schedule {name}'")

@@ -29,8 +29,8 @@ if TYPE_CHECKING:  # the IR imports this module; at run time builders are plain 
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "BubbleFormula", "ScheduleSpec", "accepts_virtual_stages", "find_schedule", "get_schedule", "one_chunk_per_rank", "register_schedule",
-    "registered_schedule", "schedule_names", "schedule_table", "uniform_bubble", "unregister_schedule",
+    "BubbleFormula", "ScheduleSpec", "accepts_virtual_stages", "find_schedule", "get_schedule", "one_chunk_per_rank",
+    "register_schedule", "registered_schedule", "schedule_names", "schedule_table", "uniform_bubble", "unregister_schedule",
 ]
 
 #: Modules under ``planner/schedules`` that register the built-in schedules, in the order names are listed

@@ -36,6 +36,16 @@ class WeightGradPass(ds_schedule.PipeInstruction):
     backwards) or one slice's (when the schedule has a W per slice)."""
 
 
+def require_one_chunk_per_rank(name: str) -> None:
+    """Refuse a schedule that places several chunks per rank (virtual stages): the planner builds, validates and
+    simulates them, but the engine runs one chunk per rank. Called by the config at parse time (every rank, before
+    any step) and by :class:`TokenPipeSchedule` for direct users."""
+    if get_schedule(name).virtual_stages != 1:
+        raise ValueError(f"terapipe.schedule={name!r} places several chunks per rank (virtual stages), which the "
+                         "engine does not run yet; train with 'gpipe' or '1f1b', or plan and simulate it with "
+                         f"'ds-terapipe simulate --schedule {name}'")
+
+
 class TokenPipeSchedule(ds_schedule.PipeSchedule):
     """One stage's view of a token-level schedule, as DeepSpeed instructions.
 
@@ -54,11 +64,7 @@ class TokenPipeSchedule(ds_schedule.PipeSchedule):
         super().__init__(micro_batches=micro_batches, stages=stages, stage_id=stage_id)
         self.num_slices = num_slices
         self.train = train
-        # The engine runs one chunk per rank (virtual_stages = 1): a schedule that needs more is refused here.
-        if get_schedule(name).virtual_stages != 1:
-            raise ValueError(f"terapipe.schedule = {name!r} places several chunks per rank (virtual stages), which "
-                             "the engine does not run yet; use 'gpipe' or '1f1b', or plan and simulate it with "
-                             f"'ds-terapipe simulate --schedule {name}'")
+        require_one_chunk_per_rank(name)
         plan = build_schedule(name, stages, micro_batches, num_slices, deferred_weight_grads and train,
                               virtual_stages=1)
         self.schedule = add_communication(plan if train else forward_only(plan))
