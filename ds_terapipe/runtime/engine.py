@@ -32,7 +32,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import time
 from collections import deque
 from contextlib import contextmanager
 from types import MethodType
@@ -49,6 +48,7 @@ from ..trace import events_to_chrome_trace
 from . import checkpoint as ckpt
 from .context import MicroBatchState, SliceContext, cut_tokens, slice_scope
 from .deferred import WeightGradStash, enable_deferred_weight_grads
+from .devices import synchronized_ms
 from .p2p import AbortFlag, PeerFailedError, SliceP2P, agree_or_raise, as_tuple, mark_collective
 from .plan import ResolvedPlan, plan_for_length, resolve_plan
 from .schedule import TokenPipeSchedule, WeightGradPass
@@ -265,11 +265,11 @@ class TokenPipelineEngine(PipelineEngine):
                 self._trail.append(repr(cmd))
                 kind = _TIMED.get(type(cmd)) if self.record_timeline else None
                 try:
-                    start = time.time() * 1e3 if kind else 0.0
+                    start = synchronized_ms() if kind else 0.0  # device work queued before is not this action's
                     MethodType(handler, self)(**cmd.kwargs)
                     if kind:
                         action = Action(self.stage_id, kind, cmd.microbatch, cmd.slice_index)
-                        timeline.append(TimedAction(self.stage_id, action, start, time.time() * 1e3))
+                        timeline.append(TimedAction(self.stage_id, action, start, synchronized_ms()))
                 except Exception as err:
                     note = (f"[ds_terapipe] rank {self.global_rank} (stage {self.stage_id}) failed in step {step_id} "
                             f"of the {pipe_schedule.schedule.name} schedule; last instructions: "
