@@ -49,6 +49,7 @@ from . import checkpoint as ckpt
 from .context import MicroBatchState, SliceContext, cut_tokens, slice_scope
 from .deferred import WeightGradStash, enable_deferred_weight_grads
 from .devices import synchronized_ms
+from .ds_internals import check_deepspeed_internals
 from .p2p import AbortFlag, PeerFailedError, SliceP2P, agree_or_raise, as_tuple, mark_collective
 from .plan import ResolvedPlan, plan_for_length, resolve_plan
 from .schedule import TokenPipeSchedule, WeightGradPass
@@ -91,6 +92,7 @@ class TokenPipelineEngine(PipelineEngine):
     def __init__(self, *args, terapipe_config: TeraPipeConfig, **kwargs) -> None:
         self.terapipe = terapipe_config
         super().__init__(*args, **kwargs)
+        check_deepspeed_internals(self)  # a DeepSpeed that moved what we rely on fails here, naming it
         if self.is_pipe_partitioned or self.is_grad_partitioned:
             raise ValueError("terapipe: pipeline.pipe_partitioned / grad_partitioned are not supported by the "
                              "token pipeline; set both to false in the DeepSpeed config")
