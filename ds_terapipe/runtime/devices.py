@@ -21,7 +21,11 @@ from typing import Optional
 
 import torch
 from deepspeed.accelerator import get_accelerator
-from torch.nn.attention.bias import CausalBias, causal_lower_right
+
+try:  # torch >= 2.3
+    from torch.nn.attention.bias import CausalBias, causal_lower_right
+except ImportError:  # pragma: no cover - older torch: the additive mask everywhere
+    CausalBias, causal_lower_right = None, None
 
 __all__ = ["prefix_causal_bias", "synchronize", "synchronized_ms"]
 
@@ -37,7 +41,7 @@ def synchronized_ms() -> float:
     return time.time() * 1e3
 
 
-def prefix_causal_bias(start: int, end: int, device: torch.device) -> Optional[CausalBias]:
+def prefix_causal_bias(start: int, end: int, device: torch.device) -> Optional["CausalBias"]:
     """For an accelerator, the mask of a slice's queries ``[start, end)`` over keys ``[0, end)`` as a lazy
     ``CausalBias`` (query row r sees keys ``<= start + r``: causal aligned to the lower right), so SDPA can
     run its fused flash / memory-efficient kernels instead of reading a materialised (T, end) mask.
@@ -45,6 +49,6 @@ def prefix_causal_bias(start: int, end: int, device: torch.device) -> Optional[C
     None on CPU: there no fused kernel takes it, and torch would materialise a boolean mask (and convert it)
     in every call of every layer; the caller keeps its cached additive mask there.
     """
-    if device.type == "cpu":
+    if device.type == "cpu" or causal_lower_right is None:
         return None
     return causal_lower_right(end - start, end)
