@@ -12,7 +12,12 @@ accelerator?" cannot be read off ``tensor.device``. This worker makes the questi
    and autograd's backward (which the mode does not see), exactly as on a GPU.
 3. Every ``torch.distributed`` call (collectives and p2p, ours and DeepSpeed's) is wrapped: a host tensor is
    refused with an error naming the call; an ``*_object`` collective is refused unless the accelerator's
-   current device was set to this rank's first (NCCL picks the objects' device from it).
+   current device was set to this rank's first (NCCL picks the objects' device from it). An op mixing a
+   host tensor (not a 0-dim scalar) with accelerator tensors is refused too, as a GPU would.
+
+Limits: ``device=x.device`` reads ``cpu`` here for any tensor, so an explicit plain ``"cpu"`` counts as the
+accelerator's device (a hard-coded ``device="cpu"`` goes unnoticed; a missing ``device=`` does not), and
+tensors made where the mode cannot see (inside autograd's backward, by C++ code) count as on the accelerator.
 
 The run covers what the runtime does with processes: slices "auto" (slice check, profiling, plan broadcast),
 training, a second sequence length, eval, checkpoint save and load, and the measured timeline
