@@ -26,6 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .context import KVBuffers, current_slice, token_offset
+from .devices import prefix_causal_bias
 
 __all__ = ["CausalSelfAttention", "sliced_causal_attention"]
 
@@ -107,7 +108,9 @@ def sliced_causal_attention(q: torch.Tensor,
     values = _PrefixKV.apply(v, bufs, "v", ctx.start)
     if ctx.start == 0:
         return F.scaled_dot_product_attention(q, keys, values, is_causal=True, dropout_p=dropout_p, scale=scale)
-    mask = _prefix_causal_mask(ctx.start, ctx.end, q.dtype, q.device)
+    mask = prefix_causal_bias(ctx.start, ctx.end, q.device)  # lazy on an accelerator: fused kernels stay eligible
+    if mask is None:
+        mask = _prefix_causal_mask(ctx.start, ctx.end, q.dtype, q.device)
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, dropout_p=dropout_p, scale=scale)
 
 

@@ -32,7 +32,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import time
 from collections import deque
 from contextlib import contextmanager
 from types import MethodType
@@ -49,6 +48,8 @@ from ..trace import events_to_chrome_trace
 from . import checkpoint as ckpt
 from .context import MicroBatchState, SliceContext, cut_tokens, slice_scope
 from .deferred import WeightGradStash, enable_deferred_weight_grads
+from .devices import synchronized_ms
+from .ds_internals import check_deepspeed_internals
 from .p2p import AbortFlag, PeerFailedError, SliceP2P, agree_or_raise, as_tuple, mark_collective
 from .plan import ResolvedPlan, plan_for_length, resolve_plan
 from .schedule import TokenPipeSchedule, WeightGradPass
@@ -91,6 +92,7 @@ class TokenPipelineEngine(PipelineEngine):
     def __init__(self, *args, terapipe_config: TeraPipeConfig, **kwargs) -> None:
         self.terapipe = terapipe_config
         super().__init__(*args, **kwargs)
+        check_deepspeed_internals(self)  # a DeepSpeed that moved what we rely on fails here, naming it
         if self.is_pipe_partitioned or self.is_grad_partitioned:
             raise ValueError("terapipe: pipeline.pipe_partitioned / grad_partitioned are not supported by the "
                              "token pipeline; set both to false in the DeepSpeed config")
@@ -265,11 +267,11 @@ class TokenPipelineEngine(PipelineEngine):
                 self._trail.append(repr(cmd))
                 kind = _TIMED.get(type(cmd)) if self.record_timeline else None
                 try:
-                    start = time.time() * 1e3 if kind else 0.0
+                    start = synchronized_ms() if kind else 0.0  # device work queued before is not this action's
                     MethodType(handler, self)(**cmd.kwargs)
                     if kind:
                         action = Action(self.stage_id, kind, cmd.microbatch, cmd.slice_index)
-                        timeline.append(TimedAction(self.stage_id, action, start, time.time() * 1e3))
+                        timeline.append(TimedAction(self.stage_id, action, start, synchronized_ms()))
                 except Exception as err:
                     note = (f"[ds_terapipe] rank {self.global_rank} (stage {self.stage_id}) failed in step {step_id} "
                             f"of the {pipe_schedule.schedule.name} schedule; last instructions: "

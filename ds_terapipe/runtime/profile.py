@@ -19,6 +19,7 @@ import torch.distributed as dist
 from ..planner.cost import PipelineCost
 from .context import MicroBatchState, SliceContext, cut_tokens, slice_scope
 from .deferred import WeightGradStash
+from .devices import synchronize
 from .p2p import as_tuple
 from .slice_check import probe_pass
 
@@ -49,8 +50,9 @@ def _default_lengths(seq_len: int, granularity: int) -> list[int]:
 
 
 def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    """Before a clock read: the accelerator's queued work belongs to what was timed (any accelerator, not only
+    CUDA; a no-op on CPU). ``device`` is kept for the callers' signature."""
+    synchronize()
 
 
 def _slice_leaves(stage_input: Any, start: int, end: int, seq_len: int) -> tuple[Any, tuple[torch.Tensor, ...]]:

@@ -1,0 +1,293 @@
+"""The DeepSpeed internals ds_terapipe relies on, in one table, and the check that they are still there.
+
+The plugin extends DeepSpeed by subclassing (DESIGN.md): its engine calls PipelineEngine's private handlers
+(``super()._exec_forward_pass``), fills its ``pipe_buffers``, overrides methods DeepSpeed calls
+(``_exec_schedule``), drives the bf16 optimizer between backwards, and ``ds_terapipe.initialize`` repeats the
+pipeline branch of ``deepspeed.initialize``. None of that is DeepSpeed's public API, so a DeepSpeed release can
+move it. :data:`INTERNALS` lists every such name with where we use it and why; :func:`check_deepspeed_internals`
+runs at engine init (attribute lookups and a few signatures: well under a millisecond) and fails with the
+names of what is missing instead of an ``AttributeError`` deep inside a training step, or silently wrong
+results. tests/test_ds_internals.py runs the deeper check (source scans) and checks that the runtime uses
+no DeepSpeed internal this table lacks.
+
+:data:`TESTED_DEEPSPEED` is the range the tests run with (pyproject.toml declares the same).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import logging
+import re
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from packaging.specifiers import SpecifierSet
+
+__all__ = ["TESTED_DEEPSPEED", "Internal", "INTERNALS", "DeepSpeedInternalsError", "check_deepspeed_internals",
+           "missing_internals"]
+
+logger = logging.getLogger(__name__)
+
+TESTED_DEEPSPEED = ">=0.19.8,<0.20"
+
+_ENGINE = "deepspeed.runtime.pipe.engine:PipelineEngine"
+_DS_ENGINE = "deepspeed.runtime.engine:DeepSpeedEngine"
+_MODULE = "deepspeed.runtime.pipe.module:PipelineModule"
+_GRID = "deepspeed.runtime.pipe.topology:PipelineParallelGrid"
+_SCHED = "deepspeed.runtime.pipe.schedule"
+_BF16 = "deepspeed.runtime.bf16_optimizer:BF16_Optimizer"
+_CONFIG = "deepspeed.runtime.config:DeepSpeedConfig"
+_BF16_CONFIG = "deepspeed.runtime.precision_config:DeepSpeedBF16Config"
+
+
+@dataclass(frozen=True)
+class Internal:
+    """One DeepSpeed name ds_terapipe relies on.
+
+    Attributes:
+        owner: ``"module:Qualname"`` (a class or function) or ``"module"``.
+        name: the attribute of ``owner``; for ``kind="calls"`` a name the owner's source must call.
+        kind: ``"attr"`` (class or module attribute: method, class, function, constant), ``"instance"``
+            (set on instances, e.g. in ``__init__``: checked on the live object at engine init and in the
+            owner's source by the test), ``"field"`` (a config model field) or ``"calls"`` (the owner's source
+            calls it: an override DeepSpeed must keep calling; checked by the test only).
+        used_in: where ds_terapipe uses it.
+        why: what breaks without it.
+        params: for methods, the parameter names we pass (keywords or positions by name).
+        at_init: for ``"instance"``, whether the attribute exists right after DeepSpeed's ``__init__``.
+    """
+
+    owner: str
+    name: str
+    kind: str
+    used_in: str
+    why: str
+    params: tuple[str, ...] = ()
+    at_init: bool = True
+
+    def label(self) -> str:
+        owner = self.owner.split(":")[-1].rsplit(".", 1)[-1] if ":" in self.owner else self.owner
+        return f"{owner}.{self.name}"
+
+
+def _i(owner: str, name: str, kind: str, used_in: str, why: str, params: tuple[str, ...] = (),
+       at_init: bool = True) -> Internal:
+    return Internal(owner, name, kind, used_in, why, params, at_init)
+
+
+_E = "runtime/engine.py"
+INTERNALS: tuple[Internal, ...] = (
+    # -- PipelineEngine: the instruction map and the handlers the token engine extends -----------------------
+    _i(_ENGINE, "_INSTRUCTION_MAP", "attr", _E, "extended with the slice-aware handlers"),
+    _i(_ENGINE, "_exec_forward_pass", "attr", f"{_E} ForwardPass", "DeepSpeed's forward of one slice",
+       ("buffer_id", )),
+    _i(_ENGINE, "_exec_backward_pass", "attr", f"{_E} BackwardPass", "DeepSpeed's backward of one slice",
+       ("buffer_id", )),
+    _i(_ENGINE, "_exec_schedule", "attr", f"{_E} (overridden)", "runs the token schedule", ("pipe_schedule", )),
+    _i(_ENGINE, "_train_schedule", "attr", f"{_E} (overridden)", "returns the token schedule for training"),
+    _i(_ENGINE, "_inference_schedule", "attr", f"{_E} (overridden)", "returns the forward-only token schedule",
+       ("micro_batches", )),
+    _i(f"{_ENGINE}.train_batch", "_exec_schedule", "calls", f"{_E} _exec_schedule",
+       "DeepSpeed's train_batch must run the schedule through the overridable _exec_schedule"),
+    _i(f"{_ENGINE}.train_batch", "_train_schedule", "calls", f"{_E} _train_schedule",
+       "DeepSpeed's train_batch must take its schedule from _train_schedule"),
+    _i(f"{_ENGINE}.eval_batch", "_exec_schedule", "calls", f"{_E} _exec_schedule",
+       "DeepSpeed's eval_batch must run the schedule through _exec_schedule"),
+    _i(f"{_ENGINE}.eval_batch", "_inference_schedule", "calls", f"{_E} _inference_schedule",
+       "DeepSpeed's eval_batch must take its schedule from _inference_schedule"),
+    _i(_ENGINE, "_reserve_pipe_buffers", "attr", f"{_E} _exec_schedule", "sizes pipe_buffers per batch",
+       ("num_buffers", )),
+    _i(_ENGINE, "_next_batch", "attr", f"{_E} LoadMicroBatch", "reads a micro-batch from the data iterator"),
+    _i(_ENGINE, "train_batch", "attr", f"{_E} train_batch", "super() after the per-batch plan switch",
+       ("data_iter", )),
+    _i(_ENGINE, "eval_batch", "attr", f"{_E} eval_batch", "super() after the per-batch plan switch",
+       ("data_iter", )),
+    _i(_ENGINE, "set_dataiterator", "attr", f"{_E} train_batch", "installs the caller's data iterator",
+       ("iterator", )),
+    _i(_ENGINE, "is_first_stage", "attr", _E, "stage role"),
+    _i(_ENGINE, "is_last_stage", "attr", _E, "stage role"),
+    _i(_ENGINE, "pipe_buffers", "instance", f"{_E} handlers", "inputs/labels/outputs of each (micro-batch, slice)"),
+    _i(_ENGINE, "loss", "instance", f"{_E} forward/backward", "the slice's loss DeepSpeed's backward reads"),
+    _i(_ENGINE, "grad_layer", "instance", f"{_E} BackwardPass", "the received output gradient of a slice"),
+    _i(_ENGINE, "outputs", "instance", f"{_E} eval logits", "the last stage's outputs"),
+    _i(_ENGINE, "fwd_outputs", "instance", f"{_E} _exec_schedule", "reset per batch as DeepSpeed does",
+       at_init=False),
+    _i(_ENGINE, "eval_return_logits", "instance", f"{_E} forward", "whether eval_batch returns logits"),
+    _i(_ENGINE, "data_iterator", "instance", f"{_E} train_batch", "peeked for the sequence length"),
+    _i(_ENGINE, "micro_batches", "instance", f"{_E}, runtime/plan.py", "micro-batches per step"),
+    _i(_ENGINE, "micro_batch_size", "instance", f"{_E}, runtime/plan.py", "sequences per micro-batch"),
+    _i(_ENGINE, "is_pipe_partitioned", "instance", f"{_E} __init__", "refused: not supported"),
+    _i(_ENGINE, "is_grad_partitioned", "instance", f"{_E} __init__", "refused: not supported"),
+    _i(_ENGINE, "num_stages", "instance", _E, "pipeline depth"),
+    _i(_ENGINE, "stage_id", "instance", _E, "this rank's stage"),
+    _i(_ENGINE, "prev_stage", "instance", f"{_E} p2p", "neighbour stage ids"),
+    _i(_ENGINE, "next_stage", "instance", f"{_E} p2p", "neighbour stage ids"),
+    _i(_ENGINE, "grid", "instance", _E, "stage -> global rank, data-parallel id"),
+    _i(_ENGINE, "using_bf16_optimizer", "instance", f"{_E} WeightGradPass", "deferred grads reach bf16 masters"),
+    _i(_DS_ENGINE, "__init__", "attr", "initialize.py", "the keywords the engine is built with",
+       ("args", "model", "optimizer", "model_parameters", "training_data", "lr_scheduler", "mpu",
+        "dist_init_required", "collate_fn", "config", "config_class")),
+    _i(_DS_ENGINE, "save_checkpoint", "attr", f"{_E} save_checkpoint", "super() before the manifest",
+       ("save_dir", "tag", "client_state", "save_latest")),
+    _i(_DS_ENGINE, "load_checkpoint", "attr", f"{_E} load_checkpoint", "super() after the checks",
+       ("load_dir", "tag", "load_optimizer_states", "load_lr_scheduler_states", "load_module_only")),
+    _i(_DS_ENGINE, "_configure_python_gc", "attr", "initialize.py", "the last step of DeepSpeed's initialize"),
+    _i(_DS_ENGINE, "device", "instance", f"{_E}, runtime/p2p.py", "the accelerator device of every tensor"),
+    _i(_DS_ENGINE, "global_rank", "instance", _E, "rank in logs, checkpoints and the length agreement"),
+    _i(_DS_ENGINE, "dp_world_size", "instance", f"{_E} checkpoint manifest", "data-parallel size"),
+    _i(_DS_ENGINE, "optimizer", "instance", f"{_E} WeightGradPass", "the bf16 optimizer's grad buffers"),
+    _i(_DS_ENGINE, "_config", "instance", f"{_E} WeightGradPass", "bf16 immediate_grad_update"),
+    _i(_CONFIG, "bfloat16_config", "instance", f"{_E} WeightGradPass", "bf16 immediate_grad_update"),
+    _i(_BF16_CONFIG, "immediate_grad_update", "field", f"{_E} WeightGradPass", "when hp grads are updated"),
+    _i(_CONFIG, "zero_optimization_stage", "instance", "initialize.py", "ZeRO 2/3 refused with pipelines"),
+    # -- bf16 optimizer, driven around the deferred weight-gradient pass --------------------------------------
+    _i(_BF16, "clear_lp_grads", "attr", f"{_E} WeightGradPass", "as DeepSpeed's backward does"),
+    _i(_BF16, "update_hp_grads", "attr", f"{_E} WeightGradPass", "moves deferred grads to the fp32 masters",
+       ("clear_lp_grads", )),
+    # -- PipelineModule and the grid ----------------------------------------------------------------------------
+    _i(_MODULE, "_local_start", "instance", "runtime/slice_check.py, runtime/checkpoint.py",
+       "global index of the stage's first layer"),
+    _i(_MODULE, "forward_funcs", "instance", "runtime/slice_check.py, runtime/checkpoint.py", "the stage's layers"),
+    _i(_MODULE, "activation_checkpoint_interval", "instance", _E, "checked against slicing"),
+    _i(_MODULE, "loss_fn", "instance", _E, "weighted per slice"),
+    _i(_MODULE, "ckpt_layer_path_list", "attr", "runtime/checkpoint.py", "a layer's checkpoint files",
+       ("ckpt_dir", "local_layer_idx")),
+    _i(_MODULE, "mpu", "attr", "initialize.py", "the pipeline's topology as DeepSpeed's mpu"),
+    _i(_GRID, "stage_to_global", "attr", _E, "global rank of a stage", ("stage_id", )),
+    _i(_GRID, "data_parallel_id", "instance", f"{_E}, runtime/profile.py", "this rank's replica"),
+    _i(_GRID, "data_parallel_size", "instance", _E, "replicas"),
+    # -- schedule instructions ----------------------------------------------------------------------------------
+    _i(f"{_SCHED}:PipeSchedule", "__init__", "attr", "runtime/schedule.py", "TokenPipeSchedule's base",
+       ("micro_batches", "stages", "stage_id")),
+    _i(f"{_SCHED}:PipeSchedule", "is_first_stage", "attr", "runtime/schedule.py", "loads on first/last stage"),
+    _i(f"{_SCHED}:PipeSchedule", "is_last_stage", "attr", "runtime/schedule.py", "loads on first/last stage"),
+    _i(f"{_SCHED}:PipeInstruction", "kwargs", "instance", _E, "handler arguments (buffer_id, microbatch, ...)",
+       at_init=False),
+    *(_i(_SCHED, name, "attr", "runtime/schedule.py, " + _E, "an instruction the token schedule yields")
+      for name in ("LoadMicroBatch", "ForwardPass", "BackwardPass", "SendActivation", "RecvActivation", "SendGrad",
+                   "RecvGrad", "CommitP2P", "ReduceTiedGrads", "ReduceGrads", "OptimizerStep")),
+    # -- the pipeline branch of deepspeed.initialize, repeated by ds_terapipe.initialize --------------------------
+    *(_i("deepspeed:initialize", name, "calls", "initialize.py",
+         "a step of DeepSpeed's pipeline branch that ds_terapipe.initialize repeats")
+      for name in ("shutdown_init_context", "init_distributed", "set_optimizer_flags", "restore_init_context",
+                   "_configure_python_gc")),
+    _i("deepspeed", "initialize", "attr", "initialize.py", "the non-terapipe path passes every argument",
+       ("mesh_param", "config_params")),
+    _i("deepspeed.comm", "init_distributed", "attr", "initialize.py", "process group set-up",
+       ("dist_backend", "distributed_port", "dist_init_required")),
+    _i("deepspeed", "set_optimizer_flags", "attr", "initialize.py", "config flags from the optimizer"),
+    _i("deepspeed.runtime.zero.partition_parameters", "shutdown_init_context", "attr", "initialize.py",
+       "as deepspeed.initialize"),
+    _i("deepspeed.runtime.zero.partition_parameters", "restore_init_context", "attr", "initialize.py",
+       "as deepspeed.initialize"),
+    _i("deepspeed.runtime.tensor_parallel.init_utils", "load_ds_config", "attr", "initialize.py",
+       "reads a config path"),
+    _i("deepspeed.constants", "TORCH_DISTRIBUTED_DEFAULT_PORT", "attr", "initialize.py", "default port"),
+    _i("deepspeed.runtime.config_utils", "DeepSpeedConfigModel", "attr", "config.py", "base of the terapipe config"),
+    # -- accelerator ---------------------------------------------------------------------------------------------
+    *(_i("deepspeed.accelerator.abstract_accelerator:DeepSpeedAccelerator", name, "attr",
+         "runtime/devices.py, initialize.py", "device placement and timing")
+      for name in ("synchronize", "communication_backend_name")),
+)
+
+
+class DeepSpeedInternalsError(RuntimeError):
+    """The installed DeepSpeed lacks something ds_terapipe relies on."""
+
+
+def _resolve(owner: str) -> Any:
+    module_name, _, qualname = owner.partition(":")
+    obj: Any = importlib.import_module(module_name)
+    for part in filter(None, qualname.split(".")):
+        obj = getattr(obj, part)
+    return obj
+
+
+@functools.lru_cache(maxsize=None)
+def _class_source(cls: type) -> str:
+    """Source of the modules defining ``cls`` and its DeepSpeed bases (where instance attributes are assigned;
+    whole files: ``inspect.getsource`` of a class parses its module, seconds for DeepSpeed's engine)."""
+    parts = []
+    for klass in cls.__mro__:
+        if klass.__module__.startswith("deepspeed"):
+            path = inspect.getsourcefile(klass)
+            if path:
+                with open(path, encoding="utf-8") as f:
+                    parts.append(f.read())
+    return "\n".join(parts)
+
+
+@functools.lru_cache(maxsize=None)
+def _source(obj: Any) -> str:
+    return inspect.getsource(obj)
+
+
+def _problem(item: Internal, live: dict[str, Any], deep: bool) -> Optional[str]:
+    try:
+        owner = _resolve(item.owner)
+    except (ImportError, AttributeError) as err:
+        return f"{item.owner} is gone ({err})"
+    if item.kind == "attr":
+        if not hasattr(owner, item.name):
+            return "not found"
+        if item.params:
+            try:
+                params = inspect.signature(getattr(owner, item.name)).parameters
+            except (TypeError, ValueError):  # pragma: no cover - builtins without a signature
+                return None
+            absent = [p for p in item.params if p not in params]
+            if absent and not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+                return f"its signature {tuple(params)} lacks {absent}"
+        return None
+    if item.kind == "field":
+        return None if item.name in getattr(owner, "model_fields", {}) else "no such config field"
+    if item.kind == "instance":
+        obj = live.get(item.owner)
+        if obj is not None and item.at_init and not hasattr(obj, item.name):
+            return "not set on the live object"
+        if deep and not re.search(rf"self\.{re.escape(item.name)}\s*(:[^=\n]+)?=[^=]", _class_source(owner)):
+            return "no longer assigned in DeepSpeed's source"
+        return None
+    if item.kind == "calls":
+        if deep and not re.search(rf"\b{re.escape(item.name)}\b", inspect.getsource(owner)):
+            return f"{item.owner.split(':')[-1]} no longer calls it"
+        return None
+    raise AssertionError(f"unknown kind {item.kind!r} in INTERNALS")
+
+
+def missing_internals(engine: Any = None, *, deep: bool = False) -> list[str]:
+    """One line per internal the installed DeepSpeed lacks (empty: all there).
+
+    ``engine``: a live TokenPipelineEngine whose instance attributes are checked too. ``deep``: also scan
+    DeepSpeed's source (assignments, calls): the test does, engine init does not.
+    """
+    live: dict[str, Any] = {}
+    if engine is not None:
+        live = {_ENGINE: engine, _DS_ENGINE: engine, _MODULE: getattr(engine, "module", None),
+                _GRID: getattr(engine, "grid", None), _CONFIG: getattr(engine, "_config", None)}
+    lines = []
+    for item in INTERNALS:
+        problem = _problem(item, live, deep)
+        if problem:
+            lines.append(f"{item.label()} ({item.kind}; used in {item.used_in}: {item.why}): {problem}")
+    return lines
+
+
+def check_deepspeed_internals(engine: Any = None, *, deep: bool = False) -> None:
+    """Raise :class:`DeepSpeedInternalsError` naming every internal the installed DeepSpeed lacks."""
+    import deepspeed
+
+    if engine is not None and deepspeed.__version__ not in SpecifierSet(TESTED_DEEPSPEED, prereleases=True):
+        logger.warning("ds_terapipe: DeepSpeed %s is outside the tested range deepspeed%s; the internals it relies "
+                       "on are checked, not its behaviour", deepspeed.__version__, TESTED_DEEPSPEED)
+    lines = missing_internals(engine, deep=deep)
+    if not lines:
+        return
+
+    raise DeepSpeedInternalsError(
+        f"ds_terapipe relies on DeepSpeed internals that DeepSpeed {deepspeed.__version__} does not have:\n  - "
+        + "\n  - ".join(lines) + f"\nds_terapipe is tested with deepspeed{TESTED_DEEPSPEED}: install a version in "
+        f"that range (pip install 'deepspeed{TESTED_DEEPSPEED}'), or update ds_terapipe/runtime/ds_internals.py "
+        "and the code that uses these names")
