@@ -659,6 +659,15 @@ def suite_faults(extra: dict) -> list[dict]:
         layers.insert(2, LayerSpec(RaisingWhenSliced))  # embed, block 0 | raising, block 1 | norm, head
         results.append(run_until_error(lambda: _engine(cfg, layers, {"seq_len": seq_len, "slices": 3, "granularity": 4,
                                                                      "p2p_timeout_s": 120})))
+    elif fault == "profile":
+        # a layer on the middle stage that raises while slices "auto" are profiled (after the init-time check
+        # passed): its peers, about to gather the measured costs, stop within seconds, naming it
+        STATUS["case"] = "profile"
+        layers = gpt_layer_specs(cfg)
+        layers.insert(2, LayerSpec(RaisingWhenProfiled))
+        results.append(run_until_error(lambda: _engine(cfg, layers, {
+            "seq_len": seq_len, "slices": "auto", "granularity": 4, "p2p_timeout_s": 120,
+            "profile": {"slice_lengths": [8, 48], "num_contexts": 1, "warmup": 0, "repeats": 1}})))
     elif fault == "checkpoint":
         # one rank fails while saving (here: its plan summary raises); the others stop within seconds
         STATUS["case"] = "checkpoint"
@@ -682,6 +691,17 @@ class RaisingWhenSliced(torch.nn.Module):
 
         if current_slice() is not None:
             raise RuntimeError("simulated layer failure under slicing")
+        return x
+
+
+class RaisingWhenProfiled(torch.nn.Module):
+    """Position-wise; raises when called by the profiler (``runtime/profile.py``), after the slice check passed."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import inspect
+
+        if any(frame.function == "profile_stage" for frame in inspect.stack(context=0)):
+            raise RuntimeError("simulated layer failure while profiling")
         return x
 
 

@@ -1,4 +1,4 @@
-"""Tier b, four 3-rank launches: no silent wrong gradients, and one rank's error stops every rank in seconds.
+"""Tier b, five 3-rank launches: no silent wrong gradients, and one rank's error stops every rank in seconds.
 
 * The init-time slice check refuses attention that a zero-initialised output projection hides from the
   outputs (bidirectional, or causal over the slice alone), naming the layer.
@@ -7,9 +7,8 @@
   weight gradients, against a single-process unsliced reference built from the same layer specs.
 * A fault ends a launch (it leaves transfers half done): a loss function raising on the last stage (launch 1),
   a micro-batch of another length in the middle of a step (launch 2), a layer raising in the init-time slice
-  check on the middle stage (launch 3) and a rank failing in save_checkpoint (launch 4). Every rank raises
-  within 10 s
-  (``p2p_timeout_s`` is 120 s), naming the origin rank and its error. A killed process, which raises nothing,
+  check on the middle stage (launch 3), a rank failing in save_checkpoint (launch 4) and a layer raising while
+  slices "auto" are profiled (launch 5). Every rank raises within 10 s (``p2p_timeout_s`` is 120 s), naming the origin rank and its error. A killed process, which raises nothing,
   is caught by the p2p deadline: tests/test_engine_features.py and tests/test_example_trainer.py.
 """
 
@@ -49,6 +48,12 @@ def launch_length(tmp_path_factory) -> list[dict[str, dict]]:
 def launch_init(tmp_path_factory) -> list[dict[str, dict]]:
     return _by_case(launch("faults", WORLD, Path(tmp_path_factory.mktemp("faults_init")), timeout_s=300,
                            extra={"fault": "init", "cases": False}))
+
+
+@pytest.fixture(scope="module")
+def launch_profile(tmp_path_factory) -> list[dict[str, dict]]:
+    return _by_case(launch("faults", WORLD, Path(tmp_path_factory.mktemp("faults_profile")), timeout_s=300,
+                           extra={"fault": "profile", "cases": False}))
 
 
 @pytest.fixture(scope="module")
@@ -142,3 +147,8 @@ def test_a_rank_failing_at_init_stops_every_rank_within_seconds(launch_init) -> 
 @pytest.mark.timeout(500)
 def test_a_rank_failing_in_save_checkpoint_stops_every_rank_within_seconds(launch_checkpoint) -> None:
     _stopped_by(launch_checkpoint, "checkpoint", 1, "save_checkpoint", "OSError: simulated disk failure")
+
+
+@pytest.mark.timeout(500)
+def test_a_rank_failing_while_profiling_stops_every_rank_within_seconds(launch_profile) -> None:
+    _stopped_by(launch_profile, "profile", 1, "engine init", "RuntimeError: simulated layer failure while profiling")

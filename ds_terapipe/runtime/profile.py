@@ -181,6 +181,9 @@ def measure_costs(engine: "TokenPipelineEngine", stage_input: Any = None,
                                            engine.micro_batch_size, warmup=cfg.profile.warmup,
                                            repeats=cfg.profile.repeats, device=engine.device)
     profile_s = time.perf_counter() - started
+    # The gather below blocks without a deadline: meet first in a barrier that watches the abort flag, so a rank
+    # whose profiling raised stops its peers within seconds, naming it.
+    engine._barrier("profiling")
     first = as_tuple(stage_input)[0]
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, {"stage": engine.stage_id, "dp": engine.grid.data_parallel_id,
