@@ -197,3 +197,65 @@ def test_slice_check_leaves_weights_and_grads_untouched() -> None:
     assert check_slicing_equivalence([layer], 0, torch.randn(2, 32, 16), [8, 16, 8]) is None  # accepted
     assert all(torch.equal(p, b) for p, b in zip(layer.parameters(), before))  # perturbed, restored bit for bit
     assert all(p.grad is g for p, g in zip(layer.parameters(), grads))
+
+
+class GQAAttention(nn.Module):
+    """Grouped-query attention: 4 query heads over 2 key/value heads, handed over without repeating k/v."""
+
+    def __init__(self, hidden: int, heads: int = 4, kv_heads: int = 2) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, hidden // heads
+        self.q = nn.Linear(hidden, hidden)
+        self.kv = nn.Linear(hidden, 2 * kv_heads * self.head_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, tokens, _ = x.shape
+        q = self.q(x).view(batch, tokens, self.heads, self.head_dim).transpose(1, 2)   # (B, nh, T, hs)
+        k, v = (t.view(batch, tokens, self.kv_heads, self.head_dim).transpose(1, 2)    # (B, nkv, T, hs)
+                for t in self.kv(x).chunk(2, dim=2))
+        return x + sliced_causal_attention(q, k, v, cache_key=self).transpose(1, 2).reshape(batch, tokens, -1)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_grouped_query_attention_sliced_equals_repeated_kv_unsliced(seed: int) -> None:
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    seq_len, hidden = rng.randint(8, 40), 16
+    model = GQAAttention(hidden).double()
+    x = torch.randn(2, seq_len, hidden, dtype=torch.double, requires_grad=True)
+    weight = torch.randn(2, seq_len, hidden, dtype=torch.double)
+
+    # reference: plain causal attention with each key/value head repeated for its query group
+    q = model.q(x).view(2, seq_len, 4, 4).transpose(1, 2)
+    k, v = (t.view(2, seq_len, 2, 4).transpose(1, 2).repeat_interleave(2, dim=1) for t in model.kv(x).chunk(2, dim=2))
+    ref = x + F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(2, seq_len, hidden)
+    (ref * weight).sum().backward()
+    ref_x, ref_params = x.grad.clone(), [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+
+    slices = random_slices(seq_len, rng)
+    units = run_slices(model, x, slices)
+    assert torch.allclose(torch.cat([u[1] for u in units], dim=1), ref, atol=1e-10), slices
+    assert kv_buffer_heads(model, x, slices[0]) == 2   # the cache holds the 2 key/value heads, not 4 repeats
+    grad_x = torch.zeros_like(x)
+    for piece, y, start, length in reversed(units):
+        y.backward(weight[:, start:start + length])
+        grad_x[:, start:start + length] = piece.grad
+    assert torch.allclose(grad_x, ref_x, atol=1e-10), slices
+    for p, r in zip(model.parameters(), ref_params):
+        assert torch.allclose(p.grad, r, atol=1e-10), slices
+
+
+def kv_buffer_heads(model: GQAAttention, x: torch.Tensor, first: int) -> int:
+    """Heads of the K buffer the attention fills for a first slice of ``first`` tokens (of two or more)."""
+    state = MicroBatchState(0, x.shape[1], 2)
+    with torch.no_grad(), slice_scope(SliceContext(0, 0, 0, first, state)):
+        model(x[:, :first])
+    (buffers,) = state.kv.values()
+    return buffers.k.shape[1]
+
+
+def test_grouped_query_heads_must_divide() -> None:
+    q, kv = torch.randn(1, 4, 8, 4), torch.randn(1, 3, 8, 4)
+    with pytest.raises(ValueError, match="q has 4 heads but k/v have 3/3"):
+        sliced_causal_attention(q, kv, kv, cache_key="x")

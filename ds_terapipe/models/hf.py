@@ -11,9 +11,9 @@ set ``config._attn_implementation = "ds_terapipe"``, a function registered in ``
 ``AttentionInterface`` that hands q/k/v to :func:`~ds_terapipe.sliced_causal_attention` with the attention
 module as cache key, so each slice attends over its micro-batch's cached prefix. Rotary positions are
 ``token_offset() + arange(slice_len)``, computed by the model's own rotary module in each decoder layer's
-wrapper. Grouped-query attention keeps the cache at ``num_key_value_heads``: the query heads of a group are
-folded into SDPA's batch dimension, against which the one cached K/V head broadcasts (see
-:func:`_fold_query_groups`). The pipeline layers are: embedding, the decoder layers, the final norm, the LM head
+wrapper. Grouped-query attention keeps the cache at ``num_key_value_heads``: k/v go to
+:func:`~ds_terapipe.sliced_causal_attention` with their own head count, and SDPA pairs the heads
+(``enable_gqa``). The pipeline layers are: embedding, the decoder layers, the final norm, the LM head
 (a ``TiedLayerSpec`` with the embedding when the weights are tied); the loss is :func:`causal_lm_loss`.
 
 Features whose result would depend on the slicing, or that the token pipeline cannot feed, are refused when
@@ -98,29 +98,6 @@ def _modeling(family: _Family) -> Any:
 
 
 # -- the attention function ------------------------------------------------------------------------------------
-def _fold_query_groups(query: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-    """(B, nh, T, hs) -> (g, B * nkv, T, hs) with g = nh / nkv query heads per key/value head.
-
-    Query head ``h`` uses key/value head ``h // g`` (transformers' ``repeat_kv``). Keys/values reshaped to
-    (1, B * nkv, T, hs) then broadcast over the g query groups inside SDPA, so neither the KV cache nor the
-    cached prefix is ever repeated. Costs: one copy of q (the sliced attention makes one anyway) and, expected
-    on GPU (not measured), SDPA's math kernel instead of the fused ones, which want equal batch sizes. Relies on
-    SDPA broadcasting a batch dimension of size 1, which torch's math path does (the GQA tests fail otherwise);
-    passing ``enable_gqa`` inside ``sliced_causal_attention`` would remove the fold.
-    """
-    batch, num_heads, tokens, head_dim = query.shape
-    groups = num_heads // num_kv_heads
-    query = query.view(batch, num_kv_heads, groups, tokens, head_dim).permute(2, 0, 1, 3, 4)
-    return query.reshape(groups, batch * num_kv_heads, tokens, head_dim)
-
-
-def _unfold_query_groups(out: torch.Tensor, batch: int, num_kv_heads: int) -> torch.Tensor:
-    """(g, B * nkv, T, hs) -> (B, T, nh, hs), the layout transformers' attention functions return."""
-    groups, _, tokens, head_dim = out.shape
-    out = out.view(groups, batch, num_kv_heads, tokens, head_dim).permute(1, 3, 2, 0, 4)
-    return out.reshape(batch, tokens, num_kv_heads * groups, head_dim)
-
-
 def terapipe_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                        attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                        **kwargs: Any) -> tuple[torch.Tensor, None]:
@@ -142,19 +119,9 @@ def terapipe_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor
     if not getattr(module, "is_causal", True):
         raise UnsupportedModelError(f"ds_terapipe attention: {type(module).__name__} is not causal (cross- or "
                                     "bidirectional attention); only causal self-attention can be token-sliced")
-    batch, num_heads = query.shape[:2]
-    num_kv_heads = key.shape[1]
-    if num_heads == num_kv_heads:
-        out = sliced_causal_attention(query, key, value, cache_key=module, dropout_p=dropout, scale=scaling)
-        return out.transpose(1, 2), None  # (B, T, nh, hs)
-    if num_heads % num_kv_heads:
-        raise ValueError(f"ds_terapipe attention: {num_heads} query heads are not a multiple of {num_kv_heads} "
-                         "key/value heads")
-    folded = _fold_query_groups(query, num_kv_heads)  # (g, B*nkv, T, hs)
-    keys = key.reshape(1, batch * num_kv_heads, *key.shape[2:])  # (1, B*nkv, T, hs)
-    values = value.reshape(1, batch * num_kv_heads, *value.shape[2:])
-    out = sliced_causal_attention(folded, keys, values, cache_key=module, dropout_p=dropout, scale=scaling)
-    return _unfold_query_groups(out, batch, num_kv_heads), None
+    # Grouped-query attention: k/v keep their num_kv_heads (so does the KV cache); SDPA pairs the heads.
+    out = sliced_causal_attention(query, key, value, cache_key=module, dropout_p=dropout, scale=scaling)
+    return out.transpose(1, 2), None  # (B, T, nh, hs)
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, terapipe_attention)

@@ -84,7 +84,9 @@ def sliced_causal_attention(q: torch.Tensor,
     """Causal attention of one slice over itself and the cached earlier slices of its micro-batch.
 
     Args:
-        q, k, v: (B, nh, T, hs) for the running slice's T tokens (the whole sequence outside a pipeline).
+        q, k, v: (B, nh, T, hs) for the running slice's T tokens (the whole sequence outside a pipeline); k and
+            v may have fewer heads (B, nkv, T, hs), nh a multiple of nkv (grouped-query attention): the KV cache
+            then holds nkv heads, and SDPA pairs query head h with key/value head h // (nh / nkv).
         cache_key: names the attention layer (``self`` is the usual choice). Each call within one slice's
             forward gets its own KV buffer, keyed by (cache_key, how many calls with this key came before it),
             so a layer applied twice (shared weights) or two layers passing the same key still train exactly.
@@ -93,9 +95,10 @@ def sliced_causal_attention(q: torch.Tensor,
     Returns:
         (B, nh, T, hs), equal to rows ``[start, end)`` of unsliced causal attention over the whole sequence.
     """
+    gqa = _gqa_kwargs(q, k, v)
     ctx = current_slice()
     if ctx is None or ctx.num_slices == 1:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, scale=scale)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, scale=scale, **gqa)
     if k.shape[2] != ctx.length or q.shape[2] != ctx.length:
         raise ValueError(f"sliced_causal_attention: q/k/v have {q.shape[2]}/{k.shape[2]} tokens but the running "
                          f"slice has {ctx.length} (tokens [{ctx.start}, {ctx.end})); pass (B, heads, T, head_dim) "
@@ -107,11 +110,23 @@ def sliced_causal_attention(q: torch.Tensor,
     keys = _PrefixKV.apply(k, bufs, "k", ctx.start)  # (B, nh, end, hs)
     values = _PrefixKV.apply(v, bufs, "v", ctx.start)
     if ctx.start == 0:
-        return F.scaled_dot_product_attention(q, keys, values, is_causal=True, dropout_p=dropout_p, scale=scale)
+        return F.scaled_dot_product_attention(q, keys, values, is_causal=True, dropout_p=dropout_p, scale=scale, **gqa)
     mask = prefix_causal_bias(ctx.start, ctx.end, q.device)  # lazy on an accelerator: fused kernels stay eligible
     if mask is None:
         mask = _prefix_causal_mask(ctx.start, ctx.end, q.dtype, q.device)
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, dropout_p=dropout_p, scale=scale)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, dropout_p=dropout_p, scale=scale, **gqa)
+
+
+def _gqa_kwargs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, bool]:
+    """``enable_gqa=True`` for SDPA when k/v have fewer heads than q (nothing otherwise, so equal-head calls stay
+    exactly what they were); the cache keeps the k/v heads, never repeated copies."""
+    num_heads, num_kv = q.shape[1], k.shape[1]
+    if num_kv == num_heads:
+        return {}
+    if v.shape[1] != num_kv or num_heads % num_kv:
+        raise ValueError(f"sliced_causal_attention: q has {num_heads} heads but k/v have {num_kv}/{v.shape[1]}; "
+                         "grouped-query attention needs k and v with the same number of heads, dividing q's")
+    return {"enable_gqa": True}
 
 
 class CausalSelfAttention(nn.Module):
