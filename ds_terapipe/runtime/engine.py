@@ -59,6 +59,30 @@ __all__ = ["TokenPipelineEngine"]
 logger = logging.getLogger(__name__)
 
 
+class _PutBack:
+    """An iterator with items put back in front of another iterator (see :func:`put_back`)."""
+
+    def __init__(self, rest: Iterator) -> None:
+        self.pending: list[Any] = []
+        self.rest = rest
+
+    def __iter__(self) -> "_PutBack":
+        return self
+
+    def __next__(self) -> Any:
+        return self.pending.pop() if self.pending else next(self.rest)
+
+
+def put_back(item: Any, iterator: Iterator) -> Iterator:
+    """``iterator`` with ``item`` in front. Putting back into an iterator this returned reuses it: the engine's
+    stored data iterator is peeked and put back every step, and a new ``itertools.chain`` around the last one
+    each time nests one level deeper per step (each read walks every level; CPython crashes past ~200k steps)."""
+    if not isinstance(iterator, _PutBack):
+        iterator = _PutBack(iterator)
+    iterator.pending.append(item)
+    return iterator
+
+
 def _first_tensor(value: Any) -> Optional[torch.Tensor]:
     if torch.is_tensor(value):
         return value
@@ -206,7 +230,7 @@ class TokenPipelineEngine(PipelineEngine):
             if batch is not None:
                 first = _first_tensor(batch[0] if self.is_first_stage() else batch[1])
                 local = first.shape[1] if first is not None and first.dim() >= 2 else _NO_SEQ_DIM
-                iterator = itertools.chain([batch], iterator)
+                iterator = put_back(batch, iterator)
         lengths = torch.full((torch.distributed.get_world_size(), ), _UNSET, dtype=torch.int64, device=self.device)
         lengths[self.global_rank] = local  # each rank fills its own slot; MAX merges them
         work = torch.distributed.all_reduce(lengths, op=torch.distributed.ReduceOp.MAX, async_op=True)
