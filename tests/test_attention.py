@@ -259,3 +259,18 @@ def test_grouped_query_heads_must_divide() -> None:
     q, kv = torch.randn(1, 4, 8, 4), torch.randn(1, 3, 8, 4)
     with pytest.raises(ValueError, match="q has 4 heads but k/v have 3/3"):
         sliced_causal_attention(q, kv, kv, cache_key="x")
+
+
+def test_the_slice_check_leaves_grads_and_gradient_hooks_alone() -> None:
+    # DeepSpeed hooks the live parameters (ZeRO buckets, bf16 immediate_grad_update into the fp32 copies): the
+    # check's gradients must never reach them, nor .grad
+    torch.manual_seed(0)
+    block = Block(16, 4, rotary=True)
+    fired = []
+    for p in block.parameters():
+        p.grad = torch.full_like(p, 7.0)
+        p.register_post_accumulate_grad_hook(lambda param: fired.append(param))
+    x = torch.randn(2, 24, 16)
+    assert check_slicing_equivalence([block], 0, x, [5, 11, 8]) is None
+    assert not fired
+    assert all(torch.equal(p.grad, torch.full_like(p, 7.0)) for p in block.parameters())

@@ -152,13 +152,6 @@ class _Run:
         self.outputs, self.input_grads, self.param_grads = outputs, input_grads, param_grads
 
 
-def _take_grads(params: Sequence[torch.Tensor]) -> list[Optional[torch.Tensor]]:
-    grads = [p.grad for p in params]
-    for p in params:
-        p.grad = None
-    return grads
-
-
 def _upstream(outputs: Any, seq_len: int, gen: torch.Generator) -> list[Optional[torch.Tensor]]:
     """A random upstream gradient for every output a backward reaches (floating, needing a gradient, with the
     sequence on dim 1); None for the others."""
@@ -171,10 +164,24 @@ def _upstream(outputs: Any, seq_len: int, gen: torch.Generator) -> list[Optional
     return grads
 
 
-def _backward(outputs: Any, upstream: list[Optional[torch.Tensor]], lo: int, hi: int) -> None:
+def _backward(outputs: Any, upstream: list[Optional[torch.Tensor]], lo: int, hi: int,
+              wrt: Sequence[torch.Tensor], into: list[Optional[torch.Tensor]]) -> None:
+    """Add the gradients of ``wrt`` for tokens [lo, hi) of ``upstream`` into ``into``.
+
+    ``torch.autograd.grad``, not ``backward``: nothing is accumulated into ``.grad``, so the hooks DeepSpeed put
+    on the live parameters (ZeRO's gradient buckets, bf16 ``immediate_grad_update`` into the fp32 copies) never
+    see the check's gradients."""
     pairs = [(t, g[:, lo:hi]) for t, g in zip(_flat(outputs), upstream) if g is not None]
-    if pairs:
-        torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+    if not pairs or not wrt:
+        return
+    grads = torch.autograd.grad([t for t, _ in pairs], list(wrt), [g for _, g in pairs], allow_unused=True)
+    for i, g in enumerate(grads):
+        if g is not None:
+            into[i] = g if into[i] is None else into[i] + g
+
+
+def _needing_grad(leaves: Any) -> list[torch.Tensor]:
+    return [t for t in _flat(leaves) if t.requires_grad]
 
 
 def _run_unsliced(layer: Callable, x: Any, params: Sequence[torch.Tensor], seq_len: int,
@@ -183,9 +190,10 @@ def _run_unsliced(layer: Callable, x: Any, params: Sequence[torch.Tensor], seq_l
     with slice_scope(None):
         outputs = layer(_own_copy(leaves))
     upstream = _upstream(outputs, seq_len, gen)
-    _backward(outputs, upstream, 0, seq_len)
-    input_grads = [t.grad for t in _flat(leaves)]
-    return _Run(_detach(outputs), input_grads, _take_grads(params)), upstream
+    inputs = _needing_grad(leaves)
+    grads: list[Optional[torch.Tensor]] = [None] * (len(inputs) + len(params))
+    _backward(outputs, upstream, 0, seq_len, [*inputs, *params], grads)
+    return _Run(_detach(outputs), grads[:len(inputs)], grads[len(inputs):]), upstream
 
 
 def _run_sliced(layer: Callable, x: Any, params: Sequence[torch.Tensor], bounds: list[tuple[int, int]],
@@ -199,10 +207,12 @@ def _run_sliced(layer: Callable, x: Any, params: Sequence[torch.Tensor], bounds:
     for i, (lo, hi) in enumerate(bounds):
         with slice_scope(SliceContext(0, i, lo, hi, state)):
             parts.append(layer(_own_copy(cut_tokens(leaves, lo, hi, seq_len))))
+    inputs = _needing_grad(leaves)
+    grads: list[Optional[torch.Tensor]] = [None] * (len(inputs) + len(params))
     for (lo, hi), part in zip(reversed(bounds), reversed(parts)):
-        _backward(part, upstream, lo, hi)
+        _backward(part, upstream, lo, hi, [*inputs, *params], grads)
     # per-slice outputs; _compare joins them along the unsliced output's sequence dims
-    return _Run([_detach(p) for p in parts], [t.grad for t in _flat(leaves)], _take_grads(params))
+    return _Run([_detach(p) for p in parts], grads[:len(inputs)], grads[len(inputs):])
 
 
 def _detach(value: Any) -> Any:
@@ -289,7 +299,8 @@ def check_slicing_equivalence(layers: list[Callable], first_layer_idx: int, stag
     non-causally is found by its parameter gradients even when a zero-initialised output projection hides it
     from the outputs. A layer with an all-zero weight matrix is checked a second time with those matrices set
     to random values (restored bit for bit afterwards), for what zero weights hide from the gradients too.
-    Parameter ``.grad`` are left as they were. ``param_names`` maps ``id(parameter)`` to a name for messages.
+    Parameter ``.grad`` are never touched (see :func:`_backward`). ``param_names`` maps ``id(parameter)`` to a
+    name for messages.
     """
     bounds, start = [], 0
     for length in slices:
@@ -300,19 +311,14 @@ def check_slicing_equivalence(layers: list[Callable], first_layer_idx: int, stag
     for idx, layer in enumerate(layers):
         params = [p for p in _layer_params(layer) if p.requires_grad]
         names = [(param_names or {}).get(id(p), f"#{i}") for i, p in enumerate(params)]
-        saved_grads = _take_grads(params)
-        try:
-            with torch.enable_grad():
-                diff, what, tolerance = _check_layer(layer, x, bounds, params, names, gen)
-                note = ""
-                zeros = _zero_matrices(params)
-                if diff <= tolerance and zeros:
-                    with _perturbed(zeros, gen):
-                        diff, what, tolerance = _check_layer(layer, x, bounds, params, names, gen)
-                    note = " with its all-zero weights set to random values"
-        finally:
-            for p, g in zip(params, saved_grads):
-                p.grad = g
+        with torch.enable_grad():
+            diff, what, tolerance = _check_layer(layer, x, bounds, params, names, gen)
+            note = ""
+            zeros = _zero_matrices(params)
+            if diff <= tolerance and zeros:
+                with _perturbed(zeros, gen):
+                    diff, what, tolerance = _check_layer(layer, x, bounds, params, names, gen)
+                note = " with its all-zero weights set to random values"
         if diff > tolerance:
             name = getattr(layer, "__name__", None) or type(layer).__name__
             return (f"layer {first_layer_idx + idx} ({name}) gives different {what} when the sequence is cut into "
