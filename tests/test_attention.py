@@ -274,3 +274,19 @@ def test_the_slice_check_leaves_grads_and_gradient_hooks_alone() -> None:
     assert check_slicing_equivalence([block], 0, x, [5, 11, 8]) is None
     assert not fired
     assert all(torch.equal(p.grad, torch.full_like(p, 7.0)) for p in block.parameters())
+
+
+def test_causal_lm_loss_is_additive_over_slices_with_ignored_labels() -> None:
+    # the engine weights each slice's loss by tokens / seq_len; with -100 labels (and a slice of nothing but
+    # them) that must still add up to the unsliced loss, and stay finite
+    from ds_terapipe.models.gpt import causal_lm_loss
+
+    torch.manual_seed(0)
+    logits, labels = torch.randn(2, 12, 7), torch.randint(0, 7, (2, 12))
+    labels[:, 4:8] = -100
+    labels[0, 0] = -100
+    whole = causal_lm_loss(logits, labels)
+    sliced = sum(causal_lm_loss(logits[:, a:b], labels[:, a:b]) * (b - a) / 12 for a, b in ((0, 4), (4, 8), (8, 12)))
+    assert torch.isfinite(sliced) and torch.allclose(sliced, whole, rtol=1e-6), (sliced, whole)
+    plain = torch.randint(0, 7, (2, 12))
+    assert torch.allclose(causal_lm_loss(logits, plain), F.cross_entropy(logits.reshape(-1, 7), plain.reshape(-1)))

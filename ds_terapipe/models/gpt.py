@@ -126,8 +126,17 @@ def gpt_layer_specs(cfg: GPTConfig) -> list:
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy: logits (B, T, V), labels (B, T)."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
+    """Next-token cross entropy over every label position: logits (B, T, V), labels (B, T).
+
+    The sum over counted tokens divided by the number of label positions, so labels of -100 (ignored, the
+    Hugging Face convention) add nothing but still count in the denominator. That keeps the loss additive over
+    slices: the engine weights each slice's loss by its share of the tokens, which sums to exactly the unsliced
+    loss only if each slice's loss is a sum over its positions divided by their number (a mean over the counted
+    tokens alone would weight slices wrongly, and be NaN for a slice with nothing to count). Without -100 labels
+    it is the ordinary mean."""
+    flat = labels.reshape(-1)
+    total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), flat, ignore_index=-100, reduction="sum")
+    return total / flat.numel()
 
 
 class GPTReference(nn.Module):
