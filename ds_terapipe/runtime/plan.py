@@ -114,7 +114,11 @@ def _auto_plan(engine: "TokenPipelineEngine", known: Optional[ResolvedPlan], sta
         return ResolvedPlan(tuple(plan.slices), source, plan, cost, stage_meta, fingerprints)
 
     if stage_input is None:
-        raise ValueError(f"terapipe: no measured costs to plan seq_len={seq_len}; the plan cache lost them")
+        # every rank reaches this together (the decision above was broadcast): a verdict, not a fault
+        raise mark_collective(ValueError(
+            f"terapipe: no measured costs to plan seq_len={seq_len}: the plan cache entry for terapipe.seq_len "
+            "holds a plan but not the costs it was made from; delete the plan cache directory "
+            "(terapipe.plan_cache) so the next start profiles again"))
     measured = measure_costs(engine, stage_input, seq_len)  # gathered on rank 0 (None elsewhere)
 
     def from_measured() -> dict:
