@@ -66,6 +66,26 @@ def test_auto_plan_is_profiled_once_then_cached_and_exact(features, features_dir
 
 
 @pytest.mark.timeout(700)
+def test_activation_checkpointing_with_slices_equals_reference(features) -> None:
+    """Intervals {1, 2} x slices {1, [8, 24, 16], 4} x {gpipe, 1f1b} x deferred W: each slice recomputed in its
+    backward with the earlier slices' cached keys/values gives the reference's loss, gradients and 3 steps."""
+    cases = [{name: c for name, c in rank.items() if name.startswith("ckpt ")} for rank in features]
+    assert [len(c) for c in cases] == [24, 24]
+    seen = set()
+    for rank in cases:
+        for name, case in rank.items():
+            assert case["checkpoint_func"] == "sliced_checkpoint", name
+            seen.add((case["interval"], tuple(case["slices"])))
+            assert case["losses"] == pytest.approx(case["ref_losses"], rel=1e-5), name
+            assert case["grad_rel_err"] <= 1e-5, (name, case["grad_worst"], case["grad_rel_err"])
+            assert case["param_rel_err"] <= 1e-5, (name, case["param_worst"], case["param_rel_err"])
+    assert seen == {(i, s) for i in (1, 2) for s in ((48, ), (8, 24, 16), (12, 12, 12, 12))}, seen
+    for name in cases[0]:  # every reference parameter got a gradient on some stage (the embedding too)
+        covered = set(cases[0][name]["covered"]) | set(cases[1][name]["covered"])
+        assert len(covered) == 4 * 12 + 2 + 2, (name, sorted(covered))
+
+
+@pytest.mark.timeout(700)
 def test_eval_batch_matches_reference_without_gradients(features) -> None:
     for rank in features:
         case = rank["eval"]
