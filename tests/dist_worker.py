@@ -245,6 +245,16 @@ def checkpointing_cases() -> list[dict]:
                                 "param_rel_err": param_err, "param_worst": param_name, "covered": covered,
                                 "interval": run["engine"].module.activation_checkpoint_interval,
                                 "checkpoint_func": run["engine"].module.activation_checkpoint_func.__name__})
+    # "auto": the profile runs (and times) the recompute; the memory cap plans with recomputed activations
+    STATUS["case"] = "ckpt auto"
+    run = run_pipeline(cfg, stages=WORLD, micro_batches=micro, batch=batch, seq_len=seq_len,
+                       batches_for_rank=lambda _dp: batches, num_steps=num_steps, lr=0.1, momentum=0.9,
+                       terapipe={"slices": "auto", "schedule": "gpipe", "granularity": 8, "memory_limit_gb": 1.0,
+                                 "profile": {"slice_lengths": [8, 24, 48], "num_contexts": 2, "warmup": 0,
+                                             "repeats": 1}}, checkpoint_interval=1)
+    results.append({"case": STATUS["case"], **engine_plan(run["engine"]), "losses": run["losses"],
+                    "ref_losses": ref_losses, "grad_rel_err": compare(run["grads"], ref_grads, run["stage"])[0],
+                    "stage_meta": run["engine"].plan.stage_meta})
     return results
 
 
