@@ -1,13 +1,14 @@
 """Peak memory per stage with and without activation checkpointing, sliced and unsliced, at long sequences (CPU).
 
-    python benchmarks/checkpoint_memory.py                  # L = 4096 and 8192, about 3-4 minutes on 2 cores
+    python benchmarks/checkpoint_memory.py                  # L = 4096 and 8192, about 2-3 minutes on 2 cores
     python benchmarks/checkpoint_memory.py --seq-lens 1024  # a quick look
 
 Two pipeline stages (2 local gloo processes, one thread each), the reference GPT (``ds_terapipe.models.gpt``:
 4 blocks split 2 + 2, hidden 256, 4 heads, vocab 256), micro-batch size 1, one micro-batch per step, token
-1F1B (no deferred weight gradients: with gpipe's per-micro-batch W the recorded Linear inputs would stay alive
-until the end of the step and undo most of what recomputation saves). Variants per sequence length: whole
-sequences (``slices: 1``) and 8 equal slices, each with ``activation_checkpoint_interval`` 0 and 1. After one
+1F1B (no deferred weight gradients). Variants per sequence length: whole sequences (``slices: 1``) and 8 equal
+slices, each with ``activation_checkpoint_interval`` 0 and 1, plus 8 slices checkpointed under gpipe with its
+default deferred weight gradients (one W per micro-batch: the recorded Linear inputs and output gradients of
+every slice stay alive until then). After one
 warm-up step, one step is measured with :class:`benchlib.meters.HeapMeter`: the peak bytes the stage's process
 allocates during the step above what it held at the start (activations, KV buffers and their gradients,
 backward temporaries, parameter gradients), i.e. what a device would have to fit beside weights and optimizer
@@ -33,11 +34,12 @@ from benchlib.tables import ROOT, machine_info, markdown_table, results_path, wr
 
 NAME = "checkpoint_memory"
 NUM_STAGES = 2
-#: (label, slices, activation_checkpoint_interval)
-VARIANTS = [("unsliced", 1, 0), ("unsliced + ckpt", 1, 1), ("8 slices", 8, 0), ("8 slices + ckpt", 8, 1)]
+#: (label, slices, activation_checkpoint_interval, schedule); gpipe defers weight gradients to one W per micro-batch
+VARIANTS = [("unsliced", 1, 0, "1f1b"), ("unsliced + ckpt", 1, 1, "1f1b"), ("8 slices", 8, 0, "1f1b"),
+            ("8 slices + ckpt", 8, 1, "1f1b"), ("8 slices + ckpt, gpipe + W", 8, 1, "gpipe")]
 
 
-def _measure(cfg: Any, seq_len: int, slices: int, interval: int, batch: list) -> dict:
+def _measure(cfg: Any, seq_len: int, slices: int, interval: int, schedule: str, batch: list) -> dict:
     import torch
 
     import ds_terapipe
@@ -48,7 +50,7 @@ def _measure(cfg: Any, seq_len: int, slices: int, interval: int, batch: list) ->
                                             activation_checkpoint_interval=interval)
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "train_batch_size": 1,
               "steps_per_print": 10**9, "gradient_clipping": 0.0,
-              "terapipe": {"enabled": True, "seq_len": seq_len, "slices": slices, "schedule": "1f1b"}}
+              "terapipe": {"enabled": True, "seq_len": seq_len, "slices": slices, "schedule": schedule}}
     engine, _, _, _ = ds_terapipe.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1e-3),
                                              config=config)
     engine.train_batch(iter(batch))   # warm-up: gradients and optimizer state exist before the measured step
@@ -82,8 +84,8 @@ def worker_main(out_dir: Path, opts: dict) -> None:
         cfg = GPTConfig(num_layers=4, hidden=256, num_heads=4, vocab_size=256, max_seq_len=seq_len, seed=1234)
         ids = torch.randint(0, cfg.vocab_size, (1, seq_len + 1), generator=torch.Generator().manual_seed(7))
         batch = [(ids[:, :-1].contiguous(), ids[:, 1:].contiguous())]
-        for label, slices, interval in VARIANTS:
-            row = dict(_measure(cfg, seq_len, slices, interval, batch), variant=label)
+        for label, slices, interval, schedule in VARIANTS:
+            row = dict(_measure(cfg, seq_len, slices, interval, schedule, batch), variant=label)
             rows.append(row)
             print(f"[rank {rank}] L={seq_len} {label}: peak {row['peak_heap_bytes'] / 2**20:.0f} MiB, "
                   f"step {row['step_s']:.1f} s", flush=True)
