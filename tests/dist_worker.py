@@ -249,7 +249,7 @@ def checkpointing_cases() -> list[dict]:
     STATUS["case"] = "ckpt auto"
     run = run_pipeline(cfg, stages=WORLD, micro_batches=micro, batch=batch, seq_len=seq_len,
                        batches_for_rank=lambda _dp: batches, num_steps=num_steps, lr=0.1, momentum=0.9,
-                       terapipe={"slices": "auto", "schedule": "gpipe", "granularity": 8, "memory_limit_gb": 1.0,
+                       terapipe={"slices": "auto", "schedule": "1f1b", "granularity": 8, "memory_limit_gb": 1.0,
                                  "profile": {"slice_lengths": [8, 24, 48], "num_contexts": 2, "warmup": 0,
                                              "repeats": 1}}, checkpoint_interval=1)
     results.append({"case": STATUS["case"], **engine_plan(run["engine"]), "losses": run["losses"],

@@ -98,7 +98,7 @@ def test_activation_checkpointing_auto_plan_costs_recomputed_memory(features) ->
     plan = features[0]["ckpt auto"]["planner"]
     memory = MemoryModel(max(m["layers"] for m in meta), meta[0]["hidden"], max(m["bytes"] for m in meta),
                          MemoryModel.factor_for_checkpoint_interval(1))
-    expected = memory.peak_bytes(schedule="gpipe", num_stages=2, num_microbatches=2, micro_batch_size=2,
+    expected = memory.peak_bytes(schedule="1f1b", num_stages=2, num_microbatches=2, micro_batch_size=2,
                                  num_splits=1, seq_len=48, num_slices=len(plan["slices"]))
     assert plan["memory_bytes"] == pytest.approx(expected)
 

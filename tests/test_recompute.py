@@ -13,11 +13,12 @@ import pytest
 import torch
 import torch.nn as nn
 
+from ds_terapipe.config import TeraPipeConfig
 from ds_terapipe.planner.slicing import MemoryModel
 from ds_terapipe.runtime.attention import CausalSelfAttention
 from ds_terapipe.runtime.context import MicroBatchState, SliceContext, slice_scope
 from ds_terapipe.runtime.deferred import WeightGradStash, enable_deferred_weight_grads
-from ds_terapipe.runtime.recompute import install_sliced_checkpointing, sliced_checkpoint
+from ds_terapipe.runtime.recompute import install_sliced_checkpointing, planned_activation_factor, sliced_checkpoint
 
 
 class Block(nn.Module):
@@ -93,3 +94,13 @@ def test_memory_factor_follows_the_interval() -> None:
     assert MemoryModel.factor_for_checkpoint_interval(4) == 0.5
     with pytest.raises(ValueError, match="activation_checkpoint_interval"):
         MemoryModel.factor_for_checkpoint_interval(-1)
+
+
+@pytest.mark.parametrize("schedule, deferred, factor", [("gpipe", None, 34.0), ("gpipe", False, 2.0),
+                                                        ("1f1b", None, 2.0), ("1f1b", True, 2.0)])
+def test_planned_factor_keeps_what_deferred_weights_hold(schedule: str, deferred: bool | None,
+                                                         factor: float) -> None:
+    """gpipe defers weight gradients to one W per micro-batch: the recorded pairs hold what recompute frees."""
+    cfg = TeraPipeConfig(enabled=True, seq_len=64, schedule=schedule, deferred_weight_grads=deferred)
+    assert planned_activation_factor(1, cfg) == factor
+    assert planned_activation_factor(0, cfg) == 34.0

@@ -39,9 +39,12 @@ from typing import Any, Callable
 import torch
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
+from ..config import TeraPipeConfig
+from ..planner.registry import get_schedule
+from ..planner.slicing import MemoryModel
 from .context import current_slice, slice_scope
 
-__all__ = ["sliced_checkpoint", "install_sliced_checkpointing"]
+__all__ = ["sliced_checkpoint", "install_sliced_checkpointing", "planned_activation_factor"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,12 +69,28 @@ def sliced_checkpoint(function: Callable[..., Any], *args: Any) -> Any:
     return torch_checkpoint(run, *args, use_reentrant=False)
 
 
-def install_sliced_checkpointing(module: torch.nn.Module) -> bool:
+def _weights_wait_for_microbatch(cfg: TeraPipeConfig) -> bool:
+    """Deferred weight gradients with one W per micro-batch (gpipe's default): every slice's recorded Linear
+    inputs and output gradients stay alive until the micro-batch's last backward, recomputed or not."""
+    return bool(cfg.deferred_weight_grads) and not get_schedule(cfg.schedule).weights_per_slice
+
+
+def planned_activation_factor(interval: int, cfg: TeraPipeConfig) -> float:
+    """``MemoryModel.activation_factor`` for the planner's memory cap: recomputed activations (2 / interval)
+    where checkpointing frees them, the default otherwise. With weight gradients deferred per micro-batch the
+    recorded pairs keep about as much alive as no checkpointing (measured: more, benchmarks/checkpoint_memory.py)."""
+    if interval > 0 and _weights_wait_for_microbatch(cfg):
+        interval = 0
+    return MemoryModel.factor_for_checkpoint_interval(interval)
+
+
+def install_sliced_checkpointing(module: torch.nn.Module, cfg: TeraPipeConfig | None = None) -> bool:
     """Make ``module`` (a DeepSpeed ``PipelineModule``) checkpoint through :func:`sliced_checkpoint`.
 
     Returns whether activation checkpointing is on (``activation_checkpoint_interval > 0``). Raises
     ``ValueError`` for an ``activation_checkpoint_func`` other than DeepSpeed's own two, whose recompute this
-    module cannot place in the slice context.
+    module cannot place in the slice context. With ``cfg`` deferring weight gradients per micro-batch it warns:
+    the recorded pairs would hold what recomputation frees.
     """
     interval = getattr(module, "activation_checkpoint_interval", 0)
     if interval <= 0:
@@ -85,6 +104,11 @@ def install_sliced_checkpointing(module: torch.nn.Module) -> bool:
                          "leave activation_checkpoint_func at DeepSpeed's default (the token pipeline then "
                          "recomputes through torch's non-reentrant checkpoint)")
     module.activation_checkpoint_func = sliced_checkpoint
+    if cfg is not None and _weights_wait_for_microbatch(cfg):
+        logger.warning("terapipe: activation checkpointing with deferred weight gradients once per micro-batch "
+                       "(schedule %s): every slice's recomputed Linear inputs and output gradients stay alive "
+                       "until the W pass, about as much memory as without checkpointing; set "
+                       "terapipe.deferred_weight_grads=false or use schedule 1f1b", cfg.schedule)
     logger.info("terapipe: activation checkpointing every %d layer(s), recomputed per slice (non-reentrant)",
                 interval)
     return True
