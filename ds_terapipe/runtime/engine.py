@@ -118,7 +118,7 @@ class TokenPipelineEngine(PipelineEngine):
                 count = enable_deferred_weight_grads(self.module)
                 logger.info("terapipe: stage %d defers the weight gradients of %d nn.Linear module(s)",
                             self.stage_id, count)
-            install_sliced_checkpointing(self.module)  # before profiling, which measures the recompute
+            install_sliced_checkpointing(self.module, self.terapipe)  # before profiling: it times the recompute
             self.plan: ResolvedPlan = resolve_plan(self)
             # One plan per sequence length seen, planned once (variable-length training), in the order resolved.
             self._plans: dict[int, ResolvedPlan] = {self.plan.seq_len: self.plan}
