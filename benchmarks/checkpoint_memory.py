@@ -8,11 +8,11 @@ Two pipeline stages (2 local gloo processes, one thread each), the reference GPT
 1F1B (no deferred weight gradients). Variants per sequence length: whole sequences (``slices: 1``) and 8 equal
 slices, each with ``activation_checkpoint_interval`` 0 and 1, plus 8 slices checkpointed under gpipe with its
 default deferred weight gradients (one W per micro-batch: the recorded Linear inputs and output gradients of
-every slice stay alive until then). After one
-warm-up step, one step is measured with :class:`benchlib.meters.HeapMeter`: the peak bytes the stage's process
-allocates during the step above what it held at the start (activations, KV buffers and their gradients,
-backward temporaries, parameter gradients), i.e. what a device would have to fit beside weights and optimizer
-state. Step times are one step on a shared host: indicative only. Writes
+every slice stay alive until then). After one warm-up step, one step is measured with
+:class:`benchlib.meters.HeapMeter`: the peak bytes the stage's process allocates during the step above what it
+held at the start (activations, KV buffers and their gradients, backward temporaries, parameter gradients),
+i.e. what a device would have to fit beside weights and optimizer state. Step times are one step on a shared
+host: indicative only. Writes
 ``benchmarks/results/checkpoint_memory.json`` (with commit and machine) unless ``--json PATH``.
 """
 from __future__ import annotations
