@@ -98,9 +98,10 @@ def first_step_grads(engine: Any) -> Iterator[dict[str, torch.Tensor]]:
 
 def run_pipeline(cfg: GPTConfig, *, stages: int, micro_batches: int, batch: int, seq_len: int,
                  batches_for_rank: Callable[[int], list[tuple]], num_steps: int, lr: float, momentum: float,
-                 terapipe: dict | None, zero_stage: int = 0) -> dict[str, Any]:
+                 terapipe: dict | None, zero_stage: int = 0, checkpoint_interval: int = 0) -> dict[str, Any]:
     model = ds_terapipe.TokenPipelineModule(gpt_layer_specs(cfg), num_stages=stages, loss_fn=causal_lm_loss,
-                                            vocab_size=cfg.vocab_size, partition_method="uniform")
+                                            vocab_size=cfg.vocab_size, partition_method="uniform",
+                                            activation_checkpoint_interval=checkpoint_interval)
     dp = WORLD // stages
     config = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": micro_batches,
               "train_batch_size": batch * micro_batches * dp, "steps_per_print": 10**9,
@@ -220,6 +221,43 @@ def main() -> None:
 
 
 # -- features suite (2 ranks) ---------------------------------------------------------------------------------
+def checkpointing_cases() -> list[dict]:
+    """Activation checkpointing (interval 1 and 2) x slices {1, unequal, 4} x {gpipe, 1f1b} x deferred W:
+    loss, every gradient and every parameter after 3 steps against the unsliced reference."""
+    cfg = GPTConfig(num_layers=4, hidden=32, num_heads=4, vocab_size=64, max_seq_len=64, seed=7)
+    seq_len, batch, micro, num_steps = 48, 2, 2, 3
+    batches = make_batches(cfg, num_steps * micro, batch, seq_len, seed=21)
+    ref_losses, ref_grads, ref_params = reference_step(cfg, batches, num_steps, lr=0.1, momentum=0.9)
+    results = []
+    for interval in (1, 2):
+        for slices in (1, [8, 24, 16], 4):
+            for sched in ("gpipe", "1f1b", "gpipe+W", "1f1b+W"):
+                STATUS["case"] = f"ckpt interval={interval} slices={slices} schedule={sched}"
+                run = run_pipeline(cfg, stages=WORLD, micro_batches=micro, batch=batch, seq_len=seq_len,
+                                   batches_for_rank=lambda _dp: batches, num_steps=num_steps, lr=0.1, momentum=0.9,
+                                   terapipe={"slices": slices, "schedule": sched.removesuffix("+W"),
+                                             "deferred_weight_grads": sched.endswith("+W"), "granularity": 2,
+                                             "p2p_timeout_s": 60}, checkpoint_interval=interval)
+                grad_err, grad_name, covered = compare(run["grads"], ref_grads, run["stage"])
+                param_err, param_name, _ = compare(run["params"], ref_params, run["stage"])
+                results.append({"case": STATUS["case"], "slices": run["slices"], "losses": run["losses"],
+                                "ref_losses": ref_losses, "grad_rel_err": grad_err, "grad_worst": grad_name,
+                                "param_rel_err": param_err, "param_worst": param_name, "covered": covered,
+                                "interval": run["engine"].module.activation_checkpoint_interval,
+                                "checkpoint_func": run["engine"].module.activation_checkpoint_func.__name__})
+    # "auto": the profile runs (and times) the recompute; the memory cap plans with recomputed activations
+    STATUS["case"] = "ckpt auto"
+    run = run_pipeline(cfg, stages=WORLD, micro_batches=micro, batch=batch, seq_len=seq_len,
+                       batches_for_rank=lambda _dp: batches, num_steps=num_steps, lr=0.1, momentum=0.9,
+                       terapipe={"slices": "auto", "schedule": "1f1b", "granularity": 8, "memory_limit_gb": 1.0,
+                                 "profile": {"slice_lengths": [8, 24, 48], "num_contexts": 2, "warmup": 0,
+                                             "repeats": 1}}, checkpoint_interval=1)
+    results.append({"case": STATUS["case"], **engine_plan(run["engine"]), "losses": run["losses"],
+                    "ref_losses": ref_losses, "grad_rel_err": compare(run["grads"], ref_grads, run["stage"])[0],
+                    "stage_meta": run["engine"].plan.stage_meta})
+    return results
+
+
 class TokenMixer(torch.nn.Module):
     """Adds the mean over ALL tokens: non-causal, so slicing it would silently change results."""
 
@@ -278,6 +316,8 @@ def suite_features(extra: dict) -> list[dict]:
     ref_start = {n: p.detach().clone() for n, p in GPTReference(cfg).named_parameters()}
     ref_update = deltas(ref_params, ref_start)
     results: list[dict] = []
+
+    results.extend(checkpointing_cases())
 
     # auto: profile, plan on rank 0, broadcast, cache; a second engine finds the plan in the cache
     cache = str(Path(extra["out"]) / "plan_cache")
@@ -455,6 +495,7 @@ def suite_features(extra: dict) -> list[dict]:
 
 
 SUITES["features"] = suite_features
+SUITES["checkpointing"] = lambda extra: checkpointing_cases()  # the features suite runs these too; alone for debugging
 
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from ds_terapipe.planner.cost import PipelineCost
 from ds_terapipe.planner.schedule import build_schedule
-from ds_terapipe.planner.slicing import plan_slicing
+from ds_terapipe.planner.slicing import MemoryModel, plan_slicing
 from ds_terapipe.trace import load_chrome_trace
 from tests.dist_harness import launch
 
@@ -63,6 +63,44 @@ def test_auto_plan_is_profiled_once_then_cached_and_exact(features, features_dir
             assert case["slices"] == cached["plan"]["slices"]
             assert case["losses"] == pytest.approx(case["ref_losses"], rel=1e-5)  # 3 steps
             assert case["grad_rel_err"] <= 1e-5, case
+
+
+@pytest.mark.timeout(700)
+def test_activation_checkpointing_with_slices_equals_reference(features) -> None:
+    """Intervals {1, 2} x slices {1, [8, 24, 16], 4} x {gpipe, 1f1b} x deferred W: each slice recomputed in its
+    backward with the earlier slices' cached keys/values gives the reference's loss, gradients and 3 steps."""
+    cases = [{name: c for name, c in rank.items() if name.startswith("ckpt interval=")} for rank in features]
+    assert [len(c) for c in cases] == [24, 24]
+    seen = set()
+    for rank in cases:
+        for name, case in rank.items():
+            assert case["checkpoint_func"] == "sliced_checkpoint", name
+            seen.add((case["interval"], tuple(case["slices"])))
+            assert case["losses"] == pytest.approx(case["ref_losses"], rel=1e-5), name
+            assert case["grad_rel_err"] <= 1e-5, (name, case["grad_worst"], case["grad_rel_err"])
+            assert case["param_rel_err"] <= 1e-5, (name, case["param_worst"], case["param_rel_err"])
+    assert seen == {(i, s) for i in (1, 2) for s in ((48, ), (8, 24, 16), (12, 12, 12, 12))}, seen
+    for name in cases[0]:  # every reference parameter got a gradient on some stage (the embedding too)
+        covered = set(cases[0][name]["covered"]) | set(cases[1][name]["covered"])
+        assert len(covered) == 4 * 12 + 2 + 2, (name, sorted(covered))
+
+
+@pytest.mark.timeout(700)
+def test_activation_checkpointing_auto_plan_costs_recomputed_memory(features) -> None:
+    """slices "auto" with checkpointing: the profile runs the recompute, and memory_limit_gb's estimate counts
+    recomputed activations (factor 2 / interval), not the stashed ones (34)."""
+    meta = features[0]["ckpt auto"]["stage_meta"]
+    for rank in features:
+        case = rank["ckpt auto"]
+        assert case["source"] == "profiled" and case["planner"] == features[0]["ckpt auto"]["planner"]
+        assert case["losses"] == pytest.approx(case["ref_losses"], rel=1e-5)
+        assert case["grad_rel_err"] <= 1e-5
+    plan = features[0]["ckpt auto"]["planner"]
+    memory = MemoryModel(max(m["layers"] for m in meta), meta[0]["hidden"], max(m["bytes"] for m in meta),
+                         MemoryModel.factor_for_checkpoint_interval(1))
+    expected = memory.peak_bytes(schedule="1f1b", num_stages=2, num_microbatches=2, micro_batch_size=2,
+                                 num_splits=1, seq_len=48, num_slices=len(plan["slices"]))
+    assert plan["memory_bytes"] == pytest.approx(expected)
 
 
 @pytest.mark.timeout(700)

@@ -88,6 +88,17 @@ class MemoryModel:
             raise ValueError(f"MemoryModel.activation_factor = {f!r} must be a finite number >= 0; use 34 "
                              "(no recomputation) or ~2 (full recomputation)")
 
+    @staticmethod
+    def factor_for_checkpoint_interval(interval: int, without: float = 34.0) -> float:
+        """``activation_factor`` with activation checkpointing every ``interval`` layers (0: none, ``without``).
+
+        A checkpointed segment keeps only its input, ``hidden`` values per token (factor 2 at 16 bits), for its
+        ``interval`` layers: 2 / interval per layer. The segment recomputed during one slice's backward holds its
+        full activations for that slice only, which this per-unit estimate leaves out.
+        """
+        check_int(interval, "activation_checkpoint_interval", minimum=0, wrong_type=ValueError)
+        return without if interval == 0 else 2.0 / interval
+
     def layers(self, num_stages: int) -> tuple[int, ...]:
         layers = self.num_layers_per_stage
         if isinstance(layers, tuple):

@@ -52,6 +52,7 @@ from .devices import synchronized_ms
 from .ds_internals import check_deepspeed_internals
 from .p2p import AbortFlag, PeerFailedError, SliceP2P, agree_or_raise, as_tuple, mark_collective
 from .plan import ResolvedPlan, plan_for_length, resolve_plan
+from .recompute import install_sliced_checkpointing
 from .schedule import TokenPipeSchedule, WeightGradPass
 
 __all__ = ["TokenPipelineEngine"]
@@ -143,6 +144,7 @@ class TokenPipelineEngine(PipelineEngine):
                 count = enable_deferred_weight_grads(self.module)
                 logger.info("terapipe: stage %d defers the weight gradients of %d nn.Linear module(s)",
                             self.stage_id, count)
+            install_sliced_checkpointing(self.module, self.terapipe)  # before profiling: it times the recompute
             self.plan: ResolvedPlan = resolve_plan(self)
             # One plan per sequence length seen, planned once (variable-length training), in the order resolved.
             self._plans: dict[int, ResolvedPlan] = {self.plan.seq_len: self.plan}
@@ -192,10 +194,6 @@ class TokenPipelineEngine(PipelineEngine):
     def _check_model_supports_slicing(self) -> None:
         if self.num_slices == 1:
             return
-        if self.module.activation_checkpoint_interval > 0:
-            raise ValueError(f"terapipe: activation checkpointing (activation_checkpoint_interval="
-                             f"{self.module.activation_checkpoint_interval}) is not supported with "
-                             f"{self.num_slices} slices; set it to 0 or use terapipe.slices=1")
         if self.is_last_stage() and self.module.loss_fn is None:
             raise ValueError("terapipe: the PipelineModule needs a loss_fn with more than one slice, so the engine "
                              "can weight each slice's loss; pass loss_fn= to the PipelineModule")

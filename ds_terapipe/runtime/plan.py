@@ -27,6 +27,7 @@ from ..planner.cost import PipelineCost
 from ..planner.slicing import MemoryModel, SlicingPlan, plan_slicing
 from .p2p import mark_collective
 from .plan_cache import cache_entry, gather_fingerprints, load_cached, store_plan
+from .recompute import planned_activation_factor
 from .profile import measure_costs
 from .slice_check import check_stage_slicing
 
@@ -71,7 +72,9 @@ def _solve(engine: "TokenPipelineEngine", cost: PipelineCost, stage_meta: Any, s
     memory, limit = None, None
     if cfg.memory_limit_gb is not None:
         memory = MemoryModel(num_layers_per_stage=max(m["layers"] for m in stage_meta),
-                             hidden=stage_meta[0]["hidden"] or 1, bytes_per_element=max(m["bytes"] for m in stage_meta))
+                             hidden=stage_meta[0]["hidden"] or 1, bytes_per_element=max(m["bytes"] for m in stage_meta),
+                             activation_factor=planned_activation_factor(
+                                 engine.module.activation_checkpoint_interval, cfg))
         limit = cfg.memory_limit_gb * 2**30
     plan = plan_slicing(cost, seq_len, num_microbatches=engine.micro_batches, micro_batch_size=engine.micro_batch_size,
                         granularity=cfg.granularity, schedule=cfg.schedule, memory_limit_bytes=limit, memory=memory,

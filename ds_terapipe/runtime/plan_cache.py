@@ -1,11 +1,11 @@
 """The plan cache: a restart with the same setting skips profiling.
 
-A plan depends on the model (every stage's parameter names, shapes, dtypes and layer types), the pipeline
-(stages, data-parallel size, micro-batches and their size), the terapipe settings that shape the plan, the
-device type, the torch version and the thread count. All of it is hashed into the file name
-(``terapipe-plan-<key>.json`` under ``terapipe.plan_cache``), so a stale plan is never found rather than
-detected. A file holds the plan and the costs it was made from, so other sequence lengths can be planned
-without profiling again. Only global rank 0 reads and writes it; the caller shares the outcome.
+A plan depends on the model (every stage's parameter names, shapes, dtypes and layer types, its activation
+checkpoint interval), the pipeline (stages, data-parallel size, micro-batches and their size), the terapipe
+settings that shape the plan, the device type, the torch version and the thread count. All of it is hashed
+into the file name (``terapipe-plan-<key>.json`` under ``terapipe.plan_cache``), so a stale plan is never
+found rather than detected. A file holds the plan and the costs it was made from, so other sequence lengths
+can be planned without profiling again. Only global rank 0 reads and writes it; the caller shares the outcome.
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ def cache_entry(engine: "TokenPipelineEngine", fingerprints: tuple, seq_len: int
         "micro_batches": engine.micro_batches, "seq_len": seq_len, "granularity": cfg.granularity,
         "schedule": cfg.schedule, "max_slices": cfg.max_slices, "memory_limit_gb": cfg.memory_limit_gb,
         "deferred_weight_grads": cfg.deferred_weight_grads,
+        "activation_checkpoint_interval": engine.module.activation_checkpoint_interval,  # profiled with recompute
         "profile": cfg.profile.model_dump(), "device": str(engine.device.type), "torch": torch.__version__,
         "threads": torch.get_num_threads(),
     }
