@@ -90,6 +90,12 @@ class HostTracker(TorchFunctionMode):
                 setattr(args[0], _HOST, on_host(args[1]))
             return out
         outputs = _tensors(out)
+        if func is torch.Tensor.to and outputs and outputs[0] is args[0]:
+            # a no-op here (every tensor is on the CPU) is a copy to the named device on a GPU: a host tensor
+            # sent to the accelerator's device is on it from now on
+            if self._verdict(func, args, kwargs) is False:
+                setattr(out, _HOST, False)
+            return out
         if not outputs or (args and outputs[0] is args[0]):
             return out  # nothing made, or in place: the tensor stays where it is
         host = self._verdict(func, args, kwargs)

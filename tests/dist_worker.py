@@ -495,7 +495,6 @@ def suite_features(extra: dict) -> list[dict]:
 
 
 SUITES["features"] = suite_features
-SUITES["checkpointing"] = lambda extra: checkpointing_cases()  # the features suite runs these too; alone for debugging
 
 
 
