@@ -66,6 +66,9 @@ def training_parser(doc: str) -> argparse.ArgumentParser:
     parser.add_argument("--bind-cores", action="store_true",
                         help="CPU: pin each local process to its own share of the cores (what the deepspeed launcher's "
                              "--bind_cores_to_rank does with numactl); stages then stop preempting each other")
+    parser.add_argument("--checkpoint-interval", type=int, default=0,
+                        help="activation checkpointing every N layers (0: off); each slice's forward is recomputed "
+                             "in its backward with the earlier slices' cached keys/values")
     parser.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
     return parser
 
@@ -228,7 +231,8 @@ def main() -> None:
     cfg = GPTConfig(num_layers=args.layers, hidden=args.hidden, num_heads=args.heads, vocab_size=vocab,
                     max_seq_len=seq_len, seed=args.seed)
     model = ds_terapipe.TokenPipelineModule(gpt_layer_specs(cfg), num_stages=stages, loss_fn=causal_lm_loss,
-                                            vocab_size=vocab, partition_method="uniform")
+                                            vocab_size=vocab, partition_method="uniform",
+                                            activation_checkpoint_interval=args.checkpoint_interval)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
     engine, _, _, _ = ds_terapipe.initialize(args=args, model=model, optimizer=optimizer)
     train(engine, args, tokens, seq_len, stages, name="train_gpt",

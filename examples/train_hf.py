@@ -65,7 +65,8 @@ def main() -> None:
         raise SystemExit(f"train_hf: token id {int(tokens.max())} >= the model's vocab_size {config.vocab_size}")
     specs = causal_lm_specs(args.model_dir or config, seed=args.seed)
     model = ds_terapipe.TokenPipelineModule(specs, num_stages=stages, loss_fn=causal_lm_loss,
-                                            vocab_size=config.vocab_size, partition_method="uniform")
+                                            vocab_size=config.vocab_size, partition_method="uniform",
+                                            activation_checkpoint_interval=args.checkpoint_interval)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
     engine, _, _, _ = ds_terapipe.initialize(args=args, model=model, optimizer=optimizer)
     kv_heads = getattr(config, "num_key_value_heads", config.num_attention_heads)
