@@ -38,28 +38,30 @@ def launch_loss(tmp_path_factory) -> list[dict[str, dict]]:
                            extra={"fault": "loss"}))
 
 
+def _fault_only(tmp_path_factory, fault: str) -> list[dict[str, dict]]:
+    """A launch that goes straight to one fault (the other cases run in the loss launch)."""
+    return _by_case(launch("faults", WORLD, Path(tmp_path_factory.mktemp(f"faults_{fault}")), timeout_s=300,
+                           extra={"fault": fault, "cases": False}))
+
+
 @pytest.fixture(scope="module")
 def launch_length(tmp_path_factory) -> list[dict[str, dict]]:
-    return _by_case(launch("faults", WORLD, Path(tmp_path_factory.mktemp("faults_length")), timeout_s=300,
-                           extra={"fault": "length", "cases": False}))
+    return _fault_only(tmp_path_factory, "length")
 
 
 @pytest.fixture(scope="module")
 def launch_init(tmp_path_factory) -> list[dict[str, dict]]:
-    return _by_case(launch("faults", WORLD, Path(tmp_path_factory.mktemp("faults_init")), timeout_s=300,
-                           extra={"fault": "init", "cases": False}))
+    return _fault_only(tmp_path_factory, "init")
 
 
 @pytest.fixture(scope="module")
 def launch_profile(tmp_path_factory) -> list[dict[str, dict]]:
-    return _by_case(launch("faults", WORLD, Path(tmp_path_factory.mktemp("faults_profile")), timeout_s=300,
-                           extra={"fault": "profile", "cases": False}))
+    return _fault_only(tmp_path_factory, "profile")
 
 
 @pytest.fixture(scope="module")
 def launch_checkpoint(tmp_path_factory) -> list[dict[str, dict]]:
-    return _by_case(launch("faults", WORLD, Path(tmp_path_factory.mktemp("faults_ckpt")), timeout_s=300,
-                           extra={"fault": "checkpoint", "cases": False}))
+    return _fault_only(tmp_path_factory, "checkpoint")
 
 
 def _stopped_by(results: list[dict[str, dict]], case: str, origin: int, where: str, error: str) -> None:
