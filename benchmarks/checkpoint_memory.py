@@ -26,9 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ds_terapipe.log import configure_logging
-
-from benchlib.launch import launch_workers, pin_and_single_thread, worker_args
+from benchlib.launch import launch_workers, pin_and_single_thread, run_as_worker
 from benchlib.meters import HeapMeter
 from benchlib.tables import ROOT, machine_info, markdown_table, results_path, write_report
 
@@ -109,10 +107,7 @@ def table(ranks: list[dict]) -> list[str]:
 
 
 def main() -> int:
-    configure_logging()
-    worker = worker_args()
-    if worker is not None:
-        worker_main(*worker)
+    if run_as_worker(worker_main):
         return 0
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq-lens", default="4096,8192", help="comma-separated sequence lengths")

@@ -53,10 +53,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ds_terapipe.log import configure_logging
-
 from benchlib.alternate import alternate, median, median_index, paired_ratios, rounds_in_use
-from benchlib.launch import launch_workers, pin_and_single_thread, worker_args
+from benchlib.launch import launch_workers, pin_and_single_thread, run_as_worker
 from benchlib.meters import ActivationMeter, CpuMeter, HeapMeter, InstructionRecorder, compute_events, step_summary
 from benchlib.tables import ROOT, fmt, machine_info, markdown_table, print_checks, results_path, write_report
 
@@ -498,10 +496,7 @@ def cost_model_check(report: dict) -> list[dict]:
 
 
 def main() -> int:
-    configure_logging()
-    worker = worker_args()
-    if worker is not None:
-        worker_main(*worker)
+    if run_as_worker(worker_main):
         return 0
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -6,8 +6,9 @@ progress lines starting ``[rank 0]`` on rank 0, which the parent echoes as they 
 :func:`ds_terapipe.runtime.local_launch.run_local` (free port, one log per rank, deadline, fail-fast, DeepSpeed shm
 cleanup), the launcher the tests use too.
 
-Worker side: :func:`worker_args` recognises the worker invocation; :func:`pin_and_single_thread` pins the
-process to one core per rank and leaves torch one thread, before anything else imports torch.
+Worker side: :func:`run_as_worker` (through :func:`worker_args`) recognises the worker invocation and runs it;
+:func:`pin_and_single_thread` pins the process to one core per rank and leaves torch one thread, before anything
+else imports torch.
 """
 from __future__ import annotations
 
@@ -15,13 +16,14 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
+from ds_terapipe.log import configure_logging
 from ds_terapipe.runtime.local_launch import run_local
 
 from .tables import ROOT
 
-__all__ = ["launch_workers", "pin_and_single_thread", "worker_args"]
+__all__ = ["launch_workers", "pin_and_single_thread", "run_as_worker", "worker_args"]
 
 WORKER_FLAG = "--worker"
 
@@ -52,6 +54,17 @@ def launch_workers(script: Path, world_size: int, out_dir: Path, opts: dict, *, 
         raise SystemExit(f"benchmark workers failed or timed out after {timeout_s:.0f}s (logs in {out_dir})\n"
                          + result.failure_report(30))
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
+
+
+def run_as_worker(worker_main: Callable[[Path, dict], Any]) -> bool:
+    """A benchmark script's first step: show ds_terapipe's logs, and when this process was started by
+    :func:`launch_workers`, run ``worker_main(out_dir, opts)`` and return True (the script then returns)."""
+    configure_logging()
+    worker = worker_args()
+    if worker is None:
+        return False
+    worker_main(*worker)
+    return True
 
 
 def worker_args(argv: list[str] | None = None) -> tuple[Path, dict] | None:
