@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch.distributed as dist
 
@@ -137,7 +137,7 @@ def _auto_plan(engine: "TokenPipelineEngine", known: Optional[ResolvedPlan], sta
     return ResolvedPlan(tuple(plan.slices), "profiled", plan, cost, stage_meta, fingerprints)
 
 
-def _decided_on_rank0(decide: Any) -> Any:
+def _decided_on_rank0(decide: Callable[[], Any]) -> Any:
     """``decide()`` on global rank 0, broadcast to every rank (collective). If it raises (the planner finds no
     slicing, the cache cannot be written), every rank raises with its message, together: the others would
     otherwise wait in the broadcast for a decision that never comes."""

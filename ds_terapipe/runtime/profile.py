@@ -49,12 +49,6 @@ def _default_lengths(seq_len: int, granularity: int) -> list[int]:
     return lengths
 
 
-def _sync(device: torch.device) -> None:
-    """Before a clock read: the accelerator's queued work belongs to what was timed (any accelerator, not only
-    CUDA; a no-op on CPU). ``device`` is kept for the callers' signature."""
-    synchronize()
-
-
 def _slice_leaves(stage_input: Any, start: int, end: int, seq_len: int) -> tuple[Any, tuple[torch.Tensor, ...]]:
     """Tokens ``[start, end)`` of the stage input as fresh leaves (floats require grad): what ``run`` takes, and
     the leaves whose gradients the backward computes."""
@@ -75,8 +69,8 @@ def _backward(out: list[torch.Tensor], params: list[torch.nn.Parameter], leaves:
 
 def profile_stage(run: Callable[[Any], Any], params: list[torch.nn.Parameter], stage_input: Any, seq_len: int,
                   granularity: int, batch: int, *, slice_lengths: Optional[list[int]] = None, num_contexts: int = 3,
-                  warmup: int = 1, repeats: int = 3, device: torch.device = torch.device("cpu"),
-                  deferred: bool = False, clock: Callable[[], float] = time.perf_counter) -> list[dict]:
+                  warmup: int = 1, repeats: int = 3, deferred: bool = False,
+                  clock: Callable[[], float] = time.perf_counter) -> list[dict]:
     """Time forward and backward of this stage's layers for slices of length s after a prefix of c tokens.
 
     Backward uses ``torch.autograd.grad``, so parameter ``.grad`` (and DeepSpeed's gradient hooks) are never
@@ -105,14 +99,14 @@ def profile_stage(run: Callable[[Any], Any], params: list[torch.nn.Parameter], s
                 with torch.no_grad(), slice_scope(SliceContext(0, 0, 0, context, state)):
                     run(cut_tokens(stage_input, 0, context, seq_len))
             inputs, leaves = _slice_leaves(stage_input, context, context + length, seq_len)
-            _sync(device)
+            synchronize()
             t0 = clock()
             with slice_scope(SliceContext(0, 1, context, context + length, state)):
                 out = _differentiable(run(inputs))
-            _sync(device)
+            synchronize()
             t1 = clock()
             _backward(out, params, leaves)
-            _sync(device)
+            synchronize()
             t2 = clock()
             if rep >= warmup:
                 fwd, bwd = samples[(length, context)]
@@ -124,8 +118,7 @@ def profile_stage(run: Callable[[Any], Any], params: list[torch.nn.Parameter], s
 
 def profile_weight_grads(run: Callable[[Any], Any], params: list[torch.nn.Parameter], stage_input: Any, seq_len: int,
                          granularity: int, batch: int, *,
-                         warmup: int = 1, repeats: int = 3, device: torch.device = torch.device("cpu"),
-                         clock: Callable[[], float] = time.perf_counter) -> float:
+                         warmup: int = 1, repeats: int = 3, clock: Callable[[], float] = time.perf_counter) -> float:
     """Milliseconds per token (and sequence) of the deferred weight-gradient pass of this stage.
 
     One micro-batch of ``seq_len`` tokens in two slices (so the pass accumulates over slices, as the runtime's
@@ -144,10 +137,10 @@ def profile_weight_grads(run: Callable[[Any], Any], params: list[torch.nn.Parame
                 outs.append((_differentiable(run(inputs)), leaves))
         for out, leaves in reversed(outs):  # later slices first, as the runtime (KV gradients flow backwards)
             _backward(out, params, leaves)
-        _sync(device)
+        synchronize()
         t0 = clock()
         state.weight_stash.compute()
-        _sync(device)
+        synchronize()
         if rep >= warmup:
             times.append((clock() - t0) * 1e3)
     return statistics.median(times) / (seq_len * batch)
@@ -173,13 +166,12 @@ def measure_costs(engine: "TokenPipelineEngine", stage_input: Any = None,
     params = list(engine.module.parameters())
     points = profile_stage(engine.module, params, stage_input, seq_len, cfg.granularity, engine.micro_batch_size,
                            slice_lengths=cfg.profile.slice_lengths, num_contexts=cfg.profile.num_contexts,
-                           warmup=cfg.profile.warmup, repeats=cfg.profile.repeats, device=engine.device,
-                           deferred=cfg.deferred_weight_grads)
+                           warmup=cfg.profile.warmup, repeats=cfg.profile.repeats, deferred=cfg.deferred_weight_grads)
     weight_rate = None
     if cfg.deferred_weight_grads:
         weight_rate = profile_weight_grads(engine.module, params, stage_input, seq_len, cfg.granularity,
                                            engine.micro_batch_size, warmup=cfg.profile.warmup,
-                                           repeats=cfg.profile.repeats, device=engine.device)
+                                           repeats=cfg.profile.repeats)
     profile_s = time.perf_counter() - started
     # The gather below blocks without a deadline: meet first in a barrier that watches the abort flag, so a rank
     # whose profiling raised stops its peers within seconds, naming it.
