@@ -71,6 +71,12 @@ class TeraPipeConfig(DeepSpeedConfigModel):
     """A registered schedule (``ds-terapipe schedules`` lists them). ``gpipe``: all forwards, then all backwards
     (TeraPipe). ``1f1b``: token-level 1F1B, bounded memory."""
 
+    virtual_stages: Optional[int] = Field(None, ge=1)
+    """Chunks per pipeline rank: the model is cut into ``pipeline stages x virtual_stages`` chunks, placed by the
+    schedule (``interleaved-1f1b``, ``looped-bfs``: chunk c on rank c mod p; ``dualpipev``: chunks r and 2p-1-r).
+    Build the model with the same value: ``TokenPipelineModule(..., virtual_stages=v, schedule=name)``. Default
+    (None): the schedule's own, 1 for ``gpipe`` and ``1f1b``, 2 for the others."""
+
     deferred_weight_grads: Optional[bool] = None
     """Backward of a slice computes input gradients only and sends them on; the ``nn.Linear`` weight gradients
     follow in a ``W`` action (runtime/deferred.py), so the previous stage gets its gradients sooner. With
@@ -107,8 +113,6 @@ class TeraPipeConfig(DeepSpeedConfigModel):
         except ValueError:
             raise ValueError(f"terapipe.schedule={value!r} is unknown; use one of {', '.join(schedule_names())} "
                              "(ds-terapipe schedules describes them)") from None
-        from .runtime.schedule import require_one_chunk_per_rank  # the engine's limit; imports DeepSpeed's pipe
-        require_one_chunk_per_rank(value)
         return value
 
     @field_validator("slices", mode="before")
@@ -126,8 +130,16 @@ class TeraPipeConfig(DeepSpeedConfigModel):
 
     @model_validator(mode="after")
     def _check_consistency(self) -> "TeraPipeConfig":
+        spec = get_schedule(self.schedule)
         if self.deferred_weight_grads is None:
-            self.deferred_weight_grads = get_schedule(self.schedule).deferred_weight_grads
+            self.deferred_weight_grads = spec.deferred_weight_grads
+        if self.virtual_stages is None:
+            self.virtual_stages = spec.virtual_stages
+        try:
+            spec.placement(2, self.virtual_stages)  # the rule does not depend on the number of ranks
+        except ValueError as err:
+            raise ValueError(f"terapipe.virtual_stages={self.virtual_stages} with schedule {self.schedule!r}: {err}") \
+                from None
         if isinstance(self.slices, list):
             total = sum(self.slices)
             if self.seq_len is None:

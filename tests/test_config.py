@@ -63,11 +63,20 @@ def test_a_list_of_slices_is_taken_as_given_whatever_the_granularity() -> None:
     assert cfg.slices == [5, 27, 16] and cfg.seq_len == 48
 
 
-@pytest.mark.parametrize("name", ["interleaved-1f1b", "looped-bfs", "dualpipev"])
-def test_schedules_with_virtual_stages_are_refused_at_parse_time(name: str) -> None:
-    # The planner runs them; the engine runs one chunk per rank: refused before any engine is built, on every rank.
+@pytest.mark.parametrize("name,default", [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("looped-bfs", 2),
+                                          ("dualpipev", 2)])
+def test_virtual_stages_default_to_the_schedules_own(name: str, default: int) -> None:
+    assert parse(schedule=name).virtual_stages == default
+
+
+@pytest.mark.parametrize("name,v,rule", [("1f1b", 2, "places one chunk per rank"),
+                                         ("gpipe", 3, "places one chunk per rank"),
+                                         ("dualpipev", 3, "dualpipev places exactly two chunks per rank"),
+                                         ("interleaved-1f1b", 1, "needs virtual_stages >= 2"),
+                                         ("looped-bfs", 1, "needs virtual_stages >= 2")])
+def test_virtual_stages_a_schedule_cannot_place_are_refused_at_parse_time(name: str, v: int, rule: str) -> None:
+    # Refused before any engine is built, on every rank (every rank parses the same config): rule, value, fix.
     with pytest.raises(ValueError) as info:
-        parse(schedule=name)
-    assert str(info.value) == (f"terapipe.schedule={name!r} places several chunks per rank (virtual stages), which "
-                               "the engine does not run yet; train with 'gpipe' or '1f1b', or plan and simulate it "
-                               f"with 'ds-terapipe simulate --schedule {name}'")
+        parse(schedule=name, virtual_stages=v)
+    message = str(info.value)
+    assert f"terapipe.virtual_stages={v} with schedule {name!r}" in message and rule in message and "use" in message

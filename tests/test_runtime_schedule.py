@@ -15,7 +15,7 @@ from deepspeed.runtime.pipe import schedule as ds
 from ds_terapipe.planner.schedule import (Action, ActionKind, PairingError, Schedule, ScheduleError,
                                          add_communication, build_schedule, replay)
 from ds_terapipe.runtime.schedule import forward_only
-from ds_terapipe.runtime.schedule import TokenPipeSchedule
+from ds_terapipe.runtime.schedule import TokenPipeSchedule, WeightGradPass
 
 KIND = {ds.ForwardPass: ActionKind.FORWARD, ds.BackwardPass: ActionKind.BACKWARD,
         ds.SendActivation: ActionKind.SEND_F, ds.RecvActivation: ActionKind.RECV_F,
@@ -109,9 +109,9 @@ def test_deferred_weight_grads_lower_to_weight_passes_after_the_sends(name: str)
         assert not any(isinstance(c, WeightGradPass) for step in evaluation for c in step)
 
 
-def _instr(text: str) -> tuple[str, dict[str, int]]:
-    """``"F 0.1 b1"`` -> ("ForwardPass", {buffer_id: 1, microbatch: 0, slice_index: 1}); ``"L 1"``: load
-    micro-batch 1."""
+def _instr(text: str, stage: int) -> tuple[str, dict[str, int]]:
+    """``"F 0.1"`` on stage s -> ("ForwardPass", {buffer_id: 1, microbatch: 0, slice_index: 1, chunk: s}); ``"L 1"``:
+    load micro-batch 1."""
     names = {"F": "ForwardPass", "B": "BackwardPass", "SA": "SendActivation", "RA": "RecvActivation",
              "SG": "SendGrad", "RG": "RecvGrad", "W": "WeightGradPass"}
     kind, *rest = text.split()
@@ -120,7 +120,7 @@ def _instr(text: str) -> tuple[str, dict[str, int]]:
     if not rest:
         return kind, {}
     micro, slice_ = (int(v) for v in rest[0].split("."))
-    return names[kind], {"buffer_id": micro * 2 + slice_, "microbatch": micro, "slice_index": slice_}
+    return names[kind], {"buffer_id": micro * 2 + slice_, "microbatch": micro, "slice_index": slice_, "chunk": stage}
 
 
 TAIL = ["CommitP2P", "ReduceTiedGrads", "ReduceGrads", "OptimizerStep"]
@@ -139,4 +139,38 @@ def test_golden_instruction_streams() -> None:
     for stage, golden in enumerate(GOLDEN_1F1B_2x2x2):
         sched = TokenPipeSchedule("1f1b", 2, 2, stage, 2, train=True)
         got = [(type(c).__name__, dict(c.kwargs)) for step in sched for c in step]
-        assert got == [_instr(t) for t in golden], f"stage {stage}: {[repr(c) for step in sched for c in step]}"
+        assert got == [_instr(t, stage) for t in golden], f"stage {stage}: {[repr(c) for step in sched for c in step]}"
+
+
+@pytest.mark.parametrize("name,v", [("interleaved-1f1b", 2), ("interleaved-1f1b", 3), ("looped-bfs", 2),
+                                    ("dualpipev", 2)])
+@pytest.mark.parametrize("stages,micro,slices", [(2, 1, 1), (2, 2, 3), (3, 4, 2), (4, 8, 1)])
+def test_virtual_stage_instructions(name: str, v: int, stages: int, micro: int, slices: int) -> None:
+    """Several chunks per rank: every instruction names its chunk; each (chunk, unit) has its own buffer; a
+    micro-batch is loaded once, in order, only on the ranks holding the first or last chunk, before the first
+    forward that reads it; evaluation runs forwards only, and both streams replay without deadlock."""
+    placement = build_schedule(name, stages, micro, slices, virtual_stages=v).placement
+    for train in (True, False):
+        streams = []
+        for stage in range(stages):
+            sched = TokenPipeSchedule(name, micro, stages, stage, slices, train=train, virtual_stages=v)
+            assert sched.chunks == tuple(c for c, r in enumerate(placement) if r == stage)
+            cmds = [c for step in sched for c in step]
+            units = [c for c in cmds if "chunk" in c.kwargs]
+            assert all(placement[c.chunk] == stage for c in units)
+            by_buffer: dict[int, tuple] = {}
+            for c in units:
+                assert by_buffer.setdefault(c.buffer_id, (c.chunk, c.microbatch, c.slice_index)) == \
+                    (c.chunk, c.microbatch, c.slice_index)
+                assert 0 <= c.buffer_id < sched.num_pipe_buffers()
+            loads = [i for i, c in enumerate(cmds) if isinstance(c, ds.LoadMicroBatch)]
+            reads_data = {0, len(placement) - 1} & set(sched.chunks)
+            assert [cmds[i].microbatch for i in loads] == (list(range(micro)) if reads_data else [])
+            for i in loads:
+                first_read = next(c for c in cmds if isinstance(c, ds.ForwardPass) and c.chunk in reads_data
+                                  and c.microbatch == cmds[i].microbatch)
+                assert cmds.index(first_read) > i
+            if not train:
+                assert not any(isinstance(c, (ds.BackwardPass, WeightGradPass)) for c in cmds)
+            streams.append(sched.actions)
+        replay(sched.schedule)

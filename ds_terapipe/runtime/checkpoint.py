@@ -103,7 +103,16 @@ def read_latest(load_dir: str) -> Optional[str]:
 
 
 def check_layer_shapes(module: Any, tag_dir: str) -> Optional[str]:
-    """Compare this stage's layers with their files in the checkpoint; describe the first mismatch."""
+    """Compare this rank's layers (every chunk's) with their files in the checkpoint; describe the first
+    mismatch."""
+    for _ in module.each_chunk() if hasattr(module, "each_chunk") else [None]:
+        problem = _check_chunk_shapes(module, tag_dir)
+        if problem:
+            return problem
+    return None
+
+
+def _check_chunk_shapes(module: Any, tag_dir: str) -> Optional[str]:
     for local_idx, layer in enumerate(module.forward_funcs):
         if not hasattr(layer, "state_dict"):
             continue

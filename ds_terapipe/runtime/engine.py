@@ -19,6 +19,16 @@ How one training step flows (``train_batch``), on every stage:
 Transfers go through :class:`~ds_terapipe.runtime.p2p.SliceP2P` (per-transfer shapes, non-blocking sends,
 deadlines), because slices have different lengths.
 
+Virtual stages (``terapipe.virtual_stages`` v > 1, a :class:`~ds_terapipe.runtime.module.TokenPipelineModule`
+built with the same v and schedule): a rank holds several chunks, and every instruction names the chunk it runs
+on. While an instruction runs, its chunk is *active* (``_on_chunk``): the module's forward is that chunk's layers,
+and ``is_first_stage()``/``is_last_stage()`` answer for the chunk (chunk 0 / the last chunk), so DeepSpeed's own
+forward and backward compute the loss exactly where the last chunk runs (under the V placement: rank 0). Between
+instructions they answer for the rank (holds chunk 0 / the last chunk: loads inputs / labels, owns the loss). KV
+buffers, slice buffers and deferred weight gradients are per (chunk, micro-batch). A hand-off between two chunks
+of one rank is no message: the forward of chunk c leaves its outputs, detached, as the inputs of chunk c + 1, and
+the backward of chunk c + 1 leaves their gradients for chunk c (DeepSpeed's DualPipeV turn-around, generalised).
+
 Failing fast: an exception on any rank inside ``train_batch``, ``eval_batch``, engine init or checkpointing
 raises the job's abort flag (:class:`~ds_terapipe.runtime.p2p.AbortFlag`, on the process group's store) with
 this rank and its error, and every other rank's waits turn it into a ``PeerFailedError`` naming both within
@@ -42,6 +52,7 @@ from deepspeed.runtime.pipe import schedule as ds_schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from ..config import TeraPipeConfig
+from ..planner.registry import get_schedule
 from ..planner.schedule import Action, ActionKind
 from ..planner.simulate import TimedAction
 from ..trace import events_to_chrome_trace
@@ -50,6 +61,7 @@ from .context import MicroBatchState, SliceContext, cut_tokens, slice_scope
 from .deferred import WeightGradStash, enable_deferred_weight_grads
 from .devices import synchronized_ms
 from .ds_internals import check_deepspeed_internals
+from .module import chunk_layout
 from .p2p import AbortFlag, PeerFailedError, SliceP2P, agree_or_raise, as_tuple, mark_collective
 from .plan import ResolvedPlan, plan_for_length, resolve_plan
 from .recompute import install_sliced_checkpointing
@@ -95,6 +107,10 @@ def _first_tensor(value: Any) -> Optional[torch.Tensor]:
 # Slots of the per-batch sequence-length agreement that are not lengths.
 _UNSET, _NO_SEQ_DIM, _EXHAUSTED, _NOT_READING = -100, -3, -2, -1
 
+# The active chunk while DeepSpeed's PipelineEngine.__init__ runs: stage roles are the rank's topological ones
+# then (its p2p warm-up pairs stage s with s + 1), as DeepSpeed's DualPipeVEngine does.
+_INIT = object()
+
 # Engines numbered in creation order, the same on every rank (creation is collective): each gets its own
 # abort flag, so an engine built after a failure starts clean.
 _ENGINE_SERIAL = itertools.count()
@@ -116,29 +132,34 @@ class TokenPipelineEngine(PipelineEngine):
 
     def __init__(self, *args, terapipe_config: TeraPipeConfig, **kwargs) -> None:
         self.terapipe = terapipe_config
+        self._chunk: Any = _INIT
         super().__init__(*args, **kwargs)
+        self._chunk = None  # the chunk an instruction runs on, while it runs (see _on_chunk)
         check_deepspeed_internals(self)  # a DeepSpeed that moved what we rely on fails here, naming it
         if self.is_pipe_partitioned or self.is_grad_partitioned:
             raise ValueError("terapipe: pipeline.pipe_partitioned / grad_partitioned are not supported by the "
                              "token pipeline; set both to false in the DeepSpeed config")
+        # chunk -> rank, and this rank's chunks (one chunk per rank: (0, ..., p-1) and (stage_id, ))
+        self.placement, self.local_chunks = self._check_chunk_layout()
+        self.num_chunks = len(self.placement)
         self._p2p = SliceP2P([self.grid.stage_to_global(s) for s in range(self.num_stages)], self.device,
                              self.terapipe.p2p_timeout_s,
                              abort=AbortFlag.on_default_group(f"ds_terapipe/abort/{next(_ENGINE_SERIAL)}"))
-        self._states: dict[int, MicroBatchState] = {}
+        self._states: dict[tuple[int, int], MicroBatchState] = {}  # (chunk, micro-batch) ->
         self._loaded: dict[int, Any] = {}
         self._unit_losses: dict[int, torch.Tensor] = {}
         self._unit_grads: dict[int, Any] = {}
         self._logits: list[torch.Tensor] = []
         self._trail: deque[str] = deque(maxlen=8)
-        # Activation shapes per (seq_len, slice_len) that this stage boundary already exchanged (header once).
-        self._shapes_sent: set[tuple[int, int]] = set()
-        self._shapes_known: dict[tuple[int, int], list[tuple[tuple[int, ...], torch.dtype]]] = {}
+        # Activation shapes per (sending chunk, seq_len, slice_len) already exchanged: a header once per boundary.
+        self._shapes_sent: set[tuple[int, int, int]] = set()
+        self._shapes_known: dict[tuple[int, int, int], list[tuple[tuple[int, ...], torch.dtype]]] = {}
         # Measured timeline of the last batch: compute actions with host-clock start/end (ms since the epoch).
         self.record_timeline = self.terapipe.trace_dir is not None
         self.last_timeline: list[TimedAction] = []
         self._batches_traced = 0
-        # Deferred weight gradients: per micro-batch, the (input, output-gradient) pairs until its W action.
-        self._stashes: dict[int, WeightGradStash] = {}
+        # Deferred weight gradients: per (chunk, micro-batch), the (input, output-gradient) pairs until its W.
+        self._stashes: dict[tuple[int, int], WeightGradStash] = {}
         with self._failing_fast("engine init"):
             if self.terapipe.deferred_weight_grads:  # before profiling, which measures the split backward
                 count = enable_deferred_weight_grads(self.module)
@@ -149,6 +170,56 @@ class TokenPipelineEngine(PipelineEngine):
             # One plan per sequence length seen, planned once (variable-length training), in the order resolved.
             self._plans: dict[int, ResolvedPlan] = {self.plan.seq_len: self.plan}
             self._check_model_supports_slicing()
+            self._train_schedule()  # a micro-batch count the schedule cannot run fails here, on every rank
+
+    def _check_chunk_layout(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The module's chunk placement, refused (on every rank: same config, same model) unless it is the one
+        the configured schedule and ``virtual_stages`` place."""
+        name, v = self.terapipe.schedule, self.terapipe.virtual_stages
+        expected = tuple(get_schedule(name).placement(self.num_stages, v))
+        placement, chunks = chunk_layout(self.module)
+        if placement != expected:
+            built_v = getattr(self.module, "virtual_stages", 1)
+            raise ValueError(f"terapipe: schedule {name!r} with virtual_stages={v} places chunks on ranks as "
+                             f"{list(expected)} (chunk -> rank), but the model was built with virtual_stages="
+                             f"{built_v} ({list(placement)}); build it as ds_terapipe.TokenPipelineModule(..., "
+                             f"num_stages={self.num_stages}, virtual_stages={v}, schedule={name!r})")
+        return placement, chunks
+
+    # -- chunks and stage roles ------------------------------------------------------------------------------
+    def is_first_stage(self) -> bool:
+        """While a chunk runs: whether it is chunk 0 (reads the inputs). Otherwise: whether this rank holds it."""
+        if self._chunk is _INIT:
+            return super().is_first_stage()
+        if self._chunk is None:
+            return self.placement[0] == self.stage_id
+        return self._chunk == 0
+
+    def is_last_stage(self) -> bool:
+        """While a chunk runs: whether it is the last chunk (computes the loss). Otherwise: whether this rank holds
+        it (reads labels, owns the loss DeepSpeed aggregates and broadcasts)."""
+        if self._chunk is _INIT:
+            return super().is_last_stage()
+        if self._chunk is None:
+            return self.placement[-1] == self.stage_id
+        return self._chunk == self.num_chunks - 1
+
+    def _loss_stage_global_rank(self) -> int:
+        return self.grid.stage_to_global(self.placement[-1])
+
+    @contextmanager
+    def _on_chunk(self, chunk: int) -> Iterator[None]:
+        """Run a block as chunk ``chunk``: its layers are the module's forward, stage roles are the chunk's."""
+        self._chunk = chunk
+        if len(self.local_chunks) > 1:
+            self.module.activate_chunk(self.local_chunks.index(chunk))
+        try:
+            yield
+        finally:
+            self._chunk = None
+
+    def _is_local(self, chunk: int) -> bool:
+        return 0 <= chunk < self.num_chunks and self.placement[chunk] == self.stage_id
 
     # -- failing fast -----------------------------------------------------------------------------------------
     @contextmanager
@@ -242,7 +313,7 @@ class TokenPipelineEngine(PipelineEngine):
                                              "tensors; a stage got a tensor without a sequence dimension"))
         replicas = range(self.grid.data_parallel_size)
         stage0 = [values[self.grid.stage_to_global(0, data=d)] for d in replicas]
-        last = [values[self.grid.stage_to_global(self.num_stages - 1, data=d)] for d in replicas]
+        last = [values[self.grid.stage_to_global(self.placement[-1], data=d)] for d in replicas]
         if stage0 != last:
             raise mark_collective(ValueError(f"token pipeline: first-stage inputs have lengths {stage0} but last-stage "
                                              f"labels {last} (per data-parallel replica); both stages must read the "
@@ -261,17 +332,18 @@ class TokenPipelineEngine(PipelineEngine):
 
     def _train_schedule(self) -> TokenPipeSchedule:
         return TokenPipeSchedule(self.terapipe.schedule, self.micro_batches, self.num_stages, self.stage_id,
-                                 self.num_slices, train=True,
-                                 deferred_weight_grads=self.terapipe.deferred_weight_grads)
+                                 self.num_slices, train=True, deferred_weight_grads=self.terapipe.deferred_weight_grads,
+                                 virtual_stages=self.terapipe.virtual_stages)
 
     def _inference_schedule(self, micro_batches: int) -> TokenPipeSchedule:
         return TokenPipeSchedule(self.terapipe.schedule, micro_batches, self.num_stages, self.stage_id,
-                                 self.num_slices, train=False)
+                                 self.num_slices, train=False, virtual_stages=self.terapipe.virtual_stages)
 
     # -- execution -------------------------------------------------------------------------------------------
     def _exec_schedule(self, pipe_schedule: TokenPipeSchedule) -> None:
         """DeepSpeed's loop, plus: per-batch state reset, and errors that say where this rank was."""
         self._reserve_pipe_buffers(pipe_schedule.num_pipe_buffers())
+        self._running = pipe_schedule
         self.fwd_outputs = []
         self._states.clear()
         self._loaded.clear()
@@ -292,7 +364,7 @@ class TokenPipelineEngine(PipelineEngine):
                     start = synchronized_ms() if kind else 0.0  # device work queued before is not this action's
                     MethodType(handler, self)(**cmd.kwargs)
                     if kind:
-                        action = Action(self.stage_id, kind, cmd.microbatch, cmd.slice_index)
+                        action = Action(cmd.chunk, kind, cmd.microbatch, cmd.slice_index)
                         timeline.append(TimedAction(self.stage_id, action, start, synchronized_ms()))
                 except Exception as err:
                     note = (f"[ds_terapipe] rank {self.global_rank} (stage {self.stage_id}) failed in step {step_id} "
@@ -348,14 +420,18 @@ class TokenPipelineEngine(PipelineEngine):
             return value.to(self.device).detach()
         return tuple(v.to(self.device).detach() if torch.is_tensor(v) else v for v in value)
 
-    def _state(self, microbatch: int) -> MicroBatchState:
-        state = self._states.get(microbatch)
+    def _state(self, chunk: int, microbatch: int) -> MicroBatchState:
+        """The (chunk, micro-batch)'s KV buffers, backward progress and weight-gradient stash."""
+        state = self._states.get((chunk, microbatch))
         if state is None:
             state = MicroBatchState(microbatch, self.seq_len, self.num_slices)
             if self.terapipe.deferred_weight_grads and torch.is_grad_enabled():
-                state.weight_stash = self._stashes.setdefault(microbatch, WeightGradStash())
-            self._states[microbatch] = state
+                state.weight_stash = self._stashes.setdefault((chunk, microbatch), WeightGradStash())
+            self._states[(chunk, microbatch)] = state
         return state
+
+    def _unit_buffer(self, chunk: int, microbatch: int, slice_index: int) -> int:
+        return self._running.unit_buffer(chunk, microbatch, slice_index)
 
     @contextmanager
     def _weighted_loss(self, weight: float) -> Iterator[None]:
@@ -370,32 +446,50 @@ class TokenPipelineEngine(PipelineEngine):
         finally:
             self.module.loss_fn = loss_fn
 
-    def _exec_forward_pass(self, buffer_id: int, microbatch: int, slice_index: int) -> None:
+    def _exec_forward_pass(self, buffer_id: int, microbatch: int, slice_index: int, chunk: int) -> None:
+        with self._on_chunk(chunk):
+            self._forward_unit(buffer_id, microbatch, slice_index, chunk)
+
+    def _forward_unit(self, buffer_id: int, microbatch: int, slice_index: int, chunk: int) -> None:
         start, end = self.slice_bounds(slice_index)
         loaded = self._loaded.get(microbatch, {})
-        if self.is_first_stage():
+        first, last = self.is_first_stage(), self.is_last_stage()
+        if first:
             self.pipe_buffers["inputs"][buffer_id] = cut_tokens(loaded["inputs"], start, end, self.seq_len)
-        if self.is_last_stage():
+        if last:
             self.pipe_buffers["labels"][buffer_id] = cut_tokens(loaded["labels"], start, end, self.seq_len)
-        ctx = SliceContext(microbatch, slice_index, start, end, self._state(microbatch))
+        ctx = SliceContext(microbatch, slice_index, start, end, self._state(chunk, microbatch))
         with slice_scope(ctx), self._weighted_loss((end - start) / self.seq_len):
             super()._exec_forward_pass(buffer_id)
         last_slice = slice_index == self.num_slices - 1
         if last_slice:
-            self._loaded.pop(microbatch, None)
-        if self.is_last_stage():
+            for key, used in (("inputs", first), ("labels", last)):
+                if used:
+                    loaded.pop(key, None)
+            if not loaded:
+                self._loaded.pop(microbatch, None)
+        if last:
             self._unit_losses[buffer_id] = self.loss
             if self.eval_return_logits:
                 self._collect_logits(slice_index)
+        handed_on = self._is_local(chunk + 1)
+        if handed_on:
+            # The next chunk is on this rank: its input is this output, cut from the graph as a received one
+            # would be; its backward leaves the gradient on it for ours (see _exec_backward_pass).
+            outputs = self.pipe_buffers["outputs"][buffer_id]
+            detached = [t.detach().requires_grad_(t.is_floating_point() and torch.is_grad_enabled())
+                        for t in as_tuple(outputs)]
+            self.pipe_buffers["inputs"][self._unit_buffer(chunk + 1, microbatch, slice_index)] = \
+                detached[0] if torch.is_tensor(outputs) else tuple(detached)
         if not torch.is_grad_enabled():
             # No backward will run: nothing needs the inputs, and the KV cache only lives until the last slice.
             self.pipe_buffers["inputs"][buffer_id] = None
             self.pipe_buffers["labels"][buffer_id] = None
             self._unit_losses.pop(buffer_id, None)
-            if self.is_last_stage():
+            if last or handed_on:
                 self.pipe_buffers["outputs"][buffer_id] = None
             if last_slice:
-                self._states.pop(microbatch, None)
+                self._states.pop((chunk, microbatch), None)
 
     def _collect_logits(self, slice_index: int) -> None:
         if slice_index == 0:
@@ -405,29 +499,46 @@ class TokenPipelineEngine(PipelineEngine):
             self.outputs = torch.cat(self._logits, dim=1) if len(self._logits) > 1 else self._logits[0]
             self._logits = []
 
-    def _exec_backward_pass(self, buffer_id: int, microbatch: int, slice_index: int) -> None:
-        state = self._states[microbatch]
+    def _exec_backward_pass(self, buffer_id: int, microbatch: int, slice_index: int, chunk: int) -> None:
+        state = self._states[(chunk, microbatch)]
         pending = [j for j in range(slice_index + 1, self.num_slices) if j not in state.backward_done]
-        assert not pending, f"backward of slice {slice_index} before later slices {pending} of micro-batch {microbatch}"
-        if self.is_last_stage():
-            self.loss = self._unit_losses.pop(buffer_id)
-        else:
-            self.grad_layer = self._unit_grads.pop(buffer_id)
-        super()._exec_backward_pass(buffer_id)
-        self.grad_layer = None
-        state.backward_done.add(slice_index)
-        # DeepSpeed relies on cyclic buffer reuse to drop these; units are not reused, so drop them here.
-        self.pipe_buffers["outputs"][buffer_id] = None
-        self.pipe_buffers["labels"][buffer_id] = None
-        if self.is_first_stage():
-            self.pipe_buffers["inputs"][buffer_id] = None
+        assert not pending, (f"backward of slice {slice_index} before later slices {pending} of micro-batch "
+                             f"{microbatch} on chunk {chunk}")
+        with self._on_chunk(chunk):
+            if self.is_last_stage():
+                self.loss = self._unit_losses.pop(buffer_id)
+            else:
+                self.grad_layer = self._unit_grads.pop(buffer_id)
+            super()._exec_backward_pass(buffer_id)
+            self.grad_layer = None
+            state.backward_done.add(slice_index)
+            # DeepSpeed relies on cyclic buffer reuse to drop these; units are not reused, so drop them here.
+            self.pipe_buffers["outputs"][buffer_id] = None
+            self.pipe_buffers["labels"][buffer_id] = None
+            if self._is_local(chunk - 1):
+                # The previous chunk is on this rank: hand it the gradient of its output (our input).
+                inputs = as_tuple(self.pipe_buffers["inputs"][buffer_id])
+                self._unit_grads[self._unit_buffer(chunk - 1, microbatch, slice_index)] = \
+                    self._input_grads(inputs, self.pipe_buffers["inputs"][buffer_id])
+                self.pipe_buffers["inputs"][buffer_id] = None
+            elif self.is_first_stage():
+                self.pipe_buffers["inputs"][buffer_id] = None
         if slice_index == 0:
-            del self._states[microbatch]
+            del self._states[(chunk, microbatch)]
 
-    def _exec_weight_grad_pass(self, buffer_id: int, microbatch: int, slice_index: int) -> None:
-        """Deferred weight gradients (``runtime/deferred.py``) of what the micro-batch's backwards recorded so
-        far: all its slices (a W per micro-batch, slice 0) or the one just backwarded (a W per slice)."""
-        stash = self._stashes.get(microbatch) if slice_index > 0 else self._stashes.pop(microbatch, None)
+    @staticmethod
+    def _input_grads(inputs: tuple[torch.Tensor, ...], like: Any) -> Any:
+        """The gradients of a unit's floating inputs (zeros where none arrived), shaped as DeepSpeed's
+        ``grad_layer``: a tensor for a tensor input, else a list."""
+        grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs if t.is_floating_point()]
+        return grads[0] if torch.is_tensor(like) else grads
+
+    def _exec_weight_grad_pass(self, buffer_id: int, microbatch: int, slice_index: int, chunk: int) -> None:
+        """Deferred weight gradients (``runtime/deferred.py``) of what the micro-batch's backwards on ``chunk``
+        recorded so far: all its slices (a W per micro-batch, slice 0) or the one just backwarded (a W per
+        slice)."""
+        key = (chunk, microbatch)
+        stash = self._stashes.get(key) if slice_index > 0 else self._stashes.pop(key, None)
         if stash is None or not len(stash):
             return
         if self.using_bf16_optimizer:
@@ -436,41 +547,48 @@ class TokenPipelineEngine(PipelineEngine):
         if self.using_bf16_optimizer and not self._config.bfloat16_config.immediate_grad_update:
             self.optimizer.update_hp_grads(clear_lp_grads=False)
 
-    def _exec_send_activations(self, buffer_id: int, microbatch: int, slice_index: int) -> None:
+    def _exec_send_activations(self, buffer_id: int, microbatch: int, slice_index: int, chunk: int) -> None:
         outputs = as_tuple(self.pipe_buffers["outputs"][buffer_id])
-        key = (self.seq_len, self.slices[slice_index])
-        self._p2p.send(outputs, self.next_stage, f"activations of micro-batch {microbatch} slice {slice_index}",
+        key = (chunk, self.seq_len, self.slices[slice_index])
+        self._p2p.send(outputs, self.placement[chunk + 1],
+                       f"activations of micro-batch {microbatch} slice {slice_index}{self._chunk_note(chunk)}",
                        header=key not in self._shapes_sent)
         self._shapes_sent.add(key)
         if not torch.is_grad_enabled():
             self.pipe_buffers["outputs"][buffer_id] = None
 
-    def _exec_recv_activations(self, buffer_id: int, microbatch: int, slice_index: int) -> None:
-        key = (self.seq_len, self.slices[slice_index])
-        what = f"activations of micro-batch {microbatch} slice {slice_index}"
+    def _exec_recv_activations(self, buffer_id: int, microbatch: int, slice_index: int, chunk: int) -> None:
+        key = (chunk - 1, self.seq_len, self.slices[slice_index])  # the boundary into this chunk, as sent
+        what = f"activations of micro-batch {microbatch} slice {slice_index}{self._chunk_note(chunk)}"
+        source = self.placement[chunk - 1]
         if key in self._shapes_known:
-            received = self._p2p.recv_specs(self._shapes_known[key], self.prev_stage, what)
+            received = self._p2p.recv_specs(self._shapes_known[key], source, what)
         else:
-            received = self._p2p.recv(self.prev_stage, what)
+            received = self._p2p.recv(source, what)
             self._shapes_known[key] = [(tuple(t.shape), t.dtype) for t in received]
         if torch.is_grad_enabled():
             for tensor in received:
                 tensor.requires_grad_(tensor.is_floating_point())
         self.pipe_buffers["inputs"][buffer_id] = received[0] if len(received) == 1 else received
 
-    def _exec_send_grads(self, buffer_id: int, microbatch: int, slice_index: int) -> None:
+    def _exec_send_grads(self, buffer_id: int, microbatch: int, slice_index: int, chunk: int) -> None:
         inputs = as_tuple(self.pipe_buffers["inputs"][buffer_id])
         grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs if t.is_floating_point()]
-        self._p2p.send(grads, self.prev_stage, f"gradients of micro-batch {microbatch} slice {slice_index}",
+        self._p2p.send(grads, self.placement[chunk - 1],
+                       f"gradients of micro-batch {microbatch} slice {slice_index}{self._chunk_note(chunk - 1)}",
                        header=False)
         self.pipe_buffers["inputs"][buffer_id] = None
 
-    def _exec_recv_grads(self, buffer_id: int, microbatch: int, slice_index: int) -> None:
+    def _exec_recv_grads(self, buffer_id: int, microbatch: int, slice_index: int, chunk: int) -> None:
         outputs = self.pipe_buffers["outputs"][buffer_id]
         floats = [t for t in as_tuple(outputs) if t.is_floating_point()]
-        grads = self._p2p.recv_like(floats, self.next_stage,
-                                    f"gradients of micro-batch {microbatch} slice {slice_index}")
+        grads = self._p2p.recv_like(floats, self.placement[chunk + 1],
+                                    f"gradients of micro-batch {microbatch} slice {slice_index}"
+                                    f"{self._chunk_note(chunk)}")
         self._unit_grads[buffer_id] = grads[0] if torch.is_tensor(outputs) else list(grads)
+
+    def _chunk_note(self, chunk: int) -> str:
+        return f" of chunk {chunk}" if self.num_chunks != self.num_stages else ""
 
     def _exec_commit_p2p(self) -> None:
         self._p2p.drain()
@@ -511,6 +629,8 @@ class TokenPipelineEngine(PipelineEngine):
             self._barrier("saving a checkpoint")
             if self.global_rank == 0:
                 ckpt.write_manifest(tag_dir, {"num_stages": self.num_stages, "dp": self.dp_world_size,
+                                              "virtual_stages": self.terapipe.virtual_stages,
+                                              "placement": list(self.placement),
                                               "plan": self.plan_summary(), "terapipe": self.terapipe.model_dump()})
                 if save_latest:
                     ckpt.write_latest(save_dir, tag)
@@ -542,10 +662,14 @@ class TokenPipelineEngine(PipelineEngine):
             problem = str(err)
         agree_or_raise(problem, ckpt.CheckpointError, self._p2p, f"the check of checkpoint {tag_dir}")
         assert manifest is not None
-        if manifest.get("num_stages", self.num_stages) != self.num_stages:
+        written = (manifest.get("num_stages", self.num_stages), manifest.get("virtual_stages", 1),
+                   tuple(manifest.get("placement", range(manifest.get("num_stages", self.num_stages)))))
+        if written != (self.num_stages, self.terapipe.virtual_stages, self.placement):
             if self.global_rank == 0:
-                logger.warning("terapipe: checkpoint %s has %s stages, this run %d: loading weights only (optimizer "
-                               "and scheduler state are per stage)", tag_dir, manifest["num_stages"], self.num_stages)
+                logger.warning("terapipe: checkpoint %s has %s stages x %s virtual stages (chunk -> rank %s), this run "
+                               "%d x %d (%s): loading weights only (optimizer and scheduler state are per rank)",
+                               tag_dir, written[0], written[1], list(written[2]), self.num_stages,
+                               self.terapipe.virtual_stages, list(self.placement))
             kwargs.update(load_optimizer_states=False, load_lr_scheduler_states=False, load_module_only=True)
         return super().load_checkpoint(load_dir, tag=tag, **kwargs)
 
@@ -558,6 +682,7 @@ class TokenPipelineEngine(PipelineEngine):
         """What this engine runs, for logs and checkpoints."""
         summary: dict[str, Any] = {"slices": list(self.slices), "seq_len": self.seq_len,
                                    "schedule": self.terapipe.schedule, "num_stages": self.num_stages,
+                                   "virtual_stages": self.terapipe.virtual_stages,
                                    "micro_batches": self.micro_batches, "micro_batch_size": self.micro_batch_size}
         if self.slicing_plan is not None:
             summary["planner"] = self.slicing_plan.to_dict()

@@ -71,14 +71,18 @@ def _solve(engine: "TokenPipelineEngine", cost: PipelineCost, stage_meta: Any, s
     cfg = engine.terapipe
     memory, limit = None, None
     if cfg.memory_limit_gb is not None:
-        memory = MemoryModel(num_layers_per_stage=max(m["layers"] for m in stage_meta),
+        # stage_meta is per chunk; the memory model counts a rank's layers (all its chunks)
+        per_rank = [sum(m["layers"] for m, r in zip(stage_meta, engine.placement) if r == rank)
+                    for rank in range(engine.num_stages)]
+        memory = MemoryModel(num_layers_per_stage=max(per_rank),
                              hidden=stage_meta[0]["hidden"] or 1, bytes_per_element=max(m["bytes"] for m in stage_meta),
                              activation_factor=planned_activation_factor(
                                  engine.module.activation_checkpoint_interval, cfg))
         limit = cfg.memory_limit_gb * 2**30
     plan = plan_slicing(cost, seq_len, num_microbatches=engine.micro_batches, micro_batch_size=engine.micro_batch_size,
                         granularity=cfg.granularity, schedule=cfg.schedule, memory_limit_bytes=limit, memory=memory,
-                        max_slices=cfg.max_slices, deferred_weight_grads=cfg.deferred_weight_grads)
+                        max_slices=cfg.max_slices, deferred_weight_grads=cfg.deferred_weight_grads,
+                        virtual_stages=cfg.virtual_stages)
     logger.info("terapipe: plan for seq_len %d: %s slices=%s predicted %.1f ms vs %.1f ms unsliced (%.2fx)", seq_len,
                 cfg.schedule, list(plan.slices), plan.predicted_ms, plan.unsliced_ms, plan.speedup)
     return plan
@@ -105,7 +109,7 @@ def _auto_plan(engine: "TokenPipelineEngine", known: Optional[ResolvedPlan], sta
             return "cache", cached["plan"]
         if cost is not None:
             # a new sequence length: the costs measured at init cover it, no re-profiling
-            plan = _solve(engine, PipelineCost.from_dict(cost, num_stages=engine.num_stages), stage_meta, seq_len)
+            plan = _solve(engine, PipelineCost.from_dict(cost, num_stages=engine.num_chunks), stage_meta, seq_len)
             store_plan(entry, plan, cost, stage_meta)
             return "planned", plan.to_dict()
         return None
@@ -128,7 +132,7 @@ def _auto_plan(engine: "TokenPipelineEngine", known: Optional[ResolvedPlan], sta
         nonlocal cost, stage_meta
         assert measured is not None
         cost, stage_meta = measured.cost.to_dict(), measured.stage_meta
-        logger.info("terapipe: profiled %d stage(s) in %.1fs", engine.num_stages, measured.seconds)
+        logger.info("terapipe: profiled %d chunk(s) in %.1fs", engine.num_chunks, measured.seconds)
         plan = _solve(engine, measured.cost, stage_meta, seq_len)
         store_plan(entry, plan, cost, stage_meta, profile_seconds=measured.seconds)
         return plan.to_dict()
@@ -183,7 +187,7 @@ def resolve_plan(engine: "TokenPipelineEngine") -> ResolvedPlan:
             "terapipe.slices=\"auto\" needs to profile each stage on a sample input: build the model as "
             "ds_terapipe.TokenPipelineModule(..., vocab_size=V) or with input_sampler=fn, or set terapipe.slices to "
             "an int or a list"))
-    stage_input = check_stage_slicing(engine, seq_len, slices)
+    stage_input = check_stage_slicing(engine, seq_len, slices)  # this rank's chunk inputs, by chunk
     resolved = ResolvedPlan(slices, "config") if slices is not None else _auto_plan(engine, None, stage_input, seq_len)
     _agree(engine, resolved.slices)
     if engine.global_rank == 0:

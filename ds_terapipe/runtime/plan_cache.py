@@ -30,7 +30,7 @@ __all__ = ["PLAN_CACHE_VERSION", "CacheEntry", "cache_entry", "gather_fingerprin
 logger = logging.getLogger(__name__)
 
 # Bump when the file's content or the meaning of a plan changes: old files then stop matching.
-PLAN_CACHE_VERSION = 3
+PLAN_CACHE_VERSION = 4
 
 
 @dataclass(frozen=True)
@@ -42,8 +42,10 @@ class CacheEntry:
 
 
 def _stage_fingerprint(engine: "TokenPipelineEngine") -> list:
-    return [[name, list(p.shape), str(p.dtype)] for name, p in engine.module.named_parameters()] + \
-        [type(f).__name__ for f in engine.module.forward_funcs]
+    module = engine.module
+    chunks = getattr(module, "chunk_funcs", [module.forward_funcs])
+    return [[name, list(p.shape), str(p.dtype)] for name, p in module.named_parameters()] + \
+        [[type(f).__name__ for f in funcs] for funcs in chunks]
 
 
 def gather_fingerprints(engine: "TokenPipelineEngine") -> tuple:
@@ -60,7 +62,7 @@ def cache_entry(engine: "TokenPipelineEngine", fingerprints: tuple, seq_len: int
         "version": PLAN_CACHE_VERSION, "model": fingerprints, "num_stages": engine.num_stages,
         "dp": engine.dp_world_size, "micro_batch_size": engine.micro_batch_size,
         "micro_batches": engine.micro_batches, "seq_len": seq_len, "granularity": cfg.granularity,
-        "schedule": cfg.schedule, "max_slices": cfg.max_slices, "memory_limit_gb": cfg.memory_limit_gb,
+        "schedule": cfg.schedule, "virtual_stages": cfg.virtual_stages, "max_slices": cfg.max_slices, "memory_limit_gb": cfg.memory_limit_gb,
         "deferred_weight_grads": cfg.deferred_weight_grads,
         "activation_checkpoint_interval": engine.module.activation_checkpoint_interval,  # profiled with recompute
         "profile": cfg.profile.model_dump(), "device": str(engine.device.type), "torch": torch.__version__,

@@ -33,7 +33,7 @@ class MeasuredCosts(NamedTuple):
     """Every stage's costs, gathered on global rank 0 (a tuple, so ``cost, meta, seconds = measured`` works)."""
 
     cost: PipelineCost
-    #: per stage, what the memory model needs: ``{"layers": int, "hidden": int | None, "bytes": int}``
+    #: per stage (chunk), what the memory model needs: ``{"layers": int, "hidden": int | None, "bytes": int}``
     stage_meta: tuple[dict, ...]
     seconds: float
 
@@ -146,17 +146,19 @@ def profile_weight_grads(run: Callable[[Any], Any], params: list[torch.nn.Parame
     return statistics.median(times) / (seq_len * batch)
 
 
-def measure_costs(engine: "TokenPipelineEngine", stage_input: Any = None,
+def measure_costs(engine: "TokenPipelineEngine", stage_input: Optional[dict[int, Any]] = None,
                   seq_len: Optional[int] = None) -> Optional[MeasuredCosts]:
-    """Profile every stage's layers now and gather the costs (collective: every rank calls it).
+    """Profile every chunk's layers now and gather the costs (collective: every rank calls it).
 
     Engine init calls it for ``slices: "auto"``. Called again later it tells how far the costs a plan was made
     from have moved: on a shared host the same work can run 10-20% slower a few minutes on, and a prediction
     compared with steps timed later carries that drift as error unless its costs are measured in the same window
-    (``benchmarks/pipeline_speedup.py`` re-profiles after its rounds). ``stage_input`` (``seq_len`` tokens,
-    default ``terapipe.seq_len``) defaults to a fresh probe pass.
+    (``benchmarks/pipeline_speedup.py`` re-profiles after its rounds). ``stage_input`` (this rank's chunk inputs
+    by chunk id, ``seq_len`` tokens, default ``terapipe.seq_len``) defaults to a fresh probe pass.
 
-    Returns ``(PipelineCost, stage_meta, seconds)`` as :class:`MeasuredCosts` on global rank 0, None elsewhere.
+    With one chunk per rank the cost model's stages are the ranks; with virtual stages they are the chunks, in
+    chunk order (what the planner simulates). Returns ``(PipelineCost, stage_meta, seconds)`` as
+    :class:`MeasuredCosts` on global rank 0, None elsewhere.
     """
     cfg = engine.terapipe
     seq_len = cfg.seq_len if seq_len is None else seq_len
@@ -164,33 +166,38 @@ def measure_costs(engine: "TokenPipelineEngine", stage_input: Any = None,
         stage_input = probe_pass(engine, seq_len)
     started = time.perf_counter()
     params = list(engine.module.parameters())
-    points = profile_stage(engine.module, params, stage_input, seq_len, cfg.granularity, engine.micro_batch_size,
-                           slice_lengths=cfg.profile.slice_lengths, num_contexts=cfg.profile.num_contexts,
-                           warmup=cfg.profile.warmup, repeats=cfg.profile.repeats, deferred=cfg.deferred_weight_grads)
-    weight_rate = None
-    if cfg.deferred_weight_grads:
-        weight_rate = profile_weight_grads(engine.module, params, stage_input, seq_len, cfg.granularity,
-                                           engine.micro_batch_size, warmup=cfg.profile.warmup,
-                                           repeats=cfg.profile.repeats)
+    mine = []
+    for chunk in engine.local_chunks:
+        chunk_input = stage_input[chunk]
+        with engine._on_chunk(chunk):
+            points = profile_stage(engine.module, params, chunk_input, seq_len, cfg.granularity,
+                                   engine.micro_batch_size, slice_lengths=cfg.profile.slice_lengths,
+                                   num_contexts=cfg.profile.num_contexts, warmup=cfg.profile.warmup,
+                                   repeats=cfg.profile.repeats, deferred=cfg.deferred_weight_grads)
+            weight_rate = None
+            if cfg.deferred_weight_grads:
+                weight_rate = profile_weight_grads(engine.module, params, chunk_input, seq_len, cfg.granularity,
+                                                   engine.micro_batch_size, warmup=cfg.profile.warmup,
+                                                   repeats=cfg.profile.repeats)
+            first = as_tuple(chunk_input)[0]
+            mine.append({"chunk": chunk, "points": points, "weight_ms_per_token": weight_rate,
+                         "layers": len(engine.module.forward_funcs),
+                         "hidden": first.shape[-1] if first.is_floating_point() else None,
+                         "bytes": first.element_size() if first.is_floating_point() else 4})
     profile_s = time.perf_counter() - started
     # The gather below blocks without a deadline: meet first in a barrier that watches the abort flag, so a rank
     # whose profiling raised stops its peers within seconds, naming it.
     engine._barrier("profiling")
-    first = as_tuple(stage_input)[0]
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, {"stage": engine.stage_id, "dp": engine.grid.data_parallel_id,
-                                      "points": points, "weight_ms_per_token": weight_rate,
-                                      "layers": len(engine.module.forward_funcs),
-                                      "hidden": first.shape[-1] if first.is_floating_point() else None,
-                                      "bytes": first.element_size() if first.is_floating_point() else 4})
+    dist.all_gather_object(gathered, {"dp": engine.grid.data_parallel_id, "chunks": mine})
     if dist.get_rank() != 0:
         return None
-    stages = sorted((g for g in gathered if g["dp"] == 0), key=lambda g: g["stage"])
-    stage_meta = [{k: g[k] for k in ("layers", "hidden", "bytes")} for g in stages]
+    chunks = sorted((c for g in gathered if g["dp"] == 0 for c in g["chunks"]), key=lambda c: c["chunk"])
+    stage_meta = [{k: c[k] for k in ("layers", "hidden", "bytes")} for c in chunks]
     hidden = next((m["hidden"] for m in stage_meta if m["hidden"]), None)
     for m in stage_meta:
         m["hidden"] = hidden
-    cost = PipelineCost.from_dict({"stages": [{"points": g["points"], **({} if g["weight_ms_per_token"] is None else
-                                              {"weight_ms_per_token": g["weight_ms_per_token"]})}
-                                            for g in stages]}, num_stages=engine.num_stages)
+    cost = PipelineCost.from_dict({"stages": [{"points": c["points"], **({} if c["weight_ms_per_token"] is None else
+                                              {"weight_ms_per_token": c["weight_ms_per_token"]})}
+                                            for c in chunks]}, num_stages=engine.num_chunks)
     return MeasuredCosts(cost, tuple(stage_meta), profile_s)

@@ -79,29 +79,45 @@ def _probe_cuts(seq_len: int, granularity: int, slices: Optional[Sequence[int]])
     return [c * granularity for c in cuts if c > 0]
 
 
-def probe_pass(engine: "TokenPipelineEngine", seq_len: int) -> Any:
-    """Run one unsliced forward through the pipeline on a sampled input; return this stage's input
-    (collective over the stages of a pipeline)."""
+def probe_pass(engine: "TokenPipelineEngine", seq_len: int) -> dict[int, Any]:
+    """Run one unsliced forward through the pipeline on a sampled input; return each of this rank's chunks' input,
+    by chunk id (collective over the ranks of a pipeline).
+
+    Every rank walks the chunks in order and runs its own: a chunk's input comes from the previous chunk, over
+    p2p from another rank or handed over on this one. The chain is ordered by chunk id, so no rank waits on a
+    chunk that waits on it.
+    """
     module = engine.module
     gen = torch.Generator().manual_seed(_PROBE_SEED)
     was_training = module.training
     module.eval()
+    inputs: dict[int, Any] = {}
+    handed: Any = None
     try:
-        if engine.is_first_stage():
-            sample = module.sample_input(engine.micro_batch_size, seq_len, gen)
-            stage_input = tuple(t.to(engine.device) for t in sample) if isinstance(sample, tuple) else \
-                sample.to(engine.device)
-        else:
-            received = engine._p2p.recv(engine.prev_stage, "probe activations")
-            stage_input = received[0] if len(received) == 1 else received
-        with torch.no_grad(), slice_scope(None):
-            output = module(stage_input)
-        if not engine.is_last_stage():
-            engine._p2p.send(as_tuple(output), engine.next_stage, "probe activations", header=True)
-            engine._p2p.drain()
+        for chunk in engine.local_chunks:
+            if chunk == 0:
+                sample = module.sample_input(engine.micro_batch_size, seq_len, gen)
+                chunk_input = tuple(t.to(engine.device) for t in sample) if isinstance(sample, tuple) else \
+                    sample.to(engine.device)
+            elif engine.placement[chunk - 1] == engine.stage_id:
+                chunk_input = handed
+            else:
+                received = engine._p2p.recv(engine.placement[chunk - 1], f"probe activations of chunk {chunk}")
+                chunk_input = received[0] if len(received) == 1 else received
+            inputs[chunk] = chunk_input
+            with torch.no_grad(), slice_scope(None), engine._on_chunk(chunk):
+                output = module(chunk_input)
+            handed = None
+            if chunk + 1 < engine.num_chunks:
+                if engine.placement[chunk + 1] == engine.stage_id:
+                    handed = output
+                else:
+                    engine._p2p.send(as_tuple(output), engine.placement[chunk + 1],
+                                     f"probe activations of chunk {chunk + 1}", header=True)
+        engine._p2p.drain()
     finally:
         module.train(was_training)
-    return stage_input
+    return inputs
 
 
 def _flat(value: Any) -> list[torch.Tensor]:
@@ -332,16 +348,17 @@ def check_slicing_equivalence(layers: list[Callable], first_layer_idx: int, stag
 
 
 def check_stage_slicing(engine: "TokenPipelineEngine", seq_len: int,
-                        slices: Optional[tuple[int, ...]]) -> Optional[Any]:
-    """Probe and check this stage for ``slices`` (None: not planned yet); return the probe input, if any.
+                        slices: Optional[tuple[int, ...]]) -> Optional[dict[int, Any]]:
+    """Probe and check this rank's chunks for ``slices`` (None: not planned yet); return the probe inputs, by
+    chunk, if any.
 
-    Collective over all ranks. Every rank raises :class:`SlicingMismatchError` if any stage fails the check.
+    Collective over all ranks. Every rank raises :class:`SlicingMismatchError` if any chunk fails the check.
     Without an input sampler nothing can be probed: the check is skipped with a warning.
     """
     module = engine.module
     can_sample = hasattr(module, "has_sampler") and module.has_sampler()
     if can_sample and (slices is None or len(slices) > 1):
-        stage_input = probe_pass(engine, seq_len)
+        inputs = probe_pass(engine, seq_len)
         cuts = _probe_cuts(seq_len, engine.terapipe.granularity, slices)
         problem = None
         if len(cuts) > 1:
@@ -349,14 +366,19 @@ def check_stage_slicing(engine: "TokenPipelineEngine", seq_len: int,
             was_training = module.training
             module.eval()  # dropout would make the two runs differ
             try:
-                problem = check_slicing_equivalence(list(module.forward_funcs), module._local_start, stage_input,
-                                                    cuts, names)
+                for chunk in engine.local_chunks:
+                    with engine._on_chunk(chunk):
+                        problem = check_slicing_equivalence(list(module.forward_funcs), module._local_start,
+                                                            inputs[chunk], cuts, names)
+                    if problem:
+                        where = f"stage {engine.stage_id}" if engine.num_chunks == engine.num_stages else \
+                            f"stage {engine.stage_id} (chunk {chunk})"
+                        problem = f"terapipe: {where}: {problem}"
+                        break
             finally:
                 module.train(was_training)
-            if problem:
-                problem = f"terapipe: stage {engine.stage_id}: {problem}"
         agree_or_raise(problem, SlicingMismatchError, engine._p2p, "the slice check of every stage")
-        return stage_input
+        return inputs
     if slices is not None and len(slices) > 1 and engine.global_rank == 0:
         logger.warning("terapipe: %s has no input sampler, so the slice check (refusing layers that mix tokens "
                        "non-causally) was skipped; use ds_terapipe.TokenPipelineModule(..., vocab_size=V)",
