@@ -1,0 +1,128 @@
+"""Tier b: virtual stages (several chunks per rank) equal the single-process unsliced reference.
+
+interleaved-1f1b, looped-bfs and dualpipev with v = 2 chunks per rank, on p = 2 and 3 ranks, slices {1, unequal,
+4}, micro-batches {2, 4}, with and without deferred weight gradients; 2 ranks x 2 replicas with ZeRO 1; then
+"auto" slices profiled per chunk, eval_batch, variable lengths, timelines, checkpoints across layouts and the
+refusals (tests/dist_worker.py: suites ``virtual`` and ``virtual_features``). Tolerance: fp32 relative error
+<= 1e-5 for the loss, every gradient and every parameter after 3 SGD+momentum steps.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.dist_harness import launch
+
+pytestmark = pytest.mark.multiproc
+
+TOL = 1e-5
+SCHEDULES = ["interleaved-1f1b", "looped-bfs", "dualpipev"]
+
+
+def _check(results: list[dict], expected_cases: int, placement: list[int]) -> None:
+    errors = [r["error"] for r in results if "error" in r]
+    assert not errors, errors[0]
+    per_rank = [r["results"] for r in results]
+    assert all(len(cases) == expected_cases for cases in per_rank), [len(c) for c in per_rank]
+    for index in range(expected_cases):
+        covered: set[str] = set()
+        for rank, cases in enumerate(per_rank):
+            case = cases[index]
+            where = f"{case['case']} stages={case['stages']} dp={case['dp']} rank {rank}"
+            for got, ref in zip(case["loss"], case["ref_loss"]):
+                assert abs(got - ref) <= TOL * abs(ref), f"{where}: loss {case['loss']} != reference {case['ref_loss']}"
+            assert case["grad_rel_err"] <= TOL, f"{where}: gradient of {case['grad_worst']} off by {case['grad_rel_err']}"
+            assert case["param_rel_err"] <= TOL, \
+                f"{where}: after 3 steps {case['param_worst']} off by {case['param_rel_err']}"
+            covered.update(case["covered"])
+            if case["dp"] == 1:
+                expected = placement if "dualpipev" not in case["case"] else None
+                if expected is not None:
+                    assert case["placement"] == expected, where
+                assert all(case["placement"][c] == rank for c in case["chunks"]), where
+        # every reference parameter got a gradient on some rank (nothing silently untrained)
+        assert len(covered) == 4 * 12 + 2 + 2, sorted(covered)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("world", [2, 3])
+def test_virtual_stage_schedules_equal_the_reference(world: int, tmp_path) -> None:
+    schedules = SCHEDULES + (["interleaved-1f1b+W", "looped-bfs+W"] if world == 2 else [])
+    results = launch("virtual", world, tmp_path, timeout_s=840, extra={"schedules": schedules})
+    _check(results, expected_cases=2 * 3 * len(schedules), placement=[c % world for c in range(2 * world)])
+    cases = results[0]["results"]
+    assert {tuple(c["slices"]) for c in cases} == {(48, ), (8, 24, 16), (12, 12, 12, 12)}
+    v_shape = next(c for c in cases if "dualpipev" in c["case"])
+    assert v_shape["placement"] == list(range(world)) + list(reversed(range(world)))
+
+
+@pytest.mark.timeout(900)
+def test_virtual_stages_with_data_parallel_zero1(tmp_path) -> None:
+    """2 ranks x 2 chunks x 2 replicas (4 processes), ZeRO 1: equal to the reference over the global batch."""
+    results = launch("virtual", 4, tmp_path, timeout_s=840,
+                     extra={"dp": 2, "zero_stage": 1, "slicings": [1, [8, 24, 16]], "micro_batches": [2]})
+    _check(results, expected_cases=2 * len(SCHEDULES), placement=[0, 1, 0, 1])
+
+
+@pytest.fixture(scope="module")
+def features(tmp_path_factory) -> list[dict[str, dict]]:
+    results = launch("virtual_features", 2, tmp_path_factory.mktemp("virtual_features"), timeout_s=600)
+    errors = [r["error"] for r in results if "error" in r]
+    assert not errors, errors[0]
+    return [{case["case"]: case for case in r["results"]} for r in results]
+
+
+@pytest.mark.timeout(700)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_auto_slices_are_planned_from_costs_profiled_per_chunk(features, schedule: str) -> None:
+    for rank, by_case in enumerate(features):
+        case = by_case[f"auto {schedule}"]
+        assert case["source"] == "profiled" and case["planner_v"] == 2, case
+        assert case["losses"] == pytest.approx(case["ref_losses"], rel=TOL), rank
+        assert case["grad_rel_err"] <= TOL, (rank, case["grad_worst"], case["grad_rel_err"])
+    # the cost model rank 0 planned from has one stage per chunk: 2 ranks x 2 chunks
+    assert features[0][f"auto {schedule}"]["cost_stages"] == 4
+
+
+@pytest.mark.timeout(700)
+@pytest.mark.parametrize("schedule,loss_rank", [("interleaved-1f1b", 1), ("dualpipev", 0)])
+def test_eval_batch_returns_the_reference_loss_and_logits_from_the_last_chunk(features, schedule, loss_rank) -> None:
+    for rank, by_case in enumerate(features):
+        case = by_case[f"eval {schedule}"]
+        assert case["loss"] == pytest.approx(case["ref_loss"], rel=TOL) and not case["grads_touched"], case
+        assert case["loss_rank"] == (rank == loss_rank), case
+        if rank == loss_rank:
+            assert case["logits_rel_err"] <= TOL, case
+
+
+@pytest.mark.timeout(700)
+def test_variable_lengths_and_timelines_with_chunks(features) -> None:
+    for rank, by_case in enumerate(features):
+        case = by_case["varlen + trace"]
+        assert [s["length"] for s in case["steps"]] == [64, 32, 128]
+        for step in case["steps"]:
+            assert sum(step["slices"]) == step["length"] and len(step["slices"]) == 3
+            assert step["loss"] == pytest.approx(step["ref_loss"], rel=TOL)
+            assert step["grad_rel_err"] <= TOL, (rank, step)
+        assert case["timeline_chunks"] == case["chunks"] == [rank, rank + 2]
+        assert case["trace_files"] == [f"batch{b:05d}-rank{r}.json" for b in range(3) for r in range(2)]
+
+
+@pytest.mark.timeout(700)
+def test_checkpoints_resume_exactly_and_load_into_other_layouts(features) -> None:
+    for by_case in features:
+        case = by_case["virtual checkpoint"]
+        assert case["resumed"] == case["uninterrupted"] and case["step"] == 2, case  # bit-exact
+        assert case["loaded_rel_err"] == {"v1": 0.0, "interleaved": 0.0}, case
+        assert case["exported_layers"] > 0
+
+
+@pytest.mark.timeout(700)
+def test_layouts_the_engine_cannot_run_are_refused_on_every_rank(features) -> None:
+    for by_case in features:
+        wrong = by_case["refusal module v=1, config v=2"]
+        assert wrong["raised"] == "ValueError" and "TokenPipelineModule(..., num_stages=2, virtual_stages=2, " \
+            "schedule='interleaved-1f1b')" in wrong["message"], wrong
+        few = by_case["refusal fewer layers than chunks"]
+        assert few["raised"] == "ValueError" and "4 layers cannot be cut into 2 stages x 3 virtual stages = 6 " \
+            "chunks" in few["message"], few
