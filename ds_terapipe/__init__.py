@@ -21,6 +21,7 @@ _LAZY = {
     "parse_terapipe_config": ".config",
     "TokenPipelineEngine": ".runtime.engine",
     "TokenPipelineModule": ".runtime.module",
+    "module_chunk_kwargs": ".runtime.module",
     "TokenPipeSchedule": ".runtime.schedule",
     "CausalSelfAttention": ".runtime.attention",
     "sliced_causal_attention": ".runtime.attention",

@@ -223,7 +223,7 @@ def train(engine: Any, args: argparse.Namespace, tokens: np.ndarray, seq_len: in
 
 def main() -> None:
     args = parse_args()
-    _, _, stages, seq_len = start(args, "train_gpt")
+    _, terapipe, stages, seq_len = start(args, "train_gpt")
     tokens = load_tokens(args)
     vocab = args.vocab_size if args.data and args.data[0].endswith(".bin") else 256
     if int(tokens.max()) >= vocab:
@@ -232,7 +232,8 @@ def main() -> None:
                     max_seq_len=seq_len, seed=args.seed)
     model = ds_terapipe.TokenPipelineModule(gpt_layer_specs(cfg), num_stages=stages, loss_fn=causal_lm_loss,
                                             vocab_size=vocab, partition_method="uniform",
-                                            activation_checkpoint_interval=args.checkpoint_interval)
+                                            activation_checkpoint_interval=args.checkpoint_interval,
+                                            **ds_terapipe.module_chunk_kwargs(terapipe))  # virtual stages
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
     engine, _, _, _ = ds_terapipe.initialize(args=args, model=model, optimizer=optimizer)
     train(engine, args, tokens, seq_len, stages, name="train_gpt",

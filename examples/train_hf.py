@@ -57,7 +57,7 @@ def model_config(args: argparse.Namespace, vocab: int, seq_len: int) -> transfor
 
 def main() -> None:
     args = parse_args()
-    _, _, stages, seq_len = start(args, "train_hf")
+    _, terapipe, stages, seq_len = start(args, "train_hf")
     tokens = load_tokens(args)
     vocab = args.vocab_size if args.data and args.data[0].endswith(".bin") else 256
     config = model_config(args, vocab, seq_len)
@@ -66,7 +66,8 @@ def main() -> None:
     specs = causal_lm_specs(args.model_dir or config, seed=args.seed)
     model = ds_terapipe.TokenPipelineModule(specs, num_stages=stages, loss_fn=causal_lm_loss,
                                             vocab_size=config.vocab_size, partition_method="uniform",
-                                            activation_checkpoint_interval=args.checkpoint_interval)
+                                            activation_checkpoint_interval=args.checkpoint_interval,
+                                            **ds_terapipe.module_chunk_kwargs(terapipe))  # virtual stages
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
     engine, _, _, _ = ds_terapipe.initialize(args=args, model=model, optimizer=optimizer)
     kv_heads = getattr(config, "num_key_value_heads", config.num_attention_heads)

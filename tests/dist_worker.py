@@ -99,11 +99,16 @@ def first_step_grads(engine: Any) -> Iterator[dict[str, torch.Tensor]]:
 def run_pipeline(cfg: GPTConfig, *, stages: int, micro_batches: int, batch: int, seq_len: int,
                  batches_for_rank: Callable[[int], list[tuple]], num_steps: int, lr: float, momentum: float,
                  terapipe: dict | None, zero_stage: int = 0, checkpoint_interval: int = 0,
-                 virtual_stages: int = 1) -> dict[str, Any]:
-    chunks = {} if virtual_stages == 1 else {"virtual_stages": virtual_stages, "schedule": terapipe["schedule"]}
-    model = ds_terapipe.TokenPipelineModule(gpt_layer_specs(cfg), num_stages=stages, loss_fn=causal_lm_loss,
-                                            vocab_size=cfg.vocab_size, partition_method="uniform",
-                                            activation_checkpoint_interval=checkpoint_interval, **chunks)
+                 virtual_stages: int = 1, stock_dualpipev: bool = False) -> dict[str, Any]:
+    if stock_dualpipev:  # DeepSpeed's own DualPipeV: deepspeed.initialize picks its engine from the module class
+        from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
+        model = DualPipeVModule(gpt_layer_specs(cfg), num_stages=stages, loss_fn=causal_lm_loss,
+                                partition_method="uniform")
+    else:
+        chunks = {} if virtual_stages == 1 else {"virtual_stages": virtual_stages, "schedule": terapipe["schedule"]}
+        model = ds_terapipe.TokenPipelineModule(gpt_layer_specs(cfg), num_stages=stages, loss_fn=causal_lm_loss,
+                                                vocab_size=cfg.vocab_size, partition_method="uniform",
+                                                activation_checkpoint_interval=checkpoint_interval, **chunks)
     dp = WORLD // stages
     config = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": micro_batches,
               "train_batch_size": batch * micro_batches * dp, "steps_per_print": 10**9,
@@ -219,6 +224,12 @@ def suite_virtual(extra: dict) -> list[dict]:
             return [batches[s * m * dp + dp_id * m + j] for s in range(steps) for j in range(m)]
 
         ref_losses, ref_grads, ref_params = reference_step(cfg, batches, steps, lr=0.1, momentum=0.9)
+        stock = None
+        if m >= 2 * stages and dp == 1 and "dualpipev" in extra.get("schedules", ["dualpipev"]):
+            STATUS["case"] = f"stock dualpipev m={m}"  # DeepSpeed's DualPipeV needs m >= 2p
+            stock = run_pipeline(cfg, stages=stages, micro_batches=m, batch=batch, seq_len=seq_len,
+                                 batches_for_rank=for_rank, num_steps=steps, lr=0.1, momentum=0.9, terapipe=None,
+                                 stock_dualpipev=True)
         for slices in extra.get("slicings", [1, [8, 24, 16], 4]):
             for sched in extra.get("schedules", ["interleaved-1f1b", "looped-bfs", "dualpipev"]):
                 STATUS["case"] = f"v={v} slices={slices} schedule={sched} m={m}"
@@ -233,7 +244,14 @@ def suite_virtual(extra: dict) -> list[dict]:
                                                        ref_grads if grads_ok else ref_params, run["stage"])
                 param_err, param_name, _ = compare(run["params"], ref_params, run["stage"])
                 engine = run["engine"]
+                if stock is not None and sched == "dualpipev":
+                    # the same V placement and chunk boundaries: every gradient and parameter name matches
+                    stock_err = max(max(rel_err(g, stock["grads"][n]) for n, g in run["grads"].items()),
+                                    max(rel_err(p, stock["params"][n]) for n, p in run["params"].items()))
+                else:
+                    stock_err = None
                 results.append({"case": STATUS["case"], "stages": stages, "dp": dp, "slices": run["slices"],
+                                "stock_dualpipev_rel_err": stock_err, "stock_loss": stock and stock["losses"],
                                 "loss": run["losses"], "ref_loss": ref_losses, "grad_rel_err": grad_err,
                                 "grad_worst": grad_name, "param_rel_err": param_err, "param_worst": param_name,
                                 "covered": covered, "chunks": list(engine.local_chunks),

@@ -168,11 +168,13 @@ def test_chrome_trace_of_one_chunk_runs_is_unchanged(tmp_path):
     assert all(set(ev["args"]) == {"microbatch", "slice"} for ev in doc["traceEvents"] if ev["ph"] == "X")
 
 
-def test_engine_schedule_refuses_chunk_schedules_until_the_engine_runs_them():
+def test_engine_schedule_takes_the_chunks_its_schedule_places():
     pytest.importorskip("deepspeed")
     from ds_terapipe.runtime.schedule import TokenPipeSchedule
 
     for name in CHUNKED:
-        with pytest.raises(ValueError, match=f"terapipe.schedule='{name}' places several chunks per rank"):
-            TokenPipeSchedule(name, 2, 2, 0, 2)
+        with pytest.raises(ValueError, match="virtual_stages = 1"):
+            TokenPipeSchedule(name, 2, 2, 0, 2)   # one chunk per rank is not this schedule's placement
+        assert {a.stage for a in TokenPipeSchedule(name, 2, 2, 0, 2, virtual_stages=2).actions} == \
+            ({0, 2} if name != "dualpipev" else {0, 3})
     assert TokenPipeSchedule("1f1b", 2, 2, 0, 2).actions   # one chunk per rank: as before

@@ -1,7 +1,8 @@
 """Tier b: virtual stages (several chunks per rank) equal the single-process unsliced reference.
 
 interleaved-1f1b, looped-bfs and dualpipev with v = 2 chunks per rank, on p = 2 and 3 ranks, slices {1, unequal,
-4}, micro-batches {2, 4}, with and without deferred weight gradients; 2 ranks x 2 replicas with ZeRO 1; then
+4}, micro-batches {2, 4}, with and without deferred weight gradients (dualpipev also against DeepSpeed's own
+DualPipeV where that runs, m >= 2p); 2 ranks x 2 replicas with ZeRO 1; then
 "auto" slices profiled per chunk, eval_batch, variable lengths, timelines, checkpoints across layouts and the
 refusals (tests/dist_worker.py: suites ``virtual`` and ``virtual_features``). Tolerance: fp32 relative error
 <= 1e-5 for the loss, every gradient and every parameter after 3 SGD+momentum steps.
@@ -35,6 +36,9 @@ def _check(results: list[dict], expected_cases: int, placement: list[int]) -> No
             assert case["param_rel_err"] <= TOL, \
                 f"{where}: after 3 steps {case['param_worst']} off by {case['param_rel_err']}"
             covered.update(case["covered"])
+            if case["stock_dualpipev_rel_err"] is not None:   # DeepSpeed's own DualPipeV, same placement
+                assert case["stock_dualpipev_rel_err"] <= TOL, f"{where}: differs from stock DeepSpeed's DualPipeV"
+                assert case["stock_loss"][0] == pytest.approx(case["ref_loss"][0], rel=TOL), where
             if case["dp"] == 1:
                 expected = placement if "dualpipev" not in case["case"] else None
                 if expected is not None:
@@ -54,6 +58,8 @@ def test_virtual_stage_schedules_equal_the_reference(world: int, tmp_path) -> No
     assert {tuple(c["slices"]) for c in cases} == {(48, ), (8, 24, 16), (12, 12, 12, 12)}
     v_shape = next(c for c in cases if "dualpipev" in c["case"])
     assert v_shape["placement"] == list(range(world)) + list(reversed(range(world)))
+    # compared with DeepSpeed's DualPipeV wherever it runs (m >= 2p)
+    assert any(c["stock_dualpipev_rel_err"] is not None for c in cases) == (world == 2)
 
 
 @pytest.mark.timeout(900)

@@ -1,7 +1,7 @@
 """Tier b, end to end: examples/train_gpt.py in fresh processes, as a user runs it.
 
 * Resume is exact: 6 steps uninterrupted == 3 steps + checkpoint + new processes + --resume + 3 steps, to the
-  last bit of every loss.
+  last bit of every loss (with virtual stages: dualpipev, two chunks per rank, the loss on rank 0).
 * A rank killed mid-run: the survivor exits with an error (no hang), and --resume continues from the last
   checkpoint, losing at most the checkpoint interval.
 """
@@ -25,9 +25,9 @@ CONFIG = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
                        "p2p_timeout_s": 20}}
 
 
-def trainer(tmp: Path, name: str, *extra: str) -> list[str]:
+def trainer(tmp: Path, name: str, *extra: str, terapipe: dict | None = None) -> list[str]:
     config = tmp / "ds_config.json"
-    config.write_text(json.dumps(CONFIG))
+    config.write_text(json.dumps(dict(CONFIG, terapipe=dict(CONFIG["terapipe"], **(terapipe or {})))))
     return [sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--deepspeed_config", str(config),
             "--layers", "2", "--hidden", "32", "--heads", "4", "--log-every", "1", "--eval-every", "0",
             "--max-corpus-mb", "0.3", "--metrics", str(tmp / f"{name}.jsonl"), *extra]
@@ -43,13 +43,15 @@ def check(codes, texts) -> None:
 
 @pytest.mark.timeout(600)
 def test_resume_in_fresh_processes_is_bit_identical(tmp_path) -> None:
-    check(*run_ranks(trainer(tmp_path, "full", "--steps", "6"), 2, tmp_path / "full", timeout_s=240))
+    v_shape = {"schedule": "dualpipev", "virtual_stages": 2}
+    check(*run_ranks(trainer(tmp_path, "full", "--steps", "6", terapipe=v_shape), 2, tmp_path / "full",
+                     timeout_s=240))
     ckpt = str(tmp_path / "ckpt")
-    check(*run_ranks(trainer(tmp_path, "first", "--steps", "3", "--save-dir", ckpt, "--save-every", "3"), 2,
-                     tmp_path / "first", timeout_s=240))
+    check(*run_ranks(trainer(tmp_path, "first", "--steps", "3", "--save-dir", ckpt, "--save-every", "3",
+                             terapipe=v_shape), 2, tmp_path / "first", timeout_s=240))
     # the resumed run also pins its processes to cores (--bind-cores): same threads per process, same numbers
     codes, texts = run_ranks(trainer(tmp_path, "second", "--steps", "6", "--save-dir", ckpt, "--resume",
-                                     "--bind-cores"), 2, tmp_path / "second", timeout_s=240)
+                                     "--bind-cores", terapipe=v_shape), 2, tmp_path / "second", timeout_s=240)
     check(codes, texts)
     assert "at step 3" in texts[0]
     full, first, second = losses(tmp_path, "full"), losses(tmp_path, "first"), losses(tmp_path, "second")

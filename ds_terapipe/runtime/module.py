@@ -19,7 +19,7 @@ used by two chunks of one rank (embedding and head under the V placement) is one
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Callable, Iterator, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 from deepspeed.pipe import PipelineModule
@@ -27,7 +27,7 @@ from deepspeed.pipe import PipelineModule
 from ..planner.registry import get_schedule
 from ..planner.schedule import chunks_on, looped_placement
 
-__all__ = ["TokenPipelineModule", "InputSampler", "chunk_layout"]
+__all__ = ["TokenPipelineModule", "InputSampler", "chunk_layout", "module_chunk_kwargs"]
 
 # (batch, seq_len, generator) -> first-stage input: a tensor or tuple of tensors of shape (batch, seq_len, ...)
 InputSampler = Callable[[int, int, torch.Generator], Union[torch.Tensor, tuple]]
@@ -203,3 +203,15 @@ def chunk_layout(module: torch.nn.Module) -> tuple[tuple[int, ...], tuple[int, .
         return tuple(range(module.num_stages)), (module.stage_id, )
     return tuple(placement), tuple(module.chunk_ids)
 
+
+
+def module_chunk_kwargs(terapipe: Optional[Any]) -> dict[str, Any]:
+    """The :class:`TokenPipelineModule` keywords a parsed ``"terapipe"`` section asks for: ``virtual_stages`` and
+    ``schedule`` when it places several chunks per rank, else none (one chunk per rank, or stock DeepSpeed)::
+
+        terapipe = ds_terapipe.parse_terapipe_config(ds_config)
+        model = TokenPipelineModule(layers, num_stages=2, ..., **ds_terapipe.module_chunk_kwargs(terapipe))
+    """
+    if terapipe is None or not terapipe.enabled or terapipe.virtual_stages == 1:
+        return {}
+    return {"virtual_stages": terapipe.virtual_stages, "schedule": terapipe.schedule}
