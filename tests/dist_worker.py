@@ -604,12 +604,13 @@ SUITES["varlen"] = suite_varlen
 # -- virtual stages: features (2 ranks x 2 chunks) --------------------------------------------------------------
 def _chunked_engine(cfg: GPTConfig, terapipe: dict, *, stages: int = WORLD, v: int = 2, micro: int = 2,
                     batch: int = 2, layers: Optional[list] = None, module_v: Optional[int] = None,
-                    extra_config: dict | None = None):
+                    extra_config: dict | None = None, checkpoint_interval: int = 0):
     """An engine with ``v`` chunks per rank (the module built for ``module_v``, default ``v``)."""
     module_v = v if module_v is None else module_v
     chunks = {"virtual_stages": module_v, "schedule": terapipe["schedule"]} if module_v > 1 else {}
     model = ds_terapipe.TokenPipelineModule(layers or gpt_layer_specs(cfg), num_stages=stages, loss_fn=causal_lm_loss,
-                                            vocab_size=cfg.vocab_size, partition_method="uniform", **chunks)
+                                            vocab_size=cfg.vocab_size, partition_method="uniform",
+                                            activation_checkpoint_interval=checkpoint_interval, **chunks)
     dp = WORLD // stages
     config = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": micro,
               "train_batch_size": batch * micro * dp, "steps_per_print": 10**9, "gradient_clipping": 0.0,
@@ -650,6 +651,18 @@ def suite_virtual_features(extra: dict) -> list[dict]:
                         "grad_rel_err": err, "grad_worst": name,
                         "cost_stages": None if cost is None else len(cost["stages"]),
                         "planner_v": (engine_plan(engine)["planner"] or {}).get("virtual_stages")})
+
+    # activation checkpointing per chunk (each chunk's segments, recomputed per slice)
+    for sched in ("interleaved-1f1b", "dualpipev"):
+        STATUS["case"] = f"recompute {sched}"
+        engine = _chunked_engine(cfg, {"seq_len": seq_len, "slices": [16, 32, 16], "schedule": sched},
+                                 checkpoint_interval=1)
+        with first_step_grads(engine) as grads:
+            losses = [float(engine.train_batch(iter(batches))) for _ in range(num_steps)]
+        err, name, _ = compare(grads, ref_grads, engine.stage_id)
+        results.append({"case": STATUS["case"], "losses": losses, "ref_losses": ref_losses, "grad_rel_err": err,
+                        "grad_worst": name, "interval": engine.module.activation_checkpoint_interval,
+                        "checkpointable": [len(c) for c in engine.module.chunk_checkpointable]})
 
     # eval_batch: the loss on every rank and the logits on the rank of the last chunk (rank 0 under a V)
     ref_model = GPTReference(cfg)

@@ -91,6 +91,16 @@ def test_auto_slices_are_planned_from_costs_profiled_per_chunk(features, schedul
 
 
 @pytest.mark.timeout(700)
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "dualpipev"])
+def test_activation_checkpointing_per_chunk(features, schedule: str) -> None:
+    for rank, by_case in enumerate(features):
+        case = by_case[f"recompute {schedule}"]
+        assert case["interval"] == 1 and all(n > 0 for n in case["checkpointable"]), case
+        assert case["losses"] == pytest.approx(case["ref_losses"], rel=TOL), rank
+        assert case["grad_rel_err"] <= TOL, (rank, case["grad_worst"], case["grad_rel_err"])
+
+
+@pytest.mark.timeout(700)
 @pytest.mark.parametrize("schedule,loss_rank", [("interleaved-1f1b", 1), ("dualpipev", 0)])
 def test_eval_batch_returns_the_reference_loss_and_logits_from_the_last_chunk(features, schedule, loss_rank) -> None:
     for rank, by_case in enumerate(features):
