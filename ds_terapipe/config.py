@@ -46,6 +46,25 @@ class ProfileConfig(DeepSpeedConfigModel):
     (the median of two is their mean)."""
 
 
+class ReplanConfig(DeepSpeedConfigModel):
+    """Online re-planning (``runtime/replan.py``): after warm-up, refit the cost model to measured action times
+    and switch to a better slicing when it pays; all ranks switch at the same step, results do not change."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = False
+    """Re-plan once from measurements (needs ``slices: "auto"``: a plan from the config is the user's)."""
+
+    warmup_steps: int = Field(3, ge=0)
+    """Training steps before measuring (the first steps allocate and warm caches)."""
+
+    measure_steps: int = Field(3, ge=1)
+    """Training steps whose timelines are summed for the refit."""
+
+    min_gain: float = Field(0.03, ge=0.0)
+    """Switch only when the refit model predicts the new slicing at least this much faster (0.03: 3%)."""
+
+
 class TeraPipeConfig(DeepSpeedConfigModel):
     """Token-level pipeline settings (the ``"terapipe"`` section of the DeepSpeed config)."""
 
@@ -105,6 +124,9 @@ class TeraPipeConfig(DeepSpeedConfigModel):
     profile: ProfileConfig = ProfileConfig()
     """Profiling settings for ``slices: "auto"``."""
 
+    replan: ReplanConfig = ReplanConfig()
+    """Online re-planning from measured step timelines (off by default)."""
+
     @field_validator("schedule")
     @classmethod
     def _check_schedule(cls, value: str) -> str:
@@ -131,6 +153,10 @@ class TeraPipeConfig(DeepSpeedConfigModel):
     @model_validator(mode="after")
     def _check_consistency(self) -> "TeraPipeConfig":
         spec = get_schedule(self.schedule)
+        if self.replan.enabled and self.slices != "auto":
+            raise ValueError(f"terapipe.replan.enabled needs slices \"auto\" (re-planning refits the costs an "
+                             f"\"auto\" plan was made from), got slices={self.slices!r}; set slices to \"auto\" or "
+                             "disable replan")
         if self.deferred_weight_grads is None:
             self.deferred_weight_grads = spec.deferred_weight_grads
         if self.virtual_stages is None:

@@ -652,6 +652,26 @@ def suite_virtual_features(extra: dict) -> list[dict]:
                         "cost_stages": None if cost is None else len(cost["stages"]),
                         "planner_v": (engine_plan(engine)["planner"] or {}).get("virtual_stages")})
 
+    # online re-planning: started on a poor plan (8 slices of 8 tokens), the re-planner measures one step, refits,
+    # and every rank switches to the planner's best at the same step; losses stay the reference's throughout
+    STATUS["case"] = "replan"
+    from dataclasses import replace as _replace
+    long_ref, _, _ = reference_step(cfg, batches * 4, 4, lr=0.1, momentum=0.9)
+    engine = _chunked_engine(cfg, {"seq_len": seq_len, "slices": "auto", "granularity": 8,
+                                   "schedule": "interleaved-1f1b", "profile": prof,
+                                   "replan": {"enabled": True, "warmup_steps": 1, "measure_steps": 1,
+                                              "min_gain": 0.0}})
+    chosen = list(engine.slices)
+    engine.install_plan(_replace(engine.plan, slices=(8, ) * 8))
+    per_step = []
+    for _ in range(4):
+        ran = {"slices": list(engine.slices), "source": engine.plan_source}  # the plan this step runs
+        per_step.append({"loss": float(engine.train_batch(iter(batches))), **ran})
+    decision = engine.replanner.decision
+    results.append({"case": STATUS["case"], "chosen_at_init": chosen, "steps": per_step, "ref_losses": long_ref,
+                    "switch": decision["switch"], "best": decision["best"]["slices"], "gain": decision["gain"],
+                    "ratios": decision["ratios"], "recording": engine.record_timeline})
+
     # activation checkpointing per chunk (each chunk's segments, recomputed per slice)
     for sched in ("interleaved-1f1b", "dualpipev"):
         STATUS["case"] = f"recompute {sched}"

@@ -142,3 +142,16 @@ def test_layouts_the_engine_cannot_run_are_refused_on_every_rank(features) -> No
         few = by_case["refusal fewer layers than chunks"]
         assert few["raised"] == "ValueError" and "4 layers cannot be cut into 2 stages x 3 virtual stages = 6 " \
             "chunks" in few["message"], few
+
+
+@pytest.mark.timeout(700)
+def test_online_replanning_switches_every_rank_at_the_same_step_without_changing_results(features) -> None:
+    decisions = [by_case["replan"] for by_case in features]
+    case = decisions[0]
+    assert case["switch"] and case["gain"] > 0, case
+    # step 1 warms up, step 2 is measured on the poor plan, steps 3-4 run the re-planned slicing, on every rank
+    assert [s["slices"] for s in case["steps"]] == [[8] * 8, [8] * 8, case["best"], case["best"]], case
+    assert [s["source"] for s in case["steps"]][2:] == ["replanned", "replanned"]
+    assert all(d["steps"] == case["steps"] and d["best"] == case["best"] for d in decisions)
+    assert [s["loss"] for s in case["steps"]] == pytest.approx(case["ref_losses"], rel=TOL)
+    assert set(case["ratios"]) == {"0", "1", "2", "3"} and not any(d["recording"] for d in decisions)

@@ -65,6 +65,7 @@ from .module import chunk_layout
 from .p2p import AbortFlag, PeerFailedError, SliceP2P, agree_or_raise, as_tuple, mark_collective
 from .plan import ResolvedPlan, plan_for_length, resolve_plan
 from .recompute import install_sliced_checkpointing
+from .replan import Replanner
 from .schedule import TokenPipeSchedule, WeightGradPass
 
 __all__ = ["TokenPipelineEngine"]
@@ -171,6 +172,7 @@ class TokenPipelineEngine(PipelineEngine):
             self._plans: dict[int, ResolvedPlan] = {self.plan.seq_len: self.plan}
             self._check_model_supports_slicing()
             self._train_schedule()  # a micro-batch count the schedule cannot run fails here, on every rank
+            self.replanner = Replanner(self) if self.terapipe.replan.enabled else None
 
     def _check_chunk_layout(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The module's chunk placement, refused (on every rank: same config, same model) unless it is the one
@@ -277,7 +279,12 @@ class TokenPipelineEngine(PipelineEngine):
             peeked = self._use_plan_for_next_batch(self.data_iterator)
             if self.is_first_stage() or self.is_last_stage():
                 self.data_iterator = peeked
-            return super().train_batch()
+            if self.replanner is not None:
+                self.replanner.before_step(self)
+            loss = super().train_batch()
+            if self.replanner is not None:
+                self.replanner.after_step(self)
+            return loss
 
     def eval_batch(self, data_iter: Iterator, *args: Any, **kwargs: Any) -> Any:
         with self._failing_fast("eval_batch"):
@@ -329,6 +336,14 @@ class TokenPipelineEngine(PipelineEngine):
                                 list(resolved.slices))
         self.plan = self._plans[mine]
         return iterator
+
+    def install_plan(self, plan: ResolvedPlan) -> None:
+        """Run ``plan`` for its sequence length from the next batch on (collective: every rank installs the same
+        plan at the same step, as the re-planner does). The newest plan's costs plan lengths seen later."""
+        self._plans.pop(plan.seq_len, None)
+        self._plans[plan.seq_len] = plan
+        if plan.seq_len == self.plan.seq_len:
+            self.plan = plan
 
     def _train_schedule(self) -> TokenPipeSchedule:
         return TokenPipeSchedule(self.terapipe.schedule, self.micro_batches, self.num_stages, self.stage_id,

@@ -1,0 +1,191 @@
+"""Online re-planning: refit the cost model to what the steps measure, and switch plans when it pays.
+
+Why: ``slices: "auto"`` plans once, at init, from a profile of each chunk's layers run alone. During training
+the same layers run differently: the other ranks compute at the same time (shared cores, memory bandwidth),
+allocator and cache state differ, and on a shared host the machine itself speeds up and slows down. A plan
+chosen on a model that is off by a fifth is not the best plan. No peer re-plans from measurements; TeraPipe's
+planner runs offline.
+
+How (``terapipe.replan``; every rank takes the same steps, so every rank switches at the same step):
+
+1. After ``warmup_steps`` training steps, the engine records its timeline for ``measure_steps`` steps (the
+   accelerator-synchronised spans ``trace_dir`` writes; nothing is recorded otherwise).
+2. Each rank sums, per chunk and kind (F, B, W), what its actions took; one ``all_gather_object`` brings the sums
+   to global rank 0, which also predicts the same actions from the cost model the plan was made from.
+3. Rank 0 scales each chunk's measured cost points by measured / predicted (forward, backward and the deferred
+   weight-gradient rate separately), re-solves the slicing under the refit model, predicts the current slicing
+   under the same model, and switches when the new plan's predicted step is at least ``min_gain`` faster.
+4. The decision is broadcast; every rank installs the plan before the next step, and the refit costs are kept
+   for sequence lengths planned later. Then the re-planner is idle: one integer comparison per step.
+
+Slicing is exact, so a switch changes the speed, never the results (the tests compare losses and gradients
+across a switch with the unsliced reference).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections import defaultdict
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional
+
+import torch.distributed as dist
+
+from ..planner.cost import PipelineCost
+from ..planner.schedule import ActionKind, build_schedule
+from ..planner.simulate import TimedAction, simulate
+
+if TYPE_CHECKING:  # pragma: no cover - annotations only
+    from .engine import TokenPipelineEngine
+    from .plan import ResolvedPlan
+
+__all__ = ["Replanner", "measured_sums", "refit_cost"]
+
+logger = logging.getLogger(__name__)
+
+_KINDS = {ActionKind.FORWARD: "F", ActionKind.BACKWARD: "B", ActionKind.WEIGHT: "W"}
+
+
+def measured_sums(timeline: Iterable[TimedAction], slices: tuple[int, ...], seq_len: int,
+                  weights_per_slice: bool) -> list[tuple[int, str, int, int, int, float]]:
+    """A step's measured compute, as ``(chunk, kind, slice_len, context, count, ms)`` sums per distinct action
+    shape: what the cost model predicts per action. A ``W`` covers its slice (per-slice W) or the whole
+    sequence (one W per micro-batch, written with slice 0)."""
+    starts = [sum(slices[:i]) for i in range(len(slices))]
+    sums: dict[tuple[int, str, int, int], list[float]] = defaultdict(lambda: [0, 0.0])
+    for event in timeline:
+        action = event.action
+        kind = _KINDS.get(action.kind)
+        if kind is None:
+            continue
+        length, context = slices[action.slice], starts[action.slice]
+        if kind == "W" and not weights_per_slice:
+            length, context = seq_len, 0
+        entry = sums[(action.stage, kind, length, context)]
+        entry[0] += 1
+        entry[1] += event.end_ms - event.start_ms
+    return [(c, k, s, ctx, int(n), ms) for (c, k, s, ctx), (n, ms) in sorted(sums.items())]
+
+
+def _predicted_ms(cost: PipelineCost, chunk: int, kind: str, slice_len: int, context: int, batch: int) -> float:
+    stage = cost.stage(chunk)
+    if kind == "F":
+        return float(stage.forward_ms(slice_len, context, batch))
+    if kind == "B":
+        return float(stage.backward_ms(slice_len, context, batch))
+    return float(stage.weight_ms(slice_len, batch))
+
+
+def refit_cost(cost: Mapping[str, Any], samples: Iterable[tuple[int, str, int, int, int, float]],
+               batch: int) -> tuple[dict[str, Any], dict[int, dict[str, float]]]:
+    """Scale each chunk's cost points by what the samples measured over what ``cost`` predicts for them.
+
+    Returns the refit cost (the cost-file dict, as plans and the plan cache store it) and the ratios per chunk
+    and kind. A kind without samples, or whose prediction is zero, keeps its scale (ratio 1).
+    """
+    model = PipelineCost.from_dict(cost)
+    measured: dict[tuple[int, str], float] = defaultdict(float)
+    predicted: dict[tuple[int, str], float] = defaultdict(float)
+    for chunk, kind, length, context, count, ms in samples:
+        measured[(chunk, kind)] += ms
+        predicted[(chunk, kind)] += count * _predicted_ms(model, chunk, kind, length, context, batch)
+    ratios: dict[int, dict[str, float]] = {}
+    out = copy.deepcopy(dict(cost))
+    for chunk, stage in enumerate(out["stages"]):
+        scale = {k: measured[(chunk, k)] / predicted[(chunk, k)] if predicted.get((chunk, k), 0.0) > 0 else 1.0
+                 for k in ("F", "B", "W")}
+        ratios[chunk] = scale
+        for point in stage.get("points", ()):
+            point["forward_ms"] *= scale["F"]
+            point["backward_ms"] *= scale["B"]
+        if "weight_ms_per_token" in stage:
+            stage["weight_ms_per_token"] *= scale["W"]
+    return out, ratios
+
+
+class Replanner:
+    """The engine's online re-planner (``terapipe.replan``): measures, then decides once, then stays idle."""
+
+    def __init__(self, engine: "TokenPipelineEngine") -> None:
+        cfg = engine.terapipe.replan
+        self.warmup_steps = cfg.warmup_steps
+        self.measure_steps = cfg.measure_steps
+        self.min_gain = cfg.min_gain
+        self.steps = 0
+        self.samples: list[tuple[int, str, int, int, int, float]] = []
+        self.done = False
+        self._recording_was = engine.record_timeline
+        self.decision: Optional[dict[str, Any]] = None  # what was decided, for logs and tests
+
+    def before_step(self, engine: "TokenPipelineEngine") -> None:
+        """Record this step's timeline if it is in the measuring window."""
+        if not self.done and self.steps >= self.warmup_steps:
+            engine.record_timeline = True
+
+    def after_step(self, engine: "TokenPipelineEngine") -> None:
+        """Count the step; at the end of the window, decide (collective) and go idle."""
+        if self.done:
+            return
+        self.steps += 1
+        if self.steps <= self.warmup_steps:
+            return
+        plan = engine.plan
+        self.samples.extend(measured_sums(engine.last_timeline, plan.slices, plan.seq_len,
+                                          engine._running.schedule.weights_per_slice))
+        if self.steps < self.warmup_steps + self.measure_steps:
+            return
+        engine.record_timeline = self._recording_was
+        self.done = True
+        self._decide(engine)
+
+    def _decide(self, engine: "TokenPipelineEngine") -> None:
+        from .plan import _decided_on_rank0, _solve
+
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, self.samples)
+        self.samples = []
+        plan = engine.plan
+        batch = engine.micro_batch_size
+
+        def decide() -> Optional[dict[str, Any]]:
+            if plan.cost is None:  # slices from the config: nothing to re-plan
+                return None
+            cost, ratios = refit_cost(plan.cost, [s for rank in gathered for s in rank], batch)
+            model = PipelineCost.from_dict(cost)
+            cfg = engine.terapipe
+            current = simulate(build_schedule(cfg.schedule, engine.num_stages, engine.micro_batches,
+                                              len(plan.slices), cfg.deferred_weight_grads,
+                                              virtual_stages=cfg.virtual_stages),
+                               model, plan.slices, batch).makespan_ms
+            best = _solve(engine, model, plan.stage_meta, plan.seq_len)
+            gain = current / best.predicted_ms - 1.0 if best.predicted_ms > 0 else 0.0
+            switch = tuple(best.slices) != tuple(plan.slices) and gain >= self.min_gain
+            return {"cost": cost, "ratios": {str(c): r for c, r in ratios.items()}, "current_ms": current,
+                    "best": best.to_dict(), "gain": gain, "switch": switch}
+
+        decision = _decided_on_rank0(decide)
+        self.decision = decision and {k: v for k, v in decision.items() if k != "cost"}
+        if decision is None:
+            return
+        if engine.global_rank == 0:
+            logger.info("terapipe: re-plan after %d measured step(s): measured/predicted per chunk %s; current "
+                        "slices %s predicted %.1f ms under the refit costs, best %s %.1f ms (%+.1f%%): %s",
+                        self.measure_steps, {c: {k: round(v, 2) for k, v in r.items()}
+                                             for c, r in decision["ratios"].items()},
+                        list(plan.slices), decision["current_ms"], decision["best"]["slices"],
+                        decision["best"]["predicted_ms"], 100 * decision["gain"],
+                        "switching" if decision["switch"] else f"keeping the plan (gain < {self.min_gain:.0%})")
+        engine.install_plan(_replanned(plan, decision))
+
+
+def _replanned(plan: "ResolvedPlan", decision: Mapping[str, Any]) -> "ResolvedPlan":
+    """The plan to run from now on: the new slicing if switching, else the old one; the refit costs either way
+    (sequence lengths planned later start from them)."""
+    from ..planner.slicing import SlicingPlan
+
+    if not decision["switch"]:
+        return replace(plan, cost=decision["cost"] if plan.cost is not None else None)
+    best = SlicingPlan.from_dict(decision["best"])
+    return replace(plan, slices=tuple(best.slices), source="replanned", planner=best,
+                   cost=decision["cost"] if plan.cost is not None else None)

@@ -1,0 +1,63 @@
+"""Online re-planning (runtime/replan.py): the refit of measured action times, and its config. The switch itself,
+on every rank at the same step and without changing results, is tests/test_engine_virtual.py's."""
+
+from __future__ import annotations
+
+import pytest
+
+from ds_terapipe.config import parse_terapipe_config
+from ds_terapipe.planner.cost import PipelineCost
+from ds_terapipe.planner.schedule import Action, ActionKind
+from ds_terapipe.planner.simulate import TimedAction
+from ds_terapipe.runtime.replan import measured_sums, refit_cost
+
+F, B, W = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.WEIGHT
+
+
+def _cost(num_stages: int = 2) -> dict:
+    points = [{"batch": 1, "slice": s, "context": c, "forward_ms": 1.0 * s / 8 + 0.01 * c,
+               "backward_ms": 2.0 * s / 8 + 0.02 * c} for s in (8, 16, 32) for c in (0, 16, 32)]
+    return {"stages": [{"points": [dict(p) for p in points], "weight_ms_per_token": 0.05}
+                       for _ in range(num_stages)]}
+
+
+def _event(chunk: int, kind: ActionKind, mb: int, i: int, ms: float) -> TimedAction:
+    return TimedAction(chunk % 2, Action(chunk, kind, mb, i), 100.0, 100.0 + ms)
+
+
+def test_measured_sums_group_actions_by_what_the_cost_model_predicts() -> None:
+    slices = (16, 16, 32)
+    timeline = [_event(0, F, 0, 0, 1.0), _event(0, F, 1, 0, 3.0), _event(0, F, 0, 2, 5.0), _event(1, B, 0, 1, 2.0),
+                _event(1, W, 0, 0, 4.0)]
+    per_mb = measured_sums(timeline, slices, 64, weights_per_slice=False)
+    assert per_mb == [(0, "F", 16, 0, 2, 4.0), (0, "F", 32, 32, 1, 5.0), (1, "B", 16, 16, 1, 2.0),
+                      (1, "W", 64, 0, 1, 4.0)]   # one W per micro-batch covers the whole sequence
+    per_slice = measured_sums(timeline, slices, 64, weights_per_slice=True)
+    assert (1, "W", 16, 0, 1, 4.0) in per_slice
+
+
+def test_refit_scales_each_chunk_and_kind_by_measured_over_predicted() -> None:
+    cost = _cost()
+    model = PipelineCost.from_dict(cost)
+    f = float(model.stage(0).forward_ms(16, 16, 1))
+    b = float(model.stage(1).backward_ms(32, 0, 1))
+    w = float(model.stage(1).weight_ms(64, 1))
+    samples = [(0, "F", 16, 16, 2, 2 * f * 1.5), (1, "B", 32, 0, 1, b * 0.5), (1, "W", 64, 0, 1, w * 2.0)]
+    refit, ratios = refit_cost(cost, samples, batch=1)
+    assert ratios[0] == pytest.approx({"F": 1.5, "B": 1.0, "W": 1.0})   # no samples: the scale stays
+    assert ratios[1] == pytest.approx({"F": 1.0, "B": 0.5, "W": 2.0})
+    new = PipelineCost.from_dict(refit)
+    assert float(new.stage(0).forward_ms(16, 16, 1)) == pytest.approx(1.5 * f, rel=1e-6)
+    assert float(new.stage(0).backward_ms(16, 16, 1)) == pytest.approx(float(model.stage(0).backward_ms(16, 16, 1)))
+    assert float(new.stage(1).backward_ms(32, 0, 1)) == pytest.approx(0.5 * b, rel=1e-6)
+    assert float(new.stage(1).weight_ms(64, 1)) == pytest.approx(2.0 * w, rel=1e-6)
+    assert cost == _cost()   # the plan's own costs are not modified
+
+
+def test_replan_needs_auto_slices_and_valid_settings() -> None:
+    ok = parse_terapipe_config({"terapipe": {"enabled": True, "seq_len": 64, "replan": {"enabled": True}}})
+    assert ok.replan.enabled and ok.replan.warmup_steps == 3 and ok.replan.min_gain == 0.03
+    with pytest.raises(ValueError, match="replan.enabled needs slices \"auto\""):
+        parse_terapipe_config({"terapipe": {"enabled": True, "seq_len": 64, "slices": 4, "replan": {"enabled": True}}})
+    with pytest.raises(ValueError, match="measure_steps"):
+        parse_terapipe_config({"terapipe": {"enabled": True, "seq_len": 64, "replan": {"measure_steps": 0}}})
