@@ -736,9 +736,10 @@ def suite_virtual_features(extra: dict) -> list[dict]:
     _, client = again.load_checkpoint(ckpt)
     resumed = [float(again.train_batch(iter(group))) for group in groups[2:]]
     loaded = {}
-    for label, layout in (("v1", {"schedule": "1f1b", "v": 1}), ("interleaved", {"schedule": "interleaved-1f1b",
-                                                                                 "v": 2})):
-        other = _chunked_engine(cfg, dict(tp, schedule=layout["schedule"]), v=layout["v"])
+    for label, layout in (("v1", {"schedule": "1f1b", "v": 1, "p": WORLD}),
+                          ("interleaved", {"schedule": "interleaved-1f1b", "v": 2, "p": WORLD}),
+                          ("p1", {"schedule": "1f1b", "v": 1, "p": 1})):   # one stage x 2 replicas
+        other = _chunked_engine(cfg, dict(tp, schedule=layout["schedule"]), v=layout["v"], stages=layout["p"])
         other.load_checkpoint(ckpt)
         params = _gathered_params(other)
         loaded[label] = max(rel_err(params[n], saved[n]) for n in saved)
