@@ -88,8 +88,6 @@ def _build_engine(variant: str, m: int, cfg: Any, opts: dict, out_dir: Path) -> 
     import ds_terapipe
     from ds_terapipe.models.gpt import causal_lm_loss, gpt_layer_specs
 
-    model = ds_terapipe.TokenPipelineModule(gpt_layer_specs(cfg), num_stages=NUM_STAGES, loss_fn=causal_lm_loss,
-                                            vocab_size=cfg.vocab_size, partition_method="type:GPTBlock")
     config: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": m,
                               "train_batch_size": m, "steps_per_print": 10**9, "gradient_clipping": 0.0,
                               "zero_optimization": {"stage": 0}}
@@ -99,6 +97,11 @@ def _build_engine(variant: str, m: int, cfg: Any, opts: dict, out_dir: Path) -> 
                               "plan_cache": str(_plan_dir(out_dir, m, variant))}
         if opts.get("profile") and section.get("slices", "auto") == "auto":
             config["terapipe"]["profile"] = opts["profile"]
+    # built from the config, as a user's trainer does: virtual stages cut the model into more chunks
+    chunk_kwargs = ds_terapipe.module_chunk_kwargs(ds_terapipe.parse_terapipe_config(config))
+    model = ds_terapipe.TokenPipelineModule(gpt_layer_specs(cfg), num_stages=NUM_STAGES, loss_fn=causal_lm_loss,
+                                            vocab_size=cfg.vocab_size, partition_method="type:GPTBlock",
+                                            **chunk_kwargs)
     opt = torch.optim.SGD(model.parameters(), lr=1e-5)
     init = ds_terapipe.initialize if section is not None else deepspeed.initialize
     t0 = time.perf_counter()
@@ -120,6 +123,7 @@ def _engine_info(engine: Any, variant: str, m: int, seq_len: int, build_s: float
             "plan": plan.to_dict() if plan is not None else None,
             "plan_source": getattr(engine, "plan_source", None),
             "deferred_weight_grads": bool(getattr(tp, "deferred_weight_grads", False)),
+            "virtual_stages": int(getattr(tp, "virtual_stages", 1) or 1),
             "layers": [type(f).__name__ for f in engine.module.forward_funcs], "steps": [], "losses": []}
     files = sorted(_plan_dir(out_dir, m, variant).glob("terapipe-plan-*.json")) if plan is not None else []
     if files:  # the profiled cost model (written by rank 0), for the simulated timeline and the per-slice check
@@ -146,7 +150,7 @@ def _timed_step(engine: Any, rec: InstructionRecorder, batches: list, cpu: CpuMe
     summary.update(user_ms=(ru1.ru_utime - ru0.ru_utime) * 1e3, sys_ms=(ru1.ru_stime - ru0.ru_stime) * 1e3,
                    minflt=ru1.ru_minflt - ru0.ru_minflt, nivcsw=ru1.ru_nivcsw - ru0.ru_nivcsw,
                    nvcsw=ru1.ru_nvcsw - ru0.ru_nvcsw)
-    summary["events"] = compute_events(rec.records, engine.stage_id, t_start)
+    summary["events"] = compute_events(rec.records, engine.stage_id, t_start, rec.chunks)
     return summary, float(loss)
 
 
@@ -167,7 +171,7 @@ def _reprofile(engine: Any) -> dict | None:
     cost, _, seconds = measured
     tp = engine.terapipe
     plan = build_schedule(tp.schedule, engine.num_stages, engine.micro_batches, len(engine.slices),
-                          tp.deferred_weight_grads)
+                          tp.deferred_weight_grads, virtual_stages=tp.virtual_stages)
     sim = simulate(plan, cost, list(engine.slices), micro_batch_size=engine.micro_batch_size)
     return {"predicted_ms": float(sim.makespan_ms), "profile_s": seconds, "cost": cost.to_dict()}
 
@@ -320,6 +324,7 @@ def analyse(ranks: list[dict], opts: dict) -> dict:
                 "reprofiled_cost": again["cost"] if again else None,
                 "plan_source": infos[0][v]["plan_source"], "schedule": infos[0][v]["schedule"],
                 "deferred_weight_grads": infos[0][v].get("deferred_weight_grads", False),
+                "virtual_stages": infos[0][v].get("virtual_stages", 1),
                 "stages": stage_rows,
                 "foreign_cores": median([max(s["foreign_cores"] for s in ps) for ps in per_round]),
                 "losses": infos[-1][v]["losses"],
@@ -418,9 +423,10 @@ def write_plots(report: dict, which: tuple[int, str], out_dir: Path, work_dir: P
     row = next(r for r in report["rows"] if r["m"] == m and r["variant"] == variant)
     kinds = {"F": ActionKind.FORWARD, "B": ActionKind.BACKWARD, "W": ActionKind.WEIGHT}
     per_rank = []
+    events = [(e + [e[0]])[:7] for e in row["median_step_events"]]   # [rank, kind, mb, slice, t0, t1, chunk]
     for stage in range(NUM_STAGES):
-        evs = [TimedAction(s, Action(s, kinds[k], mb, sl), t0, t1) for s, k, mb, sl, t0, t1 in
-               row["median_step_events"] if s == stage]
+        evs = [TimedAction(s, Action(c, kinds[k], mb, sl), t0, t1) for s, k, mb, sl, t0, t1, c in events
+               if s == stage]
         path = work_dir / f"measured-m{m}-{variant.replace('/', '-')}-rank{stage}.json"
         events_to_chrome_trace(evs, path, metadata={"stage": stage, "m": m, "variant": variant,
                                                     "slices": row["slices"]})
@@ -436,9 +442,9 @@ def write_plots(report: dict, which: tuple[int, str], out_dir: Path, work_dir: P
                         f"(step {step:.0f} ms incl. optimizer)")
     paths = {"measured_trace": str(merged), "measured_png": str(out_dir / f"timeline-measured-{tag}.png")}
     if row["cost"] is not None:
-        cost = PipelineCost.from_dict(row["cost"], num_stages=NUM_STAGES)
+        cost = PipelineCost.from_dict(row["cost"])   # one cost per chunk
         sched = build_schedule(row["schedule"], NUM_STAGES, m, row["num_slices"],
-                               row.get("deferred_weight_grads", False))
+                               row.get("deferred_weight_grads", False), virtual_stages=row.get("virtual_stages", 1))
         sim = simulate(sched, cost, row["slices"], micro_batch_size=1)
         events_to_chrome_trace(sim.events, out_dir / f"timeline-planned-{tag}.json",
                                metadata={"m": m, "variant": variant, "slices": row["slices"],
@@ -452,12 +458,12 @@ def write_plots(report: dict, which: tuple[int, str], out_dir: Path, work_dir: P
         per_action = []
         lens = row["slices"]
         ctx = [sum(lens[:i]) for i in range(len(lens))]
-        for s, k, mb, sl, t0, t1 in row["median_step_events"]:
-            model = cost.stage(s)
+        for s, k, mb, sl, t0, t1, c in events:
+            model = cost.stage(c)
             w_tokens = lens[sl] if sched.weights_per_slice else sum(lens)
             pred = float(model.weight_ms(w_tokens, 1)) if k == "W" else \
                 float((model.forward_ms if k == "F" else model.backward_ms)(lens[sl], ctx[sl], 1))
-            per_action.append({"stage": s, "kind": k, "microbatch": mb, "slice": sl, "measured_ms": t1 - t0,
+            per_action.append({"stage": s, "chunk": c, "kind": k, "microbatch": mb, "slice": sl, "measured_ms": t1 - t0,
                                "predicted_ms": pred})
         paths["per_action"] = per_action
     return paths
@@ -466,28 +472,31 @@ def write_plots(report: dict, which: tuple[int, str], out_dir: Path, work_dir: P
 def cost_model_check(report: dict) -> list[dict]:
     """For every auto row: the cost model's F/B/W per slice vs the measured medians over all rounds (per stage)."""
     from ds_terapipe.planner.cost import PipelineCost
+    from ds_terapipe.planner.registry import get_schedule
     from ds_terapipe.planner.schedule import WEIGHTS_PER_SLICE
 
     out = []
     for r in report["rows"]:
         if r["cost"] is None:
             continue
-        cost = PipelineCost.from_dict(r["cost"], num_stages=NUM_STAGES)
+        cost = PipelineCost.from_dict(r["cost"])   # one cost per chunk
+        v = r.get("virtual_stages", 1)
+        placement = get_schedule(r["schedule"]).placement(NUM_STAGES, v)
         lens = r["slices"]
         ctx = [sum(lens[:i]) for i in range(len(lens))]
         for stage in range(NUM_STAGES):
+            chunks = [c for c, rank in enumerate(placement) if rank == stage]
             for kind in ("F", "B", "W"):
-                model = cost.stage(stage)
                 if kind == "W":
                     if not r.get("deferred_weight_grads"):
                         continue
                     # linear in tokens: the same total whether W runs per micro-batch or per slice
-                    pred = float(model.weight_ms(sum(lens), 1)) * r["m"]
-                    actions = r["m"] * (len(lens) if WEIGHTS_PER_SLICE.get(r["schedule"]) else 1)
+                    pred = sum(float(cost.stage(c).weight_ms(sum(lens), 1)) for c in chunks) * r["m"]
+                    actions = r["m"] * len(chunks) * (len(lens) if WEIGHTS_PER_SLICE.get(r["schedule"]) else 1)
                 else:
-                    fn = model.forward_ms if kind == "F" else model.backward_ms
-                    pred = sum(float(fn(lens[i], ctx[i], 1)) for i in range(len(lens))) * r["m"]
-                    actions = len(lens) * r["m"]
+                    pred = sum(float((cost.stage(c).forward_ms if kind == "F" else cost.stage(c).backward_ms)(
+                        lens[i], ctx[i], 1)) for c in chunks for i in range(len(lens))) * r["m"]
+                    actions = len(lens) * r["m"] * len(chunks)
                 meas = r["stages"][stage][{"F": "forward_ms", "B": "backward_ms", "W": "weight_ms"}[kind]]
                 out.append({"m": r["m"], "variant": r["variant"], "stage": stage, "kind": kind,
                             "predicted_ms": pred, "measured_ms": meas, "err": (pred - meas) / meas,

@@ -7,7 +7,8 @@ from types import SimpleNamespace
 import torch
 
 from benchmarks.benchlib.alternate import alternate, median_index, paired_ratios, rounds_in_use
-from benchmarks.benchlib.meters import ActivationMeter, HeapMeter, step_summary
+from benchmarks.benchlib.meters import (KINDS, ActivationMeter, HeapMeter, InstructionRecorder, compute_events,
+                                        step_summary)
 
 MiB = 2**20
 
@@ -103,3 +104,29 @@ def test_alternate_stops_at_max_rounds_when_the_machine_stays_busy() -> None:
                        max_rounds=4, quiet_wait=0.0, foreign_max=0.2, cpu=_QuietCpu(), rank=1, label="",
                        broadcast=lambda decision: decision)
     assert len(rounds) == 4 and not any(r["clean"] for r in rounds)
+
+
+def test_instruction_recorder_sees_the_token_schedules_microbatch_slice_and_chunk() -> None:
+    """The recorder reads the fields TokenPipeSchedule's instructions carry, as the engine's dispatch passes them
+    (``handler(engine, **cmd.kwargs)``): a timeline whose slices all read 0 would hide the token pipeline."""
+    from ds_terapipe.runtime.schedule import TokenPipeSchedule
+
+    sched = TokenPipeSchedule("interleaved-1f1b", micro_batches=2, stages=2, stage_id=1, num_slices=2,
+                              virtual_stages=2)
+
+    class FakeEngine:
+        _INSTRUCTION_MAP = {cls: (lambda self, **kw: None) for cls in
+                            {type(cmd) for step in sched.steps() for cmd in step}}
+
+    engine = FakeEngine()
+    rec = InstructionRecorder(engine, stage=1)
+    expected = []
+    for step in sched.steps():
+        for cmd in step:
+            engine._INSTRUCTION_MAP[type(cmd)](engine, **cmd.kwargs)
+            if type(cmd).__name__ in KINDS:
+                expected.append((KINDS[type(cmd).__name__], cmd.kwargs["chunk"], cmd.kwargs["microbatch"],
+                                 cmd.kwargs["slice_index"]))
+    got = [(k, c, mb, sl) for _, k, mb, sl, _, _, c in compute_events(rec.records, 1, 0.0, rec.chunks)]
+    assert got == expected
+    assert {(c, sl) for _, c, _, sl in got} == {(1, 0), (1, 1), (3, 0), (3, 1)}

@@ -200,6 +200,7 @@ class InstructionRecorder:
     def __init__(self, engine: Any, stage: int) -> None:
         self.stage = stage
         self.records: list[tuple[str, int, int, float, float]] = []   # (instruction, microbatch, slice, t0, t1)
+        self.chunks: list[int] = []   # per record: the chunk it ran on (virtual stages), else the stage
         self.compute_cpu_ms = 0.0   # this thread's CPU time inside forward/backward (vs wall: descheduling)
         self.meter: ActivationMeter | HeapMeter | None = None
         self._counts: dict[str, int] = {}
@@ -213,7 +214,7 @@ class InstructionRecorder:
 
         def timed(engine: Any, *args: Any, **kwargs: Any) -> Any:
             if isinstance(recorder.meter, HeapMeter):
-                recorder.meter.instruction = f"{name}{kwargs.get('microbatch', '')}.{kwargs.get('slice', '')}"
+                recorder.meter.instruction = f"{name}{kwargs.get('microbatch', '')}.{kwargs.get('slice_index', '')}"
             c0 = time.thread_time()
             t0 = time.time() * 1e3
             out = handler(engine, *args, **kwargs)
@@ -221,11 +222,12 @@ class InstructionRecorder:
             if name in KINDS:
                 recorder.compute_cpu_ms += (time.thread_time() - c0) * 1e3
             if "microbatch" in kwargs:
-                mb, sl = kwargs["microbatch"], kwargs.get("slice", 0)
+                mb, sl = kwargs["microbatch"], kwargs.get("slice_index", 0)   # TokenPipeSchedule's fields
             else:  # stock DeepSpeed: micro-batches run in order per instruction type
                 mb, sl = recorder._counts.get(name, 0), 0
                 recorder._counts[name] = mb + 1
             recorder.records.append((name, int(mb), int(sl), t0, t1))
+            recorder.chunks.append(int(kwargs.get("chunk", recorder.stage)))
             if recorder.meter is not None:
                 recorder.meter.sample()
             return out
@@ -234,6 +236,7 @@ class InstructionRecorder:
 
     def reset(self) -> None:
         self.records = []
+        self.chunks = []
         self._counts = {}
         self.compute_cpu_ms = 0.0
 
@@ -307,6 +310,12 @@ def step_summary(records: list[tuple[str, int, int, float, float]], t_start: flo
             "cpu_share": compute_cpu_ms / (fwd + bwd + wgt) if fwd + bwd + wgt > 0 else float("nan")}
 
 
-def compute_events(records: list, stage: int, t_start: float) -> list[list]:
-    """Compute records as [stage, "F"|"B"|"W", microbatch, slice, start_ms, end_ms] relative to t_start."""
-    return [[stage, KINDS[n], mb, sl, t0 - t_start, t1 - t_start] for n, mb, sl, t0, t1 in records if n in KINDS]
+def compute_events(records: list, stage: int, t_start: float, chunks: list[int] | None = None) -> list[list]:
+    """Compute records as [stage, "F"|"B"|"W", microbatch, slice, start_ms, end_ms, chunk] relative to t_start.
+
+    ``chunks`` (one per record, :attr:`InstructionRecorder.chunks`) names the chunk each ran on when a rank
+    holds several; without it the chunk is the stage.
+    """
+    chunks = chunks if chunks is not None else [stage] * len(records)
+    return [[stage, KINDS[n], mb, sl, t0 - t_start, t1 - t_start, c]
+            for (n, mb, sl, t0, t1), c in zip(records, chunks) if n in KINDS]
