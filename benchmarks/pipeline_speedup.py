@@ -56,6 +56,7 @@ from typing import Any
 from benchlib.alternate import alternate, median, median_index, paired_ratios, rounds_in_use
 from benchlib.launch import launch_workers, pin_and_single_thread, run_as_worker
 from benchlib.meters import ActivationMeter, CpuMeter, HeapMeter, InstructionRecorder, compute_events, step_summary
+from benchlib.peers import PEER_VARIANTS, build_peer, peer_applies
 from benchlib.tables import ROOT, fmt, machine_info, markdown_table, print_checks, results_path, write_report
 
 NAME = "pipeline_speedup"   # its report: benchmarks/results/pipeline_speedup.json
@@ -74,7 +75,7 @@ OPTIONAL_VARIANTS: dict[str, dict] = {
     "auto/1f1b+W": {"slices": "auto", "schedule": "1f1b", "deferred_weight_grads": True},   # a W per slice
     "slices=1+W": {"slices": 1, "schedule": "1f1b", "deferred_weight_grads": True},
 }
-KNOWN_VARIANTS = {**VARIANTS, **OPTIONAL_VARIANTS}
+KNOWN_VARIANTS = {**VARIANTS, **OPTIONAL_VARIANTS, **{name: None for name in PEER_VARIANTS}}   # + peers (no section)
 
 
 # ================================================================================================================
@@ -97,6 +98,10 @@ def _build_engine(variant: str, m: int, cfg: Any, opts: dict, out_dir: Path) -> 
                               "plan_cache": str(_plan_dir(out_dir, m, variant))}
         if opts.get("profile") and section.get("slices", "auto") == "auto":
             config["terapipe"]["profile"] = opts["profile"]
+    if variant in PEER_VARIANTS:   # another pipeline engine on the same layers (benchlib/peers.py)
+        t0 = time.perf_counter()
+        engine = build_peer(variant, gpt_layer_specs(cfg), causal_lm_loss, m, NUM_STAGES, config)
+        return engine, time.perf_counter() - t0
     # built from the config, as a user's trainer does: virtual stages cut the model into more chunks
     chunk_kwargs = ds_terapipe.module_chunk_kwargs(ds_terapipe.parse_terapipe_config(config))
     model = ds_terapipe.TokenPipelineModule(gpt_layer_specs(cfg), num_stages=NUM_STAGES, loss_fn=causal_lm_loss,
@@ -230,6 +235,8 @@ def worker_main(out_dir: Path, opts: dict) -> None:
     for m in opts["micro_batches"]:
         engines, recorders, info = {}, {}, {}
         for variant in opts["variants"]:
+            if not peer_applies(variant, m, NUM_STAGES):
+                continue
             # profiling at init (slices "auto") should see a quiet machine too
             if cpu is not None:
                 cpu.wait_quiet(opts["quiet_wait"])
@@ -289,10 +296,11 @@ def analyse(ranks: list[dict], opts: dict) -> dict:
         num_clean = sum(1 for r in rounds if r["clean"])
         use = rounds_in_use(rounds, opts["steps"])
         # per variant: list over used rounds of per-stage step summaries
+        present = [v for v in opts["variants"] if v in infos[0]]   # a peer may not run at this m
         steps = {v: [per_stage for per_stage in zip(*(info[v]["steps"] for info in infos))
-                     if per_stage[0]["round"] in use] for v in opts["variants"]}
-        step_ms = {v: {ps[0]["round"]: max(s["step_ms"] for s in ps) for ps in steps[v]} for v in opts["variants"]}
-        for v in opts["variants"]:
+                     if per_stage[0]["round"] in use] for v in present}
+        step_ms = {v: {ps[0]["round"]: max(s["step_ms"] for s in ps) for ps in steps[v]} for v in present}
+        for v in present:
             per_round = steps[v]
             times = [step_ms[v][ps[0]["round"]] for ps in per_round]
             bound = [max(s["busy_ms"] for s in ps) for ps in per_round]

@@ -1,0 +1,141 @@
+"""Peer pipeline engines on the same layers, behind the engine surface the benchmark workers drive.
+
+A benchmark worker builds an engine per variant and times ``engine.train_batch(data_iter)``; the token pipeline
+and stock DeepSpeed are engines already. The peers here are wrapped to look alike, so one worker alternates
+all of them in one run:
+
+* ``ds-dualpipev``: DeepSpeed 0.19.8's own DualPipeV (``DualPipeVModule`` + ``deepspeed.initialize``), two chunks
+  per rank in a V. Its engine needs at least 2 micro-batches per rank (m >= 2p), so it is absent below that.
+* ``torch-interleaved`` / ``torch-loopedbfs``: ``torch.distributed.pipelining``'s ``ScheduleInterleaved1F1B`` and
+  ``ScheduleLoopedBFS``, two stages per rank, looped placement (chunk c on rank c mod p), built from the same
+  ``LayerSpec`` list and cut where DeepSpeed's ``partition_method`` would cut p*v chunks. torch pipelining knows
+  nothing of tied weights: the embedding and the head (chunks 0 and p*v-1, on different ranks) each build their
+  own copy (identical: layers initialise from their index) and their gradients are all-reduced before the
+  optimizer step, as DeepSpeed does for tied layers. The loss is scaled by 1/m (``scale_grads``), as DeepSpeed's
+  gradient accumulation does.
+
+Peers expose no instruction map, so the per-instruction recorder sees nothing: their rows have step time and
+memory, not the busy-time bound (efficiency) the token rows have.
+"""
+
+from __future__ import annotations
+
+from operator import attrgetter
+from typing import Any, Callable
+
+__all__ = ["PEER_VARIANTS", "TorchPipelineEngine", "build_peer", "peer_applies"]
+
+PEER_VARIANTS: dict[str, str] = {
+    "ds-dualpipev": "DeepSpeed DualPipeV (DualPipeVModule, v=2, V placement)",
+    "torch-interleaved": "torch.distributed.pipelining ScheduleInterleaved1F1B (v=2, looped)",
+    "torch-loopedbfs": "torch.distributed.pipelining ScheduleLoopedBFS (v=2, looped)",
+}
+
+
+def peer_applies(variant: str, m: int, num_ranks: int) -> bool:
+    """Whether a peer can run m micro-batches on ``num_ranks`` ranks (DeepSpeed's DualPipeV needs m >= 2p)."""
+    return not (variant == "ds-dualpipev" and m < 2 * num_ranks)
+
+
+def chunk_layers(specs: list, num_chunks: int, type_name: str) -> list[tuple[int, int]]:
+    """[start, stop) layer ranges of ``num_chunks`` chunks, balanced over layers of class ``type_name``: the cut
+    DeepSpeed's ``partition_method="type:<type_name>"`` makes (``partition_balanced`` over 0/1 weights)."""
+    from deepspeed.runtime.utils import partition_balanced
+
+    weights = [1 if getattr(spec, "typename", None) is not None and spec.typename.__name__ == type_name else 0
+               for spec in specs]
+    parts = partition_balanced(weights, num_chunks)
+    return [(parts[c], parts[c + 1]) for c in range(num_chunks)]
+
+
+def _build_chunk(specs: list, start: int, stop: int) -> Any:
+    """One chunk's ``nn.Module``: the layers of ``specs[start:stop]`` run in order."""
+    import torch.nn as nn
+
+    class Chunk(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList()
+            self.calls: list[Callable[[Any], Any]] = []
+            self.tied: list[Any] = []   # parameters a TiedLayerSpec shares with another chunk
+            for spec in specs[start:stop]:
+                layer = spec.build()
+                self.layers.append(layer)
+                fn = getattr(spec, "forward_fn", None)
+                self.calls.append((lambda x, l=layer, f=fn: f(l, x)) if fn is not None else layer)
+                if getattr(spec, "key", None) is not None:   # DeepSpeed keeps a list of attribute paths
+                    attrs = spec.tied_weight_attr
+                    self.tied += [attrgetter(a)(layer) for a in ([attrs] if isinstance(attrs, str) else attrs)]
+
+        def forward(self, x: Any) -> Any:
+            for call in self.calls:
+                x = call(x)
+            return x
+
+    return Chunk()
+
+
+class TorchPipelineEngine:
+    """``torch.distributed.pipelining`` with ``virtual_stages`` stages per rank, driven like a DeepSpeed engine."""
+
+    _INSTRUCTION_MAP: dict = {}   # nothing for InstructionRecorder to wrap
+
+    def __init__(self, schedule: str, specs: list, loss_fn: Callable, micro_batches: int, num_ranks: int,
+                 virtual_stages: int = 2, type_name: str = "GPTBlock", lr: float = 1e-5) -> None:
+        import torch
+        import torch.distributed as dist
+        import torch.nn as nn
+        from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B, ScheduleLoopedBFS
+
+        self.stage_id = dist.get_rank()
+        self.micro_batches = micro_batches
+        num_chunks = num_ranks * virtual_stages
+        bounds = chunk_layers(specs, num_chunks, type_name)
+        self.local_chunks = [c for c in range(num_chunks) if c % num_ranks == self.stage_id]
+        chunks = [_build_chunk(specs, *bounds[c]) for c in self.local_chunks]
+        self.module = nn.ModuleList(chunks)
+        self.module.forward_funcs = [layer for chunk in chunks for layer in chunk.layers]
+        device = torch.device("cpu")
+        stages = [PipelineStage(chunk, c, num_chunks, device) for c, chunk in zip(self.local_chunks, chunks)]
+        cls = {"torch-interleaved": ScheduleInterleaved1F1B, "torch-loopedbfs": ScheduleLoopedBFS}[schedule]
+        self.schedule = cls(stages, n_microbatches=micro_batches, loss_fn=loss_fn, scale_grads=True)
+        self.first = 0 in self.local_chunks
+        self.last = num_chunks - 1 in self.local_chunks
+        # tied layers (DeepSpeed TiedLayerSpec): the first and last chunk's copies, their gradients summed
+        self.tied = [p for chunk in chunks for p in chunk.tied]
+        holders = sorted({0, (num_chunks - 1) % num_ranks})
+        self.tied_group = dist.new_group(holders) if len(holders) > 1 else None   # every rank calls new_group
+        self.optimizer = torch.optim.SGD(self.module.parameters(), lr=lr)
+
+    def train_batch(self, data_iter: Any) -> Any:
+        import torch
+        import torch.distributed as dist
+
+        batches = [next(data_iter) for _ in range(self.micro_batches)]
+        inputs = torch.cat([x for x, _ in batches])    # (m*B, L): the schedule splits it into m micro-batches
+        labels = torch.cat([y for _, y in batches])
+        losses: list = []
+        args = (inputs,) if self.first else ()
+        self.schedule.step(*args, target=labels if self.last else None, losses=losses if self.last else None)
+        for p in self.tied:
+            dist.all_reduce(p.grad, group=self.tied_group)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return torch.stack(losses).mean().detach() if losses else torch.zeros(())
+
+
+def build_peer(variant: str, specs: list, loss_fn: Callable, micro_batches: int, num_ranks: int,
+               base_config: dict, type_name: str = "GPTBlock") -> Any:
+    """The engine of peer ``variant`` for ``micro_batches`` micro-batches (see the module docstring)."""
+    if variant == "ds-dualpipev":
+        import deepspeed
+        import torch
+        from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
+
+        model = DualPipeVModule(specs, num_stages=num_ranks, loss_fn=loss_fn, partition_method=f"type:{type_name}")
+        opt = torch.optim.SGD(model.parameters(), lr=1e-5)
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=base_config)
+        return engine
+    if variant in ("torch-interleaved", "torch-loopedbfs"):
+        return TorchPipelineEngine(variant, specs, loss_fn, micro_batches, num_ranks, type_name=type_name)
+    raise ValueError(f"unknown peer {variant!r}; known: {', '.join(PEER_VARIANTS)}")
