@@ -512,6 +512,34 @@ def cost_model_check(report: dict) -> list[dict]:
     return out
 
 
+def draw_timelines(report: dict, items: list[str], plots_dir: Path, work_dir: Path) -> list[dict]:
+    """:func:`write_plots` for each ``"M,VARIANT"`` of ``items`` measured in ``report`` (others are skipped)."""
+    out = []
+    have = {(r["m"], r["variant"]) for r in report["rows"]}
+    for item in items:
+        m_str, variant = item.split(",", 1)
+        if (int(m_str), variant) not in have:
+            print(f"--timeline {item}: not measured in this run, skipped")
+            continue
+        plots = write_plots(report, (int(m_str), variant), plots_dir, work_dir)
+        out.append(plots)
+        print(f"timelines: {plots['measured_png']} {plots.get('planned_png', '')}")
+    return out
+
+
+def finish_report(report: dict, opts: dict, ranks: list[dict], started: float, json_path: Path, *,
+                  cores_pinned: bool) -> Path:
+    """Add the options and wall time, and write the report with the commit and machine it was measured on."""
+    wall = time.perf_counter() - started
+    report.update(options=opts, wall_s=wall)
+    machine = machine_info(torch=ranks[0]["torch"], deepspeed=ranks[0]["deepspeed"],
+                           threads_per_rank=ranks[0]["threads"], cores_pinned=cores_pinned)
+    print(f"\nwall time {wall:.0f} s")
+    path = write_report(report, json_path, machine=machine)
+    print(f"report: {path}")
+    return path
+
+
 def main() -> int:
     if run_as_worker(worker_main):
         return 0
@@ -596,23 +624,10 @@ def main() -> int:
     print("\nTargets:")
     report["targets"] = check_targets(report)
     if args.plots:
-        report["plots"] = []
-        have = {(r["m"], r["variant"]) for r in report["rows"]}
-        for item in args.timeline or ["1,auto/gpipe", "4,auto/1f1b"]:
-            m_str, variant = item.split(",", 1)
-            if (int(m_str), variant) not in have:
-                print(f"--timeline {item}: not measured in this run, skipped")
-                continue
-            plots = write_plots(report, (int(m_str), variant), Path(args.plots), out_dir)
-            report["plots"].append(plots)
-            print(f"timelines: {plots['measured_png']} {plots.get('planned_png', '')}")
-    wall = time.perf_counter() - started
-    report.update(options=opts, wall_s=wall)
-    machine = machine_info(torch=ranks[0]["torch"], deepspeed=ranks[0]["deepspeed"],
-                           threads_per_rank=ranks[0]["threads"], cores_pinned=args.bind_cores)
-    print(f"\nwall time {wall:.0f} s")
+        report["plots"] = draw_timelines(report, args.timeline or ["1,auto/gpipe", "4,auto/1f1b"],
+                                         Path(args.plots), out_dir)
     json_path = Path(args.json) if args.json else (out_dir / f"{NAME}.json" if args.quick else results_path(NAME))
-    print(f"report: {write_report(report, json_path, machine=machine)}")
+    finish_report(report, opts, ranks, started, json_path, cores_pinned=args.bind_cores)
     return 0
 
 

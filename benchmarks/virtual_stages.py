@@ -32,7 +32,7 @@ from pathlib import Path
 import pipeline_speedup as ps
 from benchlib.launch import launch_workers
 from benchlib.peers import PEER_VARIANTS
-from benchlib.tables import ROOT, fmt, machine_info, markdown_table, print_checks, results_path, write_report
+from benchlib.tables import ROOT, fmt, markdown_table, print_checks, results_path
 
 NAME = "virtual_stages"
 PEERS = ["stock", *PEER_VARIANTS]   # stock DeepSpeed 1F1B first: the baseline
@@ -153,27 +153,14 @@ def main() -> int:
     print("\nSanity:")
     report["loss_checks"] = check_losses(rows)
     if args.plots:
-        report["plots"] = []
-        have = {(r["m"], r["variant"]) for r in rows}
-        for item in args.timeline or ["1,token/interleaved-1f1b"]:
-            m_str, variant = item.split(",", 1)
-            if (int(m_str), variant) not in have:
-                print(f"--timeline {item}: not measured in this run, skipped")
-                continue
-            plots = ps.write_plots({"rows": report["pipeline_rows"]}, (int(m_str), variant), Path(args.plots),
-                                   out_dir)
+        report["plots"] = ps.draw_timelines({"rows": report["pipeline_rows"]},
+                                            args.timeline or ["1,token/interleaved-1f1b"], Path(args.plots), out_dir)
+        for plots in report["plots"]:
             plots.pop("per_action", None)
-            report["plots"].append(plots)
-            print(f"timelines: {plots['measured_png']} {plots.get('planned_png', '')}")
     for r in report["pipeline_rows"]:   # the raw per-round events are in the worker logs, not the report
         r.pop("median_step_events", None)
-    wall = time.perf_counter() - started
-    report.update(options=opts, wall_s=wall)
-    machine = machine_info(torch=ranks[0]["torch"], deepspeed=ranks[0]["deepspeed"],
-                           threads_per_rank=ranks[0]["threads"], cores_pinned=True)
-    print(f"\nwall time {wall:.0f} s")
     json_path = Path(args.json) if args.json else (out_dir / f"{NAME}.json" if args.quick else results_path(NAME))
-    print(f"report: {write_report(report, json_path, machine=machine)}")
+    ps.finish_report(report, opts, ranks, started, json_path, cores_pinned=True)
     return 0
 
 
