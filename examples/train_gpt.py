@@ -184,8 +184,8 @@ def train(engine: Any, args: argparse.Namespace, tokens: np.ndarray, seq_len: in
             print(f"resumed from {path} at step {start_step}", flush=True)
 
     tokens_per_step = micro * gas * (world // stages) * seq_len
-    # With slices "auto" the planner's predicted step (forwards, backwards, W and transfers; not the optimizer
-    # step or gradient reduction), shown next to the measured one.
+    # With slices "auto" the planner's predicted step (forwards, backwards, W, transfers, and what follows the
+    # schedule: tied and data-parallel gradient reduction, optimizer step, end-of-step sync), next to the measured.
     planned = f" (plan: {plan['planner']['predicted_ms']:.0f} ms)" if plan.get("planner") else ""
     window_start, window_steps = time.perf_counter(), 0
     for step in range(start_step, args.steps):

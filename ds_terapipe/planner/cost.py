@@ -29,6 +29,7 @@ from typing import Any, Union
 import numpy as np
 
 from ._checks import check_int, check_number
+from .step_cost import StepCost
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +51,8 @@ ArrayLike = Union[int, float, np.ndarray, Sequence[float]]
 _POINT_KEYS = ("batch", "slice", "context", "forward_ms", "backward_ms")
 _COMM_KEYS = ("latency_ms", "gbps")
 _STAGE_KEYS = ("points", "comm", "hidden", "bytes_per_element", "weight_ms_per_token")
-_TOP_KEYS = ("points", "stages", "comm", "hidden", "bytes_per_element", "weight_ms_per_token", "num_stages", "meta")
+_TOP_KEYS = ("points", "stages", "comm", "hidden", "bytes_per_element", "weight_ms_per_token", "num_stages", "meta",
+             "step")
 
 
 def _result(x: np.ndarray) -> Any:
@@ -468,9 +470,14 @@ class AnalyticCost(StageCost):
 # PipelineCost and the file format
 
 class PipelineCost:
-    """One ``StageCost`` per pipeline stage; the planner's and simulator's view of the hardware."""
+    """One ``StageCost`` per pipeline stage; the planner's and simulator's view of the hardware.
 
-    def __init__(self, stages: Sequence[StageCost], *, meta: Mapping[str, Any] | None = None) -> None:
+    ``step``: what a training step costs besides the slices (:class:`~ds_terapipe.planner.step_cost.StepCost`:
+    per-action fixed costs, optimizer, gradient reductions, end-of-step sync); None: nothing (the older model).
+    """
+
+    def __init__(self, stages: Sequence[StageCost], *, meta: Mapping[str, Any] | None = None,
+                 step: StepCost | None = None) -> None:
         stages = list(stages)
         if not stages:
             raise ValueError("PipelineCost needs at least one stage cost; pass a non-empty list")
@@ -480,6 +487,9 @@ class PipelineCost:
                                 "MeasuredCost or AnalyticCost")
         self.stages: list[StageCost] = stages
         self.meta: dict[str, Any] | None = None if meta is None else dict(meta)
+        if step is not None and not isinstance(step, StepCost):
+            raise TypeError(f"step must be a StepCost, got {type(step).__name__}; parse it with StepCost.from_dict")
+        self.step: StepCost | None = step
 
     @property
     def num_stages(self) -> int:
@@ -526,13 +536,14 @@ class PipelineCost:
         meta = obj.get("meta")
         if meta is not None and not isinstance(meta, Mapping):
             raise ValueError(f"cost.meta = {meta!r:.60} must be a JSON object; use {{}} or drop it")
+        step = StepCost.from_dict(obj["step"]) if obj.get("step") is not None else None
         defaults = {k: obj[k] for k in ("comm", "hidden", "bytes_per_element", "weight_ms_per_token") if k in obj}
         if ("points" in obj) == ("stages" in obj):
             raise ValueError("cost needs exactly one of \"points\" (same cost on every stage) or \"stages\" "
                              f"(one object per stage), got keys {sorted(obj)}; see docs/cost_format.md")
         if "points" in obj:
             stage = MeasuredCost.from_dict({**defaults, "points": obj["points"]}, where="cost")
-            return cls([stage] * (num_stages or 1), meta=meta)
+            return cls([stage] * (num_stages or 1), meta=meta, step=step)
         stage_objs = obj["stages"]
         if not isinstance(stage_objs, list) or not stage_objs:
             raise ValueError(f"cost.stages = {stage_objs!r:.60} must be a non-empty list of stage objects")
@@ -543,7 +554,7 @@ class PipelineCost:
         for i, st in enumerate(stage_objs):
             _check_keys(st, _STAGE_KEYS, f"cost.stages[{i}]")
             stages.append(MeasuredCost.from_dict({**defaults, **st}, where=f"cost.stages[{i}]"))
-        return cls(stages, meta=meta)
+        return cls(stages, meta=meta, step=step)
 
     def to_dict(self) -> dict[str, Any]:
         """The cost file for this pipeline (MeasuredCost stages only); ``from_dict`` of it round-trips exactly."""
@@ -558,6 +569,8 @@ class PipelineCost:
             out = {"stages": [st.to_dict() for st in self.stages], "num_stages": self.num_stages}  # type: ignore
         if self.meta is not None:
             out["meta"] = dict(self.meta)
+        if self.step is not None:
+            out["step"] = self.step.to_dict()
         return out
 
     def __repr__(self) -> str:

@@ -5,7 +5,9 @@ stream in order, one compute action at a time; a send is issued when the stream 
 nothing (isend); a receive blocks the stream until ``send issue time + comm_ms`` of the sender. F(s,b,i) costs
 ``cost.stage(s).forward_ms(slices[i], context=sum(slices[:i]), batch)``; B likewise with ``backward_ms``; a W
 (deferred weight gradients) ``weight_ms(sum(slices), batch)`` for a whole micro-batch, ``weight_ms(slices[i],
-batch)`` when the schedule has one W per slice (0 for cost models without ``weight_ms``).
+batch)`` when the schedule has one W per slice (0 for cost models without ``weight_ms``). A cost model with a
+whole-step part (``cost.step``, :mod:`~ds_terapipe.planner.step_cost`) adds its fixed cost to every action and
+its tail after the makespan (``SimResult.step_ms``).
 
 Speed matters (the slicing planner simulates many candidate plans), so the simulation is a lock-step sweep
 vectorised across stages with numpy: each sweep advances every stage whose next action's dependency is done, so
@@ -201,7 +203,8 @@ class SimResult:
 
     ``peak_in_flight[s]`` counts units forwarded but not yet backwarded on stage s: the activation memory the
     schedule needs, in units. ``events`` (compute actions only; comm costs the compute stream nothing) are built
-    on first access, since the planner mostly reads the makespan.
+    on first access, since the planner mostly reads the makespan. ``tail_ms``: what the step costs after the
+    schedule (``StepCost.tail_ms``; 0 without a step cost); ``step_ms`` = makespan + tail, the whole step.
     """
 
     makespan_ms: float
@@ -211,6 +214,11 @@ class SimResult:
     _program: _Program = field(repr=False, compare=False)
     _start: np.ndarray = field(repr=False, compare=False)
     _end: np.ndarray = field(repr=False, compare=False)
+    tail_ms: float = 0.0
+
+    @property
+    def step_ms(self) -> float:
+        return self.makespan_ms + self.tail_ms
 
     @cached_property
     def events(self) -> tuple[TimedAction, ...]:
@@ -253,7 +261,17 @@ def _cost_table(cost: Any, K: int, slices: Sequence[int], batch: int, weights_pe
                 raise ValueError(f"cost.stage({s}).{name} returned {got.tolist()} for slices {list(slices)}; "
                                  f"times must be finite and >= 0, check the cost model's fit")
             table[row, s] = got
+    step = getattr(cost, "step", None)
+    if step is not None:   # a fixed cost per F / B / W action (dispatch, buffers, loss, gradient accumulation)
+        for row, kind in ((0, "forward"), (1, "backward"), (3, "weight")):
+            table[row] += np.array([step.action_ms(kind, s, K) for s in range(K)])[:, None]
     return table
+
+
+def _tail_ms(cost: Any, num_ranks: int) -> float:
+    """The step after the schedule's makespan (end-of-step sync, tied and data-parallel reduction, optimizer)."""
+    step = getattr(cost, "step", None)
+    return 0.0 if step is None else float(step.tail_ms(num_ranks))
 
 
 def _check_inputs(schedule: Schedule, slices: Sequence[int], micro_batch_size: int) -> list[int]:
@@ -303,7 +321,8 @@ def simulate(schedule: Schedule, cost: Any, slices: Sequence[int], micro_batch_s
     bubble = 1.0 - float(busy.sum()) / (K * makespan) if makespan > 0 else 0.0
     logger.debug("simulated %s (K=%d, m=%d, slices=%s): makespan %.4g ms, bubble %.3f", schedule.name, K,
                  schedule.num_microbatches, lens, makespan, bubble)
-    return SimResult(makespan, tuple(busy.tolist()), bubble, prog.peak_in_flight, prog, start, end)
+    return SimResult(makespan, tuple(busy.tolist()), bubble, prog.peak_in_flight, prog, start, end,
+                     _tail_ms(cost, K))
 
 
 def _sweep(prog: _Program, dur: np.ndarray, delay: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:

@@ -387,20 +387,33 @@ def _thresholds(dp: _Dp, units: int, num_stages: int, window: float = 0.0, keep:
 # --------------------------------------------------------------------------------------------------------------
 # Tables from the cost model
 
+def _action_ms(cost: PipelineCost, stage: int) -> tuple[float, float]:
+    """The whole-step model's fixed cost of one forward and one backward action on ``stage`` (0 without one)."""
+    if cost.step is None:
+        return 0.0, 0.0
+    return (cost.step.action_ms("forward", stage, cost.num_stages),
+            cost.step.action_ms("backward", stage, cost.num_stages))
+
+
+def _stage_key(cost: PipelineCost, stage: int) -> Any:
+    return cost.stages[stage].cache_key(), _action_ms(cost, stage)
+
+
 def _distinct_stages(cost: PipelineCost) -> dict[Any, tuple[int, Any]]:
     """cache key -> (first stage index, stage model): shared stage models are evaluated once."""
     out: dict[Any, tuple[int, Any]] = {}
     for k, st in enumerate(cost.stages):
-        out.setdefault(st.cache_key(), (k, st))
+        out.setdefault(_stage_key(cost, k), (k, st))
     return out
 
 
-def _times(stage: int, st: Any, lens: np.ndarray, ctx: np.ndarray, batch: int
-           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(forward, backward, comm) of one stage model, broadcast to the common shape and checked."""
+def _times(stage: int, st: Any, lens: np.ndarray, ctx: np.ndarray, batch: int, action_ms: tuple[float, float]
+           = (0.0, 0.0)) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(forward, backward, comm) of one stage model plus its per-action fixed costs, broadcast and checked."""
     shape = np.broadcast_shapes(lens.shape, ctx.shape)
     out = tuple(np.broadcast_to(np.asarray(x, dtype=float), shape) for x in (
-        st.forward_ms(lens, ctx, batch), st.backward_ms(lens, ctx, batch), st.comm_ms(lens, batch)))
+        np.asarray(st.forward_ms(lens, ctx, batch)) + action_ms[0],
+        np.asarray(st.backward_ms(lens, ctx, batch)) + action_ms[1], st.comm_ms(lens, batch)))
     for name, x in zip(("forward_ms", "backward_ms", "comm_ms"), out):
         if x.size and not (x.min() >= 0 and np.isfinite(x.max())):   # NaN fails the first test
             raise ValueError(f"stage {stage} cost model returned a negative or non-finite {name} for batch "
@@ -411,8 +424,9 @@ def _times(stage: int, st: Any, lens: np.ndarray, ctx: np.ndarray, batch: int
 def _stage_times(cost: PipelineCost, lens: np.ndarray, ctx: np.ndarray, batch: int
                  ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Per stage (forward, backward, comm) for slices ``lens`` after ``ctx`` (small inputs: keeps all stages)."""
-    seen = {key: _times(k, st, lens, ctx, batch) for key, (k, st) in _distinct_stages(cost).items()}
-    return [seen[st.cache_key()] for st in cost.stages]
+    seen = {key: _times(k, st, lens, ctx, batch, _action_ms(cost, k))
+            for key, (k, st) in _distinct_stages(cost).items()}
+    return [seen[_stage_key(cost, k)] for k in range(cost.num_stages)]
 
 
 def _tables(cost: PipelineCost, n: int, granularity: int, batch: int) -> tuple[np.ndarray, np.ndarray]:
@@ -425,7 +439,7 @@ def _tables(cost: PipelineCost, n: int, granularity: int, batch: int) -> tuple[n
     comm_factor = 2.0 if cost.num_stages > 1 else 0.0
     w_grid = t_grid = None
     for k, st in _distinct_stages(cost).values():
-        f, b, c = _times(k, st, lens, ctx, batch)
+        f, b, c = _times(k, st, lens, ctx, batch, _action_ms(cost, k))
         wk = f + b
         tk = wk + comm_factor * c if comm_factor else wk
         w_grid = wk if w_grid is None else np.maximum(w_grid, wk, out=w_grid)
@@ -677,7 +691,8 @@ def plan_slicing(cost: PipelineCost, seq_len: int, *, num_microbatches: int = 1,
             n_min = fits[0]
         options.append((q, n_min))
 
-    exact = spec.dp_exact and cost.is_uniform() and not deferred_weight_grads
+    exact = spec.dp_exact and cost.is_uniform() and not deferred_weight_grads and \
+        len({_action_ms(cost, k) for k in range(cost.num_stages)}) == 1
     sim = None if exact else _Simulated(cost, schedule, seq_len, deferred_weight_grads, v)
     best: tuple[float, int, list[int], Any] | None = None   # (ms, q, cuts, SimResult or None)
     for q, n_min in options:
@@ -725,6 +740,9 @@ def plan_slicing(cost: PipelineCost, seq_len: int, *, num_microbatches: int = 1,
         assert sim is not None
         unsliced = float(sim.run([seq_len], m, batch).makespan_ms)
         bubble = float(res.bubble_fraction)
+    # The whole step: what follows the schedule (optimizer, gradient reductions, sync) is the same for every plan.
+    tail = 0.0 if cost.step is None else cost.step.tail_ms(num_stages)
+    value, unsliced = value + tail, unsliced + tail
     plan = SlicingPlan(slices=slices, batch_splits=(batch // q,) * q, seq_len=seq_len, num_stages=num_stages,
                        num_microbatches=m, micro_batch_size=batch, granularity=granularity, schedule=schedule,
                        predicted_ms=float(value), unsliced_ms=unsliced,

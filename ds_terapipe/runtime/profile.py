@@ -3,8 +3,9 @@
 The planner needs, per stage, forward and backward time of a slice of ``s`` tokens after a prefix of ``c``
 tokens (attention cost grows with the prefix). :func:`profile_stage` times that over a small grid of
 ``(s, c)`` points on this rank's own device; with deferred weight gradients :func:`profile_weight_grads` adds
-the rate of the deferred pass. :func:`measure_costs` runs both on every stage and gathers the points into one
-:class:`~ds_terapipe.planner.cost.PipelineCost` on global rank 0, which plans (:mod:`ds_terapipe.runtime.plan`).
+the rate of the deferred pass. :func:`measure_costs` runs both on every stage, adds what the rest of a step costs
+(:mod:`ds_terapipe.runtime.step_profile`: optimizer, gradient reductions, sync, p2p) and gathers everything into
+one :class:`~ds_terapipe.planner.cost.PipelineCost` on global rank 0, which plans (:mod:`ds_terapipe.runtime.plan`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from .deferred import WeightGradStash
 from .devices import synchronize
 from .p2p import as_tuple
 from .slice_check import probe_pass
+from .step_profile import measure_step_terms
 
 if TYPE_CHECKING:  # pragma: no cover - annotations only
     from .engine import TokenPipelineEngine
@@ -184,20 +186,48 @@ def measure_costs(engine: "TokenPipelineEngine", stage_input: Optional[dict[int,
                          "layers": len(engine.module.forward_funcs),
                          "hidden": first.shape[-1] if first.is_floating_point() else None,
                          "bytes": first.element_size() if first.is_floating_point() else 4})
+    terms = measure_step_terms(engine, warmup=cfg.profile.warmup, repeats=cfg.profile.repeats)
     profile_s = time.perf_counter() - started
     # The gather below blocks without a deadline: meet first in a barrier that watches the abort flag, so a rank
     # whose profiling raised stops its peers within seconds, naming it.
     engine._barrier("profiling")
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, {"dp": engine.grid.data_parallel_id, "chunks": mine})
+    dist.all_gather_object(gathered, {"dp": engine.grid.data_parallel_id, "stage": engine.stage_id, "chunks": mine,
+                                      "terms": terms})
     if dist.get_rank() != 0:
         return None
     chunks = sorted((c for g in gathered if g["dp"] == 0 for c in g["chunks"]), key=lambda c: c["chunk"])
+    ranks = sorted((g for g in gathered if g["dp"] == 0), key=lambda g: g["stage"])
     stage_meta = [{k: c[k] for k in ("layers", "hidden", "bytes")} for c in chunks]
     hidden = next((m["hidden"] for m in stage_meta if m["hidden"]), None)
     for m in stage_meta:
         m["hidden"] = hidden
     cost = PipelineCost.from_dict({"stages": [{"points": c["points"], **({} if c["weight_ms_per_token"] is None else
-                                              {"weight_ms_per_token": c["weight_ms_per_token"]})}
-                                            for c in chunks]}, num_stages=engine.num_chunks)
+                                              {"weight_ms_per_token": c["weight_ms_per_token"]}),
+                                               **_comm_of(ranks[engine.placement[c["chunk"]]]["terms"], hidden,
+                                                          max(m["bytes"] for m in stage_meta))}
+                                              for c in chunks],
+                                   "step": _step_of(ranks, engine.placement)}, num_stages=engine.num_chunks)
     return MeasuredCosts(cost, tuple(stage_meta), profile_s)
+
+
+def _comm_of(terms: dict, hidden: Optional[int], element_bytes: int) -> dict:
+    """A chunk's ``comm`` (its rank's link to the next rank), with what sizes its messages; {} on the last rank."""
+    if terms["latency_ms"] is None:
+        return {}
+    comm: dict[str, Any] = {"latency_ms": terms["latency_ms"]}
+    if terms["gbps"] is not None and hidden:
+        comm["gbps"] = terms["gbps"]
+        return {"comm": comm, "hidden": hidden, "bytes_per_element": element_bytes}
+    return {"comm": comm}
+
+
+def _step_of(ranks: list[dict], placement: tuple[int, ...]) -> dict:
+    """The cost file's ``step`` object from every rank's measured terms (``step_profile.measure_step_terms``)."""
+    per_rank = [len([c for c in placement if c == r]) for r in range(len(ranks))]
+    return {"action_ms": {"backward": [ranks[r]["terms"]["accumulate_ms"] / per_rank[r] for r in placement]},
+            "optimizer_ms": [g["terms"]["optimizer_ms"] for g in ranks],
+            "grad_reduce_ms": [g["terms"]["grad_reduce_ms"] for g in ranks],
+            "tied_reduce_ms": max([g["terms"]["tied_reduce_ms"] for g in ranks if g["terms"]["tied"]], default=0.0),
+            "tied_ranks": [g["stage"] for g in ranks if g["terms"]["tied"]],
+            "sync_ms": max(g["terms"]["sync_ms"] for g in ranks)}

@@ -68,6 +68,13 @@ def measured_sums(timeline: Iterable[TimedAction], slices: tuple[int, ...], seq_
     return [(c, k, s, ctx, int(n), ms) for (c, k, s, ctx), (n, ms) in sorted(sums.items())]
 
 
+def _action_ms(cost: PipelineCost, chunk: int, kind: str) -> float:
+    """The cost model's fixed cost per action (``cost.step``), which the refit leaves alone."""
+    if cost.step is None:
+        return 0.0
+    return cost.step.action_ms({"F": "forward", "B": "backward", "W": "weight"}[kind], chunk, cost.num_stages)
+
+
 def _predicted_ms(cost: PipelineCost, chunk: int, kind: str, slice_len: int, context: int, batch: int) -> float:
     stage = cost.stage(chunk)
     if kind == "F":
@@ -88,7 +95,7 @@ def refit_cost(cost: Mapping[str, Any], samples: Iterable[tuple[int, str, int, i
     measured: dict[tuple[int, str], float] = defaultdict(float)
     predicted: dict[tuple[int, str], float] = defaultdict(float)
     for chunk, kind, length, context, count, ms in samples:
-        measured[(chunk, kind)] += ms
+        measured[(chunk, kind)] += max(0.0, ms - count * _action_ms(model, chunk, kind))   # the points' share
         predicted[(chunk, kind)] += count * _predicted_ms(model, chunk, kind, length, context, batch)
     ratios: dict[int, dict[str, float]] = {}
     out = copy.deepcopy(dict(cost))
@@ -157,7 +164,7 @@ class Replanner:
             current = simulate(build_schedule(cfg.schedule, engine.num_stages, engine.micro_batches,
                                               len(plan.slices), cfg.deferred_weight_grads,
                                               virtual_stages=cfg.virtual_stages),
-                               model, plan.slices, batch).makespan_ms
+                               model, plan.slices, batch).step_ms
             best = _solve(engine, model, plan.stage_meta, plan.seq_len)
             gain = current / best.predicted_ms - 1.0 if best.predicted_ms > 0 else 0.0
             switch = tuple(best.slices) != tuple(plan.slices) and gain >= self.min_gain

@@ -1,0 +1,212 @@
+"""On-device measurement of what a step costs besides the slices: the whole-step part of the cost model.
+
+:mod:`ds_terapipe.runtime.profile` times each chunk's layers per slice. A training step also runs the
+optimizer, reduces gradients (tied embedding/head between first and last stage, data-parallel replicas), meets
+at the end-of-schedule barrier and the loss broadcast, moves every slice over p2p, and, in each backward that is
+not deferred, adds the slice's weight gradients into ``.grad``. :func:`measure_step_terms` times each of these
+at engine init, on this rank's device, without changing anything the first step sees:
+
+* the optimizer step runs on *copies* of the parameters (with zero gradients) and a fresh optimizer of the same
+  class and hyper-parameters, so the model and the real optimizer's state are untouched;
+* the all-reduces (tied, data-parallel) reduce zero buffers of the gradients' sizes in the same groups;
+* the p2p latency and bandwidth come from a ping-pong between neighbouring ranks (a tiny and a micro-batch-sized
+  message);
+* the gradient accumulation is a ``torch._foreach_add_`` over buffers of the accumulated parameters' shapes.
+
+Collective: every rank calls it, in the same order. :func:`ds_terapipe.runtime.profile.measure_costs` gathers
+the results into the cost model's ``step`` (:class:`~ds_terapipe.planner.step_cost.StepCost`) and ``comm``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import statistics
+import time
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from .devices import synchronize
+
+if TYPE_CHECKING:  # pragma: no cover - annotations only
+    from .engine import TokenPipelineEngine
+
+__all__ = ["measure_step_terms", "time_optimizer_step", "time_grad_accumulation"]
+
+logger = logging.getLogger(__name__)
+
+
+def _median_ms(fn: Callable[[], Any], warmup: int, repeats: int, clock: Callable[[], float] = time.perf_counter
+               ) -> float:
+    times = []
+    for rep in range(warmup + repeats):
+        synchronize()
+        t0 = clock()
+        fn()
+        synchronize()
+        if rep >= warmup:
+            times.append((clock() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _inner_optimizer(optimizer: Any) -> Optional[torch.optim.Optimizer]:
+    """The torch optimizer doing the update: the client's own, or the one a DeepSpeed wrapper holds."""
+    for candidate in (optimizer, getattr(optimizer, "optimizer", None)):
+        if isinstance(candidate, torch.optim.Optimizer):
+            return candidate
+    return None
+
+
+def time_optimizer_step(optimizer: Any, clip_norm: float = 0.0, *, warmup: int = 1, repeats: int = 3) -> float:
+    """Milliseconds of one ``optimizer.step()`` (with gradient clipping when ``clip_norm`` > 0) over this rank's
+    parameters, measured on copies: a fresh optimizer of the same class and groups steps cloned parameters with
+    zero gradients, so the real parameters and optimizer state are untouched. 0 when no torch optimizer is found.
+    """
+    inner = _inner_optimizer(optimizer)
+    if inner is None:
+        return 0.0
+    groups = []
+    for group in inner.param_groups:
+        clones = []
+        for p in group["params"]:
+            c = p.detach().clone().requires_grad_(True)
+            c.grad = torch.zeros_like(c)
+            clones.append(c)
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": clones})
+    params = [p for g in groups for p in g["params"]]
+    if not params:
+        return 0.0
+    # the groups carry every hyper-parameter; what the constructor still requires comes from its defaults
+    accepted = inspect.signature(type(inner).__init__).parameters
+    try:
+        copy = type(inner)(groups, **{k: v for k, v in inner.defaults.items() if k in accepted})
+    except Exception as err:   # noqa: BLE001 - an optimizer that cannot be rebuilt: leave the term out, say so
+        logger.warning("terapipe: cannot time the optimizer step (%s: %s); the plan leaves it out",
+                       type(err).__name__, err)
+        return 0.0
+
+    def step() -> None:
+        if clip_norm > 0:
+            torch.nn.utils.clip_grad_norm_(params, clip_norm)
+        copy.step()
+
+    return _median_ms(step, warmup, repeats)
+
+
+def time_grad_accumulation(params: list[torch.nn.Parameter], *, warmup: int = 1, repeats: int = 3) -> float:
+    """Milliseconds to add one backward's gradients into ``.grad`` for ``params`` (what every slice's backward
+    does beyond the profiled ``torch.autograd.grad``), on buffers of their shapes."""
+    params = [p for p in params if p.requires_grad]
+    if not params:
+        return 0.0
+    acc = [torch.zeros_like(p) for p in params]
+    new = [torch.ones_like(p) for p in params]
+    return _median_ms(lambda: torch._foreach_add_(acc, new), warmup, repeats)
+
+
+def _time_tied_reduce(engine: "TokenPipelineEngine", warmup: int, repeats: int) -> float:
+    """The tied-weight all-reduce (DeepSpeed's ``allreduce_tied_weight_gradients``) on zero buffers; only the
+    ranks of a tied group take part, in DeepSpeed's key order."""
+    module = engine.module
+    comms = getattr(module, "tied_comms", {}) or {}
+    buffers = []
+    for key, comm in comms.items():
+        for attr in comm["weight_attr"]:
+            weight = module._recursive_getattr(module.tied_modules[key], attr)
+            buffers.append((torch.zeros_like(weight), comm["group"]))
+    if not buffers:
+        return 0.0
+
+    def reduce() -> None:
+        for buf, group in buffers:
+            dist.all_reduce(buf, group=group)
+
+    return _median_ms(reduce, warmup, repeats)
+
+
+def _time_dp_reduce(engine: "TokenPipelineEngine", warmup: int, repeats: int) -> float:
+    """Data-parallel gradient reduction: one all-reduce of this stage's gradient size over its replicas."""
+    if engine.grid.data_parallel_size == 1:
+        return 0.0
+    numel = sum(p.numel() for p in engine.module.parameters() if p.requires_grad)
+    dtype = next((p.dtype for p in engine.module.parameters()), torch.float32)
+    buf = torch.zeros(max(1, numel), dtype=dtype, device=engine.device)
+    group = engine.grid.get_data_parallel_group()
+    return _median_ms(lambda: dist.all_reduce(buf, group=group), warmup, repeats)
+
+
+def _ping_pong(engine: "TokenPipelineEngine", numel: int, dtype: torch.dtype, repeats: int) -> Optional[float]:
+    """One-way milliseconds of a ``numel`` message from each rank to the next (rank 0 of every pair reports)."""
+    p = engine.num_stages
+    if p == 1:
+        return None
+    me = engine.stage_id
+    out = None
+    buf = torch.zeros(max(1, numel), dtype=dtype, device=engine.device)
+    for sender in range(p - 1):   # each boundary in turn, so no rank is in two pairs at once
+        if me not in (sender, sender + 1):
+            continue
+        peer = engine.grid.stage_to_global(sender + 1 if me == sender else sender)
+        times = []
+        for rep in range(repeats + 1):
+            synchronize()
+            t0 = time.perf_counter()
+            if me == sender:
+                dist.send(buf, peer)
+                dist.recv(buf, peer)
+            else:
+                dist.recv(buf, peer)
+                dist.send(buf, peer)
+            synchronize()
+            if rep:
+                times.append((time.perf_counter() - t0) * 1e3 / 2)
+        if me == sender:
+            out = statistics.median(times)
+    return out
+
+
+def _time_sync(engine: "TokenPipelineEngine", warmup: int, repeats: int) -> float:
+    """The end-of-step meetings: the engine's barrier and the loss broadcast over the pipeline."""
+    loss = torch.zeros(2, device=engine.device)
+    group = engine.grid.get_pipe_parallel_group()
+    src = engine._loss_stage_global_rank()
+
+    def meet() -> None:
+        engine._barrier("the step-cost profile")
+        dist.broadcast(loss, src=src, group=group)
+
+    return _median_ms(meet, warmup, repeats)
+
+
+#: Elements of the message the bandwidth is measured with (the same on every rank: the pairs must agree).
+_BANDWIDTH_NUMEL = 1 << 20
+
+
+def measure_step_terms(engine: "TokenPipelineEngine", warmup: int = 1, repeats: int = 3) -> dict[str, Any]:
+    """This rank's whole-step terms (collective over all ranks); see the module docstring.
+
+    Returns plain numbers: ``optimizer_ms``, ``grad_reduce_ms``, ``tied_reduce_ms``, ``sync_ms``,
+    ``accumulate_ms`` (per backward action), ``latency_ms`` and ``gbps`` (to the next rank; None on the last).
+    """
+    cfg = engine.terapipe
+    clip = float(engine.gradient_clipping() or 0.0)
+    opt_ms = time_optimizer_step(engine.optimizer, clip, warmup=warmup, repeats=repeats)
+    params = [p for p in engine.module.parameters() if p.requires_grad]
+    if cfg.deferred_weight_grads:
+        # nn.Linear weights accumulate in the W pass (profiled with it); the backward adds the rest
+        deferred = {id(m.weight) for m in engine.module.modules() if isinstance(m, torch.nn.Linear)}
+        params = [p for p in params if id(p) not in deferred]
+    accumulate_ms = time_grad_accumulation(params, warmup=warmup, repeats=repeats)
+    tied_ms = _time_tied_reduce(engine, warmup, repeats)
+    dp_ms = _time_dp_reduce(engine, warmup, repeats)
+    sync_ms = _time_sync(engine, warmup, repeats)
+    latency = _ping_pong(engine, 1, torch.float32, repeats)
+    big = _ping_pong(engine, _BANDWIDTH_NUMEL, torch.float32, repeats)
+    gbps = None
+    if big is not None and latency is not None and big > latency:
+        gbps = _BANDWIDTH_NUMEL * 4 * 8.0 / ((big - latency) * 1e6)
+    return {"optimizer_ms": opt_ms, "grad_reduce_ms": dp_ms, "tied_reduce_ms": tied_ms, "sync_ms": sync_ms,
+            "accumulate_ms": accumulate_ms, "latency_ms": latency, "gbps": gbps,
+            "tied": bool(getattr(engine.module, "tied_comms", None))}
