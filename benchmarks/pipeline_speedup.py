@@ -178,7 +178,7 @@ def _reprofile(engine: Any) -> dict | None:
     plan = build_schedule(tp.schedule, engine.num_stages, engine.micro_batches, len(engine.slices),
                           tp.deferred_weight_grads, virtual_stages=tp.virtual_stages)
     sim = simulate(plan, cost, list(engine.slices), micro_batch_size=engine.micro_batch_size)
-    return {"predicted_ms": float(sim.makespan_ms), "profile_s": seconds, "cost": cost.to_dict()}
+    return {"predicted_ms": float(sim.step_ms), "profile_s": seconds, "cost": cost.to_dict()}
 
 
 def _measure_memory(engine: Any, rec: InstructionRecorder, batches: list) -> dict:
@@ -505,6 +505,10 @@ def cost_model_check(report: dict) -> list[dict]:
                     pred = sum(float((cost.stage(c).forward_ms if kind == "F" else cost.stage(c).backward_ms)(
                         lens[i], ctx[i], 1)) for c in chunks for i in range(len(lens))) * r["m"]
                     actions = len(lens) * r["m"] * len(chunks)
+                if cost.step is not None:   # the whole-step model's fixed cost per action, measured at init
+                    name = {"F": "forward", "B": "backward", "W": "weight"}[kind]
+                    per_chunk = len(lens) if kind != "W" or WEIGHTS_PER_SLICE.get(r["schedule"]) else 1
+                    pred += sum(cost.step.action_ms(name, c, cost.num_stages) for c in chunks) * r["m"] * per_chunk
                 meas = r["stages"][stage][{"F": "forward_ms", "B": "backward_ms", "W": "weight_ms"}[kind]]
                 out.append({"m": r["m"], "variant": r["variant"], "stage": stage, "kind": kind,
                             "predicted_ms": pred, "measured_ms": meas, "err": (pred - meas) / meas,

@@ -196,6 +196,20 @@ def test_timing_the_optimizer_step_changes_neither_the_model_nor_the_optimizer()
     for k, v in state["state"].items():
         assert all(torch.equal(v[n], after["state"][k][n]) for n in v)
     assert time_optimizer_step(object()) == 0.0   # no torch optimizer found: the term is left out
+    # a stage larger than the limit is timed on a prefix and scaled by elements (the real state stays untouched)
+    assert time_optimizer_step(opt, warmup=0, repeats=1, limit=10) > 0
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+def test_a_prefix_stands_for_the_rest_scaled_by_elements() -> None:
+    from ds_terapipe.runtime.step_profile import _sample
+
+    tensors = [torch.zeros(100), torch.zeros(50), torch.zeros(250)]
+    assert _sample(tensors, 1000) == (tensors, 1.0)
+    part, scale = _sample(tensors, 160)
+    assert part == tensors[:2] and scale == pytest.approx(400 / 150)
+    part, scale = _sample(tensors, 10)   # at least one tensor
+    assert part == tensors[:1] and scale == pytest.approx(4.0)
 
 
 def test_gradient_accumulation_is_timed_on_buffers_not_on_grad() -> None:

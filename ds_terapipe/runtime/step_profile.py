@@ -59,22 +59,45 @@ def _inner_optimizer(optimizer: Any) -> Optional[torch.optim.Optimizer]:
     return None
 
 
-def time_optimizer_step(optimizer: Any, clip_norm: float = 0.0, *, warmup: int = 1, repeats: int = 3) -> float:
+#: At most this many elements are copied to time a per-element cost (optimizer, accumulation, all-reduce); a
+#: larger stage is timed on a prefix of its tensors and scaled by elements, so init never needs much memory.
+MAX_TIMED_ELEMENTS = 1 << 24
+
+
+def _sample(tensors: list[torch.Tensor], limit: int) -> tuple[list[torch.Tensor], float]:
+    """The leading tensors up to ``limit`` elements (at least one), and total / sampled elements."""
+    total = sum(t.numel() for t in tensors)
+    out, taken = [], 0
+    for t in tensors:
+        if out and taken + t.numel() > limit:
+            break
+        out.append(t)
+        taken += t.numel()
+    return out, (total / taken if taken else 1.0)
+
+
+def time_optimizer_step(optimizer: Any, clip_norm: float = 0.0, *, warmup: int = 1, repeats: int = 3,
+                        limit: int = MAX_TIMED_ELEMENTS) -> float:
     """Milliseconds of one ``optimizer.step()`` (with gradient clipping when ``clip_norm`` > 0) over this rank's
     parameters, measured on copies: a fresh optimizer of the same class and groups steps cloned parameters with
-    zero gradients, so the real parameters and optimizer state are untouched. 0 when no torch optimizer is found.
+    zero gradients, so the real parameters and optimizer state are untouched. An optimizer step is elementwise,
+    so beyond ``limit`` elements a prefix is timed and scaled. 0 when no torch optimizer is found.
     """
     inner = _inner_optimizer(optimizer)
     if inner is None:
         return 0.0
+    sampled, scale = _sample([p for g in inner.param_groups for p in g["params"]], limit)
+    chosen = {id(p) for p in sampled}
     groups = []
     for group in inner.param_groups:
         clones = []
         for p in group["params"]:
-            c = p.detach().clone().requires_grad_(True)
-            c.grad = torch.zeros_like(c)
-            clones.append(c)
-        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": clones})
+            if id(p) in chosen:
+                c = p.detach().clone().requires_grad_(True)
+                c.grad = torch.zeros_like(c)
+                clones.append(c)
+        if clones:
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": clones})
     params = [p for g in groups for p in g["params"]]
     if not params:
         return 0.0
@@ -92,18 +115,19 @@ def time_optimizer_step(optimizer: Any, clip_norm: float = 0.0, *, warmup: int =
             torch.nn.utils.clip_grad_norm_(params, clip_norm)
         copy.step()
 
-    return _median_ms(step, warmup, repeats)
+    return _median_ms(step, warmup, repeats) * scale
 
 
-def time_grad_accumulation(params: list[torch.nn.Parameter], *, warmup: int = 1, repeats: int = 3) -> float:
+def time_grad_accumulation(params: list[torch.nn.Parameter], *, warmup: int = 1, repeats: int = 3,
+                           limit: int = MAX_TIMED_ELEMENTS) -> float:
     """Milliseconds to add one backward's gradients into ``.grad`` for ``params`` (what every slice's backward
-    does beyond the profiled ``torch.autograd.grad``), on buffers of their shapes."""
-    params = [p for p in params if p.requires_grad]
+    does beyond the profiled ``torch.autograd.grad``), on buffers of their shapes (a prefix beyond ``limit``)."""
+    params, scale = _sample([p for p in params if p.requires_grad], limit)
     if not params:
         return 0.0
     acc = [torch.zeros_like(p) for p in params]
     new = [torch.ones_like(p) for p in params]
-    return _median_ms(lambda: torch._foreach_add_(acc, new), warmup, repeats)
+    return _median_ms(lambda: torch._foreach_add_(acc, new), warmup, repeats) * scale
 
 
 def _time_tied_reduce(engine: "TokenPipelineEngine", warmup: int, repeats: int) -> float:
@@ -132,9 +156,10 @@ def _time_dp_reduce(engine: "TokenPipelineEngine", warmup: int, repeats: int) ->
         return 0.0
     numel = sum(p.numel() for p in engine.module.parameters() if p.requires_grad)
     dtype = next((p.dtype for p in engine.module.parameters()), torch.float32)
-    buf = torch.zeros(max(1, numel), dtype=dtype, device=engine.device)
+    # every replica of a stage holds the same parameters, so all members of the group agree on the size
+    buf = torch.zeros(max(1, min(numel, MAX_TIMED_ELEMENTS)), dtype=dtype, device=engine.device)
     group = engine.grid.get_data_parallel_group()
-    return _median_ms(lambda: dist.all_reduce(buf, group=group), warmup, repeats)
+    return _median_ms(lambda: dist.all_reduce(buf, group=group), warmup, repeats) * max(1.0, numel / buf.numel())
 
 
 def _ping_pong(engine: "TokenPipelineEngine", numel: int, dtype: torch.dtype, repeats: int) -> Optional[float]:
