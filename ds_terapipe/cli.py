@@ -430,7 +430,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     meta = {"schedule": args.schedule, "num_stages": num_ranks, "virtual_stages": v, "seq_len": args.seq_len,
             "slices": slices,
             "num_microbatches": args.microbatches, "micro_batch_size": args.micro_batch,
-            "batch_splits": batch_splits, "makespan_ms": result.makespan_ms, "cost": source}
+            "batch_splits": batch_splits, "makespan_ms": result.makespan_ms, "step_ms": result.step_ms,
+            "cost": source}
     what = "sub-batches" if len(batch_splits) > 1 else "micro-batch(es)"
     title = (f"{_describe(source, num_ranks, v)}: {args.schedule}, {len(slices)} slices x {units} {what}, "
              f"makespan {result.makespan_ms:.4g} ms, bubble {100 * result.bubble_fraction:.1f}%")
@@ -448,7 +449,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         f"slices:      {len(slices)} given: {_runs(slices)}"]
     lines += [
         f"simulated:   makespan {result.makespan_ms:.4g} ms vs {unsliced.makespan_ms:.4g} ms unsliced: "
-        f"speedup {speedup:.2f}x, bubble {100 * result.bubble_fraction:.1f}%",
+        f"speedup {speedup:.2f}x, bubble {100 * result.bubble_fraction:.1f}%"
+        + (f"; whole step (cost file's \"step\") {result.step_ms:.4g} ms" if result.tail_ms else ""),
         f"in flight:   peak units per {'stage' if v == 1 else 'rank (chunk-units)'} "
         f"{_runs(list(result.peak_in_flight))}",
         f"busy:        {min(result.busy_ms):.4g}..{max(result.busy_ms):.4g} ms per {'stage' if v == 1 else 'rank'}",

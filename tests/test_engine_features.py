@@ -54,6 +54,14 @@ def test_auto_plan_is_profiled_once_then_cached_and_exact(features, features_dir
     solved = solve(cached["cost"], "1f1b")
     assert cached["plan"]["slices"] == list(solved.slices)
     assert cached["plan"] == solved.to_dict()
+    # the whole step was measured at init (runtime/step_profile.py) and is in the prediction; the losses and
+    # gradients below equal the reference, so measuring it changed nothing the first step sees
+    step = cached["cost"]["step"]
+    assert step["tied_ranks"] == [0, 1] and step["tied_reduce_ms"] > 0 and step["sync_ms"] > 0
+    assert len(step["optimizer_ms"]) == 2 and min(step["optimizer_ms"]) > 0
+    assert min(step["action_ms"]["backward"]) > 0   # 1f1b: each backward adds into .grad
+    assert cached["cost"]["stages"][0]["comm"]["latency_ms"] > 0 and "comm" not in cached["cost"]["stages"][1]
+    assert solved.predicted_ms > solve({k: v for k, v in cached["cost"].items() if k != "step"}, "1f1b").predicted_ms
     for rank in features:
         first, second = rank["auto first"], rank["auto second"]
         assert (first["source"], second["source"]) == ("profiled", "cache")
