@@ -19,6 +19,7 @@ the results into the cost model's ``step`` (:class:`~ds_terapipe.planner.step_co
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import statistics
@@ -138,7 +139,7 @@ def _time_tied_reduce(engine: "TokenPipelineEngine", warmup: int, repeats: int) 
     buffers = []
     for key, comm in comms.items():
         for attr in comm["weight_attr"]:
-            weight = module._recursive_getattr(module.tied_modules[key], attr)
+            weight = functools.reduce(getattr, attr.split("."), module.tied_modules[key])   # "wte.weight"
             buffers.append((torch.zeros_like(weight), comm["group"]))
     if not buffers:
         return 0.0
