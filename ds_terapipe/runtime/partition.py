@@ -9,7 +9,7 @@ gradient per slice, and its ``profile`` method raises NotImplementedError. This 
   included; layer specs that differ only in integer arguments, such as a layer index, are one kind), runs the
   sampled input through them once to get each kind's realistic input, and times forward and backward of each
   kind on its own device over the profiler's grid of slice lengths and contexts (``runtime/profile.py``; the
-  last layer with the loss). The points are gathered; global rank 0 takes each point's median over the ranks,
+  last layer with the loss when the module samples token ids, ``vocab_size=V``). The points are gathered; global rank 0 takes each point's median over the ranks,
   fits one cost per kind, and the planner (``planner/partition.py``) chooses the layer boundaries together with
   the slicing to minimise the simulated step. Rank 0 broadcasts the boundaries: one decision for every rank.
   The chosen partition, the naive one and the predicted busy time per rank are logged and, with
