@@ -22,6 +22,8 @@ _LAZY = {
     "TokenPipelineEngine": ".runtime.engine",
     "TokenPipelineModule": ".runtime.module",
     "module_chunk_kwargs": ".runtime.module",
+    "partition_kwargs": ".runtime.partition",
+    "PartitionSettings": ".runtime.partition",
     "TokenPipeSchedule": ".runtime.schedule",
     "CausalSelfAttention": ".runtime.attention",
     "sliced_causal_attention": ".runtime.attention",

@@ -122,6 +122,15 @@ def _add_planning_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--virtual-stages", type=_positive_int, default=None, metavar="V",
                    help="chunks per rank (default: the schedule's, 1 for gpipe/1f1b, 2 for the others); the model "
                         "is cut into K*V chunks placed as the schedule says, and a --cost file describes chunks")
+    g.add_argument("--vocab", type=_positive_int, metavar="V",
+                   help="replace the --model preset's vocabulary (e.g. 256000): the embedding and LM head grow")
+    b = p.add_argument_group("balanced stages (with --model)")
+    b.add_argument("--balance", action="store_true",
+                   help="choose layer boundaries and slicing together (embedding and head costed); print the "
+                        "partition report: busy time per rank, imbalance, speedup over the naive layout")
+    b.add_argument("--vocab-parallel", action="store_true",
+                   help="also cost the LM head split over the ranks (vocabulary parallelism, with its per-slice "
+                        "collectives); implies --balance and plans that layout")
     s = p.add_argument_group("slicing search")
     s.add_argument("--granularity", type=_positive_int, default=None, metavar="G",
                    help=f"slice lengths are multiples of G, which must divide --seq-len (default "
@@ -188,9 +197,12 @@ def _load_cost(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
             raise UsageError(f"--stages {args.stages} x --virtual-stages {v} = {args.stages * v} chunks exceeds the "
                              f"{num_layers} layers of {args.model} (a chunk needs a layer); use --stages x "
                              f"--virtual-stages <= {num_layers}")
-        cost = analytic_pipeline_cost(args.model, args.device, args.stages * v)
+        cost = analytic_pipeline_cost(args.model, args.device, args.stages * v, vocab=args.vocab)
         return cost, {"kind": "analytic", "model": args.model, "device": args.device}
 
+    if args.vocab is not None:
+        raise UsageError(f"--vocab {args.vocab} changes a --model preset; a --cost file already holds its head's "
+                         "cost: drop --vocab or use --model")
     if args.device is not None:
         logger.warning("--device %s is not used with --cost %s (the measured file is the device)",
                        args.device, args.cost)
@@ -356,12 +368,42 @@ def _plan_lines(plan: Any, source: dict[str, Any], seconds: float) -> list[str]:
 # --------------------------------------------------------------------------------------------------------------
 # Commands
 
+def _layouts(args: argparse.Namespace) -> tuple[Any, Any, Any, dict[str, Any], float]:
+    """--balance / --vocab-parallel: (Layouts, the chosen layout's chunk costs, its plan, source, seconds)."""
+    from .planner.partition import analytic_layouts
+
+    flag = "--vocab-parallel" if args.vocab_parallel else "--balance"
+    if args.cost is not None or args.model is None or args.device is None or args.stages is None:
+        raise UsageError(f"{flag} needs per-layer costs: pass --model NAME --device NAME --stages K (a --cost file "
+                         "has per-stage costs only)")
+    for other, given in (("--memory-gb", args.memory_gb), ("--split-batch", args.split_batch)):
+        if given:
+            raise UsageError(f"{other} is not supported with {flag}; drop one of them")
+    t0 = time.perf_counter()
+    v = _virtual_stages(args)
+    layouts = analytic_layouts(args.model, args.device, args.stages, args.seq_len, vocab=args.vocab,
+                               vocab_parallel=args.vocab_parallel, num_microbatches=args.microbatches,
+                               micro_batch_size=args.micro_batch, granularity=_granularity(args),
+                               schedule=args.schedule, virtual_stages=v, max_slices=args.max_slices)
+    chosen = layouts.chosen
+    source = {"kind": "analytic", "model": args.model, "device": args.device, "vocab": args.vocab,
+              "vocab_parallel": args.vocab_parallel, "parts": list(chosen.parts)}
+    return layouts, chosen.cost, chosen.plan, source, time.perf_counter() - t0
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
-    _, plan, source, seconds = _plan(args)
-    if args.json:
-        _print_json({**plan.to_dict(), "plan_seconds": seconds, "cost": source})
+    layouts = None
+    if args.balance or args.vocab_parallel:
+        layouts, _, plan, source, seconds = _layouts(args)
     else:
-        print("\n".join(_plan_lines(plan, source, seconds)))
+        _, plan, source, seconds = _plan(args)
+    if args.json:
+        _print_json({**plan.to_dict(), "plan_seconds": seconds, "cost": source,
+                     **({} if layouts is None else {"partition": layouts.to_dict()})})
+    else:
+        lines = _plan_lines(plan, source, seconds)
+        print("\n".join(lines[:-1] + ([] if layouts is None else ["partition:"] + layouts.report_lines())
+                        + lines[-1:]))
     return 0
 
 
@@ -408,9 +450,15 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     from .planner.schedule import build_schedule
     from .planner.simulate import simulate
 
-    plan = None
+    plan = layouts = None
     plan_seconds = 0.0
-    if args.slices is not None:
+    if (args.balance or args.vocab_parallel) and args.slices is not None:
+        raise UsageError("--slices with --balance/--vocab-parallel: the partition is planned together with its "
+                         "slicing; drop --slices")
+    if args.balance or args.vocab_parallel:
+        layouts, cost, plan, source, plan_seconds = _layouts(args)
+        slices, batch_splits = list(plan.slices), list(plan.batch_splits)
+    elif args.slices is not None:
         _given_slicing(args)
         cost, source = _load_cost(args)
         slices, batch_splits = list(args.slices), [args.micro_batch]
@@ -441,7 +489,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
                      "peak_in_flight": list(result.peak_in_flight), "unsliced_makespan_ms": unsliced.makespan_ms,
                      "speedup": speedup, "plan": None if plan is None else plan.to_dict(),
                      "plan_seconds": plan_seconds, "simulate_seconds": sim_seconds,
-                     "trace": trace_path, "plot": plot_path})
+                     "trace": trace_path, "plot": plot_path,
+                     **({} if layouts is None else {"partition": layouts.to_dict()})})
         return 0
     lines = _plan_lines(plan, source, plan_seconds)[:-1] if plan is not None else [
         f"pipeline:    {_describe(source, num_ranks, v)}, {args.schedule}, seq_len {args.seq_len}, "
@@ -455,6 +504,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         f"{_runs(list(result.peak_in_flight))}",
         f"busy:        {min(result.busy_ms):.4g}..{max(result.busy_ms):.4g} ms per {'stage' if v == 1 else 'rank'}",
     ]
+    lines += ["partition:"] + layouts.report_lines() if layouts is not None else []
     lines += [f"trace:       {trace_path} (open in https://ui.perfetto.dev)"] if trace_path else []
     lines += [f"timeline:    {plot_path}"] if plot_path else []
     lines.append(f"planned in {plan_seconds:.2f} s, simulated in {sim_seconds:.2f} s" if plan is not None

@@ -38,9 +38,10 @@ def run_ranks(argv: list[str], world_size: int, out_dir: Path, *, timeout_s: flo
 
 
 def launch(suite: str, world_size: int, out_dir: Path, *, timeout_s: float = 600,
-           extra: dict | None = None) -> list[dict[str, Any]]:
-    """Run ``suite`` of tests/dist_worker.py on ``world_size`` ranks; return each rank's result dict."""
-    argv = [sys.executable, str(WORKER), suite, str(out_dir), json.dumps(extra or {})]
+           extra: dict | None = None, worker: Path = WORKER) -> list[dict[str, Any]]:
+    """Run ``suite`` of ``worker`` (tests/dist_worker.py, or a worker adding suites to it) on ``world_size``
+    ranks; return each rank's result dict."""
+    argv = [sys.executable, str(worker), suite, str(out_dir), json.dumps(extra or {})]
     result = _run(argv, world_size, out_dir, timeout_s)
     if not result.ok:
         raise AssertionError(f"suite {suite!r} on {world_size} rank(s) failed or timed out after {timeout_s}s\n"

@@ -418,13 +418,15 @@ class AnalyticCost(StageCost):
       bytes  = (12*h^2 + 38*b*s*h + 2*b*c*h) * bytes_per_element      weights, activations, reading the KV cache
       time   = max(FLOPs / (peak * efficiency), bytes / bandwidth) + per_layer_overhead
     Backward is 2x forward (two GEMMs per forward GEMM; twice the memory traffic). With ``lm_head`` the stage also
-    runs the vocabulary projection, 2*b*s*h*vocab FLOPs reading h*vocab weights and writing/reading the logits
-    (4*b*s*vocab elements). The embedding lookup is ignored (a gather, negligible). Comm is the device link:
-    latency + b*s*h*bytes_per_element / bandwidth.
+    runs the vocabulary projection and the softmax, 2*b*s*h*vocab FLOPs reading h*vocab weights and writing/reading
+    the logits (4*b*s*vocab elements). With ``embedding`` it runs the input embedding: a gather forward (2*b*s*h
+    elements), and a backward that writes a dense (vocab, h) gradient and adds it into ``.grad`` (3*h*vocab + 2*b*s*h
+    elements) -- per call, so per slice: PyTorch's dense embedding backward is what makes the embedding matter
+    with token slicing and a large vocabulary. Comm is the device link: latency + b*s*h*bytes_per_element / bandwidth.
     """
 
     def __init__(self, model: TransformerSpec, device: DeviceSpec, num_layers: int, *,
-                 bytes_per_element: int = 2, lm_head: bool = False) -> None:
+                 bytes_per_element: int = 2, lm_head: bool = False, embedding: bool = False) -> None:
         if not isinstance(model, TransformerSpec):
             raise TypeError(f"model must be a TransformerSpec, got {type(model).__name__}; see presets.py")
         if not isinstance(device, DeviceSpec):
@@ -433,9 +435,9 @@ class AnalyticCost(StageCost):
         self.num_layers = check_int(num_layers, "num_layers", minimum=0, wrong_type=ValueError)
         self.bytes_per_element = check_int(bytes_per_element, "bytes_per_element", minimum=1,
                                            wrong_type=ValueError)
-        self.lm_head = bool(lm_head)
+        self.lm_head, self.embedding = bool(lm_head), bool(embedding)
 
-    def _pass_ms(self, s: np.ndarray, c: np.ndarray, b: np.ndarray) -> np.ndarray:
+    def _pass_ms(self, s: np.ndarray, c: np.ndarray, b: np.ndarray, backward: bool = False) -> np.ndarray:
         h, v, e = float(self.model.hidden), float(self.model.vocab), float(self.bytes_per_element)
         flops_per_ms = self.device.peak_tflops * self.device.efficiency * 1e9
         bytes_per_ms = self.device.mem_bw_gbps * 1e6
@@ -447,6 +449,9 @@ class AnalyticCost(StageCost):
             head_flops = 2.0 * b * s * h * v
             head_bytes = (h * v + 4.0 * b * s * v) * e
             t = t + np.maximum(head_flops / flops_per_ms, head_bytes / bytes_per_ms)
+        if self.embedding:  # backward is returned halved: backward_ms doubles the whole pass
+            emb = (1.5 * h * v + b * s * h) * e if backward else 2.0 * b * s * h * e
+            t = t + emb / bytes_per_ms
         return t
 
     def forward_ms(self, slice_len: ArrayLike, context: ArrayLike, batch: ArrayLike = 1) -> Any:
@@ -455,7 +460,7 @@ class AnalyticCost(StageCost):
 
     def backward_ms(self, slice_len: ArrayLike, context: ArrayLike, batch: ArrayLike = 1) -> Any:
         s, c, b = np.broadcast_arrays(*(np.asarray(x, float) for x in (slice_len, context, batch)))
-        return _result(2.0 * self._pass_ms(s, c, b))
+        return _result(2.0 * self._pass_ms(s, c, b, backward=True))
 
     def comm_ms(self, slice_len: ArrayLike, batch: ArrayLike = 1) -> Any:
         s, b = np.broadcast_arrays(np.asarray(slice_len, float), np.asarray(batch, float))
@@ -463,7 +468,8 @@ class AnalyticCost(StageCost):
         return _result(_comm_time_ms(self.device.link_latency_ms, self.device.link_gbps, num_bytes))
 
     def cache_key(self) -> Hashable:
-        return ("analytic", self.model, self.device, self.num_layers, self.bytes_per_element, self.lm_head)
+        return ("analytic", self.model, self.device, self.num_layers, self.bytes_per_element, self.lm_head,
+                self.embedding)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ profile (``MeasuredCost``) when the numbers matter.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import TYPE_CHECKING
 
@@ -33,6 +34,8 @@ __all__ = [
     "get_device_preset",
     "split_layers",
     "analytic_pipeline_cost",
+    "analytic_layer_costs",
+    "resolve_model",
     "preset_memory_model",
 ]
 
@@ -89,27 +92,52 @@ def split_layers(num_layers: int, num_stages: int) -> list[int]:
     return [base + (1 if s < extra else 0) for s in range(num_stages)]
 
 
+def resolve_model(model: str | TransformerSpec, vocab: int | None = None) -> TransformerSpec:
+    """A preset by name (or a spec as is), with its vocabulary replaced by ``vocab`` when given (e.g. a 256k
+    tokenizer on a GPT-3 body: the LM head and embedding grow, the blocks do not)."""
+    spec = get_model_preset(model) if isinstance(model, str) else model
+    if vocab is None:
+        return spec
+    return dataclasses.replace(spec, vocab=check_int(vocab, "vocab", fix="pass the tokenizer's vocabulary size"))
+
+
 def analytic_pipeline_cost(model: str | TransformerSpec, device: str | DeviceSpec, num_stages: int, *,
-                           bytes_per_element: int = 2, lm_head: bool = True) -> PipelineCost:
+                           bytes_per_element: int = 2, lm_head: bool = True, embedding: bool | None = None,
+                           vocab: int | None = None) -> PipelineCost:
     """Roofline cost of ``model`` split over ``num_stages`` equal ``device``s.
 
-    Layers are split by ``split_layers``. With ``lm_head`` (default) the last stage also pays the vocabulary
-    projection, which is what real GPT pipelines do and makes the stages unequal (the planner then scores its
-    candidates with the simulator); ``lm_head=False`` ignores it and, when the layers divide evenly, gives equal
-    stages. The embedding lookup is ignored either way (a gather, negligible next to a layer).
+    Blocks are split by ``split_layers`` (the naive layout; ``planner.partition`` balances it). With ``lm_head``
+    (default) the last stage also pays the vocabulary projection and softmax, and with ``embedding`` (default:
+    as ``lm_head``) the first stage pays the input embedding (its dense per-slice gradient), which is what real
+    GPT pipelines do and makes the stages unequal (the planner then scores its candidates with the simulator);
+    ``lm_head=False`` ignores both and, when the layers divide evenly, gives equal stages. ``vocab`` replaces
+    the model's vocabulary.
     """
-    spec = get_model_preset(model) if isinstance(model, str) else model
+    spec = resolve_model(model, vocab)
     dev = get_device_preset(device) if isinstance(device, str) else device
+    embedding = lm_head if embedding is None else bool(embedding)
     layers = split_layers(spec.num_layers, num_stages)
-    cache: dict[tuple[int, bool], AnalyticCost] = {}  # share objects so equal stages are recognised cheaply
+    cache: dict[tuple[int, bool, bool], AnalyticCost] = {}  # share objects so equal stages are recognised cheaply
     stages = []
     for s, n in enumerate(layers):
-        key = (n, lm_head and s == num_stages - 1)
+        key = (n, lm_head and s == num_stages - 1, embedding and s == 0)
         if key not in cache:
-            cache[key] = AnalyticCost(spec, dev, n, bytes_per_element=bytes_per_element, lm_head=key[1])
+            cache[key] = AnalyticCost(spec, dev, n, bytes_per_element=bytes_per_element, lm_head=key[1],
+                                      embedding=key[2])
         stages.append(cache[key])
     return PipelineCost(stages, meta={"model": repr(spec), "device": dev.name, "layers": layers,
-                                      "lm_head": lm_head})
+                                      "lm_head": lm_head, "embedding": embedding})
+
+
+def analytic_layer_costs(model: str | TransformerSpec, device: str | DeviceSpec, *, bytes_per_element: int = 2,
+                         vocab: int | None = None) -> list[AnalyticCost]:
+    """One cost per layer, in model order: the input embedding, ``num_layers`` blocks (one shared object), the LM
+    head (projection + softmax): what ``planner.partition`` cuts into stages."""
+    spec = resolve_model(model, vocab)
+    dev = get_device_preset(device) if isinstance(device, str) else device
+    block = AnalyticCost(spec, dev, 1, bytes_per_element=bytes_per_element)
+    return [AnalyticCost(spec, dev, 0, bytes_per_element=bytes_per_element, embedding=True),
+            *[block] * spec.num_layers, AnalyticCost(spec, dev, 0, bytes_per_element=bytes_per_element, lm_head=True)]
 
 
 def preset_memory_model(model: str | TransformerSpec, num_stages: int, *, bytes_per_element: int = 2,

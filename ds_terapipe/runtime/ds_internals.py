@@ -161,6 +161,8 @@ INTERNALS: tuple[Internal, ...] = (
     _i(_MODULE, "parts", "instance", "runtime/module.py", "chunk boundaries"),
     _i(_MODULE, "_local_stop", "instance", "runtime/module.py", "end of the active chunk's layer range"),
     _i(_MODULE, "_num_layers", "instance", "runtime/module.py", "refuses fewer layers than chunks"),
+    _i(_MODULE, "_layer_specs", "instance", "runtime/partition.py", "the layer kinds partition_method=\"terapipe\" "
+       "times"),
     _i(_MODULE, "compile", "attr", "runtime/module.py", "per chunk"),
     _i(_MODULE, "stage_owner", "attr", "runtime/module.py", "rank of a tied layer", ("layer_idx", )),
     _i(_MODULE, "_precompute_checkpointable_values", "attr", "runtime/module.py", "per chunk"),

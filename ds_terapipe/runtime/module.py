@@ -26,6 +26,7 @@ from deepspeed.pipe import PipelineModule
 
 from ..planner.registry import get_schedule
 from ..planner.schedule import chunks_on, looped_placement
+from .partition import custom_parts
 
 __all__ = ["TokenPipelineModule", "InputSampler", "chunk_layout", "module_chunk_kwargs"]
 
@@ -45,15 +46,20 @@ class TokenPipelineModule(PipelineModule):
             ``num_stages * virtual_stages`` chunks.
         schedule: the registered schedule whose placement puts chunks on ranks (the config's
             ``terapipe.schedule``); None: looped (chunk c on rank c mod p).
+        partition_method: DeepSpeed's (``uniform``, ``parameters``, ``type:...``), or ``"terapipe"`` (cost-based:
+            layers profiled, boundaries and slicing planned together; needs ``partition_settings``, see
+            :func:`~ds_terapipe.runtime.partition.partition_kwargs`) or ``"parts:0,5,9"`` (your own boundaries).
 
     Attributes:
         placement: the rank of every chunk, chunk-indexed (``(0, 1, ..., p-1)`` with one chunk per rank).
         chunk_ids: the chunks this rank holds, ascending; :meth:`activate_chunk` takes an index into it.
+        partition_report: for ``partition_method="terapipe"``, the chosen and naive layouts (boundaries, slices,
+            predicted step and busy time per rank); else None.
     """
 
     def __init__(self, layers, *args, vocab_size: Optional[int] = None,
                  input_sampler: Optional[InputSampler] = None, virtual_stages: int = 1,
-                 schedule: Optional[str] = None, **kwargs) -> None:
+                 schedule: Optional[str] = None, partition_settings: Optional[Any] = None, **kwargs) -> None:
         if vocab_size is not None and input_sampler is not None:
             raise ValueError("TokenPipelineModule: pass vocab_size or input_sampler, not both")
         if vocab_size is not None and vocab_size < 1:
@@ -66,9 +72,10 @@ class TokenPipelineModule(PipelineModule):
         # Read by _partition_layers, which PipelineModule.__init__ calls before returning.
         self.virtual_stages = virtual_stages
         self.chunk_schedule = schedule
-        super().__init__(layers, *args, **kwargs)
+        self.partition_settings = partition_settings   # and the sampler: partition_method="terapipe" profiles
         self.vocab_size = vocab_size
         self.input_sampler = input_sampler
+        super().__init__(layers, *args, **kwargs)
 
     # -- inputs ---------------------------------------------------------------------------------------------
     def has_sampler(self) -> bool:
@@ -100,8 +107,13 @@ class TokenPipelineModule(PipelineModule):
     def _partition_layers(self, method: str = "uniform") -> None:
         num_ranks = self.num_stages
         self.placement = self._chunk_placement(num_ranks)
+        parts = custom_parts(self, method, len(self.placement))  # "terapipe", "parts:..." (runtime/partition.py)
         if not self.has_chunks:
-            super()._partition_layers(method)
+            if parts is None:
+                super()._partition_layers(method)
+            else:
+                self.parts = list(parts)
+                self._set_bounds(start=self.parts[self.stage_id], stop=self.parts[self.stage_id + 1])
             self.chunk_ids = (self.stage_id, )
             self.chunk_bounds = [(self._local_start, self._local_stop)]
             return
@@ -113,7 +125,10 @@ class TokenPipelineModule(PipelineModule):
         # DeepSpeed's partition methods (uniform, parameters, type:...) cut over the chunks.
         self.num_stages = num_chunks
         try:
-            super()._partition_layers(method)
+            if parts is None:
+                super()._partition_layers(method)
+            else:
+                self.parts = list(parts)
         finally:
             self.num_stages = num_ranks
         self.chunk_ids = chunks_on(self.placement, self.stage_id)

@@ -25,7 +25,8 @@ from .._io import atomic_write_text
 if TYPE_CHECKING:  # pragma: no cover - annotations only
     from .engine import TokenPipelineEngine
 
-__all__ = ["PLAN_CACHE_VERSION", "CacheEntry", "cache_entry", "gather_fingerprints", "load_cached", "store_plan"]
+__all__ = ["PLAN_CACHE_VERSION", "CacheEntry", "cache_entry", "gather_fingerprints", "load_cached", "store_plan",
+           "partition_cache_entry", "store_partition"]
 
 logger = logging.getLogger(__name__)
 
@@ -96,3 +97,23 @@ def store_plan(entry: CacheEntry, plan: Any, cost: Optional[dict], stage_meta: O
     os.makedirs(os.path.dirname(entry.path) or ".", exist_ok=True)
     atomic_write_text(entry.path, json.dumps({"key": entry.key, "plan": plan.to_dict(), "cost": cost,
                                               "stage_meta": stage_meta, **extra}, indent=1))
+
+
+def partition_cache_entry(cache_dir: Optional[str], material: dict) -> CacheEntry:
+    """Where the cost-based layer partition (``runtime/partition.py``) for ``material`` (layer kinds, ranks,
+    settings, device) lives: ``terapipe-partition-<key>.json`` next to the slicing plans."""
+    key = hashlib.sha256(json.dumps({"version": PLAN_CACHE_VERSION, "partition": material},
+                                    sort_keys=True).encode()).hexdigest()[:20]
+    if cache_dir is None:
+        return CacheEntry(None, key)
+    return CacheEntry(os.path.join(cache_dir, f"terapipe-partition-{key}.json"), key)
+
+
+def store_partition(entry: CacheEntry, report: dict, cost: dict) -> None:
+    """Write the partition report (as the file's ``plan``, what :func:`load_cached` reads back) and the per-kind
+    costs it was made from (nothing without a cache directory)."""
+    if entry.path is None:
+        return
+    os.makedirs(os.path.dirname(entry.path) or ".", exist_ok=True)
+    atomic_write_text(entry.path, json.dumps({"key": entry.key, "plan": {k: v for k, v in report.items()
+                                                                         if k != "source"}, "cost": cost}, indent=1))

@@ -1,0 +1,117 @@
+"""One rank of the partition tests: ``python tests/partition_worker.py partition OUT_DIR EXTRA_JSON``.
+
+Suite ``partition`` (tests/test_partition_runtime.py): modules built with ``partition_method="terapipe"`` (layer
+kinds profiled at init, boundaries and slicing planned together, broadcast, cached) and ``"parts:..."`` (the
+user's own), trained 3 steps and compared with the single-process unsliced reference (loss, every gradient,
+parameters), under gpipe, 1f1b and interleaved-1f1b; then the cache hit and the refusals. The helpers are
+tests/dist_worker.py's.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import ds_terapipe
+from ds_terapipe.models.gpt import GPTConfig, causal_lm_loss, gpt_layer_specs
+from tests import dist_worker as dw
+
+WORLD = int(os.environ["WORLD_SIZE"])
+
+
+def _config(terapipe: dict, *, micro: int, batch: int, dp: int, zero_stage: int) -> dict:
+    config = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": micro,
+              "train_batch_size": batch * micro * dp, "steps_per_print": 10**9, "gradient_clipping": 0.0,
+              "zero_optimization": {"stage": zero_stage}, "terapipe": dict(terapipe, enabled=True)}
+    if zero_stage:
+        config["zero_allow_untested_optimizer"] = True
+    return config
+
+
+def _module(cfg: GPTConfig, config: dict, stages: int, method: str) -> Any:
+    terapipe = ds_terapipe.parse_terapipe_config(config)
+    kwargs = ds_terapipe.partition_kwargs(config) if method == "terapipe" else {"partition_method": method}
+    return ds_terapipe.TokenPipelineModule(gpt_layer_specs(cfg), num_stages=stages, loss_fn=causal_lm_loss,
+                                           vocab_size=cfg.vocab_size, **ds_terapipe.module_chunk_kwargs(terapipe),
+                                           **kwargs)
+
+
+def _case(cfg: GPTConfig, terapipe: dict, method: str, *, stages: int, micro: int, batch: int, seq_len: int,
+          zero_stage: int = 0, steps: int = 3) -> dict:
+    dp = WORLD // stages
+    batches = dw.make_batches(cfg, steps * micro * dp, batch, seq_len, seed=300 + micro)
+    ref_losses, ref_grads, ref_params = dw.reference_step(cfg, batches, steps, lr=0.1, momentum=0.9)
+    config = _config(dict(terapipe, seq_len=seq_len), micro=micro, batch=batch, dp=dp, zero_stage=zero_stage)
+    t0 = time.perf_counter()
+    model = _module(cfg, config, stages, method)
+    init_s = time.perf_counter() - t0
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    engine, _, _, _ = ds_terapipe.initialize(model=model, optimizer=opt, config=config)
+    dw.ENGINE_REF["engine"] = engine
+    mine = [batches[s * micro * dp + engine.grid.data_parallel_id * micro + j] for s in range(steps)
+            for j in range(micro)]
+    data = iter(mine)
+    with dw.first_step_grads(engine) as grads:
+        losses = [float(engine.train_batch(data)) for _ in range(steps)]
+    params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    grads_ok = zero_stage == 0
+    grad_err, grad_name, covered = dw.compare(grads if grads_ok else params, ref_grads if grads_ok else ref_params,
+                                              engine.stage_id)
+    param_err, param_name, _ = dw.compare(params, ref_params, engine.stage_id)
+    dw.ENGINE_REF.pop("engine", None)
+    return {"case": dw.STATUS["case"], "parts": list(model.parts), "report": model.partition_report,
+            "chunks": list(engine.local_chunks), "slices": list(engine.slices), "loss": losses,
+            "ref_loss": ref_losses, "grad_rel_err": grad_err, "grad_worst": grad_name, "param_rel_err": param_err,
+            "param_worst": param_name, "covered": covered, "init_s": init_s}
+
+
+def _error(run: Any) -> dict:
+    try:
+        run()
+    except Exception as err:  # noqa: BLE001 - the test reads the message
+        return {"type": type(err).__name__, "message": str(err)}
+    return {"type": None, "message": ""}
+
+
+def suite_partition(extra: dict) -> list[dict]:
+    dp = extra.get("dp", 1)
+    stages = WORLD // dp
+    # hidden 32, vocabulary 8192: the head (GEMM + softmax over 8192) outweighs several blocks
+    cfg = GPTConfig(num_layers=4, hidden=32, num_heads=4, vocab_size=8192, max_seq_len=64, seed=7)
+    cache = str(Path(extra["out"]) / "plans")
+    profile = {"warmup": 1, "repeats": 3, "num_contexts": 2}
+    results = []
+    for sched, slices, v in extra.get("cases", [["gpipe", [8, 24, 16], 1], ["1f1b", 1, 1],
+                                                ["interleaved-1f1b", [16, 32], 2]]):
+        dw.STATUS["case"] = f"terapipe schedule={sched} slices={slices} v={v}"
+        terapipe = {"slices": slices, "schedule": sched, "granularity": 8, "plan_cache": cache, "profile": profile,
+                    **({"virtual_stages": v} if v > 1 else {})}
+        results.append(_case(cfg, terapipe, "terapipe", stages=stages, micro=2 * v, batch=2, seq_len=48,
+                             zero_stage=extra.get("zero_stage", 0)))
+        dw.STATUS["case"] = f"cache schedule={sched} slices={slices} v={v}"   # the same setting again: cached
+        results.append(_case(cfg, terapipe, "terapipe", stages=stages, micro=2 * v, batch=2, seq_len=48,
+                             zero_stage=extra.get("zero_stage", 0), steps=1))
+    if dp == 1 and stages == 2:
+        dw.STATUS["case"] = "parts:0,2,7"
+        results.append(_case(cfg, {"slices": [8, 24, 16], "schedule": "1f1b"}, "parts:0,2,7", stages=2, micro=2,
+                             batch=2, seq_len=48))
+        dw.STATUS["case"] = "refusals"
+        config = _config({"slices": 1, "seq_len": 48}, micro=1, batch=2, dp=1, zero_stage=0)
+        no_settings = _error(lambda: ds_terapipe.TokenPipelineModule(
+            gpt_layer_specs(cfg), num_stages=2, loss_fn=causal_lm_loss, vocab_size=cfg.vocab_size,
+            partition_method="terapipe"))
+        bad_parts = _error(lambda: _module(cfg, config, 2, "parts:0,9"))
+        no_seq_len = _error(lambda: ds_terapipe.partition_kwargs({"terapipe": {"enabled": True}}))
+        results.append({"case": "refusals", "no_settings": no_settings, "bad_parts": bad_parts,
+                        "no_seq_len": no_seq_len})
+    return results
+
+
+dw.SUITES["partition"] = suite_partition
+
+if __name__ == "__main__":
+    dw.main()

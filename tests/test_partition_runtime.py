@@ -1,0 +1,78 @@
+"""Tier b: cost-based layer partitioning at init (``partition_method="terapipe"``, runtime/partition.py) and the
+user's own boundaries (``"parts:..."``) equal the single-process unsliced reference: loss, every gradient and the
+parameters after 3 SGD+momentum steps (fp32 rel err <= 1e-5), under gpipe, 1f1b and interleaved-1f1b (two chunks
+per rank); every rank holds the same boundaries, the head's stage gets fewer blocks than the naive layout, the
+second start reads the plan cache; refusals (tests/partition_worker.py, suite ``partition``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.dist_harness import launch
+
+pytestmark = pytest.mark.multiproc
+
+TOL = 1e-5
+WORKER = Path(__file__).resolve().parent / "partition_worker.py"
+
+
+def _check_equal(cases_per_rank: list[list[dict]], index: int) -> None:
+    covered: set[str] = set()
+    for rank, cases in enumerate(cases_per_rank):
+        case = cases[index]
+        where = f"{case['case']} rank {rank}"
+        for got, ref in zip(case["loss"], case["ref_loss"]):
+            assert abs(got - ref) <= TOL * abs(ref), f"{where}: loss {case['loss']} != {case['ref_loss']}"
+        assert case["grad_rel_err"] <= TOL, f"{where}: gradient of {case['grad_worst']} off by {case['grad_rel_err']}"
+        assert case["param_rel_err"] <= TOL, f"{where}: {case['param_worst']} off by {case['param_rel_err']}"
+        covered.update(case["covered"])
+    assert len(covered) == 4 * 12 + 2 + 2, sorted(covered)    # nothing silently untrained
+
+
+def _check(results: list[dict], num_ranks: int) -> None:
+    errors = [r["error"] for r in results if "error" in r]
+    assert not errors, errors[0]
+    per_rank = [r["results"] for r in results]
+    cases = per_rank[0]
+    for index, case in enumerate(cases):
+        if case["case"] == "refusals":
+            continue
+        _check_equal(per_rank, index)
+        assert all(r[index]["parts"] == case["parts"] for r in per_rank), "ranks disagree on the boundaries"
+        if case["case"].startswith(("terapipe", "cache")):
+            report = case["report"]
+            assert all(r[index]["report"] == report for r in per_rank)
+            v = len(case["parts"]) - 1 and (len(case["parts"]) - 1) // num_ranks
+            assert report["parts"] == case["parts"] and len(report["busy_ms"]) == num_ranks
+            assert report["predicted_ms"] <= report["naive_ms"] * (1 + 1e-9)
+            naive_last = report["naive_parts"][-1] - report["naive_parts"][-2]
+            # the head (and final norm) outweigh blocks: the last chunk holds fewer layers than naive
+            assert case["parts"][-1] - case["parts"][-2] < naive_last or v > 1, report
+            assert report["source"] == ("profiled" if case["case"].startswith("terapipe") else "cache")
+    for first, again in zip(cases[0::2], cases[1::2]):
+        if first["case"].startswith("terapipe"):
+            assert again["parts"] == first["parts"]
+
+
+@pytest.mark.timeout(900)
+def test_cost_based_partition_equals_the_reference(tmp_path) -> None:
+    results = launch("partition", 2, tmp_path, timeout_s=840, worker=WORKER)
+    _check(results, 2)
+    cases = {c["case"]: c for c in results[0]["results"]}
+    assert cases["parts:0,2,7"]["parts"] == [0, 2, 7]
+    ref = cases["refusals"]
+    assert ref["no_settings"]["type"] == "ValueError" and "partition_kwargs" in ref["no_settings"]["message"]
+    assert ref["bad_parts"]["type"] == "ValueError" and "increasing boundaries from 0 to 7" in \
+        ref["bad_parts"]["message"]
+    assert ref["no_seq_len"]["type"] == "ValueError" and "terapipe.seq_len" in ref["no_seq_len"]["message"]
+    assert any(Path(tmp_path, "plans").glob("terapipe-partition-*.json"))
+
+
+@pytest.mark.timeout(900)
+def test_cost_based_partition_with_two_replicas_and_zero1(tmp_path) -> None:
+    """2 stages x 2 replicas (4 processes), ZeRO 1: all four ranks profile, one decision, equal to the reference."""
+    results = launch("partition", 4, tmp_path, timeout_s=840, worker=WORKER,
+                     extra={"dp": 2, "zero_stage": 1, "cases": [["1f1b", [8, 24, 16], 1]]})
+    _check(results, 2)
