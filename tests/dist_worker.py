@@ -1045,10 +1045,8 @@ def _named_compare(named: dict[str, torch.Tensor], ref: dict[str, torch.Tensor],
     return worst, worst_name, count
 
 
-def run_frozen(cfg: GPTConfig, terapipe: dict, batches: list[tuple], num_steps: int, *, micro: int = 2,
-               batch: int = 2, v: int = 1, checkpoint_interval: int = 0, zero_stage: int = 0) -> dict[str, Any]:
-    """Train with ``terapipe`` (a freeze section) and record, per step: loss, gradients before the optimizer
-    step, which parameters were frozen and whether they stayed bit-identical, and the schedule's actions."""
+def _frozen_engine(cfg: GPTConfig, terapipe: dict, *, micro: int = 2, batch: int = 2, v: int = 1,
+                   checkpoint_interval: int = 0, zero_stage: int = 0) -> Any:
     specs = gpt_layer_specs(cfg)
     chunks = {"virtual_stages": v, "schedule": terapipe["schedule"]} if v > 1 else {}
     model = ds_terapipe.TokenPipelineModule(specs, num_stages=WORLD, loss_fn=causal_lm_loss,
@@ -1063,6 +1061,14 @@ def run_frozen(cfg: GPTConfig, terapipe: dict, batches: list[tuple], num_steps: 
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     engine, _, _, _ = ds_terapipe.initialize(model=model, optimizer=opt, config=config)
     ENGINE_REF["engine"] = engine
+    return engine
+
+
+def run_frozen(cfg: GPTConfig, terapipe: dict, batches: list[tuple], num_steps: int, **options: Any
+               ) -> dict[str, Any]:
+    """Train with ``terapipe`` (a freeze section) and record, per step: loss, gradients before the optimizer
+    step, which parameters were frozen and whether they stayed bit-identical, and the schedule's actions."""
+    engine = _frozen_engine(cfg, terapipe, **options)
     grads: list[dict[str, torch.Tensor]] = []
     original = engine._take_model_step
 
@@ -1148,6 +1154,23 @@ def suite_freeze(extra: dict) -> list[dict]:
 
     auto_ref = frozen_reference(gpt_layer_specs(cfg), auto_batches, auto_steps, auto_at)
     results.append(_frozen_case("auto", cfg, run, auto_ref))
+
+    # a checkpoint keeps what froze: a new engine that loads it freezes the same layers and continues identically
+    STATUS["case"] = "resume"
+    first = run["engine"]
+    save_dir = str(Path(extra["out"]) / "freeze_ckpt")
+    first.save_checkpoint(save_dir)
+    second = _frozen_engine(cfg, {"seq_len": seq_len, "slices": "auto", "schedule": "1f1b", "granularity": 8,
+                                  "profile": prof, "freeze": {"auto": {"check_interval": 1, "tolerance": 100.0,
+                                                                       "aggressiveness": 0.34}}})
+    second.load_checkpoint(save_dir)
+    more = make_batches(cfg, micro, batch, seq_len, seed=31)
+    losses = [float(first.train_batch(iter(more))), float(second.train_batch(iter(more)))]
+    params = [dict(first.module.named_parameters()), dict(second.module.named_parameters())]
+    results.append({"case": "resume", "frozen": [e.freezer.num_frozen_layers for e in (first, second)],
+                    "frozen_names": [sorted(n for n, p in ps.items() if not p.requires_grad) for ps in params],
+                    "losses": losses, "slices": [list(first.slices), list(second.slices)],
+                    "params_equal": all(torch.equal(params[0][n].detach(), params[1][n].detach()) for n in params[0])})
 
     # refusals, on every rank before any step
     for case, freeze, zero in (("too many", {"schedule": [[1, 9]]}, 0), ("all", {"schedule": [[1, 7]]}, 0),

@@ -210,3 +210,12 @@ def test_freeze_refusals_on_every_rank_before_training(freeze_results) -> None:
         assert sorted(got) == sorted(expected)
         for name, text in expected.items():
             assert got[name]["raised"] == "ValueError" and text in got[name]["message"], (rank, got[name])
+
+
+def test_a_resumed_run_freezes_the_same_layers_and_continues_identically(freeze_results) -> None:
+    for rank, cases in enumerate(freeze_results):
+        case = next(c for c in cases if c["case"] == "resume")
+        assert case["frozen"][0] == case["frozen"][1] > 0, (rank, case)
+        assert case["frozen_names"][0] == case["frozen_names"][1], (rank, case)
+        assert case["slices"][0] == case["slices"][1]
+        assert case["losses"][0] == case["losses"][1] and case["params_equal"], (rank, case)

@@ -673,6 +673,8 @@ class TokenPipelineEngine(PipelineEngine):
         with self._failing_fast("save_checkpoint"):
             state = dict(client_state or {})
             state.setdefault("terapipe", {"plan": self.plan_summary(), "config": self.terapipe.model_dump()})
+            if self.freezer is not None:  # what froze, so a resumed run freezes the same layers
+                state["terapipe"].setdefault("freeze", self.freezer.state_dict())
             self._barrier("starting a checkpoint")  # DeepSpeed's own barriers in the save cannot watch the flag
             result = super().save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=False, **kwargs)
             self._barrier("saving a checkpoint")
@@ -692,7 +694,11 @@ class TokenPipelineEngine(PipelineEngine):
         otherwise). A checkpoint from another number of stages loads its weights (per-layer files) but not the
         optimizer state, which DeepSpeed stores per stage."""
         with self._failing_fast("load_checkpoint"):
-            return self._checked_load(load_dir, tag, **kwargs)
+            result = self._checked_load(load_dir, tag, **kwargs)
+            client = result[1] if isinstance(result, tuple) and len(result) > 1 else None
+            if self.freezer is not None and isinstance(client, dict):
+                self.freezer.load_state_dict(self, client.get("terapipe", {}).get("freeze") or {})
+            return result
 
     def _checked_load(self, load_dir: str, tag: Any, **kwargs: Any) -> Any:
         tag = str(tag) if tag is not None else ckpt.read_latest(load_dir)

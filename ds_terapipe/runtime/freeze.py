@@ -141,6 +141,13 @@ class _NoGradLayer:
         with torch.no_grad():
             return self.layer(*args, **kwargs)
 
+    def __getattr__(self, name: str) -> Any:
+        # Everything else is the layer's: DeepSpeed saves and loads per-layer checkpoint files through
+        # ``forward_funcs[i].state_dict()`` (and skips entries without one, as it would the layer).
+        if name == "layer":
+            raise AttributeError(name)
+        return getattr(self.layer, name)
+
 
 def _tied_attrs(module: Any, key: str) -> list[str]:
     attrs = getattr(module, "tied_weight_attrs", {}).get(key, [])
