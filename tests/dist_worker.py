@@ -1045,15 +1045,34 @@ def _named_compare(named: dict[str, torch.Tensor], ref: dict[str, torch.Tensor],
     return worst, worst_name, count
 
 
-def _frozen_engine(cfg: GPTConfig, terapipe: dict, *, micro: int = 2, batch: int = 2, v: int = 1,
-                   checkpoint_interval: int = 0, zero_stage: int = 0) -> Any:
+class UntiedHead(torch.nn.Module):
+    """An output projection of its own (no weight shared with the embedding)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x)
+
+
+def untied_specs(cfg: GPTConfig) -> list:
+    from ds_terapipe.models.gpt import GPTEmbedding
+
     specs = gpt_layer_specs(cfg)
+    return [LayerSpec(GPTEmbedding, cfg), *specs[1:-1], LayerSpec(UntiedHead, cfg)]
+
+
+def _frozen_engine(cfg: GPTConfig, terapipe: dict, *, micro: int = 2, batch: int = 2, v: int = 1,
+                   checkpoint_interval: int = 0, zero_stage: int = 0, specs: Optional[list] = None,
+                   clipping: float = 0.0) -> Any:
+    specs = specs or gpt_layer_specs(cfg)
     chunks = {"virtual_stages": v, "schedule": terapipe["schedule"]} if v > 1 else {}
     model = ds_terapipe.TokenPipelineModule(specs, num_stages=WORLD, loss_fn=causal_lm_loss,
                                             vocab_size=cfg.vocab_size, partition_method="uniform",
                                             activation_checkpoint_interval=checkpoint_interval, **chunks)
     config = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": micro,
-              "train_batch_size": batch * micro, "steps_per_print": 10**9, "gradient_clipping": 0.0,
+              "train_batch_size": batch * micro, "steps_per_print": 10**9, "gradient_clipping": clipping,
               "zero_optimization": {"stage": zero_stage},
               "terapipe": dict(terapipe, enabled=True, virtual_stages=v, p2p_timeout_s=60)}
     if zero_stage:
@@ -1171,6 +1190,15 @@ def suite_freeze(extra: dict) -> list[dict]:
                     "frozen_names": [sorted(n for n, p in ps.items() if not p.requires_grad) for ps in params],
                     "losses": losses, "slices": [list(first.slices), list(second.slices)],
                     "params_equal": all(torch.equal(params[0][n].detach(), params[1][n].detach()) for n in params[0])})
+
+    # no tied weight: rank 0 ends with nothing to train at all, and gradient clipping still works (it joins the
+    # norm's all-reduces with zero); the reference clips the same way (one norm per stage, as DeepSpeed does)
+    STATUS["case"] = "untied clipping"
+    run = run_frozen(cfg, {"seq_len": seq_len, "slices": 2, "schedule": "1f1b", "freeze": {"schedule": [[1, 4]]}},
+                     batches, 3, specs=untied_specs(cfg), clipping=1e-3)
+    results.append({"case": STATUS["case"], "losses": run["losses"], "changed": run["changed"],
+                    "frozen": [len(f) for f in run["frozen"]], "stage": run["engine"].stage_id,
+                    "actions": run["actions"], "trained": sorted(n for n in run["params"] if n in run["grads"][-1])})
 
     # refusals, on every rank before any step
     for case, freeze, zero in (("too many", {"schedule": [[1, 9]]}, 0), ("all", {"schedule": [[1, 7]]}, 0),

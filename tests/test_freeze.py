@@ -219,3 +219,15 @@ def test_a_resumed_run_freezes_the_same_layers_and_continues_identically(freeze_
         assert case["frozen_names"][0] == case["frozen_names"][1], (rank, case)
         assert case["slices"][0] == case["slices"][1]
         assert case["losses"][0] == case["losses"][1] and case["params_equal"], (rank, case)
+
+
+def test_a_rank_with_nothing_left_to_train_joins_gradient_clipping(freeze_results) -> None:
+    for rank, cases in enumerate(freeze_results):
+        case = next(c for c in cases if c["case"] == "untied clipping")
+        assert len(case["losses"]) == 3 and all(loss == loss for loss in case["losses"]), case
+        assert not any(case["changed"]), case
+        if case["stage"] == 0:
+            assert case["frozen"][1:] == [case["frozen"][1]] * 2 and case["frozen"][1] > 0 and not case["trained"]
+            assert case["actions"][-1] == ["F", "SEND_F"]
+        else:
+            assert case["trained"]

@@ -673,8 +673,8 @@ class TokenPipelineEngine(PipelineEngine):
         with self._failing_fast("save_checkpoint"):
             state = dict(client_state or {})
             state.setdefault("terapipe", {"plan": self.plan_summary(), "config": self.terapipe.model_dump()})
-            if self.freezer is not None:  # what froze, so a resumed run freezes the same layers
-                state["terapipe"].setdefault("freeze", self.freezer.state_dict())
+            if self.freezer is not None and isinstance(state["terapipe"], dict):  # a resumed run re-freezes it
+                state["terapipe"] = {**state["terapipe"], "freeze": self.freezer.state_dict()}
             self._barrier("starting a checkpoint")  # DeepSpeed's own barriers in the save cannot watch the flag
             result = super().save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=False, **kwargs)
             self._barrier("saving a checkpoint")

@@ -193,6 +193,24 @@ class Freezer:
                 counts[int(idx)] = max(counts.get(int(idx), 0), n)
         self.param_layers = tuple(sorted(i for i, n in counts.items() if n > 0))
         self._check_counts(self.max_requested())
+        if engine.gradient_clipping() > 0.0:
+            engine.clip_fp32_gradients = self._clipping(engine, engine.clip_fp32_gradients)
+
+    @staticmethod
+    def _clipping(engine: "TokenPipelineEngine", clip: Callable[[], Any]) -> Callable[[], Any]:
+        """DeepSpeed's gradient clipping all-reduces the norm, then indexes the first parameter with a gradient: a
+        rank whose layers are all frozen (no tied weight either) would fail there after the collectives. It joins
+        them with a zero norm instead (a zero gradient on a stand-in tensor)."""
+        from deepspeed.runtime.utils import clip_grad_norm_
+
+        def clip_or_join() -> Any:
+            if any(p.grad is not None for p in engine.module.parameters()):
+                return clip()
+            stand_in = torch.zeros(1, device=engine.device, requires_grad=True)
+            stand_in.grad = torch.zeros_like(stand_in)
+            return clip_grad_norm_(parameters=[stand_in], max_norm=engine.gradient_clipping(), mpu=engine.mpu)
+
+        return clip_or_join
 
     # -- checks at init ----------------------------------------------------------------------------------------
     @staticmethod
@@ -284,9 +302,10 @@ class Freezer:
         self._wrap_frozen_forwards(module, num_frozen_layers)
         self.num_frozen_layers = num_frozen_layers
         self.num_frozen_chunks = frozen_chunk_count(self.parts, num_frozen_layers)
-        logger.info("terapipe: step %d: stage %d froze %d parameter(s) of layers < %d, released %.1f MiB of "
-                    "optimizer state", engine.global_steps, engine.stage_id, frozen_params, num_frozen_layers,
-                    released / 2**20)
+        if frozen_params:
+            logger.info("terapipe: step %d: stage %d froze %d parameter(s) of layers < %d, released %.1f MiB of "
+                        "optimizer state", engine.global_steps, engine.stage_id, frozen_params, num_frozen_layers,
+                        released / 2**20)
         event: dict[str, Any] = {"step": engine.global_steps, "layers": [before_layers, num_frozen_layers],
                                  "frozen_chunks": self.num_frozen_chunks, "slices_before": list(engine.slices)}
         if self.cfg.replan and engine.terapipe.slices == "auto":
@@ -294,10 +313,11 @@ class Freezer:
         event["slices_after"] = list(engine.slices)
         self.events.append(event)
         if engine.global_rank == 0:
-            chunks = (f"chunks 0..{self.num_frozen_chunks - 1} run forward only" if self.num_frozen_chunks else
-                      "no chunk is wholly frozen")
+            chunks = {0: "no chunk is wholly frozen", 1: "chunk 0 runs forward only"}.get(
+                self.num_frozen_chunks, f"chunks 0..{self.num_frozen_chunks - 1} run forward only")
             speed = (f"; predicted step {event['before_ms']:.1f} ms -> {event['after_ms']:.1f} ms "
-                     f"({event['before_ms'] / event['after_ms']:.2f}x)") if event.get("after_ms") else ""
+                     f"({event['before_ms'] / event['after_ms']:.2f}x; {event['unfrozen_ms'] / event['after_ms']:.2f}x "
+                     "the unfrozen model's)") if event.get("after_ms") else ""
             logger.info("terapipe: step %d: froze layers %d..%d (%d of %d frozen; %s); plan %s -> %s%s",
                         engine.global_steps, before_layers, num_frozen_layers - 1, num_frozen_layers,
                         self.num_layers, chunks, event["slices_before"], event["slices_after"], speed)
@@ -377,10 +397,14 @@ class Freezer:
                 return None
             old = PipelineCost.from_dict(frozen_cost(self._base_cost, self.parts, before_layers),
                                          num_stages=engine.num_chunks)
+            unfrozen = PipelineCost.from_dict(self._base_cost, num_stages=engine.num_chunks)
             cost = frozen_cost(self._base_cost, self.parts, self.num_frozen_layers)
             model = PipelineCost.from_dict(cost, num_stages=engine.num_chunks)
             n = len(plan.slices)
             before_ms = simulate(self.lowered(engine, n, before_chunks), old, plan.slices, batch).makespan_ms
+            # the model before any freeze, on the slicing it was planned with at init
+            first = tuple(self.events[0]["slices_before"]) if self.events else tuple(plan.slices)
+            unfrozen_ms = simulate(self.lowered(engine, len(first), 0), unfrozen, first, batch).makespan_ms
             current_ms = simulate(self.lowered(engine, n, self.num_frozen_chunks), model, plan.slices,
                                   batch).makespan_ms
             best = _solve(engine, model, plan.stage_meta, plan.seq_len)
@@ -388,6 +412,7 @@ class Freezer:
                                batch).makespan_ms
             switch = tuple(best.slices) != tuple(plan.slices) and best_ms < current_ms
             return {"cost": cost, "best": best.to_dict(), "before_ms": before_ms, "current_ms": current_ms,
+                    "unfrozen_ms": unfrozen_ms,
                     "best_ms": best_ms, "switch": switch}
 
         decision = _decided_on_rank0(decide)
@@ -404,6 +429,7 @@ class Freezer:
         engine.install_plan(new)
         after = decision["best_ms"] if decision["switch"] else decision["current_ms"]
         return {"before_ms": decision["before_ms"], "kept_ms": decision["current_ms"], "after_ms": after,
+                "unfrozen_ms": decision["unfrozen_ms"],
                 "replanned": bool(decision["switch"])}
 
     # -- checkpoints -----------------------------------------------------------------------------------------------
