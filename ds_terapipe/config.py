@@ -21,7 +21,8 @@ from pydantic import ConfigDict, Field, ValidationError, field_validator, model_
 
 from .planner.registry import get_schedule, schedule_names
 
-__all__ = ["ProfileConfig", "TeraPipeConfig", "parse_terapipe_config", "TERAPIPE_KEY"]
+__all__ = ["AutoFreezeConfig", "FreezeConfig", "ProfileConfig", "ReplanConfig", "TeraPipeConfig",
+           "parse_terapipe_config", "TERAPIPE_KEY"]
 
 TERAPIPE_KEY = "terapipe"
 
@@ -63,6 +64,84 @@ class ReplanConfig(DeepSpeedConfigModel):
 
     min_gain: float = Field(0.03, ge=0.0)
     """Switch only when the refit model predicts the new slicing at least this much faster (0.03: 3%)."""
+
+
+class AutoFreezeConfig(DeepSpeedConfigModel):
+    """The automatic freezing policy (``runtime/freeze.py``, as in PipeTransformer): every ``check_interval``
+    steps each still-training layer's gradient norm is measured (after the data-parallel reduction, before the
+    optimizer step). A layer is *stable* when its norm changed by at most ``tolerance`` (relative) since the
+    previous check. The stable layers in a row right behind the frozen prefix freeze, at most
+    ``max(1, floor(aggressiveness x training layers))`` of them per check; a layer that is not stable stops the
+    run (front to back only), and nothing ever unfreezes. Layers count DeepSpeed's layer list (global indices, as
+    in checkpoint files), those without parameters ride along with the layer in front of them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    check_interval: int = Field(10, ge=1)
+    """Training steps between two gradient-norm checks (the first check only records)."""
+
+    warmup_steps: int = Field(0, ge=0)
+    """No check before this many steps (gradients of the first steps move a lot)."""
+
+    tolerance: float = Field(0.1, gt=0.0)
+    """A layer is stable when ``|norm - previous norm| / previous norm <= tolerance`` between two checks."""
+
+    aggressiveness: float = Field(0.5, gt=0.0, le=1.0)
+    """The fraction of the still-training layers (with parameters) one check may freeze (at least one): PipeTransformer's
+    alpha. 1.0 freezes every stable layer in a row at once."""
+
+    max_frozen_layers: Optional[int] = Field(None, ge=1)
+    """Never freeze beyond this many layers (default: all but the last layer with parameters)."""
+
+
+class FreezeConfig(DeepSpeedConfigModel):
+    """Progressive freezing of the front layers (``runtime/freeze.py``): frozen layers run forward only, take no
+    backward and no weight gradient, their optimizer state is released; ranks whose layers are all frozen get no
+    gradient. Exactly one policy: ``schedule`` or ``auto``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    schedule: Optional[List[List[int]]] = None
+    """``[[step, num_frozen_layers], ...]``: from training step ``step`` (optimizer steps done before the batch)
+    on, the first ``num_frozen_layers`` layers of the model (DeepSpeed's layer list, global indices) are frozen.
+    Steps strictly increase and counts never decrease (a layer never unfreezes)."""
+
+    auto: Optional[AutoFreezeConfig] = None
+    """The automatic policy from per-layer gradient-norm change (see :class:`AutoFreezeConfig`)."""
+
+    replan: bool = True
+    """After each freeze, re-plan the slicing from the costs profiled at init with the frozen layers' backward
+    removed (``slices: "auto"`` only; a plan from the config is the user's and stays)."""
+
+    @field_validator("schedule", mode="before")
+    @classmethod
+    def _check_schedule(cls, value: Any) -> Any:
+        if value is None:
+            return value
+        pairs = isinstance(value, list) and all(
+            isinstance(e, (list, tuple)) and len(e) == 2 and all(isinstance(x, int) and not isinstance(x, bool)
+                                                                 for x in e) for e in value)
+        if not pairs or not value:
+            raise ValueError(f"terapipe.freeze.schedule={value!r}: use a non-empty list of [step, num_frozen_layers] "
+                             "pairs of ints, e.g. [[100, 2], [300, 4]]")
+        value = [list(e) for e in value]
+        for step, count in value:
+            if step < 0 or count < 0:
+                raise ValueError(f"terapipe.freeze.schedule={value}: steps and layer counts must be >= 0; got "
+                                 f"[{step}, {count}]")
+        for (s0, n0), (s1, n1) in zip(value, value[1:]):
+            if s1 <= s0 or n1 < n0:
+                raise ValueError(f"terapipe.freeze.schedule={value} is not monotone: [{s0}, {n0}] then [{s1}, {n1}]; "
+                                 "steps must strictly increase and frozen layer counts never decrease (a frozen "
+                                 "layer never unfreezes): sort the entries by step and make the counts grow")
+        return value
+
+    @model_validator(mode="after")
+    def _one_policy(self) -> "FreezeConfig":
+        if (self.schedule is None) == (self.auto is None):
+            raise ValueError("terapipe.freeze needs exactly one policy: \"schedule\": [[step, num_frozen_layers], "
+                             "...] or \"auto\": {...}" + (", not both" if self.schedule is not None else ""))
+        return self
 
 
 class TeraPipeConfig(DeepSpeedConfigModel):
@@ -126,6 +205,9 @@ class TeraPipeConfig(DeepSpeedConfigModel):
 
     replan: ReplanConfig = ReplanConfig()
     """Online re-planning from measured step timelines (off by default)."""
+
+    freeze: Optional[FreezeConfig] = None
+    """Progressive freezing of the front layers (off by default; see :class:`FreezeConfig`)."""
 
     @field_validator("schedule")
     @classmethod
@@ -196,6 +278,11 @@ class TeraPipeConfig(DeepSpeedConfigModel):
         return [(units // n + (1 if i < units % n else 0)) * self.granularity for i in range(n)]
 
 
+#: nested sections by their path under "terapipe", for the valid keys of an unknown one
+_SECTIONS: dict[tuple[str, ...], type[DeepSpeedConfigModel]] = {
+    ("profile", ): ProfileConfig, ("replan", ): ReplanConfig, ("freeze", ): FreezeConfig,
+    ("freeze", "auto"): AutoFreezeConfig}
+
 #: pydantic error types for range constraints -> the rule in the message (``ctx`` holds the bound).
 _RULES = {"greater_than_equal": (">=", "ge"), "greater_than": (">", "gt"), "less_than_equal": ("<=", "le"),
           "less_than": ("<", "lt")}
@@ -225,7 +312,7 @@ def _one_message(err: ValidationError) -> str:
     unknown = [e["loc"] for e in errors if e["type"] == "extra_forbidden"]
     if unknown:
         parent = unknown[0][:-1]
-        model: type[DeepSpeedConfigModel] = ProfileConfig if parent == ("profile",) else TeraPipeConfig
+        model: type[DeepSpeedConfigModel] = _SECTIONS.get(tuple(map(str, parent)), TeraPipeConfig)
         keys = sorted(str(loc[-1]) for loc in unknown if loc[:-1] == parent)
         where = ".".join((TERAPIPE_KEY, *map(str, parent)))
         return f"{where}: unknown key(s) {keys}; valid keys are {sorted(model.model_fields)}"

@@ -88,7 +88,22 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--freeze", default=None,
+                        help="progressive freezing (terapipe.freeze): 'STEP:LAYERS,...' (e.g. 20:2,40:4: from step 20 "
+                             "the first 2 layers are frozen, from step 40 the first 4) or 'auto' (gradient-norm "
+                             "policy, checked every 10 steps); overrides the config's terapipe.freeze")
     return parse_training_args(parser)
+
+
+def freeze_section(spec: str) -> dict:
+    """``--freeze`` as the config's ``terapipe.freeze`` section."""
+    if spec == "auto":
+        return {"auto": {"check_interval": 10}}
+    try:
+        return {"schedule": [[int(step), int(layers)] for step, layers in
+                             (item.split(":") for item in spec.split(","))]}
+    except ValueError:
+        raise SystemExit(f"train_gpt: --freeze {spec!r}: use STEP:LAYERS[,STEP:LAYERS...] or auto") from None
 
 
 def load_tokens(args: argparse.Namespace) -> np.ndarray:
@@ -223,7 +238,12 @@ def train(engine: Any, args: argparse.Namespace, tokens: np.ndarray, seq_len: in
 
 def main() -> None:
     args = parse_args()
-    _, terapipe, stages, seq_len = start(args, "train_gpt")
+    ds_config, terapipe, stages, seq_len = start(args, "train_gpt")
+    config = None
+    if args.freeze:  # the config from the file, with this freeze section: handed to initialize as a dict
+        ds_config.setdefault("terapipe", {})["freeze"] = freeze_section(args.freeze)
+        terapipe = ds_terapipe.parse_terapipe_config(ds_config)
+        config, args.deepspeed_config = ds_config, None
     tokens = load_tokens(args)
     vocab = args.vocab_size if args.data and args.data[0].endswith(".bin") else 256
     if int(tokens.max()) >= vocab:
@@ -235,7 +255,7 @@ def main() -> None:
                                             activation_checkpoint_interval=args.checkpoint_interval,
                                             **ds_terapipe.module_chunk_kwargs(terapipe))  # virtual stages
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
-    engine, _, _, _ = ds_terapipe.initialize(args=args, model=model, optimizer=optimizer)
+    engine, _, _, _ = ds_terapipe.initialize(args=args, model=model, optimizer=optimizer, config=config)
     train(engine, args, tokens, seq_len, stages, name="train_gpt",
           header=f"corpus {len(tokens):,} tokens ({'--data' if args.data else 'Python stdlib source'})")
 

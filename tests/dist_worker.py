@@ -976,5 +976,242 @@ class RaisingWhenProfiled(torch.nn.Module):
 SUITES["faults"] = suite_faults
 
 
+# -- progressive freezing (runtime/freeze.py), 2 ranks ---------------------------------------------------------
+def frozen_reference(specs: list, batches: list[tuple], num_steps: int, frozen_at: Callable[[int], int],
+                     lr: float = 0.1, momentum: float = 0.9) -> dict[str, Any]:
+    """Single-process, unsliced training of the layer specs with the first ``frozen_at(step)`` layers frozen at
+    each step: run under no_grad, their parameters out of training (a tied weight also used by a later layer
+    keeps training through that use). Losses, every step's gradients and the final parameters, under the pipeline
+    module's parameter names."""
+    tied: dict[str, torch.nn.Module] = {}
+    steps, named, layer_params = [], {}, []
+    for idx, spec in enumerate(specs):
+        if isinstance(spec, TiedLayerSpec):
+            module = tied.setdefault(spec.key, spec.build())
+            prefix = f"tied_modules.{spec.key}"
+            steps.append((lambda x, m=module, f=spec.forward_fn: f(m, x)) if spec.forward_fn else module)
+        else:
+            module, prefix = spec.build(), str(idx)
+            steps.append(module)
+        for name, param in module.named_parameters():
+            named.setdefault(f"{prefix}.{name}", param)
+        layer_params.append((spec, module))
+    opt = torch.optim.SGD(list({id(p): p for p in named.values()}.values()), lr=lr, momentum=momentum)
+    per_step = len(batches) // num_steps
+    losses, grads = [], []
+    for step in range(num_steps):
+        k = frozen_at(step)
+        for idx in range(k):
+            spec, module = layer_params[idx]
+            keep: set[int] = set()
+            if isinstance(spec, TiedLayerSpec) and any(isinstance(s, TiedLayerSpec) and s.key == spec.key
+                                                       for s in specs[k:]):
+                attrs = [spec.tied_weight_attr] if isinstance(spec.tied_weight_attr, str) else spec.tied_weight_attr
+                keep = {id(module.get_parameter(a)) for a in attrs}
+            for p in module.parameters():
+                if id(p) not in keep:
+                    p.requires_grad_(False)
+                    opt.state.pop(p, None)
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for x, y in batches[step * per_step:(step + 1) * per_step]:
+            for idx, f in enumerate(steps):
+                if idx < k:
+                    with torch.no_grad():
+                        x = f(x)
+                else:
+                    x = f(x)
+            loss = causal_lm_loss(x, y) / per_step
+            loss.backward()
+            total += float(loss)
+        losses.append(total)
+        grads.append({n: p.grad.detach().clone() for n, p in named.items() if p.grad is not None})
+        opt.step()
+    return {"losses": losses, "grads": grads, "params": {n: p.detach().clone() for n, p in named.items()}}
+
+
+def _named_compare(named: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], stage_has_embed: bool
+                   ) -> tuple[float, str, int]:
+    worst, worst_name, count = 0.0, "", 0
+    for name, value in named.items():
+        if name == "tied_modules.embed.wpe.weight" and not stage_has_embed:
+            continue  # the head's copy of the position embedding is unused
+        if name not in ref:
+            raise KeyError(f"{name} has no reference gradient/parameter (reference has {sorted(ref)})")
+        err = rel_err(value, ref[name])
+        count += 1
+        if err >= worst:
+            worst, worst_name = err, name
+    return worst, worst_name, count
+
+
+class UntiedHead(torch.nn.Module):
+    """An output projection of its own (no weight shared with the embedding)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x)
+
+
+def untied_specs(cfg: GPTConfig) -> list:
+    from ds_terapipe.models.gpt import GPTEmbedding
+
+    specs = gpt_layer_specs(cfg)
+    return [LayerSpec(GPTEmbedding, cfg), *specs[1:-1], LayerSpec(UntiedHead, cfg)]
+
+
+def _frozen_engine(cfg: GPTConfig, terapipe: dict, *, micro: int = 2, batch: int = 2, v: int = 1,
+                   checkpoint_interval: int = 0, zero_stage: int = 0, specs: Optional[list] = None,
+                   clipping: float = 0.0) -> Any:
+    specs = specs or gpt_layer_specs(cfg)
+    chunks = {"virtual_stages": v, "schedule": terapipe["schedule"]} if v > 1 else {}
+    model = ds_terapipe.TokenPipelineModule(specs, num_stages=WORLD, loss_fn=causal_lm_loss,
+                                            vocab_size=cfg.vocab_size, partition_method="uniform",
+                                            activation_checkpoint_interval=checkpoint_interval, **chunks)
+    config = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": micro,
+              "train_batch_size": batch * micro, "steps_per_print": 10**9, "gradient_clipping": clipping,
+              "zero_optimization": {"stage": zero_stage},
+              "terapipe": dict(terapipe, enabled=True, virtual_stages=v, p2p_timeout_s=60)}
+    if zero_stage:
+        config["zero_allow_untested_optimizer"] = True
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    engine, _, _, _ = ds_terapipe.initialize(model=model, optimizer=opt, config=config)
+    ENGINE_REF["engine"] = engine
+    return engine
+
+
+def run_frozen(cfg: GPTConfig, terapipe: dict, batches: list[tuple], num_steps: int, **options: Any
+               ) -> dict[str, Any]:
+    """Train with ``terapipe`` (a freeze section) and record, per step: loss, gradients before the optimizer
+    step, which parameters were frozen and whether they stayed bit-identical, and the schedule's actions."""
+    engine = _frozen_engine(cfg, terapipe, **options)
+    grads: list[dict[str, torch.Tensor]] = []
+    original = engine._take_model_step
+
+    def snapshot_then_step(*args, **kwargs):
+        grads.append({n: p.grad.detach().clone() for n, p in engine.module.named_parameters() if p.grad is not None})
+        return original(*args, **kwargs)
+
+    engine._take_model_step = snapshot_then_step
+    data = iter(batches)
+    losses, frozen_per_step, changed, with_state, actions, slices = [], [], [], [], [], []
+    for _ in range(num_steps):
+        before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+        losses.append(float(engine.train_batch(data)))
+        frozen = sorted(n for n, p in engine.module.named_parameters() if not p.requires_grad)
+        frozen_per_step.append(frozen)
+        params = dict(engine.module.named_parameters())
+        changed.append([n for n in frozen if not torch.equal(params[n].detach(), before[n])])
+        with_state.append([n for n in frozen if params[n] in engine.optimizer.state])
+        actions.append(sorted({str(a)[len(str(a.stage)):].split(".")[0].rstrip("0123456789")
+                               for a in engine._train_schedule().actions}))
+        slices.append(list(engine.slices))
+    engine._take_model_step = original
+    ENGINE_REF.pop("engine", None)
+    return {"engine": engine, "losses": losses, "grads": grads, "frozen": frozen_per_step, "changed": changed,
+            "with_state": with_state, "actions": actions, "slices": slices,
+            "params": {n: p.detach().clone() for n, p in engine.module.named_parameters()},
+            "events": engine.freezer.events, "has_embed": 0 in engine.local_chunks}
+
+
+def _frozen_case(case: str, cfg: GPTConfig, run: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
+    grad_errs = []
+    local = set(run["params"]) - (set() if run["has_embed"] else {"tied_modules.embed.wpe.weight"})
+    for step, (mine, theirs) in enumerate(zip(run["grads"], ref["grads"])):
+        err, name, count = _named_compare(mine, theirs, run["has_embed"])
+        grad_errs.append({"step": step, "err": err, "worst": name, "count": count, "names": sorted(mine),
+                          "missing": sorted(n for n in theirs if n in local and n not in mine)})
+    param_err, param_name, _ = _named_compare(run["params"], ref["params"], run["has_embed"])
+    return {"case": case, "losses": run["losses"], "ref_losses": ref["losses"], "grad_errs": grad_errs,
+            "param_rel_err": param_err, "param_worst": param_name, "frozen": run["frozen"],
+            "changed": run["changed"], "with_state": run["with_state"], "actions": run["actions"],
+            "slices": run["slices"], "events": run["events"], "stage": run["engine"].stage_id,
+            "local_chunks": list(run["engine"].local_chunks), "parts": list(run["engine"].module.parts)}
+
+
+def suite_freeze(extra: dict) -> list[dict]:
+    """A freeze schedule (schedules x v x checkpointing) and the auto policy against the unsliced reference with
+    the same layers frozen at the same steps; then the refusals."""
+    cfg = GPTConfig(num_layers=4, hidden=32, num_heads=4, vocab_size=64, max_seq_len=64, seed=19)
+    seq_len, batch, micro, num_steps = 48, 2, 2, 4
+    batches = make_batches(cfg, num_steps * micro, batch, seq_len, seed=23)
+    # layers: embed 0, blocks 1-4, final norm 5, head 6; two chunks [0, 4) [4, 7) (v = 1) or four (v = 2)
+    schedule = [[1, 2], [2, 4]]
+
+    def at(step: int) -> int:
+        return max([n for s, n in schedule if s <= step] + [0])
+
+    ref = frozen_reference(gpt_layer_specs(cfg), batches, num_steps, at)
+    results: list[dict] = []
+    for sched, v, slices, interval in (("gpipe", 1, [8, 24, 16], 0), ("1f1b", 1, 3, 0), ("1f1b", 1, [16, 32], 1),
+                                       ("dualpipev", 2, [24, 24], 0), ("interleaved-1f1b", 2, 2, 0)):
+        if extra.get("only") and sched not in extra["only"]:
+            continue
+        STATUS["case"] = f"schedule {sched} v={v} slices={slices} ckpt={interval}"
+        run = run_frozen(cfg, {"seq_len": seq_len, "slices": slices, "schedule": sched, "granularity": 8,
+                               "freeze": {"schedule": schedule}}, batches, num_steps, v=v,
+                         checkpoint_interval=interval)
+        results.append(_frozen_case(STATUS["case"], cfg, run, ref))
+
+    # auto policy with slices "auto": profiled, frozen by gradient norms, re-planned; the reference freezes at
+    # the steps the pipeline decided (read from its events), so the gradients must still match
+    STATUS["case"] = "auto"
+    prof = {"slice_lengths": [8, 24, 48], "num_contexts": 2, "warmup": 0, "repeats": 1}
+    auto_steps = 6
+    auto_batches = make_batches(cfg, auto_steps * micro, batch, seq_len, seed=29)
+    run = run_frozen(cfg, {"seq_len": seq_len, "slices": "auto", "schedule": "1f1b", "granularity": 8,
+                           "profile": prof, "freeze": {"auto": {"check_interval": 1, "tolerance": 100.0,
+                                                                "aggressiveness": 0.34}}},
+                     auto_batches, auto_steps)
+    decided = [(e["step"], e["layers"][1]) for e in run["events"]]
+
+    def auto_at(step: int) -> int:
+        return max([n for s, n in decided if s <= step] + [0])
+
+    auto_ref = frozen_reference(gpt_layer_specs(cfg), auto_batches, auto_steps, auto_at)
+    results.append(_frozen_case("auto", cfg, run, auto_ref))
+
+    # a checkpoint keeps what froze: a new engine that loads it freezes the same layers and continues identically
+    STATUS["case"] = "resume"
+    first = run["engine"]
+    save_dir = str(Path(extra["out"]) / "freeze_ckpt")
+    first.save_checkpoint(save_dir)
+    second = _frozen_engine(cfg, {"seq_len": seq_len, "slices": "auto", "schedule": "1f1b", "granularity": 8,
+                                  "profile": prof, "freeze": {"auto": {"check_interval": 1, "tolerance": 100.0,
+                                                                       "aggressiveness": 0.34}}})
+    second.load_checkpoint(save_dir)
+    more = make_batches(cfg, micro, batch, seq_len, seed=31)
+    losses = [float(first.train_batch(iter(more))), float(second.train_batch(iter(more)))]
+    params = [dict(first.module.named_parameters()), dict(second.module.named_parameters())]
+    results.append({"case": "resume", "frozen": [e.freezer.num_frozen_layers for e in (first, second)],
+                    "frozen_names": [sorted(n for n, p in ps.items() if not p.requires_grad) for ps in params],
+                    "losses": losses, "slices": [list(first.slices), list(second.slices)],
+                    "params_equal": all(torch.equal(params[0][n].detach(), params[1][n].detach()) for n in params[0])})
+
+    # no tied weight: rank 0 ends with nothing to train at all, and gradient clipping still works (it joins the
+    # norm's all-reduces with zero); the reference clips the same way (one norm per stage, as DeepSpeed does)
+    STATUS["case"] = "untied clipping"
+    run = run_frozen(cfg, {"seq_len": seq_len, "slices": 2, "schedule": "1f1b", "freeze": {"schedule": [[1, 4]]}},
+                     batches, 3, specs=untied_specs(cfg), clipping=1e-3)
+    results.append({"case": STATUS["case"], "losses": run["losses"], "changed": run["changed"],
+                    "frozen": [len(f) for f in run["frozen"]], "stage": run["engine"].stage_id,
+                    "actions": run["actions"], "trained": sorted(n for n in run["params"] if n in run["grads"][-1])})
+
+    # refusals, on every rank before any step
+    for case, freeze, zero in (("too many", {"schedule": [[1, 9]]}, 0), ("all", {"schedule": [[1, 7]]}, 0),
+                               ("zero1", {"schedule": [[1, 2]]}, 1)):
+        STATUS["case"] = f"refuse {case}"
+        got = run_until_error(lambda: run_frozen(cfg, {"seq_len": seq_len, "slices": 2, "schedule": "1f1b",
+                                                       "freeze": freeze}, batches, 1, zero_stage=zero))
+        results.append(got)
+    return results
+
+
+SUITES["freeze"] = suite_freeze
+
+
 if __name__ == "__main__":
     main()

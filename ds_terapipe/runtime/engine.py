@@ -59,6 +59,7 @@ from ..trace import events_to_chrome_trace
 from . import checkpoint as ckpt
 from .context import MicroBatchState, SliceContext, cut_tokens, slice_scope
 from .deferred import WeightGradStash, enable_deferred_weight_grads
+from .freeze import Freezer
 from .devices import synchronized_ms
 from .ds_internals import check_deepspeed_internals
 from .module import chunk_layout
@@ -173,6 +174,7 @@ class TokenPipelineEngine(PipelineEngine):
             self._check_model_supports_slicing()
             self._train_schedule()  # a micro-batch count the schedule cannot run fails here, on every rank
             self.replanner = Replanner(self) if self.terapipe.replan.enabled else None
+            self.freezer = Freezer(self) if self.terapipe.freeze is not None else None
 
     def _check_chunk_layout(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The module's chunk placement, refused (on every rank: same config, same model) unless it is the one
@@ -279,6 +281,8 @@ class TokenPipelineEngine(PipelineEngine):
             peeked = self._use_plan_for_next_batch(self.data_iterator)
             if self.is_first_stage() or self.is_last_stage():
                 self.data_iterator = peeked
+            if self.freezer is not None:
+                self.freezer.before_step(self)
             if self.replanner is not None:
                 self.replanner.before_step(self)
             loss = super().train_batch()
@@ -348,7 +352,35 @@ class TokenPipelineEngine(PipelineEngine):
     def _train_schedule(self) -> TokenPipeSchedule:
         return TokenPipeSchedule(self.terapipe.schedule, self.micro_batches, self.num_stages, self.stage_id,
                                  self.num_slices, train=True, deferred_weight_grads=self.terapipe.deferred_weight_grads,
-                                 virtual_stages=self.terapipe.virtual_stages)
+                                 virtual_stages=self.terapipe.virtual_stages, num_frozen_chunks=self._frozen_chunks())
+
+    # -- frozen layers (runtime/freeze.py) -------------------------------------------------------------------------
+    def _frozen_chunks(self) -> int:
+        """Leading chunks whose layers are all frozen: forward only, no gradient into them."""
+        freezer = getattr(self, "freezer", None)
+        return freezer.num_frozen_chunks if freezer is not None else 0
+
+    def _chunk_frozen(self, chunk: int) -> bool:
+        return 0 <= chunk < self._frozen_chunks()
+
+    @contextmanager
+    def _frozen_scope(self, chunk: int) -> Iterator[None]:
+        """A frozen chunk's forward keeps no graph (and so drops its buffers as an inference forward does)."""
+        if self._chunk_frozen(chunk):
+            with torch.no_grad():
+                yield
+        else:
+            yield
+
+    def _exec_reduce_tied_grads(self) -> None:
+        if getattr(self, "freezer", None) is not None:
+            self.freezer.fill_tied_grads(self)
+        super()._exec_reduce_tied_grads()
+
+    def _exec_optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        if getattr(self, "freezer", None) is not None:
+            self.freezer.observe_gradients(self)
+        super()._exec_optimizer_step(*args, **kwargs)
 
     def _inference_schedule(self, micro_batches: int) -> TokenPipeSchedule:
         return TokenPipeSchedule(self.terapipe.schedule, micro_batches, self.num_stages, self.stage_id,
@@ -462,7 +494,7 @@ class TokenPipelineEngine(PipelineEngine):
             self.module.loss_fn = loss_fn
 
     def _exec_forward_pass(self, buffer_id: int, microbatch: int, slice_index: int, chunk: int) -> None:
-        with self._on_chunk(chunk):
+        with self._on_chunk(chunk), self._frozen_scope(chunk):
             self._forward_unit(buffer_id, microbatch, slice_index, chunk)
 
     def _forward_unit(self, buffer_id: int, microbatch: int, slice_index: int, chunk: int) -> None:
@@ -530,13 +562,13 @@ class TokenPipelineEngine(PipelineEngine):
             # DeepSpeed relies on cyclic buffer reuse to drop these; units are not reused, so drop them here.
             self.pipe_buffers["outputs"][buffer_id] = None
             self.pipe_buffers["labels"][buffer_id] = None
-            if self._is_local(chunk - 1):
+            if self._is_local(chunk - 1) and not self._chunk_frozen(chunk - 1):
                 # The previous chunk is on this rank: hand it the gradient of its output (our input).
                 inputs = as_tuple(self.pipe_buffers["inputs"][buffer_id])
                 self._unit_grads[self._unit_buffer(chunk - 1, microbatch, slice_index)] = \
                     self._input_grads(inputs, self.pipe_buffers["inputs"][buffer_id])
                 self.pipe_buffers["inputs"][buffer_id] = None
-            elif self.is_first_stage():
+            elif self.is_first_stage() or self._chunk_frozen(chunk - 1):
                 self.pipe_buffers["inputs"][buffer_id] = None
         if slice_index == 0:
             del self._states[(chunk, microbatch)]
@@ -569,7 +601,7 @@ class TokenPipelineEngine(PipelineEngine):
                        f"activations of micro-batch {microbatch} slice {slice_index}{self._chunk_note(chunk)}",
                        header=key not in self._shapes_sent)
         self._shapes_sent.add(key)
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or self._chunk_frozen(chunk):
             self.pipe_buffers["outputs"][buffer_id] = None
 
     def _exec_recv_activations(self, buffer_id: int, microbatch: int, slice_index: int, chunk: int) -> None:
@@ -581,7 +613,7 @@ class TokenPipelineEngine(PipelineEngine):
         else:
             received = self._p2p.recv(source, what)
             self._shapes_known[key] = [(tuple(t.shape), t.dtype) for t in received]
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and not self._chunk_frozen(chunk - 1):  # no gradient goes back into a frozen chunk
             for tensor in received:
                 tensor.requires_grad_(tensor.is_floating_point())
         self.pipe_buffers["inputs"][buffer_id] = received[0] if len(received) == 1 else received
@@ -623,6 +655,8 @@ class TokenPipelineEngine(PipelineEngine):
         ds_schedule.RecvGrad: _exec_recv_grads,
         ds_schedule.CommitP2P: _exec_commit_p2p,
         WeightGradPass: _exec_weight_grad_pass,
+        ds_schedule.ReduceTiedGrads: _exec_reduce_tied_grads,
+        ds_schedule.OptimizerStep: _exec_optimizer_step,
     }
 
     def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: Optional[dict] = None,
@@ -639,6 +673,8 @@ class TokenPipelineEngine(PipelineEngine):
         with self._failing_fast("save_checkpoint"):
             state = dict(client_state or {})
             state.setdefault("terapipe", {"plan": self.plan_summary(), "config": self.terapipe.model_dump()})
+            if self.freezer is not None and isinstance(state["terapipe"], dict):  # a resumed run re-freezes it
+                state["terapipe"] = {**state["terapipe"], "freeze": self.freezer.state_dict()}
             self._barrier("starting a checkpoint")  # DeepSpeed's own barriers in the save cannot watch the flag
             result = super().save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=False, **kwargs)
             self._barrier("saving a checkpoint")
@@ -658,7 +694,11 @@ class TokenPipelineEngine(PipelineEngine):
         otherwise). A checkpoint from another number of stages loads its weights (per-layer files) but not the
         optimizer state, which DeepSpeed stores per stage."""
         with self._failing_fast("load_checkpoint"):
-            return self._checked_load(load_dir, tag, **kwargs)
+            result = self._checked_load(load_dir, tag, **kwargs)
+            client = result[1] if isinstance(result, tuple) and len(result) > 1 else None
+            if self.freezer is not None and isinstance(client, dict):
+                self.freezer.load_state_dict(self, client.get("terapipe", {}).get("freeze") or {})
+            return result
 
     def _checked_load(self, load_dir: str, tag: Any, **kwargs: Any) -> Any:
         tag = str(tag) if tag is not None else ckpt.read_latest(load_dir)

@@ -22,6 +22,7 @@ from typing import Iterator
 from deepspeed.runtime.pipe import schedule as ds_schedule
 
 from ..planner.schedule import Action, ActionKind, Schedule, add_communication, build_schedule
+from .freeze import freeze_lowered
 
 __all__ = ["TokenPipeSchedule", "forward_only"]
 
@@ -49,16 +50,19 @@ class TokenPipeSchedule(ds_schedule.PipeSchedule):
         deferred_weight_grads: add ``W`` actions (:class:`WeightGradPass`) at the schedule's default placement
             (``planner.schedule.defer_weights``): gpipe one per micro-batch after its last backward, 1f1b one
             per slice after its backward.
+        num_frozen_chunks: leading chunks whose layers are all frozen (``runtime/freeze.py``): they run forwards
+            only and no gradient is sent to them.
     """
 
     def __init__(self, name: str, micro_batches: int, stages: int, stage_id: int, num_slices: int,
-                 train: bool = True, deferred_weight_grads: bool = False, virtual_stages: int = 1) -> None:
+                 train: bool = True, deferred_weight_grads: bool = False, virtual_stages: int = 1,
+                 num_frozen_chunks: int = 0) -> None:
         super().__init__(micro_batches=micro_batches, stages=stages, stage_id=stage_id)
         self.num_slices = num_slices
         self.train = train
         plan = build_schedule(name, stages, micro_batches, num_slices, deferred_weight_grads and train,
                               virtual_stages=virtual_stages)
-        self.schedule = add_communication(plan if train else forward_only(plan))
+        self.schedule = freeze_lowered(plan, num_frozen_chunks) if train else add_communication(forward_only(plan))
         self.actions: tuple[Action, ...] = self.schedule.stages[stage_id]
         self.chunks: tuple[int, ...] = self.schedule.chunks_of(stage_id)
         self._local = {chunk: index for index, chunk in enumerate(self.chunks)}
