@@ -1,0 +1,62 @@
+"""Tier b: vocabulary parallelism (terapipe.vocab_parallel) equals the single-process unsliced reference.
+
+One launch per topology runs the grid (tied and untied heads x vocabularies divisible by p and not x gpipe, 1f1b
+x slices {1, [8, 24, 16]}); see tests/dist_worker.py ``suite_vocab``. Loss, every gradient (each rank's shard
+against its rows of the reference head), parameters after 3 SGD+momentum steps: fp32 rel err <= 1e-5; the
+padding rows of a shard stay exactly 0.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.dist_harness import launch
+
+pytestmark = pytest.mark.multiproc
+
+TOL = 1e-5
+
+
+def _check(results: list[dict], expected_cases: int) -> None:
+    errors = [r["error"] for r in results if "error" in r]
+    assert not errors, errors[0]
+    per_rank = [r["results"] for r in results]
+    assert all(len(cases) == expected_cases for cases in per_rank), [len(c) for c in per_rank]
+    for index in range(expected_cases):
+        covered: set[str] = set()
+        for cases in per_rank:
+            case = cases[index]
+            where = f"{case['case']} stage={case['stage']} dp={case['dp']}"
+            for got, ref in zip(case["losses"], case["ref_losses"]):
+                assert abs(got - ref) <= TOL * abs(ref), f"{where}: loss {case['losses']} != {case['ref_losses']}"
+            assert case["grad_rel_err"] <= TOL, f"{where}: gradient of {case['grad_worst']} off by {case['grad_rel_err']}"
+            assert case["param_rel_err"] <= TOL, \
+                f"{where}: after 3 steps {case['param_worst']} off by {case['param_rel_err']}"
+            assert case["pad_abs"] == 0.0, f"{where}: padding rows moved ({case['pad_abs']})"
+            covered.update(case["covered"])
+        head_rows = sorted(c for c in covered if "[" in c)
+        plain = {c for c in covered if "[" not in c}
+        # every reference parameter is on some stage; the head's rows are covered once, end to end
+        assert len(plain) + (0 if "head.weight" in str(head_rows) else 1) >= cases[index]["num_ref_params"] - 2, \
+            (sorted(plain), head_rows)
+        starts = sorted({int(c.split("[")[1].split(":")[0]) for c in head_rows})
+        assert len(starts) == len({tuple(c["rows"]) for c in (r[index] for r in per_rank)}), head_rows
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("world", [2, 3])
+def test_vocab_parallel_grid(world: int, tmp_path) -> None:
+    results = launch("vocab", world, tmp_path, timeout_s=840)
+    _check(results, expected_cases=2 * 2 * 2 * 2)
+    rows = {tuple(c["rows"]) for r in results for c in r["results"] if "vocab=64" in c["case"]}
+    assert len(rows) == world  # one shard per pipeline rank
+    assert any(r[2] < r[1] for r in rows) == (64 % world != 0)  # padding only when p does not divide V
+
+
+@pytest.mark.timeout(900)
+def test_vocab_parallel_with_data_parallel_zero1(tmp_path) -> None:
+    """2 stages x 2 replicas (4 processes), ZeRO 1: equal to the reference over the global batch."""
+    results = launch("vocab", 4, tmp_path, timeout_s=840,
+                     extra={"dp": 2, "zero_stage": 1, "vocabs": [63], "schedules": ["1f1b"],
+                            "slicings": [[8, 24, 16]]})
+    _check(results, expected_cases=2)
