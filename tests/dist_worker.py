@@ -1109,7 +1109,87 @@ def suite_vocab(extra: dict) -> list[dict]:
     return results
 
 
+def _raised(fn: Callable[[], Any]) -> Optional[str]:
+    try:
+        fn()
+    except ValueError as err:
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+def suite_vocab_features(extra: dict) -> list[dict]:
+    """Checkpoints (same p: exact resume; p=1: weights; export_state_dict merges the shards), eval_batch, and the
+    refusals, each raised on every rank."""
+    from ds_terapipe.runtime.checkpoint import export_state_dict
+
+    cfg = GPTConfig(num_layers=2, hidden=32, num_heads=4, vocab_size=63, max_seq_len=64, seed=7)
+    batches = make_batches(cfg, 6, 2, 48, seed=77)
+    plan = {"slices": [8, 24, 16], "seq_len": 48, "schedule": "1f1b"}
+    results: list[dict] = []
+    for tied in (True, False):
+        STATUS["case"] = f"vocab checkpoint tied={tied}"
+        first = vocab_engine(cfg, tied, plan, stages=WORLD, micro=2, batch=2)
+        data = iter(batches)
+        for _ in range(2):
+            first.train_batch(data)
+        ckpt = str(Path(extra["out"]) / f"vocab_ckpt_{tied}")
+        first.save_checkpoint(ckpt)
+        saved = first.module.vocab_head
+        saved_rows = (saved.offset, saved.num_valid, saved.weight.detach().clone())
+        uninterrupted = float(first.train_batch(data))
+        after = {n: p.detach().clone() for n, p in first.module.named_parameters()}
+        again = vocab_engine(cfg, tied, plan, stages=WORLD, micro=2, batch=2)
+        again.load_checkpoint(ckpt)
+        resumed = float(again.train_batch(iter(batches[4:])))
+        resume_err = max(rel_err(p.detach(), after[n]) for n, p in again.module.named_parameters())
+        # another p: one stage x WORLD replicas loads the weights; the export holds the whole head
+        STATUS["case"] = f"vocab checkpoint at p=1 tied={tied}"
+        merged = export_state_dict(ckpt)
+        one = vocab_engine(cfg, tied, plan, stages=1, micro=2, batch=2)
+        one.load_checkpoint(ckpt, load_optimizer_states=False)
+        head = one.module.vocab_head
+        key = f"{head.spec.index}.{head.spec.weight_name}"
+        results.append({"case": STATUS["case"], "uninterrupted": uninterrupted, "resumed": resumed,
+                        "resume_err": resume_err, "export_keys": sorted(merged), "export_shape": list(merged[key].shape),
+                        "p1_head_err": rel_err(head.weight.detach(), merged[key]),
+                        "shard_vs_export_err": rel_err(saved_rows[2][:saved_rows[1]],
+                                                       merged[key][saved_rows[0]:saved_rows[0] + saved_rows[1]])})
+    # eval: the loss of the unsliced reference's forward; return_logits is refused
+    STATUS["case"] = "vocab eval"
+    engine = vocab_engine(cfg, True, plan, stages=WORLD, micro=2, batch=2)
+    loss = float(engine.eval_batch(iter(batches[:2])))
+    with torch.no_grad():
+        ref_model = GPTReference(cfg)
+        ref = float(sum(causal_lm_loss(ref_model(x), y) for x, y in batches[:2]) / 2)
+    results.append({"case": "vocab eval", "loss": loss, "ref_loss": ref,
+                    "return_logits": _raised(lambda: engine.eval_batch(iter(batches[:2]), return_logits=True))})
+    # refusals, every rank
+    refusals = {}
+    STATUS["case"] = "vocab refusals"
+    specs = gpt_layer_specs(cfg)
+    refusals["no_head"] = _raised(lambda: ds_terapipe.TokenPipelineModule(
+        specs[:-1], num_stages=WORLD, loss_fn=causal_lm_loss, vocab_parallel=True))
+    refusals["loss"] = _raised(lambda: ds_terapipe.TokenPipelineModule(
+        specs, num_stages=WORLD, loss_fn=lambda out, lab: causal_lm_loss(out, lab) * 2, vocab_parallel=True))
+    tiny = GPTConfig(num_layers=2, hidden=32, num_heads=4, vocab_size=WORLD - 1, max_seq_len=64, seed=7)
+    refusals["small_vocab"] = _raised(lambda: ds_terapipe.TokenPipelineModule(
+        gpt_layer_specs(tiny), num_stages=WORLD, loss_fn=causal_lm_loss, vocab_parallel=True))
+    refusals["virtual"] = _raised(lambda: ds_terapipe.TokenPipelineModule(
+        specs, num_stages=WORLD, loss_fn=causal_lm_loss, vocab_parallel=True, virtual_stages=2,
+        schedule="interleaved-1f1b"))
+    refusals["config_without_module"] = _raised(lambda: vocab_engine(
+        cfg, True, dict(plan, vocab_parallel=True), stages=WORLD, micro=2, batch=2) if False else
+        ds_terapipe.initialize(model=ds_terapipe.TokenPipelineModule(specs, num_stages=WORLD, loss_fn=causal_lm_loss,
+                                                                     partition_method="uniform"),
+                               config={"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+                                       "train_batch_size": 4, "terapipe": dict(plan, enabled=True,
+                                                                                vocab_parallel=True)}))
+    results.append({"case": "vocab refusals", **refusals})
+    return results
+
+
 SUITES["vocab"] = suite_vocab
+SUITES["vocab_features"] = suite_vocab_features
 
 
 if __name__ == "__main__":

@@ -61,3 +61,28 @@ def test_vocab_parallel_with_data_parallel_zero1(tmp_path) -> None:
                      extra={"dp": 2, "zero_stage": 1, "vocabs": [63], "schedules": ["1f1b"],
                             "slicings": [[8, 24, 16]]})
     _check(results, expected_cases=2)
+
+
+@pytest.mark.timeout(900)
+def test_vocab_parallel_features(tmp_path) -> None:
+    """Checkpoints at the same p resume exactly, load at p=1 and export whole; eval equals the reference; the
+    refusals (no output layer, another loss, vocab < p, virtual stages, config without the module) on every rank."""
+    results = launch("vocab_features", 2, tmp_path, timeout_s=840)
+    errors = [r["error"] for r in results if "error" in r]
+    assert not errors, errors[0]
+    for r in results:
+        cases = {c["case"]: c for c in r["results"]}
+        for tied in (True, False):
+            ck = cases[f"vocab checkpoint at p=1 tied={tied}"]
+            assert ck["resumed"] == ck["uninterrupted"] and ck["resume_err"] == 0.0, ck
+            assert ck["export_shape"] == [63, 32] and ck["p1_head_err"] == 0.0 and ck["shard_vs_export_err"] == 0.0
+            assert ("4.wte.weight" if tied else "4.weight") in ck["export_keys"]
+        ev = cases["vocab eval"]
+        assert ev["loss"] == pytest.approx(ev["ref_loss"], rel=TOL)
+        assert "return_logits=False" in ev["return_logits"]
+        ref = cases["vocab refusals"]
+        assert "GPTFinalNorm) is not a recognisable output layer" in ref["no_head"]
+        assert "causal_lm_loss as loss_fn" in ref["loss"]
+        assert "vocabulary 1 < 2 pipeline stages" in ref["small_vocab"]
+        assert "virtual_stages=2 is not supported yet" in ref["virtual"]
+        assert "built with vocab_parallel=False" in ref["config_without_module"]

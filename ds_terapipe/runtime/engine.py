@@ -292,6 +292,8 @@ class TokenPipelineEngine(PipelineEngine):
 
     def eval_batch(self, data_iter: Iterator, *args: Any, **kwargs: Any) -> Any:
         with self._failing_fast("eval_batch"):
+            if self._vocab is not None:
+                self._vocab.check_eval(*args, **kwargs)
             return super().eval_batch(self._use_plan_for_next_batch(data_iter), *args, **kwargs)
 
     def _use_plan_for_next_batch(self, iterator: Optional[Iterator]) -> Optional[Iterator]:

@@ -323,6 +323,13 @@ class VocabParallel:
         finally:
             module.loss_fn = loss_fn
 
+    @staticmethod
+    def check_eval(return_logits: bool = False, *args: Any, **kwargs: Any) -> None:
+        """``eval_batch``'s arguments, refused on every rank before any message is sent."""
+        if kwargs.get("return_logits", return_logits):
+            raise mark_collective(ValueError("terapipe.vocab_parallel: eval_batch(return_logits=True) is not supported "
+                                             "(no rank holds the full logits); call it with return_logits=False"))
+
     def forward_pass(self, buffer_id: int, microbatch: int, slice_index: int) -> None:
         training = torch.is_grad_enabled()
         with torch.no_grad():  # gradients are computed by hand in backward_pass: no graph to keep
@@ -330,9 +337,7 @@ class VocabParallel:
 
     def _forward(self, microbatch: int, slice_index: int, training: bool) -> None:
         engine, head = self.engine, self.head
-        if engine.eval_return_logits:
-            raise mark_collective(ValueError("terapipe.vocab_parallel: eval_batch(return_logits=True) is not supported "
-                                             "(no rank holds the full logits); call it with return_logits=False"))
+        assert not engine.eval_return_logits, "refused by check_eval"
         start, end = engine.slice_bounds(slice_index)
         shape = (engine.micro_batch_size, end - start)
         what = f"the vocabulary forward of micro-batch {microbatch} slice {slice_index}"
