@@ -1150,7 +1150,8 @@ def suite_vocab_features(extra: dict) -> list[dict]:
         head = one.module.vocab_head
         key = f"{head.spec.index}.{head.spec.weight_name}"
         results.append({"case": STATUS["case"], "uninterrupted": uninterrupted, "resumed": resumed,
-                        "resume_err": resume_err, "export_keys": sorted(merged), "export_shape": list(merged[key].shape),
+                        "resume_err": resume_err, "export_keys": sorted(merged),
+                        "export_shape": list(merged[key].shape),
                         "p1_head_err": rel_err(head.weight.detach(), merged[key]),
                         "shard_vs_export_err": rel_err(saved_rows[2][:saved_rows[1]],
                                                        merged[key][saved_rows[0]:saved_rows[0] + saved_rows[1]])})

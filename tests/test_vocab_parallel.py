@@ -29,7 +29,8 @@ def _check(results: list[dict], expected_cases: int) -> None:
             where = f"{case['case']} stage={case['stage']} dp={case['dp']}"
             for got, ref in zip(case["losses"], case["ref_losses"]):
                 assert abs(got - ref) <= TOL * abs(ref), f"{where}: loss {case['losses']} != {case['ref_losses']}"
-            assert case["grad_rel_err"] <= TOL, f"{where}: gradient of {case['grad_worst']} off by {case['grad_rel_err']}"
+            assert case["grad_rel_err"] <= TOL, \
+                f"{where}: gradient of {case['grad_worst']} off by {case['grad_rel_err']}"
             assert case["param_rel_err"] <= TOL, \
                 f"{where}: after 3 steps {case['param_worst']} off by {case['param_rel_err']}"
             assert case["pad_abs"] == 0.0, f"{where}: padding rows moved ({case['pad_abs']})"

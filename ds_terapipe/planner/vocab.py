@@ -91,10 +91,11 @@ def vocab_anchor_violations(schedule: Schedule) -> list[str]:
             if vb is None:
                 out.append(f"rank {last}: {Action(last, VB, b, i)} is missing")
             elif vf is not None and vb < vf:
-                out.append(f"rank {last}: {Action(last, VB, b, i)} at position {vb} runs before {Action(last, VF, b, i)}")
+                out.append(f"rank {last}: {Action(last, VB, b, i)} at position {vb} runs before "
+                           f"{Action(last, VF, b, i)}")
             elif bw is not None and bw < vb:
-                out.append(f"rank {last}: {Action(last, B, b, i)} at position {bw} runs before {Action(last, VB, b, i)}, "
-                           "whose hidden-state gradient it needs")
+                out.append(f"rank {last}: {Action(last, B, b, i)} at position {bw} runs before "
+                           f"{Action(last, VB, b, i)}, whose hidden-state gradient it needs")
     return out
 
 

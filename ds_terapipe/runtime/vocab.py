@@ -94,14 +94,16 @@ def split_output_layer(layers: list) -> tuple[list, HeadSpec]:
         attrs = head.tied_weight_attr if isinstance(head.tied_weight_attr, (list, tuple)) else [head.tied_weight_attr]
         if len(attrs) != 1:
             raise ValueError(f"terapipe.vocab_parallel: the last layer (TiedLayerSpec {head.key!r}) ties "
-                             f"{list(attrs)}; the output layer must tie exactly one (vocab, hidden) weight; {_FIX_HEAD}")
+                             f"{list(attrs)}; the output layer must tie exactly one (vocab, hidden) weight; "
+                             f"{_FIX_HEAD}")
         tied = any(isinstance(s, TiedLayerSpec) and s.key == head.key for s in layers[:-1])
         return layers[:-1], HeadSpec(head, index, head.key if tied else None, attrs[0], None)
     if isinstance(head, LayerSpec) and isinstance(head.typename, type) and issubclass(head.typename, torch.nn.Linear) \
             or isinstance(head, torch.nn.Linear):
         return layers[:-1], HeadSpec(head, index, None, "weight", "bias")
     name = getattr(getattr(head, "typename", None), "__name__", type(head).__name__)
-    raise ValueError(f"terapipe.vocab_parallel: the last layer ({name}) is not a recognisable output layer; {_FIX_HEAD}")
+    raise ValueError(f"terapipe.vocab_parallel: the last layer ({name}) is not a recognisable output layer; "
+                     f"{_FIX_HEAD}")
 
 
 def _build_full(spec: HeadSpec) -> tuple[torch.nn.Module, torch.Tensor, Optional[torch.Tensor]]:
@@ -163,8 +165,8 @@ def build_shard_head(module: Any, spec: HeadSpec) -> VocabShardHead:
     _, weight, bias = _build_full(spec)
     vocab = weight.shape[0]
     if vocab < p:
-        raise ValueError(f"terapipe.vocab_parallel: vocabulary {vocab} < {p} pipeline stages; every rank needs at least "
-                         "one row: use fewer stages or set vocab_parallel to false")
+        raise ValueError(f"terapipe.vocab_parallel: vocabulary {vocab} < {p} pipeline stages; every rank needs at "
+                         "least one row: use fewer stages or set vocab_parallel to false")
     device = next(iter(module.parameters()), weight).device
     weight, bias = weight.to(device).clone(), None if bias is None else bias.to(device).clone()
     source = p - 1
