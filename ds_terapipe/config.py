@@ -183,6 +183,14 @@ class TeraPipeConfig(DeepSpeedConfigModel):
     ``gpipe``; off with ``1f1b``, whose point is bounded memory (per-slice W measured +5-30% activations): the
     schedule's registered ``ScheduleSpec.deferred_weight_grads``."""
 
+    vocab_parallel: bool = False
+    """Split the output layer (and its gradient and optimizer state) by vocabulary rows over the pipeline ranks,
+    so the last stage stops being the slowest (``runtime/vocab.py``). Per (micro-batch, slice) every rank joins
+    two collectives (the last stage's hidden states and labels out, softmax statistics, the hidden-state gradient
+    back); the loss is exactly the unsharded cross entropy. Needs ``loss_fn=causal_lm_loss``, an output layer
+    as the last layer, one chunk per rank (``gpipe``, ``1f1b``) and fp32; build the model with
+    ``TokenPipelineModule(..., vocab_parallel=True)``."""
+
     max_slices: Optional[int] = Field(None, ge=1)
     """Upper bound on the number of slices ``"auto"`` may choose."""
 
@@ -243,6 +251,14 @@ class TeraPipeConfig(DeepSpeedConfigModel):
             self.deferred_weight_grads = spec.deferred_weight_grads
         if self.virtual_stages is None:
             self.virtual_stages = spec.virtual_stages
+        if self.vocab_parallel and self.virtual_stages != 1:
+            raise ValueError(f"terapipe.vocab_parallel with schedule {self.schedule!r} and virtual_stages="
+                             f"{self.virtual_stages}: the vocabulary passes need one chunk per rank for now; use "
+                             "schedule gpipe or 1f1b (virtual_stages 1), or set vocab_parallel to false")
+        if self.vocab_parallel and self.freeze is not None:
+            raise ValueError("terapipe.vocab_parallel with terapipe.freeze is not supported yet (freezing drops "
+                             "gradient messages the vocabulary passes' collectives are ordered against); remove one "
+                             "of the two")
         try:
             spec.placement(2, self.virtual_stages)  # the rule does not depend on the number of ranks
         except ValueError as err:

@@ -1213,5 +1213,221 @@ def suite_freeze(extra: dict) -> list[dict]:
 SUITES["freeze"] = suite_freeze
 
 
+
+# -- vocabulary parallelism (terapipe.vocab_parallel) -------------------------------------------------------------
+class SeededHead(torch.nn.Linear):
+    """An untied output layer whose weights depend only on (seed, vocab): the same in every build."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__(cfg.hidden, cfg.vocab_size)
+        gen = torch.Generator().manual_seed(cfg.seed + 999)
+        with torch.no_grad():
+            self.weight.copy_(torch.randn(self.weight.shape, generator=gen) * 0.02)
+            self.bias.copy_(torch.randn(self.bias.shape, generator=gen) * 0.02)
+
+
+class UntiedReference(GPTReference):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__(cfg)
+        self.head = SeededHead(cfg)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = ids
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def vocab_layer_specs(cfg: GPTConfig, tied: bool) -> list:
+    specs = gpt_layer_specs(cfg)
+    return specs if tied else specs[:-1] + [LayerSpec(SeededHead, cfg)]
+
+
+def vocab_reference(cfg: GPTConfig, tied: bool, batches: list[tuple], num_steps: int, lr: float, momentum: float):
+    model = GPTReference(cfg) if tied else UntiedReference(cfg)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    per_step = len(batches) // num_steps
+    losses, first_grads = [], {}
+    for step in range(num_steps):
+        opt.zero_grad()
+        part = batches[step * per_step:(step + 1) * per_step]
+        total = sum(causal_lm_loss(model(x), y) for x, y in part) / len(part)
+        total.backward()
+        losses.append(float(total))
+        if step == 0:
+            first_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        opt.step()
+    return losses, first_grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def vocab_compare(engine: Any, named: dict[str, torch.Tensor], ref: dict[str, torch.Tensor],
+                  tied: bool) -> tuple[float, str, list[str], float]:
+    """Worst relative error of this rank's tensors against the reference (the shard against its rows), the names
+    covered, and the largest absolute value in the shard's padding rows (must stay 0)."""
+    head = engine.module.vocab_head
+    worst, worst_name, covered, pad = 0.0, "", [], 0.0
+    for name, value in named.items():
+        if name == "tied_modules.embed.wpe.weight" and engine.stage_id != 0:
+            continue
+        if name.startswith("vocab_head."):
+            ref_name = ("layers.0.wte.weight" if tied else "head.weight") if name.endswith("weight") else "head.bias"
+            rows = slice(head.offset, head.offset + head.num_valid)
+            err = rel_err(value[:head.num_valid], ref[ref_name][rows]) if head.num_valid else 0.0
+            pad = max(pad, float(value[head.num_valid:].abs().max()) if head.num_valid < head.rows else 0.0)
+            covered.append(f"{ref_name}[{head.offset}:{head.offset + head.num_valid}]")
+        else:
+            ref_name = reference_param_name(name)
+            err = rel_err(value, ref[ref_name])
+            covered.append(ref_name)
+        if err >= worst:
+            worst, worst_name = err, name
+    return worst, worst_name, covered, pad
+
+
+def vocab_engine(cfg: GPTConfig, tied: bool, terapipe: dict, *, stages: int, micro: int, batch: int,
+                 zero_stage: int = 0, lr: float = 0.1, momentum: float = 0.9):
+    model = ds_terapipe.TokenPipelineModule(vocab_layer_specs(cfg, tied), num_stages=stages, loss_fn=causal_lm_loss,
+                                            vocab_size=cfg.vocab_size, partition_method="uniform",
+                                            vocab_parallel=terapipe.get("vocab_parallel", True))
+    dp = WORLD // stages
+    config = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": micro,
+              "train_batch_size": batch * micro * dp, "steps_per_print": 10**9, "gradient_clipping": 0.0,
+              "zero_optimization": {"stage": zero_stage},
+              "terapipe": dict({"vocab_parallel": True, "granularity": 2, "p2p_timeout_s": 60}, **terapipe,
+                               enabled=True)}
+    if zero_stage:
+        config["zero_allow_untested_optimizer"] = True
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    engine, _, _, _ = ds_terapipe.initialize(model=model, optimizer=opt, config=config)
+    ENGINE_REF["engine"] = engine
+    return engine
+
+
+def suite_vocab(extra: dict) -> list[dict]:
+    """Vocabulary parallelism against the unsliced reference: tied/untied heads x vocabularies (divisible by p
+    and not) x schedules x slices; loss, every gradient (the shard against its rows), parameters after 3 steps."""
+    dp = extra.get("dp", 1)
+    stages = WORLD // dp
+    zero_stage = extra.get("zero_stage", 0)
+    seq_len, batch, micro, steps = 48, 2, extra.get("micro", 2), 3
+    results = []
+    for vocab in extra.get("vocabs", [64, 63]):
+        cfg = GPTConfig(num_layers=extra.get("layers", 2), hidden=32, num_heads=4, vocab_size=vocab, max_seq_len=64,
+                        seed=7)
+        batches = make_batches(cfg, steps * micro * dp, batch, seq_len, seed=300 + vocab)
+        for tied in extra.get("tied", [True, False]):
+            ref_losses, ref_grads, ref_params = vocab_reference(cfg, tied, batches, steps, lr=0.1, momentum=0.9)
+            for slices in extra.get("slicings", [1, [8, 24, 16]]):
+                for sched in extra.get("schedules", ["gpipe", "1f1b"]):
+                    STATUS["case"] = f"vocab={vocab} tied={tied} slices={slices} schedule={sched}"
+                    engine = vocab_engine(cfg, tied, {"slices": slices, "seq_len": seq_len,
+                                                      "schedule": sched.removesuffix("+W"),
+                                                      **({"deferred_weight_grads": True} if sched.endswith("+W")
+                                                         else {})},
+                                          stages=stages, micro=micro, batch=batch, zero_stage=zero_stage)
+                    data = iter([batches[s * micro * dp + engine.grid.data_parallel_id * micro + j]
+                                 for s in range(steps) for j in range(micro)])
+                    with first_step_grads(engine) as grads:
+                        losses = [float(engine.train_batch(data)) for _ in range(steps)]
+                    params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+                    grads_ok = zero_stage == 0  # ZeRO-1 keeps reduced gradients in its partitions
+                    g_err, g_name, covered, g_pad = vocab_compare(engine, grads if grads_ok else params,
+                                                                  ref_grads if grads_ok else ref_params, tied)
+                    p_err, p_name, _, p_pad = vocab_compare(engine, params, ref_params, tied)
+                    head = engine.module.vocab_head
+                    results.append({"case": STATUS["case"], "stage": engine.stage_id, "dp": dp, "losses": losses,
+                                    "ref_losses": ref_losses, "grad_rel_err": g_err, "grad_worst": g_name,
+                                    "param_rel_err": p_err, "param_worst": p_name, "pad_abs": max(g_pad, p_pad),
+                                    "covered": covered, "rows": [head.offset, head.rows, head.num_valid],
+                                    "num_ref_params": len(ref_params),
+                                    "vocab_actions": [str(a) for a in engine._train_schedule().actions
+                                                      if a.is_collective]})
+    return results
+
+
+def _raised(fn: Callable[[], Any]) -> Optional[str]:
+    try:
+        fn()
+    except ValueError as err:
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+def suite_vocab_features(extra: dict) -> list[dict]:
+    """Checkpoints (same p: exact resume; p=1: weights; export_state_dict merges the shards), eval_batch, and the
+    refusals, each raised on every rank."""
+    from ds_terapipe.runtime.checkpoint import export_state_dict
+
+    cfg = GPTConfig(num_layers=2, hidden=32, num_heads=4, vocab_size=63, max_seq_len=64, seed=7)
+    batches = make_batches(cfg, 6, 2, 48, seed=77)
+    plan = {"slices": [8, 24, 16], "seq_len": 48, "schedule": "1f1b"}
+    results: list[dict] = []
+    for tied in (True, False):
+        STATUS["case"] = f"vocab checkpoint tied={tied}"
+        first = vocab_engine(cfg, tied, plan, stages=WORLD, micro=2, batch=2)
+        data = iter(batches)
+        for _ in range(2):
+            first.train_batch(data)
+        ckpt = str(Path(extra["out"]) / f"vocab_ckpt_{tied}")
+        first.save_checkpoint(ckpt)
+        saved = first.module.vocab_head
+        saved_rows = (saved.offset, saved.num_valid, saved.weight.detach().clone())
+        uninterrupted = float(first.train_batch(data))
+        after = {n: p.detach().clone() for n, p in first.module.named_parameters()}
+        again = vocab_engine(cfg, tied, plan, stages=WORLD, micro=2, batch=2)
+        again.load_checkpoint(ckpt)
+        resumed = float(again.train_batch(iter(batches[4:])))
+        resume_err = max(rel_err(p.detach(), after[n]) for n, p in again.module.named_parameters())
+        # another p: one stage x WORLD replicas loads the weights; the export holds the whole head
+        STATUS["case"] = f"vocab checkpoint at p=1 tied={tied}"
+        merged = export_state_dict(ckpt)
+        one = vocab_engine(cfg, tied, plan, stages=1, micro=2, batch=2)
+        one.load_checkpoint(ckpt, load_optimizer_states=False)
+        head = one.module.vocab_head
+        key = f"{head.spec.index}.{head.spec.weight_name}"
+        results.append({"case": STATUS["case"], "uninterrupted": uninterrupted, "resumed": resumed,
+                        "resume_err": resume_err, "export_keys": sorted(merged),
+                        "export_shape": list(merged[key].shape),
+                        "p1_head_err": rel_err(head.weight.detach(), merged[key]),
+                        "shard_vs_export_err": rel_err(saved_rows[2][:saved_rows[1]],
+                                                       merged[key][saved_rows[0]:saved_rows[0] + saved_rows[1]])})
+    # eval: the loss of the unsliced reference's forward; return_logits is refused
+    STATUS["case"] = "vocab eval"
+    engine = vocab_engine(cfg, True, plan, stages=WORLD, micro=2, batch=2)
+    loss = float(engine.eval_batch(iter(batches[:2])))
+    with torch.no_grad():
+        ref_model = GPTReference(cfg)
+        ref = float(sum(causal_lm_loss(ref_model(x), y) for x, y in batches[:2]) / 2)
+    results.append({"case": "vocab eval", "loss": loss, "ref_loss": ref,
+                    "return_logits": _raised(lambda: engine.eval_batch(iter(batches[:2]), return_logits=True))})
+    # refusals, every rank
+    refusals = {}
+    STATUS["case"] = "vocab refusals"
+    specs = gpt_layer_specs(cfg)
+    refusals["no_head"] = _raised(lambda: ds_terapipe.TokenPipelineModule(
+        specs[:-1], num_stages=WORLD, loss_fn=causal_lm_loss, vocab_parallel=True))
+    refusals["loss"] = _raised(lambda: ds_terapipe.TokenPipelineModule(
+        specs, num_stages=WORLD, loss_fn=lambda out, lab: causal_lm_loss(out, lab) * 2, vocab_parallel=True))
+    tiny = GPTConfig(num_layers=2, hidden=32, num_heads=4, vocab_size=WORLD - 1, max_seq_len=64, seed=7)
+    refusals["small_vocab"] = _raised(lambda: ds_terapipe.TokenPipelineModule(
+        gpt_layer_specs(tiny), num_stages=WORLD, loss_fn=causal_lm_loss, vocab_parallel=True))
+    refusals["virtual"] = _raised(lambda: ds_terapipe.TokenPipelineModule(
+        specs, num_stages=WORLD, loss_fn=causal_lm_loss, vocab_parallel=True, virtual_stages=2,
+        schedule="interleaved-1f1b"))
+    refusals["config_without_module"] = _raised(lambda: vocab_engine(
+        cfg, True, dict(plan, vocab_parallel=True), stages=WORLD, micro=2, batch=2) if False else
+        ds_terapipe.initialize(model=ds_terapipe.TokenPipelineModule(specs, num_stages=WORLD, loss_fn=causal_lm_loss,
+                                                                     partition_method="uniform"),
+                               config={"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+                                       "train_batch_size": 4, "terapipe": dict(plan, enabled=True,
+                                                                                vocab_parallel=True)}))
+    results.append({"case": "vocab refusals", **refusals})
+    return results
+
+
+SUITES["vocab"] = suite_vocab
+SUITES["vocab_features"] = suite_vocab_features
+
+
 if __name__ == "__main__":
     main()

@@ -61,6 +61,11 @@ class ActionKind(str, enum.Enum):
     RECV_F = "RECV_F"
     SEND_B = "SEND_B"
     RECV_B = "RECV_B"
+    VOCAB_F = "VF"
+    """Vocabulary-parallel forward of a unit's output layer: a collective of every rank of the pipeline
+    (``planner/vocab.py``), in the same order on every rank."""
+    VOCAB_B = "VB"
+    """Its backward: each rank's shard of the output-layer gradient, the hidden-state gradient summed back."""
 
     def __str__(self) -> str:  # str-mixin enums print their qualified name otherwise
         return self.value
@@ -71,10 +76,13 @@ SEND_F, RECV_F, SEND_B, RECV_B = ActionKind.SEND_F, ActionKind.RECV_F, ActionKin
 _COMPUTE = frozenset({F, B, W})
 _SENDS = frozenset({SEND_F, SEND_B})
 _RECVS = frozenset({RECV_F, RECV_B})
+VF, VB = ActionKind.VOCAB_F, ActionKind.VOCAB_B
+# Collectives among all ranks of a pipeline: not p2p (no peer), not per-chunk compute.
+_COLLECTIVES = frozenset({VF, VB})
 # Stage offset of the peer of each comm kind: activations flow to s+1, gradients to s-1.
 _PEER_OFFSET = {SEND_F: +1, RECV_B: +1, RECV_F: -1, SEND_B: -1}
 # ASCII digits only, so that parse accepts exactly what str writes.
-_ACTION_RE = re.compile(r"([0-9]+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|W)([0-9]+)\.([0-9]+)")
+_ACTION_RE = re.compile(r"([0-9]+)(SEND_F|RECV_F|SEND_B|RECV_B|VF|VB|F|B|W)([0-9]+)\.([0-9]+)")
 
 
 class ScheduleError(ValueError):
@@ -163,6 +171,11 @@ class Action:
     @property
     def is_comm(self) -> bool:
         return self.kind not in _COMPUTE
+
+    @property
+    def is_collective(self) -> bool:
+        """A collective of every rank of the pipeline (vocabulary parallelism): ``VF``, ``VB``."""
+        return self.kind in _COLLECTIVES
 
     @property
     def unit(self) -> tuple[int, int]:
@@ -604,7 +617,7 @@ def schedule_from_strings(name: str, num_microbatches: int, num_slices: int, lin
 # registry, so they include schedules registered later.
 _MOVED = {"build_gpipe": "gpipe", "build_1f1b": "one_f_one_b", "warmup_forwards": "one_f_one_b"}
 # The validator and dry run live in ``verify.py`` (it builds on this module); importable from here as before.
-_VERIFY = ("ReplayResult", "match_messages", "replay", "validate")
+_VERIFY = ("ReplayResult", "collective_violations", "match_messages", "replay", "validate")
 
 
 def __getattr__(name: str) -> Any:

@@ -15,13 +15,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from .schedule import (
-    _COMPUTE, _PEER_OFFSET, _RECVS, _SENDS, B, F, RECV_B, RECV_F, SEND_B, SEND_F, W, Action, ActionKind,
+    _COLLECTIVES, _COMPUTE, _PEER_OFFSET, _RECVS, _SENDS, B, F, RECV_B, RECV_F, SEND_B, SEND_F, W, Action, ActionKind,
     DeadlockError, PairingError, Schedule, ScheduleError, _message_of, add_communication, format_grid,
 )
 
+from .vocab import vocab_anchor_violations
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["ReplayResult", "match_messages", "replay", "validate"]
+__all__ = ["ReplayResult", "collective_violations", "match_messages", "replay", "validate"]
 
 # Messages list at most this many violations; the exception keeps all of them.
 _MAX_LISTED = 50
@@ -71,6 +73,8 @@ def validate(schedule: Schedule) -> None:
     for s, stream in enumerate(schedule.stages):
         for p, a in enumerate(stream):
             c = a.stage
+            if a.kind in _COLLECTIVES:
+                continue  # checked by collective_order below
             if a.microbatch >= m or a.slice >= n:
                 out.append(f"{where(c)} position {p}: {a} is outside {m} micro-batches x {n} slices")
                 continue
@@ -90,7 +94,8 @@ def validate(schedule: Schedule) -> None:
                 table[a.unit] = p
     for c in range(C):
         here = pos[c]
-        kinds = [k for k in ActionKind if needs[k](c) and (k in _COMPUTE or schedule.has_comm)]
+        kinds = [k for k in ActionKind
+                 if k not in _COLLECTIVES and needs[k](c) and (k in _COMPUTE or schedule.has_comm)]
         down = pos[c - 1] if c > 0 and not remote(c, c - 1) else None      # local hand-off from chunk c-1
         up = pos[c + 1] if c + 1 < C and not remote(c, c + 1) else None    # local gradient from chunk c+1
         for b in range(m):
@@ -118,7 +123,29 @@ def validate(schedule: Schedule) -> None:
                     if first is not None and then is not None and first > then:
                         out.append(f"{where(c)}: {Action(c, k2, b, i2)} at position {then} runs before "
                                    f"{Action(c1, k1, b, i1)} at position {first}, which it needs")
+    out += collective_violations(schedule) + vocab_anchor_violations(schedule)
     _raise_if(out, ScheduleError, f"schedule {schedule.name!r} is invalid")
+
+
+def collective_violations(schedule: Schedule) -> list[str]:
+    """Collectives (``VF``/``VB``, vocabulary parallelism) must reach every rank in one order: rank r's k-th
+    collective is every rank's k-th. Their placement against F/B is ``planner/vocab.py``'s rule."""
+    seqs = [[a for a in stream if a.kind in _COLLECTIVES] for stream in schedule.stages]
+    if not any(seqs):
+        return []
+    out: list[str] = []
+    first = [(a.kind, a.microbatch, a.slice) for a in seqs[0]]
+    for r, seq in enumerate(seqs[1:], start=1):
+        mine = [(a.kind, a.microbatch, a.slice) for a in seq]
+        if len(mine) != len(first):
+            out.append(f"rank {r} runs {len(mine)} collective(s), rank 0 runs {len(first)}: every rank of the "
+                       "pipeline must join each one")
+        for k, (x, y) in enumerate(zip(first, mine)):
+            if x != y:
+                out.append(f"rank {r}'s collective #{k} is {seq[k]}, rank 0's is {seqs[0][k]}: collectives must run "
+                           "in one order on every rank")
+                break
+    return out
 
 
 # ------------------------------------------------------------------------------------------------- replay
@@ -156,7 +183,7 @@ def match_messages(schedule: Schedule) -> tuple[dict[tuple[int, int], tuple[int,
     for r, stream in enumerate(schedule.stages):
         for p, a in enumerate(stream):
             kind = a.kind
-            if kind is F or kind is B or kind is W:
+            if kind is F or kind is B or kind is W or kind in _COLLECTIVES:
                 continue
             peer = a.stage + _PEER_OFFSET[kind]
             if not 0 <= peer < C:
@@ -200,7 +227,11 @@ def replay(schedule: Schedule) -> ReplayResult:
     lowered = add_communication(schedule)
     streams = lowered.stages
     matches = match_messages(lowered)
+    _raise_if(collective_violations(lowered), ScheduleError, f"schedule {lowered.name!r} mis-orders collectives")
     K = lowered.num_stages
+    # Per rank, the position of its k-th collective: a collective completes once every rank has reached its own.
+    coll_pos = [[p for p, a in enumerate(st) if a.kind in _COLLECTIVES] for st in streams]
+    coll_index = [{p: k for k, p in enumerate(ps)} for ps in coll_pos]
     steps: list[list[int]] = [[] for _ in range(K)]  # steps[r][p]: step of rank r's p-th action, once done
     done = [0] * K
     while True:
@@ -210,7 +241,12 @@ def replay(schedule: Schedule) -> ReplayResult:
             p = done[r]
             while p < len(stream):
                 t = mine[p - 1] + 1 if p else 0
-                if stream[p].kind in _RECVS:
+                if stream[p].kind in _COLLECTIVES:
+                    k = coll_index[r][p]
+                    if any(done[q] < coll_pos[q][k] for q in range(K)):
+                        break  # some rank has not arrived yet
+                    t = max([t] + [steps[q][coll_pos[q][k] - 1] + 1 for q in range(K) if coll_pos[q][k] > 0])
+                elif stream[p].kind in _RECVS:
                     src = match.get(p)
                     if src is None or done[src[0]] <= src[1]:
                         break
@@ -234,6 +270,7 @@ def _deadlock(schedule: Schedule, done: Sequence[int], matches: Sequence[Mapping
     streams, place = schedule.stages, schedule.placement
     assert place is not None
     sends_on: dict[tuple[int, int], int] = {}
+    coll_pos = [[p for p, a in enumerate(st) if a.kind in _COLLECTIVES] for st in streams]
     for r, st in enumerate(streams):
         for a in st:
             if a.kind in _SENDS:
@@ -246,6 +283,14 @@ def _deadlock(schedule: Schedule, done: Sequence[int], matches: Sequence[Mapping
         if p == len(st):
             continue
         a = st[p]
+        if a.kind in _COLLECTIVES:
+            k = coll_pos[r].index(p)
+            late = [q for q in range(len(streams)) if done[q] < coll_pos[q][k]]
+            why = (f"waits in collective #{k} for rank(s) {late}, blocked at "
+                   + ", ".join(f"{streams[q][done[q]]} (rank {q})" for q in late))
+            marks[(r, p)] = f"{a} {why}"
+            lines.append(f"rank {r} blocked at position {p} on {a}: {why}")
+            continue
         src = matches[r].get(p)
         peer = place[a.stage + _PEER_OFFSET[a.kind]]
         if src is None:

@@ -136,7 +136,8 @@ def export_state_dict(checkpoint_dir: str, tag: Optional[str] = None) -> dict[st
     """One plain state dict ``{"<layer index>.<param>": tensor}`` from a pipeline checkpoint, on CPU.
 
     Needs no process group: it reads the per-layer files DeepSpeed wrote (any number of stages), after
-    verifying the manifest. Tied layers appear under each index that uses them.
+    verifying the manifest. Tied layers appear under each index that uses them. An output layer split by
+    ``terapipe.vocab_parallel`` appears whole, under its layer index (``runtime/vocab.py``).
     """
     tag = tag or read_latest(checkpoint_dir)
     if tag is None:
@@ -152,6 +153,13 @@ def export_state_dict(checkpoint_dir: str, tag: Optional[str] = None) -> dict[st
         layer = int(match.group(1))
         for name, tensor in torch.load(path, map_location="cpu", weights_only=True).items():
             out.setdefault(f"{layer}.{name}", tensor)
+    from .vocab import merge_vocab_shards  # vocab builds on this module's errors
+
+    head = merge_vocab_shards(tag_dir)
+    if head is not None:
+        out[f"{head['layer']}.{head['weight_name']}"] = head["weight"]
+        if "bias" in head:
+            out[f"{head['layer']}.bias"] = head["bias"]
     if not out:
         raise CheckpointError(f"checkpoint {tag_dir} holds no layer files (layer_XX-...model_states.pt)")
     return out

@@ -67,7 +67,8 @@ from .p2p import AbortFlag, PeerFailedError, SliceP2P, agree_or_raise, as_tuple,
 from .plan import ResolvedPlan, plan_for_length, resolve_plan
 from .recompute import install_sliced_checkpointing
 from .replan import Replanner
-from .schedule import TokenPipeSchedule, WeightGradPass
+from .schedule import TokenPipeSchedule, VocabBackwardPass, VocabForwardPass, WeightGradPass
+from .vocab import VocabParallel
 
 __all__ = ["TokenPipelineEngine"]
 
@@ -138,6 +139,7 @@ class TokenPipelineEngine(PipelineEngine):
         super().__init__(*args, **kwargs)
         self._chunk = None  # the chunk an instruction runs on, while it runs (see _on_chunk)
         check_deepspeed_internals(self)  # a DeepSpeed that moved what we rely on fails here, naming it
+        VocabParallel.check_engine(self)
         if self.is_pipe_partitioned or self.is_grad_partitioned:
             raise ValueError("terapipe: pipeline.pipe_partitioned / grad_partitioned are not supported by the "
                              "token pipeline; set both to false in the DeepSpeed config")
@@ -162,6 +164,8 @@ class TokenPipelineEngine(PipelineEngine):
         self._batches_traced = 0
         # Deferred weight gradients: per (chunk, micro-batch), the (input, output-gradient) pairs until its W.
         self._stashes: dict[tuple[int, int], WeightGradStash] = {}
+        # Vocabulary parallelism: the output layer's shard on this rank and its passes (runtime/vocab.py).
+        self._vocab = VocabParallel(self) if self.terapipe.vocab_parallel else None
         with self._failing_fast("engine init"):
             if self.terapipe.deferred_weight_grads:  # before profiling, which measures the split backward
                 count = enable_deferred_weight_grads(self.module)
@@ -292,6 +296,8 @@ class TokenPipelineEngine(PipelineEngine):
 
     def eval_batch(self, data_iter: Iterator, *args: Any, **kwargs: Any) -> Any:
         with self._failing_fast("eval_batch"):
+            if self._vocab is not None:
+                self._vocab.check_eval(*args, **kwargs)
             return super().eval_batch(self._use_plan_for_next_batch(data_iter), *args, **kwargs)
 
     def _use_plan_for_next_batch(self, iterator: Optional[Iterator]) -> Optional[Iterator]:
@@ -352,7 +358,8 @@ class TokenPipelineEngine(PipelineEngine):
     def _train_schedule(self) -> TokenPipeSchedule:
         return TokenPipeSchedule(self.terapipe.schedule, self.micro_batches, self.num_stages, self.stage_id,
                                  self.num_slices, train=True, deferred_weight_grads=self.terapipe.deferred_weight_grads,
-                                 virtual_stages=self.terapipe.virtual_stages, num_frozen_chunks=self._frozen_chunks())
+                                 virtual_stages=self.terapipe.virtual_stages, num_frozen_chunks=self._frozen_chunks(),
+                                 vocab_parallel=self.terapipe.vocab_parallel)
 
     # -- frozen layers (runtime/freeze.py) -------------------------------------------------------------------------
     def _frozen_chunks(self) -> int:
@@ -372,11 +379,6 @@ class TokenPipelineEngine(PipelineEngine):
         else:
             yield
 
-    def _exec_reduce_tied_grads(self) -> None:
-        if getattr(self, "freezer", None) is not None:
-            self.freezer.fill_tied_grads(self)
-        super()._exec_reduce_tied_grads()
-
     def _exec_optimizer_step(self, *args: Any, **kwargs: Any) -> None:
         if getattr(self, "freezer", None) is not None:
             self.freezer.observe_gradients(self)
@@ -384,7 +386,8 @@ class TokenPipelineEngine(PipelineEngine):
 
     def _inference_schedule(self, micro_batches: int) -> TokenPipeSchedule:
         return TokenPipeSchedule(self.terapipe.schedule, micro_batches, self.num_stages, self.stage_id,
-                                 self.num_slices, train=False, virtual_stages=self.terapipe.virtual_stages)
+                                 self.num_slices, train=False, virtual_stages=self.terapipe.virtual_stages,
+                                 vocab_parallel=self.terapipe.vocab_parallel)
 
     # -- execution -------------------------------------------------------------------------------------------
     def _exec_schedule(self, pipe_schedule: TokenPipeSchedule) -> None:
@@ -397,6 +400,8 @@ class TokenPipelineEngine(PipelineEngine):
         self._unit_losses.clear()
         self._unit_grads.clear()
         self._stashes.clear()
+        if self._vocab is not None:
+            self._vocab.reset()
         self._logits = []
         self._trail.clear()
         timeline: list[TimedAction] = []
@@ -483,6 +488,10 @@ class TokenPipelineEngine(PipelineEngine):
     @contextmanager
     def _weighted_loss(self, weight: float) -> Iterator[None]:
         """Scale the module's loss by the slice's share of tokens while DeepSpeed's forward computes it."""
+        if self._vocab is not None:  # the loss is the vocabulary passes' (VF computes it, weighted)
+            with self._vocab.loss_hook():
+                yield
+            return
         loss_fn = self.module.loss_fn
         if loss_fn is None or weight == 1.0:
             yield
@@ -634,6 +643,19 @@ class TokenPipelineEngine(PipelineEngine):
                                     f"{self._chunk_note(chunk)}")
         self._unit_grads[buffer_id] = grads[0] if torch.is_tensor(outputs) else list(grads)
 
+    def _exec_vocab_forward(self, buffer_id: int, microbatch: int, slice_index: int, chunk: int) -> None:
+        self._vocab.forward_pass(buffer_id, microbatch, slice_index)
+
+    def _exec_vocab_backward(self, buffer_id: int, microbatch: int, slice_index: int, chunk: int) -> None:
+        self._vocab.backward_pass(buffer_id, microbatch, slice_index)
+
+    def _exec_reduce_tied_grads(self) -> None:
+        if getattr(self, "freezer", None) is not None:   # a zero gradient where only frozen layers use the weight
+            self.freezer.fill_tied_grads(self)
+        super()._exec_reduce_tied_grads()
+        if self._vocab is not None:
+            self._vocab.reduce_tied_grads()
+
     def _chunk_note(self, chunk: int) -> str:
         return f" of chunk {chunk}" if self.num_chunks != self.num_stages else ""
 
@@ -655,6 +677,8 @@ class TokenPipelineEngine(PipelineEngine):
         ds_schedule.RecvGrad: _exec_recv_grads,
         ds_schedule.CommitP2P: _exec_commit_p2p,
         WeightGradPass: _exec_weight_grad_pass,
+        VocabForwardPass: _exec_vocab_forward,
+        VocabBackwardPass: _exec_vocab_backward,
         ds_schedule.ReduceTiedGrads: _exec_reduce_tied_grads,
         ds_schedule.OptimizerStep: _exec_optimizer_step,
     }

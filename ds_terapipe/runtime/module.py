@@ -26,6 +26,7 @@ from deepspeed.pipe import PipelineModule
 
 from ..planner.registry import get_schedule
 from ..planner.schedule import chunks_on, looped_placement
+from . import vocab
 from .partition import custom_parts
 
 __all__ = ["TokenPipelineModule", "InputSampler", "chunk_layout", "module_chunk_kwargs"]
@@ -49,6 +50,9 @@ class TokenPipelineModule(PipelineModule):
         partition_method: DeepSpeed's (``uniform``, ``parameters``, ``type:...``), or ``"terapipe"`` (cost-based:
             layers profiled, boundaries and slicing planned together; needs ``partition_settings``, see
             :func:`~ds_terapipe.runtime.partition.partition_kwargs`) or ``"parts:0,5,9"`` (your own boundaries).
+        vocab_parallel: split the output layer (the last of ``layers``) by vocabulary rows over the pipeline
+            ranks (the config's ``terapipe.vocab_parallel``; :mod:`ds_terapipe.runtime.vocab`): every rank holds
+            ``vocab_head``, its shard, and the last stage's forward ends with the final hidden states.
 
     Attributes:
         placement: the rank of every chunk, chunk-indexed (``(0, 1, ..., p-1)`` with one chunk per rank).
@@ -59,7 +63,8 @@ class TokenPipelineModule(PipelineModule):
 
     def __init__(self, layers, *args, vocab_size: Optional[int] = None,
                  input_sampler: Optional[InputSampler] = None, virtual_stages: int = 1,
-                 schedule: Optional[str] = None, partition_settings: Optional[Any] = None, **kwargs) -> None:
+                 schedule: Optional[str] = None, partition_settings: Optional[Any] = None,
+                 vocab_parallel: bool = False, **kwargs) -> None:
         if vocab_size is not None and input_sampler is not None:
             raise ValueError("TokenPipelineModule: pass vocab_size or input_sampler, not both")
         if vocab_size is not None and vocab_size < 1:
@@ -75,7 +80,20 @@ class TokenPipelineModule(PipelineModule):
         self.partition_settings = partition_settings   # and the sampler: partition_method="terapipe" profiles
         self.vocab_size = vocab_size
         self.input_sampler = input_sampler
+        head_spec = None
+        if vocab_parallel:
+            if virtual_stages != 1:
+                raise ValueError(f"TokenPipelineModule: vocab_parallel with virtual_stages={virtual_stages} is not "
+                                 "supported yet (the vocabulary passes need one chunk per rank); use virtual_stages=1 "
+                                 "with gpipe or 1f1b, or vocab_parallel=False")
+            if partition_settings is not None or str(kwargs.get("partition_method", "")) == "terapipe":
+                raise ValueError("TokenPipelineModule: vocab_parallel with partition_method='terapipe' is not "
+                                 "supported yet (the cost-based partition times the head on the last stage, which "
+                                 "vocabulary parallelism removes); use partition_method='type:...', 'parameters' "
+                                 "or 'parts:...' with vocab_parallel, or vocab_parallel=False")
+            layers, head_spec = vocab.split_output_layer(layers)
         super().__init__(layers, *args, **kwargs)
+        self.vocab_head = None if head_spec is None else vocab.build_shard_head(self, head_spec)
 
     # -- inputs ---------------------------------------------------------------------------------------------
     def has_sampler(self) -> bool:
@@ -197,13 +215,17 @@ class TokenPipelineModule(PipelineModule):
             super()._precompute_checkpointable_values()
             self.chunk_checkpointable[index] = self.is_checkpointable_results
 
-    def save_state_dict(self, *args, **kwargs) -> None:
+    def save_state_dict(self, save_dir, *args, **kwargs) -> None:
         for _ in self.each_chunk():
-            super().save_state_dict(*args, **kwargs)
+            super().save_state_dict(save_dir, *args, **kwargs)
+        if self.vocab_head is not None:
+            vocab.save_vocab_shard(self, save_dir)
 
-    def load_state_dir(self, *args, **kwargs) -> None:
+    def load_state_dir(self, load_dir, *args, **kwargs) -> None:
         for _ in self.each_chunk():
-            super().load_state_dir(*args, **kwargs)
+            super().load_state_dir(load_dir, *args, **kwargs)
+        if self.vocab_head is not None:
+            vocab.load_vocab_shard(self, load_dir)
 
     def compile(self, *args, **kwargs) -> None:
         for _ in self.each_chunk():
@@ -222,11 +244,15 @@ def chunk_layout(module: torch.nn.Module) -> tuple[tuple[int, ...], tuple[int, .
 
 def module_chunk_kwargs(terapipe: Optional[Any]) -> dict[str, Any]:
     """The :class:`TokenPipelineModule` keywords a parsed ``"terapipe"`` section asks for: ``virtual_stages`` and
-    ``schedule`` when it places several chunks per rank, else none (one chunk per rank, or stock DeepSpeed)::
+    ``schedule`` when it places several chunks per rank, ``vocab_parallel`` when on, else none (one chunk per rank,
+    or stock DeepSpeed)::
 
         terapipe = ds_terapipe.parse_terapipe_config(ds_config)
         model = TokenPipelineModule(layers, num_stages=2, ..., **ds_terapipe.module_chunk_kwargs(terapipe))
     """
-    if terapipe is None or not terapipe.enabled or terapipe.virtual_stages == 1:
+    if terapipe is None or not terapipe.enabled:
         return {}
-    return {"virtual_stages": terapipe.virtual_stages, "schedule": terapipe.schedule}
+    out: dict[str, Any] = {"vocab_parallel": True} if terapipe.vocab_parallel else {}
+    if terapipe.virtual_stages != 1:
+        out.update(virtual_stages=terapipe.virtual_stages, schedule=terapipe.schedule)
+    return out

@@ -22,9 +22,10 @@ from typing import Iterator
 from deepspeed.runtime.pipe import schedule as ds_schedule
 
 from ..planner.schedule import Action, ActionKind, Schedule, add_communication, build_schedule
+from ..planner.vocab import add_vocab_passes
 from .freeze import freeze_lowered
 
-__all__ = ["TokenPipeSchedule", "forward_only"]
+__all__ = ["TokenPipeSchedule", "VocabBackwardPass", "VocabForwardPass", "forward_only"]
 
 
 def forward_only(schedule: Schedule) -> Schedule:
@@ -36,6 +37,14 @@ def forward_only(schedule: Schedule) -> Schedule:
 class WeightGradPass(ds_schedule.PipeInstruction):
     """Compute the deferred weight gradients recorded so far: a micro-batch's (slice 0, after all its
     backwards) or one slice's (when the schedule has a W per slice)."""
+
+
+class VocabForwardPass(ds_schedule.PipeInstruction):
+    """``VF``: this rank's shard of the output layer for one (micro-batch, slice) (``runtime/vocab.py``)."""
+
+
+class VocabBackwardPass(ds_schedule.PipeInstruction):
+    """``VB``: its backward: shard weight gradient, the hidden-state gradient reduced to the last stage."""
 
 
 class TokenPipeSchedule(ds_schedule.PipeSchedule):
@@ -52,17 +61,21 @@ class TokenPipeSchedule(ds_schedule.PipeSchedule):
             per slice after its backward.
         num_frozen_chunks: leading chunks whose layers are all frozen (``runtime/freeze.py``): they run forwards
             only and no gradient is sent to them.
+        vocab_parallel: add the vocabulary passes ``VF``/``VB`` (:func:`~ds_terapipe.planner.vocab.add_vocab_passes`)
+            as :class:`VocabForwardPass`/:class:`VocabBackwardPass`.
     """
 
     def __init__(self, name: str, micro_batches: int, stages: int, stage_id: int, num_slices: int,
                  train: bool = True, deferred_weight_grads: bool = False, virtual_stages: int = 1,
-                 num_frozen_chunks: int = 0) -> None:
+                 num_frozen_chunks: int = 0, vocab_parallel: bool = False) -> None:
         super().__init__(micro_batches=micro_batches, stages=stages, stage_id=stage_id)
         self.num_slices = num_slices
         self.train = train
         plan = build_schedule(name, stages, micro_batches, num_slices, deferred_weight_grads and train,
                               virtual_stages=virtual_stages)
         self.schedule = freeze_lowered(plan, num_frozen_chunks) if train else add_communication(forward_only(plan))
+        if vocab_parallel:
+            self.schedule = add_vocab_passes(self.schedule)
         self.actions: tuple[Action, ...] = self.schedule.stages[stage_id]
         self.chunks: tuple[int, ...] = self.schedule.chunks_of(stage_id)
         self._local = {chunk: index for index, chunk in enumerate(self.chunks)}
@@ -101,6 +114,10 @@ class TokenPipeSchedule(ds_schedule.PipeSchedule):
                 cmds.append(ds_schedule.SendGrad(**fields))
             elif kind == ActionKind.RECV_B:
                 cmds.append(ds_schedule.RecvGrad(**fields))
+            elif kind == ActionKind.VOCAB_F:
+                cmds.append(VocabForwardPass(**fields))
+            elif kind == ActionKind.VOCAB_B:
+                cmds.append(VocabBackwardPass(**fields))
             else:  # pragma: no cover - the IR has no other kinds
                 raise AssertionError(f"unknown action {action}")
             yield cmds

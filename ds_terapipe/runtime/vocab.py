@@ -1,0 +1,437 @@
+"""Vocabulary parallelism (``terapipe.vocab_parallel``): the output layer split by vocabulary rows over the p
+ranks of a pipeline, so the last stage no longer carries the (hidden x vocab) GEMM, the softmax and the head's
+weights, gradients and optimizer state alone.
+
+How data flows (one chunk per rank: ``gpipe``, ``1f1b``):
+
+* Build: :class:`~ds_terapipe.runtime.module.TokenPipelineModule` (``vocab_parallel=True``) takes the output
+  layer (the last of ``layers``: an ``nn.Linear``, or a ``TiedLayerSpec`` whose forward is ``x @ W.T`` with its
+  tied weight, as the reference GPT's) out of the layers DeepSpeed partitions, and every rank r holds
+  :class:`VocabShardHead`: rows ``[r*R, (r+1)*R)`` of the weight (and bias), ``R = ceil(V/p)``; rows past V are
+  padding, masked out of every softmax. Initial rows are broadcast from the rank whose weight is the truth (the
+  tied embedding's holder, else the last stage), so the sharded model starts as the unsharded one.
+* ``VF(b,i)`` (after ``F`` on the last stage; every rank, one order: ``planner/vocab.py``): the last stage's
+  output, the final hidden states h (B, T, H), and the labels (B, T) are broadcast; each rank computes its
+  logits (B, T, R), the max is all-reduced (MAX), then the sum of exponentials and the target logit (SUM): the
+  loss is the unsharded cross entropy (``causal_lm_loss``: sum over counted tokens / label positions, weighted
+  by the slice's share of the tokens). DeepSpeed's forward on the last stage computes a placeholder loss, which
+  VF fills in (so the step's reported loss is the real one).
+* ``VB(b,i)`` (before ``B`` on the last stage): each rank turns its logits into d loss / d logits
+  (softmax - one-hot, times the token weight), adds its shard's weight gradient (divided by the gradient
+  accumulation steps, as DeepSpeed's backward divides the loss) and reduces its part of d loss / d h to the last
+  stage, whose ``B`` then backpropagates ``sum(h * dh)``.
+* Tied weights (``ReduceTiedGrads``): the embedding's gradient (full, on its holder) and the shards' gradients
+  are summed into one (V, H) gradient over the pipeline; the holder keeps all of it, each shard its rows, so
+  both copies of every row take the same optimizer step. The input embedding itself is not split (yet).
+* Checkpoints: each pipeline rank writes its shard (``vocab_shard-RR-of-PP-model_states.pt``) next to
+  DeepSpeed's layer files; loading concatenates all shards and keeps this rank's rows, so any p loads the
+  weights (optimizer state: the same p only, as for layers). A checkpoint written without vocabulary
+  parallelism loads from the head's layer file.
+
+Refused at build or engine init, on every rank, with the rule and the fix: no recognisable output layer, a loss
+other than ``causal_lm_loss``, a vocabulary smaller than p, virtual stages, fp16/bf16.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import logging
+import os
+import re
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from deepspeed.pipe import LayerSpec, TiedLayerSpec
+
+from .context import current_slice
+from .p2p import mark_collective
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .engine import TokenPipelineEngine
+
+__all__ = ["HeadSpec", "VocabShardHead", "VocabParallel", "split_output_layer", "build_shard_head",
+           "save_vocab_shard", "load_vocab_shard", "shard_file_name", "merge_vocab_shards"]
+
+logger = logging.getLogger(__name__)
+
+_SHARD_FILE = re.compile(r"vocab_shard-(\d+)-of-(\d+)-model_states\.pt$")
+_FIX_HEAD = ("make the last layer the output projection: an nn.Linear(hidden, vocab) (LayerSpec or module), or a "
+             "TiedLayerSpec whose forward_fn computes x @ W.T with its tied weight; or set "
+             "terapipe.vocab_parallel to false")
+
+
+def shard_file_name(rank: int, num_shards: int) -> str:
+    return f"vocab_shard-{rank:02d}-of-{num_shards:02d}-model_states.pt"
+
+
+@dataclass(frozen=True)
+class HeadSpec:
+    """The output layer as given (the last entry of ``layers``) and where its weight lives."""
+
+    layer: Any              # LayerSpec, TiedLayerSpec or nn.Module
+    index: int              # its layer index (for checkpoint files written without vocabulary parallelism)
+    tied_key: Optional[str]  # TiedLayerSpec key shared with an earlier layer, else None
+    weight_name: str        # state-dict name of the weight inside the layer ("weight", "wte.weight")
+    bias_name: Optional[str]
+
+
+def _get(module: torch.nn.Module, dotted: str) -> Any:
+    return functools.reduce(getattr, dotted.split("."), module)
+
+
+def split_output_layer(layers: list) -> tuple[list, HeadSpec]:
+    """``layers`` without the output layer, and the output layer; ValueError when the last layer is not one."""
+    layers = list(layers)
+    if not layers:
+        raise ValueError(f"terapipe.vocab_parallel: the model has no layers; {_FIX_HEAD}")
+    head, index = layers[-1], len(layers) - 1
+    if isinstance(head, TiedLayerSpec):
+        attrs = head.tied_weight_attr if isinstance(head.tied_weight_attr, (list, tuple)) else [head.tied_weight_attr]
+        if len(attrs) != 1:
+            raise ValueError(f"terapipe.vocab_parallel: the last layer (TiedLayerSpec {head.key!r}) ties "
+                             f"{list(attrs)}; the output layer must tie exactly one (vocab, hidden) weight; "
+                             f"{_FIX_HEAD}")
+        tied = any(isinstance(s, TiedLayerSpec) and s.key == head.key for s in layers[:-1])
+        return layers[:-1], HeadSpec(head, index, head.key if tied else None, attrs[0], None)
+    if isinstance(head, LayerSpec) and isinstance(head.typename, type) and issubclass(head.typename, torch.nn.Linear) \
+            or isinstance(head, torch.nn.Linear):
+        return layers[:-1], HeadSpec(head, index, None, "weight", "bias")
+    name = getattr(getattr(head, "typename", None), "__name__", type(head).__name__)
+    raise ValueError(f"terapipe.vocab_parallel: the last layer ({name}) is not a recognisable output layer; "
+                     f"{_FIX_HEAD}")
+
+
+def _build_full(spec: HeadSpec) -> tuple[torch.nn.Module, torch.Tensor, Optional[torch.Tensor]]:
+    """The output layer built as given (CPU), its weight (V, H) and bias, after checking it computes x @ W.T + b."""
+    layer = spec.layer
+    module = layer if isinstance(layer, torch.nn.Module) else layer.build()
+    weight = _get(module, spec.weight_name)
+    bias = getattr(module, spec.bias_name, None) if spec.bias_name else None
+    if not torch.is_tensor(weight) or weight.dim() != 2:
+        raise ValueError(f"terapipe.vocab_parallel: the output layer's {spec.weight_name} is not a (vocab, hidden) "
+                         f"matrix; {_FIX_HEAD}")
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, weight.shape[1], generator=gen, dtype=weight.dtype).to(weight.device)
+    with torch.no_grad():
+        fn = getattr(layer, "forward_fn", None)
+        got = fn(module, x) if fn is not None else module(x)
+        want = F.linear(x, weight, bias)
+    if not torch.is_tensor(got) or got.shape != want.shape or not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
+        raise ValueError(f"terapipe.vocab_parallel: the output layer does not compute x @ {spec.weight_name}.T"
+                         f"{' + bias' if bias is not None else ''}; {_FIX_HEAD}")
+    return module, weight.detach(), None if bias is None else bias.detach()
+
+
+class VocabShardHead(torch.nn.Module):
+    """This rank's rows of the output layer: ``weight`` (R, H), ``bias`` (R, ) or None; rows ``[offset,
+    offset + R)`` of the padded vocabulary, of which the first ``num_valid`` are real tokens."""
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], vocab_size: int, rank: int,
+                 num_shards: int, spec: HeadSpec) -> None:
+        super().__init__()
+        self.vocab_size, self.rank, self.num_shards, self.spec = vocab_size, rank, num_shards, spec
+        self.rows = -(-vocab_size // num_shards)
+        self.offset = rank * self.rows
+        self.num_valid = max(0, min(self.rows, vocab_size - self.offset))
+        self.weight = torch.nn.Parameter(weight)
+        self.bias = None if bias is None else torch.nn.Parameter(bias)
+
+    def extra_repr(self) -> str:
+        return (f"rows [{self.offset}, {self.offset + self.rows}) of vocab {self.vocab_size} (padded to "
+                f"{self.rows * self.num_shards}), hidden {self.weight.shape[1]}")
+
+    def take_rows(self, full: torch.Tensor) -> torch.Tensor:
+        """This shard's rows of a (V, ...) tensor, zero-padded past V."""
+        out = full.new_zeros((self.rows, *full.shape[1:]))
+        out[:self.num_valid] = full[self.offset:self.offset + self.num_valid]
+        return out
+
+
+def build_shard_head(module: Any, spec: HeadSpec) -> VocabShardHead:
+    """Every rank's shard, called by TokenPipelineModule after DeepSpeed built (and placed) its layers: the full
+    output layer is built on every rank, the rank holding the true weight broadcasts it, each keeps its rows."""
+    p, stage = module.num_stages, module.stage_id
+    from ..models.gpt import causal_lm_loss  # models build on runtime: imported when needed
+
+    if module.loss_fn is not causal_lm_loss:
+        raise ValueError(f"terapipe.vocab_parallel needs the token-wise cross entropy "
+                         f"ds_terapipe.models.gpt.causal_lm_loss as loss_fn (the sharded softmax computes exactly it), "
+                         f"got {module.loss_fn!r}; pass loss_fn=causal_lm_loss or set vocab_parallel to false")
+    _, weight, bias = _build_full(spec)
+    vocab = weight.shape[0]
+    if vocab < p:
+        raise ValueError(f"terapipe.vocab_parallel: vocabulary {vocab} < {p} pipeline stages; every rank needs at "
+                         "least one row: use fewer stages or set vocab_parallel to false")
+    device = next(iter(module.parameters()), weight).device
+    weight, bias = weight.to(device).clone(), None if bias is None else bias.to(device).clone()
+    source = p - 1
+    if spec.tied_key is not None:
+        source = min(module.stage_owner(i) for i, s in enumerate(module._layer_specs)
+                     if isinstance(s, TiedLayerSpec) and s.key == spec.tied_key)
+        if stage == source:
+            weight = _get(module.tied_modules[spec.tied_key], spec.weight_name).detach().clone()
+    if p > 1:
+        group, src = module._grid.get_pipe_parallel_group(), module._grid.stage_to_global(source)
+        dist.broadcast(weight, src, group=group)
+        if bias is not None:
+            dist.broadcast(bias, src, group=group)
+    head = VocabShardHead(torch.zeros(0, weight.shape[1]), None, vocab, stage, p, spec)
+    with torch.no_grad():
+        head.weight = torch.nn.Parameter(head.take_rows(weight))
+        head.bias = None if bias is None else torch.nn.Parameter(head.take_rows(bias))
+    if spec.tied_key is not None:
+        # Its gradient is a copy of the tied embedding's rows after ReduceTiedGrads: counted once in norms (there).
+        for param in head.parameters():
+            param.ds_pipe_replicated = True
+    logger.info("terapipe: vocab parallel: stage %d holds %s", stage, head.extra_repr())
+    return head
+
+
+# -- checkpoints --------------------------------------------------------------------------------------------
+def save_vocab_shard(module: Any, save_dir: str) -> None:
+    """Write this pipeline rank's shard (data-parallel rank 0 only, as DeepSpeed writes layers)."""
+    head: VocabShardHead = module.vocab_head
+    if module._grid.data_parallel_id != 0:
+        return
+    os.makedirs(save_dir, exist_ok=True)
+    state = {"weight": head.weight.detach().cpu(), "vocab_size": head.vocab_size, "layer": head.spec.index,
+             "weight_name": head.spec.weight_name}
+    if head.bias is not None:
+        state["bias"] = head.bias.detach().cpu()
+    torch.save(state, os.path.join(save_dir, shard_file_name(head.rank, head.num_shards)))
+
+
+def merge_vocab_shards(tag_dir: str) -> Optional[dict[str, Any]]:
+    """The full (V, H) weight (and bias) from every shard file of a checkpoint, or None if it has none."""
+    found = {}
+    for path in glob.glob(os.path.join(tag_dir, "vocab_shard-*-model_states.pt")):
+        match = _SHARD_FILE.search(os.path.basename(path))
+        if match:
+            found[int(match.group(1))] = (int(match.group(2)), path)
+    if not found:
+        return None
+    from .checkpoint import CheckpointError
+
+    counts = {n for n, _ in found.values()}
+    if len(counts) != 1 or sorted(found) != list(range(counts.pop())):
+        raise CheckpointError(f"checkpoint {tag_dir} has vocabulary shards {sorted(found)} of "
+                              f"{sorted({n for n, _ in found.values()})}: incomplete; load an earlier tag")
+    parts = [torch.load(found[r][1], map_location="cpu", weights_only=True) for r in sorted(found)]
+    vocab = parts[0]["vocab_size"]
+    out = {"weight": torch.cat([s["weight"] for s in parts])[:vocab], "vocab_size": vocab,
+           "layer": parts[0]["layer"], "weight_name": parts[0]["weight_name"]}
+    if "bias" in parts[0]:
+        out["bias"] = torch.cat([s["bias"] for s in parts])[:vocab]
+    return out
+
+
+def load_vocab_shard(module: Any, load_dir: str) -> None:
+    """Load this rank's rows from the shards of any p, or from the head's layer file of a run without them."""
+    from .checkpoint import CheckpointError
+
+    head: VocabShardHead = module.vocab_head
+    merged = merge_vocab_shards(load_dir)
+    if merged is None:
+        layer_file = os.path.join(load_dir, f"layer_{head.spec.index:02d}-model_states.pt")
+        if not os.path.exists(layer_file):
+            raise CheckpointError(f"checkpoint {load_dir} has neither vocabulary shards nor the output layer's file "
+                                  f"{os.path.basename(layer_file)}; it was written for another model")
+        saved = torch.load(layer_file, map_location="cpu", weights_only=True)
+        merged = {"weight": saved[head.spec.weight_name]}
+        if head.spec.bias_name and head.spec.bias_name in saved:
+            merged["bias"] = saved[head.spec.bias_name]
+    weight = merged["weight"]
+    if tuple(weight.shape) != (head.vocab_size, head.weight.shape[1]):
+        raise CheckpointError(f"checkpoint {load_dir}: the output layer is {tuple(weight.shape)}, this model's "
+                              f"({head.vocab_size}, {head.weight.shape[1]}); build the model with its dimensions")
+    with torch.no_grad():
+        head.weight.copy_(head.take_rows(weight.to(head.weight.device)))
+        if head.bias is not None and "bias" in merged:
+            head.bias.copy_(head.take_rows(merged["bias"].to(head.bias.device)))
+
+
+# -- the passes ---------------------------------------------------------------------------------------------
+@dataclass
+class _Unit:
+    """What VB of one (micro-batch, slice) needs from its VF."""
+
+    hidden: torch.Tensor    # (B, T, H), detached
+    logits: torch.Tensor    # (B, T, R) fp32, padded rows -inf
+    lse: torch.Tensor       # (B, T) log-sum-exp over the whole vocabulary
+    index: torch.Tensor     # (B, T) label - offset, clamped into the shard
+    in_shard: torch.Tensor  # (B, T) bool: the label is one of this shard's real rows
+    token_weight: torch.Tensor  # (B, T) d loss / d (per-token cross entropy): 0 for ignored labels
+
+
+class VocabParallel:
+    """The engine's side: the VF/VB passes and the tied-gradient exchange (see the module docstring)."""
+
+    def __init__(self, engine: "TokenPipelineEngine") -> None:
+        self.engine = engine
+        self.head: VocabShardHead = engine.module.vocab_head
+        self.group = engine.grid.get_pipe_parallel_group()
+        self.last = engine.num_stages - 1
+        self.src = engine.grid.stage_to_global(self.last)
+        self.is_last = engine.stage_id == self.last
+        self.hidden_size = self.head.weight.shape[1]
+        self._handed: dict[tuple[int, int], tuple[Any, Any, torch.Tensor]] = {}  # last stage: (h, labels, placeholder)
+        self._units: dict[tuple[int, int], _Unit] = {}
+        self.tied_holders: tuple[int, ...] = ()
+        spec = self.head.spec
+        if spec.tied_key is not None:
+            module = engine.module
+            self.tied_holders = tuple(sorted({module.stage_owner(i) for i, s in enumerate(module._layer_specs)
+                                              if isinstance(s, TiedLayerSpec) and s.key == spec.tied_key}))
+
+    @staticmethod
+    def check_engine(engine: "TokenPipelineEngine") -> None:
+        """Refusals that need the engine (every rank: the same config and model)."""
+        wanted, built = engine.terapipe.vocab_parallel, getattr(engine.module, "vocab_head", None) is not None
+        if wanted != built:
+            raise ValueError(f"terapipe.vocab_parallel={wanted} but the model was built with vocab_parallel={built}; "
+                             f"build it as ds_terapipe.TokenPipelineModule(..., vocab_parallel={wanted}) (or "
+                             "**ds_terapipe.module_chunk_kwargs(terapipe))")
+        if wanted and (engine.fp16_enabled() or engine.bfloat16_enabled()):
+            raise ValueError("terapipe.vocab_parallel supports fp32 training only for now (its shard gradients are "
+                             "written without loss scaling or bf16 master copies); disable fp16/bf16 or set "
+                             "vocab_parallel to false")
+
+    def reset(self) -> None:
+        self._handed.clear()
+        self._units.clear()
+
+    @contextmanager
+    def loss_hook(self) -> Iterator[None]:
+        """While DeepSpeed's forward runs on the last stage: its loss is a placeholder VF fills in; the hidden
+        states and labels are kept for VF."""
+        module = self.engine.module
+        loss_fn = module.loss_fn
+
+        def placeholder(outputs: Any, labels: Any) -> torch.Tensor:
+            ctx = current_slice()
+            assert ctx is not None, "a vocabulary-parallel loss outside a slice"
+            value = torch.zeros((), device=self.engine.device)
+            self._handed[(ctx.microbatch, ctx.slice_index)] = (outputs, labels, value)
+            return value
+
+        module.loss_fn = placeholder
+        try:
+            yield
+        finally:
+            module.loss_fn = loss_fn
+
+    @staticmethod
+    def check_eval(return_logits: bool = False, *args: Any, **kwargs: Any) -> None:
+        """``eval_batch``'s arguments, refused on every rank before any message is sent."""
+        if kwargs.get("return_logits", return_logits):
+            raise mark_collective(ValueError("terapipe.vocab_parallel: eval_batch(return_logits=True) is not supported "
+                                             "(no rank holds the full logits); call it with return_logits=False"))
+
+    def forward_pass(self, buffer_id: int, microbatch: int, slice_index: int) -> None:
+        training = torch.is_grad_enabled()
+        with torch.no_grad():  # gradients are computed by hand in backward_pass: no graph to keep
+            self._forward(microbatch, slice_index, training)
+
+    def _forward(self, microbatch: int, slice_index: int, training: bool) -> None:
+        engine, head = self.engine, self.head
+        assert not engine.eval_return_logits, "refused by check_eval"
+        start, end = engine.slice_bounds(slice_index)
+        shape = (engine.micro_batch_size, end - start)
+        what = f"the vocabulary forward of micro-batch {microbatch} slice {slice_index}"
+        if self.is_last:
+            outputs, labels, placeholder = self._handed.pop((microbatch, slice_index))
+            if not torch.is_tensor(outputs) or tuple(outputs.shape) != (*shape, self.hidden_size) or \
+                    not torch.is_tensor(labels) or tuple(labels.shape) != shape:
+                got = tuple(outputs.shape) if torch.is_tensor(outputs) else type(outputs).__name__
+                raise ValueError(f"terapipe.vocab_parallel: the last stage must output hidden states of shape "
+                                 f"{(*shape, self.hidden_size)} and read labels {shape}; got {got} and "
+                                 f"{tuple(labels.shape) if torch.is_tensor(labels) else type(labels).__name__}")
+            hidden = outputs.detach().to(head.weight.dtype).contiguous()
+            labels = labels.to(torch.int64).contiguous()
+        else:
+            hidden = torch.empty((*shape, self.hidden_size), dtype=head.weight.dtype, device=engine.device)
+            labels = torch.empty(shape, dtype=torch.int64, device=engine.device)
+        self._wait([dist.broadcast(hidden, self.src, group=self.group, async_op=True),
+                    dist.broadcast(labels, self.src, group=self.group, async_op=True)], what)
+        logits = F.linear(hidden, head.weight, head.bias).float()  # (B, T, R)
+        if head.num_valid < head.rows:
+            logits[..., head.num_valid:] = float("-inf")
+        top = logits.amax(dim=-1)  # (B, T)
+        self._wait([dist.all_reduce(top, op=dist.ReduceOp.MAX, group=self.group, async_op=True)], what)
+        index = labels - head.offset
+        in_shard = (index >= 0) & (index < head.num_valid)
+        index = index.clamp(0, head.rows - 1)
+        target = torch.where(in_shard, logits.gather(-1, index.unsqueeze(-1)).squeeze(-1), 0.0)
+        stats = torch.stack([torch.exp(logits - top.unsqueeze(-1)).sum(dim=-1), target])  # (2, B, T)
+        self._wait([dist.all_reduce(stats, group=self.group, async_op=True)], what)
+        lse = top + torch.log(stats[0])
+        counted = labels != -100
+        # causal_lm_loss (sum / label positions) times the slice's share of the tokens, as _weighted_loss does
+        scale = (end - start) / engine.seq_len / labels.numel()
+        loss = torch.where(counted, lse - stats[1], 0.0).sum() * scale
+        if self.is_last:
+            placeholder.copy_(loss)  # DeepSpeed's loss list holds it (detached, same storage)
+            engine.total_loss += loss
+        if training:
+            self._units[(microbatch, slice_index)] = _Unit(hidden, logits, lse, index, in_shard,
+                                                           counted.float() * scale)
+
+    def backward_pass(self, buffer_id: int, microbatch: int, slice_index: int) -> None:
+        with torch.no_grad():
+            grad_hidden = self._backward(microbatch, slice_index)
+        if self.is_last:
+            outputs = self.engine.pipe_buffers["outputs"][buffer_id]
+            # DeepSpeed's backward of the last stage starts from a loss: this one's gradient on h is grad_hidden
+            self.engine._unit_losses[buffer_id] = (outputs * grad_hidden).sum()
+
+    def _backward(self, microbatch: int, slice_index: int) -> torch.Tensor:
+        engine, head = self.engine, self.head
+        unit = self._units.pop((microbatch, slice_index))
+        grad = torch.exp(unit.logits - unit.lse.unsqueeze(-1))  # softmax over the whole vocabulary, this shard
+        grad.scatter_add_(-1, unit.index.unsqueeze(-1), -unit.in_shard.float().unsqueeze(-1))
+        grad *= unit.token_weight.unsqueeze(-1)  # (B, T, R): d loss / d logits
+        gas = engine.gradient_accumulation_steps()  # DeepSpeed's backward divides the loss by it
+        flat = grad.reshape(-1, grad.shape[-1])
+        _accumulate(head.weight, flat.t().mm(unit.hidden.reshape(-1, unit.hidden.shape[-1]).float()) / gas)
+        if head.bias is not None:
+            _accumulate(head.bias, flat.sum(dim=0) / gas)
+        grad_hidden = grad.matmul(head.weight.float()).to(unit.hidden.dtype).contiguous()  # (B, T, H)
+        self._wait([dist.reduce(grad_hidden, self.src, group=self.group, async_op=True)],
+                   f"the vocabulary backward of micro-batch {microbatch} slice {slice_index}")
+        return grad_hidden
+
+    def reduce_tied_grads(self) -> None:
+        """Sum the tied embedding's gradient and the shards' into one (V, H) gradient; each copy keeps its rows."""
+        if not self.tied_holders:
+            return
+        engine, head = self.engine, self.head
+        padded = head.rows * head.num_shards
+        total = torch.zeros((padded, self.hidden_size), dtype=head.weight.dtype, device=engine.device)
+        stage = engine.stage_id
+        tied = None
+        if stage in self.tied_holders:
+            tied = _get(engine.module.tied_modules[head.spec.tied_key], head.spec.weight_name)
+            if stage == self.tied_holders[0] and tied.grad is not None:
+                total[:head.vocab_size] += tied.grad
+        if head.weight.grad is not None:
+            total[head.offset:head.offset + head.rows] += head.weight.grad
+        self._wait([dist.all_reduce(total, group=self.group, async_op=True)], "the tied output-layer gradients")
+        if tied is not None:
+            tied.grad = total[:head.vocab_size].clone()
+        head.weight.grad = total[head.offset:head.offset + head.rows].clone()
+
+    def _wait(self, works: list, what: str) -> None:
+        self.engine._p2p.wait_all(works, what)
+
+
+def _accumulate(param: torch.nn.Parameter, grad: torch.Tensor) -> None:
+    grad = grad.to(param.dtype)
+    if param.grad is None:
+        param.grad = grad
+    else:
+        param.grad.add_(grad)

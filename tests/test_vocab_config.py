@@ -1,0 +1,55 @@
+"""Tier a: the vocab_parallel config key, the module keywords it asks for, and recognising the output layer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from deepspeed.pipe import LayerSpec, TiedLayerSpec
+
+from ds_terapipe import module_chunk_kwargs, parse_terapipe_config
+from ds_terapipe.models.gpt import GPTConfig, GPTEmbedding, gpt_layer_specs
+from ds_terapipe.runtime.vocab import VocabShardHead, _build_full, split_output_layer
+
+
+def test_config_key_and_module_kwargs() -> None:
+    cfg = parse_terapipe_config({"terapipe": {"enabled": True, "seq_len": 64, "slices": 4, "vocab_parallel": True}})
+    assert cfg.vocab_parallel and module_chunk_kwargs(cfg) == {"vocab_parallel": True}
+    assert not parse_terapipe_config({"terapipe": {"enabled": True, "seq_len": 64, "slices": 4}}).vocab_parallel
+    with pytest.raises(ValueError, match="vocab_parallel with schedule 'interleaved-1f1b'.*use schedule gpipe or 1f1b"):
+        parse_terapipe_config({"terapipe": {"enabled": True, "seq_len": 64, "slices": 4, "vocab_parallel": True,
+                                            "schedule": "interleaved-1f1b"}})
+
+
+def test_recognises_tied_and_linear_heads() -> None:
+    cfg = GPTConfig(num_layers=1, hidden=16, num_heads=2, vocab_size=10, max_seq_len=8)
+    rest, spec = split_output_layer(gpt_layer_specs(cfg))
+    assert len(rest) == 3 and spec.tied_key == "embed" and spec.weight_name == "wte.weight" and spec.index == 3
+    _, weight, bias = _build_full(spec)
+    assert weight.shape == (10, 16) and bias is None
+    rest, spec = split_output_layer(gpt_layer_specs(cfg)[:-1] + [LayerSpec(torch.nn.Linear, 16, 10)])
+    assert spec.tied_key is None and spec.bias_name == "bias" and _build_full(spec)[2].shape == (10, )
+
+
+def test_refuses_what_is_not_an_output_layer() -> None:
+    cfg = GPTConfig(num_layers=1, hidden=16, num_heads=2, vocab_size=10, max_seq_len=8)
+    with pytest.raises(ValueError, match=r"last layer \(GPTFinalNorm\) is not a recognisable output layer"):
+        split_output_layer(gpt_layer_specs(cfg)[:-1])
+    # a tied layer whose forward is not x @ W.T (here: the embedding lookup itself)
+    _, spec = split_output_layer([TiedLayerSpec("embed", GPTEmbedding, cfg, tied_weight_attr="wte.weight"),
+                                  TiedLayerSpec("embed", GPTEmbedding, cfg, forward_fn=lambda m, x: x.sum(-1, True) *
+                                                torch.ones(10), tied_weight_attr="wte.weight")])
+    with pytest.raises(ValueError, match=r"does not compute x @ wte.weight.T"):
+        _build_full(spec)
+
+
+@pytest.mark.parametrize("vocab, shards", [(10, 2), (10, 3), (10, 4), (4, 3)])
+def test_shards_tile_the_vocabulary(vocab: int, shards: int) -> None:
+    full = torch.arange(vocab * 2, dtype=torch.float32).reshape(vocab, 2)
+    rows, spec = [], split_output_layer([LayerSpec(torch.nn.Linear, 2, vocab)])[1]
+    for r in range(shards):
+        head = VocabShardHead(torch.zeros(0, 2), None, vocab, r, shards, spec)
+        part = head.take_rows(full)
+        assert part.shape == (-(-vocab // shards), 2)
+        assert torch.equal(part[head.num_valid:], torch.zeros_like(part[head.num_valid:]))  # padding is zero
+        rows.append(part[:head.num_valid])
+    assert torch.equal(torch.cat(rows), full)

@@ -1,0 +1,89 @@
+"""Tier b: vocabulary parallelism (terapipe.vocab_parallel) equals the single-process unsliced reference.
+
+One launch per topology runs the grid (tied and untied heads x vocabularies divisible by p and not x gpipe, 1f1b
+x slices {1, [8, 24, 16]}); see tests/dist_worker.py ``suite_vocab``. Loss, every gradient (each rank's shard
+against its rows of the reference head), parameters after 3 SGD+momentum steps: fp32 rel err <= 1e-5; the
+padding rows of a shard stay exactly 0.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.dist_harness import launch
+
+pytestmark = pytest.mark.multiproc
+
+TOL = 1e-5
+
+
+def _check(results: list[dict], expected_cases: int) -> None:
+    errors = [r["error"] for r in results if "error" in r]
+    assert not errors, errors[0]
+    per_rank = [r["results"] for r in results]
+    assert all(len(cases) == expected_cases for cases in per_rank), [len(c) for c in per_rank]
+    for index in range(expected_cases):
+        covered: set[str] = set()
+        for cases in per_rank:
+            case = cases[index]
+            where = f"{case['case']} stage={case['stage']} dp={case['dp']}"
+            for got, ref in zip(case["losses"], case["ref_losses"]):
+                assert abs(got - ref) <= TOL * abs(ref), f"{where}: loss {case['losses']} != {case['ref_losses']}"
+            assert case["grad_rel_err"] <= TOL, \
+                f"{where}: gradient of {case['grad_worst']} off by {case['grad_rel_err']}"
+            assert case["param_rel_err"] <= TOL, \
+                f"{where}: after 3 steps {case['param_worst']} off by {case['param_rel_err']}"
+            assert case["pad_abs"] == 0.0, f"{where}: padding rows moved ({case['pad_abs']})"
+            covered.update(case["covered"])
+        # every reference parameter is trained on some stage, and the shards' rows tile the vocabulary once
+        plain = {c for c in covered if "[" not in c}
+        tied = "tied=True" in per_rank[0][index]["case"]
+        assert len(plain) == per_rank[0][index]["num_ref_params"] - (0 if tied else 2), sorted(plain)
+        spans = sorted({tuple(int(x) for x in c.split("[")[1].rstrip("]").split(":")) for c in covered if "[" in c})
+        assert [a for a, _ in spans] == [0] + [b for _, b in spans[:-1]], spans
+        vocab = int(per_rank[0][index]["case"].split("vocab=")[1].split()[0])
+        assert spans[-1][1] == vocab, spans
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("world", [2, 3])
+def test_vocab_parallel_grid(world: int, tmp_path) -> None:
+    results = launch("vocab", world, tmp_path, timeout_s=840)
+    _check(results, expected_cases=2 * 2 * 2 * 2)
+    rows = {tuple(c["rows"]) for r in results for c in r["results"] if "vocab=64" in c["case"]}
+    assert len(rows) == world  # one shard per pipeline rank
+    assert any(r[2] < r[1] for r in rows) == (64 % world != 0)  # padding only when p does not divide V
+
+
+@pytest.mark.timeout(900)
+def test_vocab_parallel_with_data_parallel_zero1(tmp_path) -> None:
+    """2 stages x 2 replicas (4 processes), ZeRO 1: equal to the reference over the global batch."""
+    results = launch("vocab", 4, tmp_path, timeout_s=840,
+                     extra={"dp": 2, "zero_stage": 1, "vocabs": [63], "schedules": ["1f1b"],
+                            "slicings": [[8, 24, 16]]})
+    _check(results, expected_cases=2)
+
+
+@pytest.mark.timeout(900)
+def test_vocab_parallel_features(tmp_path) -> None:
+    """Checkpoints at the same p resume exactly, load at p=1 and export whole; eval equals the reference; the
+    refusals (no output layer, another loss, vocab < p, virtual stages, config without the module) on every rank."""
+    results = launch("vocab_features", 2, tmp_path, timeout_s=840)
+    errors = [r["error"] for r in results if "error" in r]
+    assert not errors, errors[0]
+    for r in results:
+        cases = {c["case"]: c for c in r["results"]}
+        for tied in (True, False):
+            ck = cases[f"vocab checkpoint at p=1 tied={tied}"]
+            assert ck["resumed"] == ck["uninterrupted"] and ck["resume_err"] == 0.0, ck
+            assert ck["export_shape"] == [63, 32] and ck["p1_head_err"] == 0.0 and ck["shard_vs_export_err"] == 0.0
+            assert ("4.wte.weight" if tied else "4.weight") in ck["export_keys"]
+        ev = cases["vocab eval"]
+        assert ev["loss"] == pytest.approx(ev["ref_loss"], rel=TOL)
+        assert "return_logits=False" in ev["return_logits"]
+        ref = cases["vocab refusals"]
+        assert "GPTFinalNorm) is not a recognisable output layer" in ref["no_head"]
+        assert "causal_lm_loss as loss_fn" in ref["loss"]
+        assert "vocabulary 1 < 2 pipeline stages" in ref["small_vocab"]
+        assert "virtual_stages=2 is not supported yet" in ref["virtual"]
+        assert "built with vocab_parallel=False" in ref["config_without_module"]
