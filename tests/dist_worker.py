@@ -59,9 +59,11 @@ def make_batches(cfg: GPTConfig, num: int, batch: int, seq_len: int, seed: int) 
 
 
 def reference_step(cfg: GPTConfig, batches: list[tuple], num_steps: int, lr: float,
-                   momentum: float) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Unsliced single-process training: per step, mean loss over its micro-batches."""
-    model = GPTReference(cfg)
+                   momentum: float, model: torch.nn.Module | None = None
+                   ) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Unsliced single-process training: per step, mean loss over its micro-batches (of ``model``, default the
+    reference GPT)."""
+    model = GPTReference(cfg) if model is None else model
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     per_step = len(batches) // num_steps
     losses, first_grads = [], {}
@@ -1244,20 +1246,8 @@ def vocab_layer_specs(cfg: GPTConfig, tied: bool) -> list:
 
 
 def vocab_reference(cfg: GPTConfig, tied: bool, batches: list[tuple], num_steps: int, lr: float, momentum: float):
-    model = GPTReference(cfg) if tied else UntiedReference(cfg)
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
-    per_step = len(batches) // num_steps
-    losses, first_grads = [], {}
-    for step in range(num_steps):
-        opt.zero_grad()
-        part = batches[step * per_step:(step + 1) * per_step]
-        total = sum(causal_lm_loss(model(x), y) for x, y in part) / len(part)
-        total.backward()
-        losses.append(float(total))
-        if step == 0:
-            first_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-        opt.step()
-    return losses, first_grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return reference_step(cfg, batches, num_steps, lr, momentum,
+                          model=GPTReference(cfg) if tied else UntiedReference(cfg))
 
 
 def vocab_compare(engine: Any, named: dict[str, torch.Tensor], ref: dict[str, torch.Tensor],

@@ -53,3 +53,17 @@ def test_shards_tile_the_vocabulary(vocab: int, shards: int) -> None:
         assert torch.equal(part[head.num_valid:], torch.zeros_like(part[head.num_valid:]))  # padding is zero
         rows.append(part[:head.num_valid])
     assert torch.equal(torch.cat(rows), full)
+
+
+def test_refuses_the_combinations_not_built_yet() -> None:
+    """Freezing and cost-based partitioning are not combined with vocabulary parallelism: refused, not run."""
+    with pytest.raises(ValueError, match="vocab_parallel with terapipe.freeze is not supported yet.*remove one"):
+        parse_terapipe_config({"terapipe": {"enabled": True, "seq_len": 64, "slices": 4, "vocab_parallel": True,
+                                            "freeze": {"schedule": [[1, 1]]}}})
+    from ds_terapipe import TokenPipelineModule
+    from ds_terapipe.models.gpt import causal_lm_loss
+
+    cfg = GPTConfig(num_layers=2, hidden=16, num_heads=2, vocab_size=10, max_seq_len=8)
+    with pytest.raises(ValueError, match="vocab_parallel with partition_method='terapipe' is not supported yet"):
+        TokenPipelineModule(gpt_layer_specs(cfg), num_stages=2, loss_fn=causal_lm_loss, vocab_size=10,
+                            vocab_parallel=True, partition_method="terapipe")
