@@ -92,10 +92,14 @@ class TorchPipelineEngine:
         num_chunks = num_ranks * virtual_stages
         bounds = chunk_layers(specs, num_chunks, type_name)
         self.local_chunks = [c for c in range(num_chunks) if c % num_ranks == self.stage_id]
-        chunks = [_build_chunk(specs, *bounds[c]) for c in self.local_chunks]
+        # the accelerator's device, as DeepSpeed's engines use: gloo takes CPU tensors, NCCL only device ones
+        from deepspeed.accelerator import get_accelerator
+
+        self.device = torch.device(get_accelerator().current_device_name())
+        chunks = [_build_chunk(specs, *bounds[c]).to(self.device) for c in self.local_chunks]
         self.module = nn.ModuleList(chunks)
         self.module.forward_funcs = [layer for chunk in chunks for layer in chunk.layers]
-        device = torch.device("cpu")
+        device = self.device
         stages = [PipelineStage(chunk, c, num_chunks, device) for c, chunk in zip(self.local_chunks, chunks)]
         cls = {"torch-interleaved": ScheduleInterleaved1F1B, "torch-loopedbfs": ScheduleLoopedBFS}[schedule]
         self.schedule = cls(stages, n_microbatches=micro_batches, loss_fn=loss_fn, scale_grads=True)
@@ -112,8 +116,8 @@ class TorchPipelineEngine:
         import torch.distributed as dist
 
         batches = [next(data_iter) for _ in range(self.micro_batches)]
-        inputs = torch.cat([x for x, _ in batches])    # (m*B, L): the schedule splits it into m micro-batches
-        labels = torch.cat([y for _, y in batches])
+        inputs = torch.cat([x for x, _ in batches]).to(self.device)   # (m*B, L): split into m micro-batches
+        labels = torch.cat([y for _, y in batches]).to(self.device)
         losses: list = []
         args = (inputs,) if self.first else ()
         self.schedule.step(*args, target=labels if self.last else None, losses=losses if self.last else None)
