@@ -812,11 +812,11 @@ def shared_block_specs(cfg: GPTConfig) -> list:
     return [specs[0], specs[1], shared, shared, specs[2], shared, specs[-2], specs[-1]]
 
 
-def spec_reference_grads(specs: list, batches: list[tuple]) -> tuple[float, dict[str, torch.Tensor]]:
-    """Single-process, unsliced: build the layer specs once (a TiedLayerSpec key once), apply them in order;
-    return the mean loss and every gradient under the pipeline module's parameter names."""
+def build_spec_layers(specs: list) -> tuple[list[Callable], dict[str, torch.nn.Parameter], list[torch.nn.Module]]:
+    """Build layer specs once each (a TiedLayerSpec key once), as one process would run them: the callables in
+    order, every parameter under the pipeline module's name, and each spec's module."""
     tied: dict[str, torch.nn.Module] = {}
-    steps, named = [], {}
+    steps, named, modules = [], {}, []
     for idx, spec in enumerate(specs):
         if isinstance(spec, TiedLayerSpec):
             module = tied.setdefault(spec.key, spec.build())
@@ -827,6 +827,14 @@ def spec_reference_grads(specs: list, batches: list[tuple]) -> tuple[float, dict
             steps.append(module)
         for name, param in module.named_parameters():
             named.setdefault(f"{prefix}.{name}", param)
+        modules.append(module)
+    return steps, named, modules
+
+
+def spec_reference_grads(specs: list, batches: list[tuple]) -> tuple[float, dict[str, torch.Tensor]]:
+    """Single-process, unsliced: build the layer specs once (a TiedLayerSpec key once), apply them in order;
+    return the mean loss and every gradient under the pipeline module's parameter names."""
+    steps, named, _ = build_spec_layers(specs)
     total = 0.0
     for x, y in batches:
         for step in steps:
@@ -985,19 +993,8 @@ def frozen_reference(specs: list, batches: list[tuple], num_steps: int, frozen_a
     each step: run under no_grad, their parameters out of training (a tied weight also used by a later layer
     keeps training through that use). Losses, every step's gradients and the final parameters, under the pipeline
     module's parameter names."""
-    tied: dict[str, torch.nn.Module] = {}
-    steps, named, layer_params = [], {}, []
-    for idx, spec in enumerate(specs):
-        if isinstance(spec, TiedLayerSpec):
-            module = tied.setdefault(spec.key, spec.build())
-            prefix = f"tied_modules.{spec.key}"
-            steps.append((lambda x, m=module, f=spec.forward_fn: f(m, x)) if spec.forward_fn else module)
-        else:
-            module, prefix = spec.build(), str(idx)
-            steps.append(module)
-        for name, param in module.named_parameters():
-            named.setdefault(f"{prefix}.{name}", param)
-        layer_params.append((spec, module))
+    steps, named, modules = build_spec_layers(specs)
+    layer_params = list(zip(specs, modules))
     opt = torch.optim.SGD(list({id(p): p for p in named.values()}.values()), lr=lr, momentum=momentum)
     per_step = len(batches) // num_steps
     losses, grads = [], []
