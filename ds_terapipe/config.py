@@ -113,6 +113,12 @@ class FreezeConfig(DeepSpeedConfigModel):
     """After each freeze, re-plan the slicing from the costs profiled at init with the frozen layers' backward
     removed (``slices: "auto"`` only; a plan from the config is the user's and stays)."""
 
+    repack: bool = False
+    """After a freeze that leaves whole pipeline stages with frozen layers only, continue on fewer stages with more
+    data-parallel replicas, in the same processes (PipeTransformer's elastic pipelining; ``runtime/repack.py``
+    states the rule). Needs ``gradient_accumulation_steps`` divisible by the number of pipeline stages, one chunk
+    per rank, a ``TokenPipelineModule`` and data handed to ``train_batch`` on every rank."""
+
     @field_validator("schedule", mode="before")
     @classmethod
     def _check_schedule(cls, value: Any) -> Any:

@@ -21,7 +21,7 @@ from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
 
 from .config import parse_terapipe_config
 
-__all__ = ["initialize"]
+__all__ = ["initialize", "build_engine"]
 
 logger = logging.getLogger(__name__)
 
@@ -68,12 +68,23 @@ def initialize(args: Any = None,
     if mpu is not None:
         raise ValueError("ds_terapipe.initialize: mpu must be None with pipeline parallelism (the PipelineModule "
                          "provides its own topology)")
-    from .runtime.engine import TokenPipelineEngine
 
     deepspeed.utils.log_dist(f"ds_terapipe: DeepSpeed {deepspeed.__version__}, token pipeline enabled", ranks=[0])
     zero.partition_parameters.shutdown_init_context()
     deepspeed.comm.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
                                     distributed_port=distributed_port, dist_init_required=dist_init_required)
+    engine = build_engine(model, ds_config, terapipe, args=args, optimizer=optimizer,
+                          model_parameters=model_parameters, training_data=training_data, lr_scheduler=lr_scheduler,
+                          dist_init_required=dist_init_required, collate_fn=collate_fn)
+    zero.partition_parameters.restore_init_context()
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def build_engine(model: PipelineModule, ds_config: dict, terapipe: Any, **kwargs: Any) -> Any:
+    """A :class:`~ds_terapipe.runtime.engine.TokenPipelineEngine` built the way ``deepspeed.initialize`` builds its
+    ``PipelineEngine`` (process group up; collective). Also how a repack builds the engine of the new layout."""
+    from .runtime.engine import TokenPipelineEngine
+
     pipe_mpu = model.mpu()
     config_class = DeepSpeedConfig(ds_config, pipe_mpu)
     stage = config_class.zero_optimization_stage
@@ -81,10 +92,7 @@ def initialize(args: Any = None,
         raise ValueError(f"terapipe: zero_optimization.stage={stage} is not supported with pipeline parallelism "
                          "(DeepSpeed partitions gradients across a pipeline it does not own); use stage 0 or 1")
     deepspeed.set_optimizer_flags(config_class, model)
-    engine = TokenPipelineEngine(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
-                                 training_data=training_data, lr_scheduler=lr_scheduler, mpu=pipe_mpu,
-                                 dist_init_required=dist_init_required, collate_fn=collate_fn, config=ds_config,
-                                 config_class=config_class, terapipe_config=terapipe)
-    zero.partition_parameters.restore_init_context()
+    engine = TokenPipelineEngine(model=model, mpu=pipe_mpu, config=ds_config, config_class=config_class,
+                                 terapipe_config=terapipe, **kwargs)
     engine._configure_python_gc()
-    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+    return engine

@@ -1098,12 +1098,15 @@ def run_frozen(cfg: GPTConfig, terapipe: dict, batches: list[tuple], num_steps: 
     data = iter(batches)
     losses, frozen_per_step, changed, with_state, actions, slices = [], [], [], [], [], []
     for _ in range(num_steps):
+        module = engine.module
         before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
         losses.append(float(engine.train_batch(data)))
         frozen = sorted(n for n, p in engine.module.named_parameters() if not p.requires_grad)
         frozen_per_step.append(frozen)
         params = dict(engine.module.named_parameters())
-        changed.append([n for n in frozen if not torch.equal(params[n].detach(), before[n])])
+        # a repack in this step replaced the module (repack cases compare with a run that did not repack instead)
+        changed.append([n for n in frozen if engine.module is module and not torch.equal(params[n].detach(),
+                                                                                       before[n])])
         with_state.append([n for n in frozen if params[n] in engine.optimizer.state])
         actions.append(sorted({str(a)[len(str(a.stage)):].split(".")[0].rstrip("0123456789")
                                for a in engine._train_schedule().actions}))
@@ -1131,6 +1134,80 @@ def _frozen_case(case: str, cfg: GPTConfig, run: dict[str, Any], ref: dict[str, 
             "local_chunks": list(run["engine"].local_chunks), "parts": list(run["engine"].module.parts)}
 
 
+def repack_cases(extra: dict, cfg: GPTConfig, batches: list[tuple], num_steps: int, micro: int, batch: int,
+                 seq_len: int, at: Callable[[int], int]) -> list[dict]:
+    """Repacking (runtime/repack.py): the freeze schedule that leaves stage 0 with frozen layers only, with and
+    without ``repack``; after the repack both ranks hold every layer (1 stage x 2 replicas) and train the same
+    losses and parameters as the pipeline that kept its 2 stages, and as the reference."""
+    results: list[dict] = []
+    ref = frozen_reference(gpt_layer_specs(cfg), batches, num_steps, at)
+    for slices, sched in ((2, "1f1b"), ("auto", "gpipe")):
+        runs = {}
+        for repack in (False, True):
+            STATUS["case"] = f"repack={repack} {sched} slices={slices}"
+            terapipe = {"seq_len": seq_len, "slices": slices, "schedule": sched, "granularity": 8,
+                        "profile": {"slice_lengths": [8, 24, 48], "num_contexts": 2, "warmup": 0, "repeats": 1},
+                        "freeze": {"schedule": [[1, 2], [2, 4]], "repack": repack}}
+            runs[repack] = run_frozen(cfg, terapipe, batches, num_steps)
+        plain, packed = runs[False], runs[True]
+        engine = packed["engine"]
+        worst = max(rel_err(packed["params"][n], plain["params"][n]) for n in plain["params"]
+                    if n in packed["params"] and (n != "tied_modules.embed.wpe.weight" or plain["has_embed"]))
+        ref_err, ref_name, _ = _named_compare(packed["params"], ref["params"], True)
+        frozen_last = packed["frozen"][-1]
+        frozen_moved = [n for n in frozen_last if n in plain["params"] and (plain["has_embed"] or "wpe" not in n)
+                        and not torch.equal(packed["params"][n], plain["params"][n])]
+        results.append({"case": f"repack {sched} slices={slices}", "losses": packed["losses"],
+                        "plain_losses": plain["losses"], "ref_losses": ref["losses"], "param_rel_err": worst,
+                        "ref_param_rel_err": ref_err, "ref_worst": ref_name, "events": packed["events"],
+                        "frozen_differ": frozen_moved,
+                        "num_stages": engine.num_stages, "replicas": engine.dp_world_size,
+                        "micro_batches": engine.micro_batches, "stage": engine.stage_id,
+                        "names": sorted(packed["params"]), "plain_names": sorted(plain["params"]),
+                        "changed": packed["changed"], "with_state": packed["with_state"],
+                        "frozen": packed["frozen"], "slices": packed["slices"],
+                        "state_names": sorted(n for n, p in engine.module.named_parameters()
+                                              if p in engine.optimizer.state)})
+        if slices != 2:
+            continue
+        # a checkpoint written after the repack: an engine started in the original layout repacks, then loads it,
+        # and continues exactly as the repacked run does; the export holds the whole model
+        STATUS["case"] = "repack resume"
+        save_dir = str(Path(extra["out"]) / "repack_ckpt")
+        engine.save_checkpoint(save_dir)
+        second = _frozen_engine(cfg, terapipe)
+        second.load_checkpoint(save_dir)
+        more = make_batches(cfg, micro, batch, seq_len, seed=31)
+        losses = [float(engine.train_batch(iter(more))), float(second.train_batch(iter(more)))]
+        params = [dict(engine.module.named_parameters()), dict(second.module.named_parameters())]
+        exported = ds_terapipe.export_state_dict(save_dir)
+        results.append({"case": "repack resume", "layout": [second.num_stages, second.dp_world_size],
+                        "losses": losses, "params_equal": sorted(params[0]) == sorted(params[1]) and all(
+                            torch.equal(params[0][n].detach(), params[1][n].detach()) for n in params[0]),
+                        "state_equal": _optimizer_states_equal(engine, second),
+                        "exported_matches": all(torch.equal(exported[_export_name(n, exported)], v)
+                                                for n, v in packed["params"].items()),
+                        "frozen": second.freezer.num_frozen_layers})
+    return results
+
+
+def _export_name(name: str, exported: dict) -> str:
+    """The export's key of a module parameter (a tied weight is stored under its first layer's index)."""
+    if not name.startswith("tied_modules."):
+        return name
+    tail = name.split(".", 2)[2]
+    return next(k for k in sorted(exported, key=lambda k: int(k.split(".")[0])) if k.split(".", 1)[1] == tail)
+
+
+def _optimizer_states_equal(a: Any, b: Any) -> bool:
+    pa, pb = dict(a.module.named_parameters()), dict(b.module.named_parameters())
+    for name, param in pa.items():
+        sa, sb = a.optimizer.state.get(param, {}), b.optimizer.state.get(pb[name], {})
+        if sorted(sa) != sorted(sb) or not all(torch.equal(torch.as_tensor(sa[k]), torch.as_tensor(sb[k])) for k in sa):
+            return False
+    return True
+
+
 def suite_freeze(extra: dict) -> list[dict]:
     """A freeze schedule (schedules x v x checkpointing) and the auto policy against the unsliced reference with
     the same layers frozen at the same steps; then the refusals."""
@@ -1143,6 +1220,8 @@ def suite_freeze(extra: dict) -> list[dict]:
     def at(step: int) -> int:
         return max([n for s, n in schedule if s <= step] + [0])
 
+    if extra.get("repack_only"):  # a developer's shortcut: python -c "...launch('freeze', 2, out, extra=...)"
+        return repack_cases(extra, cfg, batches, num_steps, micro, batch, seq_len, at)
     ref = frozen_reference(gpt_layer_specs(cfg), batches, num_steps, at)
     results: list[dict] = []
     for sched, v, slices, interval in (("gpipe", 1, [8, 24, 16], 0), ("1f1b", 1, 3, 0), ("1f1b", 1, [16, 32], 1),
@@ -1199,12 +1278,17 @@ def suite_freeze(extra: dict) -> list[dict]:
                     "frozen": [len(f) for f in run["frozen"]], "stage": run["engine"].stage_id,
                     "actions": run["actions"], "trained": sorted(n for n in run["params"] if n in run["grads"][-1])})
 
+    results.extend(repack_cases(extra, cfg, batches, num_steps, micro, batch, seq_len, at))
+
     # refusals, on every rank before any step
     for case, freeze, zero in (("too many", {"schedule": [[1, 9]]}, 0), ("all", {"schedule": [[1, 7]]}, 0),
-                               ("zero1", {"schedule": [[1, 2]]}, 1)):
+                               ("zero1", {"schedule": [[1, 2]]}, 1),
+                               ("repack micro-batches", {"schedule": [[1, 4]], "repack": True}, 0)):
         STATUS["case"] = f"refuse {case}"
+        micro_batches = 3 if "repack" in case else 2  # 3 micro-batches cannot split over 2 replicas
         got = run_until_error(lambda: run_frozen(cfg, {"seq_len": seq_len, "slices": 2, "schedule": "1f1b",
-                                                       "freeze": freeze}, batches, 1, zero_stage=zero))
+                                                       "freeze": freeze}, batches, 1, zero_stage=zero,
+                                                 micro=micro_batches))
         results.append(got)
     return results
 

@@ -204,7 +204,8 @@ def test_auto_policy_freezes_front_to_back_the_same_on_every_rank_and_replans(fr
 
 def test_freeze_refusals_on_every_rank_before_training(freeze_results) -> None:
     expected = {"refuse too many": "freeze 9 layers but the model has 7",
-                "refuse all": "freezes every layer with parameters", "refuse zero1": "needs ZeRO stage 0"}
+                "refuse all": "freezes every layer with parameters", "refuse zero1": "needs ZeRO stage 0",
+                "refuse repack micro-batches": "gradient_accumulation_steps=3 must be divisible by the 2 pipeline"}
     for rank, cases in enumerate(freeze_results):
         got = {c["case"]: c for c in cases if c["case"].startswith("refuse")}
         assert sorted(got) == sorted(expected)
@@ -231,3 +232,31 @@ def test_a_rank_with_nothing_left_to_train_joins_gradient_clipping(freeze_result
             assert case["actions"][-1] == ["F", "SEND_F"]
         else:
             assert case["trained"]
+
+
+def test_a_repack_continues_on_fewer_stages_and_trains_as_if_nothing_moved(freeze_results) -> None:
+    cases = _cases(freeze_results, "repack ")
+    assert len(cases) == 2 * 2
+    for rank, case in cases:
+        where = f"rank {rank} {case['case']}"
+        # stage 0 held layers [0, 4) only: at step 2 the run went on as 1 stage x 2 replicas, 1 micro-batch each
+        repacks = [e for e in case["events"] if "repack" in e]
+        assert [e["step"] for e in repacks] == [2], (where, case["events"])
+        assert repacks[0]["repack"]["stages"] == [2, 1] and repacks[0]["repack"]["replicas"] == [1, 2], where
+        assert (case["num_stages"], case["replicas"], case["micro_batches"], case["stage"]) == (1, 2, 1, 0), where
+        assert set(case["names"]) >= set(case["plain_names"]), where   # every layer on every rank now
+        # the same losses and parameters as the run that kept 2 stages, and as the unsliced reference
+        for got, plain, ref in zip(case["losses"], case["plain_losses"], case["ref_losses"]):
+            assert got == pytest.approx(plain, rel=1e-5) and got == pytest.approx(ref, rel=1e-5), where
+        assert case["param_rel_err"] <= 1e-5 and case["ref_param_rel_err"] <= 1e-5, (where, case["ref_worst"])
+        # frozen weights moved bit-identical; only the trained layers carry optimizer state
+        assert not case["frozen_differ"] and not any(case["changed"]) and not any(case["with_state"]), where
+        assert case["state_names"] and all(not n.startswith(("1.", "2.", "3.")) for n in case["state_names"]), where
+
+
+def test_a_checkpoint_written_after_a_repack_resumes_repacked_and_exports(freeze_results) -> None:
+    for rank, cases in enumerate(freeze_results):
+        case = next(c for c in cases if c["case"] == "repack resume")
+        assert case["layout"] == [1, 2] and case["frozen"] == 4, (rank, case)
+        assert case["losses"][0] == case["losses"][1] and case["params_equal"] and case["state_equal"], (rank, case)
+        assert case["exported_matches"], (rank, case)

@@ -133,8 +133,11 @@ class TokenPipelineEngine(PipelineEngine):
             length); ``slices``, ``slicing_plan`` and ``plan_source`` read it.
     """
 
-    def __init__(self, *args, terapipe_config: TeraPipeConfig, **kwargs) -> None:
+    def __init__(self, *args, terapipe_config: TeraPipeConfig, preset_plan: Optional[ResolvedPlan] = None,
+                 **kwargs) -> None:
         self.terapipe = terapipe_config
+        self.preset_plan = preset_plan  # a repack's plan for the layers it moved (runtime/repack.py)
+        self.repack_share: Any = None   # after a repack: this replica's share of each step's micro-batches
         self._chunk: Any = _INIT
         super().__init__(*args, **kwargs)
         self._chunk = None  # the chunk an instruction runs on, while it runs (see _on_chunk)
@@ -280,13 +283,16 @@ class TokenPipelineEngine(PipelineEngine):
     # -- variable sequence lengths ----------------------------------------------------------------------------
     def train_batch(self, data_iter: Optional[Iterator] = None) -> torch.Tensor:
         with self._failing_fast("train_batch"):
+            source = data_iter if data_iter is not None else getattr(self, "data_iterator", None)
+            if self.freezer is not None:
+                self.freezer.before_step(self)  # a repack (runtime/repack.py) turns self into the new engine
+            if self.repack_share is not None:   # this replica's share of the step's micro-batches
+                data_iter = self.repack_share.take(self, source, self.micro_batches)
             if data_iter is not None:
                 self.set_dataiterator(data_iter)
             peeked = self._use_plan_for_next_batch(self.data_iterator)
             if self.is_first_stage() or self.is_last_stage():
                 self.data_iterator = peeked
-            if self.freezer is not None:
-                self.freezer.before_step(self)
             if self.replanner is not None:
                 self.replanner.before_step(self)
             loss = super().train_batch()
@@ -298,6 +304,9 @@ class TokenPipelineEngine(PipelineEngine):
         with self._failing_fast("eval_batch"):
             if self._vocab is not None:
                 self._vocab.check_eval(*args, **kwargs)
+            if self.repack_share is not None:
+                count = kwargs.get("num_micro_batches") or (args[4] if len(args) > 4 else None) or self.micro_batches
+                data_iter = self.repack_share.take(self, data_iter, count, "eval_batch")
             return super().eval_batch(self._use_plan_for_next_batch(data_iter), *args, **kwargs)
 
     def _use_plan_for_next_batch(self, iterator: Optional[Iterator]) -> Optional[Iterator]:
@@ -706,6 +715,7 @@ class TokenPipelineEngine(PipelineEngine):
                 ckpt.write_manifest(tag_dir, {"num_stages": self.num_stages, "dp": self.dp_world_size,
                                               "virtual_stages": self.terapipe.virtual_stages,
                                               "placement": list(self.placement),
+                                              "repacked": self.freezer.repacked if self.freezer else None,
                                               "plan": self.plan_summary(), "terapipe": self.terapipe.model_dump()})
                 if save_latest:
                     ckpt.write_latest(save_dir, tag)
@@ -718,11 +728,32 @@ class TokenPipelineEngine(PipelineEngine):
         otherwise). A checkpoint from another number of stages loads its weights (per-layer files) but not the
         optimizer state, which DeepSpeed stores per stage."""
         with self._failing_fast("load_checkpoint"):
+            self._repack_like(load_dir, tag)
             result = self._checked_load(load_dir, tag, **kwargs)
             client = result[1] if isinstance(result, tuple) and len(result) > 1 else None
             if self.freezer is not None and isinstance(client, dict):
                 self.freezer.load_state_dict(self, client.get("terapipe", {}).get("freeze") or {})
             return result
+
+    def _repack_like(self, load_dir: str, tag: Any) -> None:
+        """A checkpoint written after a repack (runtime/repack.py) holds the repacked layout: an engine still in
+        the layout the run started with freezes and repacks the same way first (collective: every rank reads the
+        same manifest), so the optimizer state DeepSpeed stores per stage loads into the stages it was saved from."""
+        if self.freezer is None or self.freezer.repacked is not None or not self.freezer.cfg.repack:
+            return
+        tag = str(tag) if tag is not None else ckpt.read_latest(load_dir)
+        try:
+            manifest = ckpt.read_manifest(os.path.join(load_dir, tag)) if tag is not None else {}
+        except ckpt.CheckpointError:
+            return  # _checked_load reports it, on every rank
+        done = manifest.get("repacked")
+        if not done or list(done["stages"]) != [self.num_stages, manifest.get("num_stages")]:
+            return
+        from .repack import repack
+
+        if int(done["num_frozen_layers"]) > self.freezer.num_frozen_layers:
+            self.freezer.apply(self, int(done["num_frozen_layers"]))
+        repack(self, self.num_stages // int(manifest["num_stages"]))
 
     def _checked_load(self, load_dir: str, tag: Any, **kwargs: Any) -> Any:
         tag = str(tag) if tag is not None else ckpt.read_latest(load_dir)

@@ -176,7 +176,12 @@ class Freezer:
         self._pending: Optional[int] = None  # the auto policy's decision, applied before the next batch
         self._previous_norms: Optional[dict[int, float]] = None
         self._base_cost = engine.plan.cost  # the profiled costs (rank 0), before any freeze
+        self.repacked: Optional[dict[str, Any]] = None  # the repack this run made (runtime/repack.py), if any
         problem = self._unsupported(engine)
+        if problem is None and cfg.repack:
+            from .repack import check_repack_supported
+
+            problem = check_repack_supported(engine)
         # Every rank's parameter counts per layer and config: one gather, so every rank checks the same table.
         local = {idx: sum(p.numel() for p in self._layer_params(module, idx)) for idx in self._local_layers(module)}
         gathered: list[Any] = [None] * dist.get_world_size()
@@ -274,12 +279,36 @@ class Freezer:
             return max([n for s, n in self.cfg.schedule if s <= step] + [self.num_frozen_layers])
         return max(self.num_frozen_layers, self._pending or 0)
 
+    @property
+    def base_cost(self) -> Optional[dict]:
+        """The costs profiled at init, before any freeze (global rank 0; None elsewhere)."""
+        return self._base_cost
+
     def before_step(self, engine: "TokenPipelineEngine") -> None:
-        """Freeze what the policy asks for at this step (every rank reaches the same count, see the module doc)."""
+        """Freeze what the policy asks for at this step (every rank reaches the same count, see the module doc),
+        then repack when ``repack`` is on and the rule says so (``engine`` is then the repacked engine)."""
         target = self.target(engine.global_steps)
         if target > self.num_frozen_layers:
             self._check_counts(target)
             self.apply(engine, target)
+            self.maybe_repack(engine)
+
+    def maybe_repack(self, engine: "TokenPipelineEngine") -> None:
+        """Repack (runtime/repack.py) when whole stages hold frozen layers only; once per run (collective)."""
+        from .repack import repack, repack_factor
+
+        if not self.cfg.repack or self.repacked:
+            return
+        k = repack_factor(engine.num_stages, self.num_frozen_chunks)
+        if k > 1:
+            repack(engine, k)
+
+    def adopt(self, engine: "TokenPipelineEngine", before: "Freezer", event: dict[str, Any]) -> None:
+        """Continue ``before``'s run on the repacked ``engine``: its history, then the same layers frozen here."""
+        self.events = list(before.events) + [event]
+        self._pending, self._previous_norms = before._pending, before._previous_norms
+        self.repacked = dict(event["repack"], num_frozen_layers=before.num_frozen_layers)
+        self.apply(engine, before.num_frozen_layers)
 
     def apply(self, engine: "TokenPipelineEngine", num_frozen_layers: int) -> None:
         """Freeze layers ``[0, num_frozen_layers)`` on this rank (collective when it re-plans)."""
@@ -435,7 +464,7 @@ class Freezer:
     # -- checkpoints -----------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {"num_frozen_layers": self.num_frozen_layers, "pending": self._pending,
-                "previous_norms": self._previous_norms}
+                "previous_norms": self._previous_norms, "repacked": self.repacked}
 
     def load_state_dict(self, engine: "TokenPipelineEngine", state: Mapping[str, Any]) -> None:
         """Re-freeze what the checkpoint had frozen (every rank loads the same state)."""

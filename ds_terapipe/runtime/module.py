@@ -92,6 +92,11 @@ class TokenPipelineModule(PipelineModule):
                                  "vocabulary parallelism removes); use partition_method='type:...', 'parameters' "
                                  "or 'parts:...' with vocab_parallel, or vocab_parallel=False")
             layers, head_spec = vocab.split_output_layer(layers)
+        # What a repack (runtime/repack.py) needs to build this model again over another topology.
+        self.rebuild_spec = {"layers": list(layers) if head_spec is None else None, "args": args,
+                             "kwargs": dict(kwargs, vocab_size=vocab_size, input_sampler=input_sampler,
+                                            virtual_stages=virtual_stages, schedule=schedule,
+                                            partition_settings=partition_settings, vocab_parallel=vocab_parallel)}
         super().__init__(layers, *args, **kwargs)
         self.vocab_head = None if head_spec is None else vocab.build_shard_head(self, head_spec)
 

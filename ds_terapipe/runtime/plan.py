@@ -187,8 +187,14 @@ def resolve_plan(engine: "TokenPipelineEngine") -> ResolvedPlan:
             "terapipe.slices=\"auto\" needs to profile each stage on a sample input: build the model as "
             "ds_terapipe.TokenPipelineModule(..., vocab_size=V) or with input_sampler=fn, or set terapipe.slices to "
             "an int or a list"))
-    stage_input = check_stage_slicing(engine, seq_len, slices)  # this rank's chunk inputs, by chunk
-    resolved = ResolvedPlan(slices, "config") if slices is not None else _auto_plan(engine, None, stage_input, seq_len)
+    preset = getattr(engine, "preset_plan", None)
+    if slices is None and preset is not None:
+        # a repack (runtime/repack.py): the same layers, already checked and profiled by the engine it replaces
+        resolved = preset
+    else:
+        stage_input = check_stage_slicing(engine, seq_len, slices)  # this rank's chunk inputs, by chunk
+        resolved = ResolvedPlan(slices, "config") if slices is not None else \
+            _auto_plan(engine, None, stage_input, seq_len)
     _agree(engine, resolved.slices)
     if engine.global_rank == 0:
         logger.info("terapipe: running %s with %d slice(s) %s over %d stage(s), %d micro-batch(es) (plan from %s)",
