@@ -1,5 +1,5 @@
-"""Progressive freezing on CPU: tokens/s of the token pipeline unfrozen, after freezing half the blocks, and stock
-DeepSpeed with the same layers frozen (issue 14, item 6).
+"""Progressive freezing on CPU: tokens/s of the token pipeline unfrozen, after freezing half the blocks, after
+repacking to 1 stage x 2 replicas, and stock DeepSpeed with the same layers frozen (issue 14, item 6).
 
     flock /tmp/bench.lock python benchmarks/freeze_speedup.py            # 8 blocks, hidden 512, seq 1024, m = 4
     flock /tmp/bench.lock python benchmarks/freeze_speedup.py --quick    # a 1-2 minute smoke run
@@ -12,12 +12,16 @@ m micro-batches. Every variant's engine is built once, then ``--warmup`` + ``--s
 * ``token``: ``slices: "auto"``, 1f1b, nothing frozen (the baseline);
 * ``token+freeze``: the same with ``freeze: {"schedule": [[0, 1 + layers/2]]}``: the embedding and the first half
   of the blocks are frozen before the first step, stage 0 runs forward only and the slicing is re-planned;
+* ``token+repack``: the same freeze with ``"repack": true``: stage 0 holds frozen layers only, so before the first
+  step the run continues as 1 stage x 2 data-parallel replicas (``runtime/repack.py``), each running the frozen
+  prefix forward-only in front of the trained layers on 2 of the 4 micro-batches;
 * ``stock+freeze``: ``deepspeed.initialize`` on the same module with ``requires_grad=False`` on those layers'
   parameters (the tied embedding weight trains through the head, as in ``token+freeze``). DeepSpeed still runs
   stage 0's backward: the tied weight needs the gradient of the embedding's use.
 
-Repacking (the frozen prefix in front of 1 stage x 2 replicas) is not implemented; its row is absent. Reported:
-median step time and tokens/s (m x seq_len / step) per variant, and the paired speedups.
+Reported: median step time and tokens/s (m x seq_len / step) per variant, and the paired speedups; the run
+checks that every token variant's loss equals ``token``'s in the first timed round (they train the same model
+from the same weights on the same batch: freezing before the first step changes nothing before it).
 """
 from __future__ import annotations
 
@@ -36,7 +40,7 @@ from benchlib.tables import ROOT, markdown_table, print_checks, results_path, wr
 
 NAME = "freeze_speedup"
 NUM_STAGES = 2
-VARIANTS = ("token", "token+freeze", "stock+freeze")
+VARIANTS = ("token", "token+freeze", "token+repack", "stock+freeze")
 
 
 def _build(variant: str, cfg: Any, opts: dict, num_frozen: int) -> Any:
@@ -55,8 +59,8 @@ def _build(variant: str, cfg: Any, opts: dict, num_frozen: int) -> Any:
     if variant.startswith("token"):
         config["terapipe"] = {"enabled": True, "seq_len": opts["seq_len"], "slices": "auto", "schedule": "1f1b",
                               "p2p_timeout_s": 900.0, "profile": opts["profile"]}
-        if variant == "token+freeze":
-            config["terapipe"]["freeze"] = {"schedule": [[0, num_frozen]]}
+        if variant != "token":
+            config["terapipe"]["freeze"] = {"schedule": [[0, num_frozen]], "repack": variant == "token+repack"}
     else:  # stock DeepSpeed, the same layers frozen the usual way
         for idx in range(num_frozen):
             layer = model._modules.get(str(idx))
@@ -89,6 +93,7 @@ def worker_main(out_dir: Path, opts: dict) -> None:
     batches = [(ids[i, :, :-1].contiguous(), ids[i, :, 1:].contiguous()) for i in range(m)]
     engines = {v: _build(v, cfg, opts, num_frozen) for v in opts["variants"]}
     times: dict[str, list[float]] = {v: [] for v in engines}
+    losses: dict[str, list[float]] = {v: [] for v in engines}
     info: dict[str, Any] = {}
     order = list(engines)
     for rnd in range(opts["warmup"] + opts["steps"]):
@@ -96,8 +101,9 @@ def worker_main(out_dir: Path, opts: dict) -> None:
             engine = engines[variant]
             dist.barrier()
             t0 = time.perf_counter()
-            engine.train_batch(iter(batches))
+            loss = engine.train_batch(iter(batches))
             dist.barrier()
+            losses[variant].append(float(loss))
             if rnd >= opts["warmup"]:
                 times[variant].append((time.perf_counter() - t0) * 1e3)
             if rank == 0:
@@ -107,7 +113,8 @@ def worker_main(out_dir: Path, opts: dict) -> None:
         info[variant] = {"slices": list(getattr(engine, "slices", [seq_len])),
                          "trainable_params": sum(p.numel() for p in engine.module.parameters() if p.requires_grad),
                          "events": freezer.events if freezer is not None else None,
-                         "layers": [type(f).__name__ for f in engine.module.forward_funcs]}
+                         "layers": [type(f).__name__ for f in engine.module.forward_funcs],
+                         "layout": [engine.num_stages, engine.dp_world_size], "losses": losses[variant]}
     (out_dir / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "times": times, "info": info}))
 
 
@@ -146,15 +153,22 @@ def main() -> int:
     rows = [[v, f"{med[v]:.0f}", f"{tokens / med[v] * 1e3:,.0f}", f"{paired[('token', v)]:.2f}x",
              ", ".join(str(r["info"][v]["slices"]) for r in ranks[:1]),
              f"{sum(r['info'][v]['trainable_params'] for r in ranks):,}"] for v in VARIANTS]
-    table = markdown_table(["variant", "step ms", "tokens/s", "vs token", "slices", "trainable params"], rows)
+    rows = [row + ["x".join(str(n) for n in ranks[0]["info"][v]["layout"])] for row, v in zip(rows, VARIANTS)]
+    table = markdown_table(["variant", "step ms", "tokens/s", "vs token", "slices", "trainable params",
+                            "stages x replicas"], rows)
     print("\n".join(table))
-    checks = [{"target": "token+freeze >= 1.6x token (issue floor is with repacking; none here)",
-               "value": paired[("token", "token+freeze")], "met": paired[("token", "token+freeze")] >= 1.6},
-              {"target": "token+freeze >= 1.3x stock+freeze", "value": paired[("stock+freeze", "token+freeze")],
-               "met": paired[("stock+freeze", "token+freeze")] >= 1.3}]
+    # the same model, weights and batch in every variant's first round (warm-up): the same loss
+    first = {v: ranks[0]["info"][v]["losses"][0] for v in VARIANTS}
+    agree = max(abs(first[v] - first["token"]) / abs(first["token"]) for v in VARIANTS)
+    checks = [{"target": "token+repack >= 1.6x token", "value": paired[("token", "token+repack")],
+               "met": paired[("token", "token+repack")] >= 1.6},
+              {"target": "token+repack >= 1.3x stock+freeze", "value": paired[("stock+freeze", "token+repack")],
+               "met": paired[("stock+freeze", "token+repack")] >= 1.3},
+              {"target": "first-round losses agree (rel <= 1e-5)", "value": agree, "met": agree <= 1e-5}]
     print_checks(checks)
     report = {"opts": opts, "step_ms": step, "median_ms": med, "table": table, "checks": checks,
-              "events": ranks[0]["info"]["token+freeze"]["events"]}
+              "events": {v: ranks[0]["info"][v]["events"] for v in ("token+freeze", "token+repack")},
+              "losses": {v: ranks[0]["info"][v]["losses"] for v in VARIANTS}}
     path = Path(args.json) if args.json else (out / f"{NAME}.json" if args.quick else results_path(NAME))
     print(f"report: {write_report(report, path)}")
     return 0

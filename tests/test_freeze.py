@@ -235,7 +235,7 @@ def test_a_rank_with_nothing_left_to_train_joins_gradient_clipping(freeze_result
 
 
 def test_a_repack_continues_on_fewer_stages_and_trains_as_if_nothing_moved(freeze_results) -> None:
-    cases = _cases(freeze_results, "repack ")
+    cases = [(rank, c) for rank, c in _cases(freeze_results, "repack ") if c["case"] != "repack resume"]
     assert len(cases) == 2 * 2
     for rank, case in cases:
         where = f"rank {rank} {case['case']}"
