@@ -154,7 +154,7 @@ def main() -> int:
              ", ".join(str(r["info"][v]["slices"]) for r in ranks[:1]),
              f"{sum(r['info'][v]['trainable_params'] for r in ranks):,}"] for v in VARIANTS]
     rows = [row + ["x".join(str(n) for n in ranks[0]["info"][v]["layout"])] for row, v in zip(rows, VARIANTS)]
-    table = markdown_table(["variant", "step ms", "tokens/s", "vs token", "slices", "trainable params",
+    table = markdown_table(["variant", "step ms", "tokens/s", "vs token", "slices", "trainable params (all ranks)",
                             "stages x replicas"], rows)
     print("\n".join(table))
     # the same model, weights and batch in every variant's first round (warm-up): the same loss

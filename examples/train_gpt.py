@@ -92,6 +92,9 @@ def parse_args() -> argparse.Namespace:
                         help="progressive freezing (terapipe.freeze): 'STEP:LAYERS,...' (e.g. 20:2,40:4: from step 20 "
                              "the first 2 layers are frozen, from step 40 the first 4) or 'auto' (gradient-norm "
                              "policy, checked every 10 steps); overrides the config's terapipe.freeze")
+    parser.add_argument("--repack", action="store_true",
+                        help="with freezing: once a pipeline stage holds frozen layers only, continue on fewer stages "
+                             "with more data-parallel replicas (terapipe.freeze.repack)")
     return parse_training_args(parser)
 
 
@@ -240,8 +243,14 @@ def main() -> None:
     args = parse_args()
     ds_config, terapipe, stages, seq_len = start(args, "train_gpt")
     config = None
-    if args.freeze:  # the config from the file, with this freeze section: handed to initialize as a dict
-        ds_config.setdefault("terapipe", {})["freeze"] = freeze_section(args.freeze)
+    if args.freeze or args.repack:  # the config from the file, with this freeze section: handed over as a dict
+        section = ds_config.setdefault("terapipe", {})
+        if args.freeze:
+            section["freeze"] = freeze_section(args.freeze)
+        if args.repack:
+            if "freeze" not in section:
+                raise SystemExit("train_gpt: --repack needs --freeze or a terapipe.freeze section in the config")
+            section["freeze"]["repack"] = True
         terapipe = ds_terapipe.parse_terapipe_config(ds_config)
         config, args.deepspeed_config = ds_config, None
     tokens = load_tokens(args)

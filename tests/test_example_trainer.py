@@ -4,6 +4,9 @@
   last bit of every loss (with virtual stages: dualpipev, two chunks per rank, the loss on rank 0).
 * A rank killed mid-run: the survivor exits with an error (no hang), and --resume continues from the last
   checkpoint, losing at most the checkpoint interval.
+* Freezing with a repack (``--freeze 2:3 --repack``: stage 0 frozen, then 1 stage x 2 replicas): a rank killed
+  right after the repack fails its peer, and --resume from the checkpoint before it repacks again and trains the
+  same losses as the run that was not interrupted, to the last bit.
 """
 
 from __future__ import annotations
@@ -76,3 +79,28 @@ def test_killed_rank_fails_fast_and_resume_loses_at_most_one_interval(tmp_path) 
     resumed_at = int(re.search(r"at step (\d+)", texts[0]).group(1))
     assert crashed_at - 2 <= resumed_at <= crashed_at
     assert "done" in texts[0]
+
+
+@pytest.mark.timeout(600)
+def test_a_rank_killed_right_after_a_repack_fails_fast_and_resume_repacks_identically(tmp_path) -> None:
+    # 2 blocks: layers embed 0, blocks 1-2 | norm 3, head 4 (uniform: [0, 3) and [3, 5)); from step 2 stage 0
+    # holds frozen layers only and the run repacks to 1 stage x 2 replicas
+    freeze = ("--freeze", "2:3", "--repack")
+    codes, texts = run_ranks(trainer(tmp_path, "full", "--steps", "6", *freeze), 2, tmp_path / "full", timeout_s=240)
+    check(codes, texts)
+    assert "repacked 2 stage(s) x 1 replica(s) -> 1 x 2" in texts[0], texts[0][-3000:]
+    ckpt = str(tmp_path / "ckpt")
+    codes, texts = run_ranks(trainer(tmp_path, "crash", "--steps", "200", "--save-dir", ckpt, "--save-every", "2",
+                                     *freeze), 2, tmp_path / "crash", timeout_s=240, kill=(1, "repacked"),
+                             fail_fast=False)
+    assert codes[1] is None, "rank 1 should have been killed"
+    assert codes[0] not in (0, None), f"rank 0 should fail, not finish or hang:\n{texts[0][-3000:]}"
+    assert re.search(r"P2PTimeoutError|PeerFailedError|Connection closed|Connection reset", texts[0]), \
+        texts[0][-3000:]
+    codes, texts = run_ranks(trainer(tmp_path, "resume", "--steps", "6", "--save-dir", ckpt, "--resume", *freeze),
+                             2, tmp_path / "resume", timeout_s=240)
+    check(codes, texts)
+    assert "at step 2" in texts[0] and "repacked" in texts[0], texts[0][-3000:]
+    full, resumed = losses(tmp_path, "full"), losses(tmp_path, "resume")
+    assert sorted(resumed) == [3, 4, 5, 6]
+    assert [resumed[s] for s in (3, 4, 5, 6)] == [full[s] for s in (3, 4, 5, 6)]  # exact float equality

@@ -339,7 +339,7 @@ def repack(engine: "TokenPipelineEngine", k: int) -> dict[str, Any]:
     stage, replica = engine.stage_id, engine.grid.data_parallel_id
     freezer = engine.freezer
     assert freezer is not None and engine.optimizer is not None
-    parts = list(engine.module.parts)
+    parts = [int(b) for b in engine.module.parts]
     new_parts = parts[::k]
     spec = engine.module.rebuild_spec
     kwargs = dict(spec["kwargs"])
