@@ -204,7 +204,10 @@ def train(engine: Any, args: argparse.Namespace, tokens: np.ndarray, seq_len: in
     tokens_per_step = micro * gas * (world // stages) * seq_len
     # With slices "auto" the planner's predicted step (forwards, backwards, W, transfers, and what follows the
     # schedule: tied and data-parallel gradient reduction, optimizer step, end-of-step sync), next to the measured.
-    planned = f" (plan: {plan['planner']['predicted_ms']:.0f} ms)" if plan.get("planner") else ""
+    def planned() -> str:  # the plan in use: it changes when layers freeze (re-planned) or the run repacks
+        predicted = getattr(engine, "predicted_step_ms", None)
+        return f" (plan: {predicted:.0f} ms)" if predicted else ""
+
     window_start, window_steps = time.perf_counter(), 0
     for step in range(start_step, args.steps):
         loss = engine.train_batch(train_data.iterator(step, gas))
@@ -216,7 +219,7 @@ def train(engine: Any, args: argparse.Namespace, tokens: np.ndarray, seq_len: in
         if rank == 0 and (done % args.log_every == 0 or done == args.steps):
             elapsed = time.perf_counter() - window_start
             print(f"step {done:5d}  loss {float(loss):.4f}  {tokens_per_step * window_steps / elapsed:,.0f} tokens/s  "
-                  f"{elapsed / window_steps * 1e3:.0f} ms/step{planned}", flush=True)
+                  f"{elapsed / window_steps * 1e3:.0f} ms/step{planned()}", flush=True)
             window_start, window_steps = time.perf_counter(), 0
         if args.eval_every and (done % args.eval_every == 0 or done == args.steps):
             val = engine.eval_batch(held_out.iterator(10**6 + step, gas))

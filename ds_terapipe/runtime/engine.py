@@ -257,6 +257,16 @@ class TokenPipelineEngine(PipelineEngine):
         return self.plan.planner
 
     @property
+    def predicted_step_ms(self) -> Optional[float]:
+        """The planner's predicted step time of the plan in use (after freezes and repacks: the latest re-plan's),
+        or None when the slices came from the config."""
+        freezer = getattr(self, "freezer", None)
+        latest = freezer.predicted_ms() if freezer is not None else None
+        if latest is not None:
+            return latest
+        return self.slicing_plan.predicted_ms if self.slicing_plan is not None else None
+
+    @property
     def plan_source(self) -> str:
         """Where the plan in use came from: "config", "profiled", "cache" or "planned"."""
         return self.plan.source

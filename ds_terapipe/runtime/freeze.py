@@ -308,10 +308,16 @@ class Freezer:
         self.events = list(before.events) + [event]
         self._pending, self._previous_norms = before._pending, before._previous_norms
         self.repacked = dict(event["repack"], num_frozen_layers=before.num_frozen_layers)
-        self.apply(engine, before.num_frozen_layers)
+        self.apply(engine, before.num_frozen_layers, quiet=True)
+        self.events[-1]["after_repack"] = True
 
-    def apply(self, engine: "TokenPipelineEngine", num_frozen_layers: int) -> None:
-        """Freeze layers ``[0, num_frozen_layers)`` on this rank (collective when it re-plans)."""
+    def predicted_ms(self) -> Optional[float]:
+        """The predicted step time of the plan after the latest freeze (or repack), when it was re-planned."""
+        return next((e["after_ms"] for e in reversed(self.events) if e.get("after_ms")), None)
+
+    def apply(self, engine: "TokenPipelineEngine", num_frozen_layers: int, *, quiet: bool = False) -> None:
+        """Freeze layers ``[0, num_frozen_layers)`` on this rank (collective when it re-plans); ``quiet``: log
+        nothing (a repack re-applies what already froze and logs the result itself)."""
         module = engine.module
         before_layers, before_chunks = self.num_frozen_layers, self.num_frozen_chunks
         local = self._local_layers(module)
@@ -331,7 +337,7 @@ class Freezer:
         self._wrap_frozen_forwards(module, num_frozen_layers)
         self.num_frozen_layers = num_frozen_layers
         self.num_frozen_chunks = frozen_chunk_count(self.parts, num_frozen_layers)
-        if frozen_params:
+        if frozen_params and not quiet:
             logger.info("terapipe: step %d: stage %d froze %d parameter(s) of layers < %d, released %.1f MiB of "
                         "optimizer state", engine.global_steps, engine.stage_id, frozen_params, num_frozen_layers,
                         released / 2**20)
@@ -341,7 +347,7 @@ class Freezer:
             event.update(self._replan(engine, before_layers, before_chunks))
         event["slices_after"] = list(engine.slices)
         self.events.append(event)
-        if engine.global_rank == 0:
+        if engine.global_rank == 0 and not quiet:
             chunks = {0: "no chunk is wholly frozen", 1: "chunk 0 runs forward only"}.get(
                 self.num_frozen_chunks, f"chunks 0..{self.num_frozen_chunks - 1} run forward only")
             speed = (f"; predicted step {event['before_ms']:.1f} ms -> {event['after_ms']:.1f} ms "

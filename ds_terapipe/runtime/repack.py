@@ -380,10 +380,15 @@ def repack(engine: "TokenPipelineEngine", k: int) -> dict[str, Any]:
     event = {"step": engine.global_steps, "repack": {"stages": [old_stages, new_stages],
                                                        "replicas": [old_replicas, new_replicas], "parts": new_parts,
                                                        "micro_batches": [engine.micro_batches, new.micro_batches]}}
+    before_ms = freezer.predicted_ms()
     new.freezer.adopt(new, freezer, event)
+    after_ms = new.freezer.predicted_ms()
+    event["repack"].update(before_ms=before_ms, after_ms=after_ms)
     if engine.global_rank == 0:
+        speed = f"; predicted step {before_ms:.1f} ms -> {after_ms:.1f} ms ({before_ms / after_ms:.2f}x)" \
+            if before_ms and after_ms else ""
         logger.info("terapipe: step %d: repacked %d stage(s) x %d replica(s) -> %d x %d (layer boundaries %s; "
-                    "%d micro-batch(es) per replica per step); plan %s", engine.global_steps, old_stages,
-                    old_replicas, new_stages, new_replicas, new_parts, new.micro_batches, list(new.slices))
+                    "%d micro-batch(es) per replica per step); plan %s%s", engine.global_steps, old_stages,
+                    old_replicas, new_stages, new_replicas, new_parts, new.micro_batches, list(new.slices), speed)
     engine.__dict__ = new.__dict__  # the script's engine object is the repacked engine from here on
     return event
