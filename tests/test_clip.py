@@ -1,7 +1,8 @@
 """Tier a, one process: the parts of runtime/clip.py that need no process group. Which copy of a parameter counts
 in the norm, the arithmetic against torch's clip_grad_norm_ (the all-reduce stubbed: one rank), the tied weights
 every rank sees the same, and which configurations are refused. The multi-process checks against the reference
-are in the launches tests/clipping.py lists."""
+(tests/clipping.py) run in the launches of test_engine_features, test_engine_equivalence (2 x 2 replicas),
+test_engine_virtual (features) and test_vocab_parallel."""
 
 from __future__ import annotations
 
