@@ -59,10 +59,13 @@ def make_batches(cfg: GPTConfig, num: int, batch: int, seq_len: int, seed: int) 
 
 
 def reference_step(cfg: GPTConfig, batches: list[tuple], num_steps: int, lr: float,
-                   momentum: float, model: torch.nn.Module | None = None
+                   momentum: float, model: torch.nn.Module | None = None, max_norm: float = 0.0,
+                   norms: Optional[list[float]] = None
                    ) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Unsliced single-process training: per step, mean loss over its micro-batches (of ``model``, default the
-    reference GPT)."""
+    reference GPT). With ``max_norm`` > 0 the gradients are clipped by torch's ``clip_grad_norm_`` over the whole
+    model before each step (the first-step gradients are taken before it, as ``first_step_grads`` does), and each
+    step's norm is appended to ``norms``."""
     model = GPTReference(cfg) if model is None else model
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     per_step = len(batches) // num_steps
@@ -75,6 +78,10 @@ def reference_step(cfg: GPTConfig, batches: list[tuple], num_steps: int, lr: flo
         losses.append(float(total))
         if step == 0:
             first_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        if max_norm > 0:
+            norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+            if norms is not None:
+                norms.append(norm)
         opt.step()
     return losses, first_grads, {n: p.detach().clone() for n, p in model.named_parameters()}
 
@@ -101,7 +108,7 @@ def first_step_grads(engine: Any) -> Iterator[dict[str, torch.Tensor]]:
 def run_pipeline(cfg: GPTConfig, *, stages: int, micro_batches: int, batch: int, seq_len: int,
                  batches_for_rank: Callable[[int], list[tuple]], num_steps: int, lr: float, momentum: float,
                  terapipe: dict | None, zero_stage: int = 0, checkpoint_interval: int = 0,
-                 virtual_stages: int = 1, stock_dualpipev: bool = False) -> dict[str, Any]:
+                 virtual_stages: int = 1, stock_dualpipev: bool = False, clipping: float = 0.0) -> dict[str, Any]:
     if stock_dualpipev:  # DeepSpeed's own DualPipeV: deepspeed.initialize picks its engine from the module class
         from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
         model = DualPipeVModule(gpt_layer_specs(cfg), num_stages=stages, loss_fn=causal_lm_loss,
@@ -114,7 +121,7 @@ def run_pipeline(cfg: GPTConfig, *, stages: int, micro_batches: int, batch: int,
     dp = WORLD // stages
     config = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": micro_batches,
               "train_batch_size": batch * micro_batches * dp, "steps_per_print": 10**9,
-              "gradient_clipping": 0.0,  # DeepSpeed clips at 1.0 by default; the reference does not clip
+              "gradient_clipping": clipping,  # DeepSpeed clips at 1.0 by default; the reference only where asked
               "zero_optimization": {"stage": zero_stage}}
     if terapipe is not None:
         config["terapipe"] = dict(terapipe, enabled=True, seq_len=seq_len)
@@ -128,12 +135,44 @@ def run_pipeline(cfg: GPTConfig, *, stages: int, micro_batches: int, batch: int,
     ENGINE_REF["engine"] = engine
     data = iter(batches_for_rank(engine.grid.data_parallel_id))
     with first_step_grads(engine) as grads:
-        losses = [float(engine.train_batch(data)) for _ in range(num_steps)]
+        losses, norms = train_steps(engine, data, num_steps)
     params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-    result = {"stage": engine.stage_id, "losses": losses, "grads": grads, "params": params, "engine": engine,
-              "slices": list(getattr(engine, "slices", [seq_len]))}
+    result = {"stage": engine.stage_id, "losses": losses, "norms": norms, "grads": grads, "params": params,
+              "engine": engine, "slices": list(getattr(engine, "slices", [seq_len]))}
     ENGINE_REF.pop("engine", None)
     return result
+
+
+def train_steps(engine: Any, data: Iterator, num_steps: int) -> tuple[list[float], list[Optional[float]]]:
+    """``num_steps`` training steps: each step's loss and the gradient norm the engine reports for it
+    (``get_global_grad_norm``: None where nothing computed one)."""
+    losses, norms = [], []
+    for _ in range(num_steps):
+        losses.append(float(engine.train_batch(data)))
+        norm = engine.get_global_grad_norm()
+        norms.append(None if norm is None else float(norm))
+    return losses, norms
+
+
+def replica_batches(batches: list[tuple], dp_id: int, micro: int, dp: int, num_steps: int) -> list[tuple]:
+    """Replica ``dp_id``'s micro-batches: step s uses global micro-batches [s*micro*dp, (s+1)*micro*dp), and
+    each replica takes ``micro`` of them, in order."""
+    return [batches[s * micro * dp + dp_id * micro + j] for s in range(num_steps) for j in range(micro)]
+
+
+# -- gradient clipping by the global norm (runtime/clip.py) -------------------------------------------------------
+# Small enough that every step of every clipping case clips (tests/clipping.py checks that the reference's norms
+# exceed it several times over): a clipping coefficient from any other norm changes the step.
+CLIP = 0.15
+
+
+def clip_result(case: str, engine: Any, losses: list[float], norms: list[Optional[float]],
+                reference: tuple[list[float], list[float]], param_err: tuple[float, str]) -> dict[str, Any]:
+    """A clipping case as tests/clipping.py reads it: losses and reported norms against the reference's
+    (``reference``: its losses and ``clip_grad_norm_`` norms), and the worst parameter after the steps."""
+    return {"case": case, "stage": engine.stage_id, "max_norm": engine.gradient_clipping(), "losses": losses,
+            "ref_losses": reference[0], "norms": norms, "ref_norms": reference[1], "param_rel_err": param_err[0],
+            "param_worst": param_err[1]}
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -206,6 +245,20 @@ def suite_equivalence(extra: dict) -> list[dict]:
                     "param_worst": param_name, "stock_grad_rel_err": stock_err, "covered": covered,
                     "seconds": time.perf_counter() - t0,
                 })
+    if extra.get("clip"):
+        # gradient clipping by the norm of the whole model's gradient over the global batch
+        m, steps = 2, 3
+        batches = make_batches(cfg, steps * m * dp, batch, seq_len, seed=400)
+        ref_norms: list[float] = []
+        ref_losses, _, ref_params = reference_step(cfg, batches, steps, lr=0.1, momentum=0.9, max_norm=CLIP,
+                                                   norms=ref_norms)
+        STATUS["case"] = f"clip zero={zero_stage}"
+        run = run_pipeline(cfg, stages=stages, micro_batches=m, batch=batch, seq_len=seq_len,
+                           batches_for_rank=lambda dp_id: replica_batches(batches, dp_id, m, dp, steps),
+                           num_steps=steps, lr=0.1, momentum=0.9, zero_stage=zero_stage, clipping=CLIP,
+                           terapipe={"slices": [8, 24, 16], "schedule": "1f1b", "granularity": 2, "p2p_timeout_s": 60})
+        results.append(clip_result(STATUS["case"], run["engine"], run["losses"], run["norms"], (ref_losses, ref_norms),
+                                   compare(run["params"], ref_params, run["stage"])[:2]))
     return results
 
 
@@ -470,6 +523,35 @@ def suite_features(extra: dict) -> list[dict]:
                     "update_vs_ref": compare(deferred_update, ref_update, engine.stage_id)[:2],
                     "plain_vs_ref": compare(plain, ref_update, engine.stage_id)[:2]})
 
+    # gradient clipping by the norm of the whole model (the tied embedding/head counted once), fp32 and bf16
+    clip_norms: list[float] = []
+    clip_losses, _, clip_params = reference_step(cfg, batches * num_steps, num_steps, lr=0.1, momentum=0.0,
+                                                 max_norm=CLIP, norms=clip_norms)
+    clip_tp = {"seq_len": seq_len, "slices": [16, 32, 16], "schedule": "1f1b"}
+    STATUS["case"] = "clip fp32"
+    engine = _engine(cfg, gpt_layer_specs(cfg), clip_tp, extra_config={"gradient_clipping": CLIP})
+    losses, norms = train_steps(engine, iter(batches * num_steps), num_steps)
+    params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    results.append(clip_result(STATUS["case"], engine, losses, norms, (clip_losses, clip_norms),
+                               compare(params, clip_params, engine.stage_id)[:2]))
+    # where DeepSpeed's optimizers clip: bf16 with ZeRO 0 (BF16_Optimizer) and fp16 with ZeRO 1
+    # (DeepSpeedZeroOptimizer, loss-scaled): the norm and the fp32 master weights' update, to half precision
+    for label, precision, zero in (("clip bf16", {"bf16": {"enabled": True}}, 0),
+                                   ("clip fp16 zero1", {"fp16": {"enabled": True, "loss_scale": 128}}, 1)):
+        STATUS["case"] = label
+        engine = _engine(cfg, gpt_layer_specs(cfg), clip_tp, extra_config={
+            "gradient_clipping": CLIP, **precision, "zero_optimization": {"stage": zero},
+            "zero_allow_untested_optimizer": True})
+        start = master_weights(engine)
+        losses, norms = train_steps(engine, iter(batches * num_steps), num_steps)
+        update = deltas(master_weights(engine), start)
+        results.append(clip_result(label, engine, losses, norms, (clip_losses, clip_norms),
+                                   compare(update, deltas(clip_params, ref_start), engine.stage_id)[:2]))
+    # fp16 with a torch optimizer (DeepSpeed's FP16_UnfusedOptimizer counts the tied weight once per rank): refused
+    STATUS["case"] = "clip fp16"
+    results.append(run_until_error(lambda: _engine(cfg, gpt_layer_specs(cfg), clip_tp, extra_config={
+        "gradient_clipping": CLIP, "fp16": {"enabled": True}})))
+
     # checkpoint: save after 2 steps, load in a fresh engine (same and different slicing), continue exactly
     STATUS["case"] = "checkpoint"
     ckpt = str(Path(extra["out"]) / "ckpt")
@@ -685,6 +767,19 @@ def suite_virtual_features(extra: dict) -> list[dict]:
         results.append({"case": STATUS["case"], "losses": losses, "ref_losses": ref_losses, "grad_rel_err": err,
                         "grad_worst": name, "interval": engine.module.activation_checkpoint_interval,
                         "checkpointable": [len(c) for c in engine.module.chunk_checkpointable]})
+
+    # gradient clipping by the norm of the whole model: every chunk's gradients, the tied embedding/head once
+    # (on two ranks when looped, on rank 0 alone under the V)
+    clip_norms: list[float] = []
+    clip_ref = reference_step(cfg, batches * 3, 3, lr=0.1, momentum=0.9, max_norm=CLIP, norms=clip_norms)
+    for sched in ("interleaved-1f1b", "dualpipev"):
+        STATUS["case"] = f"clip {sched}"
+        engine = _chunked_engine(cfg, {"seq_len": seq_len, "slices": [16, 32, 16], "schedule": sched},
+                                 extra_config={"gradient_clipping": CLIP})
+        losses, norms = train_steps(engine, iter(batches * 3), 3)
+        params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+        results.append(clip_result(STATUS["case"], engine, losses, norms, (clip_ref[0], clip_norms),
+                                   compare(params, clip_ref[2], engine.stage_id)[:2]))
 
     # eval_batch: the loss on every rank and the logits on the rank of the last chunk (rank 0 under a V)
     ref_model = GPTReference(cfg)
@@ -1270,7 +1365,7 @@ def suite_freeze(extra: dict) -> list[dict]:
                     "params_equal": all(torch.equal(params[0][n].detach(), params[1][n].detach()) for n in params[0])})
 
     # no tied weight: rank 0 ends with nothing to train at all, and gradient clipping still works (it joins the
-    # norm's all-reduces with zero); the reference clips the same way (one norm per stage, as DeepSpeed does)
+    # norm's all-reduce with zero: runtime/clip.py)
     STATUS["case"] = "untied clipping"
     run = run_frozen(cfg, {"seq_len": seq_len, "slices": 2, "schedule": "1f1b", "freeze": {"schedule": [[1, 4]]}},
                      batches, 3, specs=untied_specs(cfg), clipping=1e-3)
@@ -1326,9 +1421,29 @@ def vocab_layer_specs(cfg: GPTConfig, tied: bool) -> list:
     return specs if tied else specs[:-1] + [LayerSpec(SeededHead, cfg)]
 
 
-def vocab_reference(cfg: GPTConfig, tied: bool, batches: list[tuple], num_steps: int, lr: float, momentum: float):
+def vocab_reference(cfg: GPTConfig, tied: bool, batches: list[tuple], num_steps: int, lr: float, momentum: float,
+                    **clipping: Any):
     return reference_step(cfg, batches, num_steps, lr, momentum,
-                          model=GPTReference(cfg) if tied else UntiedReference(cfg))
+                          model=GPTReference(cfg) if tied else UntiedReference(cfg), **clipping)
+
+
+def vocab_clip_case(cfg: GPTConfig, tied: bool, batches: list[tuple], *, stages: int, micro: int,
+                    zero_stage: int = 0) -> dict[str, Any]:
+    """Gradient clipping with the head's shards on every rank (3 steps of 1f1b over ``batches``, the global
+    batch): each shard counts once, and a tied head's shards (copies of rows of the embedding's gradient) not at
+    all."""
+    dp = WORLD // stages
+    ref_norms: list[float] = []
+    ref_losses, _, ref_params = vocab_reference(cfg, tied, batches, 3, lr=0.1, momentum=0.9, max_norm=CLIP,
+                                                norms=ref_norms)
+    STATUS["case"] = f"clip vocab tied={tied} zero={zero_stage}"
+    engine = vocab_engine(cfg, tied, {"slices": [8, 24, 16], "seq_len": 48, "schedule": "1f1b"}, stages=stages,
+                          micro=micro, batch=2, zero_stage=zero_stage, clipping=CLIP)
+    data = iter(replica_batches(batches, engine.grid.data_parallel_id, micro, dp, 3))
+    losses, norms = train_steps(engine, data, 3)
+    params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    return clip_result(STATUS["case"], engine, losses, norms, (ref_losses, ref_norms),
+                       vocab_compare(engine, params, ref_params, tied)[:2])
 
 
 def vocab_compare(engine: Any, named: dict[str, torch.Tensor], ref: dict[str, torch.Tensor],
@@ -1356,13 +1471,13 @@ def vocab_compare(engine: Any, named: dict[str, torch.Tensor], ref: dict[str, to
 
 
 def vocab_engine(cfg: GPTConfig, tied: bool, terapipe: dict, *, stages: int, micro: int, batch: int,
-                 zero_stage: int = 0, lr: float = 0.1, momentum: float = 0.9):
+                 zero_stage: int = 0, lr: float = 0.1, momentum: float = 0.9, clipping: float = 0.0):
     model = ds_terapipe.TokenPipelineModule(vocab_layer_specs(cfg, tied), num_stages=stages, loss_fn=causal_lm_loss,
                                             vocab_size=cfg.vocab_size, partition_method="uniform",
                                             vocab_parallel=terapipe.get("vocab_parallel", True))
     dp = WORLD // stages
     config = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": micro,
-              "train_batch_size": batch * micro * dp, "steps_per_print": 10**9, "gradient_clipping": 0.0,
+              "train_batch_size": batch * micro * dp, "steps_per_print": 10**9, "gradient_clipping": clipping,
               "zero_optimization": {"stage": zero_stage},
               "terapipe": dict({"vocab_parallel": True, "granularity": 2, "p2p_timeout_s": 60}, **terapipe,
                                enabled=True)}
@@ -1413,6 +1528,10 @@ def suite_vocab(extra: dict) -> list[dict]:
                                     "num_ref_params": len(ref_params),
                                     "vocab_actions": [str(a) for a in engine._train_schedule().actions
                                                       if a.is_collective]})
+    if extra.get("clip"):
+        cfg = GPTConfig(num_layers=2, hidden=32, num_heads=4, vocab_size=63, max_seq_len=64, seed=7)
+        results.append(vocab_clip_case(cfg, True, make_batches(cfg, 3 * micro * dp, batch, seq_len, seed=410),
+                                       stages=stages, micro=micro, zero_stage=zero_stage))
     return results
 
 
@@ -1462,6 +1581,8 @@ def suite_vocab_features(extra: dict) -> list[dict]:
                         "p1_head_err": rel_err(head.weight.detach(), merged[key]),
                         "shard_vs_export_err": rel_err(saved_rows[2][:saved_rows[1]],
                                                        merged[key][saved_rows[0]:saved_rows[0] + saved_rows[1]])})
+    for tied in (True, False):
+        results.append(vocab_clip_case(cfg, tied, batches, stages=WORLD, micro=2))
     # eval: the loss of the unsliced reference's forward; return_logits is refused
     STATUS["case"] = "vocab eval"
     engine = vocab_engine(cfg, True, plan, stages=WORLD, micro=2, batch=2)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.clipping import assert_clipped_by_the_global_norm
 from tests.dist_harness import launch
 
 pytestmark = pytest.mark.multiproc
@@ -20,7 +21,7 @@ TOL = 1e-5
 def _check(results: list[dict], expected_cases: int) -> None:
     errors = [r["error"] for r in results if "error" in r]
     assert not errors, errors[0]
-    per_rank = [r["results"] for r in results]
+    per_rank = [[c for c in r["results"] if not c["case"].startswith("clip")] for r in results]
     assert all(len(cases) == expected_cases for cases in per_rank), [len(c) for c in per_rank]
     for index in range(expected_cases):
         covered: set[str] = set()
@@ -51,9 +52,14 @@ def test_equivalence_grid(world: int, tmp_path) -> None:
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("zero_stage", [0, 1])
 def test_pipeline_times_data_parallel(zero_stage: int, tmp_path) -> None:
-    """2 stages x 2 replicas (4 processes), ZeRO 0/1: equal to the reference over the global batch."""
+    """2 stages x 2 replicas (4 processes), ZeRO 0/1: equal to the reference over the global batch; and with
+    gradient clipping, clipped by the norm of the whole model's gradient over the global batch (each replica
+    holds the same reduced gradient; ZeRO 1 clips inside its optimizer, over its partitions)."""
     results = launch("equivalence", 4, tmp_path, timeout_s=840,
                      extra={"dp": 2, "zero_stage": zero_stage, "slicings": [1, [8, 24, 16]],
-                            "schedules": ["1f1b", "1f1b+W"], "micro_batches": [3]})
+                            "schedules": ["1f1b", "1f1b+W"], "micro_batches": [3], "clip": True})
     _check(results, expected_cases=4)
-    assert {c["dp"] for r in results for c in r["results"]} == {2}
+    assert {c["dp"] for r in results for c in r["results"] if "dp" in c} == {2}
+    for rank, r in enumerate(results):
+        (clip, ) = [c for c in r["results"] if c["case"] == f"clip zero={zero_stage}"]
+        assert_clipped_by_the_global_norm(clip, rank)

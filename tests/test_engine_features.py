@@ -13,6 +13,7 @@ from ds_terapipe.planner.cost import PipelineCost
 from ds_terapipe.planner.schedule import build_schedule
 from ds_terapipe.planner.slicing import MemoryModel, plan_slicing
 from ds_terapipe.trace import load_chrome_trace
+from tests.clipping import assert_clipped_by_the_global_norm
 from tests.dist_harness import launch
 
 pytestmark = pytest.mark.multiproc
@@ -139,6 +140,27 @@ def test_bf16_zero1_on_cpu_follows_the_fp32_reference(features) -> None:
         assert case["losses"] == pytest.approx(case["ref_losses"], rel=1e-3)
         # the fp32 master weights moved as the reference's did (bf16 rounding: ~1% seen; no or double step: 100%)
         assert case["update_rel_err"] <= 5e-2, f"update of {case['update_worst']} off by {case['update_rel_err']}"
+
+
+@pytest.mark.timeout(700)
+def test_gradient_clipping_uses_the_norm_of_the_whole_model(features) -> None:
+    """2 stages, the embedding tied to the head: fp32 equals the reference clipped by torch's clip_grad_norm_
+    over the whole model (DeepSpeed's own pipeline clipping counts stage 0's gradients alone); where DeepSpeed's
+    optimizers clip (bf16 with ZeRO 0, fp16 with ZeRO 1) they report that norm and move their fp32 master
+    weights as the reference did, to half precision."""
+    for rank, by_case in enumerate(features):
+        assert_clipped_by_the_global_norm(by_case["clip fp32"], rank)
+        # half precision: the norm within 1% here, the update as in the bf16 tests above
+        for case in ("clip bf16", "clip fp16 zero1"):
+            assert_clipped_by_the_global_norm(by_case[case], rank, tol=5e-2, norm_tol=2e-2)
+
+
+@pytest.mark.timeout(700)
+def test_fp16_clipping_that_deepspeed_would_get_wrong_is_refused(features) -> None:
+    for by_case in features:
+        case = by_case["clip fp16"]
+        assert case["raised"] == "ValueError", case
+        assert "gradient_clipping" in case["message"] and "tied" in case["message"], case
 
 
 @pytest.mark.timeout(700)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.clipping import assert_clipped_by_the_global_norm
 from tests.dist_harness import launch
 
 pytestmark = pytest.mark.multiproc
@@ -88,6 +89,15 @@ def test_auto_slices_are_planned_from_costs_profiled_per_chunk(features, schedul
         assert case["grad_rel_err"] <= TOL, (rank, case["grad_worst"], case["grad_rel_err"])
     # the cost model rank 0 planned from has one stage per chunk: 2 ranks x 2 chunks
     assert features[0][f"auto {schedule}"]["cost_stages"] == 4
+
+
+@pytest.mark.timeout(700)
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "dualpipev"])
+def test_gradient_clipping_uses_the_norm_of_every_chunk(features, schedule: str) -> None:
+    """2 ranks x 2 chunks: clipped as the reference is by the norm over the whole model (looped: the tied
+    embedding/head on two ranks, counted once; V: both on rank 0)."""
+    for rank, by_case in enumerate(features):
+        assert_clipped_by_the_global_norm(by_case[f"clip {schedule}"], rank)
 
 
 @pytest.mark.timeout(700)

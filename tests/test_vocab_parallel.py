@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.clipping import assert_clipped_by_the_global_norm
 from tests.dist_harness import launch
 
 pytestmark = pytest.mark.multiproc
@@ -20,7 +21,7 @@ TOL = 1e-5
 def _check(results: list[dict], expected_cases: int) -> None:
     errors = [r["error"] for r in results if "error" in r]
     assert not errors, errors[0]
-    per_rank = [r["results"] for r in results]
+    per_rank = [[c for c in r["results"] if not c["case"].startswith("clip")] for r in results]
     assert all(len(cases) == expected_cases for cases in per_rank), [len(c) for c in per_rank]
     for index in range(expected_cases):
         covered: set[str] = set()
@@ -60,8 +61,13 @@ def test_vocab_parallel_with_data_parallel_zero1(tmp_path) -> None:
     """2 stages x 2 replicas (4 processes), ZeRO 1: equal to the reference over the global batch."""
     results = launch("vocab", 4, tmp_path, timeout_s=840,
                      extra={"dp": 2, "zero_stage": 1, "vocabs": [63], "schedules": ["1f1b"],
-                            "slicings": [[8, 24, 16]]})
+                            "slicings": [[8, 24, 16]], "clip": True})
     _check(results, expected_cases=2)
+    # gradient clipping in ZeRO 1's optimizer: the tied head's shards copy rows of the embedding's gradient and
+    # must not count a second time
+    for rank, r in enumerate(results):
+        (clip, ) = [c for c in r["results"] if c["case"].startswith("clip")]
+        assert_clipped_by_the_global_norm(clip, rank)
 
 
 @pytest.mark.timeout(900)
@@ -81,6 +87,8 @@ def test_vocab_parallel_features(tmp_path) -> None:
         ev = cases["vocab eval"]
         assert ev["loss"] == pytest.approx(ev["ref_loss"], rel=TOL)
         assert "return_logits=False" in ev["return_logits"]
+        for tied in (True, False):  # gradient clipping: each shard once, a tied head's shards not at all
+            assert_clipped_by_the_global_norm(cases[f"clip vocab tied={tied} zero=0"], r["rank"])
         ref = cases["vocab refusals"]
         assert "GPTFinalNorm) is not a recognisable output layer" in ref["no_head"]
         assert "causal_lm_loss as loss_fn" in ref["loss"]

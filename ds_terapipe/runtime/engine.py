@@ -57,6 +57,7 @@ from ..planner.schedule import Action, ActionKind
 from ..planner.simulate import TimedAction
 from ..trace import events_to_chrome_trace
 from . import checkpoint as ckpt
+from .clip import clip_by_global_norm, clipping_problem
 from .context import MicroBatchState, SliceContext, cut_tokens, slice_scope
 from .deferred import WeightGradStash, enable_deferred_weight_grads
 from .freeze import Freezer
@@ -143,6 +144,9 @@ class TokenPipelineEngine(PipelineEngine):
         self._chunk = None  # the chunk an instruction runs on, while it runs (see _on_chunk)
         check_deepspeed_internals(self)  # a DeepSpeed that moved what we rely on fails here, naming it
         VocabParallel.check_engine(self)
+        problem = clipping_problem(self)  # a clipping DeepSpeed's optimizer would get wrong (runtime/clip.py)
+        if problem:
+            raise ValueError(problem)
         if self.is_pipe_partitioned or self.is_grad_partitioned:
             raise ValueError("terapipe: pipeline.pipe_partitioned / grad_partitioned are not supported by the "
                              "token pipeline; set both to false in the DeepSpeed config")
@@ -402,6 +406,12 @@ class TokenPipelineEngine(PipelineEngine):
         if getattr(self, "freezer", None) is not None:
             self.freezer.observe_gradients(self)
         super()._exec_optimizer_step(*args, **kwargs)
+
+    def clip_fp32_gradients(self) -> None:
+        """DeepSpeed's fp32 clipping without ZeRO (its ``_take_model_step`` calls this), by the norm of the whole
+        model's gradient, summed over the pipeline (``runtime/clip.py``); DeepSpeed's own counts stage 0's
+        gradients alone. The norm is what ``get_global_grad_norm()`` reports for the step."""
+        self._global_grad_norm = clip_by_global_norm(self)
 
     def _inference_schedule(self, micro_batches: int) -> TokenPipeSchedule:
         return TokenPipeSchedule(self.terapipe.schedule, micro_batches, self.num_stages, self.stage_id,

@@ -198,24 +198,8 @@ class Freezer:
                 counts[int(idx)] = max(counts.get(int(idx), 0), n)
         self.param_layers = tuple(sorted(i for i, n in counts.items() if n > 0))
         self._check_counts(self.max_requested())
-        if engine.gradient_clipping() > 0.0:
-            engine.clip_fp32_gradients = self._clipping(engine, engine.clip_fp32_gradients)
-
-    @staticmethod
-    def _clipping(engine: "TokenPipelineEngine", clip: Callable[[], Any]) -> Callable[[], Any]:
-        """DeepSpeed's gradient clipping all-reduces the norm, then indexes the first parameter with a gradient: a
-        rank whose layers are all frozen (no tied weight either) would fail there after the collectives. It joins
-        them with a zero norm instead (a zero gradient on a stand-in tensor)."""
-        from deepspeed.runtime.utils import clip_grad_norm_
-
-        def clip_or_join() -> Any:
-            if any(p.grad is not None for p in engine.module.parameters()):
-                return clip()
-            stand_in = torch.zeros(1, device=engine.device, requires_grad=True)
-            stand_in.grad = torch.zeros_like(stand_in)
-            return clip_grad_norm_(parameters=[stand_in], max_norm=engine.gradient_clipping(), mpu=engine.mpu)
-
-        return clip_or_join
+        # Gradient clipping needs nothing here: a rank whose layers are all frozen joins the norm's all-reduce
+        # with zero (runtime/clip.py).
 
     # -- checks at init ----------------------------------------------------------------------------------------
     @staticmethod
