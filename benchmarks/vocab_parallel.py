@@ -223,7 +223,8 @@ def analyse(ranks: list[dict], opts: dict) -> tuple[list[str], list[dict], list[
                              "grad_mib": [s["grad_bytes"] / mib for s in stages],
                              "optimizer_mib": [s["optimizer_bytes"] / mib for s in stages],
                              "parts": stages[0]["parts"], "losses": stages[-1]["losses"],
-                             "rounds_used": len(per_round), "clean_rounds": sum(r["clean"] for r in stages[0]["rounds"])}
+                             "rounds_used": len(per_round),
+                             "clean_rounds": sum(r["clean"] for r in stages[0]["rounds"])}
         stock_best = min(STOCK, key=lambda n: entries[n]["step_s"]) if all(n in entries for n in STOCK) else None
         base = entries.get(HEAD_LAST)
         for name, e in entries.items():
