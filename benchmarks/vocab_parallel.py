@@ -1,19 +1,32 @@
-"""Vocabulary parallelism against the head on the last stage, on a vocabulary-heavy GPT (CPU, 2 stages).
+"""Balanced stages on a vocabulary-heavy GPT (CPU, 2 stages): stock DeepSpeed 1F1B, the token pipeline with the head on
+the last stage, with cost-based partitioning, and with vocabulary parallelism, side by side in one run.
 
-    flock /tmp/bench.lock python benchmarks/vocab_parallel.py        # about 2-3 minutes on 2 cores
-    python benchmarks/vocab_parallel.py --micro-batches 1 --steps 2   # a quick look
+    flock /tmp/bench.lock python benchmarks/vocab_parallel.py            # about 10 minutes on 2 cores
+    python benchmarks/vocab_parallel.py --micro-batches 1 --steps 1      # a quick look
 
-Two pipeline stages (2 local gloo processes, one thread each, pinned), the reference GPT (``ds_terapipe.models.gpt``:
-4 blocks split 2 + 2 with ``partition_method="type:GPTBlock"``, hidden 256, 4 heads, vocab 65536, tied head),
-sequence 512 in 4 equal slices, micro-batch size 1, token 1F1B, AdamW. Variants: the token pipeline with the head
-on the last stage, and with ``terapipe.vocab_parallel`` (the head split by vocabulary rows over both ranks).
-Per variant and number of micro-batches m: median step time over ``--steps`` steps after one warm-up step, and
-per stage the parameter and optimizer-state bytes. Variants alternate step by step in one run, so a burst of load
-on the shared host hits both. Writes ``benchmarks/results/vocab_parallel.json`` unless ``--json PATH``.
+Two pipeline stages (2 local gloo processes, one thread each, pinned to one core each), the reference GPT
+(``ds_terapipe.models.gpt``: 4 blocks, hidden 256, 4 heads, vocab 65536, tied head), sequence 512, micro-batch size
+1, AdamW, m micro-batches per step. Variants:
+
+* ``deepspeed <method>``: stock DeepSpeed (``deepspeed.initialize``, its 1F1B ``TrainSchedule``, whole sequences),
+  with each of its partition methods ``uniform``, ``parameters``, ``type:GPTBlock``; the table marks the best.
+* ``token: head on last stage``: the token pipeline (1F1B, 4 equal slices), blocks split 2 + 2 (``type:GPTBlock``).
+* ``token: cost-based partition``: the same with ``partition_method="terapipe"`` (layers profiled at init,
+  boundaries and slicing planned together; the engine runs the 4 slices).
+* ``token: vocab parallel``: 2 + 2 blocks, ``terapipe.vocab_parallel`` (head and tied input embedding split by
+  vocabulary rows over both ranks: passes EF/EB/VF/VB).
+
+Variants alternate step by step in rounds (``benchlib/alternate.py``): a round runs one step of each in rotated
+order; rank 0 measures foreign CPU load during every step and the statistics use the clean rounds when there are
+enough. Per variant and m: the median step time (slowest rank), per stage the busy time (forward, backward, the
+vocabulary passes' own compute without their waits in collectives, and the optimizer step) and the imbalance
+(max / mean busy over the stages), and per stage the parameter, gradient (at the optimizer step) and optimizer-state
+bytes. Writes ``benchmarks/results/vocab_parallel.json`` unless ``--json PATH``.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import tempfile
@@ -21,39 +34,85 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchlib.alternate import alternate, median, rounds_in_use
 from benchlib.launch import launch_workers, pin_and_single_thread, run_as_worker
+from benchlib.meters import KINDS, CpuMeter, InstructionRecorder
 from benchlib.tables import ROOT, machine_info, markdown_table, results_path, write_report
 
 NAME = "vocab_parallel"
 NUM_STAGES = 2
-VARIANTS = ["head on last stage", "vocab parallel"]
+STOCK = ["deepspeed uniform", "deepspeed parameters", "deepspeed type:GPTBlock"]
+HEAD_LAST, COST_BASED, VOCAB = "token: head on last stage", "token: cost-based partition", "token: vocab parallel"
+VARIANTS = STOCK + [HEAD_LAST, COST_BASED, VOCAB]
+# the vocabulary passes: their wall time less their waits in collectives is compute of this stage
+VOCAB_PASSES = {"VocabForwardPass", "VocabBackwardPass", "VocabEmbedForwardPass", "VocabEmbedBackwardPass"}
+BUSY = set(KINDS) | {"OptimizerStep"}
 
 
-def _engine(cfg: Any, seq_len: int, micro: int, vocab_parallel: bool) -> Any:
+def _engine(variant: str, cfg: Any, seq_len: int, micro: int, slices: int) -> Any:
+    import deepspeed
     import torch
 
     import ds_terapipe
     from ds_terapipe.models.gpt import causal_lm_loss, gpt_layer_specs
 
+    config: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": micro,
+                              "train_batch_size": micro, "steps_per_print": 10**9, "gradient_clipping": 0.0}
+    kwargs: dict[str, Any] = {"partition_method": "type:GPTBlock"}
+    if variant in STOCK:
+        kwargs["partition_method"] = variant.split(" ", 1)[1]
+    else:
+        config["terapipe"] = {"enabled": True, "seq_len": seq_len, "slices": slices, "schedule": "1f1b",
+                              "vocab_parallel": variant == VOCAB, "p2p_timeout_s": 900.0}
+        if variant == COST_BASED:
+            kwargs = ds_terapipe.partition_kwargs(config)
+        kwargs.update(ds_terapipe.module_chunk_kwargs(ds_terapipe.parse_terapipe_config(config)))
     model = ds_terapipe.TokenPipelineModule(gpt_layer_specs(cfg), num_stages=NUM_STAGES, loss_fn=causal_lm_loss,
-                                            vocab_size=cfg.vocab_size, partition_method="type:GPTBlock",
-                                            vocab_parallel=vocab_parallel)
-    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": micro, "train_batch_size": micro,
-              "steps_per_print": 10**9, "gradient_clipping": 0.0,
-              "terapipe": {"enabled": True, "seq_len": seq_len, "slices": 4, "schedule": "1f1b",
-                           "vocab_parallel": vocab_parallel}}
+                                            vocab_size=cfg.vocab_size, **kwargs)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    engine, _, _, _ = ds_terapipe.initialize(model=model, optimizer=opt, config=config)
+    init = deepspeed.initialize if variant in STOCK else ds_terapipe.initialize
+    engine, _, _, _ = init(model=model, optimizer=opt, config=config)
     return engine
 
 
-def _memory(engine: Any) -> dict:
+def _memory(engine: Any, grad_bytes: int) -> dict:
     import torch
 
     params = sum(p.numel() * p.element_size() for p in engine.module.parameters())
     state = sum(t.numel() * t.element_size() for s in engine.optimizer.state.values() for t in s.values()
                 if torch.is_tensor(t))
-    return {"param_bytes": params, "optimizer_bytes": state}
+    return {"param_bytes": params, "grad_bytes": grad_bytes, "optimizer_bytes": state,
+            "parts": [int(x) for x in engine.module.parts]}
+
+
+class _Waits:
+    """Wall-clock intervals this rank spent waiting in the token pipeline's p2p and collectives."""
+
+    def __init__(self, engine: Any) -> None:
+        self.intervals: list[tuple[float, float]] = []
+        p2p = getattr(engine, "_p2p", None)
+        if p2p is not None:
+            original = p2p.wait_all
+
+            def timed(works: Any, what: str) -> None:
+                t0 = time.time() * 1e3
+                try:
+                    original(works, what)
+                finally:
+                    self.intervals.append((t0, time.time() * 1e3))
+
+            p2p.wait_all = timed
+
+
+def _busy(records: list, waits: list[tuple[float, float]]) -> dict:
+    """Busy ms of one step on this rank: compute instructions, the optimizer step, and the vocabulary passes less
+    the waits inside them."""
+    busy = sum(t1 - t0 for name, _, _, t0, t1 in records if name in BUSY)
+    passes = [(t0, t1) for name, _, _, t0, t1 in records if name in VOCAB_PASSES]
+    waited = sum(w1 - w0 for w0, w1 in waits if any(t0 <= w0 and w1 <= t1 for t0, t1 in passes))
+    vocab = sum(t1 - t0 for t0, t1 in passes) - waited
+    optimizer = sum(t1 - t0 for name, _, _, t0, t1 in records if name == "OptimizerStep")
+    return {"busy_ms": busy + vocab, "vocab_net_ms": vocab, "vocab_wait_ms": waited, "optimizer_ms": optimizer}
 
 
 def worker_main(out_dir: Path, opts: dict) -> None:
@@ -63,12 +122,16 @@ def worker_main(out_dir: Path, opts: dict) -> None:
 
     import deepspeed
     import torch
+    import torch.distributed as dist
 
     from ds_terapipe.models.gpt import GPTConfig
 
     deepspeed.init_distributed(dist_backend="gloo")
     seq_len = opts["seq_len"]
     cfg = GPTConfig(num_layers=4, hidden=256, num_heads=4, vocab_size=opts["vocab"], max_seq_len=seq_len, seed=1234)
+    pids: list[Any] = [None] * NUM_STAGES
+    dist.all_gather_object(pids, os.getpid())
+    cpu = CpuMeter(pids) if rank == 0 and os.path.exists("/proc/stat") else None
     rows = []
     for micro in opts["micro_batches"]:
         gen = torch.Generator().manual_seed(7)
@@ -76,46 +139,119 @@ def worker_main(out_dir: Path, opts: dict) -> None:
         for _ in range(micro):
             ids = torch.randint(0, cfg.vocab_size, (1, seq_len + 1), generator=gen)
             batches.append((ids[:, :-1].contiguous(), ids[:, 1:].contiguous()))
-        engines = {name: _engine(cfg, seq_len, micro, name == "vocab parallel") for name in VARIANTS}
-        times: dict[str, list[float]] = {name: [] for name in VARIANTS}
-        losses: dict[str, list[float]] = {name: [] for name in VARIANTS}
-        for step in range(opts["steps"] + 1):
-            for name, engine in engines.items():
-                torch.distributed.barrier()
-                t0 = time.perf_counter()
-                loss = float(engine.train_batch(iter(batches)))
-                if step:  # step 0 warms up
-                    times[name].append(time.perf_counter() - t0)
-                losses[name].append(loss)
+        engines, recorders, waits, grads, info = {}, {}, {}, {}, {}
+        for name in opts["variants"]:
+            t0 = time.perf_counter()
+            engine = _engine(name, cfg, seq_len, micro, opts["slices"])
+            engines[name], recorders[name], waits[name] = engine, InstructionRecorder(engine, engine.stage_id), \
+                _Waits(engine)
+            info[name] = {"build_s": time.perf_counter() - t0, "steps": [], "losses": []}
+            grads[name] = _grad_probe(engine)
+            print(f"[rank {rank}] m={micro} {name}: built in {info[name]['build_s']:.1f}s, parts "
+                  f"{[int(x) for x in engine.module.parts]}", flush=True)
+
+        def run_step(name: str, rnd: int | None) -> dict:
+            engine, rec, wait = engines[name], recorders[name], waits[name]
+            rec.reset()
+            wait.intervals.clear()
+            dist.barrier()
+            if cpu is not None:
+                cpu.foreign_cores()
+            t_start = time.time() * 1e3
+            loss = float(engine.train_batch(iter(batches)))
+            t_end = time.time() * 1e3
+            summary = {"step_ms": t_end - t_start, **_busy(rec.records, wait.intervals),
+                       "foreign_cores": cpu.foreign_cores() if cpu is not None else float("nan")}
+            if rnd is not None:
+                info[name]["steps"].append({"round": rnd, **summary})
+                info[name]["losses"].append(loss)
+            return summary
+
+        rounds = alternate(list(engines), run_step, warmup=1, steps=opts["steps"], max_rounds=opts["max_rounds"],
+                           quiet_wait=opts["quiet_wait"], foreign_max=opts["foreign_max"], cpu=cpu, rank=rank,
+                           label=f"m={micro}")
         for name, engine in engines.items():
-            ordered = sorted(times[name])
-            rows.append({"variant": name, "micro_batches": micro, "stage": engine.stage_id,
-                         "step_s": ordered[len(ordered) // 2], "all_step_s": times[name], "losses": losses[name],
-                         **_memory(engine)})
-            print(f"[rank {rank}] m={micro} {name}: step {rows[-1]['step_s']:.2f} s", flush=True)
-        del engines
+            rows.append({"variant": name, "micro_batches": micro, "stage": engine.stage_id, "rounds": rounds,
+                         **info[name], **_memory(engine, grads[name][0])})
+        engines.clear()
+        recorders.clear()
+        gc.collect()
     (out_dir / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "rows": rows, "torch": torch.__version__,
                                                           "deepspeed": deepspeed.__version__}))
 
 
-def table(ranks: list[dict]) -> tuple[list[str], list[dict]]:
+def _grad_probe(engine: Any) -> list[int]:
+    """Bytes of the gradients held at the optimizer step (the last step's), in a one-item list."""
+    seen = [0]
+    original = engine._take_model_step
+
+    def probe(*args: Any, **kwargs: Any) -> Any:
+        seen[0] = sum(p.grad.numel() * p.grad.element_size() for p in engine.module.parameters()
+                      if p.grad is not None)
+        return original(*args, **kwargs)
+
+    engine._take_model_step = probe
+    return seen
+
+
+def analyse(ranks: list[dict], opts: dict) -> tuple[list[str], list[dict], list[dict]]:
+    """Per (m, variant): median step (slowest rank) and busy per stage over the rounds in use; memory per stage."""
     by_key: dict = {}
     for r in ranks:
         for row in r["rows"]:
             by_key.setdefault((row["micro_batches"], row["variant"]), {})[row["stage"]] = row
-    lines, checks = [], []
-    for (micro, variant), stages in by_key.items():
-        s0, s1 = stages[0], stages[1]
-        step = max(s0["step_s"], s1["step_s"])
-        base = by_key[(micro, VARIANTS[0])]
-        speedup = max(base[0]["step_s"], base[1]["step_s"]) / step
-        mem = [(s["param_bytes"] + s["optimizer_bytes"]) / 2**20 for s in (s0, s1)]
-        lines.append([str(micro), variant, f"{step:.2f}", f"{speedup:.2f}x", f"{mem[0]:.0f} / {mem[1]:.0f}"])
-        if variant != VARIANTS[0]:
-            # the losses of both variants agree step by step (the same model and data)
-            checks.append({"m": micro, "max_loss_diff": max(abs(a - b) for a, b in zip(s1["losses"],
-                                                                                       base[1]["losses"]))})
-    return markdown_table(["m", "variant", "step s", "speedup", "params + optimizer MiB stage 0 / 1"], lines), checks
+    out, lines, checks = [], [], []
+    mib = 2.0 ** 20
+    for micro in opts["micro_batches"]:
+        entries = {}
+        for name in opts["variants"]:
+            stages = [by_key[(micro, name)][s] for s in range(NUM_STAGES)]
+            use = rounds_in_use(stages[0]["rounds"], opts["steps"])
+            per_round = [dict(zip(("s0", "s1"), pair)) for pair in zip(*(s["steps"] for s in stages))]
+            per_round = [r for r in per_round if r["s0"]["round"] in use]
+            step = median(max(r["s0"]["step_ms"], r["s1"]["step_ms"]) for r in per_round) / 1e3
+            busy = [median(r[f"s{s}"]["busy_ms"] for r in per_round) / 1e3 for s in range(NUM_STAGES)]
+            entries[name] = {"variant": name, "m": micro, "step_s": step, "busy_s": busy,
+                             "imbalance": max(busy) / (sum(busy) / len(busy)),
+                             "vocab_net_s": [median(r[f"s{s}"]["vocab_net_ms"] for r in per_round) / 1e3
+                                             for s in range(NUM_STAGES)],
+                             "vocab_wait_s": [median(r[f"s{s}"]["vocab_wait_ms"] for r in per_round) / 1e3
+                                              for s in range(NUM_STAGES)],
+                             "optimizer_s": [median(r[f"s{s}"]["optimizer_ms"] for r in per_round) / 1e3
+                                             for s in range(NUM_STAGES)],
+                             "param_mib": [s["param_bytes"] / mib for s in stages],
+                             "grad_mib": [s["grad_bytes"] / mib for s in stages],
+                             "optimizer_mib": [s["optimizer_bytes"] / mib for s in stages],
+                             "parts": stages[0]["parts"], "losses": stages[-1]["losses"],
+                             "rounds_used": len(per_round),
+                             "clean_rounds": sum(r["clean"] for r in stages[0]["rounds"])}
+        stock_best = min(STOCK, key=lambda n: entries[n]["step_s"]) if all(n in entries for n in STOCK) else None
+        base = entries.get(HEAD_LAST)
+        for name, e in entries.items():
+            e["best_stock"] = name == stock_best
+            e["speedup_vs_head_last"] = base["step_s"] / e["step_s"] if base else float("nan")
+            e["speedup_vs_best_stock"] = entries[stock_best]["step_s"] / e["step_s"] if stock_best else float("nan")
+            label = name + (" (best stock)" if e["best_stock"] else "")
+            lines.append([str(micro), label, "-".join(map(str, e["parts"])), f"{e['step_s']:.2f}",
+                          f"{e['speedup_vs_head_last']:.2f}x", " / ".join(f"{b:.2f}" for b in e["busy_s"]),
+                          f"{e['imbalance']:.2f}",
+                          " / ".join(f"{p:.0f}+{g:.0f}+{o:.0f}" for p, g, o in zip(e["param_mib"], e["grad_mib"],
+                                                                                   e["optimizer_mib"]))])
+            out.append(e)
+        if VOCAB in entries and base is not None:
+            vp = entries[VOCAB]
+            head_share = opts["vocab"] * 256 * 4 / mib * 3   # weight + two AdamW states, fp32
+            fall = (base["param_mib"][-1] + base["optimizer_mib"][-1]) - (vp["param_mib"][-1] + vp["optimizer_mib"][-1])
+            floor = (NUM_STAGES - 1) / NUM_STAGES * head_share
+            checks.append({"m": micro, "vp_speedup": vp["speedup_vs_head_last"], "vp_speedup_floor": 1.3,
+                           "vp_imbalance": vp["imbalance"], "vp_imbalance_floor": 1.10,
+                           "last_stage_param_opt_fall_mib": fall, "fall_floor_mib": floor,
+                           "max_loss_diff": max(abs(a - b) for a, b in zip(vp["losses"], base["losses"])),
+                           "met": {"speedup": vp["speedup_vs_head_last"] >= 1.3, "imbalance": vp["imbalance"] <= 1.10,
+                                   "memory": fall >= floor}})
+    header = ["m", "variant", "layers per stage", "step s", "vs head on last", "busy s stage 0 / 1", "imbalance",
+              "params+grads+optimizer MiB stage 0 / 1"]
+    return markdown_table(header, lines), out, checks
 
 
 def main() -> int:
@@ -125,21 +261,36 @@ def main() -> int:
     ap.add_argument("--micro-batches", default="1,4", help="comma-separated micro-batch counts")
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--vocab", type=int, default=65536)
-    ap.add_argument("--steps", type=int, default=3, help="measured steps per variant (after one warm-up step)")
+    ap.add_argument("--slices", type=int, default=4, help="slices of the token pipeline variants")
+    ap.add_argument("--steps", type=int, default=3, help="clean timed rounds wanted (after one warm-up round)")
+    ap.add_argument("--max-rounds", type=int, default=5)
+    ap.add_argument("--quiet-wait", type=float, default=10.0, help="seconds to wait for a quiet host per round")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of: " + ", ".join(VARIANTS))
     ap.add_argument("--json", metavar="PATH", help=f"report path (default {results_path(NAME).relative_to(ROOT)})")
-    ap.add_argument("--timeout", type=float, default=900.0)
+    ap.add_argument("--timeout", type=float, default=3000.0)
     args = ap.parse_args()
+    variants = [v.strip() for v in args.variants.split(",")]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        ap.error(f"--variants: unknown {unknown}; choose from {VARIANTS}")
     opts = {"micro_batches": [int(x) for x in args.micro_batches.split(",")], "seq_len": args.seq_len,
-            "vocab": args.vocab, "steps": args.steps}
+            "vocab": args.vocab, "slices": args.slices, "steps": args.steps, "max_rounds": args.max_rounds,
+            "quiet_wait": args.quiet_wait, "foreign_max": 0.2, "variants": variants}
     out_dir = Path(tempfile.mkdtemp(prefix="vocab_parallel-"))
     started = time.perf_counter()
+    load_before = os.getloadavg()
     ranks = launch_workers(Path(__file__), NUM_STAGES, out_dir, opts, timeout_s=args.timeout)
-    lines, checks = table(ranks)
+    load_after = os.getloadavg()
+    lines, rows, checks = analyse(ranks, opts)
     print("\n" + "\n".join(lines))
     for check in checks:
-        print(f"m={check['m']}: largest loss difference between the variants {check['max_loss_diff']:.2e}")
-    report = {"name": NAME, "options": opts, "table": lines, "checks": checks, "ranks": ranks,
-              "wall_s": time.perf_counter() - started}
+        print(f"m={check['m']}: vocab parallel {check['vp_speedup']:.2f}x over the head on the last stage (floor 1.3), "
+              f"imbalance {check['vp_imbalance']:.2f} (floor 1.10), last stage params+optimizer -"
+              f"{check['last_stage_param_opt_fall_mib']:.0f} MiB (floor {check['fall_floor_mib']:.0f}), losses agree "
+              f"to {check['max_loss_diff']:.1e}")
+    print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} (1 min)")
+    report = {"name": NAME, "options": opts, "table": lines, "rows": rows, "checks": checks, "ranks": ranks,
+              "load_average": {"before": load_before, "after": load_after}, "wall_s": time.perf_counter() - started}
     path = write_report(report, Path(args.json) if args.json else results_path(NAME),
                         machine=machine_info(torch=ranks[0]["torch"], deepspeed=ranks[0]["deepspeed"],
                                              threads_per_rank=1, cores_pinned=True))

@@ -193,8 +193,9 @@ class TeraPipeConfig(DeepSpeedConfigModel):
     """Split the output layer (and its gradient and optimizer state) by vocabulary rows over the pipeline ranks,
     so the last stage stops being the slowest (``runtime/vocab.py``). Per (micro-batch, slice) every rank joins
     two collectives (the last stage's hidden states and labels out, softmax statistics, the hidden-state gradient
-    back); the loss is exactly the unsharded cross entropy. Needs ``loss_fn=causal_lm_loss``, an output layer
-    as the last layer, one chunk per rank (``gpipe``, ``1f1b``) and fp32; build the model with
+    back); the loss is exactly the unsharded cross entropy. A tied head's input embedding is split with it
+    (``runtime/vocab_embedding.py``: two more collectives per unit). Needs ``loss_fn=causal_lm_loss``, an
+    output layer as the last layer, one chunk per rank (``gpipe``, ``1f1b``) and fp32; build the model with
     ``TokenPipelineModule(..., vocab_parallel=True)``."""
 
     max_slices: Optional[int] = Field(None, ge=1)

@@ -1575,7 +1575,36 @@ def suite_vocab_features(extra: dict) -> list[dict]:
         one.load_checkpoint(ckpt, load_optimizer_states=False)
         head = one.module.vocab_head
         key = f"{head.spec.index}.{head.spec.weight_name}"
-        results.append({"case": STATUS["case"], "uninterrupted": uninterrupted, "resumed": resumed,
+        split = {}
+        if tied:  # the input embedding was split: its table is in the shards, exported and loaded from there
+            tag_dir = Path(ckpt) / (Path(ckpt) / "latest").read_text().strip()
+            split["layer0_has_table"] = "wte.weight" in torch.load(tag_dir / "layer_00-model_states.pt",
+                                                                   weights_only=True)
+            split["export_embed_err"] = rel_err(merged["0.wte.weight"], merged[key])
+            STATUS["case"] = "vocab checkpoint into a model without vocab_parallel"
+            plain = ds_terapipe.TokenPipelineModule(vocab_layer_specs(cfg, tied), num_stages=WORLD,
+                                                    loss_fn=causal_lm_loss, vocab_size=cfg.vocab_size,
+                                                    partition_method="uniform")
+            plain_engine, _, _, _ = ds_terapipe.initialize(
+                model=plain, optimizer=torch.optim.SGD(plain.parameters(), lr=0.1),
+                config={"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "train_batch_size": 4,
+                        "terapipe": dict(plan, enabled=True, p2p_timeout_s=60)})
+            plain_engine.load_checkpoint(ckpt, load_optimizer_states=False)
+            table = plain.tied_modules["embed"].wte.weight.detach()
+            split["plain_table_err"] = rel_err(table, merged[key])
+            split["plain_layer_err"] = max(rel_err(p.detach(), merged[n]) for n, p in plain.state_dict().items()
+                                           if n in merged)
+            # and back: a checkpoint written without vocabulary parallelism loads into the split model
+            STATUS["case"] = "vocab: a checkpoint without vocab_parallel into the split model"
+            plain_ckpt = str(Path(extra["out"]) / "plain_ckpt")
+            plain_engine.save_checkpoint(plain_ckpt)
+            split_again = vocab_engine(cfg, tied, plan, stages=WORLD, micro=2, batch=2)
+            split_again.load_checkpoint(plain_ckpt, load_optimizer_states=False)
+            mine = split_again.module.vocab_head
+            split["from_plain_err"] = rel_err(mine.weight.detach()[:mine.num_valid],
+                                              merged[key][mine.offset:mine.offset + mine.num_valid])
+        results.append({"case": f"vocab checkpoint at p=1 tied={tied}", **split,
+                        "uninterrupted": uninterrupted, "resumed": resumed,
                         "resume_err": resume_err, "export_keys": sorted(merged),
                         "export_shape": list(merged[key].shape),
                         "p1_head_err": rel_err(head.weight.detach(), merged[key]),

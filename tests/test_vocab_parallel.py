@@ -3,13 +3,15 @@
 One launch per topology runs the grid (tied and untied heads x vocabularies divisible by p and not x gpipe, 1f1b
 x slices {1, [8, 24, 16]}); see tests/dist_worker.py ``suite_vocab``. Loss, every gradient (each rank's shard
 against its rows of the reference head), parameters after 3 SGD+momentum steps: fp32 rel err <= 1e-5; the
-padding rows of a shard stay exactly 0.
+padding rows of a shard stay exactly 0. With a tied head the input embedding is split too (its gradient is
+in the shard's, against the reference's tied table).
 """
 
 from __future__ import annotations
 
 import pytest
 
+from ds_terapipe.planner.schedule import Action
 from tests.clipping import assert_clipped_by_the_global_norm
 from tests.dist_harness import launch
 
@@ -36,10 +38,15 @@ def _check(results: list[dict], expected_cases: int) -> None:
                 f"{where}: after 3 steps {case['param_worst']} off by {case['param_rel_err']}"
             assert case["pad_abs"] == 0.0, f"{where}: padding rows moved ({case['pad_abs']})"
             covered.update(case["covered"])
-        # every reference parameter is trained on some stage, and the shards' rows tile the vocabulary once
+        # every reference parameter is trained on some stage, and the shards' rows tile the vocabulary once; a
+        # tied table (head and input embedding) lives in the shards alone: no stage holds it whole
         plain = {c for c in covered if "[" not in c}
         tied = "tied=True" in per_rank[0][index]["case"]
-        assert len(plain) == per_rank[0][index]["num_ref_params"] - (0 if tied else 2), sorted(plain)
+        assert len(plain) == per_rank[0][index]["num_ref_params"] - (1 if tied else 2), sorted(plain)
+        assert not tied or "layers.0.wte.weight" not in plain
+        # with a tied head every rank joins the split embedding's passes EF/EB, one per unit each
+        kinds = [{Action.parse(a).kind.value for a in cases[index]["vocab_actions"]} for cases in per_rank]
+        assert all(k == ({"VF", "VB", "EF", "EB"} if tied else {"VF", "VB"}) for k in kinds), kinds
         spans = sorted({tuple(int(x) for x in c.split("[")[1].rstrip("]").split(":")) for c in covered if "[" in c})
         assert [a for a, _ in spans] == [0] + [b for _, b in spans[:-1]], spans
         vocab = int(per_rank[0][index]["case"].split("vocab=")[1].split()[0])
@@ -72,7 +79,8 @@ def test_vocab_parallel_with_data_parallel_zero1(tmp_path) -> None:
 
 @pytest.mark.timeout(900)
 def test_vocab_parallel_features(tmp_path) -> None:
-    """Checkpoints at the same p resume exactly, load at p=1 and export whole; eval equals the reference; the
+    """Checkpoints at the same p resume exactly, load at p=1 and export whole (a split tied embedding too, and into
+    a model without vocab_parallel and back); eval equals the reference; the
     refusals (no output layer, another loss, vocab < p, virtual stages, config without the module) on every rank."""
     results = launch("vocab_features", 2, tmp_path, timeout_s=840)
     errors = [r["error"] for r in results if "error" in r]
@@ -84,6 +92,11 @@ def test_vocab_parallel_features(tmp_path) -> None:
             assert ck["resumed"] == ck["uninterrupted"] and ck["resume_err"] == 0.0, ck
             assert ck["export_shape"] == [63, 32] and ck["p1_head_err"] == 0.0 and ck["shard_vs_export_err"] == 0.0
             assert ("4.wte.weight" if tied else "4.weight") in ck["export_keys"]
+            if tied:  # the split input embedding: its table is in the shards only, exported under layer 0 too,
+                # and a model without vocab_parallel loads it (and back)
+                assert not ck["layer0_has_table"] and ck["export_embed_err"] == 0.0, ck
+                assert ck["plain_table_err"] == 0.0 and ck["plain_layer_err"] == 0.0, ck
+                assert ck["from_plain_err"] == 0.0, ck
         ev = cases["vocab eval"]
         assert ev["loss"] == pytest.approx(ev["ref_loss"], rel=TOL)
         assert "return_logits=False" in ev["return_logits"]

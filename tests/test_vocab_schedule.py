@@ -1,4 +1,5 @@
-"""Tier a: the vocabulary passes (VF/VB collectives) in the schedule IR: placement, one order, no deadlock."""
+"""Tier a: the vocabulary passes (VF/VB collectives, and EF/EB of a split tied embedding) in the schedule IR:
+placement, one order, no deadlock."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from ds_terapipe.planner.vocab import add_vocab_passes, vocab_schedule
 
 
 def test_action_round_trip() -> None:
-    for text in ("1VF0.2", "0VB3.0"):
+    for text in ("1VF0.2", "0VB3.0", "2EF1.0", "0EB0.3"):
         assert str(Action.parse(text)) == text
     assert Action.parse("2VF1.0").is_collective and not Action.parse("2F1.0").is_collective
     assert Action.parse("2VF1.0").kind is ActionKind.VOCAB_F
@@ -20,20 +21,62 @@ def test_action_round_trip() -> None:
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("deferred", [False, True])
-def test_grid_validates_and_replays(name: str, deferred: bool) -> None:
+@pytest.mark.parametrize("embedding", [False, True])
+def test_grid_validates_and_replays(name: str, deferred: bool, embedding: bool) -> None:
     for stages, micro, slices in itertools.product(range(1, 6), range(1, 5), range(1, 5)):
-        sched = vocab_schedule(name, stages, micro, slices, deferred)
+        sched = vocab_schedule(name, stages, micro, slices, deferred, embedding=embedding)
         validate(sched)
         replay(sched)
         colls = [[(a.kind, a.microbatch, a.slice) for a in st if a.is_collective] for st in sched.stages]
         assert all(c == colls[0] for c in colls), (name, stages, micro, slices)
-        assert len(colls[0]) == 2 * micro * slices
-        last = sched.stages[-1]
+        assert len(colls[0]) == (4 if embedding else 2) * micro * slices
+        last, first = sched.stages[-1], sched.stages[0]
         for p, a in enumerate(last):
             if a.kind is ActionKind.FORWARD:  # VF right after the last stage's forward
-                assert last[p + 1] == Action(stages - 1, ActionKind.VOCAB_F, a.microbatch, a.slice)
+                assert Action(stages - 1, ActionKind.VOCAB_F, a.microbatch, a.slice) in _next_collectives(last, p, 1)
             if a.kind is ActionKind.BACKWARD:  # VB right before its backward
-                assert last[p - 1] == Action(stages - 1, ActionKind.VOCAB_B, a.microbatch, a.slice)
+                assert Action(stages - 1, ActionKind.VOCAB_B, a.microbatch, a.slice) in _next_collectives(last, p, -1)
+        kinds = {a.kind for a in first}
+        assert (ActionKind.VOCAB_EMBED_F in kinds) == embedding and (ActionKind.VOCAB_EMBED_B in kinds) == embedding
+        for p, a in enumerate(first if embedding else ()):
+            if a.kind is ActionKind.FORWARD:  # EF right before the first stage's forward
+                assert Action(0, ActionKind.VOCAB_EMBED_F, a.microbatch, a.slice) in _next_collectives(first, p, -1)
+            if a.kind is ActionKind.BACKWARD:  # EB right after its backward
+                assert Action(0, ActionKind.VOCAB_EMBED_B, a.microbatch, a.slice) in _next_collectives(first, p, 1)
+
+
+def _next_collectives(stream: tuple, p: int, step: int) -> list:
+    """The collectives next to position p (after it: step 1, before it: -1), up to the next other action. Anchors
+    of the first and last ranks at one dry-run step share a gap: e.g. EB after rank 0's B and VF after the last
+    rank's F are both in it, in one order on every rank, so one of them is not adjacent to its anchor."""
+    out = []
+    p += step
+    while 0 <= p < len(stream) and stream[p].is_collective:
+        out.append(stream[p])
+        p += step
+    return out
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_runtime_lowering_loads_before_the_first_embedding_pass(name: str) -> None:
+    """The first stage reads a micro-batch's token ids in its first EF: the load comes right before it; the
+    last stage still loads (labels) before its forward; every rank's instructions carry the passes."""
+    from deepspeed.runtime.pipe import schedule as ds_schedule
+
+    from ds_terapipe.runtime.schedule import TokenPipeSchedule, VocabEmbedBackwardPass, VocabEmbedForwardPass
+
+    for stages in (1, 2, 3):
+        for rank in range(stages):
+            steps = [c for cmds in TokenPipeSchedule(name, 3, stages, rank, 2, vocab_parallel=True,
+                                                     vocab_embedding=True).steps() for c in cmds]
+            loads = [p for p, c in enumerate(steps) if isinstance(c, ds_schedule.LoadMicroBatch)]
+            assert len(loads) == (3 if rank in (0, stages - 1) else 0)
+            for p in loads:
+                nxt = steps[p + 1]
+                want = VocabEmbedForwardPass if rank == 0 else ds_schedule.ForwardPass
+                assert isinstance(nxt, want) and nxt.microbatch == steps[p].microbatch and nxt.slice_index == 0
+            assert sum(isinstance(c, VocabEmbedForwardPass) for c in steps) == 6
+            assert sum(isinstance(c, VocabEmbedBackwardPass) for c in steps) == 6
 
 
 def test_forward_only_has_no_backward_pass() -> None:
@@ -66,6 +109,22 @@ def test_collective_behind_its_own_receive_deadlocks() -> None:
     late = schedule_from_strings("gpipe", 1, 1, ["0F0.0 0SEND_F0.0 0VF0.0 0RECV_B0.0 0VB0.0 0B0.0", lines[1]])
     with pytest.raises(DeadlockError, match="collective #1"):
         replay(late)
+
+
+def test_embedding_anchors_are_checked() -> None:
+    """EF after the first stage's forward (it would start without its embedding), EB before its backward (no
+    gradient yet): both refused; a missing EB too."""
+    lines = list(stream_strings(vocab_schedule("gpipe", 2, 1, 1, embedding=True)))
+    assert lines[0] == "0EF0.0 0F0.0 0SEND_F0.0 0VF0.0 0VB0.0 0RECV_B0.0 0B0.0 0EB0.0", lines
+    late = lines[0].replace("0EF0.0 0F0.0", "0F0.0 0EF0.0")
+    with pytest.raises(ScheduleError, match="embedding it starts from"):
+        validate(schedule_from_strings("gpipe", 1, 1, [late, lines[1]]))
+    early = lines[0].replace("0B0.0 0EB0.0", "0EB0.0 0B0.0")
+    with pytest.raises(ScheduleError, match="embedding-output gradient"):
+        validate(schedule_from_strings("gpipe", 1, 1, [early, lines[1]]))
+    missing = [line.replace(f" {r}EB0.0", "") for r, line in enumerate(lines)]
+    with pytest.raises(ScheduleError, match="0EB0.0 is missing"):
+        validate(schedule_from_strings("gpipe", 1, 1, missing))
 
 
 def test_missing_anchor_is_refused() -> None:

@@ -66,6 +66,11 @@ class ActionKind(str, enum.Enum):
     (``planner/vocab.py``), in the same order on every rank."""
     VOCAB_B = "VB"
     """Its backward: each rank's shard of the output-layer gradient, the hidden-state gradient summed back."""
+    VOCAB_EMBED_F = "EF"
+    """Vocabulary-parallel input embedding of a unit (a tied head's embedding, split with it): the token ids reach
+    every rank, each looks up its shard's rows, the partial embeddings are summed to the first stage."""
+    VOCAB_EMBED_B = "EB"
+    """Its backward: the embedding-output gradient reaches every rank, each adds its rows' weight gradient."""
 
     def __str__(self) -> str:  # str-mixin enums print their qualified name otherwise
         return self.value
@@ -77,12 +82,13 @@ _COMPUTE = frozenset({F, B, W})
 _SENDS = frozenset({SEND_F, SEND_B})
 _RECVS = frozenset({RECV_F, RECV_B})
 VF, VB = ActionKind.VOCAB_F, ActionKind.VOCAB_B
+EF, EB = ActionKind.VOCAB_EMBED_F, ActionKind.VOCAB_EMBED_B
 # Collectives among all ranks of a pipeline: not p2p (no peer), not per-chunk compute.
-_COLLECTIVES = frozenset({VF, VB})
+_COLLECTIVES = frozenset({VF, VB, EF, EB})
 # Stage offset of the peer of each comm kind: activations flow to s+1, gradients to s-1.
 _PEER_OFFSET = {SEND_F: +1, RECV_B: +1, RECV_F: -1, SEND_B: -1}
 # ASCII digits only, so that parse accepts exactly what str writes.
-_ACTION_RE = re.compile(r"([0-9]+)(SEND_F|RECV_F|SEND_B|RECV_B|VF|VB|F|B|W)([0-9]+)\.([0-9]+)")
+_ACTION_RE = re.compile(r"([0-9]+)(SEND_F|RECV_F|SEND_B|RECV_B|VF|VB|EF|EB|F|B|W)([0-9]+)\.([0-9]+)")
 
 
 class ScheduleError(ValueError):
@@ -174,7 +180,7 @@ class Action:
 
     @property
     def is_collective(self) -> bool:
-        """A collective of every rank of the pipeline (vocabulary parallelism): ``VF``, ``VB``."""
+        """A collective of every rank of the pipeline (vocabulary parallelism): ``VF``, ``VB``, ``EF``, ``EB``."""
         return self.kind in _COLLECTIVES
 
     @property

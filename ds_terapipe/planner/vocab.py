@@ -13,21 +13,30 @@ lowered schedule (:func:`~ds_terapipe.planner.verify.replay`, lock-step), gives 
 anchor on the last rank (half a step after ``F``, half a step before ``B``) and puts it, on every rank, between
 the actions that run before and after that time. Every action then keeps a time larger than everything it
 waits for (its receives' sends, the collectives before it), so the streams run without deadlock; ``replay``
-checks it (collectives complete once all ranks arrived) and ``validate`` checks the order is one. Try it::
+checks it (collectives complete once all ranks arrived) and ``validate`` checks the order is one.
 
-    python -c "from ds_terapipe.planner.vocab import *; print(vocab_schedule('1f1b', 3, 2, 2))"
+With a tied head whose input embedding is split too (``embedding=True``), two more collectives per unit anchor
+on the first rank: ``EF(b,i)`` right before ``F(0,b,i)`` (the token ids reach every rank, the partial lookups
+are summed to rank 0, whose forward starts from them) and ``EB(b,i)`` right after ``B(0,b,i)`` (the gradient of
+the embedding's output reaches every rank, each adds its rows' weight gradient). They are placed by the same
+rule, half a step before and after their anchors. Try it::
+
+    python -c "from ds_terapipe.planner.vocab import *; print(vocab_schedule('1f1b', 3, 2, 2, embedding=True))"
 """
 from __future__ import annotations
 
-from .schedule import VB, VF, Action, ActionKind, B, F, Schedule, _make, _trusted, add_communication, build_schedule
+from .schedule import (EB, EF, VB, VF, Action, ActionKind, B, F, Schedule, _make, _trusted, add_communication,
+                       build_schedule)
 
 __all__ = ["add_vocab_passes", "vocab_schedule", "vocab_anchor_violations"]
 
 
-def add_vocab_passes(schedule: Schedule) -> Schedule:
-    """``schedule`` (lowered with :func:`add_communication`; one chunk per rank) with ``VF``/``VB`` on every rank.
+def add_vocab_passes(schedule: Schedule, embedding: bool = False) -> Schedule:
+    """``schedule`` (lowered with :func:`add_communication`; one chunk per rank) with ``VF``/``VB`` on every rank,
+    and ``EF``/``EB`` with ``embedding`` (the input embedding split too).
 
-    ``VF(b,i)`` for every F of the last stage, ``VB(b,i)`` for every B of it (a forward-only schedule gets no VB).
+    ``VF(b,i)`` for every F of the last stage, ``VB(b,i)`` for every B of it; ``EF(b,i)`` for every F of the
+    first stage, ``EB(b,i)`` for every B of it (a forward-only schedule gets no VB, EB).
     Raises ValueError for a schedule with several chunks per rank (not supported yet).
     """
     from .verify import replay  # verify builds on schedule, as this module does
@@ -40,16 +49,19 @@ def add_vocab_passes(schedule: Schedule) -> Schedule:
         return schedule
     lowered = add_communication(schedule)
     steps = replay(lowered).steps
-    last = lowered.num_stages - 1
-    # (time, 0: after its anchor / 1: before it, kind, micro-batch, slice): one order on every rank. Equal times
-    # come from one rank's consecutive F and B: "after F" sorts before "before B", as on that rank.
+    # (time, 0: after its anchor / 1: before it, micro-batch, slice, kind): one order on every rank. Equal times
+    # come from one rank's consecutive actions ("after F" sorts before "before B", as on that rank) or from the
+    # first and last ranks' anchors at one step (any fixed order: both are between the same neighbours).
     events: list[tuple[float, int, int, int, ActionKind]] = []
-    for p, a in enumerate(lowered.stages[last]):
-        if a.kind is F:
-            events.append((steps[last][p] + 0.5, 0, a.microbatch, a.slice, VF))
-        elif a.kind is B:
-            events.append((steps[last][p] - 0.5, 1, a.microbatch, a.slice, VB))
-    events.sort(key=lambda e: (e[0], e[1], e[2], e[3]))
+    anchors = [(lowered.num_stages - 1, {F: (0.5, 0, VF), B: (-0.5, 1, VB)})]
+    if embedding:
+        anchors.append((0, {F: (-0.5, 1, EF), B: (0.5, 0, EB)}))
+    for rank, rule in anchors:
+        for p, a in enumerate(lowered.stages[rank]):
+            if a.kind in rule:
+                shift, side, kind = rule[a.kind]
+                events.append((steps[rank][p] + shift, side, a.microbatch, a.slice, kind))
+    events.sort(key=lambda e: (e[0], e[1], e[2], e[3], e[4].value))
     streams = []
     for r, stream in enumerate(lowered.stages):
         out: list[Action] = []
@@ -66,41 +78,62 @@ def add_vocab_passes(schedule: Schedule) -> Schedule:
 
 
 def vocab_anchor_violations(schedule: Schedule) -> list[str]:
-    """The last rank's anchors: ``VF(b,i)`` once per unit right after ``F(K-1,b,i)`` (its outputs are the
-    hidden states it hands over), ``VB(b,i)`` once per unit before ``B(K-1,b,i)`` and after ``VF(b,i)`` (the
-    hidden-state gradient B starts from). Empty when the schedule has no vocabulary passes."""
+    """The anchors of the vocabulary passes. On the last rank: ``VF(b,i)`` once per unit after ``F(K-1,b,i)``
+    (its outputs are the hidden states it hands over), ``VB(b,i)`` once per unit after ``VF(b,i)`` and before
+    ``B(K-1,b,i)`` (the hidden-state gradient B starts from). On the first rank, when the schedule has ``EF``:
+    ``EF(b,i)`` once per unit before ``F(0,b,i)`` (the embedding its forward starts from), ``EB(b,i)`` once per
+    unit after ``B(0,b,i)`` (the gradient it hands on) and after ``EF(b,i)``. Empty when the schedule has no
+    vocabulary passes."""
     last = schedule.num_stages - 1
-    stream = schedule.stages[last]
-    if not any(a.is_collective for a in stream):
+    if not any(a.is_collective for a in schedule.stages[last]):
         return []
+    out = _anchor_violations(schedule, last, (F, VF), (VB, B), "the forward it hands on", "hidden-state gradient")
+    if any(a.kind is EF for a in schedule.stages[0]):
+        out += _anchor_violations(schedule, 0, (EF, F), (B, EB), "the embedding it starts from",
+                                  "embedding-output gradient")
+    return out
+
+
+def _anchor_violations(schedule: Schedule, rank: int, forward: tuple[ActionKind, ActionKind],
+                       backward: tuple[ActionKind, ActionKind], forward_need: str, backward_need: str) -> list[str]:
+    """Per unit on ``rank``: ``forward[0]`` before ``forward[1]``, ``backward[0]`` before ``backward[1]``, each
+    once; the collectives among them (VF, VB or EF, EB) present for every unit, the backward one after the
+    forward one."""
+    (k1, k2), (k3, k4) = forward, backward
+    stream = schedule.stages[rank]
     out: list[str] = []
     pos: dict[tuple[ActionKind, int, int], int] = {}
     for p, a in enumerate(stream):
         key = (a.kind, a.microbatch, a.slice)
-        if key in pos and a.kind in (F, B, VF, VB):
-            out.append(f"rank {last} position {p}: {a} is a duplicate")
+        if key in pos and a.kind in (k1, k2, k3, k4):
+            out.append(f"rank {rank} position {p}: {a} is a duplicate")
         pos.setdefault(key, p)
     has_backward = any(a.kind is B for a in stream)
+    coll_f = k1 if Action(rank, k1, 0, 0).is_collective else k2
+    coll_b = k3 if Action(rank, k3, 0, 0).is_collective else k4
     for b, i in schedule.units():
-        f, vf, vb, bw = (pos.get((k, b, i)) for k in (F, VF, VB, B))
-        if vf is None:
-            out.append(f"rank {last}: {Action(last, VF, b, i)} is missing")
-        elif f is None or vf < f:
-            out.append(f"rank {last}: {Action(last, VF, b, i)} at position {vf} runs before the forward it hands on")
-        if has_backward:
-            if vb is None:
-                out.append(f"rank {last}: {Action(last, VB, b, i)} is missing")
-            elif vf is not None and vb < vf:
-                out.append(f"rank {last}: {Action(last, VB, b, i)} at position {vb} runs before "
-                           f"{Action(last, VF, b, i)}")
-            elif bw is not None and bw < vb:
-                out.append(f"rank {last}: {Action(last, B, b, i)} at position {bw} runs before "
-                           f"{Action(last, VB, b, i)}, whose hidden-state gradient it needs")
+        at = {k: pos.get((k, b, i)) for k in (k1, k2, k3, k4)}
+        if at[coll_f] is None:
+            out.append(f"rank {rank}: {Action(rank, coll_f, b, i)} is missing")
+        elif at[k1] is not None and at[k2] is not None and at[k2] < at[k1]:
+            out.append(f"rank {rank}: {Action(rank, k2, b, i)} at position {at[k2]} runs before "
+                       f"{Action(rank, k1, b, i)}, {forward_need}")
+        if not has_backward:
+            continue
+        if at[coll_b] is None:
+            out.append(f"rank {rank}: {Action(rank, coll_b, b, i)} is missing")
+        elif at[coll_f] is not None and at[coll_b] < at[coll_f]:
+            out.append(f"rank {rank}: {Action(rank, coll_b, b, i)} at position {at[coll_b]} runs before "
+                       f"{Action(rank, coll_f, b, i)}")
+        elif at[k3] is not None and at[k4] is not None and at[k4] < at[k3]:
+            out.append(f"rank {rank}: {Action(rank, k4, b, i)} at position {at[k4]} runs before "
+                       f"{Action(rank, k3, b, i)}, whose {backward_need} it needs")
     return out
 
 
 def vocab_schedule(name: str, num_stages: int, num_microbatches: int, num_slices: int,
-                   deferred_weight_grads: bool = False) -> Schedule:
-    """A registered schedule lowered to what the runtime runs with ``vocab_parallel``: p2p plus vocabulary passes."""
+                   deferred_weight_grads: bool = False, embedding: bool = False) -> Schedule:
+    """A registered schedule lowered to what the runtime runs with ``vocab_parallel``: p2p plus vocabulary passes
+    (with ``embedding``: the split input embedding's too)."""
     return add_vocab_passes(add_communication(build_schedule(name, num_stages, num_microbatches, num_slices,
-                                                             deferred_weight_grads, virtual_stages=1)))
+                                                             deferred_weight_grads, virtual_stages=1)), embedding)

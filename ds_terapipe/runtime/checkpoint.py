@@ -105,14 +105,17 @@ def read_latest(load_dir: str) -> Optional[str]:
 def check_layer_shapes(module: Any, tag_dir: str) -> Optional[str]:
     """Compare this rank's layers (every chunk's) with their files in the checkpoint; describe the first
     mismatch."""
+    from .vocab import layer_fills  # vocab builds on this module's errors
+
+    fills = layer_fills(tag_dir)   # what vocabulary parallelism keeps in its shards instead of layer files
     for _ in module.each_chunk() if hasattr(module, "each_chunk") else [None]:
-        problem = _check_chunk_shapes(module, tag_dir)
+        problem = _check_chunk_shapes(module, tag_dir, fills)
         if problem:
             return problem
     return None
 
 
-def _check_chunk_shapes(module: Any, tag_dir: str) -> Optional[str]:
+def _check_chunk_shapes(module: Any, tag_dir: str, fills: dict[int, dict[str, torch.Tensor]]) -> Optional[str]:
     for local_idx, layer in enumerate(module.forward_funcs):
         if not hasattr(layer, "state_dict"):
             continue
@@ -120,7 +123,7 @@ def _check_chunk_shapes(module: Any, tag_dir: str) -> Optional[str]:
         idx = local_idx + module._local_start
         if not files:
             return f"layer {idx} ({type(layer).__name__}) has no file in the checkpoint"
-        saved = torch.load(files[0], map_location="cpu", weights_only=True)
+        saved = {**torch.load(files[0], map_location="cpu", weights_only=True), **fills.get(idx, {})}
         current = layer.state_dict()
         missing = sorted(set(current) - set(saved))
         if missing:
@@ -137,7 +140,8 @@ def export_state_dict(checkpoint_dir: str, tag: Optional[str] = None) -> dict[st
 
     Needs no process group: it reads the per-layer files DeepSpeed wrote (any number of stages), after
     verifying the manifest. Tied layers appear under each index that uses them. An output layer split by
-    ``terapipe.vocab_parallel`` appears whole, under its layer index (``runtime/vocab.py``).
+    ``terapipe.vocab_parallel`` appears whole, under its layer index, and so does a tied input embedding split
+    with it, under its own (``runtime/vocab.py``).
     """
     tag = tag or read_latest(checkpoint_dir)
     if tag is None:
@@ -153,13 +157,10 @@ def export_state_dict(checkpoint_dir: str, tag: Optional[str] = None) -> dict[st
         layer = int(match.group(1))
         for name, tensor in torch.load(path, map_location="cpu", weights_only=True).items():
             out.setdefault(f"{layer}.{name}", tensor)
-    from .vocab import merge_vocab_shards  # vocab builds on this module's errors
+    from .vocab import layer_fills  # vocab builds on this module's errors
 
-    head = merge_vocab_shards(tag_dir)
-    if head is not None:
-        out[f"{head['layer']}.{head['weight_name']}"] = head["weight"]
-        if "bias" in head:
-            out[f"{head['layer']}.bias"] = head["bias"]
+    for layer, tensors in layer_fills(tag_dir).items():
+        out.update({f"{layer}.{name}": tensor for name, tensor in tensors.items()})
     if not out:
         raise CheckpointError(f"checkpoint {tag_dir} holds no layer files (layer_XX-...model_states.pt)")
     return out

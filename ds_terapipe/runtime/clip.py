@@ -16,8 +16,9 @@ the same rule DeepSpeed's ZeRO and bf16 optimizers apply:
 * a weight tied across pipeline ranks (``TiedLayerSpec``, e.g. the GPT embedding and head): DeepSpeed all-reduces
   its gradient, every copy holds the same one, and it marks every copy but the first rank's
   ``ds_pipe_replicated``. Under a V placement (``dualpipev``) both uses are one parameter on rank 0;
-* vocabulary-parallel shards (``runtime/vocab.py``): each rank's rows are its own and count there; a tied head's
-  shards copy rows of the embedding's gradient and are marked ``ds_pipe_replicated`` when built;
+* vocabulary-parallel shards (``runtime/vocab.py``): each rank's rows are its own and count there (with a tied
+  head split together with the input embedding, the shard holds both uses' gradient); where the input embedding
+  stays whole, a tied head's shards copy rows of its gradient and are marked ``ds_pipe_replicated`` when built;
 * data-parallel replicas hold the same reduced gradient: the sum runs over one pipeline (each replica computes the
   same norm), never over replicas;
 * tensor parallelism (a ``model`` axis in the topology; not otherwise used by ds_terapipe): a parameter not marked

@@ -43,7 +43,7 @@ import itertools
 import logging
 import os
 from collections import deque
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from types import MethodType
 from typing import Any, Iterator, Optional
 
@@ -68,7 +68,8 @@ from .p2p import AbortFlag, PeerFailedError, SliceP2P, agree_or_raise, as_tuple,
 from .plan import ResolvedPlan, plan_for_length, resolve_plan
 from .recompute import install_sliced_checkpointing
 from .replan import Replanner
-from .schedule import TokenPipeSchedule, VocabBackwardPass, VocabForwardPass, WeightGradPass
+from .schedule import (TokenPipeSchedule, VocabBackwardPass, VocabEmbedBackwardPass, VocabEmbedForwardPass,
+                       VocabForwardPass, WeightGradPass)
 from .vocab import VocabParallel
 
 __all__ = ["TokenPipelineEngine"]
@@ -382,7 +383,7 @@ class TokenPipelineEngine(PipelineEngine):
         return TokenPipeSchedule(self.terapipe.schedule, self.micro_batches, self.num_stages, self.stage_id,
                                  self.num_slices, train=True, deferred_weight_grads=self.terapipe.deferred_weight_grads,
                                  virtual_stages=self.terapipe.virtual_stages, num_frozen_chunks=self._frozen_chunks(),
-                                 vocab_parallel=self.terapipe.vocab_parallel)
+                                 vocab_parallel=self.terapipe.vocab_parallel, vocab_embedding=self._vocab_embedding)
 
     # -- frozen layers (runtime/freeze.py) -------------------------------------------------------------------------
     def _frozen_chunks(self) -> int:
@@ -416,7 +417,12 @@ class TokenPipelineEngine(PipelineEngine):
     def _inference_schedule(self, micro_batches: int) -> TokenPipeSchedule:
         return TokenPipeSchedule(self.terapipe.schedule, micro_batches, self.num_stages, self.stage_id,
                                  self.num_slices, train=False, virtual_stages=self.terapipe.virtual_stages,
-                                 vocab_parallel=self.terapipe.vocab_parallel)
+                                 vocab_parallel=self.terapipe.vocab_parallel, vocab_embedding=self._vocab_embedding)
+
+    @property
+    def _vocab_embedding(self) -> bool:
+        """Whether the tied input embedding is split with the head (the schedule has EF/EB)."""
+        return getattr(self, "_vocab", None) is not None and self._vocab.embedding is not None
 
     # -- execution -------------------------------------------------------------------------------------------
     def _exec_schedule(self, pipe_schedule: TokenPipeSchedule) -> None:
@@ -429,11 +435,17 @@ class TokenPipelineEngine(PipelineEngine):
         self._unit_losses.clear()
         self._unit_grads.clear()
         self._stashes.clear()
-        if self._vocab is not None:
-            self._vocab.reset()
         self._logits = []
         self._trail.clear()
         timeline: list[TimedAction] = []
+        with self._vocab.running() if self._vocab is not None else nullcontext():
+            self._run_steps(pipe_schedule, timeline)
+        if self.record_timeline:
+            self.last_timeline = timeline
+            if pipe_schedule.train and self.terapipe.trace_dir is not None:
+                self._write_trace(timeline)
+
+    def _run_steps(self, pipe_schedule: TokenPipeSchedule, timeline: list[TimedAction]) -> None:
         for step_id, step_cmds in enumerate(pipe_schedule):
             for cmd in step_cmds:
                 handler = self._INSTRUCTION_MAP.get(type(cmd))
@@ -455,10 +467,6 @@ class TokenPipelineEngine(PipelineEngine):
                     if hasattr(err, "add_note"):
                         err.add_note(note)
                     raise
-        if self.record_timeline:
-            self.last_timeline = timeline
-            if pipe_schedule.train and self.terapipe.trace_dir is not None:
-                self._write_trace(timeline)
 
     def _write_trace(self, timeline: list[TimedAction]) -> None:
         path = os.path.join(self.terapipe.trace_dir, f"batch{self._batches_traced:05d}-rank{self.global_rank}.json")
@@ -678,6 +686,12 @@ class TokenPipelineEngine(PipelineEngine):
     def _exec_vocab_backward(self, buffer_id: int, microbatch: int, slice_index: int, chunk: int) -> None:
         self._vocab.backward_pass(buffer_id, microbatch, slice_index)
 
+    def _exec_vocab_embed_forward(self, buffer_id: int, microbatch: int, slice_index: int, chunk: int) -> None:
+        self._vocab.embedding.forward_pass(microbatch, slice_index)
+
+    def _exec_vocab_embed_backward(self, buffer_id: int, microbatch: int, slice_index: int, chunk: int) -> None:
+        self._vocab.embedding.backward_pass(microbatch, slice_index)
+
     def _exec_reduce_tied_grads(self) -> None:
         if getattr(self, "freezer", None) is not None:   # a zero gradient where only frozen layers use the weight
             self.freezer.fill_tied_grads(self)
@@ -708,6 +722,8 @@ class TokenPipelineEngine(PipelineEngine):
         WeightGradPass: _exec_weight_grad_pass,
         VocabForwardPass: _exec_vocab_forward,
         VocabBackwardPass: _exec_vocab_backward,
+        VocabEmbedForwardPass: _exec_vocab_embed_forward,
+        VocabEmbedBackwardPass: _exec_vocab_embed_backward,
         ds_schedule.ReduceTiedGrads: _exec_reduce_tied_grads,
         ds_schedule.OptimizerStep: _exec_optimizer_step,
     }

@@ -18,6 +18,7 @@ used by two chunks of one rank (embedding and head under the V placement) is one
 
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional, Union
 
@@ -27,6 +28,7 @@ from deepspeed.pipe import PipelineModule
 from ..planner.registry import get_schedule
 from ..planner.schedule import chunks_on, looped_placement
 from . import vocab
+from .vocab_embedding import install_split
 from .partition import custom_parts
 
 __all__ = ["TokenPipelineModule", "InputSampler", "chunk_layout", "module_chunk_kwargs"]
@@ -99,6 +101,8 @@ class TokenPipelineModule(PipelineModule):
                                             partition_settings=partition_settings, vocab_parallel=vocab_parallel)}
         super().__init__(layers, *args, **kwargs)
         self.vocab_head = None if head_spec is None else vocab.build_shard_head(self, head_spec)
+        if self.vocab_head is not None and self.vocab_head.embedding is not None:
+            install_split(self, self.vocab_head, self.vocab_head.embedding)
 
     # -- inputs ---------------------------------------------------------------------------------------------
     def has_sampler(self) -> bool:
@@ -227,14 +231,32 @@ class TokenPipelineModule(PipelineModule):
             vocab.save_vocab_shard(self, save_dir)
 
     def load_state_dir(self, load_dir, *args, **kwargs) -> None:
+        # Without vocabulary parallelism, from a checkpoint written with it: a tied input embedding split with
+        # the head left its table in the shards; its layer file gets it back while it loads.
+        fills = vocab.layer_fills(load_dir) if self.vocab_head is None else {}
         for _ in self.each_chunk():
-            super().load_state_dir(load_dir, *args, **kwargs)
+            patched = []
+            for local, layer in enumerate(self.forward_funcs):
+                extra = fills.get(local + self._local_start)
+                if extra and isinstance(layer, torch.nn.Module):
+                    original = layer.load_state_dict
+                    layer.load_state_dict = functools.partial(_load_with, original, extra)
+                    patched.append(layer)
+            try:
+                super().load_state_dir(load_dir, *args, **kwargs)
+            finally:
+                for layer in patched:
+                    del layer.load_state_dict
         if self.vocab_head is not None:
             vocab.load_vocab_shard(self, load_dir)
 
     def compile(self, *args, **kwargs) -> None:
         for _ in self.each_chunk():
             super().compile(*args, **kwargs)
+
+
+def _load_with(load: Callable, extra: dict, state_dict: dict, *args: Any, **kwargs: Any) -> Any:
+    return load({**state_dict, **{k: v for k, v in extra.items() if k not in state_dict}}, *args, **kwargs)
 
 
 def chunk_layout(module: torch.nn.Module) -> tuple[tuple[int, ...], tuple[int, ...]]:

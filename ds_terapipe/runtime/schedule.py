@@ -25,7 +25,8 @@ from ..planner.schedule import Action, ActionKind, Schedule, add_communication, 
 from ..planner.vocab import add_vocab_passes
 from .freeze import freeze_lowered
 
-__all__ = ["TokenPipeSchedule", "VocabBackwardPass", "VocabForwardPass", "forward_only"]
+__all__ = ["TokenPipeSchedule", "VocabBackwardPass", "VocabEmbedBackwardPass", "VocabEmbedForwardPass",
+           "VocabForwardPass", "forward_only"]
 
 
 def forward_only(schedule: Schedule) -> Schedule:
@@ -47,6 +48,14 @@ class VocabBackwardPass(ds_schedule.PipeInstruction):
     """``VB``: its backward: shard weight gradient, the hidden-state gradient reduced to the last stage."""
 
 
+class VocabEmbedForwardPass(ds_schedule.PipeInstruction):
+    """``EF``: the split input embedding of one (micro-batch, slice) (``runtime/vocab_embedding.py``)."""
+
+
+class VocabEmbedBackwardPass(ds_schedule.PipeInstruction):
+    """``EB``: its backward: each rank adds its rows' gradient from the embedding-output gradient."""
+
+
 class TokenPipeSchedule(ds_schedule.PipeSchedule):
     """One stage's view of a token-level schedule, as DeepSpeed instructions.
 
@@ -63,11 +72,14 @@ class TokenPipeSchedule(ds_schedule.PipeSchedule):
             only and no gradient is sent to them.
         vocab_parallel: add the vocabulary passes ``VF``/``VB`` (:func:`~ds_terapipe.planner.vocab.add_vocab_passes`)
             as :class:`VocabForwardPass`/:class:`VocabBackwardPass`.
+        vocab_embedding: with ``vocab_parallel``, add the split input embedding's passes ``EF``/``EB`` too
+            (:class:`VocabEmbedForwardPass`/:class:`VocabEmbedBackwardPass`); the first stage loads a micro-batch
+            before its first ``EF``, which reads its token ids.
     """
 
     def __init__(self, name: str, micro_batches: int, stages: int, stage_id: int, num_slices: int,
                  train: bool = True, deferred_weight_grads: bool = False, virtual_stages: int = 1,
-                 num_frozen_chunks: int = 0, vocab_parallel: bool = False) -> None:
+                 num_frozen_chunks: int = 0, vocab_parallel: bool = False, vocab_embedding: bool = False) -> None:
         super().__init__(micro_batches=micro_batches, stages=stages, stage_id=stage_id)
         self.num_slices = num_slices
         self.train = train
@@ -75,7 +87,7 @@ class TokenPipeSchedule(ds_schedule.PipeSchedule):
                               virtual_stages=virtual_stages)
         self.schedule = freeze_lowered(plan, num_frozen_chunks) if train else add_communication(forward_only(plan))
         if vocab_parallel:
-            self.schedule = add_vocab_passes(self.schedule)
+            self.schedule = add_vocab_passes(self.schedule, embedding=vocab_embedding)
         self.actions: tuple[Action, ...] = self.schedule.stages[stage_id]
         self.chunks: tuple[int, ...] = self.schedule.chunks_of(stage_id)
         self._local = {chunk: index for index, chunk in enumerate(self.chunks)}
@@ -95,12 +107,15 @@ class TokenPipeSchedule(ds_schedule.PipeSchedule):
                           microbatch=action.microbatch, slice_index=action.slice, chunk=action.stage)
             cmds: list[ds_schedule.PipeInstruction] = []
             kind = action.kind
+            # A micro-batch is loaded before the first action that reads it: the forward of its slice 0 on a
+            # chunk that reads data, or the EF of its slice 0 where chunk 0 is (EF reads the token ids).
+            reads = (kind == ActionKind.FORWARD and action.stage in self.data_chunks) or \
+                (kind == ActionKind.VOCAB_EMBED_F and 0 in self.data_chunks)
+            if reads and action.slice == 0 and action.microbatch > loaded:
+                assert action.microbatch == loaded + 1, "micro-batches must start in order to load in order"
+                loaded = action.microbatch
+                cmds.append(ds_schedule.LoadMicroBatch(buffer_id=action.microbatch, microbatch=action.microbatch))
             if kind == ActionKind.FORWARD:
-                if action.slice == 0 and action.stage in self.data_chunks and action.microbatch > loaded:
-                    assert action.microbatch == loaded + 1, "micro-batches must start in order to load in order"
-                    loaded = action.microbatch
-                    cmds.append(ds_schedule.LoadMicroBatch(buffer_id=action.microbatch,
-                                                           microbatch=action.microbatch))
                 cmds.append(ds_schedule.ForwardPass(**fields))
             elif kind == ActionKind.BACKWARD:
                 cmds.append(ds_schedule.BackwardPass(**fields))
@@ -118,6 +133,10 @@ class TokenPipeSchedule(ds_schedule.PipeSchedule):
                 cmds.append(VocabForwardPass(**fields))
             elif kind == ActionKind.VOCAB_B:
                 cmds.append(VocabBackwardPass(**fields))
+            elif kind == ActionKind.VOCAB_EMBED_F:
+                cmds.append(VocabEmbedForwardPass(**fields))
+            elif kind == ActionKind.VOCAB_EMBED_B:
+                cmds.append(VocabEmbedBackwardPass(**fields))
             else:  # pragma: no cover - the IR has no other kinds
                 raise AssertionError(f"unknown action {action}")
             yield cmds

@@ -22,11 +22,14 @@ How data flows (one chunk per rank: ``gpipe``, ``1f1b``):
   stage, whose ``B`` then backpropagates ``sum(h * dh)``.
 * Tied weights (``ReduceTiedGrads``): the embedding's gradient (full, on its holder) and the shards' gradients
   are summed into one (V, H) gradient over the pipeline; the holder keeps all of it, each shard its rows, so
-  both copies of every row take the same optimizer step. The input embedding itself is not split (yet).
+  both copies of every row take the same optimizer step. That is the fallback: where it can
+  (``runtime/vocab_embedding.py``), the tied input embedding is split with the head, uses the same shard
+  (passes ``EF``/``EB``), no rank keeps the whole table and nothing is exchanged here.
 * Checkpoints: each pipeline rank writes its shard (``vocab_shard-RR-of-PP-model_states.pt``) next to
   DeepSpeed's layer files; loading concatenates all shards and keeps this rank's rows, so any p loads the
   weights (optimizer state: the same p only, as for layers). A checkpoint written without vocabulary
-  parallelism loads from the head's layer file.
+  parallelism loads from the head's (or the tied embedding's) layer file; a model without vocabulary
+  parallelism loads the head (and a split embedding's table) from the shards (:func:`layer_fills`).
 
 Refused at build or engine init, on every rank, with the rule and the fix: no recognisable output layer, a loss
 other than ``causal_lm_loss``, a vocabulary smaller than p, virtual stages, fp16/bf16.
@@ -50,12 +53,13 @@ from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
 from .context import current_slice
 from .p2p import mark_collective
+from .vocab_embedding import EmbeddingSplit, VocabEmbedding, plan_embedding_split
 
 if TYPE_CHECKING:  # pragma: no cover
     from .engine import TokenPipelineEngine
 
 __all__ = ["HeadSpec", "VocabShardHead", "VocabParallel", "split_output_layer", "build_shard_head",
-           "save_vocab_shard", "load_vocab_shard", "shard_file_name", "merge_vocab_shards"]
+           "save_vocab_shard", "load_vocab_shard", "shard_file_name", "merge_vocab_shards", "layer_fills"]
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +144,7 @@ class VocabShardHead(torch.nn.Module):
         self.num_valid = max(0, min(self.rows, vocab_size - self.offset))
         self.weight = torch.nn.Parameter(weight)
         self.bias = None if bias is None else torch.nn.Parameter(bias)
+        self.embedding: Optional[EmbeddingSplit] = None  # the tied input embedding, when split with the head
 
     def extra_repr(self) -> str:
         return (f"rows [{self.offset}, {self.offset + self.rows}) of vocab {self.vocab_size} (padded to "
@@ -162,7 +167,9 @@ def build_shard_head(module: Any, spec: HeadSpec) -> VocabShardHead:
         raise ValueError(f"terapipe.vocab_parallel needs the token-wise cross entropy "
                          f"ds_terapipe.models.gpt.causal_lm_loss as loss_fn (the sharded softmax computes exactly it), "
                          f"got {module.loss_fn!r}; pass loss_fn=causal_lm_loss or set vocab_parallel to false")
-    _, weight, bias = _build_full(spec)
+    full, weight, bias = _build_full(spec)
+    split = plan_embedding_split(full, spec, module._layer_specs, module.stage_owner)
+    del full
     vocab = weight.shape[0]
     if vocab < p:
         raise ValueError(f"terapipe.vocab_parallel: vocabulary {vocab} < {p} pipeline stages; every rank needs at "
@@ -184,11 +191,13 @@ def build_shard_head(module: Any, spec: HeadSpec) -> VocabShardHead:
     with torch.no_grad():
         head.weight = torch.nn.Parameter(head.take_rows(weight))
         head.bias = None if bias is None else torch.nn.Parameter(head.take_rows(bias))
-    if spec.tied_key is not None:
+    head.embedding = split
+    if spec.tied_key is not None and split is None:
         # Its gradient is a copy of the tied embedding's rows after ReduceTiedGrads: counted once in norms (there).
         for param in head.parameters():
             param.ds_pipe_replicated = True
-    logger.info("terapipe: vocab parallel: stage %d holds %s", stage, head.extra_repr())
+    logger.info("terapipe: vocab parallel: stage %d holds %s%s", stage, head.extra_repr(),
+                "" if split is None else f"; the input embedding (layer {split.layer}) uses them too")
     return head
 
 
@@ -200,7 +209,8 @@ def save_vocab_shard(module: Any, save_dir: str) -> None:
         return
     os.makedirs(save_dir, exist_ok=True)
     state = {"weight": head.weight.detach().cpu(), "vocab_size": head.vocab_size, "layer": head.spec.index,
-             "weight_name": head.spec.weight_name}
+             "weight_name": head.spec.weight_name,
+             "embedding_layers": [] if head.embedding is None else [head.embedding.layer]}
     if head.bias is not None:
         state["bias"] = head.bias.detach().cpu()
     torch.save(state, os.path.join(save_dir, shard_file_name(head.rank, head.num_shards)))
@@ -224,7 +234,8 @@ def merge_vocab_shards(tag_dir: str) -> Optional[dict[str, Any]]:
     parts = [torch.load(found[r][1], map_location="cpu", weights_only=True) for r in sorted(found)]
     vocab = parts[0]["vocab_size"]
     out = {"weight": torch.cat([s["weight"] for s in parts])[:vocab], "vocab_size": vocab,
-           "layer": parts[0]["layer"], "weight_name": parts[0]["weight_name"]}
+           "layer": parts[0]["layer"], "weight_name": parts[0]["weight_name"],
+           "embedding_layers": list(parts[0].get("embedding_layers", []))}
     if "bias" in parts[0]:
         out["bias"] = torch.cat([s["bias"] for s in parts])[:vocab]
     return out
@@ -237,10 +248,15 @@ def load_vocab_shard(module: Any, load_dir: str) -> None:
     head: VocabShardHead = module.vocab_head
     merged = merge_vocab_shards(load_dir)
     if merged is None:
-        layer_file = os.path.join(load_dir, f"layer_{head.spec.index:02d}-model_states.pt")
-        if not os.path.exists(layer_file):
+        # the head's layer file, or (a tied head has none) the tied embedding's: the table is there
+        layers = [head.spec.index] + ([] if head.spec.tied_key is None else
+                                      [i for i, s in enumerate(module._layer_specs)
+                                       if isinstance(s, TiedLayerSpec) and s.key == head.spec.tied_key])
+        files = [os.path.join(load_dir, f"layer_{i:02d}-model_states.pt") for i in layers]
+        layer_file = next((f for f in files if os.path.exists(f)), None)
+        if layer_file is None:
             raise CheckpointError(f"checkpoint {load_dir} has neither vocabulary shards nor the output layer's file "
-                                  f"{os.path.basename(layer_file)}; it was written for another model")
+                                  f"{os.path.basename(files[0])}; it was written for another model")
         saved = torch.load(layer_file, map_location="cpu", weights_only=True)
         merged = {"weight": saved[head.spec.weight_name]}
         if head.spec.bias_name and head.spec.bias_name in saved:
@@ -253,6 +269,22 @@ def load_vocab_shard(module: Any, load_dir: str) -> None:
         head.weight.copy_(head.take_rows(weight.to(head.weight.device)))
         if head.bias is not None and "bias" in merged:
             head.bias.copy_(head.take_rows(merged["bias"].to(head.bias.device)))
+
+
+def layer_fills(tag_dir: str) -> dict[int, dict[str, torch.Tensor]]:
+    """What a checkpoint written with vocabulary parallelism holds in its shards rather than in layer files, per
+    layer index: the head's weight (and bias), and the split input embedding's table. A model without vocabulary
+    parallelism loads them from here (``TokenPipelineModule.load_state_dir``); empty without shards."""
+    merged = merge_vocab_shards(tag_dir)
+    if merged is None:
+        return {}
+    head = {merged["weight_name"]: merged["weight"]}
+    if "bias" in merged:
+        head["bias"] = merged["bias"]
+    out = {merged["layer"]: head}
+    for layer in merged["embedding_layers"]:
+        out[layer] = {merged["weight_name"]: merged["weight"]}
+    return out
 
 
 # -- the passes ---------------------------------------------------------------------------------------------
@@ -283,7 +315,10 @@ class VocabParallel:
         self._units: dict[tuple[int, int], _Unit] = {}
         self.tied_holders: tuple[int, ...] = ()
         spec = self.head.spec
-        if spec.tied_key is not None:
+        # the split input embedding's passes EF/EB (runtime/vocab_embedding.py), else None
+        self.embedding = None if self.head.embedding is None else VocabEmbedding(engine, self.head,
+                                                                                  self.head.embedding)
+        if spec.tied_key is not None and self.embedding is None:
             module = engine.module
             self.tied_holders = tuple(sorted({module.stage_owner(i) for i, s in enumerate(module._layer_specs)
                                               if isinstance(s, TiedLayerSpec) and s.key == spec.tied_key}))
@@ -304,6 +339,18 @@ class VocabParallel:
     def reset(self) -> None:
         self._handed.clear()
         self._units.clear()
+        if self.embedding is not None:
+            self.embedding.reset()
+
+    @contextmanager
+    def running(self) -> Iterator[None]:
+        """Around a schedule's instructions (the split embedding serves the units' EF results)."""
+        self.reset()
+        if self.embedding is None:
+            yield
+            return
+        with self.embedding.live():
+            yield
 
     @contextmanager
     def loss_hook(self) -> Iterator[None]:
