@@ -92,6 +92,11 @@ def parse_args() -> argparse.Namespace:
                         help="progressive freezing (terapipe.freeze): 'STEP:LAYERS,...' (e.g. 20:2,40:4: from step 20 "
                              "the first 2 layers are frozen, from step 40 the first 4) or 'auto' (gradient-norm "
                              "policy, checked every 10 steps); overrides the config's terapipe.freeze")
+    parser.add_argument("--partition", default=None,
+                        help="how layers are cut into stages: a DeepSpeed partition_method ('uniform', 'parameters', "
+                             "'type:GPTBlock'), 'terapipe' (cost-based: layers profiled, boundaries and slicing "
+                             "planned together) or 'parts:0,5,11'. Default: 'type:GPTBlock' (equal blocks per "
+                             "stage) when there are at least as many blocks as chunks, else 'uniform'")
     parser.add_argument("--repack", action="store_true",
                         help="with freezing: once a pipeline stage holds frozen layers only, continue on fewer stages "
                              "with more data-parallel replicas (terapipe.freeze.repack)")
@@ -262,10 +267,15 @@ def main() -> None:
         raise SystemExit(f"train_gpt: token id {int(tokens.max())} >= --vocab-size {vocab}")
     cfg = GPTConfig(num_layers=args.layers, hidden=args.hidden, num_heads=args.heads, vocab_size=vocab,
                     max_seq_len=seq_len, seed=args.seed)
+    # DeepSpeed's "uniform" counts the embedding, final norm and head as layers: with 8 blocks on 2 stages it puts
+    # 5 blocks on stage 0 and 3 on stage 1, and the pipeline runs at the pace of the heavier stage.
+    enabled = terapipe is not None and terapipe.enabled
+    chunks = stages * ((terapipe.virtual_stages or 1) if enabled else 1)
+    method = args.partition or ("type:GPTBlock" if args.layers >= chunks else "uniform")
+    partition = ds_terapipe.partition_kwargs(ds_config) if method == "terapipe" else {"partition_method": method}
     model = ds_terapipe.TokenPipelineModule(gpt_layer_specs(cfg), num_stages=stages, loss_fn=causal_lm_loss,
-                                            vocab_size=vocab, partition_method="uniform",
-                                            activation_checkpoint_interval=args.checkpoint_interval,
-                                            **ds_terapipe.module_chunk_kwargs(terapipe))  # virtual stages
+                                            vocab_size=vocab, activation_checkpoint_interval=args.checkpoint_interval,
+                                            **partition, **ds_terapipe.module_chunk_kwargs(terapipe))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
     engine, _, _, _ = ds_terapipe.initialize(args=args, model=model, optimizer=optimizer, config=config)
     train(engine, args, tokens, seq_len, stages, name="train_gpt",

@@ -1249,13 +1249,16 @@ def repack_cases(extra: dict, cfg: GPTConfig, batches: list[tuple], num_steps: i
         worst = max(rel_err(packed["params"][n], plain["params"][n]) for n in plain["params"]
                     if n in packed["params"] and (n != "tied_modules.embed.wpe.weight" or plain["has_embed"]))
         ref_err, ref_name, _ = _named_compare(packed["params"], ref["params"], True)
+        # eval_batch after the repack: each replica evaluates its share, DeepSpeed averages over the replicas
+        held_out = make_batches(cfg, micro, batch, seq_len, seed=37)
+        evals = [float(plain["engine"].eval_batch(iter(held_out))), float(engine.eval_batch(iter(held_out)))]
         frozen_last = packed["frozen"][-1]
         frozen_moved = [n for n in frozen_last if n in plain["params"] and (plain["has_embed"] or "wpe" not in n)
                         and not torch.equal(packed["params"][n], plain["params"][n])]
         results.append({"case": f"repack {sched} slices={slices}", "losses": packed["losses"],
                         "plain_losses": plain["losses"], "ref_losses": ref["losses"], "param_rel_err": worst,
                         "ref_param_rel_err": ref_err, "ref_worst": ref_name, "events": packed["events"],
-                        "frozen_differ": frozen_moved,
+                        "frozen_differ": frozen_moved, "evals": evals,
                         "num_stages": engine.num_stages, "replicas": engine.dp_world_size,
                         "micro_batches": engine.micro_batches, "stage": engine.stage_id,
                         "names": sorted(packed["params"]), "plain_names": sorted(plain["params"]),

@@ -249,6 +249,7 @@ def test_a_repack_continues_on_fewer_stages_and_trains_as_if_nothing_moved(freez
         for got, plain, ref in zip(case["losses"], case["plain_losses"], case["ref_losses"]):
             assert got == pytest.approx(plain, rel=1e-5) and got == pytest.approx(ref, rel=1e-5), where
         assert case["param_rel_err"] <= 1e-5 and case["ref_param_rel_err"] <= 1e-5, (where, case["ref_worst"])
+        assert case["evals"][1] == pytest.approx(case["evals"][0], rel=1e-5), (where, case["evals"])
         # frozen weights moved bit-identical; only the trained layers carry optimizer state
         assert not case["frozen_differ"] and not any(case["changed"]) and not any(case["with_state"]), where
         assert case["state_names"] and all(not n.startswith(("1.", "2.", "3.")) for n in case["state_names"]), where
