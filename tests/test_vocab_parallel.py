@@ -105,8 +105,9 @@ def test_vocab_parallel_with_data_parallel_zero1(tmp_path) -> None:
 @pytest.mark.timeout(900)
 def test_vocab_parallel_features(tmp_path) -> None:
     """Checkpoints at the same p resume exactly, load at p=1 and export whole (a split tied embedding too, and into
-    a model without vocab_parallel and back); eval equals the reference; the
-    refusals (no output layer, another loss, vocab < p, virtual stages, config without the module) on every rank."""
+    a model without vocab_parallel and back); a dualpipev checkpoint resumes exactly and loads into 1f1b; eval equals
+    the reference; the refusals (no output layer, another loss, vocab < p, config without the module) on every
+    rank."""
     results = launch("vocab_features", 2, tmp_path, timeout_s=840)
     errors = [r["error"] for r in results if "error" in r]
     assert not errors, errors[0]
@@ -122,6 +123,11 @@ def test_vocab_parallel_features(tmp_path) -> None:
                 assert not ck["layer0_has_table"] and ck["export_embed_err"] == 0.0, ck
                 assert ck["plain_table_err"] == 0.0 and ck["plain_layer_err"] == 0.0, ck
                 assert ck["from_plain_err"] == 0.0, ck
+        ck = cases["vocab checkpoint under dualpipev"]  # two chunks per rank, both anchors on rank 0
+        assert ck["chunks"] == [r["rank"], 3 - r["rank"]], ck
+        assert ck["resumed"] == ck["uninterrupted"] and ck["resume_err"] == 0.0, ck
+        assert ck["layers_equal"] and ck["flat_layer_err"] == 0.0 and ck["flat_head_err"] == 0.0, ck
+        assert ck["export_head_err"] == 0.0 and ck["export_embed_err"] == 0.0, ck
         ev = cases["vocab eval"]
         assert ev["loss"] == pytest.approx(ev["ref_loss"], rel=TOL)
         assert "return_logits=False" in ev["return_logits"]
@@ -131,5 +137,4 @@ def test_vocab_parallel_features(tmp_path) -> None:
         assert "GPTFinalNorm) is not a recognisable output layer" in ref["no_head"]
         assert "causal_lm_loss as loss_fn" in ref["loss"]
         assert "vocabulary 1 < 2 pipeline stages" in ref["small_vocab"]
-        assert "virtual_stages=2 is not supported yet" in ref["virtual"]
         assert "built with vocab_parallel=False" in ref["config_without_module"]
