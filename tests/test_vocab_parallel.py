@@ -55,11 +55,12 @@ def _check(results: list[dict], expected_cases: int) -> None:
 
 
 # Virtual-stage schedules, in the same launches: [schedule, vocab, tied, slices, layers]. Between them, at p=2 each
-# schedule runs tied and untied, V divisible by p and not, slices 1 and unequal; p=3 needs 6 chunks: 4 blocks.
+# schedule runs tied and untied, V divisible by p and not, slices 1 and unequal (dualpipev defers W by default,
+# looped-bfs+W asks for it); p=3 needs 6 chunks: 4 blocks.
 UNEQUAL = [8, 24, 16]
 VIRTUAL_CASES = {
     2: [["interleaved-1f1b", 64, True, 1, 2], ["interleaved-1f1b", 63, False, UNEQUAL, 2],
-        ["looped-bfs", 63, True, UNEQUAL, 2], ["looped-bfs", 64, False, 1, 2],
+        ["looped-bfs", 63, True, UNEQUAL, 2], ["looped-bfs+W", 64, False, 1, 2],
         ["dualpipev", 64, True, UNEQUAL, 2], ["dualpipev", 63, False, 1, 2], ["dualpipev", 63, True, 1, 2]],
     3: [["interleaved-1f1b", 64, True, UNEQUAL, 4], ["dualpipev", 63, False, UNEQUAL, 4],
         ["looped-bfs", 64, False, 1, 4]],
