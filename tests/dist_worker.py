@@ -1562,13 +1562,17 @@ def _raised(fn: Callable[[], Any]) -> Optional[str]:
 
 def vocab_virtual_checkpoint_case(cfg: GPTConfig, batches: list[tuple], ckpt: Path) -> dict[str, Any]:
     """A checkpoint under dualpipev (two chunks per rank, the last chunk and chunk 0 on rank 0) with a tied head
-    whose input embedding is split: the same layout resumes exactly; a 1f1b model (one chunk per rank) loads the
+    whose input embedding is split: eval_batch equals the reference's loss; the same layout resumes exactly; a 1f1b model (one chunk per rank) loads the
     same weights (layers by global index, the shards by pipeline rank); the export holds the whole head."""
     from ds_terapipe.runtime.checkpoint import export_state_dict
 
     STATUS["case"] = "vocab checkpoint under dualpipev"
     plan = {"slices": [8, 24, 16], "seq_len": 48, "schedule": "dualpipev"}
     first = vocab_engine(cfg, True, plan, stages=WORLD, micro=2, batch=2)
+    eval_loss = float(first.eval_batch(iter(batches[:2])))  # forwards and VF alone, before any step
+    with torch.no_grad():
+        ref_model = GPTReference(cfg)
+        ref_eval = float(sum(causal_lm_loss(ref_model(x), y) for x, y in batches[:2]) / 2)
     data = iter(batches)
     for _ in range(2):
         first.train_batch(data)
@@ -1589,6 +1593,7 @@ def vocab_virtual_checkpoint_case(cfg: GPTConfig, batches: list[tuple], ckpt: Pa
     merged = export_state_dict(str(ckpt))
     key = f"{head.spec.index}.{head.spec.weight_name}"
     return {"case": "vocab checkpoint under dualpipev", "chunks": list(first.local_chunks),
+            "eval_loss": eval_loss, "ref_eval_loss": ref_eval,
             "uninterrupted": uninterrupted, "resumed": resumed, "resume_err": resume_err,
             "layers_equal": sorted(k for k in saved_all if "vocab_head" not in k) ==
             sorted(k for k in flat_all if "vocab_head" not in k),

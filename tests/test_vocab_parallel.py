@@ -127,6 +127,7 @@ def test_vocab_parallel_features(tmp_path) -> None:
         ck = cases["vocab checkpoint under dualpipev"]  # two chunks per rank, both anchors on rank 0
         assert ck["chunks"] == [r["rank"], 3 - r["rank"]], ck
         assert ck["resumed"] == ck["uninterrupted"] and ck["resume_err"] == 0.0, ck
+        assert ck["eval_loss"] == pytest.approx(ck["ref_eval_loss"], rel=TOL), ck
         assert ck["layers_equal"] and ck["flat_layer_err"] == 0.0 and ck["flat_head_err"] == 0.0, ck
         assert ck["export_head_err"] == 0.0 and ck["export_embed_err"] == 0.0, ck
         ev = cases["vocab eval"]
