@@ -195,8 +195,9 @@ class TeraPipeConfig(DeepSpeedConfigModel):
     two collectives (the last stage's hidden states and labels out, softmax statistics, the hidden-state gradient
     back); the loss is exactly the unsharded cross entropy. A tied head's input embedding is split with it
     (``runtime/vocab_embedding.py``: two more collectives per unit). Needs ``loss_fn=causal_lm_loss``, an
-    output layer as the last layer, one chunk per rank (``gpipe``, ``1f1b``) and fp32; build the model with
-    ``TokenPipelineModule(..., vocab_parallel=True)``."""
+    output layer as the last layer and fp32; works with every schedule, virtual stages included (the passes follow
+    the last chunk and chunk 0 wherever the placement puts them); build the model with
+    ``TokenPipelineModule(..., vocab_parallel=True)`` (and the same ``virtual_stages`` and ``schedule``)."""
 
     max_slices: Optional[int] = Field(None, ge=1)
     """Upper bound on the number of slices ``"auto"`` may choose."""
@@ -258,10 +259,6 @@ class TeraPipeConfig(DeepSpeedConfigModel):
             self.deferred_weight_grads = spec.deferred_weight_grads
         if self.virtual_stages is None:
             self.virtual_stages = spec.virtual_stages
-        if self.vocab_parallel and self.virtual_stages != 1:
-            raise ValueError(f"terapipe.vocab_parallel with schedule {self.schedule!r} and virtual_stages="
-                             f"{self.virtual_stages}: the vocabulary passes need one chunk per rank for now; use "
-                             "schedule gpipe or 1f1b (virtual_stages 1), or set vocab_parallel to false")
         if self.vocab_parallel and self.freeze is not None:
             raise ValueError("terapipe.vocab_parallel with terapipe.freeze is not supported yet (freezing drops "
                              "gradient messages the vocabulary passes' collectives are ordered against); remove one "

@@ -1475,9 +1475,15 @@ def vocab_compare(engine: Any, named: dict[str, torch.Tensor], ref: dict[str, to
 
 def vocab_engine(cfg: GPTConfig, tied: bool, terapipe: dict, *, stages: int, micro: int, batch: int,
                  zero_stage: int = 0, lr: float = 0.1, momentum: float = 0.9, clipping: float = 0.0):
+    """A vocabulary-parallel engine; a schedule with virtual stages gets its default chunks per rank (module and
+    config alike)."""
+    from ds_terapipe.planner.registry import get_schedule
+
+    v = get_schedule(terapipe.get("schedule", "gpipe")).virtual_stages
+    chunks = {"virtual_stages": v, "schedule": terapipe["schedule"]} if v > 1 else {}
     model = ds_terapipe.TokenPipelineModule(vocab_layer_specs(cfg, tied), num_stages=stages, loss_fn=causal_lm_loss,
                                             vocab_size=cfg.vocab_size, partition_method="uniform",
-                                            vocab_parallel=terapipe.get("vocab_parallel", True))
+                                            vocab_parallel=terapipe.get("vocab_parallel", True), **chunks)
     dp = WORLD // stages
     config = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": micro,
               "train_batch_size": batch * micro * dp, "steps_per_print": 10**9, "gradient_clipping": clipping,
@@ -1494,48 +1500,59 @@ def vocab_engine(cfg: GPTConfig, tied: bool, terapipe: dict, *, stages: int, mic
 
 def suite_vocab(extra: dict) -> list[dict]:
     """Vocabulary parallelism against the unsliced reference: tied/untied heads x vocabularies (divisible by p
-    and not) x schedules x slices; loss, every gradient (the shard against its rows), parameters after 3 steps."""
+    and not) x schedules x slices; loss, every gradient (the shard against its rows), parameters after 3 steps.
+    ``virtual_cases``: more cases, one each, as [schedule, vocab, tied, slices, layers] (virtual-stage schedules,
+    whose p*v chunks need more layers)."""
     dp = extra.get("dp", 1)
     stages = WORLD // dp
-    zero_stage = extra.get("zero_stage", 0)
     seq_len, batch, micro, steps = 48, 2, extra.get("micro", 2), 3
+    cases = [(sched, vocab, tied, slices, extra.get("layers", 2))
+             for vocab in extra.get("vocabs", [64, 63]) for tied in extra.get("tied", [True, False])
+             for slices in extra.get("slicings", [1, [8, 24, 16]]) for sched in extra.get("schedules", ["gpipe", "1f1b"])]
+    cases += [tuple(c) for c in extra.get("virtual_cases", [])]
+    references: dict[tuple, Any] = {}
     results = []
-    for vocab in extra.get("vocabs", [64, 63]):
-        cfg = GPTConfig(num_layers=extra.get("layers", 2), hidden=32, num_heads=4, vocab_size=vocab, max_seq_len=64,
-                        seed=7)
+    for sched, vocab, tied, slices, layers in cases:
+        cfg = GPTConfig(num_layers=layers, hidden=32, num_heads=4, vocab_size=vocab, max_seq_len=64, seed=7)
         batches = make_batches(cfg, steps * micro * dp, batch, seq_len, seed=300 + vocab)
-        for tied in extra.get("tied", [True, False]):
-            ref_losses, ref_grads, ref_params = vocab_reference(cfg, tied, batches, steps, lr=0.1, momentum=0.9)
-            for slices in extra.get("slicings", [1, [8, 24, 16]]):
-                for sched in extra.get("schedules", ["gpipe", "1f1b"]):
-                    STATUS["case"] = f"vocab={vocab} tied={tied} slices={slices} schedule={sched}"
-                    engine = vocab_engine(cfg, tied, {"slices": slices, "seq_len": seq_len,
-                                                      "schedule": sched.removesuffix("+W"),
-                                                      **({"deferred_weight_grads": True} if sched.endswith("+W")
-                                                         else {})},
-                                          stages=stages, micro=micro, batch=batch, zero_stage=zero_stage)
-                    data = iter([batches[s * micro * dp + engine.grid.data_parallel_id * micro + j]
-                                 for s in range(steps) for j in range(micro)])
-                    with first_step_grads(engine) as grads:
-                        losses = [float(engine.train_batch(data)) for _ in range(steps)]
-                    params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-                    grads_ok = zero_stage == 0  # ZeRO-1 keeps reduced gradients in its partitions
-                    g_err, g_name, covered, g_pad = vocab_compare(engine, grads if grads_ok else params,
-                                                                  ref_grads if grads_ok else ref_params, tied)
-                    p_err, p_name, _, p_pad = vocab_compare(engine, params, ref_params, tied)
-                    head = engine.module.vocab_head
-                    results.append({"case": STATUS["case"], "stage": engine.stage_id, "dp": dp, "losses": losses,
-                                    "ref_losses": ref_losses, "grad_rel_err": g_err, "grad_worst": g_name,
-                                    "param_rel_err": p_err, "param_worst": p_name, "pad_abs": max(g_pad, p_pad),
-                                    "covered": covered, "rows": [head.offset, head.rows, head.num_valid],
-                                    "num_ref_params": len(ref_params),
-                                    "vocab_actions": [str(a) for a in engine._train_schedule().actions
-                                                      if a.is_collective]})
+        if (vocab, tied, layers) not in references:
+            references[(vocab, tied, layers)] = vocab_reference(cfg, tied, batches, steps, lr=0.1, momentum=0.9)
+        results.append(vocab_case(cfg, tied, sched, slices, batches, references[(vocab, tied, layers)], dp=dp,
+                                  stages=stages, micro=micro, zero_stage=extra.get("zero_stage", 0)))
     if extra.get("clip"):
         cfg = GPTConfig(num_layers=2, hidden=32, num_heads=4, vocab_size=63, max_seq_len=64, seed=7)
         results.append(vocab_clip_case(cfg, True, make_batches(cfg, 3 * micro * dp, batch, seq_len, seed=410),
-                                       stages=stages, micro=micro, zero_stage=zero_stage))
+                                       stages=stages, micro=micro, zero_stage=extra.get("zero_stage", 0)))
     return results
+
+
+def vocab_case(cfg: GPTConfig, tied: bool, sched: str, slices: Any, batches: list[tuple], reference: tuple, *,
+               dp: int, stages: int, micro: int, zero_stage: int, seq_len: int = 48, batch: int = 2,
+               steps: int = 3) -> dict[str, Any]:
+    """One vocabulary-parallel run of ``steps`` steps against ``reference`` (losses, first-step gradients,
+    parameters after the steps); ``sched`` may end with ``+W`` (deferred weight gradients)."""
+    ref_losses, ref_grads, ref_params = reference
+    STATUS["case"] = f"vocab={cfg.vocab_size} tied={tied} slices={slices} schedule={sched}"
+    engine = vocab_engine(cfg, tied, {"slices": slices, "seq_len": seq_len, "schedule": sched.removesuffix("+W"),
+                                      **({"deferred_weight_grads": True} if sched.endswith("+W") else {})},
+                          stages=stages, micro=micro, batch=batch, zero_stage=zero_stage)
+    data = iter([batches[s * micro * dp + engine.grid.data_parallel_id * micro + j]
+                 for s in range(steps) for j in range(micro)])
+    with first_step_grads(engine) as grads:
+        losses = [float(engine.train_batch(data)) for _ in range(steps)]
+    params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    grads_ok = zero_stage == 0  # ZeRO-1 keeps reduced gradients in its partitions
+    g_err, g_name, covered, g_pad = vocab_compare(engine, grads if grads_ok else params,
+                                                  ref_grads if grads_ok else ref_params, tied)
+    p_err, p_name, _, p_pad = vocab_compare(engine, params, ref_params, tied)
+    head = engine.module.vocab_head
+    return {"case": STATUS["case"], "stage": engine.stage_id, "dp": dp, "losses": losses,
+            "ref_losses": ref_losses, "grad_rel_err": g_err, "grad_worst": g_name,
+            "param_rel_err": p_err, "param_worst": p_name, "pad_abs": max(g_pad, p_pad),
+            "covered": covered, "rows": [head.offset, head.rows, head.num_valid],
+            "num_ref_params": len(ref_params), "chunks": list(engine.local_chunks),
+            "placement": list(engine.placement),
+            "vocab_actions": [str(a) for a in engine._train_schedule().actions if a.is_collective]}
 
 
 def _raised(fn: Callable[[], Any]) -> Optional[str]:
@@ -1544,6 +1561,50 @@ def _raised(fn: Callable[[], Any]) -> Optional[str]:
     except ValueError as err:
         return f"{type(err).__name__}: {err}"
     return None
+
+
+def vocab_virtual_checkpoint_case(cfg: GPTConfig, batches: list[tuple], ckpt: Path) -> dict[str, Any]:
+    """A checkpoint under dualpipev (two chunks per rank, the last chunk and chunk 0 on rank 0) with a tied head
+    whose input embedding is split: eval_batch equals the reference's loss; the same layout resumes exactly; a 1f1b model (one chunk per rank) loads the
+    same weights (layers by global index, the shards by pipeline rank); the export holds the whole head."""
+    from ds_terapipe.runtime.checkpoint import export_state_dict
+
+    STATUS["case"] = "vocab checkpoint under dualpipev"
+    plan = {"slices": [8, 24, 16], "seq_len": 48, "schedule": "dualpipev"}
+    first = vocab_engine(cfg, True, plan, stages=WORLD, micro=2, batch=2)
+    eval_loss = float(first.eval_batch(iter(batches[:2])))  # forwards and VF alone, before any step
+    with torch.no_grad():
+        ref_model = GPTReference(cfg)
+        ref_eval = float(sum(causal_lm_loss(ref_model(x), y) for x, y in batches[:2]) / 2)
+    data = iter(batches)
+    for _ in range(2):
+        first.train_batch(data)
+    first.save_checkpoint(str(ckpt))
+    saved = {n: p.detach().clone() for n, p in first.module.named_parameters()}
+    saved_all = _gathered_params(first)
+    uninterrupted = float(first.train_batch(data))
+    after = {n: p.detach().clone() for n, p in first.module.named_parameters()}
+    again = vocab_engine(cfg, True, plan, stages=WORLD, micro=2, batch=2)
+    again.load_checkpoint(str(ckpt))
+    resumed = float(again.train_batch(iter(batches[4:])))
+    resume_err = max(rel_err(p.detach(), after[n]) for n, p in again.module.named_parameters())
+    STATUS["case"] = "vocab checkpoint under dualpipev into 1f1b"
+    flat = vocab_engine(cfg, True, dict(plan, schedule="1f1b"), stages=WORLD, micro=2, batch=2)
+    flat.load_checkpoint(str(ckpt), load_optimizer_states=False)
+    flat_all = _gathered_params(flat)
+    head = flat.module.vocab_head
+    merged = export_state_dict(str(ckpt))
+    key = f"{head.spec.index}.{head.spec.weight_name}"
+    return {"case": "vocab checkpoint under dualpipev", "chunks": list(first.local_chunks),
+            "eval_loss": eval_loss, "ref_eval_loss": ref_eval,
+            "uninterrupted": uninterrupted, "resumed": resumed, "resume_err": resume_err,
+            "layers_equal": sorted(k for k in saved_all if "vocab_head" not in k) ==
+            sorted(k for k in flat_all if "vocab_head" not in k),
+            "flat_layer_err": max(rel_err(flat_all[k], v) for k, v in saved_all.items() if "vocab_head" not in k),
+            "flat_head_err": rel_err(head.weight.detach(), saved["vocab_head.weight"]),
+            "export_head_err": rel_err(merged[key][head.offset:head.offset + head.num_valid],
+                                       saved["vocab_head.weight"][:head.num_valid]),
+            "export_embed_err": rel_err(merged["0.wte.weight"], merged[key])}
 
 
 def suite_vocab_features(extra: dict) -> list[dict]:
@@ -1613,6 +1674,7 @@ def suite_vocab_features(extra: dict) -> list[dict]:
                         "p1_head_err": rel_err(head.weight.detach(), merged[key]),
                         "shard_vs_export_err": rel_err(saved_rows[2][:saved_rows[1]],
                                                        merged[key][saved_rows[0]:saved_rows[0] + saved_rows[1]])})
+    results.append(vocab_virtual_checkpoint_case(cfg, batches, Path(extra["out"]) / "vocab_ckpt_dualpipev"))
     for tied in (True, False):
         results.append(vocab_clip_case(cfg, tied, batches, stages=WORLD, micro=2))
     # eval: the loss of the unsliced reference's forward; return_logits is refused
@@ -1635,9 +1697,6 @@ def suite_vocab_features(extra: dict) -> list[dict]:
     tiny = GPTConfig(num_layers=2, hidden=32, num_heads=4, vocab_size=WORLD - 1, max_seq_len=64, seed=7)
     refusals["small_vocab"] = _raised(lambda: ds_terapipe.TokenPipelineModule(
         gpt_layer_specs(tiny), num_stages=WORLD, loss_fn=causal_lm_loss, vocab_parallel=True))
-    refusals["virtual"] = _raised(lambda: ds_terapipe.TokenPipelineModule(
-        specs, num_stages=WORLD, loss_fn=causal_lm_loss, vocab_parallel=True, virtual_stages=2,
-        schedule="interleaved-1f1b"))
     refusals["config_without_module"] = _raised(lambda: vocab_engine(
         cfg, True, dict(plan, vocab_parallel=True), stages=WORLD, micro=2, batch=2) if False else
         ds_terapipe.initialize(model=ds_terapipe.TokenPipelineModule(specs, num_stages=WORLD, loss_fn=causal_lm_loss,

@@ -15,9 +15,11 @@ def test_config_key_and_module_kwargs() -> None:
     cfg = parse_terapipe_config({"terapipe": {"enabled": True, "seq_len": 64, "slices": 4, "vocab_parallel": True}})
     assert cfg.vocab_parallel and module_chunk_kwargs(cfg) == {"vocab_parallel": True}
     assert not parse_terapipe_config({"terapipe": {"enabled": True, "seq_len": 64, "slices": 4}}).vocab_parallel
-    with pytest.raises(ValueError, match="vocab_parallel with schedule 'interleaved-1f1b'.*use schedule gpipe or 1f1b"):
-        parse_terapipe_config({"terapipe": {"enabled": True, "seq_len": 64, "slices": 4, "vocab_parallel": True,
-                                            "schedule": "interleaved-1f1b"}})
+    # with virtual stages too: the module is built with the schedule's chunks and the vocabulary head
+    for name in ("interleaved-1f1b", "looped-bfs", "dualpipev"):
+        cfg = parse_terapipe_config({"terapipe": {"enabled": True, "seq_len": 64, "slices": 4, "vocab_parallel": True,
+                                                  "schedule": name}})
+        assert module_chunk_kwargs(cfg) == {"vocab_parallel": True, "virtual_stages": 2, "schedule": name}
 
 
 def test_recognises_tied_and_linear_heads() -> None:

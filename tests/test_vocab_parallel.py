@@ -1,7 +1,8 @@
 """Tier b: vocabulary parallelism (terapipe.vocab_parallel) equals the single-process unsliced reference.
 
 One launch per topology runs the grid (tied and untied heads x vocabularies divisible by p and not x gpipe, 1f1b
-x slices {1, [8, 24, 16]}); see tests/dist_worker.py ``suite_vocab``. Loss, every gradient (each rank's shard
+x slices {1, [8, 24, 16]}) and cases of the virtual-stage schedules (interleaved-1f1b, looped-bfs, dualpipev: two
+chunks per rank) that cover the same choices between them; see tests/dist_worker.py ``suite_vocab``. Loss, every gradient (each rank's shard
 against its rows of the reference head), parameters after 3 SGD+momentum steps: fp32 rel err <= 1e-5; the
 padding rows of a shard stay exactly 0. With a tied head the input embedding is split too (its gradient is
 in the shard's, against the reference's tied table).
@@ -53,14 +54,39 @@ def _check(results: list[dict], expected_cases: int) -> None:
         assert spans[-1][1] == vocab, spans
 
 
+# Virtual-stage schedules, in the same launches: [schedule, vocab, tied, slices, layers]. Between them, at p=2 each
+# schedule runs tied and untied, V divisible by p and not, slices 1 and unequal (dualpipev defers W by default,
+# looped-bfs+W asks for it); p=3 needs 6 chunks: 4 blocks.
+UNEQUAL = [8, 24, 16]
+VIRTUAL_CASES = {
+    2: [["interleaved-1f1b", 64, True, 1, 2], ["interleaved-1f1b", 63, False, UNEQUAL, 2],
+        ["looped-bfs", 63, True, UNEQUAL, 2], ["looped-bfs+W", 64, False, 1, 2],
+        ["dualpipev", 64, True, UNEQUAL, 2], ["dualpipev", 63, False, 1, 2], ["dualpipev", 63, True, 1, 2]],
+    3: [["interleaved-1f1b", 64, True, UNEQUAL, 4], ["dualpipev", 63, False, UNEQUAL, 4],
+        ["looped-bfs", 64, False, 1, 4]],
+}
+
+
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("world", [2, 3])
 def test_vocab_parallel_grid(world: int, tmp_path) -> None:
-    results = launch("vocab", world, tmp_path, timeout_s=840)
-    _check(results, expected_cases=2 * 2 * 2 * 2)
+    virtual = VIRTUAL_CASES[world]
+    results = launch("vocab", world, tmp_path, timeout_s=840, extra={"virtual_cases": virtual})
+    _check(results, expected_cases=2 * 2 * 2 * 2 + len(virtual))
     rows = {tuple(c["rows"]) for r in results for c in r["results"] if "vocab=64" in c["case"]}
     assert len(rows) == world  # one shard per pipeline rank
     assert any(r[2] < r[1] for r in rows) == (64 % world != 0)  # padding only when p does not divide V
+    # the virtual cases ran with two chunks per rank, placed by their schedule; under dualpipev's V the vocabulary
+    # passes are written with rank 0's last chunk (2p-1), whose output they read, and EF/EB with its chunk 0
+    for index, (name, *_rest) in enumerate(virtual, start=16):
+        for rank, r in enumerate(results):
+            case = r["results"][index]
+            assert name in case["case"] and len(case["chunks"]) == 2, case["case"]
+            want = [rank, 2 * world - 1 - rank] if name == "dualpipev" else [rank, rank + world]
+            assert case["chunks"] == want, (case["case"], case["chunks"])
+            chunks = {Action.parse(a).kind.value: Action.parse(a).stage for a in case["vocab_actions"]}
+            assert chunks["VF"] == chunks["VB"] == max(want), (case["case"], chunks)
+            assert chunks.get("EF", min(want)) == min(want), (case["case"], chunks)
 
 
 @pytest.mark.timeout(900)
@@ -80,8 +106,9 @@ def test_vocab_parallel_with_data_parallel_zero1(tmp_path) -> None:
 @pytest.mark.timeout(900)
 def test_vocab_parallel_features(tmp_path) -> None:
     """Checkpoints at the same p resume exactly, load at p=1 and export whole (a split tied embedding too, and into
-    a model without vocab_parallel and back); eval equals the reference; the
-    refusals (no output layer, another loss, vocab < p, virtual stages, config without the module) on every rank."""
+    a model without vocab_parallel and back); a dualpipev checkpoint resumes exactly and loads into 1f1b; eval equals
+    the reference; the refusals (no output layer, another loss, vocab < p, config without the module) on every
+    rank."""
     results = launch("vocab_features", 2, tmp_path, timeout_s=840)
     errors = [r["error"] for r in results if "error" in r]
     assert not errors, errors[0]
@@ -97,6 +124,12 @@ def test_vocab_parallel_features(tmp_path) -> None:
                 assert not ck["layer0_has_table"] and ck["export_embed_err"] == 0.0, ck
                 assert ck["plain_table_err"] == 0.0 and ck["plain_layer_err"] == 0.0, ck
                 assert ck["from_plain_err"] == 0.0, ck
+        ck = cases["vocab checkpoint under dualpipev"]  # two chunks per rank, both anchors on rank 0
+        assert ck["chunks"] == [r["rank"], 3 - r["rank"]], ck
+        assert ck["resumed"] == ck["uninterrupted"] and ck["resume_err"] == 0.0, ck
+        assert ck["eval_loss"] == pytest.approx(ck["ref_eval_loss"], rel=TOL), ck
+        assert ck["layers_equal"] and ck["flat_layer_err"] == 0.0 and ck["flat_head_err"] == 0.0, ck
+        assert ck["export_head_err"] == 0.0 and ck["export_embed_err"] == 0.0, ck
         ev = cases["vocab eval"]
         assert ev["loss"] == pytest.approx(ev["ref_loss"], rel=TOL)
         assert "return_logits=False" in ev["return_logits"]
@@ -106,5 +139,4 @@ def test_vocab_parallel_features(tmp_path) -> None:
         assert "GPTFinalNorm) is not a recognisable output layer" in ref["no_head"]
         assert "causal_lm_loss as loss_fn" in ref["loss"]
         assert "vocabulary 1 < 2 pipeline stages" in ref["small_vocab"]
-        assert "virtual_stages=2 is not supported yet" in ref["virtual"]
         assert "built with vocab_parallel=False" in ref["config_without_module"]

@@ -19,29 +19,42 @@ def test_action_round_trip() -> None:
     assert Action.parse("2VF1.0").kind is ActionKind.VOCAB_F
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+# (schedule, chunks per rank, largest p of the grid): one chunk per rank, looped placements, the V of dualpipev
+GRID = [("gpipe", 1, 5), ("1f1b", 1, 5), ("interleaved-1f1b", 2, 4), ("interleaved-1f1b", 3, 3),
+        ("looped-bfs", 2, 4), ("looped-bfs", 3, 3), ("dualpipev", 2, 4)]
+
+
+@pytest.mark.parametrize("name, v, max_p", GRID)
 @pytest.mark.parametrize("deferred", [False, True])
 @pytest.mark.parametrize("embedding", [False, True])
-def test_grid_validates_and_replays(name: str, deferred: bool, embedding: bool) -> None:
-    for stages, micro, slices in itertools.product(range(1, 6), range(1, 5), range(1, 5)):
-        sched = vocab_schedule(name, stages, micro, slices, deferred, embedding=embedding)
+def test_grid_validates_and_replays(name: str, v: int, max_p: int, deferred: bool, embedding: bool) -> None:
+    for stages, micro, slices in itertools.product(range(1, max_p + 1), range(1, 5), range(1, 5)):
+        sched = vocab_schedule(name, stages, micro, slices, deferred, embedding=embedding, virtual_stages=v)
+        assert sched.num_chunks == stages * v
         validate(sched)
         replay(sched)
         colls = [[(a.kind, a.microbatch, a.slice) for a in st if a.is_collective] for st in sched.stages]
         assert all(c == colls[0] for c in colls), (name, stages, micro, slices)
         assert len(colls[0]) == (4 if embedding else 2) * micro * slices
-        last, first = sched.stages[-1], sched.stages[0]
+        # each rank writes VF/VB with its last chunk, EF/EB with its first
+        for r, st in enumerate(sched.stages):
+            mine = sched.chunks_of(r)
+            assert all(a.stage == (mine[0] if a.kind in (ActionKind.VOCAB_EMBED_F, ActionKind.VOCAB_EMBED_B)
+                                   else mine[-1]) for a in st if a.is_collective), (name, stages, r)
+        last_chunk = sched.num_chunks - 1
+        last, first = sched.stages[sched.rank_of(last_chunk)], sched.stages[sched.rank_of(0)]
         for p, a in enumerate(last):
-            if a.kind is ActionKind.FORWARD:  # VF right after the last stage's forward
-                assert Action(stages - 1, ActionKind.VOCAB_F, a.microbatch, a.slice) in _next_collectives(last, p, 1)
-            if a.kind is ActionKind.BACKWARD:  # VB right before its backward
-                assert Action(stages - 1, ActionKind.VOCAB_B, a.microbatch, a.slice) in _next_collectives(last, p, -1)
+            if a.kind is ActionKind.FORWARD and a.stage == last_chunk:  # VF right after the last chunk's forward
+                assert Action(last_chunk, ActionKind.VOCAB_F, a.microbatch, a.slice) in _next_collectives(last, p, 1)
+            if a.kind is ActionKind.BACKWARD and a.stage == last_chunk:  # VB right before its backward
+                assert Action(last_chunk, ActionKind.VOCAB_B, a.microbatch, a.slice) in \
+                    _next_collectives(last, p, -1)
         kinds = {a.kind for a in first}
         assert (ActionKind.VOCAB_EMBED_F in kinds) == embedding and (ActionKind.VOCAB_EMBED_B in kinds) == embedding
         for p, a in enumerate(first if embedding else ()):
-            if a.kind is ActionKind.FORWARD:  # EF right before the first stage's forward
+            if a.kind is ActionKind.FORWARD and a.stage == 0:  # EF right before chunk 0's forward
                 assert Action(0, ActionKind.VOCAB_EMBED_F, a.microbatch, a.slice) in _next_collectives(first, p, -1)
-            if a.kind is ActionKind.BACKWARD:  # EB right after its backward
+            if a.kind is ActionKind.BACKWARD and a.stage == 0:  # EB right after its backward
                 assert Action(0, ActionKind.VOCAB_EMBED_B, a.microbatch, a.slice) in _next_collectives(first, p, 1)
 
 
@@ -57,20 +70,24 @@ def _next_collectives(stream: tuple, p: int, step: int) -> list:
     return out
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
-def test_runtime_lowering_loads_before_the_first_embedding_pass(name: str) -> None:
+@pytest.mark.parametrize("name, v", [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("looped-bfs", 2),
+                                     ("dualpipev", 2)])
+def test_runtime_lowering_loads_before_the_first_embedding_pass(name: str, v: int) -> None:
     """The first stage reads a micro-batch's token ids in its first EF: the load comes right before it; the
-    last stage still loads (labels) before its forward; every rank's instructions carry the passes."""
+    rank of the last chunk still loads (labels) before its forward (under dualpipev it is rank 0, whose EF comes
+    first); every rank's instructions carry the passes."""
     from deepspeed.runtime.pipe import schedule as ds_schedule
 
     from ds_terapipe.runtime.schedule import TokenPipeSchedule, VocabEmbedBackwardPass, VocabEmbedForwardPass
 
     for stages in (1, 2, 3):
         for rank in range(stages):
-            steps = [c for cmds in TokenPipeSchedule(name, 3, stages, rank, 2, vocab_parallel=True,
-                                                     vocab_embedding=True).steps() for c in cmds]
+            lowered = TokenPipeSchedule(name, 3, stages, rank, 2, vocab_parallel=True, vocab_embedding=True,
+                                        virtual_stages=v)
+            steps = [c for cmds in lowered.steps() for c in cmds]
             loads = [p for p, c in enumerate(steps) if isinstance(c, ds_schedule.LoadMicroBatch)]
-            assert len(loads) == (3 if rank in (0, stages - 1) else 0)
+            readers = {lowered.schedule.rank_of(0), lowered.schedule.rank_of(lowered.schedule.num_chunks - 1)}
+            assert len(loads) == (3 if rank in readers else 0)
             for p in loads:
                 nxt = steps[p + 1]
                 want = VocabEmbedForwardPass if rank == 0 else ds_schedule.ForwardPass
@@ -87,9 +104,35 @@ def test_forward_only_has_no_backward_pass() -> None:
     assert {a.kind for st in sched.stages for a in st if a.is_collective} == {ActionKind.VOCAB_F}
 
 
-def test_refuses_virtual_stages() -> None:
-    with pytest.raises(ValueError, match="one chunk per rank.*gpipe or 1f1b"):
-        add_vocab_passes(build_schedule("interleaved-1f1b", 2, 2, 2))
+def test_dualpipev_anchors_on_rank_0() -> None:
+    """Under the V placement the last chunk and chunk 0 are both on rank 0: VF/VB and EF/EB all anchor there,
+    and a VB moved behind the last chunk's B (or an EF behind chunk 0's F) is refused, naming the chunk."""
+    sched = vocab_schedule("dualpipev", 2, 1, 1, embedding=True)
+    lines = list(stream_strings(sched))
+    assert lines[0] == ("0EF0.0 0F0.0 0SEND_F0.0 3RECV_F0.0 3F0.0 3VF0.0 3VB0.0 3B0.0 3SEND_B0.0 0RECV_B0.0 0B0.0 "
+                        "0EB0.0"), lines
+    assert lines[1] == "1EF0.0 1RECV_F0.0 1F0.0 2F0.0 2SEND_F0.0 2VF0.0 2VB0.0 2RECV_B0.0 2B0.0 1B0.0 1SEND_B0.0 1EB0.0"
+    place = sched.placement
+
+    def rebuilt(first: str) -> object:
+        return schedule_from_strings("dualpipev", 1, 1, [first, lines[1]], virtual_stages=2, placement=place)
+
+    with pytest.raises(ScheduleError, match="3B0.0 at position 6 runs before 3VB0.0, whose hidden-state gradient"):
+        validate(rebuilt(lines[0].replace("3VB0.0 3B0.0", "3B0.0 3VB0.0")))
+    with pytest.raises(ScheduleError, match="0F0.0 at position 0 runs before 0EF0.0, the embedding it starts from"):
+        validate(rebuilt(lines[0].replace("0EF0.0 0F0.0", "0F0.0 0EF0.0")))
+    with pytest.raises(ScheduleError, match="written with chunk 0; rank 0 writes VF with its chunk 3"):
+        validate(rebuilt(lines[0].replace("3VF0.0", "0VF0.0")))
+
+
+def test_collective_order_across_chunks_is_checked() -> None:
+    """interleaved-1f1b at p=2, v=2: swapping two of rank 0's vocabulary passes deadlocks or mis-orders."""
+    lines = list(stream_strings(vocab_schedule("interleaved-1f1b", 2, 2, 2, virtual_stages=2)))
+    assert "2VF0.0" in lines[0] and "3VF0.0" in lines[1]
+    swapped = lines[0].replace("2VF0.0", "X").replace("2VF0.1", "2VF0.0").replace("X", "2VF0.1")
+    bad = schedule_from_strings("interleaved-1f1b", 2, 2, [swapped, lines[1]], virtual_stages=2)
+    with pytest.raises(ScheduleError, match="collective #"):
+        validate(bad)
 
 
 def test_order_mismatch_is_refused() -> None:

@@ -2,10 +2,13 @@
 
 With vocabulary parallelism (``terapipe.vocab_parallel``) the output layer is split by vocabulary rows over the
 p ranks of a pipeline (``runtime/vocab.py``). Per unit (micro-batch b, slice i) two collectives of all p ranks
-run: ``VF(b,i)`` (the last stage's hidden states reach every rank, each computes its shard's logits, the softmax
+run: ``VF(b,i)`` (the last chunk's hidden states reach every rank, each computes its shard's logits, the softmax
 statistics are combined, the loss is the unsharded cross entropy) and ``VB(b,i)`` (each rank's shard of the
-weight gradient, the hidden-state gradient summed back to the last stage). On the last rank ``VF(b,i)`` comes
-right after ``F(K-1,b,i)`` and ``VB(b,i)`` right before ``B(K-1,b,i)``.
+weight gradient, the hidden-state gradient summed back to the last chunk). On the rank holding the last chunk
+C-1 (the last rank with one chunk per rank or looped placement, rank 0 under ``dualpipev``'s V) ``VF(b,i)``
+comes right after ``F(C-1,b,i)`` and ``VB(b,i)`` right before ``B(C-1,b,i)``. A collective is a rank's, but an
+action names a chunk: every rank writes ``VF``/``VB`` with its last chunk and ``EF``/``EB`` with its first
+(:func:`collective_chunk`), so on the anchor's rank they name the anchor chunk, whose buffers they use.
 
 Collectives block until every rank joins, so every rank must meet them in one order, and no rank may wait in
 one for a peer that waits on a receive behind it. :func:`add_vocab_passes` places them by time: it dry-runs the
@@ -16,124 +19,153 @@ waits for (its receives' sends, the collectives before it), so the streams run w
 checks it (collectives complete once all ranks arrived) and ``validate`` checks the order is one.
 
 With a tied head whose input embedding is split too (``embedding=True``), two more collectives per unit anchor
-on the first rank: ``EF(b,i)`` right before ``F(0,b,i)`` (the token ids reach every rank, the partial lookups
+on chunk 0 (rank 0 in every placement): ``EF(b,i)`` right before ``F(0,b,i)`` (the token ids reach every rank, the partial lookups
 are summed to rank 0, whose forward starts from them) and ``EB(b,i)`` right after ``B(0,b,i)`` (the gradient of
 the embedding's output reaches every rank, each adds its rows' weight gradient). They are placed by the same
 rule, half a step before and after their anchors. Try it::
 
     python -c "from ds_terapipe.planner.vocab import *; print(vocab_schedule('1f1b', 3, 2, 2, embedding=True))"
+    python -c "from ds_terapipe.planner.vocab import *; print(vocab_schedule('dualpipev', 2, 2, 2, embedding=True))"
 """
 from __future__ import annotations
 
 from .schedule import (EB, EF, VB, VF, Action, ActionKind, B, F, Schedule, _make, _trusted, add_communication,
                        build_schedule)
 
-__all__ = ["add_vocab_passes", "vocab_schedule", "vocab_anchor_violations"]
+__all__ = ["add_vocab_passes", "collective_chunk", "vocab_schedule", "vocab_anchor_violations"]
+
+
+def collective_chunk(schedule: Schedule, rank: int, kind: ActionKind) -> int:
+    """The chunk a collective of ``kind`` on ``rank`` is written with: the rank's chunk nearest its anchor.
+
+    A collective belongs to a rank, not to a chunk, but an action names a chunk of the rank that runs it. ``VF``/
+    ``VB`` anchor on the last chunk: each rank writes them with its last chunk (on the rank that holds the last
+    chunk, that chunk itself, whose buffers ``VB`` reads). ``EF``/``EB`` anchor on chunk 0: each rank's first
+    chunk. With one chunk per rank both are the rank."""
+    chunks = schedule.chunks_of(rank)
+    return chunks[0] if kind in (EF, EB) else chunks[-1]
 
 
 def add_vocab_passes(schedule: Schedule, embedding: bool = False) -> Schedule:
-    """``schedule`` (lowered with :func:`add_communication`; one chunk per rank) with ``VF``/``VB`` on every rank,
-    and ``EF``/``EB`` with ``embedding`` (the input embedding split too).
+    """``schedule`` (lowered with :func:`add_communication`) with ``VF``/``VB`` on every rank, and ``EF``/``EB``
+    with ``embedding`` (the input embedding split too).
 
-    ``VF(b,i)`` for every F of the last stage, ``VB(b,i)`` for every B of it; ``EF(b,i)`` for every F of the
-    first stage, ``EB(b,i)`` for every B of it (a forward-only schedule gets no VB, EB).
-    Raises ValueError for a schedule with several chunks per rank (not supported yet).
+    ``VF(b,i)`` for every F of the last chunk, ``VB(b,i)`` for every B of it; ``EF(b,i)`` for every F of chunk 0,
+    ``EB(b,i)`` for every B of it (a forward-only schedule gets no VB, EB); the anchors are on the ranks the
+    placement puts those chunks on (under ``dualpipev`` both on rank 0). Each rank writes a collective with its
+    chunk of :func:`collective_chunk`.
     """
     from .verify import replay  # verify builds on schedule, as this module does
 
-    if not schedule.is_one_chunk_per_rank:
-        raise ValueError(f"vocabulary passes need one chunk per rank; schedule {schedule.name!r} has "
-                         f"{schedule.virtual_stages} chunks per rank (chunk -> rank {list(schedule.placement or ())}); "
-                         "use gpipe or 1f1b with terapipe.vocab_parallel, or turn vocab_parallel off")
     if any(a.is_collective for st in schedule.stages for a in st):
         return schedule
     lowered = add_communication(schedule)
     steps = replay(lowered).steps
+    last_chunk = lowered.num_chunks - 1
     # (time, 0: after its anchor / 1: before it, micro-batch, slice, kind): one order on every rank. Equal times
     # come from one rank's consecutive actions ("after F" sorts before "before B", as on that rank) or from the
-    # first and last ranks' anchors at one step (any fixed order: both are between the same neighbours).
+    # anchors of chunk 0 and the last chunk at one step (any fixed order: both are between the same neighbours).
     events: list[tuple[float, int, int, int, ActionKind]] = []
-    anchors = [(lowered.num_stages - 1, {F: (0.5, 0, VF), B: (-0.5, 1, VB)})]
+    anchors = [(last_chunk, {F: (0.5, 0, VF), B: (-0.5, 1, VB)})]
     if embedding:
         anchors.append((0, {F: (-0.5, 1, EF), B: (0.5, 0, EB)}))
-    for rank, rule in anchors:
+    for chunk, rule in anchors:
+        rank = lowered.rank_of(chunk)
         for p, a in enumerate(lowered.stages[rank]):
-            if a.kind in rule:
+            if a.stage == chunk and a.kind in rule:
                 shift, side, kind = rule[a.kind]
                 events.append((steps[rank][p] + shift, side, a.microbatch, a.slice, kind))
     events.sort(key=lambda e: (e[0], e[1], e[2], e[3], e[4].value))
     streams = []
     for r, stream in enumerate(lowered.stages):
+        chunk_of = {k: collective_chunk(lowered, r, k) for k in (VF, VB, EF, EB)}
         out: list[Action] = []
         k = 0
         for p, a in enumerate(stream):
             while k < len(events) and events[k][0] < steps[r][p]:
-                out.append(_make(r, events[k][4], events[k][2], events[k][3]))
+                out.append(_make(chunk_of[events[k][4]], events[k][4], events[k][2], events[k][3]))
                 k += 1
             out.append(a)
-        out.extend(_make(r, e[4], e[2], e[3]) for e in events[k:])
+        out.extend(_make(chunk_of[e[4]], e[4], e[2], e[3]) for e in events[k:])
         streams.append(tuple(out))
     return _trusted(lowered.name, lowered.num_stages, lowered.num_microbatches, lowered.num_slices, tuple(streams),
-                    True, lowered.defers_weights, lowered.weights_per_slice)
+                    True, lowered.defers_weights, lowered.weights_per_slice, lowered.virtual_stages,
+                    lowered.placement)
 
 
 def vocab_anchor_violations(schedule: Schedule) -> list[str]:
-    """The anchors of the vocabulary passes. On the last rank: ``VF(b,i)`` once per unit after ``F(K-1,b,i)``
-    (its outputs are the hidden states it hands over), ``VB(b,i)`` once per unit after ``VF(b,i)`` and before
-    ``B(K-1,b,i)`` (the hidden-state gradient B starts from). On the first rank, when the schedule has ``EF``:
-    ``EF(b,i)`` once per unit before ``F(0,b,i)`` (the embedding its forward starts from), ``EB(b,i)`` once per
-    unit after ``B(0,b,i)`` (the gradient it hands on) and after ``EF(b,i)``. Empty when the schedule has no
+    """The anchors of the vocabulary passes. On the rank of the last chunk C-1: ``VF(b,i)`` once per unit after
+    ``F(C-1,b,i)`` (its outputs are the hidden states it hands over), ``VB(b,i)`` once per unit after ``VF(b,i)``
+    and before ``B(C-1,b,i)`` (the hidden-state gradient B starts from). On the rank of chunk 0, when the schedule
+    has ``EF``: ``EF(b,i)`` once per unit before ``F(0,b,i)`` (the embedding its forward starts from),
+    ``EB(b,i)`` once per unit after ``B(0,b,i)`` (the gradient it hands on) and after ``EF(b,i)``. Every
+    collective is written with its rank's chunk of :func:`collective_chunk`. Empty when the schedule has no
     vocabulary passes."""
-    last = schedule.num_stages - 1
-    if not any(a.is_collective for a in schedule.stages[last]):
+    last = schedule.num_chunks - 1
+    if not any(a.is_collective for st in schedule.stages for a in st):
         return []
-    out = _anchor_violations(schedule, last, (F, VF), (VB, B), "the forward it hands on", "hidden-state gradient")
-    if any(a.kind is EF for a in schedule.stages[0]):
+    out = [f"rank {r} position {p}: {a} is written with chunk {a.stage}; rank {r} writes {a.kind.value} with its "
+           f"chunk {collective_chunk(schedule, r, a.kind)}"
+           for r, st in enumerate(schedule.stages) for p, a in enumerate(st)
+           if a.is_collective and a.stage != collective_chunk(schedule, r, a.kind)]
+    out += _anchor_violations(schedule, last, (F, VF), (VB, B), "the forward it hands on", "hidden-state gradient")
+    if any(a.kind is EF for st in schedule.stages for a in st):
         out += _anchor_violations(schedule, 0, (EF, F), (B, EB), "the embedding it starts from",
                                   "embedding-output gradient")
     return out
 
 
-def _anchor_violations(schedule: Schedule, rank: int, forward: tuple[ActionKind, ActionKind],
+def _anchor_violations(schedule: Schedule, chunk: int, forward: tuple[ActionKind, ActionKind],
                        backward: tuple[ActionKind, ActionKind], forward_need: str, backward_need: str) -> list[str]:
-    """Per unit on ``rank``: ``forward[0]`` before ``forward[1]``, ``backward[0]`` before ``backward[1]``, each
-    once; the collectives among them (VF, VB or EF, EB) present for every unit, the backward one after the
-    forward one."""
+    """Per unit on the rank of ``chunk``: ``forward[0]`` before ``forward[1]``, ``backward[0]`` before
+    ``backward[1]``, each once (F and B: those of ``chunk``); the collectives among them (VF, VB or EF, EB)
+    present for every unit, the backward one after the forward one."""
     (k1, k2), (k3, k4) = forward, backward
+    rank = schedule.rank_of(chunk)
     stream = schedule.stages[rank]
     out: list[str] = []
     pos: dict[tuple[ActionKind, int, int], int] = {}
     for p, a in enumerate(stream):
+        if a.kind not in (k1, k2, k3, k4) or (not a.is_collective and a.stage != chunk):
+            continue
         key = (a.kind, a.microbatch, a.slice)
-        if key in pos and a.kind in (k1, k2, k3, k4):
+        if key in pos:
             out.append(f"rank {rank} position {p}: {a} is a duplicate")
         pos.setdefault(key, p)
     has_backward = any(a.kind is B for a in stream)
-    coll_f = k1 if Action(rank, k1, 0, 0).is_collective else k2
-    coll_b = k3 if Action(rank, k3, 0, 0).is_collective else k4
+    coll_f = k1 if Action(0, k1, 0, 0).is_collective else k2
+    coll_b = k3 if Action(0, k3, 0, 0).is_collective else k4
+
+    def act(kind: ActionKind, b: int, i: int) -> Action:
+        written = collective_chunk(schedule, rank, kind) if Action(0, kind, 0, 0).is_collective else chunk
+        return Action(written, kind, b, i)
+
     for b, i in schedule.units():
         at = {k: pos.get((k, b, i)) for k in (k1, k2, k3, k4)}
         if at[coll_f] is None:
-            out.append(f"rank {rank}: {Action(rank, coll_f, b, i)} is missing")
+            out.append(f"rank {rank}: {act(coll_f, b, i)} is missing")
         elif at[k1] is not None and at[k2] is not None and at[k2] < at[k1]:
-            out.append(f"rank {rank}: {Action(rank, k2, b, i)} at position {at[k2]} runs before "
-                       f"{Action(rank, k1, b, i)}, {forward_need}")
+            out.append(f"rank {rank}: {act(k2, b, i)} at position {at[k2]} runs before "
+                       f"{act(k1, b, i)}, {forward_need}")
         if not has_backward:
             continue
         if at[coll_b] is None:
-            out.append(f"rank {rank}: {Action(rank, coll_b, b, i)} is missing")
+            out.append(f"rank {rank}: {act(coll_b, b, i)} is missing")
         elif at[coll_f] is not None and at[coll_b] < at[coll_f]:
-            out.append(f"rank {rank}: {Action(rank, coll_b, b, i)} at position {at[coll_b]} runs before "
-                       f"{Action(rank, coll_f, b, i)}")
+            out.append(f"rank {rank}: {act(coll_b, b, i)} at position {at[coll_b]} runs before "
+                       f"{act(coll_f, b, i)}")
         elif at[k3] is not None and at[k4] is not None and at[k4] < at[k3]:
-            out.append(f"rank {rank}: {Action(rank, k4, b, i)} at position {at[k4]} runs before "
-                       f"{Action(rank, k3, b, i)}, whose {backward_need} it needs")
+            out.append(f"rank {rank}: {act(k4, b, i)} at position {at[k4]} runs before "
+                       f"{act(k3, b, i)}, whose {backward_need} it needs")
     return out
 
 
 def vocab_schedule(name: str, num_stages: int, num_microbatches: int, num_slices: int,
-                   deferred_weight_grads: bool = False, embedding: bool = False) -> Schedule:
+                   deferred_weight_grads: bool = False, embedding: bool = False,
+                   virtual_stages: int | None = None) -> Schedule:
     """A registered schedule lowered to what the runtime runs with ``vocab_parallel``: p2p plus vocabulary passes
-    (with ``embedding``: the split input embedding's too)."""
+    (with ``embedding``: the split input embedding's too), on ``num_stages`` ranks with ``virtual_stages`` chunks
+    each (None: the schedule's default)."""
     return add_vocab_passes(add_communication(build_schedule(name, num_stages, num_microbatches, num_slices,
-                                                             deferred_weight_grads, virtual_stages=1)), embedding)
+                                                             deferred_weight_grads, virtual_stages=virtual_stages)),
+                            embedding)

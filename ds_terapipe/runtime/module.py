@@ -54,7 +54,8 @@ class TokenPipelineModule(PipelineModule):
             :func:`~ds_terapipe.runtime.partition.partition_kwargs`) or ``"parts:0,5,9"`` (your own boundaries).
         vocab_parallel: split the output layer (the last of ``layers``) by vocabulary rows over the pipeline
             ranks (the config's ``terapipe.vocab_parallel``; :mod:`ds_terapipe.runtime.vocab`): every rank holds
-            ``vocab_head``, its shard, and the last stage's forward ends with the final hidden states.
+            ``vocab_head``, its shard, and the last chunk's forward ends with the final hidden states (the other
+            ``layers`` are cut into chunks as without it).
 
     Attributes:
         placement: the rank of every chunk, chunk-indexed (``(0, 1, ..., p-1)`` with one chunk per rank).
@@ -84,10 +85,6 @@ class TokenPipelineModule(PipelineModule):
         self.input_sampler = input_sampler
         head_spec = None
         if vocab_parallel:
-            if virtual_stages != 1:
-                raise ValueError(f"TokenPipelineModule: vocab_parallel with virtual_stages={virtual_stages} is not "
-                                 "supported yet (the vocabulary passes need one chunk per rank); use virtual_stages=1 "
-                                 "with gpipe or 1f1b, or vocab_parallel=False")
             if partition_settings is not None or str(kwargs.get("partition_method", "")) == "terapipe":
                 raise ValueError("TokenPipelineModule: vocab_parallel with partition_method='terapipe' is not "
                                  "supported yet (the cost-based partition times the head on the last stage, which "

@@ -2,21 +2,23 @@
 ranks of a pipeline, so the last stage no longer carries the (hidden x vocab) GEMM, the softmax and the head's
 weights, gradients and optimizer state alone.
 
-How data flows (one chunk per rank: ``gpipe``, ``1f1b``):
+How data flows (every schedule; "the last stage" is the rank the placement puts the last chunk on: the last rank
+with one chunk per rank or the looped placement, rank 0 under ``dualpipev``'s V):
 
 * Build: :class:`~ds_terapipe.runtime.module.TokenPipelineModule` (``vocab_parallel=True``) takes the output
   layer (the last of ``layers``: an ``nn.Linear``, or a ``TiedLayerSpec`` whose forward is ``x @ W.T`` with its
-  tied weight, as the reference GPT's) out of the layers DeepSpeed partitions, and every rank r holds
+  tied weight, as the reference GPT's) out of the layers DeepSpeed partitions (into chunks, with virtual stages),
+  and every rank r holds
   :class:`VocabShardHead`: rows ``[r*R, (r+1)*R)`` of the weight (and bias), ``R = ceil(V/p)``; rows past V are
   padding, masked out of every softmax. Initial rows are broadcast from the rank whose weight is the truth (the
-  tied embedding's holder, else the last stage), so the sharded model starts as the unsharded one.
-* ``VF(b,i)`` (after ``F`` on the last stage; every rank, one order: ``planner/vocab.py``): the last stage's
+  tied embedding's holder, else the last chunk's rank), so the sharded model starts as the unsharded one.
+* ``VF(b,i)`` (after the last chunk's ``F``; every rank, one order: ``planner/vocab.py``): the last chunk's
   output, the final hidden states h (B, T, H), and the labels (B, T) are broadcast; each rank computes its
   logits (B, T, R), the max is all-reduced (MAX), then the sum of exponentials and the target logit (SUM): the
   loss is the unsharded cross entropy (``causal_lm_loss``: sum over counted tokens / label positions, weighted
   by the slice's share of the tokens). DeepSpeed's forward on the last stage computes a placeholder loss, which
   VF fills in (so the step's reported loss is the real one).
-* ``VB(b,i)`` (before ``B`` on the last stage): each rank turns its logits into d loss / d logits
+* ``VB(b,i)`` (before the last chunk's ``B``): each rank turns its logits into d loss / d logits
   (softmax - one-hot, times the token weight), adds its shard's weight gradient (divided by the gradient
   accumulation steps, as DeepSpeed's backward divides the loss) and reduces its part of d loss / d h to the last
   stage, whose ``B`` then backpropagates ``sum(h * dh)``.
@@ -32,7 +34,7 @@ How data flows (one chunk per rank: ``gpipe``, ``1f1b``):
   parallelism loads the head (and a split embedding's table) from the shards (:func:`layer_fills`).
 
 Refused at build or engine init, on every rank, with the rule and the fix: no recognisable output layer, a loss
-other than ``causal_lm_loss``, a vocabulary smaller than p, virtual stages, fp16/bf16.
+other than ``causal_lm_loss``, a vocabulary smaller than p, fp16/bf16.
 """
 
 from __future__ import annotations
@@ -176,7 +178,7 @@ def build_shard_head(module: Any, spec: HeadSpec) -> VocabShardHead:
                          "least one row: use fewer stages or set vocab_parallel to false")
     device = next(iter(module.parameters()), weight).device
     weight, bias = weight.to(device).clone(), None if bias is None else bias.to(device).clone()
-    source = p - 1
+    source = module.placement[-1]  # the last chunk's rank: where the head would be without vocabulary parallelism
     if spec.tied_key is not None:
         source = min(module.stage_owner(i) for i, s in enumerate(module._layer_specs)
                      if isinstance(s, TiedLayerSpec) and s.key == spec.tied_key)
@@ -307,7 +309,7 @@ class VocabParallel:
         self.engine = engine
         self.head: VocabShardHead = engine.module.vocab_head
         self.group = engine.grid.get_pipe_parallel_group()
-        self.last = engine.num_stages - 1
+        self.last = engine.placement[-1]  # the rank of the last chunk, whose output VF hands over
         self.src = engine.grid.stage_to_global(self.last)
         self.is_last = engine.stage_id == self.last
         self.hidden_size = self.head.weight.shape[1]

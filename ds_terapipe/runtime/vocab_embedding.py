@@ -172,8 +172,9 @@ class VocabEmbedding:
     def __init__(self, engine: "TokenPipelineEngine", head: "VocabShardHead", split: EmbeddingSplit) -> None:
         self.engine, self.head, self.split = engine, head, split
         self.group = engine.grid.get_pipe_parallel_group()
-        self.src = engine.grid.stage_to_global(0)
-        self.is_first = engine.stage_id == 0
+        first = engine.placement[0]  # the rank of chunk 0 (rank 0 in every placement)
+        self.src = engine.grid.stage_to_global(first)
+        self.is_first = engine.stage_id == first
         self.stub: Optional[SplitTokenEmbedding] = None
         if self.is_first:
             self.stub = _get(engine.module.tied_modules[split.key], split.path)
