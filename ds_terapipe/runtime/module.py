@@ -55,7 +55,8 @@ class TokenPipelineModule(PipelineModule):
         vocab_parallel: split the output layer (the last of ``layers``) by vocabulary rows over the pipeline
             ranks (the config's ``terapipe.vocab_parallel``; :mod:`ds_terapipe.runtime.vocab`): every rank holds
             ``vocab_head``, its shard, and the last chunk's forward ends with the final hidden states (the other
-            ``layers`` are cut into chunks as without it).
+            ``layers`` are cut into chunks as without it). With ``partition_method="terapipe"`` the partition
+            is costed with the head's shard on every rank (one chunk per rank; virtual stages are refused).
 
     Attributes:
         placement: the rank of every chunk, chunk-indexed (``(0, 1, ..., p-1)`` with one chunk per rank).

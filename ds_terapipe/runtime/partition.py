@@ -16,6 +16,10 @@ gradient per slice, and its ``profile`` method raises NotImplementedError. This 
   ``plan_cache``, cached next to the slicing plans (``runtime/plan_cache.py``), so a restart skips profiling.
   The settings (sequence length, micro-batches, schedule, ...) come from the DeepSpeed config:
   ``TokenPipelineModule(layers, ..., **ds_terapipe.partition_kwargs(ds_config))``.
+  With ``vocab_parallel`` (one chunk per rank) the head is not among the layers partitioned: the layers are timed
+  as they run under it (``runtime/vocab_cost.py``: no loss on the last one, a split tied embedding without its
+  table), every rank also times its head shard's work per slice and the pipeline's links, and the planner charges
+  that share and the passes' collectives to every rank (``VocabShareCost``).
 * ``"parts:0,5,9,12"``: the user's own boundaries (DeepSpeed's ``parts``: stage s holds layers
   ``parts[s]:parts[s+1]``), checked.
 
