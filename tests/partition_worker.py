@@ -3,7 +3,8 @@
 Suite ``partition`` (tests/test_partition_runtime.py): modules built with ``partition_method="terapipe"`` (layer
 kinds profiled at init, boundaries and slicing planned together, broadcast, cached) and ``"parts:..."`` (the
 user's own), trained 3 steps and compared with the single-process unsliced reference (loss, every gradient,
-parameters), under gpipe, 1f1b and interleaved-1f1b; then the cache hit and the refusals. The helpers are
+parameters), under gpipe, 1f1b and interleaved-1f1b, and with ``vocab_parallel`` under gpipe and 1f1b; each
+followed by the cache hit; then the refusals. The helpers are
 tests/dist_worker.py's.
 """
 

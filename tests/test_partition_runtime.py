@@ -2,7 +2,9 @@
 user's own boundaries (``"parts:..."``) equal the single-process unsliced reference: loss, every gradient and the
 parameters after 3 SGD+momentum steps (fp32 rel err <= 1e-5), under gpipe, 1f1b and interleaved-1f1b (two chunks
 per rank); every rank holds the same boundaries, the head's stage gets fewer blocks than the naive layout, the
-second start reads the plan cache; refusals (tests/partition_worker.py, suite ``partition``)."""
+second start reads the plan cache; with vocabulary parallelism (tied head split over both ranks, the share costed
+on every rank) under gpipe and 1f1b likewise, each shard against its rows of the reference's table; refusals
+(tests/partition_worker.py, suite ``partition``)."""
 
 from __future__ import annotations
 
