@@ -15,6 +15,8 @@ Two pipeline stages (2 local gloo processes, one thread each, pinned to one core
   boundaries and slicing planned together; the engine runs the 4 slices).
 * ``token: vocab parallel``: 2 + 2 blocks, ``terapipe.vocab_parallel`` (head and tied input embedding split by
   vocabulary rows over both ranks: passes EF/EB/VF/VB).
+* ``token: cost-based partition + VP``: vocabulary parallelism with ``partition_method="terapipe"`` (the layers
+  timed as they run under it, every rank's head shard and the links timed, the share charged to every rank).
 
 Variants alternate step by step in rounds (``benchlib/alternate.py``): a round runs one step of each in rotated
 order; rank 0 measures foreign CPU load during every step and the statistics use the clean rounds when there are
@@ -43,7 +45,8 @@ NAME = "vocab_parallel"
 NUM_STAGES = 2
 STOCK = ["deepspeed uniform", "deepspeed parameters", "deepspeed type:GPTBlock"]
 HEAD_LAST, COST_BASED, VOCAB = "token: head on last stage", "token: cost-based partition", "token: vocab parallel"
-VARIANTS = STOCK + [HEAD_LAST, COST_BASED, VOCAB]
+COST_VOCAB = "token: cost-based partition + VP"
+VARIANTS = STOCK + [HEAD_LAST, COST_BASED, VOCAB, COST_VOCAB]
 # the vocabulary passes: their wall time less their waits in collectives is compute of this stage
 VOCAB_PASSES = {"VocabForwardPass", "VocabBackwardPass", "VocabEmbedForwardPass", "VocabEmbedBackwardPass"}
 BUSY = set(KINDS) | {"OptimizerStep"}
@@ -63,8 +66,8 @@ def _engine(variant: str, cfg: Any, seq_len: int, micro: int, slices: int) -> An
         kwargs["partition_method"] = variant.split(" ", 1)[1]
     else:
         config["terapipe"] = {"enabled": True, "seq_len": seq_len, "slices": slices, "schedule": "1f1b",
-                              "vocab_parallel": variant == VOCAB, "p2p_timeout_s": 900.0}
-        if variant == COST_BASED:
+                              "vocab_parallel": variant in (VOCAB, COST_VOCAB), "p2p_timeout_s": 900.0}
+        if variant in (COST_BASED, COST_VOCAB):
             kwargs = ds_terapipe.partition_kwargs(config)
         kwargs.update(ds_terapipe.module_chunk_kwargs(ds_terapipe.parse_terapipe_config(config)))
     model = ds_terapipe.TokenPipelineModule(gpt_layer_specs(cfg), num_stages=NUM_STAGES, loss_fn=causal_lm_loss,

@@ -3,7 +3,8 @@
 Suite ``partition`` (tests/test_partition_runtime.py): modules built with ``partition_method="terapipe"`` (layer
 kinds profiled at init, boundaries and slicing planned together, broadcast, cached) and ``"parts:..."`` (the
 user's own), trained 3 steps and compared with the single-process unsliced reference (loss, every gradient,
-parameters), under gpipe, 1f1b and interleaved-1f1b; then the cache hit and the refusals. The helpers are
+parameters), under gpipe, 1f1b and interleaved-1f1b, and with ``vocab_parallel`` under gpipe and 1f1b; each
+followed by the cache hit; then the refusals. The helpers are
 tests/dist_worker.py's.
 """
 
@@ -23,10 +24,12 @@ from tests import dist_worker as dw
 WORLD = int(os.environ["WORLD_SIZE"])
 
 
-def _config(terapipe: dict, *, micro: int, batch: int, dp: int, zero_stage: int) -> dict:
+def _config(terapipe: dict, *, micro: int, batch: int, dp: int, zero_stage: int, vocab_parallel: bool = False
+            ) -> dict:
     config = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": micro,
               "train_batch_size": batch * micro * dp, "steps_per_print": 10**9, "gradient_clipping": 0.0,
-              "zero_optimization": {"stage": zero_stage}, "terapipe": dict(terapipe, enabled=True)}
+              "zero_optimization": {"stage": zero_stage},
+              "terapipe": dict(terapipe, enabled=True, **({"vocab_parallel": True} if vocab_parallel else {}))}
     if zero_stage:
         config["zero_allow_untested_optimizer"] = True
     return config
@@ -35,17 +38,19 @@ def _config(terapipe: dict, *, micro: int, batch: int, dp: int, zero_stage: int)
 def _module(cfg: GPTConfig, config: dict, stages: int, method: str) -> Any:
     terapipe = ds_terapipe.parse_terapipe_config(config)
     kwargs = ds_terapipe.partition_kwargs(config) if method == "terapipe" else {"partition_method": method}
+    # module_chunk_kwargs carries terapipe.vocab_parallel (the tied head split over the ranks)
     return ds_terapipe.TokenPipelineModule(gpt_layer_specs(cfg), num_stages=stages, loss_fn=causal_lm_loss,
                                            vocab_size=cfg.vocab_size, **ds_terapipe.module_chunk_kwargs(terapipe),
                                            **kwargs)
 
 
 def _case(cfg: GPTConfig, terapipe: dict, method: str, *, stages: int, micro: int, batch: int, seq_len: int,
-          zero_stage: int = 0, steps: int = 3) -> dict:
+          zero_stage: int = 0, steps: int = 3, vocab_parallel: bool = False) -> dict:
     dp = WORLD // stages
     batches = dw.make_batches(cfg, steps * micro * dp, batch, seq_len, seed=300 + micro)
     ref_losses, ref_grads, ref_params = dw.reference_step(cfg, batches, steps, lr=0.1, momentum=0.9)
-    config = _config(dict(terapipe, seq_len=seq_len), micro=micro, batch=batch, dp=dp, zero_stage=zero_stage)
+    config = _config(dict(terapipe, seq_len=seq_len), micro=micro, batch=batch, dp=dp, zero_stage=zero_stage,
+                     vocab_parallel=vocab_parallel)
     t0 = time.perf_counter()
     model = _module(cfg, config, stages, method)
     init_s = time.perf_counter() - t0
@@ -59,9 +64,14 @@ def _case(cfg: GPTConfig, terapipe: dict, method: str, *, stages: int, micro: in
         losses = [float(engine.train_batch(data)) for _ in range(steps)]
     params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     grads_ok = zero_stage == 0
-    grad_err, grad_name, covered = dw.compare(grads if grads_ok else params, ref_grads if grads_ok else ref_params,
-                                              engine.stage_id)
-    param_err, param_name, _ = dw.compare(params, ref_params, engine.stage_id)
+    if vocab_parallel:  # the shard against its rows of the reference's tied table
+        grad_err, grad_name, covered, _ = dw.vocab_compare(engine, grads if grads_ok else params,
+                                                           ref_grads if grads_ok else ref_params, tied=True)
+        param_err, param_name, _, _ = dw.vocab_compare(engine, params, ref_params, tied=True)
+    else:
+        grad_err, grad_name, covered = dw.compare(grads if grads_ok else params,
+                                                  ref_grads if grads_ok else ref_params, engine.stage_id)
+        param_err, param_name, _ = dw.compare(params, ref_params, engine.stage_id)
     dw.ENGINE_REF.pop("engine", None)
     return {"case": dw.STATUS["case"], "parts": list(model.parts), "report": model.partition_report,
             "chunks": list(engine.local_chunks), "slices": list(engine.slices), "loss": losses,
@@ -85,16 +95,19 @@ def suite_partition(extra: dict) -> list[dict]:
     cache = str(Path(extra["out"]) / "plans")
     profile = {"warmup": 1, "repeats": 3, "num_contexts": 2}
     results = []
-    for sched, slices, v in extra.get("cases", [["gpipe", [8, 24, 16], 1], ["1f1b", 1, 1],
-                                                ["interleaved-1f1b", [16, 32], 2]]):
-        dw.STATUS["case"] = f"terapipe schedule={sched} slices={slices} v={v}"
+    # [schedule, slices, virtual stages, vocab_parallel (the tied head split over the ranks)]
+    for sched, slices, v, *vp in extra.get("cases", [["gpipe", [8, 24, 16], 1], ["1f1b", 1, 1],
+                                                     ["interleaved-1f1b", [16, 32], 2],
+                                                     ["gpipe", 1, 1, True], ["1f1b", [8, 24, 16], 1, True]]):
+        vp_text = " vocab_parallel" if vp and vp[0] else ""
+        dw.STATUS["case"] = f"terapipe schedule={sched} slices={slices} v={v}{vp_text}"
         terapipe = {"slices": slices, "schedule": sched, "granularity": 8, "plan_cache": cache, "profile": profile,
                     **({"virtual_stages": v} if v > 1 else {})}
         results.append(_case(cfg, terapipe, "terapipe", stages=stages, micro=2 * v, batch=2, seq_len=48,
-                             zero_stage=extra.get("zero_stage", 0)))
-        dw.STATUS["case"] = f"cache schedule={sched} slices={slices} v={v}"   # the same setting again: cached
+                             zero_stage=extra.get("zero_stage", 0), vocab_parallel=bool(vp and vp[0])))
+        dw.STATUS["case"] = f"cache schedule={sched} slices={slices} v={v}{vp_text}"   # the same setting: cached
         results.append(_case(cfg, terapipe, "terapipe", stages=stages, micro=2 * v, batch=2, seq_len=48,
-                             zero_stage=extra.get("zero_stage", 0), steps=1))
+                             zero_stage=extra.get("zero_stage", 0), steps=1, vocab_parallel=bool(vp and vp[0])))
     if dp == 1 and stages == 2:
         dw.STATUS["case"] = "parts:0,2,7"
         results.append(_case(cfg, {"slices": [8, 24, 16], "schedule": "1f1b"}, "parts:0,2,7", stages=2, micro=2,
@@ -106,8 +119,11 @@ def suite_partition(extra: dict) -> list[dict]:
             partition_method="terapipe"))
         bad_parts = _error(lambda: _module(cfg, config, 2, "parts:0,9"))
         no_seq_len = _error(lambda: ds_terapipe.partition_kwargs({"terapipe": {"enabled": True}}))
+        vp_virtual = _error(lambda: ds_terapipe.TokenPipelineModule(
+            gpt_layer_specs(cfg), num_stages=2, loss_fn=causal_lm_loss, vocab_size=cfg.vocab_size,
+            vocab_parallel=True, virtual_stages=2, schedule="interleaved-1f1b", **ds_terapipe.partition_kwargs(config)))
         results.append({"case": "refusals", "no_settings": no_settings, "bad_parts": bad_parts,
-                        "no_seq_len": no_seq_len})
+                        "no_seq_len": no_seq_len, "vp_virtual": vp_virtual})
     return results
 
 

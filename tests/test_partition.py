@@ -158,6 +158,19 @@ def test_vocab_share_divides_the_head_and_adds_collectives():
     assert four.forward_ms(64, 0) == pytest.approx(head.forward_ms(64, 0) / 4 + four.collective_ms(64))
     assert four.backward_ms(64, 0) == pytest.approx(head.backward_ms(64, 0) / 4 + four.collective_ms(64, backward=True))
     assert four.comm_ms(64) == 0
+    # measured on a rank (the runtime's cost-based partition): the head cost is that rank's shard already
+    shard = VocabShareCost(head, 4, SPEC.hidden, link_latency_ms=DEV.link_latency_ms, link_gbps=DEV.link_gbps,
+                           head_is_shard=True)
+    assert shard.forward_ms(64, 0) == pytest.approx(head.forward_ms(64, 0) + four.collective_ms(64))
+    assert shard.backward_ms(64, 0) == pytest.approx(head.backward_ms(64, 0) + four.collective_ms(64, backward=True))
+    assert shard.cache_key() != four.cache_key()
+    # a split input embedding adds EF (ids broadcast, partial sums reduced) and EB (its gradient broadcast)
+    split = VocabShareCost(head, 4, SPEC.hidden, link_latency_ms=DEV.link_latency_ms, link_gbps=DEV.link_gbps,
+                           split_embedding=True)
+    hidden = four.collective_ms(64, backward=True)
+    assert split.collective_ms(64, backward=True) == pytest.approx(2 * hidden)
+    assert split.collective_ms(64) == pytest.approx(four.collective_ms(64) + hidden + four._collective(64 * 8.0))
+    assert split.cache_key() != four.cache_key()
 
 
 def test_vocab_parallel_plan_balances_a_vocabulary_heavy_model():

@@ -2,10 +2,13 @@
 user's own boundaries (``"parts:..."``) equal the single-process unsliced reference: loss, every gradient and the
 parameters after 3 SGD+momentum steps (fp32 rel err <= 1e-5), under gpipe, 1f1b and interleaved-1f1b (two chunks
 per rank); every rank holds the same boundaries, the head's stage gets fewer blocks than the naive layout, the
-second start reads the plan cache; refusals (tests/partition_worker.py, suite ``partition``)."""
+second start reads the plan cache; with vocabulary parallelism (tied head split over both ranks, the share costed
+on every rank) under gpipe and 1f1b likewise, each shard against its rows of the reference's table; refusals
+(tests/partition_worker.py, suite ``partition``)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -28,7 +31,14 @@ def _check_equal(cases_per_rank: list[list[dict]], index: int) -> None:
         assert case["grad_rel_err"] <= TOL, f"{where}: gradient of {case['grad_worst']} off by {case['grad_rel_err']}"
         assert case["param_rel_err"] <= TOL, f"{where}: {case['param_worst']} off by {case['param_rel_err']}"
         covered.update(case["covered"])
-    assert len(covered) == 4 * 12 + 2 + 2, sorted(covered)    # nothing silently untrained
+    if "vocab_parallel" not in cases_per_rank[0][index]["case"]:
+        assert len(covered) == 4 * 12 + 2 + 2, sorted(covered)    # nothing silently untrained
+        return
+    # the tied table lives in the ranks' shards alone, and their rows tile the vocabulary once
+    plain = {c for c in covered if "[" not in c}
+    assert len(plain) == 4 * 12 + 1 + 2 and "layers.0.wte.weight" not in plain, sorted(covered)
+    spans = sorted(tuple(int(x) for x in c.split("[")[1].rstrip("]").split(":")) for c in covered if "[" in c)
+    assert spans == [(0, 4096), (4096, 8192)], spans
 
 
 def _check(results: list[dict], num_ranks: int) -> None:
@@ -48,8 +58,13 @@ def _check(results: list[dict], num_ranks: int) -> None:
             assert report["parts"] == case["parts"] and len(report["busy_ms"]) == num_ranks
             assert report["predicted_ms"] <= report["naive_ms"] * (1 + 1e-9)
             naive_last = report["naive_parts"][-1] - report["naive_parts"][-2]
-            # the head (and final norm) outweigh blocks: the last chunk holds fewer layers than naive
-            assert case["parts"][-1] - case["parts"][-2] < naive_last or v > 1, report
+            if "vocab_parallel" in case["case"]:
+                # the head is out of the partition (6 layers: embedding, 4 blocks, final norm), its share on
+                # every rank; the naive layout pins only the final norm to the last rank
+                assert report["vocab_parallel"] and case["parts"][-1] == 6 and report["naive_parts"] == [0, 3, 6]
+            else:  # the head (and final norm) outweigh blocks: the last chunk holds fewer layers than naive
+                assert not report["vocab_parallel"]
+                assert case["parts"][-1] - case["parts"][-2] < naive_last or v > 1, report
             assert report["source"] == ("profiled" if case["case"].startswith("terapipe") else "cache")
     for first, again in zip(cases[0::2], cases[1::2]):
         if first["case"].startswith("terapipe"):
@@ -67,7 +82,11 @@ def test_cost_based_partition_equals_the_reference(tmp_path) -> None:
     assert ref["bad_parts"]["type"] == "ValueError" and "increasing boundaries from 0 to 7" in \
         ref["bad_parts"]["message"]
     assert ref["no_seq_len"]["type"] == "ValueError" and "terapipe.seq_len" in ref["no_seq_len"]["message"]
-    assert any(Path(tmp_path, "plans").glob("terapipe-partition-*.json"))
+    assert ref["vp_virtual"]["type"] == "ValueError" and "virtual_stages=1" in ref["vp_virtual"]["message"]
+    stored = [json.loads(f.read_text()) for f in Path(tmp_path, "plans").glob("terapipe-partition-*.json")]
+    # one file per setting: the three without vocabulary parallelism, the two with it (their share's points too)
+    assert sorted(bool(s["plan"]["vocab_parallel"]) for s in stored) == [False] * 3 + [True] * 2
+    assert all(s["cost"]["vocab_share"] and s["cost"]["split_embedding"] for s in stored if s["plan"]["vocab_parallel"])
 
 
 @pytest.mark.timeout(900)

@@ -8,7 +8,7 @@ from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
 from ds_terapipe import module_chunk_kwargs, parse_terapipe_config
 from ds_terapipe.models.gpt import GPTConfig, GPTEmbedding, gpt_layer_specs
-from ds_terapipe.runtime.vocab import VocabShardHead, _build_full, split_output_layer
+from ds_terapipe.runtime.vocab import VocabShardHead, build_full, split_output_layer
 
 
 def test_config_key_and_module_kwargs() -> None:
@@ -26,10 +26,10 @@ def test_recognises_tied_and_linear_heads() -> None:
     cfg = GPTConfig(num_layers=1, hidden=16, num_heads=2, vocab_size=10, max_seq_len=8)
     rest, spec = split_output_layer(gpt_layer_specs(cfg))
     assert len(rest) == 3 and spec.tied_key == "embed" and spec.weight_name == "wte.weight" and spec.index == 3
-    _, weight, bias = _build_full(spec)
+    _, weight, bias = build_full(spec)
     assert weight.shape == (10, 16) and bias is None
     rest, spec = split_output_layer(gpt_layer_specs(cfg)[:-1] + [LayerSpec(torch.nn.Linear, 16, 10)])
-    assert spec.tied_key is None and spec.bias_name == "bias" and _build_full(spec)[2].shape == (10, )
+    assert spec.tied_key is None and spec.bias_name == "bias" and build_full(spec)[2].shape == (10, )
 
 
 def test_refuses_what_is_not_an_output_layer() -> None:
@@ -41,7 +41,7 @@ def test_refuses_what_is_not_an_output_layer() -> None:
                                   TiedLayerSpec("embed", GPTEmbedding, cfg, forward_fn=lambda m, x: x.sum(-1, True) *
                                                 torch.ones(10), tied_weight_attr="wte.weight")])
     with pytest.raises(ValueError, match=r"does not compute x @ wte.weight.T"):
-        _build_full(spec)
+        build_full(spec)
 
 
 @pytest.mark.parametrize("vocab, shards", [(10, 2), (10, 3), (10, 4), (4, 3)])
@@ -58,7 +58,8 @@ def test_shards_tile_the_vocabulary(vocab: int, shards: int) -> None:
 
 
 def test_refuses_the_combinations_not_built_yet() -> None:
-    """Freezing and cost-based partitioning are not combined with vocabulary parallelism: refused, not run."""
+    """Freezing, and cost-based partitioning with virtual stages, are not combined with vocabulary parallelism:
+    refused, not run (cost-based partitioning with one chunk per rank is: tests/test_partition_runtime.py)."""
     with pytest.raises(ValueError, match="vocab_parallel with terapipe.freeze is not supported yet.*remove one"):
         parse_terapipe_config({"terapipe": {"enabled": True, "seq_len": 64, "slices": 4, "vocab_parallel": True,
                                             "freeze": {"schedule": [[1, 1]]}}})
@@ -66,6 +67,8 @@ def test_refuses_the_combinations_not_built_yet() -> None:
     from ds_terapipe.models.gpt import causal_lm_loss
 
     cfg = GPTConfig(num_layers=2, hidden=16, num_heads=2, vocab_size=10, max_seq_len=8)
-    with pytest.raises(ValueError, match="vocab_parallel with partition_method='terapipe' is not supported yet"):
+    with pytest.raises(ValueError, match="vocab_parallel with partition_method='terapipe' and virtual_stages=2 is "
+                                         "not supported.*use virtual_stages=1"):
         TokenPipelineModule(gpt_layer_specs(cfg), num_stages=2, loss_fn=causal_lm_loss, vocab_size=10,
-                            vocab_parallel=True, partition_method="terapipe")
+                            vocab_parallel=True, partition_method="terapipe", virtual_stages=2,
+                            schedule="interleaved-1f1b")

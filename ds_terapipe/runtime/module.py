@@ -55,7 +55,8 @@ class TokenPipelineModule(PipelineModule):
         vocab_parallel: split the output layer (the last of ``layers``) by vocabulary rows over the pipeline
             ranks (the config's ``terapipe.vocab_parallel``; :mod:`ds_terapipe.runtime.vocab`): every rank holds
             ``vocab_head``, its shard, and the last chunk's forward ends with the final hidden states (the other
-            ``layers`` are cut into chunks as without it).
+            ``layers`` are cut into chunks as without it). With ``partition_method="terapipe"`` the partition
+            is costed with the head's shard on every rank (one chunk per rank; virtual stages are refused).
 
     Attributes:
         placement: the rank of every chunk, chunk-indexed (``(0, 1, ..., p-1)`` with one chunk per rank).
@@ -85,12 +86,15 @@ class TokenPipelineModule(PipelineModule):
         self.input_sampler = input_sampler
         head_spec = None
         if vocab_parallel:
-            if partition_settings is not None or str(kwargs.get("partition_method", "")) == "terapipe":
-                raise ValueError("TokenPipelineModule: vocab_parallel with partition_method='terapipe' is not "
-                                 "supported yet (the cost-based partition times the head on the last stage, which "
-                                 "vocabulary parallelism removes); use partition_method='type:...', 'parameters' "
-                                 "or 'parts:...' with vocab_parallel, or vocab_parallel=False")
+            cost_based = partition_settings is not None or str(kwargs.get("partition_method", "")) == "terapipe"
+            if cost_based and virtual_stages > 1:
+                raise ValueError(f"TokenPipelineModule: vocab_parallel with partition_method='terapipe' and "
+                                 f"virtual_stages={virtual_stages} is not supported (the planner would charge each "
+                                 "rank's vocabulary share once per chunk); use virtual_stages=1, or "
+                                 "partition_method='type:...', 'parameters' or 'parts:...' with virtual stages")
             layers, head_spec = vocab.split_output_layer(layers)
+        # Read by the cost-based partition (runtime/partition.py): it times the head's shard, not the head.
+        self.vocab_head_spec = head_spec
         # What a repack (runtime/repack.py) needs to build this model again over another topology.
         self.rebuild_spec = {"layers": list(layers) if head_spec is None else None, "args": args,
                              "kwargs": dict(kwargs, vocab_size=vocab_size, input_sampler=input_sampler,

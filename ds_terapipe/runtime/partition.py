@@ -16,6 +16,10 @@ gradient per slice, and its ``profile`` method raises NotImplementedError. This 
   ``plan_cache``, cached next to the slicing plans (``runtime/plan_cache.py``), so a restart skips profiling.
   The settings (sequence length, micro-batches, schedule, ...) come from the DeepSpeed config:
   ``TokenPipelineModule(layers, ..., **ds_terapipe.partition_kwargs(ds_config))``.
+  With ``vocab_parallel`` (one chunk per rank) the head is not among the layers partitioned: the layers are timed
+  as they run under it (``runtime/vocab_cost.py``: no loss on the last one, a split tied embedding without its
+  table), every rank also times its head shard's work per slice and the pipeline's links, and the planner charges
+  that share and the passes' collectives to every rank (``VocabShareCost``).
 * ``"parts:0,5,9,12"``: the user's own boundaries (DeepSpeed's ``parts``: stage s holds layers
   ``parts[s]:parts[s+1]``), checked.
 
@@ -27,6 +31,7 @@ with and without it. The layer kinds are timed in full on every rank (a few laye
 
 from __future__ import annotations
 
+import functools
 import logging
 import statistics
 from collections import Counter
@@ -40,12 +45,13 @@ from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
 from ..config import parse_terapipe_config
 from ..planner.cost import MeasuredCost
-from ..planner.partition import plan_partition
+from ..planner.partition import VocabShareCost, plan_partition
 from ..planner.registry import get_schedule
 from .context import current_slice, slice_scope
 from .p2p import mark_collective
 from .plan_cache import CacheEntry, load_cached, partition_cache_entry, store_partition
 from .profile import profile_stage
+from .vocab_cost import profiling_shard, share_runner, split_embedding_runner, time_links
 
 if TYPE_CHECKING:  # pragma: no cover - annotations only
     from .module import TokenPipelineModule
@@ -141,10 +147,13 @@ def layer_kinds(specs: Sequence[Any]) -> list[str]:
     return [_layer_kind(s) for s in specs]
 
 
-def _runner(spec: Any, device: torch.device) -> tuple[Any, list[torch.nn.Parameter]]:
-    """A callable ``x -> y`` running one instance of the layer, and its parameters."""
+def _runner(spec: Any, device: torch.device, prepare: Optional[Any] = None) -> tuple[Any, list[torch.nn.Parameter]]:
+    """A callable ``x -> y`` running one instance of the layer, and its parameters; ``prepare(module)`` changes
+    a built instance first (the split input embedding under vocabulary parallelism)."""
     if isinstance(spec, LayerSpec):
         module = spec.build().to(device)
+        if prepare is not None:
+            prepare(module)
         if isinstance(spec, TiedLayerSpec) and spec.forward_fn is not None:
             fn = spec.forward_fn
             return (lambda x: fn(module, x)), list(module.parameters())
@@ -162,8 +171,12 @@ def _with_loss(run: Any, loss_fn: Any, labels: torch.Tensor) -> Any:
     return run_with_loss
 
 
-def _profile_kinds(module: "TokenPipelineModule", settings: PartitionSettings, device: torch.device) -> dict:
-    """This rank's points per layer kind (``{kind: points}``), in the cost-file format."""
+def _profile_kinds(module: "TokenPipelineModule", settings: PartitionSettings, device: torch.device,
+                   shard: Optional[Any] = None, split: Optional[Any] = None) -> dict:
+    """This rank's points per layer kind (``{"kinds": {kind: points}}``), in the cost-file format. With vocabulary
+    parallelism (``shard``: this rank's head shard, ``split``: the input embedding split with it, or None) the
+    layers run as they will (the last one without the loss, the split embedding without its table) and
+    ``"share"`` holds the points of this rank's vocabulary work per slice (``runtime/vocab_cost.py``)."""
     specs = module._layer_specs
     kinds = layer_kinds(specs)
     seq_len, batch = settings.seq_len, settings.micro_batch_size
@@ -171,25 +184,37 @@ def _profile_kinds(module: "TokenPipelineModule", settings: PartitionSettings, d
     sample = module.sample_input(batch, seq_len, gen)
     labels = module.sample_input(batch, seq_len, gen) if module.vocab_size is not None else None
     x: Any = tuple(t.to(device) for t in sample) if isinstance(sample, tuple) else sample.to(device)
+    ids = x if split is not None else None
     runners: dict[str, tuple[Any, list]] = {}
     inputs: dict[str, Any] = {}
     last = kinds[-1]
     points: dict[str, list] = {}
+
+    def profile(run: Any, params: list, stage_input: Any) -> list:
+        return profile_stage(run, params, stage_input, seq_len, settings.granularity, batch,
+                             slice_lengths=None if settings.slice_lengths is None else list(settings.slice_lengths),
+                             num_contexts=settings.num_contexts, warmup=settings.warmup, repeats=settings.repeats)
+
     with torch.random.fork_rng(devices=[]):   # extra layer instances must not move the model's RNG stream
-        for spec, kind in zip(specs, kinds):
+        for index, (spec, kind) in enumerate(zip(specs, kinds)):
             if kind not in runners:
-                runners[kind] = _runner(spec, device)
+                prepare = None
+                if split is not None and index == split.layer:
+                    prepare = functools.partial(split_embedding_runner, split=split, head=shard)
+                runners[kind] = _runner(spec, device, prepare)
                 inputs[kind] = x
             with torch.no_grad(), slice_scope(None):
                 x = runners[kind][0](x)
         for kind, (run, params) in runners.items():
-            if kind == last and module.loss_fn is not None and labels is not None:
+            if kind == last and shard is None and module.loss_fn is not None and labels is not None:
                 run = _with_loss(run, module.loss_fn, labels.to(device))
-            points[kind] = profile_stage(run, params, inputs[kind], seq_len, settings.granularity, batch,
-                                         slice_lengths=None if settings.slice_lengths is None else
-                                         list(settings.slice_lengths), num_contexts=settings.num_contexts,
-                                         warmup=settings.warmup, repeats=settings.repeats)
-    return points
+            points[kind] = profile(run, params, inputs[kind])
+        if shard is None:
+            return {"kinds": points}
+        if labels is None:
+            labels = torch.randint(0, shard.vocab_size, (batch, seq_len), generator=gen)
+        run, params = share_runner(shard, labels.to(device), ids)
+        return {"kinds": points, "share": profile(run, params, x), "hidden": int(x.shape[-1])}
 
 
 def _median_points(per_rank: Sequence[list]) -> list[dict]:
@@ -231,6 +256,8 @@ def _cache_entry(module: "TokenPipelineModule", settings: PartitionSettings, kin
                 "placement": list(module.placement), "world": dist.get_world_size(),
                 "settings": {k: v for k, v in asdict(settings).items() if k != "plan_cache"},
                 "loss": getattr(module.loss_fn, "__qualname__", repr(module.loss_fn)),
+                "vocab_parallel": None if module.vocab_head_spec is None else
+                _layer_kind(module.vocab_head_spec.layer),
                 "device": get_accelerator().device_name(), "torch": torch.__version__,
                 "threads": torch.get_num_threads()}
     return partition_cache_entry(settings.plan_cache, material)
@@ -258,8 +285,15 @@ def _cost_partition(module: "TokenPipelineModule", num_chunks: int) -> tuple[tup
     if decided is not None:
         return tuple(decided["parts"]), decided
     device = torch.device(get_accelerator().device_name(module.local_rank))
+    shard = split = links = None
+    if module.vocab_head_spec is not None:  # deterministic: raises alike on every rank, before any collective
+        with torch.random.fork_rng(devices=[]):
+            shard, split = profiling_shard(module, module.vocab_head_spec, device)
+        if num_ranks > 1:
+            links = time_links(module, settings.micro_batch_size * settings.seq_len * shard.weight.shape[1],
+                               shard.weight.dtype, device, warmup=settings.warmup, repeats=settings.repeats)
     try:
-        mine: Any = ("ok", _profile_kinds(module, settings, device))
+        mine: Any = ("ok", {**_profile_kinds(module, settings, device, shard, split), "links": links})
     except Exception as err:  # noqa: BLE001 - every rank learns of it below, none waits in the gather
         logger.exception("terapipe partition: profiling failed on rank %d", dist.get_rank())
         mine = ("error", f"rank {dist.get_rank()}: {type(err).__name__}: {err}")
@@ -270,16 +304,28 @@ def _cost_partition(module: "TokenPipelineModule", num_chunks: int) -> tuple[tup
         raise mark_collective(RuntimeError(f"terapipe partition: profiling the layer kinds failed ({failed[0]})"))
 
     def solve() -> dict:
-        points = {kind: _median_points([g[1][kind] for g in gathered]) for kind in gathered[0][1]}
+        points = {kind: _median_points([g[1]["kinds"][kind] for g in gathered]) for kind in gathered[0][1]["kinds"]}
         costs = {kind: MeasuredCost(p, where=f"layer kind {kind}") for kind, p in points.items()}
         first, last = _naive_ends(kinds)
+        share, stored = None, {}
+        if shard is not None:  # the head is not among the layers: every rank pays its share per slice
+            share_points = _median_points([g[1]["share"] for g in gathered])
+            rates = [g[1]["links"] for g in gathered if g[1]["links"] is not None]
+            link = {k: statistics.median(r[k] for r in rates) for k in ("latency_ms", "gbps")} if rates else \
+                {"latency_ms": 0.0, "gbps": 1.0}
+            share = VocabShareCost(MeasuredCost(share_points, where="vocabulary-parallel share"), num_ranks,
+                                   gathered[0][1]["hidden"], link_latency_ms=link["latency_ms"],
+                                   link_gbps=link["gbps"], bytes_per_element=shard.weight.element_size(),
+                                   head_is_shard=True, split_embedding=split is not None)
+            last += 1  # plan_partition's naive layout counts the head among the last chunk's pinned layers
+            stored = {"vocab_share": share_points, "links": link, "split_embedding": split is not None}
         plan = plan_partition([costs[k] for k in kinds], settings.seq_len, num_ranks=num_ranks,
                               num_microbatches=settings.num_microbatches,
                               micro_batch_size=settings.micro_batch_size, granularity=settings.granularity,
                               schedule=settings.schedule, virtual_stages=v, first=first, last=last,
-                              max_slices=settings.max_slices)
+                              vocab_share=share, max_slices=settings.max_slices)
         report = {**plan.to_dict(), "source": "profiled"}
-        store_partition(entry, report, {"layer_kinds": kinds, "points": points})
+        store_partition(entry, report, {"layer_kinds": kinds, "points": points, **stored})
         return report
 
     decided = _decide_on_rank0(solve)
@@ -315,8 +361,9 @@ def custom_parts(module: "TokenPipelineModule", method: Union[str, Any], num_chu
     parts, report = _cost_partition(module, num_chunks)
     module.partition_report = report
     if dist.get_rank() == 0:
-        logger.info("terapipe partition (%s): layers per chunk %s (naive %s), slices %s, predicted %.4g ms vs "
+        logger.info("terapipe partition (%s%s): layers per chunk %s (naive %s), slices %s, predicted %.4g ms vs "
                     "%.4g ms naive (%.3fx), busy ms per rank %s, imbalance %.3f (naive %.3f)", report["source"],
+                    ", vocabulary-parallel head: its share on every rank" if report.get("vocab_parallel") else "",
                     report["layers_per_chunk"],
                     [b - a for a, b in zip(report["naive_parts"][:-1], report["naive_parts"][1:])],
                     report["slices"], report["predicted_ms"], report["naive_ms"], report["speedup"],

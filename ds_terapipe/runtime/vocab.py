@@ -60,7 +60,7 @@ from .vocab_embedding import EmbeddingSplit, VocabEmbedding, plan_embedding_spli
 if TYPE_CHECKING:  # pragma: no cover
     from .engine import TokenPipelineEngine
 
-__all__ = ["HeadSpec", "VocabShardHead", "VocabParallel", "split_output_layer", "build_shard_head",
+__all__ = ["HeadSpec", "VocabShardHead", "VocabParallel", "split_output_layer", "build_full", "build_shard_head",
            "save_vocab_shard", "load_vocab_shard", "shard_file_name", "merge_vocab_shards", "layer_fills"]
 
 logger = logging.getLogger(__name__)
@@ -112,7 +112,7 @@ def split_output_layer(layers: list) -> tuple[list, HeadSpec]:
                      f"{_FIX_HEAD}")
 
 
-def _build_full(spec: HeadSpec) -> tuple[torch.nn.Module, torch.Tensor, Optional[torch.Tensor]]:
+def build_full(spec: HeadSpec) -> tuple[torch.nn.Module, torch.Tensor, Optional[torch.Tensor]]:
     """The output layer built as given (CPU), its weight (V, H) and bias, after checking it computes x @ W.T + b."""
     layer = spec.layer
     module = layer if isinstance(layer, torch.nn.Module) else layer.build()
@@ -169,7 +169,7 @@ def build_shard_head(module: Any, spec: HeadSpec) -> VocabShardHead:
         raise ValueError(f"terapipe.vocab_parallel needs the token-wise cross entropy "
                          f"ds_terapipe.models.gpt.causal_lm_loss as loss_fn (the sharded softmax computes exactly it), "
                          f"got {module.loss_fn!r}; pass loss_fn=causal_lm_loss or set vocab_parallel to false")
-    full, weight, bias = _build_full(spec)
+    full, weight, bias = build_full(spec)
     split = plan_embedding_split(full, spec, module._layer_specs, module.stage_owner)
     del full
     vocab = weight.shape[0]
