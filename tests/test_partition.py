@@ -186,6 +186,31 @@ def test_vocab_parallel_plan_balances_a_vocabulary_heavy_model():
     assert vp.imbalance <= 1.10
 
 
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "dualpipev"])
+def test_with_virtual_stages_each_rank_pays_the_vocabulary_share_once(schedule):
+    """A rank runs the vocabulary passes once per slice however many chunks it holds: its chunks' share adds up
+    to one share, not v (the planner charged every chunk the whole share before)."""
+    spec = resolve_model(SPEC, 262144)
+    layers = analytic_layer_costs(spec, DEV)
+    share = VocabShareCost(layers[-1], 2, spec.hidden, link_latency_ms=DEV.link_latency_ms, link_gbps=DEV.link_gbps)
+    blocks = layers[1:-1]
+    one, halves = chunk_costs(blocks, [0, len(blocks)], [share]), chunk_costs(blocks, [0, 3, len(blocks)], [share],
+                                                                              0.5)
+    alone = chunk_costs(blocks, [0, len(blocks)])
+    for slice_len, ctx in ((64, 0), (128, 128)):
+        rank_halves = sum(float(st.forward_ms(slice_len, ctx)) for st in halves.stages)
+        assert rank_halves == pytest.approx(float(one.stages[0].forward_ms(slice_len, ctx)))
+        assert rank_halves - float(alone.stages[0].forward_ms(slice_len, ctx)) == \
+            pytest.approx(float(share.forward_ms(slice_len, ctx)))
+    plan = plan_partition(layers[:-1], 256, num_ranks=2, num_microbatches=4, granularity=32, schedule=schedule,
+                          vocab_share=share)
+    per_chunk = [float(st.forward_ms(32, 0)) for st in plan.cost.stages]
+    no_share = chunk_costs(layers[:-1], plan.parts)
+    assert len(per_chunk) == 2 * 2   # 2 ranks x v = 2 chunks
+    assert sum(per_chunk) - sum(float(st.forward_ms(32, 0)) for st in no_share.stages) == \
+        pytest.approx(2 * float(share.forward_ms(32, 0)))   # 2 ranks x one share each
+
+
 # --------------------------------------------------------------------------------------------------------------
 # CLI: plan | simulate --balance / --vocab-parallel
 

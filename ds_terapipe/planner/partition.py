@@ -62,14 +62,19 @@ class ChunkCost(StageCost):
     """The cost of a run of layers: the sum of their costs; the activations sent are the last layer's.
 
     Layers with equal ``cache_key`` are evaluated once and counted, so a chunk of 40 equal blocks costs 3 model
-    evaluations, not 40. ``extra``: costs added on top (a :class:`VocabShareCost`), not counted as layers.
+    evaluations, not 40. ``extra``: costs added on top (a :class:`VocabShareCost`), not counted as layers, each
+    weighted ``extra_weight``: a rank runs the vocabulary passes once per slice however many chunks it holds, so
+    with v chunks per rank each chunk carries 1/v of the share.
     """
 
-    def __init__(self, layers: Sequence[StageCost], extra: Sequence[StageCost] = ()) -> None:
+    def __init__(self, layers: Sequence[StageCost], extra: Sequence[StageCost] = (), extra_weight: float = 1.0
+                 ) -> None:
         parts = [*layers, *extra]
         if not parts:
             raise ValueError("ChunkCost needs at least one layer; a chunk holds one or more layers")
-        counts = Counter(p.cache_key() for p in parts)
+        counts: Counter = Counter(p.cache_key() for p in layers)
+        for p in extra:
+            counts[p.cache_key()] += extra_weight
         first: dict[Hashable, StageCost] = {}
         for p in parts:
             first.setdefault(p.cache_key(), p)
@@ -175,15 +180,16 @@ def _check_parts(parts: Sequence[int], num_layers: int, num_chunks: int) -> tupl
     return parts
 
 
-def chunk_costs(layers: Sequence[StageCost], parts: Sequence[int], extra: Sequence[StageCost] = ()
-                ) -> PipelineCost:
+def chunk_costs(layers: Sequence[StageCost], parts: Sequence[int], extra: Sequence[StageCost] = (),
+                extra_weight: float = 1.0) -> PipelineCost:
     """The pipeline cost of ``layers`` cut at ``parts`` (chunk c holds layers ``parts[c]:parts[c+1]``); every
-    chunk also pays ``extra`` (a vocabulary share). Chunks with equal layer kinds share one cost object."""
+    chunk also pays ``extra_weight`` x ``extra`` (a vocabulary share; ``1/v`` with v chunks per rank, so each rank
+    pays it once). Chunks with equal layer kinds share one cost object."""
     parts = _check_parts(parts, len(layers), len(parts) - 1)
     cache: dict[Hashable, ChunkCost] = {}
     stages = []
     for a, b in zip(parts[:-1], parts[1:]):
-        chunk = ChunkCost(layers[a:b], extra)
+        chunk = ChunkCost(layers[a:b], extra, extra_weight)
         stages.append(cache.setdefault(chunk.cache_key(), chunk))
     return PipelineCost(stages, meta={"parts": list(parts)})
 
@@ -313,7 +319,7 @@ def best_partition(layers: Sequence[StageCost], slices: Sequence[int], *, num_ra
     num_chunks = num_ranks * v
     units = num_microbatches
     work = layer_work(layers, slices, units, micro_batch_size)
-    extra_work = float(layer_work(list(extra), slices, units, micro_batch_size).sum()) if extra else 0.0
+    extra_work = float(layer_work(list(extra), slices, units, micro_batch_size).sum()) / v if extra else 0.0
     opt, opt_parts = minmax_partition(work, num_chunks, extra_work)
     cap = opt * (1.0 + window) if math.isfinite(window) else math.inf
     limit = max_candidates
@@ -333,7 +339,7 @@ def best_partition(layers: Sequence[StageCost], slices: Sequence[int], *, num_ra
     for i in np.argsort(bounds, kind="stable"):
         if best is not None and bounds[i] >= best.result.makespan_ms * (1 - 1e-12):
             break
-        res = simulate(sched, chunk_costs(layers, candidates[i], extra), list(slices), micro_batch_size)
+        res = simulate(sched, chunk_costs(layers, candidates[i], extra, 1.0 / v), list(slices), micro_batch_size)
         simulated += 1
         if best is None or res.makespan_ms < best.result.makespan_ms:
             best = _Scored(candidates[i], res)
@@ -444,7 +450,7 @@ def plan_partition(layers: Sequence[StageCost], seq_len: int, *, num_ranks: int,
     kw = dict(num_microbatches=num_microbatches, micro_batch_size=micro_batch_size, granularity=granularity,
               schedule=schedule, max_slices=max_slices, virtual_stages=v)
     naive = naive_partition(len(layers), num_ranks * v, first=first, last=last)
-    naive_cost = chunk_costs(layers, naive, extra)
+    naive_cost = chunk_costs(layers, naive, extra, 1.0 / v)
     naive_plan = plan_slicing(naive_cost, seq_len, **kw)
     best_parts, best_plan, exhaustive = naive, naive_plan, True
     slices = naive_plan.slices
@@ -453,13 +459,13 @@ def plan_partition(layers: Sequence[StageCost], seq_len: int, *, num_ranks: int,
                                               micro_batch_size=micro_batch_size, schedule=schedule,
                                               virtual_stages=v, extra=extra, window=window,
                                               max_candidates=max_candidates, include=[best_parts])
-        plan = plan_slicing(chunk_costs(layers, parts, extra), seq_len, **kw)
+        plan = plan_slicing(chunk_costs(layers, parts, extra, 1.0 / v), seq_len, **kw)
         logger.debug("plan_partition round %d: parts %s, %d slices, %.4g ms", round_, parts, plan.num_slices,
                      plan.predicted_ms)
         if plan.predicted_ms >= best_plan.predicted_ms - 1e-9:
             break
         best_parts, best_plan, slices = parts, plan, plan.slices
-    cost = chunk_costs(layers, best_parts, extra)
+    cost = chunk_costs(layers, best_parts, extra, 1.0 / v)
     result = PartitionPlan(best_parts, best_plan, _busy(cost, best_plan), naive, naive_plan,
                            _busy(naive_cost, naive_plan), vocab_share is not None, exhaustive, cost)
     logger.info("partition: %s", "; ".join(result.report_lines()))
