@@ -1,0 +1,148 @@
+"""What slicing costs one stage: forward, backward and weight-gradient time of a micro-batch cut into n slices.
+
+    python benchmarks/slice_overhead.py                      # GPT 4 x 512 blocks (one stage of the 8 x 512 model)
+    python benchmarks/slice_overhead.py --slices 1,2,4,5,8 --profile   # + which ops grow with n
+    python benchmarks/slice_overhead.py --json out.json      # the report elsewhere (default:
+                                                             # benchmarks/results/slice_overhead.json)
+
+Why: at one micro-batch a token pipeline's speedup over an unsliced pipeline is bounded by
+``p x n / (n + p - 1)`` *times* ``t(1) / t(n)``, the unsliced stage's compute over the sliced one's. The
+planner sees ``t(n)`` through its profile and picks n accordingly; this script shows the factor on its own, so
+the gap between ``benchmarks/pipeline_speedup.py`` and the bubble-free bound can be split into bubble and
+per-slice overhead. One process, one core (pinned), the stage's blocks run slice by slice exactly as a stage
+runs them (slice context, KV buffers, backwards later slices first), with and without deferred weight
+gradients (one W per micro-batch, gpipe's default), variants alternated round by round; medians.
+
+Columns: ``F``, ``B`` (input gradients; with the weight gradients too when not deferred), ``W`` (the deferred
+pass), ``total``, ``x t(1)`` (total over the unsliced total of the same mode), and ``ceiling``: the m = 1
+speedup over an unsliced 2-stage pipeline this overhead leaves with n equal slices,
+``2 n / (n + 1) x t(1) / t(n)``. On an accelerator every time is taken after a device synchronise.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+from benchlib.tables import machine_info, markdown_table, results_path, write_report
+
+NAME = "slice_overhead"
+
+
+def _blocks(args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
+    from ds_terapipe.models.gpt import GPTBlock, GPTConfig
+    cfg = GPTConfig(num_layers=2 * args.layers, hidden=args.hidden, num_heads=args.heads, vocab_size=256,
+                    max_seq_len=args.seq_len)
+    from ds_terapipe.runtime.deferred import enable_deferred_weight_grads
+    blocks = torch.nn.Sequential(*[GPTBlock(cfg, i) for i in range(args.layers)]).to(device)
+    enable_deferred_weight_grads(blocks)  # defers only under a slice context with a stash (the "on" rows)
+    return blocks
+
+
+def _run(blocks: torch.nn.Module, x0: torch.Tensor, n: int, deferred: bool) -> tuple[float, float, float]:
+    """One micro-batch through the blocks in n equal slices: (F, B, W) milliseconds, device-synchronised."""
+    from ds_terapipe.runtime.context import MicroBatchState, SliceContext, slice_scope
+    from ds_terapipe.runtime.deferred import WeightGradStash
+    from ds_terapipe.runtime.devices import synchronize
+    seq_len = x0.shape[1]
+    bounds = [(i * seq_len // n, (i + 1) * seq_len // n) for i in range(n)]
+    state = MicroBatchState(0, seq_len, n)
+    state.weight_stash = WeightGradStash() if deferred else None
+    for p in blocks.parameters():
+        p.grad = None
+    outs = []
+    synchronize()
+    t0 = time.perf_counter()
+    for i, (a, b) in enumerate(bounds):
+        x = x0[:, a:b].detach().requires_grad_()
+        with slice_scope(SliceContext(0, i, a, b, state)):
+            outs.append(blocks(x))
+    synchronize()
+    t1 = time.perf_counter()
+    for y in reversed(outs):
+        y.backward(torch.ones_like(y))
+    synchronize()
+    t2 = time.perf_counter()
+    if deferred:
+        state.weight_stash.flush()
+    synchronize()
+    t3 = time.perf_counter()
+    return (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3
+
+
+def _op_profile(blocks: torch.nn.Module, x0: torch.Tensor, n: int, top: int) -> dict[str, float]:
+    """Self time per op (ms) of one deferred micro-batch in n slices, CPU side."""
+    from torch.profiler import ProfilerActivity, profile
+    _run(blocks, x0, n, True)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        _run(blocks, x0, n, True)
+    ops = {e.key: e.self_cpu_time_total / 1e3 for e in prof.key_averages()}
+    return dict(sorted(ops.items(), key=lambda kv: -kv[1])[:top])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--slices", default="1,2,4,5,8", help="slice counts, comma-separated (1 is always added)")
+    ap.add_argument("--rounds", type=int, default=7, help="rounds after one warm-up round")
+    ap.add_argument("--device", default=None, help="default: the DeepSpeed accelerator's device")
+    ap.add_argument("--core", type=int, default=None, help="pin to this CPU core (default: the last one)")
+    ap.add_argument("--profile", action="store_true", help="also the per-op self time at n = 1 and the largest n")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+
+    torch.set_num_threads(1)
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {args.core if args.core is not None else max(os.sched_getaffinity(0))})
+    if args.device is None:
+        from deepspeed.accelerator import get_accelerator
+        args.device = get_accelerator().device_name()
+    device = torch.device(args.device)
+    counts = sorted({1, *(int(s) for s in args.slices.split(","))})
+    blocks = _blocks(args, device)
+    x0 = torch.randn(args.batch, args.seq_len, args.hidden, device=device)
+    variants = [(n, d) for d in (False, True) for n in counts]
+    samples: dict[tuple[int, bool], list[tuple[float, float, float]]] = {v: [] for v in variants}
+    for rnd in range(args.rounds + 1):
+        for v in variants:
+            took = _run(blocks, x0, *v)
+            if rnd:
+                samples[v].append(took)
+
+    rows, table = [], []
+    for n, deferred in variants:
+        f, b, w = (statistics.median(s[k] for s in samples[(n, deferred)]) for k in range(3))
+        base = sum(statistics.median(s[k] for s in samples[(1, deferred)]) for k in range(3))
+        total = f + b + w
+        ceiling = 2 * n / (n + 1) * base / total
+        rows.append({"slices": n, "slice_len": args.seq_len // n, "deferred": deferred, "forward_ms": f,
+                     "backward_ms": b, "weight_ms": w, "total_ms": total, "vs_unsliced": total / base,
+                     "m1_2stage_ceiling": ceiling})
+        table.append([str(n), str(args.seq_len // n), "on" if deferred else "off", f"{f:.0f}", f"{b:.0f}",
+                      f"{w:.0f}" if deferred else "-", f"{total:.0f}", f"{total / base:.3f}", f"{ceiling:.2f}x"])
+    print(f"GPT {args.layers} blocks x hidden {args.hidden}, {args.heads} heads, {args.batch} x {args.seq_len} tokens, "
+          f"{args.device}, 1 thread; medians of {args.rounds} rounds")
+    print("\n".join(markdown_table(["n", "slice", "deferred W", "F ms", "B ms", "W ms", "total ms", "x t(1)",
+                                    "m=1 ceiling, 2 stages"], table)))
+    report = {"rows": rows, "options": vars(args)}
+    if args.profile:
+        top = {str(n): _op_profile(blocks, x0, n, 12) for n in (1, counts[-1])}
+        report["ops_ms"] = top
+        print(f"\nSelf time per op, deferred, n = 1 vs n = {counts[-1]} (ms):")
+        keys = list(dict.fromkeys([*top[str(counts[-1])], *top["1"]]))
+        print("\n".join(markdown_table(["op", "n=1", f"n={counts[-1]}"],
+                                       [[k[:60], f"{top['1'].get(k, 0):.1f}", f"{top[str(counts[-1])].get(k, 0):.1f}"]
+                                        for k in keys])))
+    path = write_report(report, args.json or results_path(NAME), machine=machine_info(threads=1))
+    print(f"\nreport: {path}")
+
+
+if __name__ == "__main__":
+    main()
