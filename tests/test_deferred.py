@@ -126,3 +126,60 @@ def test_a_module_applied_twice_defers_both_calls() -> None:
     assert torch.allclose(got_input, ref_input, rtol=1e-10, atol=1e-12)
     for name, g in ref.items():
         assert torch.allclose(got[name], g, rtol=1e-10, atol=1e-12), name
+
+
+def _record(model: nn.Module, x: torch.Tensor, slices: list[int], stash: WeightGradStash) -> None:
+    """Forward and backward of one micro-batch slice by slice, recording into ``stash`` (no W pass)."""
+    state = MicroBatchState(0, x.shape[1], len(slices))
+    state.weight_stash = stash
+    outs, start = [], 0
+    for i, length in enumerate(slices):
+        piece = x[:, start:start + length].detach().requires_grad_()
+        with slice_scope(SliceContext(0, i, start, start + length, state)):
+            outs.append(model(piece))
+        start += length
+    for out in reversed(outs):
+        out.backward(torch.ones_like(out))
+
+
+def test_step_accumulator_sums_the_w_passes_and_hands_over_once() -> None:
+    """The engine's path: W passes (one per slice, two micro-batches) summed in place, handed to .grad once;
+    the same gradients as handing each W pass over on its own, and one accumulation per parameter per step."""
+    from ds_terapipe.runtime.deferred import WeightGradAccumulator
+    model = _blocks()
+    enable_deferred_weight_grads(model)
+    xs = [torch.randn(2, 24, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(s)) for s in (5, 6)]
+    for x in xs:  # reference: every W pass straight to .grad
+        stash = WeightGradStash()
+        _record(model, x, [8, 16], stash)
+        stash.flush()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    fired: list[str] = []
+    for name, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda p, name=name: fired.append(name))
+    acc = WeightGradAccumulator()
+    for x in xs:
+        stash = WeightGradStash()
+        _record(model, x, [8, 16], stash)
+        assert stash.compute(into=acc) == ([], [])   # fp64 here, like fp32: everything goes into the sums
+    linear = {n for n, _ in model.named_parameters() if any(k in n for k in ("qkv", "proj", "fc_in", "fc_out"))}
+    assert not linear & set(fired) and len(acc) == 16   # 8 Linears' weights and biases, none in .grad yet
+    acc.hand_over()
+    assert len(acc) == 0 and all(fired.count(n) == 1 for n in linear)
+    for name, g in ref.items():
+        assert torch.allclose(model.get_parameter(name).grad, g, rtol=1e-10, atol=1e-12), name
+
+
+def test_step_accumulator_leaves_low_precision_weights_to_each_w_pass() -> None:
+    """bf16 weights: summing a step's W passes in bf16 would lose what DeepSpeed's fp32 accumulation keeps, so
+    compute(into=...) returns their gradients for an immediate hand-over and keeps nothing."""
+    from ds_terapipe.runtime.deferred import WeightGradAccumulator
+    model = _blocks().to(torch.bfloat16)
+    enable_deferred_weight_grads(model)
+    acc = WeightGradAccumulator()
+    stash = WeightGradStash()
+    _record(model, torch.randn(1, 16, 32, dtype=torch.bfloat16), [8, 8], stash)
+    params, grads = stash.compute(into=acc)
+    assert len(acc) == 0 and len(params) == len(grads) == 16
+    assert all(g.dtype == torch.bfloat16 for g in grads)

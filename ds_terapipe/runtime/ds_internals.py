@@ -87,10 +87,14 @@ INTERNALS: tuple[Internal, ...] = (
        ("buffer_id", )),
     _i(_ENGINE, "_exec_schedule", "attr", f"{_E} (overridden)", "runs the token schedule", ("pipe_schedule", )),
     _i(_ENGINE, "_exec_reduce_tied_grads", "attr", f"{_E} ReduceTiedGrads",
-       "frozen layers: a zero gradient for a trained tied weight only frozen layers use here (runtime/freeze.py); "
-       "then the vocabulary shards' exchange (runtime/vocab.py)"),
+       "the step's deferred weight gradients reach .grad first (runtime/deferred.py); frozen layers: a zero "
+       "gradient for a trained tied weight only frozen layers use here (runtime/freeze.py); then the vocabulary "
+       "shards' exchange (runtime/vocab.py)"),
+    _i(_ENGINE, "_exec_reduce_grads", "attr", f"{_E} ReduceGrads",
+       "the step's deferred weight gradients reach .grad before the data-parallel reduction (runtime/deferred.py)"),
     _i(_ENGINE, "_exec_optimizer_step", "attr", f"{_E} OptimizerStep",
-       "the auto freeze policy reads the reduced gradients right before the step (runtime/freeze.py)"),
+       "the deferred weight gradients reach .grad (if no reduction came first); the auto freeze policy reads the "
+       "reduced gradients right before the step (runtime/freeze.py)"),
     _i(_MODULE, "get_tied_weights_and_groups", "attr", "runtime/freeze.py",
        "the tied weights DeepSpeed all-reduces, to give each a gradient"),
     _i(_ENGINE, "_train_schedule", "attr", f"{_E} (overridden)", "returns the token schedule for training"),

@@ -59,7 +59,7 @@ from ..trace import events_to_chrome_trace
 from . import checkpoint as ckpt
 from .clip import clip_by_global_norm, clipping_problem
 from .context import MicroBatchState, SliceContext, cut_tokens, slice_scope
-from .deferred import WeightGradStash, enable_deferred_weight_grads
+from .deferred import WeightGradAccumulator, WeightGradStash, enable_deferred_weight_grads
 from .freeze import Freezer
 from .devices import synchronized_ms
 from .ds_internals import check_deepspeed_internals
@@ -172,6 +172,7 @@ class TokenPipelineEngine(PipelineEngine):
         self._batches_traced = 0
         # Deferred weight gradients: per (chunk, micro-batch), the (input, output-gradient) pairs until its W.
         self._stashes: dict[tuple[int, int], WeightGradStash] = {}
+        self._weight_grads = WeightGradAccumulator()   # the step's W passes, summed; to .grad before reductions
         # Vocabulary parallelism: the output layer's shard on this rank and its passes (runtime/vocab.py).
         self._vocab = VocabParallel(self) if self.terapipe.vocab_parallel else None
         with self._failing_fast("engine init"):
@@ -404,6 +405,7 @@ class TokenPipelineEngine(PipelineEngine):
             yield
 
     def _exec_optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        self._hand_over_weight_grads()
         if getattr(self, "freezer", None) is not None:
             self.freezer.observe_gradients(self)
         super()._exec_optimizer_step(*args, **kwargs)
@@ -435,11 +437,16 @@ class TokenPipelineEngine(PipelineEngine):
         self._unit_losses.clear()
         self._unit_grads.clear()
         self._stashes.clear()
+        self._weight_grads = WeightGradAccumulator()
         self._logits = []
         self._trail.clear()
         timeline: list[TimedAction] = []
         with self._vocab.running() if self._vocab is not None else nullcontext():
             self._run_steps(pipe_schedule, timeline)
+        if len(self._weight_grads):
+            raise RuntimeError(f"token pipeline: {len(self._weight_grads)} deferred weight gradients were computed "
+                               "but never reached .grad (the schedule has no ReduceTiedGrads/ReduceGrads/"
+                               "OptimizerStep after its last W); this is a bug in the schedule, please report it")
         if self.record_timeline:
             self.last_timeline = timeline
             if pipe_schedule.train and self.terapipe.trace_dir is not None:
@@ -634,9 +641,22 @@ class TokenPipelineEngine(PipelineEngine):
         stash = self._stashes.get(key) if slice_index > 0 else self._stashes.pop(key, None)
         if stash is None or not len(stash):
             return
+        params, grads = stash.compute(into=self._weight_grads)   # fp32 ones are summed for the step's hand-over
+        if params:   # bf16/fp16 ones reach .grad now, as after a backward
+            if self.using_bf16_optimizer:
+                self.optimizer.clear_lp_grads()  # as DeepSpeed's own backward does around each backward pass
+            torch.autograd.backward(params, grads)
+            if self.using_bf16_optimizer and not self._config.bfloat16_config.immediate_grad_update:
+                self.optimizer.update_hp_grads(clear_lp_grads=False)
+
+    def _hand_over_weight_grads(self) -> None:
+        """The step's deferred weight gradients into ``.grad``: once, before anything reads or reduces gradients
+        (tied-weight and data-parallel reductions, clipping, the optimizer, the freezer's statistics)."""
+        if not len(self._weight_grads):
+            return
         if self.using_bf16_optimizer:
-            self.optimizer.clear_lp_grads()  # as DeepSpeed's own backward does around each backward pass
-        stash.flush()
+            self.optimizer.clear_lp_grads()
+        self._weight_grads.hand_over()
         if self.using_bf16_optimizer and not self._config.bfloat16_config.immediate_grad_update:
             self.optimizer.update_hp_grads(clear_lp_grads=False)
 
@@ -692,7 +712,12 @@ class TokenPipelineEngine(PipelineEngine):
     def _exec_vocab_embed_backward(self, buffer_id: int, microbatch: int, slice_index: int, chunk: int) -> None:
         self._vocab.embedding.backward_pass(microbatch, slice_index)
 
+    def _exec_reduce_grads(self) -> None:
+        self._hand_over_weight_grads()
+        super()._exec_reduce_grads()
+
     def _exec_reduce_tied_grads(self) -> None:
+        self._hand_over_weight_grads()
         if getattr(self, "freezer", None) is not None:   # a zero gradient where only frozen layers use the weight
             self.freezer.fill_tied_grads(self)
         super()._exec_reduce_tied_grads()
@@ -725,6 +750,7 @@ class TokenPipelineEngine(PipelineEngine):
         VocabEmbedForwardPass: _exec_vocab_embed_forward,
         VocabEmbedBackwardPass: _exec_vocab_embed_backward,
         ds_schedule.ReduceTiedGrads: _exec_reduce_tied_grads,
+        ds_schedule.ReduceGrads: _exec_reduce_grads,
         ds_schedule.OptimizerStep: _exec_optimizer_step,
     }
 

@@ -226,7 +226,8 @@ def _step_of(ranks: list[dict], placement: tuple[int, ...]) -> dict:
     """The cost file's ``step`` object from every rank's measured terms (``step_profile.measure_step_terms``)."""
     per_rank = [len([c for c in placement if c == r]) for r in range(len(ranks))]
     return {"action_ms": {"backward": [ranks[r]["terms"]["accumulate_ms"] / per_rank[r] for r in placement]},
-            "optimizer_ms": [g["terms"]["optimizer_ms"] for g in ranks],
+            # the rank's step tail: the deferred weight gradients' hand-over to .grad, then the optimizer
+            "optimizer_ms": [g["terms"]["optimizer_ms"] + g["terms"].get("handover_ms", 0.0) for g in ranks],
             "grad_reduce_ms": [g["terms"]["grad_reduce_ms"] for g in ranks],
             "tied_reduce_ms": max([g["terms"]["tied_reduce_ms"] for g in ranks if g["terms"]["tied"]], default=0.0),
             "tied_ranks": [g["stage"] for g in ranks if g["terms"]["tied"]],

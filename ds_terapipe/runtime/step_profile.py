@@ -214,15 +214,20 @@ def measure_step_terms(engine: "TokenPipelineEngine", warmup: int = 1, repeats: 
     """This rank's whole-step terms (collective over all ranks); see the module docstring.
 
     Returns plain numbers: ``optimizer_ms``, ``grad_reduce_ms``, ``tied_reduce_ms``, ``sync_ms``,
-    ``accumulate_ms`` (per backward action), ``latency_ms`` and ``gbps`` (to the next rank; None on the last).
+    ``accumulate_ms`` (per backward action), ``handover_ms`` (deferred weight gradients to ``.grad``, once per
+    step), ``latency_ms`` and ``gbps`` (to the next rank; None on the last).
     """
     cfg = engine.terapipe
     clip = float(engine.gradient_clipping() or 0.0)
     opt_ms = time_optimizer_step(engine.optimizer, clip, warmup=warmup, repeats=repeats)
     params = [p for p in engine.module.parameters() if p.requires_grad]
+    handover_ms = 0.0
     if cfg.deferred_weight_grads:
-        # nn.Linear weights accumulate in the W pass (profiled with it); the backward adds the rest
-        deferred = {id(m.weight) for m in engine.module.modules() if isinstance(m, torch.nn.Linear)}
+        # nn.Linear weights (and biases) get theirs from the W passes, summed over the step and handed to .grad
+        # once before the reductions (deferred.WeightGradAccumulator): a per-step term; the backward adds the rest
+        linears = [m for m in engine.module.modules() if isinstance(m, torch.nn.Linear)]
+        deferred = {id(t) for m in linears for t in (m.weight, m.bias) if t is not None}
+        handover_ms = time_grad_accumulation([p for p in params if id(p) in deferred], warmup=warmup, repeats=repeats)
         params = [p for p in params if id(p) not in deferred]
     accumulate_ms = time_grad_accumulation(params, warmup=warmup, repeats=repeats)
     tied_ms = _time_tied_reduce(engine, warmup, repeats)
@@ -234,5 +239,5 @@ def measure_step_terms(engine: "TokenPipelineEngine", warmup: int = 1, repeats: 
     if big is not None and latency is not None and big > latency:
         gbps = _BANDWIDTH_NUMEL * 4 * 8.0 / ((big - latency) * 1e6)
     return {"optimizer_ms": opt_ms, "grad_reduce_ms": dp_ms, "tied_reduce_ms": tied_ms, "sync_ms": sync_ms,
-            "accumulate_ms": accumulate_ms, "latency_ms": latency, "gbps": gbps,
+            "accumulate_ms": accumulate_ms, "handover_ms": handover_ms, "latency_ms": latency, "gbps": gbps,
             "tied": bool(getattr(engine.module, "tied_comms", None))}
