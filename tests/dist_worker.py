@@ -538,8 +538,8 @@ def suite_features(extra: dict) -> list[dict]:
     # where DeepSpeed's optimizers clip: bf16 with ZeRO 0 (BF16_Optimizer) and fp16 with ZeRO 1
     # (DeepSpeedZeroOptimizer, loss-scaled): the norm and the fp32 master weights' update, to half precision.
     # DeepSpeed's CPU accelerator offers fp16 only where oneDNN has fp16 kernels (AVX512-FP16/AMX: some Intel
-    # hosts, no AMD EPYC); elsewhere its engine refuses fp16 before ours runs, so those cases are not run here
-    # and the tests skip them, saying why
+    # hosts, not the AMD EPYC seen here); elsewhere its engine refuses fp16 before ours runs, so those cases are
+    # not run here and the tests skip them, saying why
     fp16_ok = bool(get_accelerator().is_fp16_supported())
     results.append({"case": "precisions", "fp16": fp16_ok})
     half = [("clip bf16", {"bf16": {"enabled": True}}, 0)]
