@@ -8,9 +8,9 @@ Each launch is what a user types: ``deepspeed --num_gpus 2 examples/train_gpt.py
 --log-every 1 --bind-cores`` (GPT 8 x 512, 8 heads, seq 1024, micro-batch 1, m micro-batches, AdamW, fp32, ZeRO 0,
 2 stages, each process pinned to its own core). Variants: ``stock`` (``terapipe.enabled: false``: DeepSpeed's
 PipelineEngine, 1F1B ``TrainSchedule``), ``gpipe`` and ``1f1b`` (``slices: "auto"``, planned at init; a plan cache
-shared by the rounds, so only the first launch of a variant profiles); with ``--variants`` also
-``interleaved-1f1b``, ``looped-bfs`` and ``dualpipev`` (two chunks per rank: the trainer cuts the 8 blocks into 4
-chunks of 2). A round launches every variant once per m,
+shared by the rounds, so only the first launch of a variant profiles); with ``--variants`` any other
+registered schedule, at its default chunks per rank (``interleaved-1f1b``, ``looped-bfs`` and ``dualpipev``: two,
+so the trainer cuts the 8 blocks into 4 chunks of 2). A round launches every variant once per m,
 the order rotated per round; each launch trains ``--warmup`` + ``--steps`` steps and the trainer's per-step ms of
 the last ``--steps`` are kept. Reported per (m, variant): the median ms/step over all kept steps of all rounds, the
 speedup over stock (median over rounds of the per-round ratio of medians), the plan's predicted ms/step (the
@@ -34,11 +34,10 @@ from typing import Any
 
 from benchlib.alternate import median
 from benchlib.tables import ROOT, markdown_table, print_checks, results_path, write_report
+from ds_terapipe.planner.registry import schedule_names
 
 NAME = "trainer_speed"
 VARIANTS = ("stock", "gpipe", "1f1b")
-# token schedules with virtual stages (two chunks per rank); pass them with --variants
-VIRTUAL = {"interleaved-1f1b": 2, "looped-bfs": 2, "dualpipev": 2}
 STEP_LINE = re.compile(r"^step\s+(\d+)\s+loss\s+([\d.]+)\s+[\d,]+ tokens/s\s+(\d+) ms/step(?: \(plan: (\d+) ms\))?")
 
 
@@ -53,8 +52,6 @@ def _config(variant: str, m: int, seq_len: int, cache: str) -> dict[str, Any]:
                                 "granularity": 16, "plan_cache": cache, "p2p_timeout_s": 600}
     if variant != "stock":
         terapipe["schedule"] = variant
-    if variant in VIRTUAL:
-        terapipe["virtual_stages"] = VIRTUAL[variant]
     return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": m, "gradient_clipping": 1.0,
             "steps_per_print": 10**9, "pipeline": {"stages": 2}, "terapipe": terapipe}
 
@@ -100,7 +97,7 @@ def main() -> int:
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--variants", default=",".join(VARIANTS),
-                    help=f"comma-separated, from {', '.join(VARIANTS + tuple(VIRTUAL))}")
+                    help=f"comma-separated: stock or a schedule ({', '.join(schedule_names())})")
     ap.add_argument("--timeout", type=float, default=1200.0, help="seconds per launch")
     ap.add_argument("--json", metavar="PATH", help=f"report path (default {results_path(NAME).relative_to(ROOT)})")
     ap.add_argument("--out", metavar="DIR", help="logs and plan cache (default: a temporary directory)")
