@@ -468,8 +468,8 @@ def write_plots(report: dict, which: tuple[int, str], out_dir: Path, work_dir: P
         ctx = [sum(lens[:i]) for i in range(len(lens))]
         for s, k, mb, sl, t0, t1, c in events:
             model = cost.stage(c)
-            w_tokens = lens[sl] if sched.weights_per_slice else sum(lens)
-            pred = float(model.weight_ms(w_tokens, 1)) if k == "W" else \
+            w_slices = [lens[sl]] if sched.weights_per_slice else lens   # a W per micro-batch: every slice's
+            pred = sum(float(model.weight_ms(n, 1)) for n in w_slices) if k == "W" else \
                 float((model.forward_ms if k == "F" else model.backward_ms)(lens[sl], ctx[sl], 1))
             per_action.append({"stage": s, "chunk": c, "kind": k, "microbatch": mb, "slice": sl, "measured_ms": t1 - t0,
                                "predicted_ms": pred})
@@ -498,8 +498,8 @@ def cost_model_check(report: dict) -> list[dict]:
                 if kind == "W":
                     if not r.get("deferred_weight_grads"):
                         continue
-                    # linear in tokens: the same total whether W runs per micro-batch or per slice
-                    pred = sum(float(cost.stage(c).weight_ms(sum(lens), 1)) for c in chunks) * r["m"]
+                    # every slice's W work: the same total whether W runs per micro-batch or per slice
+                    pred = sum(float(cost.stage(c).weight_ms(n, 1)) for c in chunks for n in lens) * r["m"]
                     actions = r["m"] * len(chunks) * (len(lens) if WEIGHTS_PER_SLICE.get(r["schedule"]) else 1)
                 else:
                     pred = sum(float((cost.stage(c).forward_ms if kind == "F" else cost.stage(c).backward_ms)(

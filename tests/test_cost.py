@@ -18,6 +18,8 @@ from ds_terapipe.planner.presets import (
     DEVICE_PRESETS, MODEL_PRESETS, analytic_pipeline_cost, get_device_preset, get_model_preset,
     preset_memory_model, split_layers,
 )
+from ds_terapipe.planner.schedule import ActionKind, build_gpipe, defer_weights
+from ds_terapipe.planner.simulate import simulate
 
 A = (0.3, 0.011, 0.0023, 1.7e-5)   # a0 + a1*s + a2*c + a3*s*c
 
@@ -361,6 +363,23 @@ def test_weight_ms_per_token_round_trips_and_defaults_to_zero():
     assert float(again.stage(0).weight_ms(10)) == pytest.approx(2.5)
     with pytest.raises(ValueError, match="weight_ms_per_token"):
         PipelineCost.from_dict({"points": points, "weight_ms_per_token": "fast"})
+
+
+def test_weight_ms_per_slice_is_paid_once_per_slice() -> None:
+    # W of one slice = per_slice + per_token * s (per sequence); a micro-batch cut into 8 costs 8 fixed parts,
+    # which the simulator charges to gpipe's one W per micro-batch (sum over its slices)
+    points = [{"slice": 8, "context": 0, "forward_ms": 1.0, "backward_ms": 2.0},
+              {"slice": 16, "context": 0, "forward_ms": 2.0, "backward_ms": 4.0}]
+    cost = PipelineCost.from_dict({"points": points, "weight_ms_per_token": 0.25, "weight_ms_per_slice": 3.0},
+                                  num_stages=2)
+    assert float(cost.stage(1).weight_ms(64, 2)) == pytest.approx((3.0 + 0.25 * 64) * 2)
+    assert cost.stage(0).weight_ms(np.array([8, 0]), 1) == pytest.approx([5.0, 0.0])   # no tokens, no W
+    assert PipelineCost.from_dict(cost.to_dict()).stage(0).to_dict()["weight_ms_per_slice"] == 3.0
+    sched = defer_weights(build_gpipe(2, 1, 4))
+    one_w = [e for e in simulate(sched, cost, [16] * 4).events if e.action.kind is ActionKind.WEIGHT]
+    assert [e.duration_ms for e in one_w] == pytest.approx([4 * 3.0 + 0.25 * 64] * 2)   # one W per stage
+    with pytest.raises(ValueError, match="weight_ms_per_slice"):
+        PipelineCost.from_dict({"points": points, "weight_ms_per_slice": -1.0})
 
 
 def test_a_noisy_context_fit_never_makes_a_prefix_free():

@@ -21,7 +21,8 @@ from torch.nn.attention.bias import CausalBias, CausalVariant
 from ds_terapipe.runtime import attention, devices
 from ds_terapipe.runtime.attention import CausalSelfAttention, _prefix_causal_mask
 from ds_terapipe.runtime.context import MicroBatchState, SliceContext, slice_scope
-from ds_terapipe.runtime.profile import profile_stage, profile_weight_grads
+from ds_terapipe.runtime.deferred import enable_deferred_weight_grads
+from ds_terapipe.runtime.profile import profile_stage
 
 
 @pytest.fixture
@@ -58,8 +59,10 @@ def test_profiling_synchronizes_the_accelerator_before_every_clock_read(events) 
     assert len(points) == 4
     assert_every_clock_read_follows_a_sync(events)
     events.clear()
-    profile_weight_grads(layer, list(layer.parameters()), x, 32, 8, 2, warmup=0, repeats=2,
-                         clock=logging_clock(events))
+    enable_deferred_weight_grads(layer)   # + each slice's deferred weight-gradient pass, timed too
+    points = profile_stage(layer, list(layer.parameters()), x, 32, 8, 2, slice_lengths=[8, 16], num_contexts=2,
+                           warmup=0, repeats=2, deferred=True, clock=logging_clock(events))
+    assert all("weight_ms" in p for p in points)
     assert_every_clock_read_follows_a_sync(events)
 
 

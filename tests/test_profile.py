@@ -12,7 +12,8 @@ import torch
 import torch.nn as nn
 
 from ds_terapipe.runtime.context import current_slice
-from ds_terapipe.runtime.profile import profile_stage, profile_weight_grads
+from ds_terapipe.runtime.deferred import WeightGradStash, enable_deferred_weight_grads
+from ds_terapipe.runtime.profile import profile_stage, weight_cost
 
 SEQ, HIDDEN = 64, 16
 LENGTHS = [8, 16, 32]
@@ -124,18 +125,33 @@ def test_the_median_rejects_one_slow_sample() -> None:
     assert _exact(points), points
 
 
-def test_weight_grad_rate_is_ms_per_token_and_sequence() -> None:
-    class Ticking:
-        """Every read advances 6 ms: the timed pass (two reads) takes exactly 6 ms."""
+def test_deferred_points_time_each_slices_weight_grads_and_fit_a_cost_per_slice_and_token(monkeypatch) -> None:
+    # W of a slice of s tokens "takes" 2 + 0.5 * s ms (per sequence, 2 sequences: twice that): the fit must
+    # give back the fixed part and the rate per sequence, from points at 3 lengths and 2 contexts each
+    clock = FakeClock()
+    original = WeightGradStash.compute
 
-        def __init__(self) -> None:
-            self.now = 0.0
+    def charged(self, into=None):
+        rows = {x.reshape(-1, x.shape[-1]).shape[0] for x, _ in self._pairs.get(stage.layer, [])}
+        assert len(rows) == 1, "one slice's pairs per W in profiling"
+        clock.advance_ms(2 * (2 + 0.5 * rows.pop() / 2))
+        return original(self, into)
 
-        def __call__(self) -> float:
-            self.now += 0.006
-            return self.now
+    monkeypatch.setattr(WeightGradStash, "compute", charged)
+    stage = _Recorder(clock)
+    enable_deferred_weight_grads(stage.layer)
+    x = torch.randn(2, SEQ, HIDDEN)
+    points = profile_stage(stage, list(stage.layer.parameters()), x, SEQ, 8, 2, slice_lengths=LENGTHS,
+                           num_contexts=2, clock=clock, deferred=True)
+    assert [p["weight_ms"] for p in points] == pytest.approx([2 * (2 + 0.5 * s) for s, _ in GRID], abs=1e-9)
+    assert _exact(points), points
+    assert weight_cost(points, 2) == pytest.approx((2.0, 0.5), abs=1e-9)
+    assert stage.layer.weight.grad is None   # timed into the profile's own running sums, never .grad
 
-    layer = nn.Linear(HIDDEN, HIDDEN)
-    x = torch.randn(2, SEQ, HIDDEN)   # 2 sequences of 64 tokens
-    rate = profile_weight_grads(layer, list(layer.parameters()), x, SEQ, 8, 2, warmup=1, repeats=3, clock=Ticking())
-    assert rate == pytest.approx(6.0 / (SEQ * 2), rel=1e-9)
+
+def test_weight_cost_never_fits_a_negative_term() -> None:
+    pts = [{"slice": s, "weight_ms": w} for s, w in ((8, 1.0), (16, 4.5), (32, 9.0))]   # intercept would be < 0
+    per_slice, per_token = weight_cost(pts, 1)
+    assert per_slice == 0.0 and per_token > 0
+    flat = [{"slice": s, "weight_ms": w} for s, w in ((8, 3.0), (16, 2.0), (32, 2.5))]  # slope would be < 0
+    assert weight_cost(flat, 1) == pytest.approx((2.5, 0.0))

@@ -54,6 +54,19 @@ def test_refit_scales_each_chunk_and_kind_by_measured_over_predicted() -> None:
     assert cost == _cost()   # the plan's own costs are not modified
 
 
+def test_refit_predicts_one_w_per_micro_batch_as_its_slices_w_work() -> None:
+    cost = _cost()
+    for stage in cost["stages"]:
+        stage["weight_ms_per_slice"] = 1.0
+    model = PipelineCost.from_dict(cost)
+    slices = (16, 16, 32)
+    w = sum(float(model.stage(1).weight_ms(s, 1)) for s in slices)   # 3 fixed parts + 64 tokens
+    refit, ratios = refit_cost(cost, [(1, "W", 64, 0, 2, 2 * w * 1.25)], batch=1, slices=slices)
+    assert ratios[1]["W"] == pytest.approx(1.25)
+    assert refit["stages"][1]["weight_ms_per_slice"] == pytest.approx(1.25)
+    assert refit["stages"][1]["weight_ms_per_token"] == pytest.approx(0.05 * 1.25)
+
+
 def test_replan_needs_auto_slices_and_valid_settings() -> None:
     ok = parse_terapipe_config({"terapipe": {"enabled": True, "seq_len": 64, "replan": {"enabled": True}}})
     assert ok.replan.enabled and ok.replan.warmup_steps == 3 and ok.replan.min_gain == 0.03

@@ -18,6 +18,7 @@ tiny slices underuse the device, so t(s, 0) / s falls with s. Two models provide
 """
 from __future__ import annotations
 
+import copy
 import json
 import logging
 from abc import ABC, abstractmethod
@@ -43,6 +44,8 @@ __all__ = [
     "CostFileError",
     "load_cost_file",
     "read_cost_json",
+    "WEIGHT_KEYS",
+    "scaled_cost",
 ]
 
 #: Scalars or numpy arrays; every cost method broadcasts its arguments against each other like a ufunc.
@@ -50,9 +53,10 @@ ArrayLike = Union[int, float, np.ndarray, Sequence[float]]
 
 _POINT_KEYS = ("batch", "slice", "context", "forward_ms", "backward_ms")
 _COMM_KEYS = ("latency_ms", "gbps")
-_STAGE_KEYS = ("points", "comm", "hidden", "bytes_per_element", "weight_ms_per_token")
-_TOP_KEYS = ("points", "stages", "comm", "hidden", "bytes_per_element", "weight_ms_per_token", "num_stages", "meta",
-             "step")
+#: the deferred weight-gradient terms of a stage object: W of one slice of s tokens = per_slice + per_token * s
+WEIGHT_KEYS = ("weight_ms_per_token", "weight_ms_per_slice")
+_STAGE_KEYS = ("points", "comm", "hidden", "bytes_per_element", *WEIGHT_KEYS)
+_TOP_KEYS = ("points", "stages", "comm", "hidden", "bytes_per_element", *WEIGHT_KEYS, "num_stages", "meta", "step")
 
 
 def _result(x: np.ndarray) -> Any:
@@ -88,10 +92,12 @@ class StageCost(ABC):
         """Point-to-point time to send this unit's activations to the next stage."""
 
     def weight_ms(self, tokens: ArrayLike, batch: ArrayLike = 1) -> Any:
-        """Deferred weight-gradient pass (a ``W`` action) of a micro-batch of ``tokens`` tokens per sequence.
+        """Deferred weight-gradient work of ONE slice of ``tokens`` tokens per sequence.
 
         0 unless the model was measured with deferred weight gradients: then ``backward_ms`` is the
-        input-gradient part only and this is the rest, computed once per micro-batch.
+        input-gradient part only and this is the rest. A ``W`` action that covers a whole micro-batch (gpipe)
+        costs the sum over its slices: each slice's pairs are one GEMM per Linear, so a micro-batch cut finer
+        costs more (the weights are read once per slice), which a rate per token alone would miss.
         """
         return _result(np.zeros(np.broadcast_shapes(np.shape(tokens), np.shape(batch))))
 
@@ -196,13 +202,15 @@ class MeasuredCost(StageCost):
     ``comm`` is ``{"latency_ms": ..., "gbps": ...}`` (Gbit/s); without it sending costs nothing, which is right
     for a single stage and optimistic otherwise. ``hidden`` and ``bytes_per_element`` size a slice's activations
     (batch * slice * hidden * bytes_per_element bytes) and are required when ``gbps`` is given.
-    ``weight_ms_per_token``: when the points were measured with deferred weight gradients (``backward_ms``
-    without the ``nn.Linear`` weight gradients), the time of the deferred pass per token and sequence.
+    ``weight_ms_per_token`` and ``weight_ms_per_slice``: when the points were measured with deferred weight
+    gradients (``backward_ms`` without the ``nn.Linear`` weight gradients), the deferred pass of one slice of s
+    tokens costs ``weight_ms_per_slice + weight_ms_per_token * s`` per sequence (the fixed part: every GEMM
+    reads its weight once per slice, whatever the slice's length).
     """
 
     def __init__(self, points: Sequence[Mapping[str, Any]], *, comm: Mapping[str, Any] | None = None,
                  hidden: int | None = None, bytes_per_element: int = 2, weight_ms_per_token: float | None = None,
-                 where: str = "cost") -> None:
+                 weight_ms_per_slice: float | None = None, where: str = "cost") -> None:
         if isinstance(points, (str, bytes)) or not isinstance(points, Sequence) or len(points) == 0:
             raise ValueError(f"{where}.points = {points!r:.60} must be a non-empty list of measured points; "
                              "profile at least one slice length at context 0")
@@ -230,6 +238,8 @@ class MeasuredCost(StageCost):
                                            wrong_type=ValueError)
         self.weight_ms_per_token = None if weight_ms_per_token is None else \
             _number(weight_ms_per_token, f"{where}.weight_ms_per_token")
+        self.weight_ms_per_slice = None if weight_ms_per_slice is None else \
+            _number(weight_ms_per_slice, f"{where}.weight_ms_per_slice")
         if self._gbps is not None and self.hidden is None:
             raise ValueError(f"{where}.comm.gbps = {gbps!r} needs the activation size: add \"hidden\" (the model "
                              "width) next to \"comm\"")
@@ -283,8 +293,9 @@ class MeasuredCost(StageCost):
         return _result(_comm_time_ms(self._latency_ms, self._gbps, num_bytes))
 
     def weight_ms(self, tokens: ArrayLike, batch: ArrayLike = 1) -> Any:
-        rate = self.weight_ms_per_token or 0.0
-        return _result(rate * np.asarray(tokens, float) * np.asarray(batch, float))
+        rate, fixed = self.weight_ms_per_token or 0.0, self.weight_ms_per_slice or 0.0
+        s = np.asarray(tokens, float)
+        return _result((rate * s + np.where(s > 0, fixed, 0.0)) * np.asarray(batch, float))
 
     def covers(self, slice_len: ArrayLike, context: ArrayLike, batch: ArrayLike | None = None) -> bool:
         fit = self._fits[self._nearest(1.0 if batch is None else float(np.max(batch)))]
@@ -338,18 +349,37 @@ class MeasuredCost(StageCost):
         out["bytes_per_element"] = self.bytes_per_element
         if self.weight_ms_per_token is not None:
             out["weight_ms_per_token"] = self.weight_ms_per_token
+        if self.weight_ms_per_slice is not None:
+            out["weight_ms_per_slice"] = self.weight_ms_per_slice
         return out
 
     @classmethod
     def from_dict(cls, obj: Mapping[str, Any], where: str = "cost") -> MeasuredCost:
         """Parse one per-stage object of the cost file (keys: points, comm, hidden, bytes_per_element,
-        weight_ms_per_token)."""
+        weight_ms_per_token, weight_ms_per_slice)."""
         _check_keys(obj, _STAGE_KEYS, where)
         if "points" not in obj:
             raise ValueError(f"{where} has no \"points\"; add the measured points (see docs/cost_format.md)")
         return cls(obj["points"], comm=obj.get("comm"), hidden=obj.get("hidden"),
                    bytes_per_element=obj.get("bytes_per_element", 2),
-                   weight_ms_per_token=obj.get("weight_ms_per_token"), where=where)
+                   weight_ms_per_token=obj.get("weight_ms_per_token"),
+                   weight_ms_per_slice=obj.get("weight_ms_per_slice"), where=where)
+
+
+def scaled_cost(cost: Mapping[str, Any], scales: Mapping[int, Mapping[str, float]]) -> dict[str, Any]:
+    """A copy of the cost-file dict ``cost`` (with ``"stages"``) whose stage c has its forward, backward and
+    weight-gradient times multiplied by ``scales[c]["F"]``, ``["B"]`` and ``["W"]`` (a stage or kind not given
+    keeps its scale): what re-planning's refit and a plan-cache recheck apply."""
+    out = copy.deepcopy(dict(cost))
+    for chunk, stage in enumerate(out["stages"]):
+        scale = {"F": 1.0, "B": 1.0, "W": 1.0, **scales.get(chunk, {})}
+        for point in stage.get("points", ()):
+            point["forward_ms"] *= scale["F"]
+            point["backward_ms"] *= scale["B"]
+        for key in WEIGHT_KEYS:
+            if key in stage:
+                stage[key] *= scale["W"]
+    return out
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -543,7 +573,7 @@ class PipelineCost:
         if meta is not None and not isinstance(meta, Mapping):
             raise ValueError(f"cost.meta = {meta!r:.60} must be a JSON object; use {{}} or drop it")
         step = StepCost.from_dict(obj["step"]) if obj.get("step") is not None else None
-        defaults = {k: obj[k] for k in ("comm", "hidden", "bytes_per_element", "weight_ms_per_token") if k in obj}
+        defaults = {k: obj[k] for k in ("comm", "hidden", "bytes_per_element", *WEIGHT_KEYS) if k in obj}
         if ("points" in obj) == ("stages" in obj):
             raise ValueError("cost needs exactly one of \"points\" (same cost on every stage) or \"stages\" "
                              f"(one object per stage), got keys {sorted(obj)}; see docs/cost_format.md")

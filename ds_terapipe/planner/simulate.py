@@ -4,7 +4,7 @@ The semantics are the runtime's (and :func:`~ds_terapipe.planner.schedule.replay
 stream in order, one compute action at a time; a send is issued when the stream reaches it and costs the stream
 nothing (isend); a receive blocks the stream until ``send issue time + comm_ms`` of the sender. F(s,b,i) costs
 ``cost.stage(s).forward_ms(slices[i], context=sum(slices[:i]), batch)``; B likewise with ``backward_ms``; a W
-(deferred weight gradients) ``weight_ms(sum(slices), batch)`` for a whole micro-batch, ``weight_ms(slices[i],
+(deferred weight gradients) ``sum_i weight_ms(slices[i], batch)`` for a whole micro-batch, ``weight_ms(slices[i],
 batch)`` when the schedule has one W per slice (0 for cost models without ``weight_ms``). A cost model with a
 whole-step part (``cost.step``, :mod:`~ds_terapipe.planner.step_cost`) adds its fixed cost to every action and
 its tail after the makespan (``SimResult.step_ms``).
@@ -247,14 +247,16 @@ def _cost_table(cost: Any, K: int, slices: Sequence[int], batch: int, weights_pe
     lens = np.asarray(slices, dtype=np.int64)
     context = np.concatenate(([0], np.cumsum(lens)[:-1])).astype(np.int64)
     table = np.zeros((4, K, len(lens)))
-    tokens = lens if weights_per_slice else int(lens.sum())
     for s in range(K):
         sc = cost.stage(s)
         rows = [(0, "forward_ms", lambda: sc.forward_ms(lens, context=context, batch=batch)),
                 (1, "backward_ms", lambda: sc.backward_ms(lens, context=context, batch=batch)),
                 (2, "comm_ms", lambda: sc.comm_ms(lens, batch=batch))]
         if callable(getattr(sc, "weight_ms", None)):
-            rows.append((3, "weight_ms", lambda: sc.weight_ms(tokens, batch=batch)))
+            # weight_ms is one slice's W work; a W covering the micro-batch does every slice's
+            rows.append((3, "weight_ms", (lambda: sc.weight_ms(lens, batch=batch)) if weights_per_slice else
+                         (lambda: np.sum(np.broadcast_to(np.asarray(sc.weight_ms(lens, batch=batch), float),
+                                                         lens.shape)))))
         for row, name, values in rows:
             got = np.broadcast_to(np.asarray(values(), dtype=float), lens.shape)
             if not np.all(np.isfinite(got)) or np.any(got < 0):

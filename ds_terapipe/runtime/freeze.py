@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import AutoFreezeConfig
-from ..planner.cost import PipelineCost
+from ..planner.cost import WEIGHT_KEYS, PipelineCost
 from ..planner.schedule import ActionKind, Schedule, add_communication, build_schedule
 from ..planner.simulate import simulate
 from .p2p import mark_collective
@@ -95,8 +95,9 @@ def frozen_cost(cost: Mapping[str, Any], parts: Sequence[int], num_frozen_layers
         share = 1.0 if stop <= start else min(1.0, max(0.0, (stop - max(start, num_frozen_layers)) / (stop - start)))
         for point in stage.get("points", ()):
             point["backward_ms"] *= share
-        if "weight_ms_per_token" in stage:
-            stage["weight_ms_per_token"] *= share
+        for key in WEIGHT_KEYS:
+            if key in stage:
+                stage[key] *= share
     return out
 
 

@@ -2,10 +2,11 @@
 
 The planner needs, per stage, forward and backward time of a slice of ``s`` tokens after a prefix of ``c``
 tokens (attention cost grows with the prefix). :func:`profile_stage` times that over a small grid of
-``(s, c)`` points on this rank's own device; with deferred weight gradients :func:`profile_weight_grads` adds
-the rate of the deferred pass. :func:`measure_costs` runs both on every stage, adds what the rest of a step costs
-(:mod:`ds_terapipe.runtime.step_profile`: optimizer, gradient reductions, sync, p2p) and gathers everything into
-one :class:`~ds_terapipe.planner.cost.PipelineCost` on global rank 0, which plans (:mod:`ds_terapipe.runtime.plan`).
+``(s, c)`` points on this rank's own device; with deferred weight gradients it also times each slice's deferred
+weight-gradient pass, which :func:`weight_cost` fits per slice and per token. :func:`measure_costs` runs it on
+every stage, adds what the rest of a step costs (:mod:`ds_terapipe.runtime.step_profile`: optimizer, gradient
+reductions, sync, p2p) and gathers everything into one :class:`~ds_terapipe.planner.cost.PipelineCost` on global
+rank 0, which plans (:mod:`ds_terapipe.runtime.plan`).
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ import statistics
 import time
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from ..planner.cost import PipelineCost
 from .context import MicroBatchState, SliceContext, cut_tokens, slice_scope
-from .deferred import WeightGradStash
+from .deferred import WeightGradAccumulator, WeightGradStash
 from .devices import synchronize
 from .p2p import as_tuple
 from .slice_check import probe_pass
@@ -28,7 +30,7 @@ from .step_profile import measure_step_terms
 if TYPE_CHECKING:  # pragma: no cover - annotations only
     from .engine import TokenPipelineEngine
 
-__all__ = ["MeasuredCosts", "measure_costs", "profile_stage", "profile_weight_grads"]
+__all__ = ["MeasuredCosts", "measure_costs", "profile_stage", "weight_cost"]
 
 
 class MeasuredCosts(NamedTuple):
@@ -77,8 +79,10 @@ def profile_stage(run: Callable[[Any], Any], params: list[torch.nn.Parameter], s
 
     Backward uses ``torch.autograd.grad``, so parameter ``.grad`` (and DeepSpeed's gradient hooks) are never
     touched. With ``deferred`` (weight gradients deferred, ``runtime/deferred.py``) the backward measured is the
-    input-gradient part the runtime runs per slice. ``clock`` (seconds) is a parameter so tests can drive the
-    timing. Returns points in the planner's cost-file format.
+    input-gradient part the runtime runs per slice, and each point also gets ``weight_ms``: that slice's
+    deferred weight-gradient work, timed after its backward (:func:`weight_cost` fits it; not a cost-file key).
+    ``clock`` (seconds) is a parameter so tests can drive the timing. Returns points in the planner's cost-file
+    format.
     """
     lengths = slice_lengths or _default_lengths(seq_len, granularity)
     grid = []
@@ -89,7 +93,11 @@ def profile_stage(run: Callable[[Any], Any], params: list[torch.nn.Parameter], s
         free = (seq_len - length) // granularity
         contexts = sorted({round(free * k / max(1, num_contexts - 1)) * granularity for k in range(num_contexts)})
         grid.extend((length, context) for context in contexts)
-    samples: dict[tuple[int, int], tuple[list[float], list[float]]] = {point: ([], []) for point in grid}
+    samples: dict[tuple[int, int], tuple[list[float], list[float], list[float]]] = {
+        point: ([], [], []) for point in grid}
+    # W of each slice goes into one running sum per weight, as the runtime's accumulator does (addmm_ into the
+    # step's sum, no fresh gradient per slice)
+    into = WeightGradAccumulator() if deferred else None
     # Rounds over the whole grid, not a point's repeats back to back: on a shared host a burst of foreign load
     # then spoils one sample of many points, which the median rejects, instead of every sample of a few points,
     # which skews the fitted model and with it the plan (seen: 4 or 13 slices where 6-8 are best).
@@ -110,42 +118,40 @@ def profile_stage(run: Callable[[Any], Any], params: list[torch.nn.Parameter], s
             _backward(out, params, leaves)
             synchronize()
             t2 = clock()
+            if state.weight_stash is not None:
+                state.weight_stash.compute(into)
+                synchronize()
+            t3 = clock() if deferred else t2
             if rep >= warmup:
-                fwd, bwd = samples[(length, context)]
+                fwd, bwd, wgt = samples[(length, context)]
                 fwd.append((t1 - t0) * 1e3)
                 bwd.append((t2 - t1) * 1e3)
+                wgt.append((t3 - t2) * 1e3)
     return [{"batch": batch, "slice": length, "context": context, "forward_ms": statistics.median(fwd),
-             "backward_ms": statistics.median(bwd)} for (length, context), (fwd, bwd) in samples.items()]
+             "backward_ms": statistics.median(bwd), **({"weight_ms": statistics.median(wgt)} if deferred else {})}
+            for (length, context), (fwd, bwd, wgt) in samples.items()]
 
 
-def profile_weight_grads(run: Callable[[Any], Any], params: list[torch.nn.Parameter], stage_input: Any, seq_len: int,
-                         granularity: int, batch: int, *,
-                         warmup: int = 1, repeats: int = 3, clock: Callable[[], float] = time.perf_counter) -> float:
-    """Milliseconds per token (and sequence) of the deferred weight-gradient pass of this stage.
+def weight_cost(points: list[dict], batch: int) -> tuple[float, float]:
+    """``(ms per slice, ms per token)`` of the deferred weight-gradient pass, per sequence, fitted to the
+    ``weight_ms`` that :func:`profile_stage` measured with ``deferred``: W of a slice of s tokens = a + b * s.
 
-    One micro-batch of ``seq_len`` tokens in two slices (so the pass accumulates over slices, as the runtime's
-    does) is run forward and backward, then the pass is timed without touching ``.grad``.
+    Why two terms: each slice's W is one GEMM per Linear over its tokens, and each GEMM reads the whole weight
+    matrix once, so cutting a micro-batch finer costs more W at the same token count (fitted on the benchmark CPU,
+    a stage of 4 GPT blocks of width 512: 2.5-8 ms per slice beside 0.35 ms per token). Least squares over every
+    point (context does not matter to W: the Linears see the slice alone); a negative intercept from noise is
+    refitted through 0, a negative slope replaced by a constant per slice.
     """
-    half = max(granularity, (seq_len // 2) // granularity * granularity)
-    bounds = [(0, half), (half, seq_len)] if half < seq_len else [(0, seq_len)]
-    times = []
-    for rep in range(warmup + repeats):
-        state = MicroBatchState(0, seq_len, len(bounds))
-        state.weight_stash = WeightGradStash()
-        outs = []
-        for i, (lo, hi) in enumerate(bounds):
-            inputs, leaves = _slice_leaves(stage_input, lo, hi, seq_len)
-            with slice_scope(SliceContext(0, i, lo, hi, state)):
-                outs.append((_differentiable(run(inputs)), leaves))
-        for out, leaves in reversed(outs):  # later slices first, as the runtime (KV gradients flow backwards)
-            _backward(out, params, leaves)
-        synchronize()
-        t0 = clock()
-        state.weight_stash.compute()
-        synchronize()
-        if rep >= warmup:
-            times.append((clock() - t0) * 1e3)
-    return statistics.median(times) / (seq_len * batch)
+    s = np.array([p["slice"] for p in points], dtype=float)
+    w = np.array([p["weight_ms"] for p in points], dtype=float)
+    if len(np.unique(s)) >= 2:
+        b, a = np.polyfit(s, w, 1)
+        if a >= 0 and b >= 0:
+            return float(a) / batch, float(b) / batch
+        if b < 0:   # noise swamped the slope: a constant per slice
+            return float(np.mean(w)) / batch, 0.0
+    rate = float(np.sum(w * s) / np.sum(s * s))
+    return 0.0, max(rate, 0.0) / batch
 
 
 def measure_costs(engine: "TokenPipelineEngine", stage_input: Optional[dict[int, Any]] = None,
@@ -176,13 +182,13 @@ def measure_costs(engine: "TokenPipelineEngine", stage_input: Optional[dict[int,
                                    engine.micro_batch_size, slice_lengths=cfg.profile.slice_lengths,
                                    num_contexts=cfg.profile.num_contexts, warmup=cfg.profile.warmup,
                                    repeats=cfg.profile.repeats, deferred=cfg.deferred_weight_grads)
-            weight_rate = None
+            weight = {}
             if cfg.deferred_weight_grads:
-                weight_rate = profile_weight_grads(engine.module, params, chunk_input, seq_len, cfg.granularity,
-                                                   engine.micro_batch_size, warmup=cfg.profile.warmup,
-                                                   repeats=cfg.profile.repeats)
+                per_slice, per_token = weight_cost(points, engine.micro_batch_size)
+                weight = {"weight_ms_per_slice": per_slice, "weight_ms_per_token": per_token}
+                points = [{k: v for k, v in p.items() if k != "weight_ms"} for p in points]
             first = as_tuple(chunk_input)[0]
-            mine.append({"chunk": chunk, "points": points, "weight_ms_per_token": weight_rate,
+            mine.append({"chunk": chunk, "points": points, "weight": weight,
                          "layers": len(engine.module.forward_funcs),
                          "hidden": first.shape[-1] if first.is_floating_point() else None,
                          "bytes": first.element_size() if first.is_floating_point() else 4})
@@ -202,8 +208,7 @@ def measure_costs(engine: "TokenPipelineEngine", stage_input: Optional[dict[int,
     hidden = next((m["hidden"] for m in stage_meta if m["hidden"]), None)
     for m in stage_meta:
         m["hidden"] = hidden
-    cost = PipelineCost.from_dict({"stages": [{"points": c["points"], **({} if c["weight_ms_per_token"] is None else
-                                              {"weight_ms_per_token": c["weight_ms_per_token"]}),
+    cost = PipelineCost.from_dict({"stages": [{"points": c["points"], **c["weight"],
                                                **_comm_of(ranks[engine.placement[c["chunk"]]]["terms"], hidden,
                                                           max(m["bytes"] for m in stage_meta))}
                                               for c in chunks],

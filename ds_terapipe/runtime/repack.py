@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ..planner.cost import WEIGHT_KEYS
 from .p2p import mark_collective
 
 if TYPE_CHECKING:  # pragma: no cover - annotations only
@@ -76,7 +77,7 @@ def merged_cost(cost: Optional[Mapping[str, Any]], num_stages: int, k: int) -> O
         return None
     stages = cost.get("stages")
     if stages is None:
-        shared = {key: cost[key] for key in ("points", "comm", "hidden", "bytes_per_element", "weight_ms_per_token")
+        shared = {key: cost[key] for key in ("points", "comm", "hidden", "bytes_per_element", *WEIGHT_KEYS)
                   if key in cost}
         stages = [copy.deepcopy(shared) for _ in range(num_stages)]
     out_stages = []
@@ -94,8 +95,10 @@ def merged_cost(cost: Optional[Mapping[str, Any]], num_stages: int, k: int) -> O
         complete = [point for key, point in by_key.items()
                     if all(any((q["batch"], q["slice"], q["context"]) == key for q in m["points"]) for m in members)]
         merged["points"] = complete
-        if all("weight_ms_per_token" in m for m in members):
-            merged["weight_ms_per_token"] = sum(m["weight_ms_per_token"] for m in members)
+        for key in WEIGHT_KEYS:
+            merged.pop(key, None)
+            if any(key in m for m in members):   # a merged stage's W of a slice is its members' W of it
+                merged[key] = sum(m.get(key, 0.0) for m in members)
         out_stages.append(merged)
     out: dict[str, Any] = {"stages": out_stages, "num_stages": num_stages // k}
     if cost.get("meta") is not None:

@@ -24,7 +24,6 @@ across a switch with the unsliced reference).
 
 from __future__ import annotations
 
-import copy
 import logging
 from collections import defaultdict
 from dataclasses import replace
@@ -32,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional
 
 import torch.distributed as dist
 
-from ..planner.cost import PipelineCost
+from ..planner.cost import PipelineCost, scaled_cost
 from ..planner.schedule import ActionKind, build_schedule
 from ..planner.simulate import TimedAction, simulate
 
@@ -75,40 +74,37 @@ def _action_ms(cost: PipelineCost, chunk: int, kind: str) -> float:
     return cost.step.action_ms({"F": "forward", "B": "backward", "W": "weight"}[kind], chunk, cost.num_stages)
 
 
-def _predicted_ms(cost: PipelineCost, chunk: int, kind: str, slice_len: int, context: int, batch: int) -> float:
+def _predicted_ms(cost: PipelineCost, chunk: int, kind: str, slice_len: int, context: int, batch: int,
+                  slices: Optional[tuple[int, ...]]) -> float:
     stage = cost.stage(chunk)
     if kind == "F":
         return float(stage.forward_ms(slice_len, context, batch))
     if kind == "B":
         return float(stage.backward_ms(slice_len, context, batch))
+    if slices is not None and slice_len == sum(slices):   # one W for the micro-batch: every slice's W work
+        return float(sum(float(stage.weight_ms(s, batch)) for s in slices))
     return float(stage.weight_ms(slice_len, batch))
 
 
 def refit_cost(cost: Mapping[str, Any], samples: Iterable[tuple[int, str, int, int, int, float]],
-               batch: int) -> tuple[dict[str, Any], dict[int, dict[str, float]]]:
+               batch: int, slices: Optional[tuple[int, ...]] = None
+               ) -> tuple[dict[str, Any], dict[int, dict[str, float]]]:
     """Scale each chunk's cost points by what the samples measured over what ``cost`` predicts for them.
 
-    Returns the refit cost (the cost-file dict, as plans and the plan cache store it) and the ratios per chunk
-    and kind. A kind without samples, or whose prediction is zero, keeps its scale (ratio 1).
+    ``slices``: the plan the samples ran (a ``W`` sample covering ``sum(slices)`` tokens is one W per micro-batch,
+    predicted as the sum of its slices' W work). Returns the refit cost (the cost-file dict, as plans and the
+    plan cache store it) and the ratios per chunk and kind. A kind without samples, or whose prediction is zero,
+    keeps its scale (ratio 1).
     """
     model = PipelineCost.from_dict(cost)
     measured: dict[tuple[int, str], float] = defaultdict(float)
     predicted: dict[tuple[int, str], float] = defaultdict(float)
     for chunk, kind, length, context, count, ms in samples:
         measured[(chunk, kind)] += max(0.0, ms - count * _action_ms(model, chunk, kind))   # the points' share
-        predicted[(chunk, kind)] += count * _predicted_ms(model, chunk, kind, length, context, batch)
-    ratios: dict[int, dict[str, float]] = {}
-    out = copy.deepcopy(dict(cost))
-    for chunk, stage in enumerate(out["stages"]):
-        scale = {k: measured[(chunk, k)] / predicted[(chunk, k)] if predicted.get((chunk, k), 0.0) > 0 else 1.0
-                 for k in ("F", "B", "W")}
-        ratios[chunk] = scale
-        for point in stage.get("points", ()):
-            point["forward_ms"] *= scale["F"]
-            point["backward_ms"] *= scale["B"]
-        if "weight_ms_per_token" in stage:
-            stage["weight_ms_per_token"] *= scale["W"]
-    return out, ratios
+        predicted[(chunk, kind)] += count * _predicted_ms(model, chunk, kind, length, context, batch, slices)
+    ratios = {chunk: {k: measured[(chunk, k)] / predicted[(chunk, k)] if predicted.get((chunk, k), 0.0) > 0
+                      else 1.0 for k in ("F", "B", "W")} for chunk in range(len(cost["stages"]))}
+    return scaled_cost(cost, ratios), ratios
 
 
 class Replanner:
@@ -158,7 +154,7 @@ class Replanner:
         def decide() -> Optional[dict[str, Any]]:
             if plan.cost is None:  # slices from the config: nothing to re-plan
                 return None
-            cost, ratios = refit_cost(plan.cost, [s for rank in gathered for s in rank], batch)
+            cost, ratios = refit_cost(plan.cost, [s for rank in gathered for s in rank], batch, plan.slices)
             model = PipelineCost.from_dict(cost)
             cfg = engine.terapipe
             current = simulate(build_schedule(cfg.schedule, engine.num_stages, engine.micro_batches,
