@@ -46,6 +46,11 @@ class ProfileConfig(DeepSpeedConfigModel):
     """Timed rounds over the grid; each point keeps its median. Three, so the median rejects one disturbed sample
     (the median of two is their mean)."""
 
+    recheck_cached: bool = True
+    """On a plan-cache hit, time one slice length again (about a second) and rescale the cached costs when the
+    device now runs more than 5% faster or slower than when they were profiled (another host of the same type, a
+    shared host under other load): the plan and its predicted step then match this run's speed."""
+
 
 class ReplanConfig(DeepSpeedConfigModel):
     """Online re-planning (``runtime/replan.py``): after warm-up, refit the cost model to measured action times

@@ -7,7 +7,9 @@
    refused on every rank; its probe pass leaves each stage a realistic input.
 3. For ``"auto"``: global rank 0 looks in the plan cache (:mod:`ds_terapipe.runtime.plan_cache`). On a miss
    every stage profiles its own layers on its own device (:mod:`ds_terapipe.runtime.profile`), rank 0 gathers
-   the costs, solves with the planner and broadcasts the plan. A rank never plans alone.
+   the costs, solves with the planner and broadcasts the plan. A rank never plans alone. On a hit every stage
+   re-times one slice length (``terapipe.profile.recheck_cached``); when the device now runs more than 5% off
+   the cached costs they are rescaled and the plan solved again, so its predicted step is this run's.
 4. All ranks check they hold the same slices before the first step.
 
 The result is a :class:`ResolvedPlan`, an immutable value the engine keeps. It carries what planning another
@@ -23,12 +25,12 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch.distributed as dist
 
-from ..planner.cost import PipelineCost
+from ..planner.cost import PipelineCost, scaled_cost
 from ..planner.slicing import MemoryModel, SlicingPlan, plan_slicing
 from .p2p import mark_collective
 from .plan_cache import cache_entry, gather_fingerprints, load_cached, store_plan
 from .recompute import planned_activation_factor
-from .profile import measure_costs
+from .profile import measure_costs, recheck_costs
 from .slice_check import check_stage_slicing
 
 if TYPE_CHECKING:  # pragma: no cover - annotations only
@@ -100,24 +102,43 @@ def _auto_plan(engine: "TokenPipelineEngine", known: Optional[ResolvedPlan], sta
     stage_meta = known.stage_meta if known is not None else None
     entry = cache_entry(engine, fingerprints, seq_len)
 
-    def from_cache_or_known_costs() -> Optional[tuple[str, dict]]:
+    def from_cache_or_known_costs() -> Optional[tuple[str, dict, bool]]:
         nonlocal cost, stage_meta
         cached = load_cached(entry)
         if cached is not None:
             cost = cost or cached.get("cost")
             stage_meta = stage_meta or cached.get("stage_meta")
-            return "cache", cached["plan"]
+            return "cache", cached["plan"], cost is not None
         if cost is not None:
             # a new sequence length: the costs measured at init cover it, no re-profiling
             plan = _solve(engine, PipelineCost.from_dict(cost, num_stages=engine.num_chunks), stage_meta, seq_len)
             store_plan(entry, plan, cost, stage_meta)
-            return "planned", plan.to_dict()
+            return "planned", plan.to_dict(), False
         return None
 
     decision = _decided_on_rank0(from_cache_or_known_costs)
     if decision is not None:
-        source, plan_dict = decision
+        source, plan_dict, has_cost = decision
         plan = SlicingPlan.from_dict(plan_dict)
+        if source == "cache" and has_cost and stage_input is not None and engine.terapipe.profile.recheck_cached:
+            ratios = recheck_costs(engine, stage_input, seq_len, cost, _recheck_length(plan.slices, engine))
+
+            def rescaled() -> dict:
+                nonlocal cost
+                drift = max(abs(r - 1.0) for chunk in ratios.values() for r in chunk.values())
+                shown = {c: {k: round(v, 2) for k, v in r.items()} for c, r in ratios.items()}
+                if drift <= RECHECK_TOLERANCE:
+                    logger.info("terapipe: cached costs re-timed: measured / cached per chunk %s, within %.0f%%: "
+                                "plan kept", shown, 100 * RECHECK_TOLERANCE)
+                    return plan_dict
+                logger.info("terapipe: cached costs re-timed: measured / cached per chunk %s: this run's device "
+                            "is off the cached profile by up to %.0f%%, rescaling the costs and planning again",
+                            shown, 100 * drift)
+                cost = scaled_cost(cost, ratios)
+                return _solve(engine, PipelineCost.from_dict(cost, num_stages=engine.num_chunks), stage_meta,
+                              seq_len).to_dict()
+
+            plan = SlicingPlan.from_dict(_decided_on_rank0(rescaled))
         return ResolvedPlan(tuple(plan.slices), source, plan, cost, stage_meta, fingerprints)
 
     if stage_input is None:
@@ -139,6 +160,18 @@ def _auto_plan(engine: "TokenPipelineEngine", known: Optional[ResolvedPlan], sta
 
     plan = SlicingPlan.from_dict(_decided_on_rank0(from_measured))
     return ResolvedPlan(tuple(plan.slices), "profiled", plan, cost, stage_meta, fingerprints)
+
+
+#: a plan-cache hit whose re-timed costs all lie within this fraction of the cached ones keeps its plan
+RECHECK_TOLERANCE = 0.05
+
+
+def _recheck_length(slices: tuple[int, ...], engine: "TokenPipelineEngine") -> int:
+    """The slice length a cache recheck times: the plan's median slice, on the granularity grid (every rank
+    derives the same from the broadcast plan)."""
+    g = engine.terapipe.granularity
+    median = sorted(slices)[len(slices) // 2]
+    return min(max(g, round(median / g) * g), sum(slices) // g * g)
 
 
 def _decided_on_rank0(decide: Callable[[], Any]) -> Any:

@@ -6,7 +6,8 @@ tokens (attention cost grows with the prefix). :func:`profile_stage` times that 
 weight-gradient pass, which :func:`weight_cost` fits per slice and per token. :func:`measure_costs` runs it on
 every stage, adds what the rest of a step costs (:mod:`ds_terapipe.runtime.step_profile`: optimizer, gradient
 reductions, sync, p2p) and gathers everything into one :class:`~ds_terapipe.planner.cost.PipelineCost` on global
-rank 0, which plans (:mod:`ds_terapipe.runtime.plan`).
+rank 0, which plans (:mod:`ds_terapipe.runtime.plan`). :func:`recheck_costs` re-times one slice length against
+costs from the plan cache.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from .step_profile import measure_step_terms
 if TYPE_CHECKING:  # pragma: no cover - annotations only
     from .engine import TokenPipelineEngine
 
-__all__ = ["MeasuredCosts", "measure_costs", "profile_stage", "weight_cost"]
+__all__ = ["MeasuredCosts", "measure_costs", "profile_stage", "recheck_costs", "weight_cost"]
 
 
 class MeasuredCosts(NamedTuple):
@@ -214,6 +215,49 @@ def measure_costs(engine: "TokenPipelineEngine", stage_input: Optional[dict[int,
                                               for c in chunks],
                                    "step": _step_of(ranks, engine.placement)}, num_stages=engine.num_chunks)
     return MeasuredCosts(cost, tuple(stage_meta), profile_s)
+
+
+def recheck_costs(engine: "TokenPipelineEngine", stage_input: dict[int, Any], seq_len: int,
+                  cost: dict, slice_len: int) -> Optional[dict[int, dict[str, float]]]:
+    """How fast this device runs now relative to ``cost`` (collective): every chunk times slices of
+    ``slice_len`` tokens at two contexts once more (one warm-up, two timed rounds) and global rank 0 returns,
+    per chunk, measured / predicted for forward, backward and (deferred) weight gradients; None elsewhere.
+
+    Why: a plan-cache hit reuses costs profiled in an earlier launch; on a shared host (or another host of the
+    same type) the same layers can run 20-30% slower or faster minutes later, and a plan's predicted step is then
+    off by that much (measured: -23% through the example trainer). :func:`~ds_terapipe.planner.cost.scaled_cost`
+    applies the ratios.
+    """
+    cfg = engine.terapipe
+    params = list(engine.module.parameters())
+    mine = []
+    for chunk in engine.local_chunks:
+        with engine._on_chunk(chunk):
+            mine.append((chunk, profile_stage(engine.module, params, stage_input[chunk], seq_len, cfg.granularity,
+                                              engine.micro_batch_size, slice_lengths=[slice_len], num_contexts=2,
+                                              warmup=1, repeats=2, deferred=cfg.deferred_weight_grads)))
+    engine._barrier("re-timing the cached costs")
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (engine.grid.data_parallel_id, mine))
+    if dist.get_rank() != 0:
+        return None
+    model = PipelineCost.from_dict(cost)
+    ratios: dict[int, dict[str, float]] = {}
+    for dp, chunks in gathered:
+        for chunk, points in chunks if dp == 0 else ():
+            stage, batch = model.stage(chunk), engine.micro_batch_size
+            sums = {"F": [0.0, 0.0], "B": [0.0, 0.0], "W": [0.0, 0.0]}
+            for p in points:
+                s, c = p["slice"], p["context"]
+                sums["F"][0] += p["forward_ms"]
+                sums["F"][1] += float(stage.forward_ms(s, c, batch))
+                sums["B"][0] += p["backward_ms"]
+                sums["B"][1] += float(stage.backward_ms(s, c, batch))
+                if "weight_ms" in p:
+                    sums["W"][0] += p["weight_ms"]
+                    sums["W"][1] += float(stage.weight_ms(s, batch))
+            ratios[chunk] = {k: (got / want if want > 0 else 1.0) for k, (got, want) in sums.items()}
+    return ratios
 
 
 def _comm_of(terms: dict, hidden: Optional[int], element_bytes: int) -> dict:
