@@ -47,9 +47,10 @@ class ProfileConfig(DeepSpeedConfigModel):
     (the median of two is their mean)."""
 
     recheck_cached: bool = True
-    """On a plan-cache hit, time one slice length again (about a second) and rescale the cached costs when the
-    device now runs more than 5% faster or slower than when they were profiled (another host of the same type, a
-    shared host under other load): the plan and its predicted step then match this run's speed."""
+    """On a plan-cache hit, time the plan's median slice length again (about a second per stage) and, when the
+    device now runs more than 5% faster or slower than the cached costs (a shared host under other load, another
+    host of the same type), rescale them and solve again: the plan and its predicted step match this run's
+    speed. Not part of the cache key."""
 
 
 class ReplanConfig(DeepSpeedConfigModel):
