@@ -784,6 +784,22 @@ def suite_virtual_features(extra: dict) -> list[dict]:
                     "switch": decision["switch"], "best": decision["best"]["slices"], "gain": decision["gain"],
                     "ratios": decision["ratios"], "recording": engine.record_timeline})
 
+    # the same, with a gain no plan reaches: the plan is kept, and its prediction becomes the refit model's
+    STATUS["case"] = "replan kept"
+    engine = _chunked_engine(cfg, {"seq_len": seq_len, "slices": "auto", "granularity": 8,
+                                   "schedule": "interleaved-1f1b", "profile": prof,
+                                   "replan": {"enabled": True, "warmup_steps": 1, "measure_steps": 1,
+                                              "min_gain": 100.0}})
+    before = engine.predicted_step_ms
+    kept = [list(engine.slices)]
+    for _ in range(3):
+        engine.train_batch(iter(batches))
+        kept.append(list(engine.slices))
+    decision = engine.replanner.decision
+    results.append({"case": STATUS["case"], "slices": kept, "switch": decision["switch"],
+                    "current_ms": decision["current_ms"], "predicted_before": before,
+                    "predicted_after": engine.predicted_step_ms, "source": engine.plan_source})
+
     # activation checkpointing per chunk (each chunk's segments, recomputed per slice)
     for sched in ("interleaved-1f1b", "dualpipev"):
         STATUS["case"] = f"recompute {sched}"

@@ -165,3 +165,14 @@ def test_online_replanning_switches_every_rank_at_the_same_step_without_changing
     assert all(d["steps"] == case["steps"] and d["best"] == case["best"] for d in decisions)
     assert [s["loss"] for s in case["steps"]] == pytest.approx(case["ref_losses"], rel=TOL)
     assert set(case["ratios"]) == {"0", "1", "2", "3"} and not any(d["recording"] for d in decisions)
+
+
+@pytest.mark.timeout(700)
+def test_a_kept_plan_reports_the_refit_prediction(features) -> None:
+    # min_gain 100: nothing switches; what the trainer prints as the plan's step becomes the refit model's
+    for by_case in features:
+        case = by_case["replan kept"]
+        assert not case["switch"] and case["source"] != "replanned"
+        assert all(s == case["slices"][0] for s in case["slices"]), case
+        assert case["predicted_after"] == pytest.approx(case["current_ms"]) and case["current_ms"] > 0
+    assert features[0]["replan kept"]["current_ms"] == features[1]["replan kept"]["current_ms"]   # one decision

@@ -184,11 +184,18 @@ class Replanner:
 
 def _replanned(plan: "ResolvedPlan", decision: Mapping[str, Any]) -> "ResolvedPlan":
     """The plan to run from now on: the new slicing if switching, else the old one; the refit costs either way
-    (sequence lengths planned later start from them)."""
+    (sequence lengths planned later start from them). A kept plan's prediction becomes the refit model's (its
+    step and unsliced times; the bubble fraction stays as planned), so ``engine.predicted_step_ms``, which the
+    example trainer prints beside the measured step, reports what the measured actions imply."""
     from ..planner.slicing import SlicingPlan
 
     if not decision["switch"]:
-        return replace(plan, cost=decision["cost"] if plan.cost is not None else None)
+        planner = plan.planner
+        if planner is not None:
+            unsliced = float(decision["best"]["unsliced_ms"])
+            planner = replace(planner, predicted_ms=float(decision["current_ms"]), unsliced_ms=unsliced,
+                              speedup=unsliced / float(decision["current_ms"]))
+        return replace(plan, planner=planner, cost=decision["cost"] if plan.cost is not None else None)
     best = SlicingPlan.from_dict(decision["best"])
     return replace(plan, slices=tuple(best.slices), source="replanned", planner=best,
                    cost=decision["cost"] if plan.cost is not None else None)
