@@ -224,7 +224,8 @@ def layer_work(layers: Sequence[StageCost], slices: Sequence[int], units: int, b
         key = layer.cache_key()
         if key not in seen:
             f = np.sum(layer.forward_ms(lens, ctx, batch)) + np.sum(layer.backward_ms(lens, ctx, batch))
-            seen[key] = units * float(f) + units * float(np.sum(np.broadcast_to(layer.weight_ms(lens, batch), lens.shape)))
+            w = np.sum(np.broadcast_to(layer.weight_ms(lens, batch), lens.shape))   # every slice's W work
+            seen[key] = units * float(f) + units * float(w)
         out[i] = seen[key]
     return out
 

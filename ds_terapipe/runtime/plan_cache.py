@@ -66,7 +66,9 @@ def cache_entry(engine: "TokenPipelineEngine", fingerprints: tuple, seq_len: int
         "schedule": cfg.schedule, "virtual_stages": cfg.virtual_stages, "max_slices": cfg.max_slices, "memory_limit_gb": cfg.memory_limit_gb,
         "deferred_weight_grads": cfg.deferred_weight_grads,
         "activation_checkpoint_interval": engine.module.activation_checkpoint_interval,  # profiled with recompute
-        "profile": cfg.profile.model_dump(exclude={"recheck_cached"}),   # re-timing a hit shapes no cached plan "device": str(engine.device.type), "torch": torch.__version__,
+        # re-timing a hit (recheck_cached) shapes no cached plan: not part of the key
+        "profile": cfg.profile.model_dump(exclude={"recheck_cached"}), "device": str(engine.device.type),
+        "torch": torch.__version__,
         "threads": torch.get_num_threads(),
     }
     key = hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:20]
