@@ -154,9 +154,9 @@ def _retimed(engine: "TokenPipelineEngine", stage_input: Any, seq_len: int, plan
 
     Why: a plan-cache hit reuses an earlier launch's profile, and the shared benchmark host runs the same layers
     10-30% slower or faster minutes apart: a cached plan predicted the trainer's step 23% short; re-timed, the
-    cache hits of the same benchmark predicted within -4.6% to +4.0% in one run and -7.0% to +2.5% in the next.
-    (Re-timing right after a fresh profile was tried: it moved the costs by up to 9% but did not bring those
-    launches' predictions closer on average, so a fresh profile is used as measured.)
+    cache hits of the same benchmark predicted within -4.6% to +4.0% in one run and -13.7% to +2.5% in a noisier
+    one. (Re-timing right after a fresh profile was tried: it moved the costs by up to 12% but did not bring
+    those launches' predictions closer on average, so a fresh profile is used as measured.)
     """
     if not engine.terapipe.profile.recheck_cached:
         return plan, cost
