@@ -34,7 +34,6 @@ move it) and cannot drop part of a flat state; they are refused at init.
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 from dataclasses import replace
@@ -44,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import AutoFreezeConfig
-from ..planner.cost import WEIGHT_KEYS, PipelineCost
+from ..planner.cost import PipelineCost, scaled_cost
 from ..planner.schedule import ActionKind, Schedule, add_communication, build_schedule
 from ..planner.simulate import simulate
 from .p2p import mark_collective
@@ -89,16 +88,12 @@ def frozen_cost(cost: Mapping[str, Any], parts: Sequence[int], num_frozen_layers
     scaled by the share of its layers that still train: 0 for a chunk of frozen layers, ``(stop - k) / (stop -
     start)`` for the chunk the frozen prefix ends in (layers weighted equally: the profile times chunks, not
     layers). Forwards are unchanged: frozen layers still run them."""
-    out = copy.deepcopy(dict(cost))
-    for c, stage in enumerate(out["stages"]):
+    shares = {}
+    for c in range(len(cost["stages"])):
         start, stop = parts[c], parts[c + 1]
         share = 1.0 if stop <= start else min(1.0, max(0.0, (stop - max(start, num_frozen_layers)) / (stop - start)))
-        for point in stage.get("points", ()):
-            point["backward_ms"] *= share
-        for key in WEIGHT_KEYS:
-            if key in stage:
-                stage[key] *= share
-    return out
+        shares[c] = {"B": share, "W": share}
+    return scaled_cost(cost, shares)
 
 
 def auto_freeze_count(frozen: int, previous: Mapping[int, float], current: Mapping[int, float],

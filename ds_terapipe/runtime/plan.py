@@ -162,9 +162,9 @@ def _retimed(engine: "TokenPipelineEngine", stage_input: Any, seq_len: int, plan
         return plan, cost
     length = _recheck_length(plan.slices, engine)
     ratios = recheck_costs(engine, stage_input, seq_len, cost, length)   # rank 0's, None elsewhere
-    box = {"cost": cost}
 
     def decide() -> dict:
+        nonlocal cost
         assert ratios is not None and cost is not None
         drift = max(abs(r - 1.0) for chunk in ratios.values() for r in chunk.values())
         shown = {c: {k: round(v, 2) for k, v in r.items()} for c, r in ratios.items()}
@@ -174,11 +174,11 @@ def _retimed(engine: "TokenPipelineEngine", stage_input: Any, seq_len: int, plan
             return plan.to_dict()
         logger.info("terapipe: cached costs re-timed at %d-token slices: measured / cached per chunk %s, up to "
                     "%.0f%% off: rescaling the costs and planning again", length, shown, 100 * drift)
-        box["cost"] = scaled_cost(cost, ratios)
-        return _solve(engine, PipelineCost.from_dict(box["cost"], num_stages=engine.num_chunks), stage_meta,
+        cost = scaled_cost(cost, ratios)
+        return _solve(engine, PipelineCost.from_dict(cost, num_stages=engine.num_chunks), stage_meta,
                       seq_len).to_dict()
 
-    return SlicingPlan.from_dict(_decided_on_rank0(decide)), box["cost"]
+    return SlicingPlan.from_dict(_decided_on_rank0(decide)), cost
 
 
 #: a plan-cache hit whose re-timed costs all lie within this fraction of the cached ones keeps its plan

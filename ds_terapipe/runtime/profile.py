@@ -119,10 +119,11 @@ def profile_stage(run: Callable[[Any], Any], params: list[torch.nn.Parameter], s
             _backward(out, params, leaves)
             synchronize()
             t2 = clock()
-            if state.weight_stash is not None:
+            t3 = t2
+            if deferred:
                 state.weight_stash.compute(into)
                 synchronize()
-            t3 = clock() if deferred else t2
+                t3 = clock()
             if rep >= warmup:
                 fwd, bwd, wgt = samples[(length, context)]
                 fwd.append((t1 - t0) * 1e3)
