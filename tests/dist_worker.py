@@ -177,6 +177,19 @@ def clip_result(case: str, engine: Any, losses: list[float], norms: list[Optiona
             "param_worst": param_err[1]}
 
 
+def count_calls(obj: Any, name: str) -> list[int]:
+    """Wrap ``obj.name`` (a method) on the instance; the returned list grows by one per call."""
+    calls: list[int] = []
+    original = getattr(obj, name)
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    setattr(obj, name, spy)
+    return calls
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / max(float(b.norm()), 1e-12))
 
@@ -549,12 +562,17 @@ def suite_features(extra: dict) -> list[dict]:
     clip_losses, _, clip_params = reference_step(cfg, batches * num_steps, num_steps, lr=0.1, momentum=0.0,
                                                  max_norm=CLIP, norms=clip_norms)
     clip_tp = {"seq_len": seq_len, "slices": [16, 32, 16], "schedule": "1f1b"}
-    STATUS["case"] = "clip fp32"
-    engine = _engine(cfg, gpt_layer_specs(cfg), clip_tp, extra_config={"gradient_clipping": CLIP})
-    losses, norms = train_steps(engine, iter(batches * num_steps), num_steps)
-    params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-    results.append(clip_result(STATUS["case"], engine, losses, norms, (clip_losses, clip_norms),
-                               compare(params, clip_params, engine.stage_id)[:2]))
+    # with one replica DeepSpeed's data-parallel reduction is skipped where it is an identity (fp32, ZeRO 0)
+    # and runs where it is not (a pre-divide factor: scaled by 1/2, reduced, scaled back); the same result
+    for label, reduction in (("clip fp32", {}), ("clip fp32 predivide", {"gradient_predivide_factor": 2.0})):
+        STATUS["case"] = label
+        engine = _engine(cfg, gpt_layer_specs(cfg), clip_tp, extra_config={"gradient_clipping": CLIP, **reduction})
+        reductions = count_calls(engine, "allreduce_gradients")
+        losses, norms = train_steps(engine, iter(batches * num_steps), num_steps)
+        params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+        results.append({**clip_result(label, engine, losses, norms, (clip_losses, clip_norms),
+                                      compare(params, clip_params, engine.stage_id)[:2]),
+                        "ds_reductions": len(reductions), "steps": num_steps})
     # where DeepSpeed's optimizers clip: bf16 with ZeRO 0 (BF16_Optimizer) and fp16 with ZeRO 1
     # (DeepSpeedZeroOptimizer, loss-scaled): the norm and the fp32 master weights' update, to half precision.
     # DeepSpeed's CPU accelerator offers fp16 only where oneDNN has fp16 kernels (AVX512-FP16/AMX: some Intel

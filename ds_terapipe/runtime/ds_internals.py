@@ -92,6 +92,13 @@ INTERNALS: tuple[Internal, ...] = (
        "shards' exchange (runtime/vocab.py)"),
     _i(_ENGINE, "_exec_reduce_grads", "attr", f"{_E} ReduceGrads",
        "the step's deferred weight gradients reach .grad before the data-parallel reduction (runtime/deferred.py)"),
+    _i(_ENGINE, "pipeline_enable_backward_allreduce", "instance", f"{_E} ReduceGrads",
+       "DeepSpeed's reduction is skipped where it would be an identity (one replica, fp32/fp16, no ZeRO)"),
+    *(_i(_DS_ENGINE, name, "attr", f"{_E} ReduceGrads", "decides whether the one-replica reduction is an identity")
+      for name in ("zero_optimization_stage", "communication_data_type", "postscale_gradients",
+                   "gradient_predivide_factor")),
+    *(_i(_DS_ENGINE, name, "instance", f"{_E} ReduceGrads", "decides whether the one-replica reduction is an "
+         "identity") for name in ("has_moe_layers", "gradient_average")),
     _i(_ENGINE, "_exec_optimizer_step", "attr", f"{_E} OptimizerStep",
        "the deferred weight gradients reach .grad (if no reduction came first); the auto freeze policy reads the "
        "reduced gradients right before the step (runtime/freeze.py)"),
