@@ -403,8 +403,10 @@ def check_targets(report: dict) -> list[dict]:
                                "after the rounds", "value": r["reprofiled_err"],
                                "met": abs(r["reprofiled_err"]) <= 0.10})
         if r["variant"] == "slices=1":
-            checks.append({"target": f"m={r['m']} slices=1 within 3% of stock", "value": r["speedup"],
-                           "met": abs(1.0 / r["speedup"] - 1.0) <= 0.03})
+            # the engine's own overhead: one slice may not cost more than stock (it may cost less: one replica
+            # skips DeepSpeed's identity gradient reduction, runtime/engine.py _dp_reduce_is_identity)
+            checks.append({"target": f"m={r['m']} slices=1 at most 3% slower than stock", "value": r["speedup"],
+                           "met": 1.0 / r["speedup"] - 1.0 <= 0.03})
         stock = next((x for x in rows if x["m"] == r["m"] and x["variant"] == "stock"), None)
         if r["variant"] == "auto/1f1b" and stock is not None:
             worst = max(a / s for a, s in zip(r["activation_mib"], stock["activation_mib"]))
