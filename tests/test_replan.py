@@ -9,7 +9,7 @@ from ds_terapipe.config import parse_terapipe_config
 from ds_terapipe.planner.cost import PipelineCost
 from ds_terapipe.planner.schedule import Action, ActionKind
 from ds_terapipe.planner.simulate import TimedAction
-from ds_terapipe.runtime.replan import measured_sums, refit_cost
+from ds_terapipe.runtime.replan import measured_over_predicted, measured_sums, refit_cost
 
 F, B, W = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.WEIGHT
 
@@ -65,6 +65,17 @@ def test_refit_predicts_one_w_per_micro_batch_as_its_slices_w_work() -> None:
     assert ratios[1]["W"] == pytest.approx(1.25)
     assert refit["stages"][1]["weight_ms_per_slice"] == pytest.approx(1.25)
     assert refit["stages"][1]["weight_ms_per_token"] == pytest.approx(0.05 * 1.25)
+
+
+def test_a_step_s_actions_lose_the_fixed_cost_per_action_a_profile_s_points_keep_theirs() -> None:
+    # the refit (a step's actions) takes the model's fixed 0.5 ms per forward off first; the plan cache's
+    # re-timing (profile points, per_action=False) compares the whole milliseconds
+    cost = {**_cost(), "step": {"action_ms": {"forward": 0.5}}}
+    f = float(PipelineCost.from_dict(cost).stage(0).forward_ms(16, 16, 1))
+    samples = [(0, "F", 16, 16, 2, 2 * (2 * f + 0.5))]
+    assert measured_over_predicted(cost, samples, 1)[0]["F"] == pytest.approx(2.0)
+    assert measured_over_predicted(cost, samples, 1, per_action=False)[0]["F"] == pytest.approx(2.0 + 0.5 / f)
+    assert measured_over_predicted(cost, samples, 1, per_action=False)[1] == {"F": 1.0, "B": 1.0, "W": 1.0}
 
 
 def test_replan_needs_auto_slices_and_valid_settings() -> None:

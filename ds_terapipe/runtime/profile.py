@@ -25,6 +25,7 @@ from .context import MicroBatchState, SliceContext, cut_tokens, slice_scope
 from .deferred import WeightGradAccumulator, WeightGradStash
 from .devices import synchronize
 from .p2p import as_tuple
+from .replan import measured_over_predicted
 from .slice_check import probe_pass
 from .step_profile import measure_step_terms
 
@@ -242,23 +243,10 @@ def recheck_costs(engine: "TokenPipelineEngine", stage_input: dict[int, Any], se
     dist.all_gather_object(gathered, (engine.grid.data_parallel_id, mine))
     if dist.get_rank() != 0:
         return None
-    model = PipelineCost.from_dict(cost)
-    ratios: dict[int, dict[str, float]] = {}
-    for dp, chunks in gathered:
-        for chunk, points in chunks if dp == 0 else ():
-            stage, batch = model.stage(chunk), engine.micro_batch_size
-            sums = {"F": [0.0, 0.0], "B": [0.0, 0.0], "W": [0.0, 0.0]}
-            for p in points:
-                s, c = p["slice"], p["context"]
-                sums["F"][0] += p["forward_ms"]
-                sums["F"][1] += float(stage.forward_ms(s, c, batch))
-                sums["B"][0] += p["backward_ms"]
-                sums["B"][1] += float(stage.backward_ms(s, c, batch))
-                if "weight_ms" in p:
-                    sums["W"][0] += p["weight_ms"]
-                    sums["W"][1] += float(stage.weight_ms(s, batch))
-            ratios[chunk] = {k: (got / want if want > 0 else 1.0) for k, (got, want) in sums.items()}
-    return ratios
+    samples = [(chunk, kind, p["slice"], p["context"], 1, p[key])
+               for dp, chunks in gathered if dp == 0 for chunk, points in chunks for p in points
+               for kind, key in (("F", "forward_ms"), ("B", "backward_ms"), ("W", "weight_ms")) if key in p]
+    return measured_over_predicted(cost, samples, engine.micro_batch_size, per_action=False)
 
 
 def _comm_of(terms: dict, hidden: Optional[int], element_bytes: int) -> dict:

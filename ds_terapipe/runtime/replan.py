@@ -96,15 +96,26 @@ def refit_cost(cost: Mapping[str, Any], samples: Iterable[tuple[int, str, int, i
     plan cache store it) and the ratios per chunk and kind. A kind without samples, or whose prediction is zero,
     keeps its scale (ratio 1).
     """
+    ratios = measured_over_predicted(cost, samples, batch, slices)
+    return scaled_cost(cost, ratios), ratios
+
+
+def measured_over_predicted(cost: Mapping[str, Any], samples: Iterable[tuple[int, str, int, int, int, float]],
+                            batch: int, slices: Optional[tuple[int, ...]] = None, *, per_action: bool = True
+                            ) -> dict[int, dict[str, float]]:
+    """Per chunk and kind (F, B, W): the samples' summed milliseconds over what ``cost`` predicts for them (1.0
+    for a kind without samples or with a zero prediction). ``per_action``: the samples are a step's actions, so
+    the model's fixed cost per action (``cost.step``) comes off them first; a profile's points (the plan cache's
+    re-timing, ``runtime/profile.recheck_costs``) contain none."""
     model = PipelineCost.from_dict(cost)
     measured: dict[tuple[int, str], float] = defaultdict(float)
     predicted: dict[tuple[int, str], float] = defaultdict(float)
     for chunk, kind, length, context, count, ms in samples:
-        measured[(chunk, kind)] += max(0.0, ms - count * _action_ms(model, chunk, kind))   # the points' share
+        fixed = count * _action_ms(model, chunk, kind) if per_action else 0.0
+        measured[(chunk, kind)] += max(0.0, ms - fixed)   # the points' share
         predicted[(chunk, kind)] += count * _predicted_ms(model, chunk, kind, length, context, batch, slices)
-    ratios = {chunk: {k: measured[(chunk, k)] / predicted[(chunk, k)] if predicted.get((chunk, k), 0.0) > 0
-                      else 1.0 for k in ("F", "B", "W")} for chunk in range(len(cost["stages"]))}
-    return scaled_cost(cost, ratios), ratios
+    return {chunk: {k: measured[(chunk, k)] / predicted[(chunk, k)] if predicted.get((chunk, k), 0.0) > 0
+                    else 1.0 for k in ("F", "B", "W")} for chunk in range(len(cost["stages"]))}
 
 
 class Replanner:
