@@ -10,7 +10,9 @@ Each launch is what a user types: ``deepspeed --num_gpus 2 examples/train_gpt.py
 PipelineEngine, 1F1B ``TrainSchedule``), ``gpipe`` and ``1f1b`` (``slices: "auto"``, planned at init; a plan cache
 shared by the rounds, so only the first launch of a variant profiles); with ``--variants`` any other
 registered schedule, at its default chunks per rank (``interleaved-1f1b``, ``looped-bfs`` and ``dualpipev``: two,
-so the trainer cuts the 8 blocks into 4 chunks of 2). A round launches every variant once per m,
+so the trainer cuts the 8 blocks into 4 chunks of 2), and any schedule with ``+replan`` (``gpipe+replan``): the same
+with ``terapipe.replan`` on (refit after 2 warm-up and 2 measured steps, inside ``--warmup``; the printed plan is
+then the refit model's). A round launches every variant once per m,
 the order rotated per round; each launch trains ``--warmup`` + ``--steps`` steps and the trainer's per-step ms of
 the last ``--steps`` are kept. Reported per (m, variant): the median ms/step over all kept steps of all rounds, the
 speedup over stock (median over rounds of the per-round ratio of medians), the plan's predicted ms/step (the
@@ -47,11 +49,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+#: ``+replan`` variants: re-plan after this many warm-up and measured steps (both inside ``--warmup``).
+REPLAN_STEPS = (2, 2)
+
+
 def _config(variant: str, m: int, seq_len: int, cache: str) -> dict[str, Any]:
     terapipe: dict[str, Any] = {"enabled": variant != "stock", "seq_len": seq_len, "slices": "auto",
                                 "granularity": 16, "plan_cache": cache, "p2p_timeout_s": 600}
+    schedule, replan = variant.removesuffix("+replan"), variant.endswith("+replan")
     if variant != "stock":
-        terapipe["schedule"] = variant
+        terapipe["schedule"] = schedule
+    if replan:
+        terapipe["replan"] = {"enabled": True, "warmup_steps": REPLAN_STEPS[0], "measure_steps": REPLAN_STEPS[1]}
     return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": m, "gradient_clipping": 1.0,
             "steps_per_print": 10**9, "pipeline": {"stages": 2}, "terapipe": terapipe}
 
@@ -98,13 +107,20 @@ def main() -> int:
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--variants", default=",".join(VARIANTS),
-                    help=f"comma-separated: stock or a schedule ({', '.join(schedule_names())})")
+                    help=f"comma-separated: stock or a schedule ({', '.join(schedule_names())}), optionally with "
+                         "+replan")
     ap.add_argument("--timeout", type=float, default=1200.0, help="seconds per launch")
     ap.add_argument("--json", metavar="PATH", help=f"report path (default {results_path(NAME).relative_to(ROOT)})")
     ap.add_argument("--out", metavar="DIR", help="logs and plan cache (default: a temporary directory)")
     args = ap.parse_args()
     ms_values = [int(x) for x in args.micro_batches.split(",")]
     variants = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in variants if v != "stock" and v.removesuffix("+replan") not in schedule_names()]
+    if unknown:
+        ap.error(f"--variants: unknown {unknown}; give stock or a schedule ({', '.join(schedule_names())}), "
+                 "optionally with +replan")
+    if any(v.endswith("+replan") for v in variants) and args.warmup < sum(REPLAN_STEPS):
+        ap.error(f"--warmup {args.warmup}: +replan variants re-plan after step {sum(REPLAN_STEPS)}; give at least that")
     work = Path(args.out or tempfile.mkdtemp(prefix="trainer_speed-"))
     work.mkdir(parents=True, exist_ok=True)
     runs: dict[str, dict[str, list[dict]]] = {str(m): {v: [] for v in variants} for m in ms_values}
