@@ -11,8 +11,8 @@ PipelineEngine, 1F1B ``TrainSchedule``), ``gpipe`` and ``1f1b`` (``slices: "auto
 shared by the rounds, so only the first launch of a variant profiles); with ``--variants`` any other
 registered schedule, at its default chunks per rank (``interleaved-1f1b``, ``looped-bfs`` and ``dualpipev``: two,
 so the trainer cuts the 8 blocks into 4 chunks of 2), and any schedule with ``+replan`` (``gpipe+replan``): the same
-with ``terapipe.replan`` on (refit after 2 warm-up and 2 measured steps, inside ``--warmup``; the printed plan is
-then the refit model's). A round launches every variant once per m,
+with ``terapipe.replan`` on at its defaults (refit after 5 warm-up and 3 measured steps, inside ``--warmup``,
+which is then 8 by default; the printed plan is the refit model's from then on). A round launches every variant once per m,
 the order rotated per round; each launch trains ``--warmup`` + ``--steps`` steps and the trainer's per-step ms of
 the last ``--steps`` are kept. Reported per (m, variant): the median ms/step over all kept steps of all rounds, the
 speedup over stock (median over rounds of the per-round ratio of medians), the plan's predicted ms/step (the
@@ -36,6 +36,7 @@ from typing import Any
 
 from benchlib.alternate import median
 from benchlib.tables import ROOT, markdown_table, print_checks, results_path, write_report
+from ds_terapipe.config import ReplanConfig
 from ds_terapipe.planner.registry import schedule_names
 
 NAME = "trainer_speed"
@@ -49,8 +50,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-#: ``+replan`` variants: re-plan after this many warm-up and measured steps (both inside ``--warmup``).
-REPLAN_STEPS = (2, 2)
+#: ``+replan`` variants re-plan (config defaults) after this many steps, which ``--warmup`` must cover.
+REPLAN_AFTER = ReplanConfig().warmup_steps + ReplanConfig().measure_steps
 
 
 def _config(variant: str, m: int, seq_len: int, cache: str) -> dict[str, Any]:
@@ -60,7 +61,7 @@ def _config(variant: str, m: int, seq_len: int, cache: str) -> dict[str, Any]:
     if variant != "stock":
         terapipe["schedule"] = schedule
     if replan:
-        terapipe["replan"] = {"enabled": True, "warmup_steps": REPLAN_STEPS[0], "measure_steps": REPLAN_STEPS[1]}
+        terapipe["replan"] = {"enabled": True}
     return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": m, "gradient_clipping": 1.0,
             "steps_per_print": 10**9, "pipeline": {"stages": 2}, "terapipe": terapipe}
 
@@ -99,8 +100,9 @@ def main() -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--micro-batches", default="1,2,4", help="comma-separated m values")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--warmup", type=int, default=5,
-                    help="steps per launch not kept (measured: the first 4-5 steps of a launch run 5-40%% slower)")
+    ap.add_argument("--warmup", type=int, default=None,
+                    help="steps per launch not kept (measured: the first 4-5 steps of a launch run 5-40%% slower); "
+                         f"default 5, or {REPLAN_AFTER} with a +replan variant (its re-plan comes first)")
     ap.add_argument("--steps", type=int, default=6, help="steps per launch kept")
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=8)
@@ -119,8 +121,11 @@ def main() -> int:
     if unknown:
         ap.error(f"--variants: unknown {unknown}; give stock or a schedule ({', '.join(schedule_names())}), "
                  "optionally with +replan")
-    if any(v.endswith("+replan") for v in variants) and args.warmup < sum(REPLAN_STEPS):
-        ap.error(f"--warmup {args.warmup}: +replan variants re-plan after step {sum(REPLAN_STEPS)}; give at least that")
+    replanning = any(v.endswith("+replan") for v in variants)
+    if args.warmup is None:
+        args.warmup = REPLAN_AFTER if replanning else 5
+    if replanning and args.warmup < REPLAN_AFTER:
+        ap.error(f"--warmup {args.warmup}: +replan variants re-plan after step {REPLAN_AFTER}; give at least that")
     work = Path(args.out or tempfile.mkdtemp(prefix="trainer_speed-"))
     work.mkdir(parents=True, exist_ok=True)
     runs: dict[str, dict[str, list[dict]]] = {str(m): {v: [] for v in variants} for m in ms_values}

@@ -62,8 +62,9 @@ class ReplanConfig(DeepSpeedConfigModel):
     enabled: bool = False
     """Re-plan once from measurements (needs ``slices: "auto"``: a plan from the config is the user's)."""
 
-    warmup_steps: int = Field(3, ge=0)
-    """Training steps before measuring (the first steps allocate and warm caches)."""
+    warmup_steps: int = Field(5, ge=0)
+    """Training steps before measuring: the first steps allocate and warm caches (measured with the example
+    trainer: its first 4-5 steps run 5-40% slower than the later ones, and a refit from them overestimates)."""
 
     measure_steps: int = Field(3, ge=1)
     """Training steps whose timelines are summed for the refit."""

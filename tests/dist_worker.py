@@ -816,7 +816,9 @@ def suite_virtual_features(extra: dict) -> list[dict]:
         kept.append(list(engine.slices))
     decision = engine.replanner.decision
     results.append({"case": STATUS["case"], "slices": kept, "switch": decision["switch"],
-                    "current_ms": decision["current_ms"], "predicted_before": before,
+                    "current_ms": decision["current_ms"], "measured": decision["measured"],
+                    "current_tail_ms": decision["current_tail_ms"], "step_cost": decision["step_cost"],
+                    "predicted_before": before,
                     "predicted_after": engine.predicted_step_ms, "source": engine.plan_source})
 
     # activation checkpointing per chunk (each chunk's segments, recomputed per slice)

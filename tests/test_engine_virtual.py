@@ -175,4 +175,10 @@ def test_a_kept_plan_reports_the_refit_prediction(features) -> None:
         assert not case["switch"] and case["source"] != "replanned"
         assert all(s == case["slices"][0] for s in case["slices"]), case
         assert case["predicted_after"] == pytest.approx(case["current_ms"]) and case["current_ms"] > 0
+        # the whole step was refit too: each rank's optimizer step, the tied reduction, the step outside the loop
+        measured, step = case["measured"], case["step_cost"]
+        assert measured["step_ms"] > measured["schedule_ms"] > 0 and measured["tail_ms"] > 0, measured
+        assert isinstance(step["optimizer_ms"], list) and len(step["optimizer_ms"]) == 2, step
+        assert all(ms > 0 for ms in step["optimizer_ms"]) and step["tied_ranks"] == [0, 1], step
+        assert case["current_tail_ms"] >= max(step["optimizer_ms"]) + step["tied_reduce_ms"] + step["sync_ms"]
     assert features[0]["replan kept"]["current_ms"] == features[1]["replan kept"]["current_ms"]   # one decision

@@ -9,7 +9,8 @@ from ds_terapipe.config import parse_terapipe_config
 from ds_terapipe.planner.cost import PipelineCost
 from ds_terapipe.planner.schedule import Action, ActionKind
 from ds_terapipe.planner.simulate import TimedAction
-from ds_terapipe.runtime.replan import measured_over_predicted, measured_sums, refit_cost
+from ds_terapipe.planner.step_cost import StepCost
+from ds_terapipe.runtime.replan import measured_over_predicted, measured_sums, refit_cost, refit_step
 
 F, B, W = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.WEIGHT
 
@@ -78,9 +79,41 @@ def test_a_step_s_actions_lose_the_fixed_cost_per_action_a_profile_s_points_keep
     assert measured_over_predicted(cost, samples, 1, per_action=False)[1] == {"F": 1.0, "B": 1.0, "W": 1.0}
 
 
+def test_refit_step_takes_each_rank_s_own_tail_and_the_collectives_without_the_wait() -> None:
+    # rank 0 finished its schedule 40 ms early and waited in the tied all-reduce; rank 1 (last in) waited least.
+    # Rank 2 is outside the tied group: its ReduceTiedGrads only hands W over, local work of its own.
+    old = {"action_ms": {"forward": 0.5}, "optimizer_ms": 20.0, "tied_reduce_ms": 1.0, "tied_ranks": [0, 1],
+           "sync_ms": 2.0}
+    steps = [{"step": 1000.0 + d, "loop": 990.0 + d, "optimizer": 30.0 + d, "grad_reduce": 1.0}
+             for d in (0.0, 4.0, 8.0)]     # three measured steps: the medians are the middle ones
+    terms = [(0, {**t, "tied_reduce": 45.0, "step": t["step"] + 3}) for t in steps] \
+        + [(1, {**t, "tied_reduce": 5.0, "optimizer": 60.0}) for t in steps] \
+        + [(2, {**t, "tied_reduce": 7.0, "loop": t["loop"] - 5}) for t in steps]
+    refit, measured = refit_step(old, terms, num_ranks=3)
+    new = StepCost.from_dict(refit)
+    assert new.tied_reduce_ms == 5.0 and new.tied_ranks == (0, 1)
+    assert new.optimizer_ms == (34.0, 60.0, 34.0)
+    assert new.grad_reduce_ms == (1.0, 1.0, 8.0)            # rank 2: its W hand-over joins its own reduction
+    assert new.sync_ms == 10.0                             # step - loop, the smallest over ranks
+    assert new.forward_ms == (0.5,)                        # the fixed cost per action stays the init's
+    assert measured["step_ms"] == 1004.0
+    # the slowest rank's schedule without its tail: rank 2, 989 - (7 + 1 + 34); the rest of the step follows it
+    assert measured["schedule_ms"] == 947.0 and measured["tail_ms"] == 57.0
+    assert new.tail_ms(3) == 10.0 + max(5 + 1 + 34, 5 + 1 + 60, 8 + 34)
+
+
+def test_refit_step_keeps_the_init_terms_when_a_rank_measured_nothing() -> None:
+    old = {"optimizer_ms": 20.0, "sync_ms": 2.0}
+    terms = [(0, {"step": 10.0, "loop": 9.0, "optimizer": 1.0})]
+    assert refit_step(old, terms, num_ranks=2) == (old, {})
+    assert refit_step(None, terms, num_ranks=2) == (None, {})
+    refit, _ = refit_step(None, terms, num_ranks=1)         # a cost without a step part gets one
+    assert StepCost.from_dict(refit).optimizer_ms == (1.0,) and StepCost.from_dict(refit).sync_ms == 1.0
+
+
 def test_replan_needs_auto_slices_and_valid_settings() -> None:
     ok = parse_terapipe_config({"terapipe": {"enabled": True, "seq_len": 64, "replan": {"enabled": True}}})
-    assert ok.replan.enabled and ok.replan.warmup_steps == 3 and ok.replan.min_gain == 0.03
+    assert ok.replan.enabled and ok.replan.warmup_steps == 5 and ok.replan.min_gain == 0.03
     with pytest.raises(ValueError, match="replan.enabled needs slices \"auto\""):
         parse_terapipe_config({"terapipe": {"enabled": True, "seq_len": 64, "slices": 4, "replan": {"enabled": True}}})
     with pytest.raises(ValueError, match="measure_steps"):

@@ -42,7 +42,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-from collections import deque
+from collections import defaultdict, deque
 from contextlib import contextmanager, nullcontext
 from types import MethodType
 from typing import Any, Iterator, Optional
@@ -122,6 +122,10 @@ _ENGINE_SERIAL = itertools.count()
 
 _TIMED = {ds_schedule.ForwardPass: ActionKind.FORWARD, ds_schedule.BackwardPass: ActionKind.BACKWARD,
           WeightGradPass: ActionKind.WEIGHT}
+#: The instructions after the schedule, timed with the timeline under the names of the step model's terms
+#: (``planner/step_cost.py``): what re-planning refits the whole-step part of the cost model from.
+_TAIL = {ds_schedule.ReduceTiedGrads: "tied_reduce", ds_schedule.ReduceGrads: "grad_reduce",
+         ds_schedule.OptimizerStep: "optimizer"}
 
 
 class TokenPipelineEngine(PipelineEngine):
@@ -169,6 +173,9 @@ class TokenPipelineEngine(PipelineEngine):
         # Measured timeline of the last batch: compute actions with host-clock start/end (ms since the epoch).
         self.record_timeline = self.terapipe.trace_dir is not None
         self.last_timeline: list[TimedAction] = []
+        # With the timeline, the last training step's whole-step terms on this rank (ms): "step" (train_batch),
+        # "loop" (the instruction loop), and the tail instructions' spans (_TAIL); runtime/replan.py refits from them.
+        self.last_step_terms: dict[str, float] = {}
         self._batches_traced = 0
         # Deferred weight gradients: per (chunk, micro-batch), the (input, output-gradient) pairs until its W.
         self._stashes: dict[tuple[int, int], WeightGradStash] = {}
@@ -311,7 +318,10 @@ class TokenPipelineEngine(PipelineEngine):
                 self.data_iterator = peeked
             if self.replanner is not None:
                 self.replanner.before_step(self)
+            start = synchronized_ms() if self.record_timeline else 0.0
             loss = super().train_batch()
+            if self.record_timeline:
+                self.last_step_terms["step"] = synchronized_ms() - start
             if self.replanner is not None:
                 self.replanner.after_step(self)
             return loss
@@ -441,8 +451,12 @@ class TokenPipelineEngine(PipelineEngine):
         self._logits = []
         self._trail.clear()
         timeline: list[TimedAction] = []
+        terms: dict[str, float] = defaultdict(float)
+        start = synchronized_ms() if self.record_timeline else 0.0
         with self._vocab.running() if self._vocab is not None else nullcontext():
-            self._run_steps(pipe_schedule, timeline)
+            self._run_steps(pipe_schedule, timeline, terms)
+        if self.record_timeline and pipe_schedule.train:
+            self.last_step_terms = {"loop": synchronized_ms() - start, **terms}
         if len(self._weight_grads):
             raise RuntimeError(f"token pipeline: {len(self._weight_grads)} deferred weight gradients were computed "
                                "but never reached .grad (the schedule has no ReduceTiedGrads/ReduceGrads/"
@@ -452,7 +466,8 @@ class TokenPipelineEngine(PipelineEngine):
             if pipe_schedule.train and self.terapipe.trace_dir is not None:
                 self._write_trace(timeline)
 
-    def _run_steps(self, pipe_schedule: TokenPipeSchedule, timeline: list[TimedAction]) -> None:
+    def _run_steps(self, pipe_schedule: TokenPipeSchedule, timeline: list[TimedAction],
+                   terms: dict[str, float]) -> None:
         for step_id, step_cmds in enumerate(pipe_schedule):
             for cmd in step_cmds:
                 handler = self._INSTRUCTION_MAP.get(type(cmd))
@@ -460,12 +475,16 @@ class TokenPipelineEngine(PipelineEngine):
                     raise RuntimeError(f"{type(self).__name__} does not understand instruction {cmd!r}")
                 self._trail.append(repr(cmd))
                 kind = _TIMED.get(type(cmd)) if self.record_timeline else None
+                term = _TAIL.get(type(cmd)) if self.record_timeline else None
                 try:
-                    start = synchronized_ms() if kind else 0.0  # device work queued before is not this action's
+                    # device work queued before is not this action's
+                    start = synchronized_ms() if kind or term else 0.0
                     MethodType(handler, self)(**cmd.kwargs)
                     if kind:
                         action = Action(cmd.chunk, kind, cmd.microbatch, cmd.slice_index)
                         timeline.append(TimedAction(self.stage_id, action, start, synchronized_ms()))
+                    elif term:
+                        terms[term] += synchronized_ms() - start
                 except Exception as err:
                     note = (f"[ds_terapipe] rank {self.global_rank} (stage {self.stage_id}) failed in step {step_id} "
                             f"of the {pipe_schedule.schedule.name} schedule; last instructions: "

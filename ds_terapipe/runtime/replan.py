@@ -10,11 +10,16 @@ How (``terapipe.replan``; every rank takes the same steps, so every rank switche
 
 1. After ``warmup_steps`` training steps, the engine records its timeline for ``measure_steps`` steps (the
    accelerator-synchronised spans ``trace_dir`` writes; nothing is recorded otherwise).
-2. Each rank sums, per chunk and kind (F, B, W), what its actions took; one ``all_gather_object`` brings the sums
-   to global rank 0, which also predicts the same actions from the cost model the plan was made from.
+2. Each rank sums, per chunk and kind (F, B, W), what its actions took, and keeps what the rest of each step took
+   (the tail instructions: tied and data-parallel gradient reduction, optimizer step; and the step outside the
+   instruction loop); one ``all_gather_object`` brings both to global rank 0, which also predicts the same
+   actions from the cost model the plan was made from.
 3. Rank 0 scales each chunk's measured cost points by measured / predicted (forward, backward and the deferred
-   weight-gradient rate separately), re-solves the slicing under the refit model, predicts the current slicing
-   under the same model, and switches when the new plan's predicted step is at least ``min_gain`` faster.
+   weight-gradient rate separately), replaces the whole-step terms (``cost.step``: optimizer, reductions, sync)
+   by the measured ones (:func:`refit_step`), re-solves the slicing under the refit model, predicts the current
+   slicing under the same model, and switches when the new plan's predicted step is at least ``min_gain``
+   faster. The log shows the refit prediction of the current plan beside the measured step, split into the
+   schedule and what follows it, so what the model still misses is visible.
 4. The decision is broadcast; every rank installs the plan before the next step, and the refit costs are kept
    for sequence lengths planned later. Then the re-planner is idle: one integer comparison per step.
 
@@ -25,6 +30,7 @@ across a switch with the unsliced reference).
 from __future__ import annotations
 
 import logging
+import statistics
 from collections import defaultdict
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional
@@ -32,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional
 import torch.distributed as dist
 
 from ..planner.cost import PipelineCost, scaled_cost
+from ..planner.step_cost import StepCost
 from ..planner.schedule import ActionKind, build_schedule
 from ..planner.simulate import TimedAction, simulate
 
@@ -39,7 +46,7 @@ if TYPE_CHECKING:  # pragma: no cover - annotations only
     from .engine import TokenPipelineEngine
     from .plan import ResolvedPlan
 
-__all__ = ["Replanner", "measured_sums", "refit_cost"]
+__all__ = ["Replanner", "measured_sums", "refit_cost", "refit_step"]
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +125,50 @@ def measured_over_predicted(cost: Mapping[str, Any], samples: Iterable[tuple[int
                     else 1.0 for k in ("F", "B", "W")} for chunk in range(len(cost["stages"]))}
 
 
+def refit_step(step: Optional[Mapping[str, Any]], terms: Iterable[tuple[int, Mapping[str, float]]],
+               num_ranks: int) -> tuple[Optional[dict[str, Any]], dict[str, float]]:
+    """The whole-step part of the cost model (``cost.step``) refit to measured steps.
+
+    ``terms``: ``(pipeline rank, {term: ms})`` per rank and measured step, as the engine records them with its
+    timeline (``engine.last_step_terms``): ``step`` (``train_batch``), ``loop`` (its instruction loop), and the
+    tail instructions ``tied_reduce``, ``grad_reduce``, ``optimizer``. Per rank the median over steps (and
+    replicas) is taken. A collective waits for its slowest member, so a rank's span also holds the others' lag;
+    the model adds that lag itself (the makespan, then the slowest rank's tail), so the refit takes:
+
+    * ``tied_reduce_ms``: the smallest median over the tied ranks (the one that arrived last waited least); on a
+      rank outside the tied group that instruction only hands the deferred weight gradients over, local work that
+      joins its ``grad_reduce_ms``;
+    * ``optimizer_ms`` and ``grad_reduce_ms``: each rank's own median;
+    * ``sync_ms``: the smallest median over ranks of ``step - loop`` (the loss broadcast and DeepSpeed's
+      bookkeeping around the loop).
+
+    The fixed costs per action (``action_ms``) are kept. Returns the refit ``"step"`` dict (``step`` unchanged,
+    possibly None, when a rank has no terms) and what was measured: ``step_ms`` (median over ranks of each rank's
+    median step), ``schedule_ms`` (the slowest rank's loop without its tail) and ``tail_ms`` (the rest).
+    """
+    per_rank: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for rank, values in terms:
+        for key, ms in values.items():
+            per_rank[rank][key].append(float(ms))
+    med = {r: {k: statistics.median(v) for k, v in d.items()} for r, d in per_rank.items()}
+    if any(r not in med or "step" not in med[r] or "loop" not in med[r] for r in range(num_ranks)):
+        return (dict(step) if step is not None else None), {}
+    old = StepCost.from_dict(step) if step is not None else StepCost()
+    tied_ranks = [r for r in old.tied_ranks if r < num_ranks]
+    tied = min(med[r].get("tied_reduce", 0.0) for r in tied_ranks) if tied_ranks else 0.0
+    grad = [med[r].get("grad_reduce", 0.0) + (0.0 if r in tied_ranks else med[r].get("tied_reduce", 0.0))
+            for r in range(num_ranks)]
+    optimizer = [med[r].get("optimizer", 0.0) for r in range(num_ranks)]
+    sync = max(0.0, min(med[r]["step"] - med[r]["loop"] for r in range(num_ranks)))
+    refit = StepCost(forward_ms=old.forward_ms, backward_ms=old.backward_ms, weight_ms=old.weight_ms,
+                     optimizer_ms=tuple(optimizer), grad_reduce_ms=tuple(grad), tied_reduce_ms=tied,
+                     tied_ranks=old.tied_ranks, sync_ms=sync)
+    tails = [sum(med[r].get(k, 0.0) for k in ("tied_reduce", "grad_reduce", "optimizer")) for r in range(num_ranks)]
+    step_ms = statistics.median(med[r]["step"] for r in range(num_ranks))
+    schedule_ms = max(med[r]["loop"] - tails[r] for r in range(num_ranks))
+    return refit.to_dict(), {"step_ms": step_ms, "schedule_ms": schedule_ms, "tail_ms": step_ms - schedule_ms}
+
+
 class Replanner:
     """The engine's online re-planner (``terapipe.replan``): measures, then decides once, then stays idle."""
 
@@ -128,6 +179,7 @@ class Replanner:
         self.min_gain = cfg.min_gain
         self.steps = 0
         self.samples: list[tuple[int, str, int, int, int, float]] = []
+        self.step_terms: list[tuple[int, dict[str, float]]] = []   # (pipeline rank, engine.last_step_terms)
         self.done = False
         self._recording_was = engine.record_timeline
         self.decision: Optional[dict[str, Any]] = None  # what was decided, for logs and tests
@@ -147,6 +199,7 @@ class Replanner:
         plan = engine.plan
         self.samples.extend(measured_sums(engine.last_timeline, plan.slices, plan.seq_len,
                                           engine._running.schedule.weights_per_slice))
+        self.step_terms.append((engine.stage_id, dict(engine.last_step_terms)))
         if self.steps < self.warmup_steps + self.measure_steps:
             return
         engine.record_timeline = self._recording_was
@@ -157,25 +210,33 @@ class Replanner:
         from .plan import _decided_on_rank0, _solve
 
         gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, self.samples)
-        self.samples = []
+        dist.all_gather_object(gathered, (self.samples, self.step_terms))
+        self.samples, self.step_terms = [], []
         plan = engine.plan
         batch = engine.micro_batch_size
 
         def decide() -> Optional[dict[str, Any]]:
             if plan.cost is None:  # slices from the config: nothing to re-plan
                 return None
-            cost, ratios = refit_cost(plan.cost, [s for rank in gathered for s in rank], batch, plan.slices)
+            cost, ratios = refit_cost(plan.cost, [s for samples, _ in gathered for s in samples], batch,
+                                      plan.slices)
+            cost["step"], measured = refit_step(plan.cost.get("step"), [t for _, terms in gathered for t in terms],
+                                                engine.num_stages)
+            if cost["step"] is None:
+                del cost["step"]
             model = PipelineCost.from_dict(cost)
             cfg = engine.terapipe
-            current = simulate(build_schedule(cfg.schedule, engine.num_stages, engine.micro_batches,
-                                              len(plan.slices), cfg.deferred_weight_grads,
-                                              virtual_stages=cfg.virtual_stages),
-                               model, plan.slices, batch).step_ms
+            sim = simulate(build_schedule(cfg.schedule, engine.num_stages, engine.micro_batches,
+                                          len(plan.slices), cfg.deferred_weight_grads,
+                                          virtual_stages=cfg.virtual_stages),
+                           model, plan.slices, batch)
+            current = sim.step_ms
             best = _solve(engine, model, plan.stage_meta, plan.seq_len)
             gain = current / best.predicted_ms - 1.0 if best.predicted_ms > 0 else 0.0
             switch = tuple(best.slices) != tuple(plan.slices) and gain >= self.min_gain
             return {"cost": cost, "ratios": {str(c): r for c, r in ratios.items()}, "current_ms": current,
+                    "current_schedule_ms": sim.makespan_ms, "current_tail_ms": sim.tail_ms, "measured": measured,
+                    "step_cost": cost.get("step"),
                     "best": best.to_dict(), "gain": gain, "switch": switch}
 
         decision = _decided_on_rank0(decide)
@@ -190,6 +251,13 @@ class Replanner:
                         list(plan.slices), decision["current_ms"], decision["best"]["slices"],
                         decision["best"]["predicted_ms"], 100 * decision["gain"],
                         "switching" if decision["switch"] else f"keeping the plan (gain < {self.min_gain:.0%})")
+            measured = decision["measured"]
+            if measured:
+                logger.info("terapipe: re-plan: the measured step %.1f ms (schedule %.1f + after it %.1f); the refit "
+                            "model predicts the plan that ran at %.1f ms (%.1f + %.1f), %+.1f%%",
+                            measured["step_ms"], measured["schedule_ms"], measured["tail_ms"], decision["current_ms"],
+                            decision["current_schedule_ms"], decision["current_tail_ms"],
+                            100 * (decision["current_ms"] / measured["step_ms"] - 1.0))
         engine.install_plan(_replanned(plan, decision))
 
 
