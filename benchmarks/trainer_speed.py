@@ -90,9 +90,16 @@ def launch(variant: str, m: int, args: argparse.Namespace, work: Path) -> dict[s
             steps.append((int(found.group(1)), float(found.group(3)), float(found.group(4) or 0) or None))
     kept = [ms for step, ms, _ in steps if step > args.warmup]
     plans = [plan for step, _, plan in steps if step > args.warmup and plan]
-    slices = re.findall(r"running \S+ with \d+ slice\(s\) (\[[\d, ]+\])", log)
-    return {"ms": kept, "plan_ms": plans[-1] if plans else None, "slices": json.loads(slices[-1]) if slices else None,
+    return {"ms": kept, "plan_ms": plans[-1] if plans else None, "slices": slices_run(log),
             "seconds": time.perf_counter() - started}
+
+
+def slices_run(log: str) -> Any:
+    """The slicing the launch ended on: the plan logged at init, or the re-planner's when it switched."""
+    slices = re.findall(r"running \S+ with \d+ slice\(s\) (\[[\d, ]+\])", log)
+    switched = re.findall(r"re-plan after .* best (\[[\d, ]+\]) [\d.]+ ms \([^)]*\): switching", log)
+    found = switched or slices
+    return json.loads(found[-1]) if found else None
 
 
 def main() -> int:

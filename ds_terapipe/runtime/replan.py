@@ -226,17 +226,18 @@ class Replanner:
                 del cost["step"]
             model = PipelineCost.from_dict(cost)
             cfg = engine.terapipe
-            sim = simulate(build_schedule(cfg.schedule, engine.num_stages, engine.micro_batches,
-                                          len(plan.slices), cfg.deferred_weight_grads,
-                                          virtual_stages=cfg.virtual_stages),
-                           model, plan.slices, batch)
+            schedule = build_schedule(cfg.schedule, engine.num_stages, engine.micro_batches, len(plan.slices),
+                                      cfg.deferred_weight_grads, virtual_stages=cfg.virtual_stages)
+            sim = simulate(schedule, model, plan.slices, batch)
+            before = simulate(schedule, PipelineCost.from_dict(plan.cost), plan.slices, batch)  # the init model
             current = sim.step_ms
             best = _solve(engine, model, plan.stage_meta, plan.seq_len)
             gain = current / best.predicted_ms - 1.0 if best.predicted_ms > 0 else 0.0
             switch = tuple(best.slices) != tuple(plan.slices) and gain >= self.min_gain
             return {"cost": cost, "ratios": {str(c): r for c, r in ratios.items()}, "current_ms": current,
                     "current_schedule_ms": sim.makespan_ms, "current_tail_ms": sim.tail_ms, "measured": measured,
-                    "step_cost": cost.get("step"),
+                    "step_cost": cost.get("step"), "before_schedule_ms": before.makespan_ms,
+                    "before_tail_ms": before.tail_ms,
                     "best": best.to_dict(), "gain": gain, "switch": switch}
 
         decision = _decided_on_rank0(decide)
@@ -253,11 +254,16 @@ class Replanner:
                         "switching" if decision["switch"] else f"keeping the plan (gain < {self.min_gain:.0%})")
             measured = decision["measured"]
             if measured:
-                logger.info("terapipe: re-plan: the measured step %.1f ms (schedule %.1f + after it %.1f); the refit "
-                            "model predicts the plan that ran at %.1f ms (%.1f + %.1f), %+.1f%%",
+                logger.info("terapipe: re-plan: the measured step %.1f ms = schedule %.1f + after it %.1f; the plan "
+                            "that ran, predicted by the refit model %.1f ms = %.1f + %.1f (%+.1f%%), by the model it "
+                            "was planned with %.1f ms = %.1f + %.1f (%+.1f%%)",
                             measured["step_ms"], measured["schedule_ms"], measured["tail_ms"], decision["current_ms"],
                             decision["current_schedule_ms"], decision["current_tail_ms"],
-                            100 * (decision["current_ms"] / measured["step_ms"] - 1.0))
+                            100 * (decision["current_ms"] / measured["step_ms"] - 1.0),
+                            decision["before_schedule_ms"] + decision["before_tail_ms"], decision["before_schedule_ms"],
+                            decision["before_tail_ms"],
+                            100 * ((decision["before_schedule_ms"] + decision["before_tail_ms"]) / measured["step_ms"]
+                                   - 1.0))
         engine.install_plan(_replanned(plan, decision))
 
 
