@@ -42,6 +42,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import time
 from collections import defaultdict, deque
 from contextlib import contextmanager, nullcontext
 from types import MethodType
@@ -306,6 +307,9 @@ class TokenPipelineEngine(PipelineEngine):
     # -- variable sequence lengths ----------------------------------------------------------------------------
     def train_batch(self, data_iter: Optional[Iterator] = None) -> torch.Tensor:
         with self._failing_fast("train_batch"):
+            # What the step costs as the caller sees it, from here (the data peek and the length agreement
+            # included); not synchronised: device work the last step left queued is this step's wait
+            entered = time.time() * 1e3
             source = data_iter if data_iter is not None else getattr(self, "data_iterator", None)
             if self.freezer is not None:
                 self.freezer.before_step(self)  # a repack (runtime/repack.py) turns self into the new engine
@@ -318,10 +322,9 @@ class TokenPipelineEngine(PipelineEngine):
                 self.data_iterator = peeked
             if self.replanner is not None:
                 self.replanner.before_step(self)
-            start = synchronized_ms() if self.record_timeline else 0.0
             loss = super().train_batch()
             if self.record_timeline:
-                self.last_step_terms["step"] = synchronized_ms() - start
+                self.last_step_terms["step"] = synchronized_ms() - entered
             if self.replanner is not None:
                 self.replanner.after_step(self)
             return loss

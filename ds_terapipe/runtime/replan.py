@@ -139,8 +139,8 @@ def refit_step(step: Optional[Mapping[str, Any]], terms: Iterable[tuple[int, Map
       rank outside the tied group that instruction only hands the deferred weight gradients over, local work that
       joins its ``grad_reduce_ms``;
     * ``optimizer_ms`` and ``grad_reduce_ms``: each rank's own median;
-    * ``sync_ms``: the smallest median over ranks of ``step - loop`` (the loss broadcast and DeepSpeed's
-      bookkeeping around the loop).
+    * ``sync_ms``: the smallest median over ranks of ``step - loop``: what ``train_batch`` does around the loop
+      (reading and agreeing on the next batch's length, the loss broadcast, DeepSpeed's bookkeeping).
 
     The fixed costs per action (``action_ms``) are kept. Returns the refit ``"step"`` dict (``step`` unchanged,
     possibly None, when a rank has no terms) and what was measured: ``step_ms`` (median over ranks of each rank's
