@@ -220,10 +220,10 @@ class Replanner:
                 return None
             cost, ratios = refit_cost(plan.cost, [s for samples, _ in gathered for s in samples], batch,
                                       plan.slices)
-            cost["step"], measured = refit_step(plan.cost.get("step"), [t for _, terms in gathered for t in terms],
-                                                engine.num_stages)
-            if cost["step"] is None:
-                del cost["step"]
+            step, measured = refit_step(plan.cost.get("step"), [t for _, terms in gathered for t in terms],
+                                        engine.num_stages)
+            if measured:   # else a rank measured nothing: the step terms stay the init's
+                cost["step"] = step
             model = PipelineCost.from_dict(cost)
             cfg = engine.terapipe
             schedule = build_schedule(cfg.schedule, engine.num_stages, engine.micro_batches, len(plan.slices),
