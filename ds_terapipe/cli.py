@@ -282,7 +282,7 @@ def _plan(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any], float]:
                         granularity=granularity, schedule=args.schedule,
                         memory_limit_bytes=None if memory is None else args.memory_gb * _GIB,
                         split_batch=args.split_batch, max_slices=args.max_slices, memory=memory,
-                        virtual_stages=v)
+                        virtual_stages=v, deferred_weight_grads=cost.has_weight_terms)
     return cost, plan, source, time.perf_counter() - t0
 
 
@@ -469,17 +469,20 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     num_ranks = cost.num_stages // v
     units, batch = args.microbatches * len(batch_splits), batch_splits[0]  # sub-batches are pipeline units too
     t0 = time.perf_counter()
-    result = simulate(build_schedule(args.schedule, num_ranks, units, len(slices), virtual_stages=v), cost, slices,
-                      micro_batch_size=batch)
-    unsliced = simulate(build_schedule(args.schedule, num_ranks, args.microbatches, 1, virtual_stages=v), cost,
-                        [args.seq_len], micro_batch_size=args.micro_batch)
+    # a cost measured with deferred weight gradients (its backward leaves them out) runs with the W actions, as
+    # the engine that measured it does; without them that work would vanish from the step
+    deferred = cost.has_weight_terms
+    result = simulate(build_schedule(args.schedule, num_ranks, units, len(slices), deferred, virtual_stages=v),
+                      cost, slices, micro_batch_size=batch)
+    unsliced = simulate(build_schedule(args.schedule, num_ranks, args.microbatches, 1, deferred, virtual_stages=v),
+                        cost, [args.seq_len], micro_batch_size=args.micro_batch)
     sim_seconds = time.perf_counter() - t0
     speedup = unsliced.makespan_ms / result.makespan_ms if result.makespan_ms > 0 else 1.0
     meta = {"schedule": args.schedule, "num_stages": num_ranks, "virtual_stages": v, "seq_len": args.seq_len,
             "slices": slices,
             "num_microbatches": args.microbatches, "micro_batch_size": args.micro_batch,
-            "batch_splits": batch_splits, "makespan_ms": result.makespan_ms, "step_ms": result.step_ms,
-            "cost": source}
+            "batch_splits": batch_splits, "deferred_weight_grads": deferred, "makespan_ms": result.makespan_ms,
+            "step_ms": result.step_ms, "cost": source}
     what = "sub-batches" if len(batch_splits) > 1 else "micro-batch(es)"
     title = (f"{_describe(source, num_ranks, v)}: {args.schedule}, {len(slices)} slices x {units} {what}, "
              f"makespan {result.makespan_ms:.4g} ms, bubble {100 * result.bubble_fraction:.1f}%")
@@ -504,6 +507,8 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         f"{_runs(list(result.peak_in_flight))}",
         f"busy:        {min(result.busy_ms):.4g}..{max(result.busy_ms):.4g} ms per {'stage' if v == 1 else 'rank'}",
     ]
+    lines += ["weights:     deferred W actions (the cost file's backward leaves the weight gradients out)"] \
+        if deferred else []
     lines += ["partition:"] + layouts.report_lines() if layouts is not None else []
     lines += [f"trace:       {trace_path} (open in https://ui.perfetto.dev)"] if trace_path else []
     lines += [f"timeline:    {plot_path}"] if plot_path else []

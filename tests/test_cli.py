@@ -202,6 +202,35 @@ def test_cost_file_stages_list_implies_stage_count(tmp_path: Path, capsys: pytes
     assert run_json(capsys, "plan", "--cost", path, "--seq-len", "256", "--granularity", "32")["num_stages"] == 5
 
 
+def test_a_cost_measured_with_deferred_weight_grads_keeps_its_w_work(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """A cost from the engine's profile with deferred weight gradients (the plan cache's, e.g. gpipe's default)
+    has backward times without them and W terms for them: plan and simulate run the W actions, as the engine
+    that measured it did, so both predict what the engine predicts. (They used to drop the W work: 1374 ms for
+    a plan the engine predicted at 1744 ms from the same file.)"""
+    from ds_terapipe.planner.cost import PipelineCost
+    from ds_terapipe.planner.schedule import build_schedule
+    from ds_terapipe.planner.simulate import simulate
+
+    stage = {"points": linear_cost_points(256, 0.01), "weight_ms_per_token": 0.02, "weight_ms_per_slice": 0.5}
+    obj = {"stages": [stage, stage]}
+    path = write_json(tmp_path / "cost.json", obj)
+    sim = run_json(capsys, "simulate", "--cost", path, "--seq-len", "256", "--granularity", "32")
+    assert sim["deferred_weight_grads"] is True
+    cost, slices = PipelineCost.from_dict(obj), sim["slices"]
+    with_w = simulate(build_schedule("gpipe", 2, 1, len(slices), True), cost, slices)
+    without_w = simulate(build_schedule("gpipe", 2, 1, len(slices), False), cost, slices)
+    assert sim["makespan_ms"] == pytest.approx(with_w.makespan_ms, rel=1e-12)
+    assert with_w.makespan_ms > without_w.makespan_ms + 0.02 * 256   # stage 0's W pass at least is on the path
+    assert sim["plan"]["predicted_ms"] == pytest.approx(with_w.step_ms, rel=1e-9)
+    rc, out, _ = run(capsys, "simulate", "--cost", path, "--seq-len", "256", "--granularity", "32")
+    assert rc == 0 and "deferred W actions" in out
+    # a cost without W terms is simulated without W actions, as before
+    plain = write_json(tmp_path / "plain.json", {"stages": [{"points": stage["points"]}] * 2})
+    assert run_json(capsys, "simulate", "--cost", plain, "--seq-len", "256",
+                    "--granularity", "32")["deferred_weight_grads"] is False
+
+
 # --------------------------------------------------------------------------------------------------------------
 # simulate
 

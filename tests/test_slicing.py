@@ -474,3 +474,15 @@ def test_deferred_weight_grads_are_planned_by_simulating_w_actions(schedule):
     unsliced = simulate(defer_weights(build_schedule(schedule, 2, 1, 1)), cost, [256]).makespan_ms
     assert plan.unsliced_ms == pytest.approx(unsliced)
     assert plan.num_slices > 1 and plan.predicted_ms < unsliced
+
+
+def test_a_cost_with_weight_terms_is_refused_without_deferred_weight_grads():
+    """Its backward times leave the weight gradients out: planned without W actions, that work would vanish
+    from every predicted step (the CLI did that once), so the planner refuses, saying how to fix it."""
+    points = [{"slice": s, "context": c, "forward_ms": 0.01 * s, "backward_ms": 0.02 * s}
+              for s in (16, 64, 256) for c in (0, 256 - s)]
+    cost = PipelineCost.from_dict({"points": points, "weight_ms_per_token": 0.01}, num_stages=2)
+    assert cost.has_weight_terms and not PipelineCost.from_dict({"points": points}, num_stages=2).has_weight_terms
+    with pytest.raises(ValueError, match="measured with deferred weight gradients.*pass deferred_weight_grads=True"):
+        plan_slicing(cost, 256, granularity=16)
+    assert plan_slicing(cost, 256, granularity=16, deferred_weight_grads=True).num_slices >= 1

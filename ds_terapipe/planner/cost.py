@@ -536,6 +536,13 @@ class PipelineCost:
             raise IndexError(f"stage {s} out of range for a {len(self.stages)}-stage pipeline")
         return self.stages[s]
 
+    @property
+    def has_weight_terms(self) -> bool:
+        """Whether a stage was measured with deferred weight gradients (``weight_ms_per_token`` or
+        ``weight_ms_per_slice``): its ``backward_ms`` then leaves them out, so the cost only describes a step when
+        the schedule carries the ``W`` actions (``deferred_weight_grads``); without them that work vanishes."""
+        return any(getattr(st, key, None) is not None for st in self.stages for key in WEIGHT_KEYS)
+
     def is_uniform(self) -> bool:
         """True when every stage has the same cost, so the planner's closed form is exact for GPipe."""
         first = self.stages[0].cache_key()

@@ -636,6 +636,11 @@ def plan_slicing(cost: PipelineCost, seq_len: int, *, num_microbatches: int = 1,
                          f"granularity dividing it (e.g. {math.gcd(seq_len, granularity)})")
     m = check_int(num_microbatches, "num_microbatches", fix="pass the micro-batches per step (>= 1)")
     batch = check_int(micro_batch_size, "micro_batch_size", fix="pass the sequences per micro-batch (>= 1)")
+    if cost.has_weight_terms and not deferred_weight_grads:
+        raise ValueError("cost was measured with deferred weight gradients (a stage has weight_ms_per_token / "
+                         "weight_ms_per_slice, and its backward_ms leaves them out), but deferred_weight_grads is "
+                         "False: the plan would leave the weight-gradient work out of every step; pass "
+                         "deferred_weight_grads=True, or use a cost measured without deferral")
     spec = get_schedule(schedule)
     n = seq_len // granularity
     n_max = n if max_slices is None else min(n, check_int(max_slices, "max_slices", fix="use None for no cap"))
