@@ -199,3 +199,16 @@ def test_readme_schedule_table_is_the_registry_table() -> None:
     table = schedule_table()
     assert table in text, f"README.md's schedule table is stale; replace it with:\n{table}"
     assert text.count("| schedule | placement |") == 1
+
+
+@pytest.mark.parametrize("first", ["gpipe", "dualpipev", "one_f_one_b"])
+def test_builtin_order_does_not_depend_on_which_schedule_module_is_imported_first(first: str) -> None:
+    """A fresh interpreter that imports one schedule module directly: it loads the others from inside its own
+    registration, and still lists the built-ins in their order (gpipe used to land last, changing the
+    'unknown schedule' message with the order tests ran in)."""
+    import subprocess
+    import sys
+    code = (f"import ds_terapipe.planner.schedules.{first}\n"
+            "from ds_terapipe.planner.registry import schedule_names\nprint(','.join(schedule_names()))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == ",".join(BUILTIN)
