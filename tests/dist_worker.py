@@ -26,6 +26,7 @@ import ds_terapipe
 from deepspeed.accelerator import get_accelerator
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 from ds_terapipe.runtime.p2p import linger_for_peers
+from ds_terapipe.runtime.step_profile import measure_step_terms
 from ds_terapipe.models.gpt import (GPTBlock, GPTConfig, GPTReference, causal_lm_loss, gpt_layer_specs,
                                     reference_param_name)
 
@@ -572,7 +573,9 @@ def suite_features(extra: dict) -> list[dict]:
         params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
         results.append({**clip_result(label, engine, losses, norms, (clip_losses, clip_norms),
                                       compare(params, clip_params, engine.stage_id)[:2]),
-                        "ds_reductions": len(reductions), "steps": num_steps})
+                        "ds_reductions": len(reductions), "steps": num_steps,
+                        # the step model's reduction term for one replica: 0 only where the engine skips it
+                        "modeled_reduce_ms": measure_step_terms(engine, warmup=0, repeats=1)["grad_reduce_ms"]})
     # where DeepSpeed's optimizers clip: bf16 with ZeRO 0 (BF16_Optimizer) and fp16 with ZeRO 1
     # (DeepSpeedZeroOptimizer, loss-scaled): the norm and the fp32 master weights' update, to half precision.
     # DeepSpeed's CPU accelerator offers fp16 only where oneDNN has fp16 kernels (AVX512-FP16/AMX: some Intel
@@ -591,8 +594,9 @@ def suite_features(extra: dict) -> list[dict]:
         start = master_weights(engine)
         losses, norms = train_steps(engine, iter(batches * num_steps), num_steps)
         update = deltas(master_weights(engine), start)
-        results.append(clip_result(label, engine, losses, norms, (clip_losses, clip_norms),
-                                   compare(update, deltas(clip_params, ref_start), engine.stage_id)[:2]))
+        results.append({**clip_result(label, engine, losses, norms, (clip_losses, clip_norms),
+                                      compare(update, deltas(clip_params, ref_start), engine.stage_id)[:2]),
+                        "modeled_reduce_ms": measure_step_terms(engine, warmup=0, repeats=1)["grad_reduce_ms"]})
     # fp16 with a torch optimizer (DeepSpeed's FP16_UnfusedOptimizer counts the tied weight once per rank): refused
     if fp16_ok:
         STATUS["case"] = "clip fp16"

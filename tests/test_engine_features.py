@@ -11,6 +11,7 @@ import pytest
 
 from ds_terapipe.planner.cost import PipelineCost
 from ds_terapipe.planner.schedule import build_schedule
+from ds_terapipe.planner.simulate import simulate
 from ds_terapipe.planner.slicing import MemoryModel, plan_slicing
 from ds_terapipe.trace import load_chrome_trace
 from tests.clipping import assert_clipped_by_the_global_norm
@@ -171,12 +172,17 @@ def test_gradient_clipping_uses_the_norm_of_the_whole_model(features) -> None:
 def test_one_replica_skips_deepspeeds_reduction_only_where_it_is_an_identity(features) -> None:
     """One replica, fp32, ZeRO 0: DeepSpeed's data-parallel reduction would only flatten, scale by 1, reduce
     over a group of one and copy back (50-65 ms per step on a 4 x 512 stage), so the engine skips it; with a
-    pre-divide factor it is not an identity and runs. Both train as the reference."""
+    pre-divide factor it is not an identity and runs. Both train as the reference. The step cost model agrees:
+    its reduction term for one replica is 0 only where the reduction is skipped (it was 0 everywhere, so a plan
+    under ZeRO 1 or the bf16 optimizer left out a pass over the gradients)."""
     for rank, by_case in enumerate(features):
         skipped, kept = by_case["clip fp32"], by_case["clip fp32 predivide"]
         assert skipped["ds_reductions"] == 0, f"rank {rank}: DeepSpeed reduced {skipped['ds_reductions']} times"
         assert kept["ds_reductions"] == kept["steps"], f"rank {rank}: {kept['ds_reductions']} reductions"
         assert_clipped_by_the_global_norm(kept, rank)
+        assert skipped["modeled_reduce_ms"] == 0.0, (rank, skipped["modeled_reduce_ms"])
+        assert kept["modeled_reduce_ms"] > 0.0, (rank, kept["modeled_reduce_ms"])
+        assert by_case["clip bf16"]["modeled_reduce_ms"] > 0.0, (rank, by_case["clip bf16"]["modeled_reduce_ms"])
 
 
 def _skip_without_fp16(features) -> None:
@@ -220,11 +226,15 @@ def test_auto_plan_with_deferred_weight_grads(features) -> None:
     # fit's split into a part per slice and per token is noise, their sum is not)
     w_seq = [stage["weight_ms_per_slice"] + stage["weight_ms_per_token"] * SEQ_LEN for stage in cost["stages"]]
     assert len(w_seq) == 2 and all(w > 0 for w in w_seq), cost["stages"]
-    # the plan was solved with the W passes costed: re-solving the measured costs gives it back exactly, and
-    # leaving W out of the step would have predicted a shorter step
+    # the plan was solved with the W passes costed: re-solving the measured costs gives it back exactly; leaving
+    # W out of the step would have predicted a shorter step, so the planner refuses these costs without deferral
     with_w = solve(cost, "1f1b", deferred_weight_grads=True)
     assert plan["slices"] == list(with_w.slices) and plan == with_w.to_dict()
-    assert solve(cost, "1f1b").predicted_ms < plan["predicted_ms"]
+    without_w = simulate(build_schedule("1f1b", 2, MICRO_BATCHES, len(plan["slices"]), False),
+                         PipelineCost.from_dict(cost, num_stages=2), plan["slices"], MICRO_BATCH_SIZE)
+    assert without_w.step_ms < plan["predicted_ms"]
+    with pytest.raises(ValueError, match="measured with deferred weight gradients"):
+        solve(cost, "1f1b")
 
 
 @pytest.mark.timeout(700)

@@ -183,6 +183,7 @@ class TokenPipelineEngine(PipelineEngine):
         self._weight_grads = WeightGradAccumulator()   # the step's W passes, summed; to .grad before reductions
         # Vocabulary parallelism: the output layer's shard on this rank and its passes (runtime/vocab.py).
         self._vocab = VocabParallel(self) if self.terapipe.vocab_parallel else None
+        self._dp_identity_by_config = self._dp_reduce_identity_by_config()
         with self._failing_fast("engine init"):
             if self.terapipe.deferred_weight_grads:  # before profiling, which measures the split backward
                 count = enable_deferred_weight_grads(self.module)
@@ -751,15 +752,21 @@ class TokenPipelineEngine(PipelineEngine):
         communication dtype (another dtype would round them on the way), no MoE expert groups, and no
         pre-divide factor (scaling by f then by 1/f can round).
         """
-        if self.grid.data_parallel_size != 1 or self.zero_optimization_stage() != 0 or self.using_bf16_optimizer:
-            return False
-        if self.has_moe_layers or not self.pipeline_enable_backward_allreduce:
-            return False
-        if self.gradient_average and self.postscale_gradients() and self.gradient_predivide_factor() != 1.0:
+        if not self._dp_identity_by_config:
             return False
         wire = self.communication_data_type
         return all(p.grad is None or (p.grad.dtype == wire and not p.grad.is_sparse)
                    for p in self.module.parameters() if p.requires_grad)
+
+    def _dp_reduce_identity_by_config(self) -> bool:
+        """The configuration's part of :meth:`_dp_reduce_is_identity`, decided once at init (it cannot change
+        while the engine lives); the step cost model also asks it (``runtime/step_profile.py``), before any
+        gradient exists, to know whether a replica alone pays for the reduction."""
+        if self.grid.data_parallel_size != 1 or self.zero_optimization_stage() != 0 or self.using_bf16_optimizer:
+            return False
+        if self.has_moe_layers or not self.pipeline_enable_backward_allreduce:
+            return False
+        return not (self.gradient_average and self.postscale_gradients() and self.gradient_predivide_factor() != 1.0)
 
     def _exec_reduce_tied_grads(self) -> None:
         self._hand_over_weight_grads()
