@@ -118,3 +118,34 @@ def test_replan_needs_auto_slices_and_valid_settings() -> None:
         parse_terapipe_config({"terapipe": {"enabled": True, "seq_len": 64, "slices": 4, "replan": {"enabled": True}}})
     with pytest.raises(ValueError, match="measure_steps"):
         parse_terapipe_config({"terapipe": {"enabled": True, "seq_len": 64, "replan": {"measure_steps": 0}}})
+
+
+def test_the_time_between_actions_is_fitted_so_the_simulated_schedule_takes_what_the_steps_measured() -> None:
+    """The refit scales each action to its measured span; what the engine does between actions (sends, receives,
+    the instruction loop) no span contains, so the refit adds a fixed time per forward and backward action that
+    makes the simulated schedule match the measured one. A plan with more slices then pays it more often. When
+    the simulation already takes as long, nothing is added."""
+    from ds_terapipe.planner.schedule import build_schedule
+    from ds_terapipe.planner.simulate import simulate
+    from ds_terapipe.runtime.replan import calibrate_action_gap
+
+    cost = {**_cost(), "step": {"action_ms": {"forward": 0.5, "backward": [0.2, 0.3]}, "optimizer_ms": 1.0}}
+    slices = (16, 16, 32)
+    schedule = build_schedule("1f1b", 2, 2, len(slices))
+    base = simulate(schedule, PipelineCost.from_dict(cost), list(slices)).makespan_ms
+    fitted, gap = calibrate_action_gap(cost, schedule, slices, 1, 1.2 * base)
+    assert gap > 0
+    got = simulate(schedule, PipelineCost.from_dict(fitted), list(slices)).makespan_ms
+    assert got == pytest.approx(1.2 * base, rel=1e-4)
+    step = StepCost.from_dict(fitted["step"])
+    assert step.forward_ms == pytest.approx((0.5 + gap,)) and step.backward_ms == pytest.approx((0.2 + gap, 0.3 + gap))
+    assert step.optimizer_ms == (1.0,) and fitted["stages"] == cost["stages"]   # the rest untouched
+    # more slices, more actions: the same gap costs a finer plan more
+    finer = build_schedule("1f1b", 2, 2, 8)
+    extra = [simulate(finer, PipelineCost.from_dict(c), [8] * 8).makespan_ms for c in (cost, fitted)]
+    assert extra[1] - extra[0] > got - base
+    # already as long as measured (or longer): unchanged
+    same, none = calibrate_action_gap(cost, schedule, slices, 1, 0.9 * base)
+    assert none == 0.0 and same == cost
+    bare = {k: v for k, v in cost.items() if k != "step"}   # no step terms at init: they start at 0
+    assert calibrate_action_gap(bare, schedule, slices, 1, 1.1 * base)[1] > 0
