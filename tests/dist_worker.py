@@ -822,6 +822,7 @@ def suite_virtual_features(extra: dict) -> list[dict]:
     results.append({"case": STATUS["case"], "slices": kept, "switch": decision["switch"],
                     "current_ms": decision["current_ms"], "measured": decision["measured"],
                     "current_tail_ms": decision["current_tail_ms"], "step_cost": decision["step_cost"],
+                    "current_schedule_ms": decision["current_schedule_ms"], "gap_ms": decision["gap_ms"],
                     "predicted_before": before,
                     "predicted_after": engine.predicted_step_ms, "source": engine.plan_source})
 
