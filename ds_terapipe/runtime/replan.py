@@ -16,7 +16,8 @@ How (``terapipe.replan``; every rank takes the same steps, so every rank switche
    actions from the cost model the plan was made from.
 3. Rank 0 scales each chunk's measured cost points by measured / predicted (forward, backward and the deferred
    weight-gradient rate separately), replaces the whole-step terms (``cost.step``: optimizer, reductions, sync)
-   by the measured ones (:func:`refit_step`), re-solves the slicing under the refit model, predicts the current
+   by the measured ones (:func:`refit_step`), fits the time the engine spends between actions
+   (:func:`calibrate_action_gap`), re-solves the slicing under the refit model, predicts the current
    slicing under the same model, and switches when the new plan's predicted step is at least ``min_gain``
    faster. The log shows the refit prediction of the current plan beside the measured step, split into the
    schedule and what follows it, so what the model still misses is visible.
@@ -46,7 +47,7 @@ if TYPE_CHECKING:  # pragma: no cover - annotations only
     from .engine import TokenPipelineEngine
     from .plan import ResolvedPlan
 
-__all__ = ["Replanner", "measured_sums", "refit_cost", "refit_step"]
+__all__ = ["Replanner", "calibrate_action_gap", "measured_sums", "refit_cost", "refit_step"]
 
 logger = logging.getLogger(__name__)
 
@@ -177,10 +178,11 @@ def calibrate_action_gap(cost: Mapping[str, Any], schedule: Any, slices: tuple[i
 
     Why: the refit scales each action's compute to its measured span, but the engine also works between actions,
     where no span sees it: issuing and completing sends and receives, the instruction loop, the Python around each
-    slice. On a large model that is a few percent of the schedule; on the README's example (GPT 4 x 128, seq 256,
-    2 slices, m = 4) the refit predicted the schedule 10% short (349 against 389 ms measured). Charged per action,
-    a plan with more slices pays it more often, as the engine does. Solved by bisection on the simulator (the
-    makespan grows monotonically with it); about 30 simulations, once per re-plan.
+    slice. On the README's example (GPT 4 x 128, seq 256, m = 4) the refit predicted the step 10% short (349
+    against 389 ms measured); fitted, 1.86 ms per action there, 0-10 ms on the benchmark's GPT 8 x 512 (where the
+    refit had been up to 4% short, or already long: 0). Charged per action, a plan with more slices pays it more
+    often, as the engine does. Solved by bisection on the simulator (the makespan grows monotonically with it);
+    about 30 simulations, once per re-plan.
     """
     base_step = StepCost.from_dict(cost["step"]) if cost.get("step") is not None else StepCost()
 
