@@ -250,7 +250,9 @@ def test_a_repack_continues_on_fewer_stages_and_trains_as_if_nothing_moved(freez
             assert got == pytest.approx(plain, rel=1e-5) and got == pytest.approx(ref, rel=1e-5), where
         assert case["param_rel_err"] <= 1e-5 and case["ref_param_rel_err"] <= 1e-5, (where, case["ref_worst"])
         assert case["evals"][1] == pytest.approx(case["evals"][0], rel=1e-5), (where, case["evals"])
-        # frozen weights moved bit-identical; only the trained layers carry optimizer state
+        # frozen weights moved bit-identical (both runs trained them with the same slices before they froze);
+        # only the trained layers carry optimizer state
+        assert case["first_slices"][0] == case["first_slices"][1], (where, case["first_slices"])
         assert not case["frozen_differ"] and not any(case["changed"]) and not any(case["with_state"]), where
         assert case["state_names"] and all(not n.startswith(("1.", "2.", "3.")) for n in case["state_names"]), where
 
