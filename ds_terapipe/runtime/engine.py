@@ -758,10 +758,16 @@ class TokenPipelineEngine(PipelineEngine):
         return all(p.grad is None or (p.grad.dtype == wire and not p.grad.is_sparse)
                    for p in self.module.parameters() if p.requires_grad)
 
+    def _dp_reduce_will_be_identity(self) -> bool:
+        """:meth:`_dp_reduce_is_identity` before any gradient exists (the step cost model asks at init,
+        ``runtime/step_profile.py``): the gradients will have their parameters' dtype."""
+        wire = self.communication_data_type
+        return self._dp_identity_by_config and all(p.dtype == wire for p in self.module.parameters()
+                                                   if p.requires_grad)
+
     def _dp_reduce_identity_by_config(self) -> bool:
         """The configuration's part of :meth:`_dp_reduce_is_identity`, decided once at init (it cannot change
-        while the engine lives); the step cost model also asks it (``runtime/step_profile.py``), before any
-        gradient exists, to know whether a replica alone pays for the reduction."""
+        while the engine lives: a repack builds a new engine)."""
         if self.grid.data_parallel_size != 1 or self.zero_optimization_stage() != 0 or self.using_bf16_optimizer:
             return False
         if self.has_moe_layers or not self.pipeline_enable_backward_allreduce:

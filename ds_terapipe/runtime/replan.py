@@ -184,15 +184,19 @@ def calibrate_action_gap(cost: Mapping[str, Any], schedule: Any, slices: tuple[i
     often, as the engine does. Solved by bisection on the simulator (the makespan grows monotonically with it);
     about 30 simulations, once per re-plan.
     """
-    base_step = StepCost.from_dict(cost["step"]) if cost.get("step") is not None else StepCost()
+    fitted = PipelineCost.from_dict(cost)   # the stages' fits once; each trial only changes the step terms
+    base_step = fitted.step if fitted.step is not None else StepCost()
+
+    def step_with(gap: float) -> StepCost:
+        return replace(base_step, forward_ms=tuple(v + gap for v in base_step.forward_ms),
+                       backward_ms=tuple(v + gap for v in base_step.backward_ms))
 
     def with_gap(gap: float) -> dict[str, Any]:
-        step = replace(base_step, forward_ms=tuple(v + gap for v in base_step.forward_ms),
-                       backward_ms=tuple(v + gap for v in base_step.backward_ms))
-        return {**cost, "step": step.to_dict()}
+        return {**cost, "step": step_with(gap).to_dict()}
 
     def makespan(gap: float) -> float:
-        return float(simulate(schedule, PipelineCost.from_dict(with_gap(gap)), list(slices), batch).makespan_ms)
+        trial = PipelineCost(fitted.stages, meta=fitted.meta, step=step_with(gap))
+        return float(simulate(schedule, trial, list(slices), batch).makespan_ms)
 
     base = makespan(0.0)
     if not schedule_ms > base * (1.0 + 1e-6):

@@ -157,8 +157,8 @@ def _time_dp_reduce(engine: "TokenPipelineEngine", warmup: int, repeats: int) ->
     """Data-parallel gradient reduction: one all-reduce of this stage's gradient size over its replicas.
 
     With one replica the engine skips DeepSpeed's reduction where it is an identity (fp32/fp16, ZeRO 0, no
-    pre-divide: ``TokenPipelineEngine._dp_reduce_is_identity``): 0 then. Elsewhere one replica still pays for it:
-    DeepSpeed moves every gradient through its buffers and back (the fallback flattens, reduces over a group of
+    pre-divide: ``TokenPipelineEngine._dp_reduce_will_be_identity``): 0 then. Elsewhere one replica still pays
+    for it: DeepSpeed moves every gradient through its buffers and back (the fallback flattens, reduces over a group of
     one and copies back; ZeRO 1 and the bf16 optimizer copy into their fp32 partitions), 50-65 ms per step for a
     4 x 512 stage on one CPU core. Timed as that: flatten zero gradients, all-reduce over the group of one, copy
     back. Measured through the example trainer (ZeRO 1, one replica, GPT 8 x 512, seq 256, m = 4): 49-53 ms here
@@ -169,8 +169,7 @@ def _time_dp_reduce(engine: "TokenPipelineEngine", warmup: int, repeats: int) ->
     params = [p for p in engine.module.parameters() if p.requires_grad]
     group = engine.grid.get_data_parallel_group()
     if engine.grid.data_parallel_size == 1:
-        wire = engine.communication_data_type
-        if not params or (engine._dp_identity_by_config and all(p.dtype == wire for p in params)):
+        if not params or engine._dp_reduce_will_be_identity():
             return 0.0
         sampled, scale = _sample(params, MAX_TIMED_ELEMENTS)
         grads = [torch.zeros_like(p) for p in sampled]
