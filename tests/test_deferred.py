@@ -183,3 +183,82 @@ def test_step_accumulator_leaves_low_precision_weights_to_each_w_pass() -> None:
     params, grads = stash.compute(into=acc)
     assert len(acc) == 0 and len(params) == len(grads) == 16
     assert all(g.dtype == torch.bfloat16 for g in grads)
+
+
+def _per_slice_reference(model: nn.Module, x: torch.Tensor, slices: list[int]) -> list[dict]:
+    """Each slice's own weight gradients (what a W of that slice alone must add)."""
+    out = []
+    for i in range(len(slices)):
+        stash = WeightGradStash()
+        _record(model, x, slices, stash)
+        params, grads = stash.compute(slice_index=i)
+        names = {id(p): n for n, p in model.named_parameters()}
+        out.append({names[id(p)]: g for p, g in zip(params, grads)})
+        assert stash.slices() == set(range(len(slices))) - {i}
+    return out
+
+
+def test_a_w_per_slice_computes_its_slice_alone_wherever_it_runs() -> None:
+    """The engine's W of slice i (dualpipev places W in bubbles, after several backwards of its chunk) computes
+    slice i's pairs and no others, so it takes the time the plan gave it; a W per micro-batch (slice 0, gpipe)
+    computes all; the sums are the same as one W over everything, and the stash goes once nothing is left."""
+    from types import SimpleNamespace
+
+    from ds_terapipe.runtime.deferred import WeightGradAccumulator
+    from ds_terapipe.runtime.engine import TokenPipelineEngine
+    model = _blocks()
+    enable_deferred_weight_grads(model)
+    x = torch.randn(1, 24, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
+    slices = [8, 8, 8]
+    each = _per_slice_reference(model, x, slices)
+    stash = WeightGradStash()
+    _record(model, x, slices, stash)
+    names = {id(p): n for n, p in model.named_parameters()}
+    whole = {names[id(p)]: g for p, g in zip(*stash.compute())}
+    for per_slice in (True, False):
+        fake = SimpleNamespace(_running=SimpleNamespace(schedule=SimpleNamespace(weights_per_slice=per_slice)),
+                               _stashes={}, _states={}, _weight_grads=WeightGradAccumulator())
+        stash = fake._stashes[(0, 0)] = WeightGradStash()
+        _record(model, x, slices, stash)
+        order = [2, 1, 0] if per_slice else [0]   # the backward order: later slices first
+        for step, i in enumerate(order):
+            before = {n: (g.clone() if g is not None else None) for n, p in model.named_parameters()
+                      for g in [fake._weight_grads.running(p)]}
+            TokenPipelineEngine._exec_weight_grad_pass(fake, 0, 0, i, 0)
+            for name, p in model.named_parameters():
+                if name not in whole:
+                    continue
+                added = fake._weight_grads.running(p) - (before[name] if before[name] is not None else 0)
+                want = each[i][name] if per_slice else whole[name]
+                assert torch.allclose(added, want, rtol=1e-10, atol=1e-12), (per_slice, i, name)
+            left = set(order[step + 1:])
+            assert ((0, 0) in fake._stashes) == bool(left) and stash.slices() == left
+        for name, p in model.named_parameters():
+            if name in whole:
+                assert torch.allclose(fake._weight_grads.running(p), whole[name], rtol=1e-10, atol=1e-12)
+    # 1f1b's W right after its B: the stash is empty while the micro-batch's earlier slices still have their
+    # backward to run (its state lives), so it must stay where their pairs will be recorded
+    fake._stashes[(0, 0)] = stash = WeightGradStash()
+    fake._states[(0, 0)] = object()
+    _record(model, x, [8], stash)
+    TokenPipelineEngine._exec_weight_grad_pass(fake, 0, 0, 0, 0)
+    assert not len(stash) and fake._stashes[(0, 0)] is stash
+
+
+def test_a_step_ending_with_uncomputed_weight_grads_is_refused() -> None:
+    """A schedule that forgot a W would lose those weight gradients: the hand-over refuses, naming them."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from ds_terapipe.runtime.deferred import WeightGradAccumulator
+    from ds_terapipe.runtime.engine import TokenPipelineEngine
+    model = _blocks()
+    enable_deferred_weight_grads(model)
+    stash = WeightGradStash()
+    _record(model, torch.randn(1, 16, 32, dtype=torch.float64), [8, 8], stash)
+    stash.compute(slice_index=1)
+    fake = SimpleNamespace(_running=SimpleNamespace(schedule=SimpleNamespace(name="broken")),
+                           _stashes={(1, 0): stash, (0, 0): WeightGradStash()}, _weight_grads=WeightGradAccumulator())
+    with pytest.raises(RuntimeError, match=r"'broken' left deferred weight gradients.*\(1, 0\): \[0\]"):
+        TokenPipelineEngine._hand_over_weight_grads(fake)

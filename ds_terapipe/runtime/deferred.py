@@ -40,22 +40,33 @@ __all__ = ["WeightGradAccumulator", "WeightGradStash", "enable_deferred_weight_g
 
 
 class WeightGradStash:
-    """The (input, output-gradient) pairs of one micro-batch's slices, per deferred Linear, until ``flush``."""
+    """The (input, output-gradient) pairs of one micro-batch's slices, per deferred Linear, until computed.
+
+    Each pair remembers the slice whose forward made it, so a ``W`` per slice computes that slice's pairs and no
+    others: a list-scheduled ``W`` (dualpipev's, placed in a bubble after several backwards of its chunk) must take
+    the time the plan gave it, not the whole chunk's (measured before this: the first ``W`` of a chunk ran every
+    slice's pairs, 5 times its planned span, and held up the backward behind it).
+    """
 
     def __init__(self) -> None:
-        self._pairs: dict[nn.Linear, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._pairs: dict[nn.Linear, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
 
-    def add(self, module: nn.Linear, inputs: torch.Tensor, grad_output: torch.Tensor) -> None:
-        self._pairs.setdefault(module, []).append((inputs, grad_output))
+    def add(self, module: nn.Linear, inputs: torch.Tensor, grad_output: torch.Tensor, slice_index: int = 0) -> None:
+        self._pairs.setdefault(module, []).append((slice_index, inputs, grad_output))
 
     def __len__(self) -> int:
         return sum(len(p) for p in self._pairs.values())
 
+    def slices(self) -> set[int]:
+        """The slices with pairs not computed yet."""
+        return {i for pairs in self._pairs.values() for i, _, _ in pairs}
+
     def tensors(self) -> Iterator[torch.Tensor]:
         """Every recorded input and output gradient (what the stash keeps alive)."""
         for pairs in self._pairs.values():
-            for pair in pairs:
-                yield from pair
+            for _, x, g in pairs:
+                yield x
+                yield g
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
@@ -68,9 +79,10 @@ class WeightGradStash:
             torch.autograd.backward(params, grads)
 
     @torch.no_grad()
-    def compute(self, into: Optional["WeightGradAccumulator"] = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The recorded weight (and bias) gradients as (parameters, gradients); empties the stash without
-        touching ``.grad`` (profiling times this).
+    def compute(self, into: Optional["WeightGradAccumulator"] = None, slice_index: Optional[int] = None
+                ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The recorded weight (and bias) gradients as (parameters, gradients), of every slice or of
+        ``slice_index`` only; removes the pairs it used, without touching ``.grad`` (profiling times this).
 
         Per module, one GEMM for the first pair and ``addmm_`` into it for the others: no temporary per slice
         and no concatenation (measured on the benchmark CPU: 16% faster than concatenating the slices for one
@@ -82,15 +94,26 @@ class WeightGradStash:
         """
         params: list[torch.Tensor] = []
         grads: list[torch.Tensor] = []
-        while self._pairs:
-            module, pairs = self._pairs.popitem()
+        for module in list(self._pairs):
+            pairs = self._pairs[module]
+            if slice_index is None:
+                del self._pairs[module]
+            else:
+                keep = [pair for pair in pairs if pair[0] != slice_index]
+                pairs = [pair for pair in pairs if pair[0] == slice_index]
+                if keep:
+                    self._pairs[module] = keep
+                else:
+                    del self._pairs[module]
+                if not pairs:
+                    continue
             want_w = module.weight.requires_grad
             want_b = module.bias is not None and module.bias.requires_grad
             summed = into is not None and torch.finfo(module.weight.dtype).bits >= 32
             dw = into.running(module.weight) if (summed and want_w) else None
             db = into.running(module.bias) if (summed and want_b) else None
             while pairs:
-                x, g = pairs.pop()  # recorded later slices first: this sums in token order
+                _, x, g = pairs.pop()  # recorded later slices first: this sums in token order
                 x, g = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])
                 if want_w:
                     dw = g.t().mm(x) if dw is None else dw.addmm_(g.t(), x)
@@ -154,18 +177,18 @@ class _DeferredLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                module: nn.Linear, stash: WeightGradStash) -> torch.Tensor:
+                module: nn.Linear, stash: WeightGradStash, slice_index: int) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
-        ctx.module, ctx.stash = module, stash
+        ctx.module, ctx.stash, ctx.slice_index = module, stash, slice_index
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
         x, weight = ctx.saved_tensors
         grad_in = grad_out.matmul(weight)
-        ctx.stash.add(ctx.module, x.detach(), grad_out.detach())
+        ctx.stash.add(ctx.module, x.detach(), grad_out.detach(), ctx.slice_index)
         ctx.stash = ctx.module = None
-        return grad_in, None, None, None, None
+        return grad_in, None, None, None, None, None
 
 
 def _deferring_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -177,7 +200,7 @@ def _deferring_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
             self.weight.requires_grad or (self.bias is not None and self.bias.requires_grad)):
         return F.linear(x, self.weight, self.bias)
     bias = self.bias.detach() if self.bias is not None else None
-    return _DeferredLinear.apply(x, self.weight.detach(), bias, self, stash)
+    return _DeferredLinear.apply(x, self.weight.detach(), bias, self, stash, ctx.slice_index)
 
 
 def enable_deferred_weight_grads(module: nn.Module) -> int:

@@ -657,15 +657,18 @@ class TokenPipelineEngine(PipelineEngine):
         return grads[0] if torch.is_tensor(like) else grads
 
     def _exec_weight_grad_pass(self, buffer_id: int, microbatch: int, slice_index: int, chunk: int) -> None:
-        """Deferred weight gradients (``runtime/deferred.py``) of what the micro-batch's backwards on ``chunk``
-        recorded so far: all its slices (a W per micro-batch, slice 0) or the one just backwarded (a W per
-        slice)."""
+        """Deferred weight gradients (``runtime/deferred.py``) of the micro-batch's backwards on ``chunk``: all its
+        slices (a W per micro-batch, ``W<b>.0`` after the last backward) or slice ``slice_index`` alone (a W per
+        slice, wherever the schedule put it: right after its backward, or later, in a bubble)."""
         key = (chunk, microbatch)
-        stash = self._stashes.get(key) if slice_index > 0 else self._stashes.pop(key, None)
-        if stash is None or not len(stash):
+        per_slice = self._running.schedule.weights_per_slice
+        stash = self._stashes.get(key)
+        if stash is None:
             return
-        params, grads = stash.compute(into=self._weight_grads)   # fp32 ones are summed for the step's hand-over
-        if params:   # bf16/fp16 ones reach .grad now, as after a backward
+        params, grads = stash.compute(into=self._weight_grads, slice_index=slice_index if per_slice else None)
+        if not len(stash) and key not in self._states:   # every slice's backward ran (B of slice 0 ends them)
+            del self._stashes[key]
+        if params:   # fp32 ones went into the step's sums (handed over once); bf16/fp16 ones reach .grad now
             if self.using_bf16_optimizer:
                 self.optimizer.clear_lp_grads()  # as DeepSpeed's own backward does around each backward pass
             torch.autograd.backward(params, grads)
@@ -675,6 +678,13 @@ class TokenPipelineEngine(PipelineEngine):
     def _hand_over_weight_grads(self) -> None:
         """The step's deferred weight gradients into ``.grad``: once, before anything reads or reduces gradients
         (tied-weight and data-parallel reductions, clipping, the optimizer, the freezer's statistics)."""
+        left = {key: sorted(stash.slices()) for key, stash in self._stashes.items() if len(stash)}
+        if left:   # a schedule without a W for a recorded backward: those weight gradients would be lost
+            raise RuntimeError(f"token pipeline: schedule {self._running.schedule.name!r} left deferred weight "
+                               f"gradients uncomputed at the end of the step ((chunk, micro-batch): slices {left}); "
+                               "every backward needs a W of its slice (or one W per micro-batch at slice 0): "
+                               "a schedule bug, please report it; set terapipe.deferred_weight_grads to false "
+                               "to train without deferral meanwhile")
         if not len(self._weight_grads):
             return
         if self.using_bf16_optimizer:
