@@ -188,21 +188,20 @@ def test_step_accumulator_leaves_low_precision_weights_to_each_w_pass() -> None:
 def _per_slice_reference(model: nn.Module, x: torch.Tensor, slices: list[int]) -> list[dict]:
     """Each slice's own weight gradients (what a W of that slice alone must add)."""
     out = []
-    names = {id(p): n for n, p in model.named_parameters()}
     for i in range(len(slices)):
         stash = WeightGradStash()
         _record(model, x, slices, stash)
-        params, grads = stash.compute(slices={i})
+        params, grads = stash.compute(slice_index=i)
+        names = {id(p): n for n, p in model.named_parameters()}
         out.append({names[id(p)]: g for p, g in zip(params, grads)})
         assert stash.slices() == set(range(len(slices))) - {i}
     return out
 
 
-def test_a_w_per_slice_computes_its_slices_alone_wherever_it_runs() -> None:
+def test_a_w_per_slice_computes_its_slice_alone_wherever_it_runs() -> None:
     """The engine's W of slice i (dualpipev places W in bubbles, after several backwards of its chunk) computes
-    slice i's pairs and no others, so it takes the time the plan gave it; the head of a run of consecutive W
-    actions computes the run's slices; a W per micro-batch (slice 0, gpipe) computes all. The sums are those of
-    one W over everything, and the stash goes once nothing is left and the backwards are over."""
+    slice i's pairs and no others, so it takes the time the plan gave it; a W per micro-batch (slice 0, gpipe)
+    computes all; the sums are the same as one W over everything, and the stash goes once nothing is left."""
     from types import SimpleNamespace
 
     from ds_terapipe.runtime.deferred import WeightGradAccumulator
@@ -216,70 +215,34 @@ def test_a_w_per_slice_computes_its_slices_alone_wherever_it_runs() -> None:
     _record(model, x, slices, stash)
     names = {id(p): n for n, p in model.named_parameters()}
     whole = {names[id(p)]: g for p, g in zip(*stash.compute())}
-    key = (0, 0)
-    per_slice_runs = {2: ((key, frozenset({2})),), 1: ((key, frozenset({1, 0})),), 0: ()}   # W2, then W1 W0
-    cases = {True: ([2, 1, 0], per_slice_runs, [{2}, {1, 0}, {1, 0}]),
-             False: ([0], {0: ((key, None),)}, [{0, 1, 2}])}
-    for per_slice, (order, runs, added_slices) in cases.items():
-        fake = SimpleNamespace(_running=SimpleNamespace(weight_run=lambda c, b, i, runs=runs: runs[i]),
-                               _stashes={}, _states={}, _weight_grads=WeightGradAccumulator(),
-                               _hand_over_low_precision=lambda params, grads: None)
-        stash = fake._stashes[key] = WeightGradStash()
+    for per_slice in (True, False):
+        fake = SimpleNamespace(_running=SimpleNamespace(schedule=SimpleNamespace(weights_per_slice=per_slice)),
+                               _stashes={}, _states={}, _weight_grads=WeightGradAccumulator())
+        stash = fake._stashes[(0, 0)] = WeightGradStash()
         _record(model, x, slices, stash)
-        for step, (i, want_slices) in enumerate(zip(order, added_slices)):
-            before = {n: fake._weight_grads.running(p) for n, p in model.named_parameters()}
-            before = {n: (g.clone() if g is not None else 0) for n, g in before.items()}
+        order = [2, 1, 0] if per_slice else [0]   # the backward order: later slices first
+        for step, i in enumerate(order):
+            before = {n: (g.clone() if g is not None else None) for n, p in model.named_parameters()
+                      for g in [fake._weight_grads.running(p)]}
             TokenPipelineEngine._exec_weight_grad_pass(fake, 0, 0, i, 0)
-            if step > 0 and runs[i] == ():
-                want_slices = set()
             for name, p in model.named_parameters():
                 if name not in whole:
                     continue
-                added = fake._weight_grads.running(p) - before[name]
-                want = sum((each[j][name] for j in want_slices), torch.zeros_like(whole[name]))
+                added = fake._weight_grads.running(p) - (before[name] if before[name] is not None else 0)
+                want = each[i][name] if per_slice else whole[name]
                 assert torch.allclose(added, want, rtol=1e-10, atol=1e-12), (per_slice, i, name)
-            left = set(range(3)) - set().union(*added_slices[:step + 1])
-            assert (key in fake._stashes) == bool(left) and stash.slices() == left
+            left = set(order[step + 1:])
+            assert ((0, 0) in fake._stashes) == bool(left) and stash.slices() == left
         for name, p in model.named_parameters():
             if name in whole:
                 assert torch.allclose(fake._weight_grads.running(p), whole[name], rtol=1e-10, atol=1e-12)
     # 1f1b's W right after its B: the stash is empty while the micro-batch's earlier slices still have their
     # backward to run (its state lives), so it must stay where their pairs will be recorded
-    fake._stashes[key] = stash = WeightGradStash()
-    fake._states[key] = object()
+    fake._stashes[(0, 0)] = stash = WeightGradStash()
+    fake._states[(0, 0)] = object()
     _record(model, x, [8], stash)
     TokenPipelineEngine._exec_weight_grad_pass(fake, 0, 0, 0, 0)
-    assert not len(stash) and fake._stashes[key] is stash
-
-
-def test_weight_runs_cover_every_w_once_and_never_span_other_work() -> None:
-    """``TokenPipeSchedule.weight_run``: the first W of each run of consecutive W actions in a stage's stream
-    computes the run, the others nothing; every W's slices are computed exactly once, by a W at or before it
-    with no other action in between."""
-    from ds_terapipe.planner.schedule import ActionKind
-    from ds_terapipe.runtime.schedule import TokenPipeSchedule
-    seen_merged = False
-    for name, v, m, n in (("dualpipev", 2, 1, 5), ("dualpipev", 2, 2, 3), ("1f1b", 1, 2, 4), ("gpipe", 1, 3, 4)):
-        for stage in range(2):
-            sched = TokenPipeSchedule(name, m, 2, stage, n, deferred_weight_grads=True, virtual_stages=v)
-            covered: dict[tuple[int, int, int], int] = {}
-            prev_w = False
-            for a in sched.actions:
-                if a.kind != ActionKind.WEIGHT:
-                    prev_w = False
-                    continue
-                run = sched.weight_run(a.stage, a.microbatch, a.slice)
-                assert run or prev_w, (name, stage, a)   # only a W right after a W may be empty
-                for (chunk, mb), slices in run:
-                    for i in (range(n) if slices is None else slices):
-                        covered[(chunk, mb, i)] = covered.get((chunk, mb, i), 0) + 1
-                seen_merged |= any(slices is not None and len(slices) > 1 for _, slices in run)
-                prev_w = True
-            ws = [a for a in sched.actions if a.kind == ActionKind.WEIGHT]
-            want = {(a.stage, a.microbatch, i) for a in ws
-                    for i in (range(n) if not sched.schedule.weights_per_slice else [a.slice])}
-            assert set(covered) == want and set(covered.values()) == {1}, (name, stage)
-    assert seen_merged   # dualpipev's tail of W passes is one run
+    assert not len(stash) and fake._stashes[(0, 0)] is stash
 
 
 def test_a_step_ending_with_uncomputed_weight_grads_is_refused() -> None:
@@ -294,7 +257,7 @@ def test_a_step_ending_with_uncomputed_weight_grads_is_refused() -> None:
     enable_deferred_weight_grads(model)
     stash = WeightGradStash()
     _record(model, torch.randn(1, 16, 32, dtype=torch.float64), [8, 8], stash)
-    stash.compute(slices={1})
+    stash.compute(slice_index=1)
     fake = SimpleNamespace(_running=SimpleNamespace(schedule=SimpleNamespace(name="broken")),
                            _stashes={(1, 0): stash, (0, 0): WeightGradStash()}, _weight_grads=WeightGradAccumulator())
     with pytest.raises(RuntimeError, match=r"'broken' left deferred weight gradients.*\(1, 0\): \[0\]"):

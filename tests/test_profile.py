@@ -131,11 +131,11 @@ def test_deferred_points_time_each_slices_weight_grads_and_fit_a_cost_per_slice_
     clock = FakeClock()
     original = WeightGradStash.compute
 
-    def charged(self, into=None, slices=None):
+    def charged(self, into=None, slice_index=None):
         rows = {x.reshape(-1, x.shape[-1]).shape[0] for _, x, _ in self._pairs.get(stage.layer, [])}
         assert len(rows) == 1, "one slice's pairs per W in profiling"
         clock.advance_ms(2 * (2 + 0.5 * rows.pop() / 2))
-        return original(self, into, slices)
+        return original(self, into, slice_index)
 
     monkeypatch.setattr(WeightGradStash, "compute", charged)
     stage = _Recorder(clock)

@@ -659,22 +659,16 @@ class TokenPipelineEngine(PipelineEngine):
     def _exec_weight_grad_pass(self, buffer_id: int, microbatch: int, slice_index: int, chunk: int) -> None:
         """Deferred weight gradients (``runtime/deferred.py``) of the micro-batch's backwards on ``chunk``: all its
         slices (a W per micro-batch, ``W<b>.0`` after the last backward) or slice ``slice_index`` alone (a W per
-        slice, wherever the schedule put it: right after its backward, or later, in a bubble). A run of
-        consecutive W actions in this stage's stream is computed by its first (the later ones find nothing left):
-        the same arithmetic, with each parameter's running sum taking all its GEMMs while it is in cache
-        (measured: 10-20% less W time for dualpipev's tail of per-slice W passes than one pass per slice)."""
-        for key, slices in self._running.weight_run(chunk, microbatch, slice_index):
-            stash = self._stashes.get(key)
-            if stash is None:
-                continue
-            params, grads = stash.compute(into=self._weight_grads, slices=slices)
-            if not len(stash) and key not in self._states:   # every slice's backward ran (B of slice 0 ends them)
-                del self._stashes[key]
-            self._hand_over_low_precision(params, grads)
-
-    def _hand_over_low_precision(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
-        """A W pass's bf16/fp16 weight gradients into ``.grad`` now (fp32 ones went into the step's sums)."""
-        if params:
+        slice, wherever the schedule put it: right after its backward, or later, in a bubble)."""
+        key = (chunk, microbatch)
+        per_slice = self._running.schedule.weights_per_slice
+        stash = self._stashes.get(key)
+        if stash is None:
+            return
+        params, grads = stash.compute(into=self._weight_grads, slice_index=slice_index if per_slice else None)
+        if not len(stash) and key not in self._states:   # every slice's backward ran (B of slice 0 ends them)
+            del self._stashes[key]
+        if params:   # fp32 ones went into the step's sums (handed over once); bf16/fp16 ones reach .grad now
             if self.using_bf16_optimizer:
                 self.optimizer.clear_lp_grads()  # as DeepSpeed's own backward does around each backward pass
             torch.autograd.backward(params, grads)

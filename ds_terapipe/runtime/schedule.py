@@ -17,7 +17,7 @@ of a micro-batch, slice 0, or of one slice) becomes :class:`WeightGradPass` with
 
 from __future__ import annotations
 
-from typing import Iterator, Optional, Sequence
+from typing import Iterator
 
 from deepspeed.runtime.pipe import schedule as ds_schedule
 
@@ -36,8 +36,8 @@ def forward_only(schedule: Schedule) -> Schedule:
 
 
 class WeightGradPass(ds_schedule.PipeInstruction):
-    """Compute deferred weight gradients: a micro-batch's (slice 0, after all its backwards) or one slice's (when
-    the schedule has a W per slice); a run of consecutive ones in one pass (``TokenPipeSchedule.weight_run``)."""
+    """Compute the deferred weight gradients recorded so far: a micro-batch's (slice 0, after all its
+    backwards) or one slice's (when the schedule has a W per slice)."""
 
 
 class VocabForwardPass(ds_schedule.PipeInstruction):
@@ -54,38 +54,6 @@ class VocabEmbedForwardPass(ds_schedule.PipeInstruction):
 
 class VocabEmbedBackwardPass(ds_schedule.PipeInstruction):
     """``EB``: its backward: each rank adds its rows' gradient from the embedding-output gradient."""
-
-
-WeightRun = tuple[tuple[tuple[int, int], Optional[frozenset[int]]], ...]
-
-
-def _weight_runs(actions: Sequence[Action], per_slice: bool) -> dict[tuple[int, int, int], WeightRun]:
-    """Each W action's share of its run of consecutive W actions (see ``TokenPipeSchedule.weight_run``)."""
-    runs: dict[tuple[int, int, int], WeightRun] = {}
-    run: list[Action] = []
-
-    def close() -> None:
-        merged: dict[tuple[int, int], Optional[set[int]]] = {}
-        for a in run:
-            key = (a.stage, a.microbatch)
-            if not per_slice:
-                merged[key] = None
-            elif merged.get(key, set()) is not None:
-                merged.setdefault(key, set()).add(a.slice)
-        runs[(run[0].stage, run[0].microbatch, run[0].slice)] = tuple(
-            (key, None if slices is None else frozenset(slices)) for key, slices in merged.items())
-        for a in run[1:]:
-            runs[(a.stage, a.microbatch, a.slice)] = ()
-        run.clear()
-
-    for action in actions:
-        if action.kind == ActionKind.WEIGHT:
-            run.append(action)
-        elif run:
-            close()
-    if run:
-        close()
-    return runs
 
 
 class TokenPipeSchedule(ds_schedule.PipeSchedule):
@@ -125,15 +93,6 @@ class TokenPipeSchedule(ds_schedule.PipeSchedule):
         self._local = {chunk: index for index, chunk in enumerate(self.chunks)}
         # The chunks that read the batch: the first (inputs) and the last (labels).
         self.data_chunks = frozenset({0, self.schedule.num_chunks - 1} & set(self.chunks))
-        self._weight_runs = _weight_runs(self.actions, self.schedule.weights_per_slice)
-
-    def weight_run(self, chunk: int, microbatch: int, slice_index: int) -> WeightRun:
-        """What the ``W`` action (chunk, micro-batch, slice) computes: ``((chunk, micro-batch), slices)`` pairs,
-        ``slices`` None for all of a micro-batch's slices (a W per micro-batch). The first W of a run of
-        consecutive W actions in this stage's stream computes the whole run, the others nothing: their
-        backwards all ran before the run began, and one pass over a parameter's GEMMs of several slices keeps
-        its running sum in cache (``runtime/engine.py`` ``_exec_weight_grad_pass``)."""
-        return self._weight_runs[(chunk, microbatch, slice_index)]
 
     def num_pipe_buffers(self) -> int:
         return len(self.chunks) * self.micro_batches * self.num_slices
