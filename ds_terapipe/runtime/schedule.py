@@ -36,8 +36,8 @@ def forward_only(schedule: Schedule) -> Schedule:
 
 
 class WeightGradPass(ds_schedule.PipeInstruction):
-    """Compute the deferred weight gradients recorded so far: a micro-batch's (slice 0, after all its
-    backwards) or one slice's (when the schedule has a W per slice)."""
+    """Compute deferred weight gradients: a micro-batch's (slice 0, after all its backwards) or one slice's (when
+    the schedule has a W per slice, wherever it placed it)."""
 
 
 class VocabForwardPass(ds_schedule.PipeInstruction):
