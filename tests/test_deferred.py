@@ -188,11 +188,11 @@ def test_step_accumulator_leaves_low_precision_weights_to_each_w_pass() -> None:
 def _per_slice_reference(model: nn.Module, x: torch.Tensor, slices: list[int]) -> list[dict]:
     """Each slice's own weight gradients (what a W of that slice alone must add)."""
     out = []
+    names = {id(p): n for n, p in model.named_parameters()}
     for i in range(len(slices)):
         stash = WeightGradStash()
         _record(model, x, slices, stash)
         params, grads = stash.compute(slice_index=i)
-        names = {id(p): n for n, p in model.named_parameters()}
         out.append({names[id(p)]: g for p, g in zip(params, grads)})
         assert stash.slices() == set(range(len(slices))) - {i}
     return out

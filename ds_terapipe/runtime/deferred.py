@@ -51,7 +51,7 @@ class WeightGradStash:
     def __init__(self) -> None:
         self._pairs: dict[nn.Linear, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
 
-    def add(self, module: nn.Linear, inputs: torch.Tensor, grad_output: torch.Tensor, slice_index: int = 0) -> None:
+    def add(self, module: nn.Linear, inputs: torch.Tensor, grad_output: torch.Tensor, slice_index: int) -> None:
         self._pairs.setdefault(module, []).append((slice_index, inputs, grad_output))
 
     def __len__(self) -> int:

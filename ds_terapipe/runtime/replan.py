@@ -191,9 +191,6 @@ def calibrate_action_gap(cost: Mapping[str, Any], schedule: Any, slices: tuple[i
         return replace(base_step, forward_ms=tuple(v + gap for v in base_step.forward_ms),
                        backward_ms=tuple(v + gap for v in base_step.backward_ms))
 
-    def with_gap(gap: float) -> dict[str, Any]:
-        return {**cost, "step": step_with(gap).to_dict()}
-
     def makespan(gap: float) -> float:
         trial = PipelineCost(fitted.stages, meta=fitted.meta, step=step_with(gap))
         return float(simulate(schedule, trial, list(slices), batch).makespan_ms)
@@ -214,7 +211,7 @@ def calibrate_action_gap(cost: Mapping[str, Any], schedule: Any, slices: tuple[i
             lo = mid
         else:
             hi = mid
-    return with_gap(hi), hi
+    return {**cost, "step": step_with(hi).to_dict()}, hi
 
 
 class Replanner:
