@@ -62,3 +62,53 @@ def test_interrupted_save_keeps_latest_on_the_previous_checkpoint(tmp_path) -> N
 def test_no_latest_names_the_fix(tmp_path) -> None:
     with pytest.raises(CheckpointError, match="no 'latest' file; pass tag="):
         export_state_dict(str(tmp_path))
+
+
+# -- the slicing a resumed run runs (runtime/plan.py: checkpoint_slices, restore_checkpoint_plan) ---------------
+def _summary(**over) -> dict:
+    plan = {"slices": [24, 24], "seq_len": 48, "schedule": "1f1b", "num_stages": 2, "virtual_stages": 1,
+            "micro_batches": 2, "micro_batch_size": 2}
+    return {**plan, **over}
+
+
+def _config(**over) -> dict:
+    from ds_terapipe.config import parse_terapipe_config
+
+    return parse_terapipe_config({"terapipe": {"enabled": True, "seq_len": 48, "schedule": "1f1b",
+                                               **over}}).model_dump()
+
+
+def test_a_checkpoint_plan_is_run_again_only_for_the_same_shape_and_planning_keys() -> None:
+    from ds_terapipe.runtime.plan import checkpoint_slices
+
+    saved = {"plan": _summary(), "config": _config()}
+    here = _summary(slices=[48])   # this start profiled another slicing: the checkpoint's wins
+    assert checkpoint_slices(saved, here, _config()) == ((24, 24), "")
+    # the config may differ in what does not plan (a timeout, the trace directory)
+    assert checkpoint_slices(saved, here, _config(p2p_timeout_s=5.0, trace_dir="t"))[0] == (24, 24)
+    refused = {
+        "micro_batches 2 -> 4": (saved, _summary(micro_batches=4), _config()),
+        "num_stages 2 -> 4": (saved, _summary(num_stages=4), _config()),
+        "terapipe.memory_limit_gb None -> 1.0": (saved, here, _config(memory_limit_gb=1.0)),
+        "terapipe.granularity 8 -> 16": (saved, here, _config(granularity=16)),
+        "no terapipe plan": ({"config": _config()}, here, _config()),
+        "are not positive multiples": ({"plan": _summary(slices=[20, 28])}, here, _config()),
+    }
+    for why, args in refused.items():
+        slices, message = checkpoint_slices(*args)
+        assert slices is None and why in message, (why, message)
+    assert checkpoint_slices(None, here, _config())[0] is None
+
+
+def test_resume_plan_off_or_slices_from_the_config_restore_nothing_without_a_collective() -> None:
+    from types import SimpleNamespace
+
+    from ds_terapipe.config import parse_terapipe_config
+    from ds_terapipe.runtime.plan import restore_checkpoint_plan
+
+    saved = {"plan": _summary(), "config": _config()}
+    for over in ({"resume_plan": False}, {"slices": 2}):
+        cfg = parse_terapipe_config({"terapipe": {"enabled": True, "seq_len": 48, **over}})
+        # no process group here: reaching the broadcast would raise
+        assert restore_checkpoint_plan(SimpleNamespace(terapipe=cfg), saved) is None
+    assert parse_terapipe_config({"terapipe": {"enabled": True, "seq_len": 48}}).resume_plan

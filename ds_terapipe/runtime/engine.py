@@ -66,7 +66,7 @@ from .devices import synchronized_ms
 from .ds_internals import check_deepspeed_internals
 from .module import chunk_layout
 from .p2p import AbortFlag, PeerFailedError, SliceP2P, agree_or_raise, as_tuple, mark_collective
-from .plan import ResolvedPlan, plan_for_length, resolve_plan
+from .plan import ResolvedPlan, plan_for_length, resolve_plan, restore_checkpoint_plan
 from .recompute import install_sliced_checkpointing
 from .replan import Replanner
 from .schedule import (TokenPipeSchedule, VocabBackwardPass, VocabEmbedBackwardPass, VocabEmbedForwardPass,
@@ -283,7 +283,8 @@ class TokenPipelineEngine(PipelineEngine):
 
     @property
     def plan_source(self) -> str:
-        """Where the plan in use came from: "config", "profiled", "cache" or "planned"."""
+        """Where the plan in use came from: "config", "profiled", "cache", "planned", "replanned" or
+        "checkpoint" (:class:`~ds_terapipe.runtime.plan.ResolvedPlan`)."""
         return self.plan.source
 
     @property
@@ -861,8 +862,12 @@ class TokenPipelineEngine(PipelineEngine):
             self._repack_like(load_dir, tag)
             result = self._checked_load(load_dir, tag, **kwargs)
             client = result[1] if isinstance(result, tuple) and len(result) > 1 else None
+            saved = client.get("terapipe") if isinstance(client, dict) else None
+            # the checkpoint's slicing first, so a re-applied freeze keeps it (it re-plans only without one)
+            restored = restore_checkpoint_plan(self, saved)
             if self.freezer is not None and isinstance(client, dict):
-                self.freezer.load_state_dict(self, client.get("terapipe", {}).get("freeze") or {})
+                self.freezer.load_state_dict(self, (saved if isinstance(saved, dict) else {}).get("freeze") or {},
+                                             keep_slices=restored is not None)
             return result
 
     def _repack_like(self, load_dir: str, tag: Any) -> None:

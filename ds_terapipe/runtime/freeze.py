@@ -295,9 +295,12 @@ class Freezer:
         """The predicted step time of the plan after the latest freeze (or repack), when it was re-planned."""
         return next((e["after_ms"] for e in reversed(self.events) if e.get("after_ms")), None)
 
-    def apply(self, engine: "TokenPipelineEngine", num_frozen_layers: int, *, quiet: bool = False) -> None:
+    def apply(self, engine: "TokenPipelineEngine", num_frozen_layers: int, *, quiet: bool = False,
+              keep_slices: bool = False) -> None:
         """Freeze layers ``[0, num_frozen_layers)`` on this rank (collective when it re-plans); ``quiet``: log
-        nothing (a repack re-applies what already froze and logs the result itself)."""
+        nothing (a repack re-applies what already froze and logs the result itself); ``keep_slices``: re-plan the
+        predicted step but keep the slicing (a loaded checkpoint's, which its run was using with these layers
+        frozen)."""
         module = engine.module
         before_layers, before_chunks = self.num_frozen_layers, self.num_frozen_chunks
         local = self._local_layers(module)
@@ -324,7 +327,7 @@ class Freezer:
         event: dict[str, Any] = {"step": engine.global_steps, "layers": [before_layers, num_frozen_layers],
                                  "frozen_chunks": self.num_frozen_chunks, "slices_before": list(engine.slices)}
         if self.cfg.replan and engine.terapipe.slices == "auto":
-            event.update(self._replan(engine, before_layers, before_chunks))
+            event.update(self._replan(engine, before_layers, before_chunks, may_switch=not keep_slices))
         event["slices_after"] = list(engine.slices)
         self.events.append(event)
         if engine.global_rank == 0 and not quiet:
@@ -400,8 +403,10 @@ class Freezer:
                                              cfg.deferred_weight_grads, virtual_stages=cfg.virtual_stages),
                               num_frozen_chunks)
 
-    def _replan(self, engine: "TokenPipelineEngine", before_layers: int, before_chunks: int) -> dict[str, Any]:
-        """Solve the slicing again under the frozen costs (rank 0) and install it on every rank (collective)."""
+    def _replan(self, engine: "TokenPipelineEngine", before_layers: int, before_chunks: int, *,
+                may_switch: bool = True) -> dict[str, Any]:
+        """Solve the slicing again under the frozen costs (rank 0) and install it on every rank (collective);
+        ``may_switch`` False: only the frozen costs and the predictions change."""
         from .plan import _decided_on_rank0, _solve
 
         plan = engine.plan
@@ -425,7 +430,7 @@ class Freezer:
             best = _solve(engine, model, plan.stage_meta, plan.seq_len)
             best_ms = simulate(self.lowered(engine, len(best.slices), self.num_frozen_chunks), model, best.slices,
                                batch).makespan_ms
-            switch = tuple(best.slices) != tuple(plan.slices) and best_ms < current_ms
+            switch = may_switch and tuple(best.slices) != tuple(plan.slices) and best_ms < current_ms
             return {"cost": cost, "best": best.to_dict(), "before_ms": before_ms, "current_ms": current_ms,
                     "unfrozen_ms": unfrozen_ms,
                     "best_ms": best_ms, "switch": switch}
@@ -452,11 +457,13 @@ class Freezer:
         return {"num_frozen_layers": self.num_frozen_layers, "pending": self._pending,
                 "previous_norms": self._previous_norms, "repacked": self.repacked}
 
-    def load_state_dict(self, engine: "TokenPipelineEngine", state: Mapping[str, Any]) -> None:
-        """Re-freeze what the checkpoint had frozen (every rank loads the same state)."""
+    def load_state_dict(self, engine: "TokenPipelineEngine", state: Mapping[str, Any], *,
+                        keep_slices: bool = False) -> None:
+        """Re-freeze what the checkpoint had frozen (every rank loads the same state); ``keep_slices``: the
+        engine already runs the checkpoint's slicing (:func:`~ds_terapipe.runtime.plan.restore_checkpoint_plan`)."""
         self._pending = state.get("pending")
         norms = state.get("previous_norms")
         self._previous_norms = None if norms is None else {int(k): float(v) for k, v in norms.items()}
         count = int(state.get("num_frozen_layers", 0))
         if count > self.num_frozen_layers:
-            self.apply(engine, count)
+            self.apply(engine, count, keep_slices=keep_slices)

@@ -12,6 +12,9 @@
    than 5% off the cached costs they are rescaled and the plan solved again, so its predicted step is this run's.
 4. All ranks check they hold the same slices before the first step.
 
+A checkpoint keeps the plan its run was using; :func:`restore_checkpoint_plan` runs it again in the engine that
+loads it (``terapipe.resume_plan``), so a resumed ``"auto"`` run does not depend on what this start profiled.
+
 The result is a :class:`ResolvedPlan`, an immutable value the engine keeps. It carries what planning another
 sequence length needs (the measured costs, on rank 0), so :func:`plan_for_length` returns a new value from it
 instead of writing into the engine.
@@ -20,8 +23,8 @@ instead of writing into the engine.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
 import torch.distributed as dist
 
@@ -36,7 +39,7 @@ from .slice_check import check_stage_slicing
 if TYPE_CHECKING:  # pragma: no cover - annotations only
     from .engine import TokenPipelineEngine
 
-__all__ = ["ResolvedPlan", "resolve_plan", "plan_for_length"]
+__all__ = ["ResolvedPlan", "resolve_plan", "plan_for_length", "checkpoint_slices", "restore_checkpoint_plan"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +50,9 @@ class ResolvedPlan:
 
     Attributes:
         slices: token counts per slice, summing to the sequence length.
-        source: ``"config"`` (a list or an int), ``"profiled"`` (measured at init), ``"cache"`` (the plan cache)
-            or ``"planned"`` (another sequence length, from costs measured earlier).
+        source: ``"config"`` (a list or an int), ``"profiled"`` (measured at init), ``"cache"`` (the plan cache),
+            ``"planned"`` (another sequence length, from costs measured earlier), ``"replanned"`` (a freeze or the
+            re-planner switched) or ``"checkpoint"`` (the loaded checkpoint's run was using it).
         planner: the planner's :class:`~ds_terapipe.planner.slicing.SlicingPlan` (predicted time, speedup) for
             ``slices: "auto"``, else None.
         cost: the measured costs (``PipelineCost.to_dict()``) other lengths are planned from; global rank 0 only.
@@ -273,3 +277,78 @@ def plan_for_length(engine: "TokenPipelineEngine", known: ResolvedPlan, seq_len:
     if isinstance(cfg.slices, int):
         return ResolvedPlan(tuple(cfg.equal_slices(seq_len)), "config")
     return _auto_plan(engine, known, None, seq_len)
+
+
+#: What a slicing is made for, as :meth:`TokenPipelineEngine.plan_summary` writes it into a checkpoint.
+PLAN_SHAPE_KEYS = ("seq_len", "schedule", "num_stages", "virtual_stages", "micro_batches", "micro_batch_size")
+#: The ``terapipe`` keys the planner reads: one changed since the save means the user asked for another plan.
+PLAN_CONFIG_KEYS = ("seq_len", "slices", "granularity", "schedule", "virtual_stages", "deferred_weight_grads",
+                    "vocab_parallel", "max_slices", "memory_limit_gb")
+
+
+def checkpoint_slices(saved: Any, current_plan: Mapping[str, Any],
+                      current_config: Mapping[str, Any]) -> tuple[Optional[tuple[int, ...]], str]:
+    """The slices a checkpoint's run was using, when this engine may run them again; else ``(None, why)``.
+
+    ``saved`` is the checkpoint's ``terapipe`` client state (``{"plan": plan_summary, "config": ...}``);
+    ``current_plan`` this engine's ``plan_summary()``, ``current_config`` its ``terapipe.model_dump()``. A plan
+    made for another shape (stages, micro-batches, schedule, ...) or under other planning keys (a new memory
+    limit, granularity, ...) is not what this run asks for, and a checkpoint without a plan (written by hand,
+    or by an older version) has nothing to restore.
+    """
+    plan = saved.get("plan") if isinstance(saved, Mapping) else None
+    if not isinstance(plan, Mapping):
+        return None, "the checkpoint holds no terapipe plan"
+    config = saved.get("config") if isinstance(saved.get("config"), Mapping) else {}
+    diffs = [(k, plan.get(k), current_plan.get(k)) for k in PLAN_SHAPE_KEYS if plan.get(k) != current_plan.get(k)]
+    diffs += [(f"terapipe.{k}", config[k], current_config.get(k)) for k in PLAN_CONFIG_KEYS
+              if k in config and config[k] != current_config.get(k) and k not in {d[0] for d in diffs}]
+    if diffs:
+        return None, "it was made for other settings (" + ", ".join(f"{k} {a!r} -> {b!r}" for k, a, b in diffs) + ")"
+    slices = plan.get("slices")
+    granularity = int(current_config.get("granularity") or 1)
+    if not (isinstance(slices, list) and slices and all(isinstance(s, int) and s > 0 and s % granularity == 0
+                                                        for s in slices) and sum(slices) == current_plan["seq_len"]):
+        return None, (f"its slices {slices!r} are not positive multiples of granularity {granularity} summing to "
+                      f"seq_len {current_plan['seq_len']}")
+    return tuple(slices), ""
+
+
+def restore_checkpoint_plan(engine: "TokenPipelineEngine", saved: Any) -> Optional[tuple[int, ...]]:
+    """Run the slicing the checkpoint's run was using (collective: every rank calls it after the load).
+
+    Why: with ``slices: "auto"`` the engine that loads a checkpoint profiled this start's speed; on a shared or
+    different host that can choose another slicing than the run that wrote it (it did, 48 tokens in one slice
+    against 24 + 24), and although every slicing trains the same model, float sums in another order change the
+    last bits: the resumed run would not continue bit for bit. Rank 0 decides from its copy of the client state
+    (:func:`checkpoint_slices`) and broadcasts, so every rank installs the same plan. Returns the slices
+    restored, or None (``slices`` not ``"auto"``, ``terapipe.resume_plan`` off, or the checkpoint's plan does not
+    fit: logged with why).
+    """
+    cfg = engine.terapipe
+    if cfg.slices != "auto" or not cfg.resume_plan:
+        return None
+
+    def decide() -> tuple[Optional[list[int]], Optional[dict], str]:
+        slices, why = checkpoint_slices(saved, engine.plan_summary(), cfg.model_dump())
+        planner = saved["plan"].get("planner") if slices is not None else None
+        if not isinstance(planner, Mapping) or list(planner.get("slices", ())) != list(slices or ()):
+            planner = None  # its prediction is only worth keeping for these very slices
+        return (list(slices) if slices is not None else None), planner, why
+
+    slices, planner, why = _decided_on_rank0(decide)
+    current = engine.plan
+    if slices is None:
+        if engine.global_rank == 0:
+            logger.info("terapipe: the checkpoint's slicing is not run again: %s; running this start's plan %s",
+                        why, list(current.slices))
+        return None
+    restored = tuple(slices)
+    if restored != tuple(current.slices):
+        engine.install_plan(replace(current, slices=restored, source="checkpoint",
+                                    planner=SlicingPlan.from_dict(planner) if planner is not None else None))
+    if engine.global_rank == 0:
+        logger.info("terapipe: running the checkpoint's slicing %s (this start planned %s%s)", list(restored),
+                    list(current.slices), "; set terapipe.resume_plan false to keep it" if restored != tuple(
+                        current.slices) else ": the same")
+    return restored
