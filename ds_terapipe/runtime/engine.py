@@ -863,8 +863,10 @@ class TokenPipelineEngine(PipelineEngine):
             result = self._checked_load(load_dir, tag, **kwargs)
             client = result[1] if isinstance(result, tuple) and len(result) > 1 else None
             saved = client.get("terapipe") if isinstance(client, dict) else None
-            # the checkpoint's slicing first, so a re-applied freeze keeps it (it re-plans only without one)
-            restored = restore_checkpoint_plan(self, saved)
+            # the checkpoint's slicing first, so a re-applied freeze keeps it (it re-plans only without one);
+            # nothing loaded (no `latest`: the same files on every rank) restores nothing
+            loaded = isinstance(result, tuple) and result[0] is not None
+            restored = restore_checkpoint_plan(self, saved) if loaded else None
             if self.freezer is not None and isinstance(client, dict):
                 self.freezer.load_state_dict(self, (saved if isinstance(saved, dict) else {}).get("freeze") or {},
                                              keep_slices=restored is not None)
