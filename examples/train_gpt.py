@@ -231,7 +231,8 @@ def train(engine: Any, args: argparse.Namespace, tokens: np.ndarray, seq_len: in
             if rank == 0:
                 print(f"step {done:5d}  held-out loss {float(val):.4f}", flush=True)
         if args.save_dir and (done % args.save_every == 0 or done == args.steps):
-            engine.save_checkpoint(args.save_dir, client_state={"step": done, "terapipe": plan})
+            # the engine adds its plan, config and freeze state itself (and runs the plan again on --resume)
+            engine.save_checkpoint(args.save_dir, client_state={"step": done})
     if rank == 0:
         print("done", flush=True)
     # Leave together and tear the process group down explicitly: exiting with gloo's threads still alive

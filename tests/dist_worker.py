@@ -1432,7 +1432,9 @@ def suite_freeze(extra: dict) -> list[dict]:
     STATUS["case"] = "resume"
     first = run["engine"]
     save_dir = str(Path(extra["out"]) / "freeze_ckpt")
-    first.save_checkpoint(save_dir)
+    # a client state with its own "terapipe" entry (the example trainer's once held its printed plan): the
+    # engine's freeze state joins it, and the plan comes from the manifest the engine writes itself
+    first.save_checkpoint(save_dir, client_state={"terapipe": {"caller": "own"}})
     second = _frozen_engine(cfg, {"seq_len": seq_len, "slices": "auto", "schedule": "1f1b", "granularity": 8,
                                   "profile": prof, "freeze": {"auto": {"check_interval": 1, "tolerance": 100.0,
                                                                        "aggressiveness": 0.34}}})

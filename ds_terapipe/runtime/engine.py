@@ -860,15 +860,15 @@ class TokenPipelineEngine(PipelineEngine):
         optimizer state, which DeepSpeed stores per stage."""
         with self._failing_fast("load_checkpoint"):
             self._repack_like(load_dir, tag)
-            result = self._checked_load(load_dir, tag, **kwargs)
+            result, manifest = self._checked_load(load_dir, tag, **kwargs)
             client = result[1] if isinstance(result, tuple) and len(result) > 1 else None
-            saved = client.get("terapipe") if isinstance(client, dict) else None
-            # the checkpoint's slicing first, so a re-applied freeze keeps it (it re-plans only without one);
+            # the checkpoint's slicing first, so a re-applied freeze keeps it (it re-plans only without one); from
+            # the manifest, which the engine writes itself (a caller's client_state may hold its own "terapipe");
             # nothing loaded (no `latest`: the same files on every rank) restores nothing
-            loaded = isinstance(result, tuple) and result[0] is not None
-            restored = restore_checkpoint_plan(self, saved) if loaded else None
+            restored = None if manifest is None else restore_checkpoint_plan(
+                self, {"plan": manifest.get("plan"), "config": manifest.get("terapipe")})
             if self.freezer is not None and isinstance(client, dict):
-                self.freezer.load_state_dict(self, (saved if isinstance(saved, dict) else {}).get("freeze") or {},
+                self.freezer.load_state_dict(self, client.get("terapipe", {}).get("freeze") or {},
                                              keep_slices=restored is not None)
             return result
 
@@ -892,11 +892,12 @@ class TokenPipelineEngine(PipelineEngine):
             self.freezer.apply(self, int(done["num_frozen_layers"]))
         repack(self, self.num_stages // int(manifest["num_stages"]))
 
-    def _checked_load(self, load_dir: str, tag: Any, **kwargs: Any) -> Any:
+    def _checked_load(self, load_dir: str, tag: Any, **kwargs: Any) -> tuple[Any, Optional[dict]]:
+        """DeepSpeed's load result and the checkpoint's manifest (None when nothing was loaded)."""
         tag = str(tag) if tag is not None else ckpt.read_latest(load_dir)
         if tag is None:
             logger.warning("terapipe: no 'latest' file in %s: nothing loaded", load_dir)
-            return None, None
+            return (None, None), None
         tag_dir = os.path.join(load_dir, tag)
         manifest, problem = None, None
         try:
@@ -918,7 +919,7 @@ class TokenPipelineEngine(PipelineEngine):
                                tag_dir, written[0], written[1], list(written[2]), self.num_stages,
                                self.terapipe.virtual_stages, list(self.placement))
             kwargs.update(load_optimizer_states=False, load_lr_scheduler_states=False, load_module_only=True)
-        return super().load_checkpoint(load_dir, tag=tag, **kwargs)
+        return super().load_checkpoint(load_dir, tag=tag, **kwargs), manifest
 
     def _barrier(self, what: str) -> None:
         """An all-reduce of one number that waits with the p2p deadline and watches the abort flag."""

@@ -290,7 +290,7 @@ def checkpoint_slices(saved: Any, current_plan: Mapping[str, Any],
                       current_config: Mapping[str, Any]) -> tuple[Optional[tuple[int, ...]], str]:
     """The slices a checkpoint's run was using, when this engine may run them again; else ``(None, why)``.
 
-    ``saved`` is the checkpoint's ``terapipe`` client state (``{"plan": plan_summary, "config": ...}``);
+    ``saved`` is what the checkpoint's manifest holds (``{"plan": plan_summary, "config": terapipe config}``);
     ``current_plan`` this engine's ``plan_summary()``, ``current_config`` its ``terapipe.model_dump()``. A plan
     made for another shape (stages, micro-batches, schedule, ...) or under other planning keys (a new memory
     limit, granularity, ...) is not what this run asks for, and a checkpoint without a plan (written by hand,
@@ -320,7 +320,7 @@ def restore_checkpoint_plan(engine: "TokenPipelineEngine", saved: Any) -> Option
     Why: with ``slices: "auto"`` the engine that loads a checkpoint profiled this start's speed; on a shared or
     different host that can choose another slicing than the run that wrote it (it did, 48 tokens in one slice
     against 24 + 24), and although every slicing trains the same model, float sums in another order change the
-    last bits: the resumed run would not continue bit for bit. Rank 0 decides from its copy of the client state
+    last bits: the resumed run would not continue bit for bit. Rank 0 decides from the checkpoint's manifest
     (:func:`checkpoint_slices`) and broadcasts, so every rank installs the same plan. Returns the slices
     restored, or None (``slices`` not ``"auto"``, ``terapipe.resume_plan`` off, or the checkpoint's plan does not
     fit: logged with why).
