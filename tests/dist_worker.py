@@ -349,7 +349,25 @@ def main() -> None:
     (out_dir / f"rank{RANK}.json").write_text(json.dumps(payload, indent=1))
     sys.stdout.flush()
     linger_for_peers()  # what atexit would do after a failure: rank 0 holds the store its peers read
+    leave_together(wait="error" not in payload)
     os._exit(0 if "error" not in payload else 1)
+
+
+def leave_together(wait: bool, timeout_s: float = 120.0) -> None:
+    """Every rank says it is done; global rank 0, which hosts the store every process-group call reads, leaves
+    only when all have (at most ``timeout_s``: a rank that died never says it). Why: rank 0 leaving first resets
+    a peer still inside a store-based call, such as the barrier of the ``new_group`` a ``PipelineModule`` makes
+    (seen once: the last case's refusal came back as ``DistNetworkError: Connection reset by peer`` on one rank)."""
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        store = _get_default_store()
+        store.add("dist_worker/done", 1)
+        deadline = time.monotonic() + timeout_s
+        while RANK == 0 and wait and store.add("dist_worker/done", 0) < WORLD and time.monotonic() < deadline:
+            time.sleep(0.05)
+    except Exception:  # noqa: BLE001 - leaving anyway; the results are written
+        pass
 
 
 
