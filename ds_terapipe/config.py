@@ -216,10 +216,11 @@ class TeraPipeConfig(DeepSpeedConfigModel):
     """Directory where plans are stored, keyed by everything that determines them; a restart skips profiling."""
 
     resume_plan: bool = True
-    """With ``slices: "auto"``, ``load_checkpoint`` runs the slicing the checkpoint's run was using (its plan at
-    the save: the init plan, or what a freeze or the re-planner switched to) when the shapes and planning keys
-    are unchanged, so a resumed run continues exactly as it would have; the plan profiled at this start is
-    dropped (logged). ``false``: keep this start's plan (moving a run to another kind of machine)."""
+    """With ``slices: "auto"``, ``load_checkpoint`` runs the slicing the checkpoint's run was using (its plans at
+    the save, for every sequence length it had planned: the init plan, or what a freeze or the re-planner
+    switched to) when the shapes and planning keys are unchanged, so a resumed run continues exactly as it would
+    have; the plan profiled at this start is dropped (logged). ``false``: keep this start's plan (moving a run to
+    another kind of machine)."""
 
     p2p_timeout_s: float = Field(300.0, gt=0)
     """Seconds a rank waits for a pipeline peer before failing with the instruction it was stuck on."""

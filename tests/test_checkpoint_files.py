@@ -83,21 +83,27 @@ def test_a_checkpoint_plan_is_run_again_only_for_the_same_shape_and_planning_key
 
     saved = {"plan": _summary(), "config": _config()}
     here = _summary(slices=[48])   # this start profiled another slicing: the checkpoint's wins
-    assert checkpoint_slices(saved, here, _config()) == ((24, 24), "")
+    assert checkpoint_slices(saved, here, _config()) == ({48: (24, 24)}, "")
     # the config may differ in what does not plan (a timeout, the trace directory)
-    assert checkpoint_slices(saved, here, _config(p2p_timeout_s=5.0, trace_dir="t"))[0] == (24, 24)
+    assert checkpoint_slices(saved, here, _config(p2p_timeout_s=5.0, trace_dir="t"))[0] == {48: (24, 24)}
+    # variable lengths: every length the run had planned (the plan in use may be another length's)
+    varlen = {"plan": _summary(slices=[16, 16], seq_len=32), "plans": {"48": [24, 24], "32": [16, 16], "64": [64]},
+              "config": _config()}
+    assert checkpoint_slices(varlen, here, _config()) == ({32: (16, 16), 48: (24, 24), 64: (64,)}, "")
     refused = {
         "micro_batches 2 -> 4": (saved, _summary(micro_batches=4), _config()),
         "num_stages 2 -> 4": (saved, _summary(num_stages=4), _config()),
         "terapipe.memory_limit_gb None -> 1.0": (saved, here, _config(memory_limit_gb=1.0)),
         "terapipe.granularity 8 -> 16": (saved, here, _config(granularity=16)),
         "no terapipe plan": ({"config": _config()}, here, _config()),
-        "are not positive multiples": ({"plan": _summary(slices=[20, 28])}, here, _config()),
+        "[20, 28] for seq_len 48 are not positive multiples": ({"plan": _summary(slices=[20, 28])}, here, _config()),
+        "[16, 8] for seq_len 32 are not": ({"plan": _summary(), "plans": {"32": [16, 8]}}, here, _config()),
+        "a sequence length 'x'": ({"plan": _summary(), "plans": {"x": [16]}}, here, _config()),
     }
     for why, args in refused.items():
         slices, message = checkpoint_slices(*args)
-        assert slices is None and why in message, (why, message)
-    assert checkpoint_slices(None, here, _config())[0] is None
+        assert slices == {} and why in message, (why, message)
+    assert checkpoint_slices(None, here, _config())[0] == {}
 
 
 def test_resume_plan_off_or_slices_from_the_config_restore_nothing_without_a_collective() -> None:

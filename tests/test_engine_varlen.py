@@ -1,8 +1,8 @@
 """Tier b: variable sequence lengths in one run (64, 32, 128, 32, 64) on 2 ranks.
 
 Each length gets its own plan, made once (auto: from the costs measured at init, never re-profiled), every
-step's gradients equal the unsliced reference at that step's weights, and a length the granularity cannot
-cover fails on every rank with the fix in the message.
+step's gradients equal the unsliced reference at that step's weights, a length the granularity cannot cover
+fails on every rank with the fix in the message, and a checkpoint of the auto run resumes every length's slicing.
 """
 
 from __future__ import annotations
@@ -33,3 +33,9 @@ def test_variable_lengths(tmp_path) -> None:
         # length keeps its own plan, so length 64 runs (and reports) the profiled plan again
         assert [s["source"] for s in auto["steps"]] == ["profiled", "planned", "planned", "planned", "profiled"]
         assert [s["slices"] for s in fixed["steps"]][:3] == [[24, 24, 16], [16, 8, 8], [48, 40, 40]]
+        # a checkpoint keeps every length's slicing: the loading engine's own plan for 64 differed (set by the
+        # worker) and it had planned no other length; it runs the checkpoint's three and trains the same loss
+        resume = auto["resume"]
+        assert resume["restored"] == resume["plans"] and sorted(resume["plans"]) == ["128", "32", "64"], resume
+        assert resume["profiled"] != resume["plans"]["64"] and set(resume["sources"].values()) == {"checkpoint"}
+        assert resume["losses"][0] == resume["losses"][1], resume  # bit for bit at length 128

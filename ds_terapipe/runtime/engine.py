@@ -847,7 +847,9 @@ class TokenPipelineEngine(PipelineEngine):
                                               "virtual_stages": self.terapipe.virtual_stages,
                                               "placement": list(self.placement),
                                               "repacked": self.freezer.repacked if self.freezer else None,
-                                              "plan": self.plan_summary(), "terapipe": self.terapipe.model_dump()})
+                                              "plan": self.plan_summary(), "terapipe": self.terapipe.model_dump(),
+                                              # every sequence length's slicing, for a resumed run to run again
+                                              "plans": {str(n): list(p.slices) for n, p in self._plans.items()}})
                 if save_latest:
                     ckpt.write_latest(save_dir, tag)
                 logger.info("terapipe: checkpoint %s complete (manifest written)", tag_dir)
@@ -866,10 +868,10 @@ class TokenPipelineEngine(PipelineEngine):
             # the manifest, which the engine writes itself (a caller's client_state may hold its own "terapipe");
             # nothing loaded (no `latest`: the same files on every rank) restores nothing
             restored = None if manifest is None else restore_checkpoint_plan(
-                self, {"plan": manifest.get("plan"), "config": manifest.get("terapipe")})
+                self, {"plan": manifest.get("plan"), "plans": manifest.get("plans"), "config": manifest.get("terapipe")})
             if self.freezer is not None and isinstance(client, dict):
                 self.freezer.load_state_dict(self, client.get("terapipe", {}).get("freeze") or {},
-                                             keep_slices=restored is not None)
+                                             keep_slices=bool(restored) and self.plan.seq_len in restored)
             return result
 
     def _repack_like(self, load_dir: str, tag: Any) -> None:

@@ -279,76 +279,95 @@ def plan_for_length(engine: "TokenPipelineEngine", known: ResolvedPlan, seq_len:
     return _auto_plan(engine, known, None, seq_len)
 
 
-#: What a slicing is made for, as :meth:`TokenPipelineEngine.plan_summary` writes it into a checkpoint.
-PLAN_SHAPE_KEYS = ("seq_len", "schedule", "num_stages", "virtual_stages", "micro_batches", "micro_batch_size")
+#: What a slicing is made for, besides its length, as :meth:`TokenPipelineEngine.plan_summary` writes it.
+PLAN_SHAPE_KEYS = ("schedule", "num_stages", "virtual_stages", "micro_batches", "micro_batch_size")
 #: The ``terapipe`` keys the planner reads: one changed since the save means the user asked for another plan.
 PLAN_CONFIG_KEYS = ("seq_len", "slices", "granularity", "schedule", "virtual_stages", "deferred_weight_grads",
                     "vocab_parallel", "max_slices", "memory_limit_gb")
 
 
 def checkpoint_slices(saved: Any, current_plan: Mapping[str, Any],
-                      current_config: Mapping[str, Any]) -> tuple[Optional[tuple[int, ...]], str]:
-    """The slices a checkpoint's run was using, when this engine may run them again; else ``(None, why)``.
+                      current_config: Mapping[str, Any]) -> tuple[dict[int, tuple[int, ...]], str]:
+    """The slicing per sequence length a checkpoint's run was using, when this engine may run it again; else
+    ``({}, why)``.
 
-    ``saved`` is what the checkpoint's manifest holds (``{"plan": plan_summary, "config": terapipe config}``);
-    ``current_plan`` this engine's ``plan_summary()``, ``current_config`` its ``terapipe.model_dump()``. A plan
-    made for another shape (stages, micro-batches, schedule, ...) or under other planning keys (a new memory
-    limit, granularity, ...) is not what this run asks for, and a checkpoint without a plan (written by hand,
-    or by an older version) has nothing to restore.
+    ``saved`` is what the checkpoint's manifest holds: ``{"plan": plan_summary, "plans": {length: slices},
+    "config": terapipe config}`` (``plans`` is every length the run had planned, with variable lengths; a
+    manifest without it gives the plan in use only). ``current_plan`` is this engine's ``plan_summary()``,
+    ``current_config`` its ``terapipe.model_dump()``. A plan made for another shape (stages, micro-batches,
+    schedule, ...) or under other planning keys (a new memory limit, granularity, ...) is not what this run asks
+    for, and a checkpoint without a plan (written by hand, or by an older version) has nothing to restore.
     """
     plan = saved.get("plan") if isinstance(saved, Mapping) else None
     if not isinstance(plan, Mapping):
-        return None, "the checkpoint holds no terapipe plan"
+        return {}, "the checkpoint holds no terapipe plan"
     config = saved.get("config") if isinstance(saved.get("config"), Mapping) else {}
     diffs = [(k, plan.get(k), current_plan.get(k)) for k in PLAN_SHAPE_KEYS if plan.get(k) != current_plan.get(k)]
     diffs += [(f"terapipe.{k}", config[k], current_config.get(k)) for k in PLAN_CONFIG_KEYS
               if k in config and config[k] != current_config.get(k) and k not in {d[0] for d in diffs}]
     if diffs:
-        return None, "it was made for other settings (" + ", ".join(f"{k} {a!r} -> {b!r}" for k, a, b in diffs) + ")"
-    slices = plan.get("slices")
+        return {}, "it was made for other settings (" + ", ".join(f"{k} {a!r} -> {b!r}" for k, a, b in diffs) + ")"
     granularity = int(current_config.get("granularity") or 1)
-    if not (isinstance(slices, list) and slices and all(isinstance(s, int) and s > 0 and s % granularity == 0
-                                                        for s in slices) and sum(slices) == current_plan["seq_len"]):
-        return None, (f"its slices {slices!r} are not positive multiples of granularity {granularity} summing to "
-                      f"seq_len {current_plan['seq_len']}")
-    return tuple(slices), ""
+    plans = saved.get("plans") if isinstance(saved.get("plans"), Mapping) else {}
+    by_length: dict[int, Any] = {plan.get("seq_len"): plan.get("slices")}
+    for length, slices in plans.items():
+        try:
+            by_length[int(length)] = slices
+        except (TypeError, ValueError):
+            return {}, f"its plans name a sequence length {length!r}"
+    for length, slices in by_length.items():
+        if not (isinstance(slices, list) and slices and all(isinstance(s, int) and s > 0 and s % granularity == 0
+                                                            for s in slices) and sum(slices) == length):
+            return {}, (f"its slices {slices!r} for seq_len {length!r} are not positive multiples of granularity "
+                        f"{granularity} summing to it")
+    return {n: tuple(by_length[n]) for n in sorted(by_length)}, ""
 
 
-def restore_checkpoint_plan(engine: "TokenPipelineEngine", saved: Any) -> Optional[tuple[int, ...]]:
-    """Run the slicing the checkpoint's run was using (collective: every rank calls it after the load).
+def restore_checkpoint_plan(engine: "TokenPipelineEngine", saved: Any) -> Optional[dict[int, tuple[int, ...]]]:
+    """Run the slicing the checkpoint's run was using, for every sequence length it had planned (collective:
+    every rank calls it after the load).
 
     Why: with ``slices: "auto"`` the engine that loads a checkpoint profiled this start's speed; on a shared or
     different host that can choose another slicing than the run that wrote it (it did, 48 tokens in one slice
     against 24 + 24), and although every slicing trains the same model, float sums in another order change the
-    last bits: the resumed run would not continue bit for bit. Rank 0 decides from the checkpoint's manifest
-    (:func:`checkpoint_slices`) and broadcasts, so every rank installs the same plan. Returns the slices
-    restored, or None (``slices`` not ``"auto"``, ``terapipe.resume_plan`` off, or the checkpoint's plan does not
+    last bits: the resumed run would not continue bit for bit. The same holds for the other lengths of a
+    variable-length run, which this start would plan from its own costs. Rank 0 decides from the checkpoint's
+    manifest (:func:`checkpoint_slices`) and broadcasts, so every rank installs the same plans (source
+    ``"checkpoint"``; they keep this start's costs for lengths the run had not seen). Returns the slices by
+    length, or None (``slices`` not ``"auto"``, ``terapipe.resume_plan`` off, or the checkpoint's plan does not
     fit: logged with why).
     """
     cfg = engine.terapipe
     if cfg.slices != "auto" or not cfg.resume_plan:
         return None
 
-    def decide() -> tuple[Optional[list[int]], Optional[dict], str]:
-        slices, why = checkpoint_slices(saved, engine.plan_summary(), cfg.model_dump())
-        planner = saved["plan"].get("planner") if slices is not None else None
-        if not isinstance(planner, Mapping) or list(planner.get("slices", ())) != list(slices or ()):
-            planner = None  # its prediction is only worth keeping for these very slices
-        return (list(slices) if slices is not None else None), planner, why
+    def decide() -> tuple[Optional[dict[int, list[int]]], Optional[dict], str]:
+        by_length, why = checkpoint_slices(saved, engine.plan_summary(), cfg.model_dump())
+        planner = saved["plan"].get("planner") if by_length else None
+        if not (isinstance(planner, Mapping) and
+                by_length.get(planner.get("seq_len")) == tuple(planner.get("slices", ()))):
+            planner = None  # its prediction is only worth keeping for the very slices it was made for
+        return ({n: list(s) for n, s in by_length.items()} or None), planner, why
 
-    slices, planner, why = _decided_on_rank0(decide)
+    by_length, planner, why = _decided_on_rank0(decide)
     current = engine.plan
-    if slices is None:
+    if by_length is None:
         if engine.global_rank == 0:
             logger.info("terapipe: the checkpoint's slicing is not run again: %s; running this start's plan %s",
                         why, list(current.slices))
         return None
-    restored = tuple(slices)
-    if restored != tuple(current.slices):
-        engine.install_plan(replace(current, slices=restored, source="checkpoint",
-                                    planner=SlicingPlan.from_dict(planner) if planner is not None else None))
+    replaced = []
+    for length, slices in by_length.items():
+        known = engine._plans.get(length)
+        if known is not None and tuple(known.slices) == tuple(slices):
+            continue
+        kept = SlicingPlan.from_dict(planner) if planner is not None and planner["seq_len"] == length else None
+        engine.install_plan(replace(current, slices=tuple(slices), source="checkpoint", planner=kept))
+        replaced.append(length)
     if engine.global_rank == 0:
-        logger.info("terapipe: running the checkpoint's slicing %s (this start planned %s%s)", list(restored),
-                    list(current.slices), "; set terapipe.resume_plan false to keep it" if restored != tuple(
-                        current.slices) else ": the same")
-    return restored
+        shown = ", ".join(f"{n}: {s}" for n, s in by_length.items())
+        mine = list(current.slices)
+        logger.info("terapipe: running the checkpoint's slicing by sequence length {%s} (this start planned %s for "
+                    "%d%s)", shown, mine, current.seq_len, "; set terapipe.resume_plan false to keep it"
+                    if replaced else ": the same")
+    return {n: tuple(s) for n, s in by_length.items()}
