@@ -365,9 +365,8 @@ def restore_checkpoint_plan(engine: "TokenPipelineEngine", saved: Any) -> Option
         engine.install_plan(replace(current, slices=tuple(slices), source="checkpoint", planner=kept))
         replaced.append(length)
     if engine.global_rank == 0:
-        shown = ", ".join(f"{n}: {s}" for n, s in by_length.items())
-        mine = list(current.slices)
+        shown = ", ".join(f"{n}: {list(s)}" for n, s in by_length.items())
         logger.info("terapipe: running the checkpoint's slicing by sequence length {%s} (this start planned %s for "
-                    "%d%s)", shown, mine, current.seq_len, "; set terapipe.resume_plan false to keep it"
-                    if replaced else ": the same")
+                    "%d%s)", shown, list(current.slices), current.seq_len,
+                    "; terapipe.resume_plan false keeps this start's plans" if replaced else ": the same")
     return {n: tuple(s) for n, s in by_length.items()}
