@@ -868,7 +868,8 @@ class TokenPipelineEngine(PipelineEngine):
             # the manifest, which the engine writes itself (a caller's client_state may hold its own "terapipe");
             # nothing loaded (no `latest`: the same files on every rank) restores nothing
             restored = None if manifest is None else restore_checkpoint_plan(
-                self, {"plan": manifest.get("plan"), "plans": manifest.get("plans"), "config": manifest.get("terapipe")})
+                self, {"plan": manifest.get("plan"), "plans": manifest.get("plans"),
+                       "config": manifest.get("terapipe")})
             if self.freezer is not None and isinstance(client, dict):
                 self.freezer.load_state_dict(self, client.get("terapipe", {}).get("freeze") or {},
                                              keep_slices=bool(restored) and self.plan.seq_len in restored)
