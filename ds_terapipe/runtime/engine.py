@@ -872,7 +872,7 @@ class TokenPipelineEngine(PipelineEngine):
                        "config": manifest.get("terapipe")})
             if self.freezer is not None and isinstance(client, dict):
                 self.freezer.load_state_dict(self, client.get("terapipe", {}).get("freeze") or {},
-                                             keep_slices=bool(restored) and self.plan.seq_len in restored)
+                                             keep_slices=self.plan.seq_len in (restored or {}))
             return result
 
     def _repack_like(self, load_dir: str, tag: Any) -> None:

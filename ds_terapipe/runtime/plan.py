@@ -341,17 +341,17 @@ def restore_checkpoint_plan(engine: "TokenPipelineEngine", saved: Any) -> Option
     if cfg.slices != "auto" or not cfg.resume_plan:
         return None
 
-    def decide() -> tuple[Optional[dict[int, list[int]]], Optional[dict], str]:
+    def decide() -> tuple[dict[int, tuple[int, ...]], Optional[dict], str]:
         by_length, why = checkpoint_slices(saved, engine.plan_summary(), cfg.model_dump())
         planner = saved["plan"].get("planner") if by_length else None
         if not (isinstance(planner, Mapping) and
                 by_length.get(planner.get("seq_len")) == tuple(planner.get("slices", ()))):
             planner = None  # its prediction is only worth keeping for the very slices it was made for
-        return ({n: list(s) for n, s in by_length.items()} or None), planner, why
+        return by_length, planner, why
 
     by_length, planner, why = _decided_on_rank0(decide)
     current = engine.plan
-    if by_length is None:
+    if not by_length:
         if engine.global_rank == 0:
             logger.info("terapipe: the checkpoint's slicing is not run again: %s; running this start's plan %s",
                         why, list(current.slices))
@@ -359,14 +359,14 @@ def restore_checkpoint_plan(engine: "TokenPipelineEngine", saved: Any) -> Option
     replaced = []
     for length, slices in by_length.items():
         known = engine._plans.get(length)
-        if known is not None and tuple(known.slices) == tuple(slices):
+        if known is not None and tuple(known.slices) == slices:
             continue
         kept = SlicingPlan.from_dict(planner) if planner is not None and planner["seq_len"] == length else None
-        engine.install_plan(replace(current, slices=tuple(slices), source="checkpoint", planner=kept))
+        engine.install_plan(replace(current, slices=slices, source="checkpoint", planner=kept))
         replaced.append(length)
     if engine.global_rank == 0:
         shown = ", ".join(f"{n}: {list(s)}" for n, s in by_length.items())
         logger.info("terapipe: running the checkpoint's slicing by sequence length {%s} (this start planned %s for "
                     "%d%s)", shown, list(current.slices), current.seq_len,
                     "; terapipe.resume_plan false keeps this start's plans" if replaced else ": the same")
-    return {n: tuple(s) for n, s in by_length.items()}
+    return by_length
