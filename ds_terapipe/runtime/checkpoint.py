@@ -9,6 +9,7 @@ DeepSpeed writes a pipeline checkpoint as one file per layer plus per-rank state
 * loading checks the manifest first (a missing, truncated or altered file is refused, naming it) and checks
   the layer files' tensor shapes against this model before anything is loaded, so a checkpoint of a model with
   other dimensions is refused with both shapes and leaves the model untouched.
+* bf16 with ZeRO stage 0 resumes exactly (:func:`load_bf16_optimizer_state`), which DeepSpeed's own load cannot.
 * :func:`export_state_dict` turns a checkpoint into one plain state dict (``"{layer}.{param}"``), for inference
   or for loading into a single ``nn.Module``.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import logging
 import os
 import re
 from typing import Any, Optional
@@ -27,7 +29,10 @@ import torch
 from .._io import atomic_write_text
 
 __all__ = ["MANIFEST", "write_manifest", "verify_manifest", "write_latest", "read_latest", "read_manifest",
-           "check_layer_shapes", "export_state_dict", "CheckpointError"]
+           "check_layer_shapes", "export_state_dict", "bf16_optimizer_file", "load_bf16_optimizer_state",
+           "CheckpointError"]
+
+logger = logging.getLogger(__name__)
 
 MANIFEST = "terapipe_manifest.json"
 _LAYER_FILE = re.compile(r"layer_(\d+)-.*model_states\.pt$")
@@ -164,3 +169,52 @@ def export_state_dict(checkpoint_dir: str, tag: Optional[str] = None) -> dict[st
     if not out:
         raise CheckpointError(f"checkpoint {tag_dir} holds no layer files (layer_XX-...model_states.pt)")
     return out
+
+
+# -- bf16 with ZeRO stage 0 ------------------------------------------------------------------------------------
+# DeepSpeed runs bf16 without ZeRO through its BF16_Optimizer, which keeps the fp32 master weights and the base
+# optimizer's state partitioned over the data-parallel ranks like ZeRO stage 1 does, and saves them the same way:
+# one ``bf16_zero_pp_rank_{dp}_mp_rank_{stage}_optim_states.pt`` per rank. DeepSpeed 0.19.8's load_checkpoint
+# decides by ``zero_optimization()`` alone (false at stage 0) and hands BF16_Optimizer the one optimizer state dict
+# of the model-states file where it expects the list of every data-parallel rank's (KeyError: 0); and with
+# ``load_optimizer_states=False`` it leaves the fp32 masters at their initial values, so the first step after
+# the load overwrites the loaded weights (so it does for fp16's FP16_Optimizer and FP16_UnfusedOptimizer: the
+# engine refreshes their masters from the loaded weights). The engine therefore lets DeepSpeed load everything
+# but the bf16 optimizer and loads that here, from the per-rank files, as DeepSpeed's ZeRO load does.
+
+
+def bf16_optimizer_file(tag_dir: str, *, dp_rank: int, dp_world_size: int, mp_rank: int,
+                        saved_dp_world_size: Optional[int]) -> str:
+    """The file in which DeepSpeed's BF16_Optimizer saved data-parallel rank ``dp_rank``'s partition of stage
+    (model-parallel rank) ``mp_rank``, after checking this run can load it (called before anything is loaded)."""
+    if saved_dp_world_size is not None and saved_dp_world_size != dp_world_size:
+        raise CheckpointError(
+            f"checkpoint {tag_dir} holds bf16 optimizer state partitioned over {saved_dp_world_size} data-parallel "
+            f"ranks, this run has {dp_world_size}: the partitions cannot be split again; resume with "
+            f"{saved_dp_world_size} replicas, or load weights only (load_optimizer_states=False)")
+    path = os.path.join(tag_dir, f"bf16_zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_optim_states.pt")
+    if not os.path.exists(path):
+        raise CheckpointError(f"checkpoint {tag_dir} lacks {os.path.basename(path)}, the bf16 optimizer state of "
+                              f"data-parallel rank {dp_rank} of stage {mp_rank}: it was not saved with bf16 at ZeRO "
+                              "stage 0; load weights only (load_optimizer_states=False)")
+    return path
+
+
+def load_bf16_optimizer_state(optimizer: Any, path: Optional[str], *, dp_rank: int, dp_world_size: int,
+                              load_from_fp32_weights: bool) -> None:
+    """Load DeepSpeed's BF16_Optimizer (bf16, ZeRO stage 0) once the model holds the checkpoint's weights: its
+    fp32 master weights and base optimizer state from ``path`` (:func:`bf16_optimizer_file`), or with no path
+    (weights only) the fp32 masters from the loaded bf16 weights.
+
+    Why the masters are refreshed first: BF16_Optimizer copies the saved fp32 partition only with
+    ``load_from_fp32_weights`` (``zero_optimization.load_from_fp32_weights``, on by default); without it the
+    masters would keep their initial values. Only this rank's file is read: the optimizer indexes the list it is
+    given by its own data-parallel rank and reads no other entry (DeepSpeed's ZeRO load reads every rank's).
+    """
+    optimizer.refresh_fp32_params()
+    if path is None:
+        return
+    states: list[Optional[dict]] = [None] * dp_world_size
+    states[dp_rank] = torch.load(path, map_location="cpu", weights_only=False)["optimizer_state_dict"]
+    optimizer.load_state_dict(states, load_optimizer_states=True, load_from_fp32_weights=load_from_fp32_weights)
+    logger.info("terapipe: bf16 optimizer state of data-parallel rank %d loaded from %s", dp_rank, path)

@@ -922,7 +922,27 @@ class TokenPipelineEngine(PipelineEngine):
                                tag_dir, written[0], written[1], list(written[2]), self.num_stages,
                                self.terapipe.virtual_stages, list(self.placement))
             kwargs.update(load_optimizer_states=False, load_lr_scheduler_states=False, load_module_only=True)
-        return super().load_checkpoint(load_dir, tag=tag, **kwargs), manifest
+        # without ZeRO, DeepSpeed cannot load the bf16 optimizer, and loading weights only leaves the fp32 master
+        # weights of the bf16/fp16 optimizers at their initial values (runtime/checkpoint.py)
+        no_zero = not self.zero_optimization() and not kwargs.get("load_module_only")
+        own_bf16 = no_zero and self.using_bf16_optimizer
+        load_optimizer_states = kwargs.pop("load_optimizer_states", True)
+        if own_bf16:
+            dp_group = self.optimizer.dp_process_group
+            dp_rank, dp_size = torch.distributed.get_rank(group=dp_group), torch.distributed.get_world_size(dp_group)
+            bf16_file = None if not load_optimizer_states else ckpt.bf16_optimizer_file(
+                tag_dir, dp_rank=dp_rank, dp_world_size=dp_size, mp_rank=self.checkpoint_mp_rank,
+                saved_dp_world_size=manifest.get("dp"))
+        result = super().load_checkpoint(load_dir, tag=tag,
+                                         load_optimizer_states=load_optimizer_states and not own_bf16, **kwargs)
+        if result[0] is not None and own_bf16:
+            ckpt.load_bf16_optimizer_state(self.optimizer, bf16_file, dp_rank=dp_rank, dp_world_size=dp_size,
+                                           load_from_fp32_weights=self.zero_load_from_fp32_weights())
+        elif result[0] is not None and no_zero and not load_optimizer_states:
+            refresh = getattr(self.optimizer, "refresh_fp32_params", None)   # fp16's optimizers; fp32 has no masters
+            if refresh is not None:
+                refresh()
+        return result, manifest
 
     def _barrier(self, what: str) -> None:
         """An all-reduce of one number that waits with the p2p deadline and watches the abort flag."""

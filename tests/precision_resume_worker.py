@@ -1,0 +1,142 @@
+"""One rank of the half-precision resume tests: ``python tests/precision_resume_worker.py precision_resume OUT_DIR
+EXTRA_JSON``.
+
+Suite ``precision_resume`` (tests/test_precision_resume.py): for bf16 and fp16 at ZeRO 0 and 1 on 2 stages (x the
+replicas the world size leaves), train 2 steps, save, train 3 more (the uninterrupted run); then a fresh engine
+loads the checkpoint and trains the same 3 steps. Each case records both runs' losses, loss scales, learning rates
+and final fp32 master weights, so the test can require them equal bit for bit; a third engine loads weights only
+(``load_optimizer_states=False``) and records how far its fp32 master weights are from the loaded weights. SGD with
+momentum and a warm-up learning rate make the optimizer and scheduler state matter; a dynamic fp16 loss scale with
+a short window makes the loss scaler's state matter. Case names are "<precision> zero<stage>", precision one of
+fp32, bf16, fp16 (``extra["cases"]``; the default leaves fp32 out, which other suites resume).
+
+DeepSpeed's CPU accelerator reports fp16 only where oneDNN has fp16 kernels; with ``extra["force_fp16"]`` the
+suite lets DeepSpeed build its fp16 optimizers anyway (torch runs fp16 on any CPU, slowly), since what is tested
+here is their checkpoint state, not fp16 speed. The helpers are tests/dist_worker.py's.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+import ds_terapipe
+from deepspeed.accelerator import get_accelerator
+from ds_terapipe.models.gpt import GPTConfig, causal_lm_loss, gpt_layer_specs
+from tests import dist_worker as dw
+
+WORLD = int(os.environ["WORLD_SIZE"])
+STAGES = 2
+STEPS_BEFORE, STEPS_AFTER = 2, 3
+PRECISIONS = {"fp32": {}, "bf16": {"bf16": {"enabled": True}},
+              # dynamic scale from 2^8, doubled after every 2 clean steps: the scale moves while the test runs
+              "fp16": {"fp16": {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2}}}
+
+
+def _engine(cfg: GPTConfig, precision: str, zero_stage: int, *, micro: int, batch: int, seq_len: int) -> Any:
+    model = ds_terapipe.TokenPipelineModule(gpt_layer_specs(cfg), num_stages=STAGES, loss_fn=causal_lm_loss,
+                                            vocab_size=cfg.vocab_size, partition_method="uniform")
+    dp = WORLD // STAGES
+    config = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": micro,
+              "train_batch_size": batch * micro * dp, "steps_per_print": 10**9, "gradient_clipping": 0.0,
+              "zero_optimization": {"stage": zero_stage}, "zero_allow_untested_optimizer": True,
+              "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.05, "warmup_max_lr": 0.1,
+                                                           "warmup_num_steps": 8, "warmup_type": "linear"}},
+              "terapipe": {"enabled": True, "seq_len": seq_len, "slices": [16, 32, 16], "schedule": "1f1b"},
+              **PRECISIONS[precision]}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    engine, _, _, _ = ds_terapipe.initialize(model=model, optimizer=opt, config=config)
+    dw.ENGINE_REF["engine"] = engine
+    return engine
+
+
+def _master_weights(engine: Any) -> dict[str, torch.Tensor]:
+    """The optimizer's fp32 copy of every parameter (DeepSpeed's helper for it does not know FP16_UnfusedOptimizer,
+    which keeps the copies in lists parallel to the fp16 parameters)."""
+    if isinstance(engine.optimizer, torch.optim.Optimizer):   # fp32: the weights are their own master copy
+        return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    groups = getattr(engine.optimizer, "fp32_groups", None)
+    if type(engine.optimizer).__name__ != "FP16_UnfusedOptimizer" or groups is None:
+        return dw.master_weights(engine)
+    fp32 = {id(p16): p32 for g16, g32 in zip(engine.optimizer.fp16_groups, groups) for p16, p32 in zip(g16, g32)}
+    return {n: fp32[id(p)].detach().clone() for n, p in engine.module.named_parameters()}
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[float, str]:
+    return max(((float((a[n].float() - b[n].float()).abs().max()), n) for n in a), default=(0.0, ""))
+
+
+def _loss_scale(engine: Any) -> float:
+    """The fp16 loss scale the next step uses (1 without one); each DeepSpeed optimizer keeps it elsewhere."""
+    optimizer = engine.optimizer
+    for owner in (optimizer, getattr(optimizer, "loss_scale_config", None), getattr(optimizer, "loss_scaler", None)):
+        if getattr(owner, "cur_scale", None) is not None:
+            return float(owner.cur_scale)
+    return 1.0
+
+
+def _train(engine: Any, groups: Iterator[list[tuple]]) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {"losses": [], "scales": [], "lrs": []}
+    for group in groups:
+        out["losses"].append(float(engine.train_batch(iter(group))))
+        out["scales"].append(_loss_scale(engine))
+        out["lrs"].append(float(engine.get_lr()[0]))
+    return out
+
+
+def _case(cfg: GPTConfig, precision: str, zero_stage: int, ckpt: Path) -> dict[str, Any]:
+    micro, batch, seq_len = 2, 2, 64
+    dp = WORLD // STAGES
+    steps = dw.make_batches(cfg, (STEPS_BEFORE + STEPS_AFTER) * micro * dp, batch, seq_len, seed=23)
+    first = _engine(cfg, precision, zero_stage, micro=micro, batch=batch, seq_len=seq_len)
+    dp_id = first.grid.data_parallel_id
+    # step s of replica r: micro-batches [(s * dp + r) * micro, ... + micro)
+    groups = [steps[(s * dp + dp_id) * micro:(s * dp + dp_id + 1) * micro] for s in range(STEPS_BEFORE + STEPS_AFTER)]
+    before = _train(first, iter(groups[:STEPS_BEFORE]))
+    first.save_checkpoint(str(ckpt), client_state={"step": STEPS_BEFORE})
+    uninterrupted = _train(first, iter(groups[STEPS_BEFORE:]))
+    master = _master_weights(first)
+    optimizer = type(first.optimizer).__name__
+    again = _engine(cfg, precision, zero_stage, micro=micro, batch=batch, seq_len=seq_len)
+    _, client = again.load_checkpoint(str(ckpt))
+    resumed = _train(again, iter(groups[STEPS_BEFORE:]))
+    # weights only: the optimizer's fp32 copies are the loaded weights (not the new engine's initial ones)
+    weights_only = _engine(cfg, precision, zero_stage, micro=micro, batch=batch, seq_len=seq_len)
+    initial = {n: p.detach().clone() for n, p in weights_only.module.named_parameters()}
+    weights_only.load_checkpoint(str(ckpt), load_optimizer_states=False)
+    loaded = {n: p.detach().clone() for n, p in weights_only.module.named_parameters()}
+    dw.ENGINE_REF.pop("engine", None)
+    return {"case": dw.STATUS["case"], "optimizer": optimizer, "before": before, "uninterrupted": uninterrupted,
+            "resumed": resumed, "master_max_diff": _max_diff(master, _master_weights(again)),
+            "weights_only_master_vs_weights": _max_diff(_master_weights(weights_only), loaded),
+            "loaded_vs_initial": _max_diff(loaded, initial),
+            "step": client["step"], "global_steps": [first.global_steps, again.global_steps]}
+
+
+def suite_precision_resume(extra: dict) -> list[dict]:
+    cfg = GPTConfig(num_layers=2, hidden=32, num_heads=4, vocab_size=64, max_seq_len=64, seed=11)
+    fp16 = bool(get_accelerator().is_fp16_supported())
+    if extra.get("force_fp16") and not fp16:
+        get_accelerator().is_fp16_supported = lambda: True  # this process only: see the module docstring
+    results: list[dict] = [{"case": "host", "fp16_supported": fp16, "world": WORLD}]
+    for name in extra.get("cases", ["bf16 zero0", "bf16 zero1", "fp16 zero0", "fp16 zero1"]):
+        precision, zero = name.split()
+        dw.STATUS["case"] = name
+        try:
+            ckpt = Path(extra["out"]) / name.replace(" ", "_")
+            results.append(_case(cfg, precision, int(zero.removeprefix("zero")), ckpt))
+        except Exception as err:  # noqa: BLE001 - every rank fails the same load the same way; the test reads it
+            results.append({"case": name, "error": f"{type(err).__name__}: {err}",
+                            "traceback": traceback.format_exc()})
+            dw.ENGINE_REF.pop("engine", None)
+    return results
+
+
+dw.SUITES["precision_resume"] = suite_precision_resume
+
+if __name__ == "__main__":
+    dw.main()

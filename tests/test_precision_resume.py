@@ -1,0 +1,73 @@
+"""Tier b: bf16 and fp16 runs at ZeRO stage 0 and 1 resume from a checkpoint exactly, on 2 stages (one launch of
+2 ranks) and on 2 stages x 2 replicas (one launch of 4 ranks), every case in one process group
+(tests/precision_resume_worker.py, suite ``precision_resume``).
+
+Exactly means bit for bit: a fresh engine that loads the checkpoint trains the next 3 steps with the losses, loss
+scales and learning rates of the run that went on without stopping, and ends with the same fp32 master weights.
+bf16 at ZeRO stage 0 is the case DeepSpeed 0.19.8's own load gets wrong (its BF16_Optimizer is handed one state
+dict where it indexes a list per data-parallel rank: ``KeyError: 0``); the engine loads that optimizer itself
+(runtime/checkpoint.py). Loading weights only (``load_optimizer_states=False``) must leave the fp32 master weights
+equal to the loaded weights, which DeepSpeed leaves at their initial values without ZeRO.
+
+fp16 on a CPU: DeepSpeed's CPU accelerator refuses it where oneDNN has no fp16 kernels ("Type fp16 is not
+supported on your device."); the worker lets DeepSpeed build its fp16 optimizers anyway (torch computes fp16 on any
+CPU), because the optimizers' checkpoint state is what is tested.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ds_terapipe.runtime.checkpoint import CheckpointError, bf16_optimizer_file
+from tests.dist_harness import launch
+
+WORKER = Path(__file__).resolve().parent / "precision_resume_worker.py"
+OPTIMIZERS = {"bf16 zero0": "BF16_Optimizer", "bf16 zero1": "DeepSpeedZeroOptimizer",
+              "fp16 zero0": "FP16_UnfusedOptimizer", "fp16 zero1": "DeepSpeedZeroOptimizer"}
+
+
+def _check(results: list[dict], world: int) -> None:
+    errors = [r["error"] for r in results if "error" in r]
+    assert not errors, errors[0]
+    for rank, payload in enumerate(results):
+        cases = {case["case"]: case for case in payload["results"]}
+        assert cases.pop("host")["world"] == world
+        assert sorted(cases) == sorted(OPTIMIZERS), sorted(cases)
+        for name, case in cases.items():
+            where = f"{name}, rank {rank} of {world}"
+            assert "error" not in case, f"{where}: {case.get('error')}\n{case.get('traceback')}"
+            assert case["optimizer"] == OPTIMIZERS[name], (where, case["optimizer"])
+            # the checkpoint is worth testing: the weights moved before it was written
+            assert case["loaded_vs_initial"][0] > 0.0, (where, case["loaded_vs_initial"])
+            for key in ("losses", "scales", "lrs"):
+                assert case["resumed"][key] == case["uninterrupted"][key], (
+                    f"{where}: {key} after resuming {case['resumed'][key]} != uninterrupted "
+                    f"{case['uninterrupted'][key]}")
+            assert case["master_max_diff"][0] == 0.0, (where, "fp32 master weights differ", case["master_max_diff"])
+            assert case["weights_only_master_vs_weights"][0] == 0.0, (
+                where, "weights only: fp32 masters are not the loaded weights", case["weights_only_master_vs_weights"])
+            assert case["step"] == 2 and case["global_steps"] == [5, 5], (where, case["step"], case["global_steps"])
+        if world == 2:   # the loss scale moved while the fp16 runs trained, so resuming it is tested
+            assert len(set(cases["fp16 zero0"]["uninterrupted"]["scales"])) > 1
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("world", [2, 4], ids=["2stages", "2stages_x_2replicas"])
+def test_bf16_and_fp16_at_zero_0_and_1_resume_bit_for_bit(tmp_path, world: int) -> None:
+    _check(launch("precision_resume", world, tmp_path, timeout_s=360, extra={"force_fp16": True}, worker=WORKER),
+           world)
+
+
+def test_bf16_optimizer_state_of_another_replica_count_or_precision_is_refused(tmp_path) -> None:
+    (tmp_path / "bf16_zero_pp_rank_1_mp_rank_03_optim_states.pt").write_bytes(b"")
+    assert bf16_optimizer_file(str(tmp_path), dp_rank=1, dp_world_size=2, mp_rank=3, saved_dp_world_size=2) == str(
+        tmp_path / "bf16_zero_pp_rank_1_mp_rank_03_optim_states.pt")
+    with pytest.raises(CheckpointError, match=r"partitioned over 4 data-parallel ranks, this run has 2: .*resume "
+                                              r"with 4 replicas, or load weights only \(load_optimizer_states=False\)"):
+        bf16_optimizer_file(str(tmp_path), dp_rank=1, dp_world_size=2, mp_rank=3, saved_dp_world_size=4)
+    with pytest.raises(CheckpointError, match=r"lacks bf16_zero_pp_rank_0_mp_rank_03_optim_states.pt.*not saved "
+                                              r"with bf16 at ZeRO stage 0; load weights only"):
+        bf16_optimizer_file(str(tmp_path), dp_rank=0, dp_world_size=2, mp_rank=3, saved_dp_world_size=2)
