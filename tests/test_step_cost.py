@@ -206,10 +206,17 @@ def test_a_prefix_stands_for_the_rest_scaled_by_elements() -> None:
 
     tensors = [torch.zeros(100), torch.zeros(50), torch.zeros(250)]
     assert _sample(tensors, 1000) == (tensors, 1.0)
-    part, scale = _sample(tensors, 160)
-    assert part == tensors[:2] and scale == pytest.approx(400 / 150)
-    part, scale = _sample(tensors, 10)   # at least one tensor
-    assert part == tensors[:1] and scale == pytest.approx(4.0)
+    part, scale = _sample(tensors, 160)   # exactly 160 elements: the third tensor's first 10
+    assert [t.numel() for t in part] == [100, 50, 10] and scale == pytest.approx(400 / 160)
+    assert part[2].data_ptr() == tensors[2].data_ptr()   # a view, not a copy
+    part, scale = _sample(tensors, 10)
+    assert [t.numel() for t in part] == [10] and scale == pytest.approx(40.0)
+    # a tiny tensor before a huge one (a norm's weight before a block's first projection) must not stand for
+    # the huge one: the sample takes the huge one's leading elements
+    norm, proj = torch.zeros(8, 8), torch.zeros(1000, 1000)
+    part, scale = _sample([norm, proj], 1000)
+    assert sum(t.numel() for t in part) == 1000 and scale == pytest.approx((64 + 10**6) / 1000)
+    assert part[1].dim() == 1   # flat: elementwise work does not care about the shape
 
 
 def test_gradient_accumulation_is_timed_on_buffers_not_on_grad() -> None:
