@@ -277,15 +277,19 @@ def test_pipeline_cost_api_errors():
 # --------------------------------------------------------------------------------------------------------------
 # AnalyticCost and presets
 
-def test_analytic_cost_is_increasing_in_slice_and_context():
+def test_analytic_cost_grows_with_slice_and_context():
+    # never cheaper for more tokens or a longer prefix; flat where a kernel sits on its launch floor or on its
+    # weight read (a short slice's attention, every GEMM below a few hundred tokens), growing past it
     cost = AnalyticCost(get_model_preset("gpt3-1b"), get_device_preset("v100"), num_layers=3)
     s = np.arange(8, 4097, 8, dtype=float)
     c = np.arange(0, 8193, 256, dtype=float)
-    grid = cost.forward_ms(s[:, None], c[None, :])
-    assert np.all(np.diff(grid, axis=0) > 0) and np.all(np.diff(grid, axis=1) > 0)
-    np.testing.assert_allclose(cost.backward_ms(s[:, None], c[None, :]), 2 * grid)
+    for grid in (cost.forward_ms(s[:, None], c[None, :]), cost.backward_ms(s[:, None], c[None, :])):
+        assert np.all(np.diff(grid, axis=0) >= 0) and np.all(np.diff(grid, axis=1) >= 0)
+        assert np.all(np.diff(grid[s >= 512], axis=0) > 0) and np.all(np.diff(grid[s >= 512], axis=1) > 0)
+    # the backward does the forward's GEMMs twice (input and weight gradients) and adds into .grad
+    assert np.all(cost.backward_ms(s[:, None], c[None, :]) > 2 * cost.forward_ms(s[:, None], c[None, :]) * 0.9)
     assert np.all(np.diff(cost.comm_ms(s)) > 0)
-    assert cost.forward_ms(128, 0, batch=4) > cost.forward_ms(128, 0, batch=1)
+    assert cost.forward_ms(1024, 0, batch=4) > cost.forward_ms(1024, 0, batch=1)
 
 
 def test_analytic_cost_matches_the_documented_flop_count_when_compute_bound():

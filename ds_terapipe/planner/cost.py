@@ -10,8 +10,8 @@ tiny slices underuse the device, so t(s, 0) / s falls with s. Two models provide
   with c > 0. Unlike the reference implementation the context part is *not* added at c = 0, so the model
   returns the measured t0(s) exactly there instead of counting the intercept twice; and it is never negative
   (a prefix does not make a slice cheaper), which keeps a noisy fit from promising free slices.
-* ``AnalyticCost`` derives t from FLOPs and bytes of a transformer layer on a device (``presets.py``), for
-  planning before any hardware is at hand.
+* ``AnalyticCost`` derives t kernel by kernel from the FLOPs and bytes of a transformer layer on a device
+  (``roofline.py``; devices and models in ``presets.py``), for planning before any hardware is at hand.
 
 ``PipelineCost`` holds one model per stage and reads/writes the public JSON file format documented in
 ``docs/cost_format.md``. This module imports numpy and the standard library only.
@@ -30,6 +30,7 @@ from typing import Any, Union
 import numpy as np
 
 from ._checks import check_int, check_number
+from .roofline import DeviceSpec, Roofline, TransformerSpec
 from .step_cost import StepCost
 
 logger = logging.getLogger(__name__)
@@ -385,78 +386,27 @@ def scaled_cost(cost: Mapping[str, Any], scales: Mapping[int, Mapping[str, float
 # --------------------------------------------------------------------------------------------------------------
 # AnalyticCost
 
-@dataclass(frozen=True)
-class TransformerSpec:
-    """A GPT-style decoder: ``num_layers`` blocks of width ``hidden``; ``vocab`` sizes the LM head."""
-
-    num_layers: int
-    hidden: int
-    num_heads: int
-    vocab: int
-    seq_len: int
-
-    def __post_init__(self) -> None:
-        for name in ("num_layers", "hidden", "num_heads", "vocab", "seq_len"):
-            check_int(getattr(self, name), f"TransformerSpec.{name}", minimum=1, wrong_type=ValueError)
-        if self.hidden % self.num_heads:
-            raise ValueError(f"TransformerSpec.hidden = {self.hidden} is not divisible by num_heads = "
-                             f"{self.num_heads}; pick num_heads dividing hidden")
-
-
-@dataclass(frozen=True)
-class DeviceSpec:
-    """An accelerator for the roofline estimate.
-
-    ``peak_tflops``: dense peak in the training precision; ``mem_bw_gbps``: memory bandwidth in GB/s (bytes);
-    ``efficiency``: fraction of peak a transformer GEMM reaches (0, 1]; ``per_layer_overhead_ms``: fixed cost per
-    layer per pass (kernel launches, small ops); ``link_gbps``: stage-to-stage link in Gbit/s (bits, as network
-    links are quoted); ``link_latency_ms``: per-message latency.
-    """
-
-    name: str
-    peak_tflops: float
-    mem_bw_gbps: float
-    per_layer_overhead_ms: float
-    efficiency: float
-    link_gbps: float
-    link_latency_ms: float
-
-    def __post_init__(self) -> None:
-        for name in ("peak_tflops", "mem_bw_gbps", "link_gbps"):
-            _number(getattr(self, name), f"DeviceSpec.{name}", positive=True)
-        for name in ("per_layer_overhead_ms", "link_latency_ms"):
-            _number(getattr(self, name), f"DeviceSpec.{name}")
-        eff = _number(self.efficiency, "DeviceSpec.efficiency", positive=True)
-        if eff > 1:
-            raise ValueError(f"DeviceSpec.efficiency = {self.efficiency!r} must be in (0, 1]; it is a fraction "
-                             "of peak")
-
-
-# Elements of (batch * tokens * hidden) read + written by one layer's forward outside the GEMM weights:
-# LN 2, QKV in/out 4, attention in/out 4, proj 2, residual 3, LN 2, MLP up 5, GeLU 8, MLP down 5, residual 3.
-_LAYER_IO_ELEMS = 38
-
-
 class AnalyticCost(StageCost):
-    """Roofline cost of ``num_layers`` transformer layers of ``model`` on ``device``.
+    """Roofline cost of ``num_layers`` transformer blocks of ``model`` on ``device`` (physics: ``roofline.py``).
 
-    Per layer, forward, for b sequences, s new tokens after c cached ones (h = hidden):
-      FLOPs  = 24*b*s*h^2                      QKV (6), output projection (2), MLP (16) GEMMs
-             + 4*b*h*(s*c + s*(s+1)/2)         scores QK^T and weights@V (2 FLOPs per multiply-add each) over
-                                               the c cached keys plus the causal triangle of the slice; a kernel
-                                               that computes the full s x s block does 4*b*h*s*(c+s) instead
-      bytes  = (12*h^2 + 38*b*s*h + 2*b*c*h) * bytes_per_element      weights, activations, reading the KV cache
-      time   = max(FLOPs / (peak * efficiency), bytes / bandwidth) + per_layer_overhead
-    Backward is 2x forward (two GEMMs per forward GEMM; twice the memory traffic). With ``lm_head`` the stage also
-    runs the vocabulary projection and the softmax, 2*b*s*h*vocab FLOPs reading h*vocab weights and writing/reading
-    the logits (4*b*s*vocab elements). With ``embedding`` it runs the input embedding: a gather forward (2*b*s*h
-    elements), and a backward that writes a dense (vocab, h) gradient and adds it into ``.grad`` (3*h*vocab + 2*b*s*h
-    elements) -- per call, so per slice: PyTorch's dense embedding backward is what makes the embedding matter
-    with token slicing and a large vocabulary. Comm is the device link: latency + b*s*h*bytes_per_element / bandwidth.
+    Per block and slice (b sequences, s new tokens after c cached ones, m = b*s):
+      forward   = sum over Linears of GEMM(m, in, out) + attention(s, c) + small ops + per_layer_overhead
+      backward  = dX GEMMs + attention backward + small ops' backward, and, unless ``deferred_weight_grads``,
+                  the weight-gradient GEMMs and their addition into ``.grad`` (see ``accumulate_ms``)
+      weight_ms = with ``deferred_weight_grads``: the weight-gradient GEMMs of ONE pass over ``tokens`` tokens,
+                  the copy that lays several slices end to end, and one addition into ``.grad``; else 0
+    where a GEMM costs max(2*m*in*out / (peak * efficiency), (in*out + m*(in+out)) * bytes / (bandwidth *
+    bandwidth_efficiency), kernel_launch): its weight is read (or its gradient written) whole, whatever m, which
+    is what bounds a short slice. With ``lm_head`` the stage also runs the vocabulary projection (a GEMM of h x
+    vocab) and the softmax/loss (4*b*s*vocab elements); with ``embedding`` the input embedding: a gather forward
+    (2*b*s*h elements) and a backward that writes a dense (vocab, h) gradient and adds it into ``.grad`` per call,
+    so per slice (PyTorch's dense embedding backward; the embedding is not a Linear and is never deferred). Comm
+    is the device link: latency + b*s*h*bytes_per_element / bandwidth.
     """
 
     def __init__(self, model: TransformerSpec, device: DeviceSpec, num_layers: int, *,
-                 bytes_per_element: int = 2, lm_head: bool = False, embedding: bool = False) -> None:
+                 bytes_per_element: int = 2, lm_head: bool = False, embedding: bool = False,
+                 deferred_weight_grads: bool = False) -> None:
         if not isinstance(model, TransformerSpec):
             raise TypeError(f"model must be a TransformerSpec, got {type(model).__name__}; see presets.py")
         if not isinstance(device, DeviceSpec):
@@ -466,31 +416,66 @@ class AnalyticCost(StageCost):
         self.bytes_per_element = check_int(bytes_per_element, "bytes_per_element", minimum=1,
                                            wrong_type=ValueError)
         self.lm_head, self.embedding = bool(lm_head), bool(embedding)
+        self.deferred_weight_grads = bool(deferred_weight_grads)
+        self._roof = Roofline(model, device, self.bytes_per_element)
 
-    def _pass_ms(self, s: np.ndarray, c: np.ndarray, b: np.ndarray, backward: bool = False) -> np.ndarray:
-        h, v, e = float(self.model.hidden), float(self.model.vocab), float(self.bytes_per_element)
-        flops_per_ms = self.device.peak_tflops * self.device.efficiency * 1e9
-        bytes_per_ms = self.device.mem_bw_gbps * 1e6
-        flops = 24.0 * b * s * h * h + 4.0 * b * h * (s * c + s * (s + 1.0) / 2.0)
-        nbytes = (12.0 * h * h + _LAYER_IO_ELEMS * b * s * h + 2.0 * b * c * h) * e
-        t = self.num_layers * (np.maximum(flops / flops_per_ms, nbytes / bytes_per_ms)
-                               + self.device.per_layer_overhead_ms)
-        if self.lm_head:
-            head_flops = 2.0 * b * s * h * v
-            head_bytes = (h * v + 4.0 * b * s * v) * e
-            t = t + np.maximum(head_flops / flops_per_ms, head_bytes / bytes_per_ms)
-        if self.embedding:  # backward is returned halved: backward_ms doubles the whole pass
-            emb = (1.5 * h * v + b * s * h) * e if backward else 2.0 * b * s * h * e
-            t = t + emb / bytes_per_ms
-        return t
+    def _args(self, *xs: ArrayLike) -> list[np.ndarray]:
+        return np.broadcast_arrays(*(np.asarray(x, float) for x in xs))
+
+    def _head_io(self, m: np.ndarray, backward: bool = False) -> np.ndarray:
+        # logits written, read by the softmax/loss, its gradient written and read: 4 * m * vocab elements
+        return self._roof.small_ops(4, 4.0 * m * self.model.vocab * self._roof.e, backward=backward)
 
     def forward_ms(self, slice_len: ArrayLike, context: ArrayLike, batch: ArrayLike = 1) -> Any:
-        s, c, b = np.broadcast_arrays(*(np.asarray(x, float) for x in (slice_len, context, batch)))
-        return _result(self._pass_ms(s, c, b))
+        s, c, b = self._args(slice_len, context, batch)
+        roof, m = self._roof, b * s
+        t = self.num_layers * roof.layer_forward_ms(s, c, b)
+        if self.lm_head:
+            t = t + roof.gemm(m, self.model.hidden, self.model.vocab) + self._head_io(m)
+        if self.embedding:
+            t = t + roof.small_ops(1, 2.0 * m * self.model.hidden * roof.e)
+        return _result(t)
 
     def backward_ms(self, slice_len: ArrayLike, context: ArrayLike, batch: ArrayLike = 1) -> Any:
-        s, c, b = np.broadcast_arrays(*(np.asarray(x, float) for x in (slice_len, context, batch)))
-        return _result(2.0 * self._pass_ms(s, c, b, backward=True))
+        s, c, b = self._args(slice_len, context, batch)
+        roof, m, h, v = self._roof, b * s, self.model.hidden, self.model.vocab
+        t = self.num_layers * (roof.layer_input_grad_ms(s, c, b) + roof.norm_accumulate_ms())
+        if not self.deferred_weight_grads:
+            t = t + self.num_layers * (roof.layer_weight_grad_ms(m) + roof.linear_accumulate_ms())
+        if self.lm_head:
+            t = t + roof.gemm(m, v, h, backward=True) + self._head_io(m, backward=True)
+            if not self.deferred_weight_grads:
+                t = t + roof.gemm(m, h, v, backward=True) + roof.accumulate_ms(h * v, 1)
+        if self.embedding:   # a dense (vocab, h) gradient: zeroed, tokens' rows added, added into .grad
+            t = t + roof.small_ops(2, (h * v + 2.0 * m * h) * roof.e, backward=True) + roof.accumulate_ms(h * v, 1)
+        return _result(t)
+
+    def weight_ms(self, tokens: ArrayLike, batch: ArrayLike = 1) -> Any:
+        """The deferred weight gradients of ONE ``W`` pass over ``tokens`` tokens per sequence (one GEMM per
+        Linear over them all, whether they were one slice or several); 0 without ``deferred_weight_grads``
+        (``backward_ms`` then holds them). Not additive over slices: the fixed part (each GEMM writes its whole
+        gradient, which is then added into ``.grad``) is paid once per pass."""
+        s, b = self._args(tokens, batch)
+        if not self.deferred_weight_grads:
+            return _result(np.zeros(s.shape))
+        roof, m, h, v = self._roof, b * s, self.model.hidden, self.model.vocab
+        t = self.num_layers * (roof.layer_weight_grad_ms(m, backward=False) + roof.gather_ms(m)
+                               + roof.linear_accumulate_ms())
+        if self.lm_head:
+            t = t + roof.gemm(m, h, v) + roof.accumulate_ms(h * v, 1)
+        return _result(np.where(s > 0, t, 0.0))
+
+    def accumulate_ms(self) -> float:
+        """What adding one pass's weight gradients into ``.grad`` costs (in ``backward_ms`` without deferral, in
+        ``weight_ms`` with it). The first pass after ``zero_grad(set_to_none=True)`` does not pay it: autograd
+        takes that gradient as ``.grad`` instead of adding it."""
+        roof, h, v = self._roof, self.model.hidden, self.model.vocab
+        t = self.num_layers * (roof.linear_accumulate_ms() + roof.norm_accumulate_ms())
+        if self.lm_head:
+            t += roof.accumulate_ms(h * v, 1)
+        if self.embedding:
+            t += roof.accumulate_ms(h * v, 1)
+        return float(t)
 
     def comm_ms(self, slice_len: ArrayLike, batch: ArrayLike = 1) -> Any:
         s, b = np.broadcast_arrays(np.asarray(slice_len, float), np.asarray(batch, float))
@@ -499,7 +484,7 @@ class AnalyticCost(StageCost):
 
     def cache_key(self) -> Hashable:
         return ("analytic", self.model, self.device, self.num_layers, self.bytes_per_element, self.lm_head,
-                self.embedding)
+                self.embedding, self.deferred_weight_grads)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -539,9 +524,11 @@ class PipelineCost:
     @property
     def has_weight_terms(self) -> bool:
         """Whether a stage was measured with deferred weight gradients (``weight_ms_per_token`` or
-        ``weight_ms_per_slice``): its ``backward_ms`` then leaves them out, so the cost only describes a step when
-        the schedule carries the ``W`` actions (``deferred_weight_grads``); without them that work vanishes."""
-        return any(getattr(st, key, None) is not None for st in self.stages for key in WEIGHT_KEYS)
+        ``weight_ms_per_slice``) or is an ``AnalyticCost`` built with ``deferred_weight_grads``: its
+        ``backward_ms`` then leaves them out, so the cost only describes a step when the schedule carries the
+        ``W`` actions (``deferred_weight_grads``); without them that work vanishes."""
+        return any(getattr(st, key, None) is not None for st in self.stages for key in WEIGHT_KEYS) or \
+            any(getattr(st, "deferred_weight_grads", False) for st in self.stages)
 
     def is_uniform(self) -> bool:
         """True when every stage has the same cost, so the planner's closed form is exact for GPipe."""

@@ -4,14 +4,28 @@ Models are the GPT-3 settings of the TeraPipe paper (ICML 2021, Table 1): 1B (24
 13B (40, 5120), 44B (96, 6144), 175B (96, 12288), all with 128-wide heads (num_heads = hidden / 128),
 the GPT-2 vocabulary (50257) and 2048-token sequences.
 
-Devices are roofline parameters (see ``DeviceSpec``). Peaks are dense 16-bit tensor-core numbers from the vendor
-data sheets (V100 SXM2 125 TFLOPS / 900 GB/s, A100 SXM 312 / 1555 (40 GB), H100 SXM 989 / 3350); ``cpu`` is a
-modest fp32 server socket (0.2 TFLOPS, 20 GB/s). ``efficiency`` is the fraction of peak large transformer GEMMs
-reach in practice (about half on GPUs, more on a CPU whose peak is already modest). ``per_layer_overhead_ms``
-covers the ~15 kernel launches and small ops of a layer (~5-8 us each on a GPU). Links are the stage-to-stage
-network a pipeline crossing nodes sees: V100 100 Gbit/s (AWS p3dn), A100 200 Gbit/s (HDR InfiniBand), H100
-400 Gbit/s (NDR), CPU 10 Gbit/s Ethernet. These are estimates for ranking plans, not predictions of wall time;
-profile (``MeasuredCost``) when the numbers matter.
+Devices are kernel-level roofline parameters (``DeviceSpec``, physics in ``roofline.py``): every kernel costs the
+longest of its FLOPs at ``peak * efficiency``, its bytes at ``bandwidth * bandwidth_efficiency`` (GEMMs read
+their weights whole, so a short slice costs a read of the weights) and a launch floor; small ops stream at
+``stream_efficiency`` of the bandwidth; attention runs at ``attention_efficiency`` of peak. Peaks and bandwidths
+are the vendor data sheets' dense 16-bit figures (V100 SXM2 125 TFLOPS / 900 GB/s, A100 SXM 312 / 1555 (40 GB),
+H100 SXM 989 / 3350); ``cpu`` is a modest fp32 server socket (0.2 TFLOPS, 20 GB/s, a fixed cost per layer and no
+launch floor).
+
+``h100`` is calibrated on one H100 80GB HBM3 (torch 2.11, bf16, batch 1; ``data/h100_measured.json``): Llama-3-8B,
+GPT-3-13B, Llama-70B and GPT-3-175B-shaped layers, one sequence cut into 1 to 32 slices. Its fractions were chosen
+on a grid to minimise the worst relative error of the predicted per-slice forward, backward and weight-gradient
+times (``tests/test_presets.py`` holds the preset to 20%): GEMMs reach 0.75 of peak when compute-bound and 0.8 of
+the bandwidth when bound by their weight; streaming ops 0.9; flash attention 0.3 of peak (a profile of the flash
+kernels on the same GPU measured 0.29-0.32). The launch floors are the host's: 24 us per op dispatched from
+Python (forwards, a deferred W pass), 12 us per op the autograd engine runs (backwards); with the counted ops of a
+block (``roofline.BLOCKS``) they are what a slice of a few hundred tokens pays besides its weight reads. ``a100``
+and ``v100`` keep their data-sheet peaks and bandwidths and take the H100's fractions and host floors, except
+attention: flash attention reaches about half of an A100's peak, and a V100 has no flash kernels (0.3).
+
+Links are the stage-to-stage network a pipeline crossing nodes sees: V100 100 Gbit/s (AWS p3dn), A100 200 Gbit/s
+(HDR InfiniBand), H100 400 Gbit/s (NDR), CPU 10 Gbit/s Ethernet. These are estimates for ranking plans; profile
+(``MeasuredCost``) when the numbers matter.
 """
 from __future__ import annotations
 
@@ -53,12 +67,13 @@ MODEL_PRESETS: dict[str, TransformerSpec] = {
 }
 
 DEVICE_PRESETS: dict[str, DeviceSpec] = {
-    "v100": DeviceSpec("v100", peak_tflops=125.0, mem_bw_gbps=900.0, per_layer_overhead_ms=0.10,
-                       efficiency=0.5, link_gbps=100.0, link_latency_ms=0.02),
-    "a100": DeviceSpec("a100", peak_tflops=312.0, mem_bw_gbps=1555.0, per_layer_overhead_ms=0.08,
-                       efficiency=0.55, link_gbps=200.0, link_latency_ms=0.01),
-    "h100": DeviceSpec("h100", peak_tflops=989.0, mem_bw_gbps=3350.0, per_layer_overhead_ms=0.06,
-                       efficiency=0.5, link_gbps=400.0, link_latency_ms=0.01),
+    "v100": DeviceSpec("v100", peak_tflops=125.0, mem_bw_gbps=900.0, per_layer_overhead_ms=0.0, efficiency=0.5,
+                       link_gbps=100.0, link_latency_ms=0.02, kernel_launch_ms=0.0067),
+    "a100": DeviceSpec("a100", peak_tflops=312.0, mem_bw_gbps=1555.0, per_layer_overhead_ms=0.0, efficiency=0.55,
+                       link_gbps=200.0, link_latency_ms=0.01, kernel_launch_ms=0.0053),
+    "h100": DeviceSpec("h100", peak_tflops=989.0, mem_bw_gbps=3350.0, per_layer_overhead_ms=0.0, efficiency=0.75,
+                       link_gbps=400.0, link_latency_ms=0.01, bandwidth_efficiency=0.8, stream_efficiency=0.9,
+                       attention_efficiency=0.3, kernel_launch_ms=0.024, backward_launch_ms=0.012),
     "cpu": DeviceSpec("cpu", peak_tflops=0.2, mem_bw_gbps=20.0, per_layer_overhead_ms=0.02,
                       efficiency=0.6, link_gbps=10.0, link_latency_ms=0.05),
 }
@@ -103,7 +118,7 @@ def resolve_model(model: str | TransformerSpec, vocab: int | None = None) -> Tra
 
 def analytic_pipeline_cost(model: str | TransformerSpec, device: str | DeviceSpec, num_stages: int, *,
                            bytes_per_element: int = 2, lm_head: bool = True, embedding: bool | None = None,
-                           vocab: int | None = None) -> PipelineCost:
+                           vocab: int | None = None, deferred_weight_grads: bool = False) -> PipelineCost:
     """Roofline cost of ``model`` split over ``num_stages`` equal ``device``s.
 
     Blocks are split by ``split_layers`` (the naive layout; ``planner.partition`` balances it). With ``lm_head``
@@ -111,7 +126,8 @@ def analytic_pipeline_cost(model: str | TransformerSpec, device: str | DeviceSpe
     as ``lm_head``) the first stage pays the input embedding (its dense per-slice gradient), which is what real
     GPT pipelines do and makes the stages unequal (the planner then scores its candidates with the simulator);
     ``lm_head=False`` ignores both and, when the layers divide evenly, gives equal stages. ``vocab`` replaces
-    the model's vocabulary.
+    the model's vocabulary. ``deferred_weight_grads``: the stages' backward leaves the Linears' weight gradients
+    to ``W`` actions (``AnalyticCost.weight_ms``), and the cost's ``has_weight_terms`` says so to the planner.
     """
     spec = resolve_model(model, vocab)
     dev = get_device_preset(device) if isinstance(device, str) else device
@@ -123,10 +139,11 @@ def analytic_pipeline_cost(model: str | TransformerSpec, device: str | DeviceSpe
         key = (n, lm_head and s == num_stages - 1, embedding and s == 0)
         if key not in cache:
             cache[key] = AnalyticCost(spec, dev, n, bytes_per_element=bytes_per_element, lm_head=key[1],
-                                      embedding=key[2])
+                                      embedding=key[2], deferred_weight_grads=deferred_weight_grads)
         stages.append(cache[key])
     return PipelineCost(stages, meta={"model": repr(spec), "device": dev.name, "layers": layers,
-                                      "lm_head": lm_head, "embedding": embedding})
+                                      "lm_head": lm_head, "embedding": embedding,
+                                      "deferred_weight_grads": bool(deferred_weight_grads)})
 
 
 def analytic_layer_costs(model: str | TransformerSpec, device: str | DeviceSpec, *, bytes_per_element: int = 2,

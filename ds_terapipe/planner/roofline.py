@@ -1,0 +1,271 @@
+"""What one transformer layer costs on an accelerator, kernel by kernel: the physics ``AnalyticCost`` adds up.
+
+Every kernel takes the longest of three times: its FLOPs at the rate GEMMs (or attention kernels) reach, its bytes
+at the bandwidth streaming kernels reach, and a launch floor (the host's dispatch of one eager PyTorch op, which
+a GPU cannot hide when the op itself is short). Three consequences decide how finely a sequence pays to be cut:
+
+* every GEMM reads its whole weight whatever the slice's length, so below a few hundred tokens a slice costs
+  about one read of the layer's weights (a GPT-3-175B layer: 3.6 GB of bf16, ~1.2 ms on an H100), not its FLOPs;
+* a backward that is not deferred computes the weight gradient per slice and adds it into ``.grad``: a write of
+  the gradient and then a read of two and a write of one, per slice;
+* the many small ops of an eager block (norms, rotary embeddings, activations, residual adds) cost their launch
+  floor each at small slices and their activation bytes at large ones.
+
+Attention is costed by its FLOPs (over the cached prefix and the causal triangle of the slice) and its bytes (the
+slice's queries and outputs, the prefix's keys and values), so it grows with the context. The small ops of a block
+are costed as a group: the larger of their launch floors and their bytes.
+
+``BLOCKS`` lists the block layouts: ``"gpt"`` (LayerNorm, GeLU MLP of two matrices, biases) and ``"llama"``
+(RMSNorm, rotary positions, SwiGLU MLP of three matrices, no biases). Their kernel counts were counted by
+dispatching the project's GPT block and a Hugging Face Llama block on small shapes, one slice with a prefix.
+
+    python -c "from ds_terapipe.planner.roofline import *; help(layer_forward_ms)"
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from ._checks import check_int, check_number
+
+__all__ = ["BLOCKS", "BlockKernels", "TransformerSpec", "DeviceSpec", "Roofline"]
+
+
+@dataclass(frozen=True)
+class BlockKernels:
+    """Kernels of one eager block besides its GEMMs, its attention kernel and the gradients' accumulation."""
+
+    forward: int          # small ops of a forward: norms, positions, activation, residual adds, KV-cache copies
+    input_grad: int       # small ops of the backward that computes input gradients (their backward)
+    norm_params: int      # parameter tensors of the norms (they are not Linear, so never deferred)
+    biases: bool          # whether the Linears have biases (a bias gradient is a sum over tokens)
+
+
+BLOCKS: dict[str, BlockKernels] = {
+    "gpt": BlockKernels(forward=11, input_grad=10, norm_params=4, biases=True),
+    "llama": BlockKernels(forward=35, input_grad=56, norm_params=2, biases=False),
+}
+
+# Flash attention's backward recomputes the scores: 5 matmuls of the forward's size against the forward's 2.
+_ATTENTION_BACKWARD_FLOPS = 2.5
+
+
+@dataclass(frozen=True)
+class TransformerSpec:
+    """A decoder-only transformer: ``num_layers`` blocks of width ``hidden``; ``vocab`` sizes the LM head.
+
+    ``ffn_hidden``: the MLP's inner width (None: 4 * hidden, GPT's). ``num_kv_heads``: key/value heads of
+    grouped-query attention (None: num_heads, i.e. multi-head attention); it must divide ``num_heads``.
+    ``block``: the block layout, one of ``BLOCKS`` (``"gpt"``: LayerNorm, GeLU MLP of 2 matrices, biases;
+    ``"llama"``: RMSNorm, rotary positions, SwiGLU MLP of 3 matrices, no biases): it sets the GEMMs and how many
+    small kernels a block launches, which is what a short slice pays for.
+    """
+
+    num_layers: int
+    hidden: int
+    num_heads: int
+    vocab: int
+    seq_len: int
+    ffn_hidden: Optional[int] = None
+    num_kv_heads: Optional[int] = None
+    block: str = "gpt"
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden", "num_heads", "vocab", "seq_len"):
+            check_int(getattr(self, name), f"TransformerSpec.{name}", minimum=1, wrong_type=ValueError)
+        if self.hidden % self.num_heads:
+            raise ValueError(f"TransformerSpec.hidden = {self.hidden} is not divisible by num_heads = "
+                             f"{self.num_heads}; pick num_heads dividing hidden")
+        if self.ffn_hidden is not None:
+            check_int(self.ffn_hidden, "TransformerSpec.ffn_hidden", minimum=1, wrong_type=ValueError,
+                      fix="give the MLP's inner width, or None for 4 * hidden")
+        if self.num_kv_heads is not None:
+            check_int(self.num_kv_heads, "TransformerSpec.num_kv_heads", minimum=1, wrong_type=ValueError,
+                      fix="give the key/value heads, or None for num_heads")
+            if self.num_heads % self.num_kv_heads:
+                raise ValueError(f"TransformerSpec.num_kv_heads = {self.num_kv_heads} does not divide num_heads = "
+                                 f"{self.num_heads}; grouped-query attention shares each K/V head among equal "
+                                 "groups of query heads: pick a divisor")
+        if self.block not in BLOCKS:
+            raise ValueError(f"TransformerSpec.block = {self.block!r} is unknown; valid blocks: "
+                             f"{', '.join(BLOCKS)}")
+
+    @property
+    def ffn(self) -> int:
+        return 4 * self.hidden if self.ffn_hidden is None else self.ffn_hidden
+
+    @property
+    def kv_width(self) -> int:
+        """Width of the keys (and of the values): kv heads x head size."""
+        kv_heads = self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+        return kv_heads * (self.hidden // self.num_heads)
+
+    @property
+    def linears(self) -> tuple[tuple[int, int], ...]:
+        """(in, out) features of each Linear of a block."""
+        h, f, kv = self.hidden, self.ffn, self.kv_width
+        if self.block == "llama":
+            return ((h, h), (h, kv), (h, kv), (h, h), (h, f), (h, f), (f, h))
+        return ((h, h + 2 * kv), (h, h), (h, f), (f, h))
+
+    def io_elements_per_token(self) -> float:
+        """Elements the small ops of a block's forward read and write per token (in units of 16-bit values).
+
+        gpt: 2 LayerNorms (2h each), 2 residual adds (3h), GeLU (2f), the K/V copy into the prefix cache (4kv).
+        llama: 2 eager RMSNorms (about 19h each: an fp32 copy, square, mean, scale, back to 16 bit, weight),
+        rotary positions on queries and keys (about 11 per element), 2 residual adds, SwiGLU's SiLU and product
+        (5f), the K/V copy.
+        """
+        h, f, kv = self.hidden, self.ffn, self.kv_width
+        if self.block == "llama":
+            return 38.0 * h + 11.0 * (h + kv) + 6.0 * h + 5.0 * f + 4.0 * kv
+        return 4.0 * h + 6.0 * h + 2.0 * f + 4.0 * kv
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """An accelerator for the roofline estimate (see the module docstring for how the fields are used).
+
+    ``peak_tflops``: dense peak in the training precision; ``mem_bw_gbps``: memory bandwidth in GB/s (bytes);
+    ``efficiency``: fraction of peak a large GEMM reaches (0, 1]; ``per_layer_overhead_ms``: fixed host cost per
+    layer per pass that is not a kernel (module calls, hooks); ``link_gbps``: stage-to-stage link in Gbit/s (bits,
+    as network links are quoted); ``link_latency_ms``: per-message latency.
+
+    The fields after these default to the plain roofline of peak and bandwidth. ``bandwidth_efficiency``:
+    fraction of ``mem_bw_gbps`` a GEMM reaches when bound by reading its weight (a short slice's GEMMs are);
+    ``stream_efficiency``: the fraction elementwise kernels and the gradients' accumulation reach (None:
+    ``bandwidth_efficiency``); ``attention_efficiency``: fraction of peak the attention kernels reach (None:
+    ``efficiency``; flash attention reaches less than a GEMM). ``kernel_launch_ms``: the least time one kernel
+    dispatched from Python costs (an eager op's host dispatch and launch), what a short slice's many small ops
+    cost; ``backward_launch_ms``: the same for the ops the autograd engine runs in a backward, which skips Python
+    (None: ``kernel_launch_ms``).
+    """
+
+    name: str
+    peak_tflops: float
+    mem_bw_gbps: float
+    per_layer_overhead_ms: float
+    efficiency: float
+    link_gbps: float
+    link_latency_ms: float
+    bandwidth_efficiency: float = 1.0
+    stream_efficiency: Optional[float] = None
+    attention_efficiency: Optional[float] = None
+    kernel_launch_ms: float = 0.0
+    backward_launch_ms: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        fix = "use a finite number (see presets.py for examples)"
+        for name in ("peak_tflops", "mem_bw_gbps", "link_gbps"):
+            check_number(getattr(self, name), f"DeviceSpec.{name}", positive=True, fix=fix)
+        for name in ("per_layer_overhead_ms", "link_latency_ms", "kernel_launch_ms", "backward_launch_ms"):
+            if getattr(self, name) is not None:
+                check_number(getattr(self, name), f"DeviceSpec.{name}", fix=fix)
+        for name in ("efficiency", "bandwidth_efficiency", "stream_efficiency", "attention_efficiency"):
+            value = getattr(self, name)
+            if value is None and name != "efficiency":
+                continue
+            check_number(value, f"DeviceSpec.{name}", positive=True, fix=fix)
+            if value > 1:
+                raise ValueError(f"DeviceSpec.{name} = {value!r} must be in (0, 1]; it is a fraction of the "
+                                 f"data sheet's {'bandwidth' if name == 'bandwidth_efficiency' else 'peak'}")
+
+
+class Roofline:
+    """Per-layer times of a ``TransformerSpec`` on a ``DeviceSpec``, vectorised over tokens and contexts (ms).
+
+    ``m`` is new tokens in the pass (batch x slice), ``s`` the slice length, ``c`` the cached prefix, ``b`` the
+    batch: numpy arrays that broadcast.
+    """
+
+    def __init__(self, model: TransformerSpec, device: DeviceSpec, bytes_per_element: int = 2) -> None:
+        self.model, self.device = model, device
+        self.e = float(bytes_per_element)
+        self.flops_per_ms = device.peak_tflops * device.efficiency * 1e9
+        attention = device.efficiency if device.attention_efficiency is None else device.attention_efficiency
+        self.attention_flops_per_ms = device.peak_tflops * attention * 1e9
+        self.bytes_per_ms = device.mem_bw_gbps * device.bandwidth_efficiency * 1e6
+        stream = device.bandwidth_efficiency if device.stream_efficiency is None else device.stream_efficiency
+        self.stream_bytes_per_ms = device.mem_bw_gbps * stream * 1e6
+        self.launch = device.kernel_launch_ms
+        self.backward_launch = device.kernel_launch_ms if device.backward_launch_ms is None else \
+            device.backward_launch_ms
+        self.kernels = BLOCKS[model.block]
+        lin = np.array(model.linears, dtype=float)                      # (num_linears, 2): in, out
+        self._k, self._n = lin[:, 0], lin[:, 1]
+        self.linear_params = float((self._k * self._n).sum()) + (float(self._n.sum()) if self.kernels.biases else 0)
+        self.norm_params = self.kernels.norm_params / 2 * model.hidden   # a weight (and a bias) per norm
+
+    # -- kernels ----------------------------------------------------------------------------------------------
+    def kernel(self, flops: np.ndarray | float, nbytes: np.ndarray | float, *, attention: bool = False,
+               backward: bool = False) -> np.ndarray:
+        """One kernel: the slowest of its FLOPs, its bytes and the launch floor (``backward``: launched by the
+        autograd engine)."""
+        rate = self.attention_flops_per_ms if attention else self.flops_per_ms
+        return np.maximum(np.maximum(np.asarray(flops, float) / rate, np.asarray(nbytes, float) / self.bytes_per_ms),
+                          self.backward_launch if backward else self.launch)
+
+    def small_ops(self, count: float, nbytes: np.ndarray | float, *, backward: bool = False) -> np.ndarray:
+        """A group of small kernels: their launch floors or their bytes, whichever is longer."""
+        launch = self.backward_launch if backward else self.launch
+        return np.maximum(count * launch, np.asarray(nbytes, float) / self.stream_bytes_per_ms)
+
+    def gemm(self, m: np.ndarray, k: float, n: float, *, backward: bool = False) -> np.ndarray:
+        """(m, k) @ (k, n) with a (k, n) operand read or written whole (a weight, or a weight's gradient)."""
+        return self.kernel(2.0 * m * k * n, (k * n + m * (k + n)) * self.e, backward=backward)
+
+    def _gemms(self, m: np.ndarray, *, transpose: bool = False, backward: bool = False) -> np.ndarray:
+        return sum(self.gemm(m, *((n, k) if transpose else (k, n)), backward=backward)
+                   for k, n in zip(self._k, self._n))
+
+    # -- passes of one layer ----------------------------------------------------------------------------------
+    def attention_flops(self, s: np.ndarray, c: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """Scores and weights @ V over the c cached keys and the causal triangle of the slice (2 per FMA)."""
+        return 4.0 * b * self.model.hidden * (s * c + s * (s + 1.0) / 2.0)
+
+    def _attention_bytes(self, s: np.ndarray, c: np.ndarray, b: np.ndarray) -> np.ndarray:
+        # queries in, outputs out (b*s*h each); keys and values of the prefix and the slice (b*(c+s)*kv each)
+        return (2.0 * b * s * self.model.hidden + 2.0 * b * (c + s) * self.model.kv_width) * self.e
+
+    def layer_forward_ms(self, s: np.ndarray, c: np.ndarray, b: np.ndarray) -> np.ndarray:
+        m = b * s
+        attention = self.kernel(self.attention_flops(s, c, b), self._attention_bytes(s, c, b), attention=True)
+        small = self.small_ops(self.kernels.forward, self.model.io_elements_per_token() * m * self.e)
+        return self._gemms(m) + attention + small + self.device.per_layer_overhead_ms
+
+    def layer_input_grad_ms(self, s: np.ndarray, c: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """Backward without the Linears' weight gradients: dX GEMMs (each reads its weight), attention's
+        backward (the prefix's K/V gradients added into the cache's: 3 more passes over them), the small ops'
+        backward (twice the forward's bytes: saved inputs and gradients read, gradients written)."""
+        m = b * s
+        kv_grads = 6.0 * b * (c + s) * self.model.kv_width * self.e
+        attention = self.kernel(_ATTENTION_BACKWARD_FLOPS * self.attention_flops(s, c, b),
+                                2.0 * self._attention_bytes(s, c, b) + kv_grads, attention=True, backward=True)
+        small = self.small_ops(self.kernels.input_grad, 2.0 * self.model.io_elements_per_token() * m * self.e,
+                               backward=True)
+        return self._gemms(m, transpose=True, backward=True) + attention + small + self.device.per_layer_overhead_ms
+
+    def layer_weight_grad_ms(self, m: np.ndarray, *, backward: bool = True) -> np.ndarray:
+        """The Linears' weight gradients of m tokens: one GEMM each writing its (in, out) gradient (reading the
+        tokens' inputs and output gradients), and the bias gradients' sums over tokens. ``backward``: run by the
+        autograd engine (a deferred W pass is launched from Python)."""
+        bias = self.small_ops(len(self._n), m * self._n.sum() * self.e, backward=backward) \
+            if self.kernels.biases else 0.0
+        return self._gemms(m, backward=backward) + bias
+
+    def gather_ms(self, m: np.ndarray) -> np.ndarray:
+        """A W pass over several slices lays their inputs and output gradients end to end per Linear (one copy,
+        read and written) before its GEMM."""
+        return self.small_ops(2 * len(self._n), 2.0 * m * (self._k + self._n).sum() * self.e)
+
+    def accumulate_ms(self, num_elements: float, num_tensors: int) -> float:
+        """Adding a pass's gradients into ``.grad`` (autograd's AccumulateGrad): read both, write one."""
+        return float(self.small_ops(num_tensors, 3.0 * num_elements * self.e, backward=True))
+
+    def linear_accumulate_ms(self) -> float:
+        return self.accumulate_ms(self.linear_params, len(self._n) * (2 if self.kernels.biases else 1))
+
+    def norm_accumulate_ms(self) -> float:
+        return self.accumulate_ms(self.norm_params, self.kernels.norm_params)
