@@ -369,9 +369,9 @@ def test_weight_ms_per_token_round_trips_and_defaults_to_zero():
         PipelineCost.from_dict({"points": points, "weight_ms_per_token": "fast"})
 
 
-def test_weight_ms_per_slice_is_paid_once_per_slice() -> None:
-    # W of one slice = per_slice + per_token * s (per sequence); a micro-batch cut into 8 costs 8 fixed parts,
-    # which the simulator charges to gpipe's one W per micro-batch (sum over its slices)
+def test_weight_ms_per_slice_is_paid_once_per_w_pass() -> None:
+    # W of one pass = per_slice + per_token * s (per sequence); gpipe's one W per micro-batch is one pass over all
+    # its slices' tokens (the runtime's one GEMM per Linear), so it pays the fixed part once, not once per slice
     points = [{"slice": 8, "context": 0, "forward_ms": 1.0, "backward_ms": 2.0},
               {"slice": 16, "context": 0, "forward_ms": 2.0, "backward_ms": 4.0}]
     cost = PipelineCost.from_dict({"points": points, "weight_ms_per_token": 0.25, "weight_ms_per_slice": 3.0},
@@ -381,7 +381,7 @@ def test_weight_ms_per_slice_is_paid_once_per_slice() -> None:
     assert PipelineCost.from_dict(cost.to_dict()).stage(0).to_dict()["weight_ms_per_slice"] == 3.0
     sched = defer_weights(build_gpipe(2, 1, 4))
     one_w = [e for e in simulate(sched, cost, [16] * 4).events if e.action.kind is ActionKind.WEIGHT]
-    assert [e.duration_ms for e in one_w] == pytest.approx([4 * 3.0 + 0.25 * 64] * 2)   # one W per stage
+    assert [e.duration_ms for e in one_w] == pytest.approx([3.0 + 0.25 * 64] * 2)   # one W per stage, one pass
     with pytest.raises(ValueError, match="weight_ms_per_slice"):
         PipelineCost.from_dict({"points": points, "weight_ms_per_slice": -1.0})
 

@@ -262,3 +262,41 @@ def test_a_step_ending_with_uncomputed_weight_grads_is_refused() -> None:
                            _stashes={(1, 0): stash, (0, 0): WeightGradStash()}, _weight_grads=WeightGradAccumulator())
     with pytest.raises(RuntimeError, match=r"'broken' left deferred weight gradients.*\(1, 0\): \[0\]"):
         TokenPipelineEngine._hand_over_weight_grads(fake)
+
+
+class _CountGemms(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the matrix multiplications dispatched while it is active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gemms = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_):
+            self.gemms += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_w_over_several_slices_is_one_gemm_per_linear_summed_in_token_order() -> None:
+    # A W covering a micro-batch's 4 slices must read (and write) each weight-sized gradient once: one GEMM per
+    # Linear over the slices laid end to end, not one per slice (on a GPU each of those is a full weight read).
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 16).double()
+    stash = WeightGradStash()
+    xs = [torch.randn(2, 3, 8, dtype=torch.float64) for _ in range(4)]
+    gs = [torch.randn(2, 3, 16, dtype=torch.float64) for _ in range(4)]
+    for i in reversed(range(4)):   # recorded as backwards run: later slices first
+        stash.add(lin, xs[i], gs[i], i)
+    with _CountGemms() as count:
+        params, grads = stash.compute()
+    assert count.gemms == 1 and len(stash) == 0
+    x, g = torch.cat([t.reshape(-1, 8) for t in xs]), torch.cat([t.reshape(-1, 16) for t in gs])
+    assert torch.equal(grads[0], g.t().mm(x))   # the slices' rows in slice order: bit for bit
+    assert torch.allclose(grads[1], g.sum(0))
+    # a W per slice still computes one slice per call, one GEMM each
+    for i in reversed(range(4)):
+        stash.add(lin, xs[i], gs[i], i)
+    with _CountGemms() as count:
+        per_slice = [stash.compute(slice_index=i)[1][0] for i in range(4)]
+    assert count.gemms == 4
+    assert torch.allclose(sum(per_slice), grads[0])

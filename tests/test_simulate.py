@@ -285,7 +285,7 @@ def test_simulate_rejects_bad_inputs():
 
 
 class WeightedStage(FakeStage):
-    """FakeStage plus deferred weight-gradient work of ``w`` ms per slice (any length)."""
+    """FakeStage plus deferred weight-gradient work of ``w`` ms per W pass (any number of tokens)."""
 
     def __init__(self, f: float, b: float, w: float, c: float = 0.0):
         super().__init__(f, b, c)
@@ -297,17 +297,19 @@ class WeightedStage(FakeStage):
 
 
 def test_w_actions_are_timed_with_weight_ms_off_the_gradient_path():
-    # K=2, m=1, n=2, F=1, B=2, W=3: stage 1 runs B1 [3,5], B0 [5,7], W [7,10]; stage 0 gets gradients at 5 and
-    # 7, runs B1 [5,7], B0 [7,9], W [9,12]. Unsplit (B=5 with weights): B0 of stage 0 would end at 3+5+5+5=18.
-    cost = FakeCost.uniform(WeightedStage(1.0, 2.0, 1.5), 2)   # W of the micro-batch: 2 slices x 1.5
+    # K=2, m=1, n=2, F=1, B=2, W=1.5 per pass: stage 1 runs B1 [3,5], B0 [5,7], W [7,8.5]; stage 0 gets gradients
+    # at 5 and 7, runs B1 [5,7], B0 [7,9], W [9,10.5]. Unsplit (B=5 with weights): B0 of stage 0 would end at 18.
+    cost = FakeCost.uniform(WeightedStage(1.0, 2.0, 1.5), 2)
     sched = sch.defer_weights(build_gpipe(2, 1, 2))
     res = simulate(sched, cost, [4, 4])
-    assert res.makespan_ms == pytest.approx(12.0)
+    assert res.makespan_ms == pytest.approx(10.5)
     w_events = sorted((e.stage, e.start_ms, e.end_ms) for e in res.events if e.action.kind is ActionKind.WEIGHT)
-    assert w_events == [(0, 9.0, 12.0), (1, 7.0, 10.0)]
-    assert res.busy_ms == pytest.approx((1 + 1 + 2 + 2 + 3, 1 + 1 + 2 + 2 + 3))
-    assert ("weight_ms", [4, 4], None, 1) in cost.stage(0).calls   # each slice of the micro-batch
-    assert simulate(add_communication(sched), cost, [4, 4]).makespan_ms == pytest.approx(12.0)
+    assert w_events == [(0, 9.0, 10.5), (1, 7.0, 8.5)]
+    assert res.busy_ms == pytest.approx((1 + 1 + 2 + 2 + 1.5, 1 + 1 + 2 + 2 + 1.5))
+    # one pass over the micro-batch's 8 tokens (the runtime's one GEMM per Linear), not one per slice
+    assert ("weight_ms", [8], None, 1) in cost.stage(0).calls
+    assert not any(c[0] == "weight_ms" and c[1] == [4, 4] for c in cost.stage(0).calls)
+    assert simulate(add_communication(sched), cost, [4, 4]).makespan_ms == pytest.approx(10.5)
 
 
 def test_w_actions_cost_nothing_without_a_weight_model():

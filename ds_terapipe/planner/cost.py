@@ -93,12 +93,13 @@ class StageCost(ABC):
         """Point-to-point time to send this unit's activations to the next stage."""
 
     def weight_ms(self, tokens: ArrayLike, batch: ArrayLike = 1) -> Any:
-        """Deferred weight-gradient work of ONE slice of ``tokens`` tokens per sequence.
+        """Deferred weight-gradient work of ONE ``W`` pass over ``tokens`` tokens per sequence.
 
         0 unless the model was measured with deferred weight gradients: then ``backward_ms`` is the
-        input-gradient part only and this is the rest. A ``W`` action that covers a whole micro-batch (gpipe)
-        costs the sum over its slices: each slice's pairs are one GEMM per Linear, so a micro-batch cut finer
-        costs more (the weights are read once per slice), which a rate per token alone would miss.
+        input-gradient part only and this is the rest. The runtime computes a pass as one GEMM per Linear over
+        all the tokens it covers (a slice's for a W per slice, the micro-batch's for a W per micro-batch), so a
+        pass reads each weight once whatever the slicing: the simulator asks ``weight_ms(slice)`` for a W per
+        slice and ``weight_ms(seq_len)`` for a W covering the micro-batch.
         """
         return _result(np.zeros(np.broadcast_shapes(np.shape(tokens), np.shape(batch))))
 

@@ -4,8 +4,8 @@ The semantics are the runtime's (and :func:`~ds_terapipe.planner.schedule.replay
 stream in order, one compute action at a time; a send is issued when the stream reaches it and costs the stream
 nothing (isend); a receive blocks the stream until ``send issue time + comm_ms`` of the sender. F(s,b,i) costs
 ``cost.stage(s).forward_ms(slices[i], context=sum(slices[:i]), batch)``; B likewise with ``backward_ms``; a W
-(deferred weight gradients) ``sum_i weight_ms(slices[i], batch)`` for a whole micro-batch, ``weight_ms(slices[i],
-batch)`` when the schedule has one W per slice (0 for cost models without ``weight_ms``). A cost model with a
+(deferred weight gradients) ``weight_ms(sum(slices), batch)`` for a whole micro-batch (one pass over all its
+tokens, as the runtime computes it), ``weight_ms(slices[i], batch)`` when the schedule has one W per slice (0 for cost models without ``weight_ms``). A cost model with a
 whole-step part (``cost.step``, :mod:`~ds_terapipe.planner.step_cost`) adds its fixed cost to every action and
 its tail after the makespan (``SimResult.step_ms``).
 
@@ -253,10 +253,11 @@ def _cost_table(cost: Any, K: int, slices: Sequence[int], batch: int, weights_pe
                 (1, "backward_ms", lambda: sc.backward_ms(lens, context=context, batch=batch)),
                 (2, "comm_ms", lambda: sc.comm_ms(lens, batch=batch))]
         if callable(getattr(sc, "weight_ms", None)):
-            # weight_ms is one slice's W work; a W covering the micro-batch does every slice's
+            # weight_ms(tokens) is one W pass over that many tokens: the runtime computes a W covering the
+            # micro-batch as one GEMM per Linear over all its slices (runtime/deferred.py), so it reads each
+            # weight once, as a slice's W does
             rows.append((3, "weight_ms", (lambda: sc.weight_ms(lens, batch=batch)) if weights_per_slice else
-                         (lambda: np.sum(np.broadcast_to(np.asarray(sc.weight_ms(lens, batch=batch), float),
-                                                         lens.shape)))))
+                         (lambda: sc.weight_ms(int(lens.sum()), batch=batch))))
         for row, name, values in rows:
             got = np.broadcast_to(np.asarray(values(), dtype=float), lens.shape)
             if not np.all(np.isfinite(got)) or np.any(got < 0):

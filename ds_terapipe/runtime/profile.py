@@ -136,12 +136,13 @@ def profile_stage(run: Callable[[Any], Any], params: list[torch.nn.Parameter], s
 
 
 def weight_cost(points: list[dict], batch: int) -> tuple[float, float]:
-    """``(ms per slice, ms per token)`` of the deferred weight-gradient pass, per sequence, fitted to the
-    ``weight_ms`` that :func:`profile_stage` measured with ``deferred``: W of a slice of s tokens = a + b * s.
+    """``(ms per pass, ms per token)`` of the deferred weight-gradient pass, per sequence, fitted to the
+    ``weight_ms`` that :func:`profile_stage` measured with ``deferred``: a W pass over s tokens = a + b * s.
 
-    Why two terms: each slice's W is one GEMM per Linear over its tokens, and each GEMM reads the whole weight
-    matrix once, so cutting a micro-batch finer costs more W at the same token count (fitted on the benchmark CPU,
-    a stage of 4 GPT blocks of width 512: 2.5-8 ms per slice beside 0.35 ms per token). Least squares over every
+    Why two terms: a W pass is one GEMM per Linear over its tokens, and each GEMM reads (and writes) a
+    weight-sized gradient once, so a W per slice costs more at the same token count than one W per micro-batch
+    (fitted on the benchmark CPU, a stage of 4 GPT blocks of width 512: 2.5-8 ms per pass beside 0.35 ms per
+    token; on one H100, a GPT-3-175B-shaped layer: ~1.5 ms per pass, the weights' read). Least squares over every
     point (context does not matter to W: the Linears see the slice alone); a negative intercept from noise is
     refitted through 0, a negative slope replaced by a constant per slice.
     """
