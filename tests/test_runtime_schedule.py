@@ -174,3 +174,23 @@ def test_virtual_stage_instructions(name: str, v: int, stages: int, micro: int, 
                 assert not any(isinstance(c, (ds.BackwardPass, WeightGradPass)) for c in cmds)
             streams.append(sched.actions)
         replay(sched.schedule)
+
+
+def test_a_backward_before_its_later_slices_is_a_schedule_error_naming_the_rule_and_the_fix() -> None:
+    """The engine's runtime guard of the later-slices-first rule: a schedule (a custom one, or a builder's bug) that
+    orders a micro-batch's backwards otherwise would read keys and values whose gradients never arrived. A
+    ``ScheduleError`` (not an ``assert``): it stays under ``python -O``."""
+    from types import SimpleNamespace
+
+    from ds_terapipe.runtime.engine import TokenPipelineEngine
+
+    # the parts of an engine the check reads: slice 2 of 3 done, slice 1 not yet, micro-batch 1 on chunk 0
+    engine = SimpleNamespace(_states={(0, 1): SimpleNamespace(backward_done={2})}, num_slices=3,
+                             _running=SimpleNamespace(schedule=SimpleNamespace(name="custom")))
+    with pytest.raises(ScheduleError) as err:
+        TokenPipelineEngine._exec_backward_pass(engine, 0, microbatch=1, slice_index=0, chunk=0)
+    message = str(err.value)
+    assert "schedule 'custom' runs the backward of slice 0 of micro-batch 1 on chunk 0 before its later slices [1]" \
+        in message, message
+    assert "last slice first (2 down to 0)" in message and "validate(schedule)" in message, message
+    assert err.value.violations == ("0B1.0 before 0B1.1",)

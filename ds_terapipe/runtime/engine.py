@@ -54,7 +54,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from ..config import TeraPipeConfig
 from ..planner.registry import get_schedule
-from ..planner.schedule import Action, ActionKind
+from ..planner.schedule import Action, ActionKind, ScheduleError
 from ..planner.simulate import TimedAction
 from ..trace import events_to_chrome_trace
 from . import checkpoint as ckpt
@@ -626,8 +626,14 @@ class TokenPipelineEngine(PipelineEngine):
     def _exec_backward_pass(self, buffer_id: int, microbatch: int, slice_index: int, chunk: int) -> None:
         state = self._states[(chunk, microbatch)]
         pending = [j for j in range(slice_index + 1, self.num_slices) if j not in state.backward_done]
-        assert not pending, (f"backward of slice {slice_index} before later slices {pending} of micro-batch "
-                             f"{microbatch} on chunk {chunk}")
+        if pending:   # a schedule's order, not an internal state: checked under python -O too
+            raise ScheduleError(
+                f"token pipeline: schedule {self._running.schedule.name!r} runs the backward of slice {slice_index} "
+                f"of micro-batch {microbatch} on chunk {chunk} before its later slices {pending}; a slice's "
+                "backward needs the gradient its later slices leave on its keys and values, so the backwards of a "
+                f"micro-batch run last slice first ({self.num_slices - 1} down to 0): fix the schedule's order "
+                "(ds_terapipe.planner.schedule.validate(schedule) names every such action)",
+                violations=[f"{chunk}B{microbatch}.{slice_index} before {chunk}B{microbatch}.{j}" for j in pending])
         with self._on_chunk(chunk):
             if self.is_last_stage():
                 self.loss = self._unit_losses.pop(buffer_id)
