@@ -155,3 +155,32 @@ def test_weight_cost_never_fits_a_negative_term() -> None:
     assert per_slice == 0.0 and per_token > 0
     flat = [{"slice": s, "weight_ms": w} for s, w in ((8, 3.0), (16, 2.0), (32, 2.5))]  # slope would be < 0
     assert weight_cost(flat, 1) == pytest.approx((2.5, 0.0))
+
+
+def test_a_burst_times_copies_back_to_back_so_the_idle_start_is_paid_once(monkeypatch) -> None:
+    # On an accelerator the first kernels after a sync wait for the host (a head start the runtime's stream of
+    # slices does not pay per slice). Model it: the first timed forward after each device sync costs 40 ms more.
+    # With burst=3 each point's 3 copies run between two syncs: the head start is a third per copy.
+    import ds_terapipe.runtime.profile as profile_module
+
+    clock = FakeClock()
+    idle = {"after_sync": True}
+    monkeypatch.setattr(profile_module, "synchronize", lambda: idle.update(after_sync=True))
+
+    class _HeadStart(_Recorder):
+        def __call__(self, x: torch.Tensor) -> torch.Tensor:
+            ctx = current_slice()
+            if ctx is not None and ctx.slice_index == 1 and idle["after_sync"]:
+                self.clock.advance_ms(40.0)
+                idle["after_sync"] = False
+            return super().__call__(x)
+
+    alone = _profile(_HeadStart(clock), warmup=0, repeats=1, burst=1)
+    stage = _HeadStart(clock)
+    burst = _profile(stage, warmup=0, repeats=1, burst=3)
+    for a, b in zip(alone, burst):
+        f = _forward_ms(a["slice"], a["context"])
+        assert a["forward_ms"] == pytest.approx(f + 40.0) and b["forward_ms"] == pytest.approx(f + 40.0 / 3)
+        assert b["backward_ms"] == pytest.approx(_backward_ms(b["slice"], b["context"]))
+    grid = [(c, c + s) for s in LENGTHS for c in sorted({0, SEQ - s})]
+    assert stage.timed == [unit for unit in grid for _ in range(3)]   # each point's copies back to back
