@@ -15,11 +15,21 @@ So before the first step every rank runs, collectively:
    random values (restored bit for bit). The first layer that differs is named, and every rank refuses with
    :class:`SlicingMismatchError` (one rank's verdict, agreed by all, so no rank waits for a peer that gave up).
 
+The check judges the function a layer computes, not its rounding. In bf16 or fp16 the sliced and unsliced runs
+add the same terms in another order (a bias gradient sums per slice, then over slices), and with bf16's 8
+significant bits a gradient that is a sum with cancellation differs by tens of percent between the two orders
+(the reference GPT's LayerNorm biases: up to 36%), more than a weak token mixer does: no tolerance in bf16
+separates rounding from a real bug. So a layer whose parameters, buffers or input are bf16/fp16 is checked on
+an fp32 copy (:func:`_fp32_twin`, one layer at a time; its input upcast, which is exact) with the fp32
+tolerance, the same weights judged as strictly as an fp32 model. The layers themselves run in their own
+precision to make the next layer's input, so each layer is checked on what it really receives.
+
 The probe input is kept: profiling (:mod:`ds_terapipe.runtime.profile`) times the stage on it.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
@@ -148,16 +158,91 @@ def _own_copy(value: Any) -> Any:
     return value
 
 
+def _owners(layer: Callable) -> list[torch.nn.Module]:
+    """The modules whose state a layer computes with: the layer itself, or the modules a ``functools.partial``
+    binds (a ``TiedLayerSpec`` with ``forward_fn``)."""
+    if isinstance(layer, torch.nn.Module):
+        return [layer]
+    return [a for a in getattr(layer, "args", ()) if isinstance(a, torch.nn.Module)]
+
+
 def _layer_params(layer: Callable) -> list[torch.nn.Parameter]:
-    """The parameters a layer owns: a module's, or those of the modules a ``functools.partial`` binds (a
-    ``TiedLayerSpec`` with ``forward_fn``)."""
-    owners = [layer] if isinstance(layer, torch.nn.Module) else \
-        [a for a in getattr(layer, "args", ()) if isinstance(a, torch.nn.Module)]
+    """The parameters a layer owns (those of :func:`_owners`, each once)."""
     seen: dict[int, torch.nn.Parameter] = {}
-    for owner in owners:
+    for owner in _owners(layer):
         for p in owner.parameters():
             seen.setdefault(id(p), p)
     return list(seen.values())
+
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def _is_low_precision(t: Any) -> bool:
+    return torch.is_tensor(t) and t.dtype in _LOW_PRECISION
+
+
+def _runs_in_low_precision(layer: Callable, x: Any) -> bool:
+    """Whether the layer's parameters, buffers or floating input are bf16/fp16."""
+    if any(_is_low_precision(t) for t in _flat(x)):
+        return True
+    return any(_is_low_precision(t) for owner in _owners(layer) for t in (*owner.parameters(), *owner.buffers()))
+
+
+def _upcast(value: Any) -> Any:
+    """``value`` with its bf16/fp16 tensors in fp32 (exact: every bf16/fp16 value is an fp32 value)."""
+    if _is_low_precision(value):
+        return value.detach().float()
+    if isinstance(value, (tuple, list)):
+        return tuple(_upcast(v) for v in value)
+    return value
+
+
+def _fp32_twin(layer: Callable) -> Optional[tuple[Callable, dict[int, torch.Tensor]]]:
+    """An fp32 copy of a layer (a module, or a ``functools.partial`` binding modules) and the map from
+    ``id(original parameter)`` to its copy; None if the layer is neither, or cannot be copied.
+
+    The copy is made straight in fp32: each parameter and buffer enters ``deepcopy``'s memo upcast, so no
+    second low-precision copy of the layer is made, and the live layer (its values and storage, ``.grad``, the
+    hooks DeepSpeed put on its parameters) is not touched. Other attributes are copied as they are. Memory: one
+    layer's parameters in fp32, dropped once that layer is checked.
+    """
+    owners = _owners(layer)
+    if not owners:
+        return None
+    memo: dict[int, Any] = {}
+    for owner in owners:
+        for p in owner.parameters():
+            if id(p) not in memo:
+                data = p.detach().float() if _is_low_precision(p) else p.detach().clone()
+                memo[id(p)] = torch.nn.Parameter(data, requires_grad=p.requires_grad)
+        for b in owner.buffers():
+            memo.setdefault(id(b), b.detach().float() if _is_low_precision(b) else b.detach().clone())
+    twin_of = {key: t for key, t in memo.items() if torch.is_tensor(t)}
+    try:
+        twin = copy.deepcopy(layer, memo)
+    except Exception as err:  # noqa: BLE001 - any layer a user wrote; the caller falls back to its own precision
+        logger.warning("terapipe: the slice check could not copy %s to fp32 (%s: %s), so it compares the layer in "
+                       "its own precision, where rounding may look like a slicing difference; make the layer "
+                       "deep-copyable to have it checked in fp32", _layer_name(layer), type(err).__name__, err)
+        return None
+    return twin, twin_of
+
+
+def _judged(layer: Callable, x: Any, params: list[torch.nn.Parameter]) -> tuple[Callable, Any, list[torch.Tensor]]:
+    """What the check runs for a layer, its input and the parameters whose gradients it compares: for a layer in
+    bf16/fp16, its fp32 copy, the input upcast and the copy's parameters (same order); else the layer as it is."""
+    if not _runs_in_low_precision(layer, x):
+        return layer, x, params
+    twin = _fp32_twin(layer)
+    if twin is None:
+        return layer, x, params
+    copied, twin_of = twin
+    return copied, _upcast(x), [twin_of[id(p)] for p in params]
+
+
+def _layer_name(layer: Callable) -> str:
+    return getattr(layer, "__name__", None) or type(layer).__name__
 
 
 class _Run:
@@ -315,8 +400,10 @@ def check_slicing_equivalence(layers: list[Callable], first_layer_idx: int, stag
     non-causally is found by its parameter gradients even when a zero-initialised output projection hides it
     from the outputs. A layer with an all-zero weight matrix is checked a second time with those matrices set
     to random values (restored bit for bit afterwards), for what zero weights hide from the gradients too.
-    Parameter ``.grad`` are never touched (see :func:`_backward`). ``param_names`` maps ``id(parameter)`` to a
-    name for messages.
+    Parameter ``.grad`` are never touched (see :func:`_backward`). A layer in bf16 or fp16 is checked on an fp32
+    copy (see the module docstring: in those precisions the order of a sum alone moves gradients more than any
+    tolerance that would still catch a bug), and runs in its own precision to make the next layer's input.
+    ``param_names`` maps ``id(parameter)`` to a name for messages.
     """
     bounds, start = [], 0
     for length in slices:
@@ -327,16 +414,18 @@ def check_slicing_equivalence(layers: list[Callable], first_layer_idx: int, stag
     for idx, layer in enumerate(layers):
         params = [p for p in _layer_params(layer) if p.requires_grad]
         names = [(param_names or {}).get(id(p), f"#{i}") for i, p in enumerate(params)]
+        checked, checked_x, checked_params = _judged(layer, x, params)
         with torch.enable_grad():
-            diff, what, tolerance = _check_layer(layer, x, bounds, params, names, gen)
+            diff, what, tolerance = _check_layer(checked, checked_x, bounds, checked_params, names, gen)
             note = ""
-            zeros = _zero_matrices(params)
+            zeros = _zero_matrices(checked_params)
             if diff <= tolerance and zeros:
                 with _perturbed(zeros, gen):
-                    diff, what, tolerance = _check_layer(layer, x, bounds, params, names, gen)
+                    diff, what, tolerance = _check_layer(checked, checked_x, bounds, checked_params, names, gen)
                 note = " with its all-zero weights set to random values"
+        del checked, checked_x, checked_params  # an fp32 copy lives for its own layer's check only
         if diff > tolerance:
-            name = getattr(layer, "__name__", None) or type(layer).__name__
+            name = _layer_name(layer)
             return (f"layer {first_layer_idx + idx} ({name}) gives different {what} when the sequence is cut into "
                     f"slices {slices}{note} (max relative difference {diff:.2e}): it mixes tokens non-causally or "
                     "does not read the slice context (e.g. plain F.scaled_dot_product_attention on the slice "
