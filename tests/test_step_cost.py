@@ -219,6 +219,19 @@ def test_a_prefix_stands_for_the_rest_scaled_by_elements() -> None:
     assert part[1].dim() == 1   # flat: elementwise work does not care about the shape
 
 
+def test_a_fixed_cost_per_timed_call_is_not_scaled_with_the_elements() -> None:
+    # a timed call costs 5 ms whatever its size (launch, sync) plus 0.01 ms per element: 10,000 elements timed on
+    # a 1,000-element sample must come out at 5 + 100 ms, not (5 + 10) x 10
+    from ds_terapipe.runtime.step_profile import _scaled_ms
+
+    tensors = [torch.zeros(64), torch.zeros(100, 99), torch.zeros(36)]
+    fake = lambda sample: 5.0 + 0.01 * sum(t.numel() for t in sample)   # noqa: E731
+    assert _scaled_ms(fake, tensors, 1000) == pytest.approx(5.0 + 0.01 * 10_000)
+    assert _scaled_ms(fake, tensors, 10**6) == pytest.approx(5.0 + 0.01 * 10_000)   # all of it: timed as is
+    flat = lambda sample: 7.0   # noqa: E731  - no slope (noise): the sample's time scaled whole
+    assert _scaled_ms(flat, tensors, 1000) == pytest.approx(70.0)
+
+
 def test_gradient_accumulation_is_timed_on_buffers_not_on_grad() -> None:
     from ds_terapipe.runtime.step_profile import time_grad_accumulation
 
