@@ -186,8 +186,10 @@ def _total(r: dict[str, Any]) -> float:
 
 
 def profile_prediction(rec: dict[str, Any], n: int, variant: str) -> dict[str, float]:
-    """What the engine's profile says the micro-batch takes: per-slice F and B from the fitted points (with the
-    accumulation into ``.grad`` per backward), W from the deferred fit (one GEMM per Linear over the W's tokens)."""
+    """What the engine's profile says the micro-batch takes: per-slice F and B from the fitted points, plus the
+    measured accumulation into ``.grad`` for every backward that adds to a gradient already there (the first one
+    of the micro-batch, here slice n-1's, finds none: the runs start from ``.grad = None``), W from the deferred
+    fit (one pass, one GEMM per Linear over the W's tokens)."""
     from ds_terapipe.planner.cost import MeasuredCost
     from ds_terapipe.runtime.profile import weight_cost
     shape = rec["shape"]
@@ -196,17 +198,17 @@ def profile_prediction(rec: dict[str, Any], n: int, variant: str) -> dict[str, f
     deferred = variant in ("fused", "per-slice W")
     points = rec["profile_deferred" if deferred else "profile"]
     cost = MeasuredCost([{k: v for k, v in p.items() if k != "weight_ms"} for p in points])
-    # the sum of the two groups rather than "all": runs before the sampling fix timed "all" on two tiny tensors
     acc = rec["accumulate_ms"]["not_linear"] + (0.0 if deferred else rec["accumulate_ms"]["linear"])
     f = [float(cost.forward_ms(b - a, a, batch)) for a, b in bounds]
-    bw = [float(cost.backward_ms(b - a, a, batch)) + acc for a, b in bounds]
+    bw = [float(cost.backward_ms(b - a, a, batch)) + (acc if i < n - 1 else 0.0) for i, (a, b) in enumerate(bounds)]
     w = 0.0
     if deferred:
-        per_slice, per_token = weight_cost(points, batch)
-        if variant == "fused":
-            w = (per_slice + per_token * seq_len) * batch + rec["accumulate_ms"]["linear"]
-        else:
-            w = sum((per_slice + per_token * (b - a)) * batch for a, b in bounds) + n * rec["accumulate_ms"]["linear"]
+        per_pass, per_token = weight_cost(points, batch)
+        if variant == "fused":   # one pass; its gradients find .grad empty
+            w = (per_pass + per_token * seq_len) * batch
+        else:                    # a pass per slice, each after the first adding to .grad
+            w = sum((per_pass + per_token * (b - a)) * batch for a, b in bounds) + (n - 1) * rec["accumulate_ms"][
+                "linear"]
     return {"F": f, "B": bw, "W": w, "total_ms": sum(f) + sum(bw) + w}
 
 
