@@ -8,6 +8,7 @@ the same seeded weights, the same global batch), gradient by gradient, and again
 from __future__ import annotations
 
 import copy
+import datetime
 import faulthandler
 import json
 import os
@@ -198,6 +199,13 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def compare(named: dict[str, torch.Tensor], ref: dict[str, torch.Tensor],
             stage: int) -> tuple[float, str, list[str]]:
+    """The worst relative error of this rank's ``named`` tensors (pipeline names) against ``ref`` (reference
+    names), its name, and the reference names compared here.
+
+    Collective (every rank calls it at the same point): the names compared on all ranks together must be every
+    name of ``ref``. ``named`` holds only what the engine produced (a gradient snapshot skips a parameter whose
+    ``.grad`` is None), so an error taken over it alone passes a parameter that never got a gradient. The one name
+    left out on purpose is the tied head's copy of the position embedding (only wte is tied): stage 0 covers it."""
     worst, worst_name, covered = 0.0, "", []
     for name, value in named.items():
         if name == "tied_modules.embed.wpe.weight" and stage != 0:
@@ -209,6 +217,12 @@ def compare(named: dict[str, torch.Tensor], ref: dict[str, torch.Tensor],
         covered.append(ref_name)
         if err >= worst:
             worst, worst_name = err, name
+    parts: list = [None] * WORLD
+    torch.distributed.all_gather_object(parts, covered)
+    missing = sorted(set(ref) - {n for part in parts for n in part})
+    if missing:
+        raise AssertionError(f"{STATUS['case']}: {len(missing)} of the reference's {len(ref)} tensors were compared on "
+                             f"no rank (no gradient reached them?): {missing}")
     return worst, worst_name, covered
 
 
@@ -406,6 +420,35 @@ def checkpointing_cases() -> list[dict]:
     results.append({"case": STATUS["case"], **engine_plan(run["engine"]), "losses": run["losses"],
                     "ref_losses": ref_losses, "grad_rel_err": compare(run["grads"], ref_grads, run["stage"])[0],
                     "stage_meta": run["engine"].plan.stage_meta})
+    # a cap that binds: 1F1B's warm-up window shrinks with the slice count, so a cap between the estimated peaks
+    # of 5 and 6 slices (from the run above's stage sizes, as rank 0 planned) leaves 6 slices of 8 tokens the only
+    # plan, whatever the measured costs prefer; a cap under 6 slices' peak cannot be met: refused on every rank
+    from ds_terapipe.planner.slicing import MemoryModel
+
+    meta, peaks = run["engine"].plan.stage_meta, None   # the stage sizes: on rank 0, which plans
+    if meta is not None:
+        memory = MemoryModel(max(m["layers"] for m in meta), meta[0]["hidden"], max(m["bytes"] for m in meta),
+                             MemoryModel.factor_for_checkpoint_interval(1))
+        peaks = [memory.peak_bytes(schedule="1f1b", num_stages=WORLD, num_microbatches=micro, micro_batch_size=batch,
+                                   num_splits=1, seq_len=seq_len, num_slices=n) for n in (5, 6)]
+    shared = [peaks]
+    torch.distributed.broadcast_object_list(shared, src=0)
+    peaks = shared[0]
+    capped = {"slices": "auto", "schedule": "1f1b", "granularity": 8, "memory_limit_gb": sum(peaks) / 2 / 2**30,
+              "profile": {"slice_lengths": [8, 24, 48], "num_contexts": 2, "warmup": 0, "repeats": 1}}
+    STATUS["case"] = "ckpt auto capped"
+    run = run_pipeline(cfg, stages=WORLD, micro_batches=micro, batch=batch, seq_len=seq_len,
+                       batches_for_rank=lambda _dp: batches, num_steps=num_steps, lr=0.1, momentum=0.9,
+                       terapipe=capped, checkpoint_interval=1)
+    results.append({"case": STATUS["case"], **engine_plan(run["engine"]), "losses": run["losses"],
+                    "ref_losses": ref_losses, "grad_rel_err": compare(run["grads"], ref_grads, run["stage"])[0],
+                    "cap_bytes": capped["memory_limit_gb"] * 2**30, "peaks": peaks})
+    STATUS["case"] = "ckpt auto cap unmet"
+    unmet = dict(capped, memory_limit_gb=peaks[1] * 0.9 / 2**30)
+    results.append(run_until_error(lambda: run_pipeline(
+        cfg, stages=WORLD, micro_batches=micro, batch=batch, seq_len=seq_len, batches_for_rank=lambda _dp: batches,
+        num_steps=1, lr=0.1, momentum=0.9, terapipe=unmet, checkpoint_interval=1)))
+    results[-1]["cap_bytes"] = unmet["memory_limit_gb"] * 2**30
     return results
 
 
@@ -687,15 +730,19 @@ def suite_features(extra: dict) -> list[dict]:
         robust[f"{label}_untouched"] = all(torch.equal(before[n], p) for n, p in engine.module.named_parameters())
     results.append(robust)
 
-    # a peer that goes silent mid-batch (its data hangs on micro-batch 1, past the deadline, then fails): the
-    # waiting rank fails within p2p_timeout_s, naming the instruction it was stuck on. (A peer that raises at
-    # once stops the others sooner through the abort flag: tests/test_engine_faults.py.)
+    # a peer that goes silent mid-batch (its data hangs on micro-batch 1 until the waiting rank has failed, then
+    # fails): the waiting rank fails at p2p_timeout_s, naming the instruction it was stuck on. The silent rank
+    # waits for the other's word in the store, not for a while: raising before the deadline would stop the other
+    # through the abort flag instead (tests/test_engine_faults.py), whatever the machine's speed.
     STATUS["case"] = "timeout"
     engine = _engine(cfg, gpt_layer_specs(cfg), {"seq_len": seq_len, "slices": 2, "p2p_timeout_s": 3})
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    store = _get_default_store()
 
     def failing_data():
         yield batches[0]
-        time.sleep(5)
+        store.wait(["features/timed_out"], datetime.timedelta(seconds=120))
         raise RuntimeError("simulated data failure on the last stage")
 
     t0 = time.perf_counter()
@@ -703,9 +750,12 @@ def suite_features(extra: dict) -> list[dict]:
         engine.train_batch(failing_data() if RANK == 1 else iter(batches))
         results.append({"case": "timeout", "raised": None})
     except Exception as err:  # noqa: BLE001
+        seconds = time.perf_counter() - t0
+        if RANK == 0:
+            store.set("features/timed_out", "1")
         notes = " ".join(getattr(err, "__notes__", []))
         results.append({"case": "timeout", "raised": type(err).__name__, "message": f"{err} {notes}",
-                        "seconds": time.perf_counter() - t0})
+                        "seconds": seconds, "p2p_timeout_s": engine.terapipe.p2p_timeout_s})
     return results
 
 
@@ -950,9 +1000,11 @@ def suite_virtual_features(extra: dict) -> list[dict]:
         params = _gathered_params(other)
         loaded[label] = max(rel_err(params[n], saved[n]) for n in saved)
     from ds_terapipe.runtime.checkpoint import export_state_dict
-    exported = export_state_dict(ckpt)
+    exported = {f"layers.{n}": v for n, v in export_state_dict(ckpt).items()}   # reference names
     results.append({"case": STATUS["case"], "uninterrupted": uninterrupted, "resumed": resumed,
-                    "step": client["step"], "loaded_rel_err": loaded, "exported_layers": len(exported)})
+                    "step": client["step"], "loaded_rel_err": loaded,
+                    "export_missing": sorted(set(saved) - set(exported)),
+                    "export_rel_err": max(rel_err(exported[n], p) for n, p in saved.items() if n in exported)})
 
     # refusals, on every rank, before any step
     for label, make in (
@@ -1049,17 +1101,24 @@ def spec_reference_grads(specs: list, batches: list[tuple]) -> tuple[float, dict
     return total, {n: p.grad.detach().clone() for n, p in named.items() if p.grad is not None}
 
 
-def run_until_error(run: Callable[[], Any]) -> dict[str, Any]:
-    """``run()`` started on every rank at once: what it raised (with notes) and after how many seconds."""
+def run_until_error(run: Callable[[], Any], p2p_timeout_s: Optional[float] = None) -> dict[str, Any]:
+    """``run()`` started on every rank at once: what it raised (with notes), after how many seconds, and when
+    (``raised_at``: ``time.monotonic()``, one clock for every process of this host, so a peer's stop is timed
+    from the moment the failing rank raised, not from a start that includes DeepSpeed's init or profiling)."""
     torch.distributed.barrier()
     started = time.perf_counter()
     try:
         run()
         return {"case": STATUS["case"], "raised": None}
     except Exception as err:  # noqa: BLE001 - the test checks the type name
+        raised_at = time.monotonic()
         notes = " ".join(getattr(err, "__notes__", []))
         return {"case": STATUS["case"], "raised": type(err).__name__, "message": f"{err} {notes}",
-                "seconds": time.perf_counter() - started}
+                "seconds": time.perf_counter() - started, "raised_at": raised_at, "p2p_timeout_s": p2p_timeout_s}
+
+
+# every fault case's deadline: a peer stopped by the abort flag must raise long before it
+FAULT_P2P_TIMEOUT_S = 120
 
 
 def suite_faults(extra: dict) -> list[dict]:
@@ -1069,6 +1128,10 @@ def suite_faults(extra: dict) -> list[dict]:
     seq_len, batch, micro = 48, 2, 2
     batches = make_batches(cfg, micro, batch, seq_len, seed=21)
     results: list[dict] = []
+
+    def until_error(run: Callable[[], Any]) -> dict[str, Any]:
+        return run_until_error(run, FAULT_P2P_TIMEOUT_S)
+
     if extra.get("cases", True):
         # a zero-initialised output projection hides a wrong attention from the outputs: refused at init
         for mode in ("bidirectional", "slice-blind"):
@@ -1084,8 +1147,9 @@ def suite_faults(extra: dict) -> list[dict]:
         # the planner fails on global rank 0 (no slicing fits the memory limit): every rank raises it together,
         # none waits for rank 0's decision (no fault: the process group stays usable)
         STATUS["case"] = "planner failure"
-        results.append(run_until_error(lambda: _engine(cfg, gpt_layer_specs(cfg), {
-            "seq_len": seq_len, "slices": "auto", "granularity": 4, "memory_limit_gb": 1e-9, "p2p_timeout_s": 120,
+        results.append(until_error(lambda: _engine(cfg, gpt_layer_specs(cfg), {
+            "seq_len": seq_len, "slices": "auto", "granularity": 4, "memory_limit_gb": 1e-9,
+            "p2p_timeout_s": FAULT_P2P_TIMEOUT_S,
             "profile": {"slice_lengths": [8, 48], "num_contexts": 1, "warmup": 0, "repeats": 1}})))
 
         # two layers with one constant cache_key, and one block at three depths: trained exactly
@@ -1111,7 +1175,8 @@ def suite_faults(extra: dict) -> list[dict]:
                 # blocks this stage runs (a shared block counted once per depth): 2+ share a key or a module
                 blocks = sum(isinstance(f, GPTBlock) for f in engine.module.forward_funcs)
                 results.append({"case": STATUS["case"], "loss": loss, "ref_loss": ref_loss, "grad_rel_err": errs[worst],
-                                "grad_worst": worst, "covered": sorted(errs), "blocks": blocks})
+                                "grad_worst": worst, "covered": sorted(errs), "ref_names": sorted(ref_grads),
+                                "blocks": blocks})
 
     fault = extra.get("fault")
     if fault == "loss":
@@ -1122,46 +1187,46 @@ def suite_faults(extra: dict) -> list[dict]:
             raise RuntimeError("simulated loss failure")
 
         engine = _engine(cfg, gpt_layer_specs(cfg), {"seq_len": seq_len, "slices": 3, "schedule": "1f1b",
-                                                     "granularity": 4, "p2p_timeout_s": 120},
+                                                     "granularity": 4, "p2p_timeout_s": FAULT_P2P_TIMEOUT_S},
                          loss_fn=raising_loss)
-        results.append(run_until_error(lambda: engine.train_batch(iter(batches))))
+        results.append(until_error(lambda: engine.train_batch(iter(batches))))
     elif fault == "length":
         # micro-batch 1 of a step is shorter than micro-batch 0: the reading stages name the cause, the middle
         # stage (waiting for activations) stops within seconds too
         STATUS["case"] = "length change"
         engine = _engine(cfg, gpt_layer_specs(cfg), {"seq_len": seq_len, "slices": 3, "schedule": "gpipe",
-                                                     "granularity": 4, "p2p_timeout_s": 120})
+                                                     "granularity": 4, "p2p_timeout_s": FAULT_P2P_TIMEOUT_S})
         mixed = [batches[0], make_batches(cfg, 1, batch, seq_len - 16, seed=22)[0]]
-        results.append(run_until_error(lambda: engine.train_batch(iter(mixed))))
+        results.append(until_error(lambda: engine.train_batch(iter(mixed))))
     elif fault == "init":
         # a layer on the middle stage that raises in the sliced run of the init-time check, after the probe pass:
         # its peers wait for its verdict and stop within seconds, naming it
         STATUS["case"] = "init"
         layers = gpt_layer_specs(cfg)
         layers.insert(2, LayerSpec(RaisingWhenSliced))  # embed, block 0 | raising, block 1 | norm, head
-        results.append(run_until_error(lambda: _engine(cfg, layers, {"seq_len": seq_len, "slices": 3, "granularity": 4,
-                                                                     "p2p_timeout_s": 120})))
+        results.append(until_error(lambda: _engine(cfg, layers, {"seq_len": seq_len, "slices": 3, "granularity": 4,
+                                                                 "p2p_timeout_s": FAULT_P2P_TIMEOUT_S})))
     elif fault == "profile":
         # a layer on the middle stage that raises while slices "auto" are profiled (after the init-time check
         # passed): its peers, about to gather the measured costs, stop within seconds, naming it
         STATUS["case"] = "profile"
         layers = gpt_layer_specs(cfg)
         layers.insert(2, LayerSpec(RaisingWhenProfiled))
-        results.append(run_until_error(lambda: _engine(cfg, layers, {
-            "seq_len": seq_len, "slices": "auto", "granularity": 4, "p2p_timeout_s": 120,
+        results.append(until_error(lambda: _engine(cfg, layers, {
+            "seq_len": seq_len, "slices": "auto", "granularity": 4, "p2p_timeout_s": FAULT_P2P_TIMEOUT_S,
             "profile": {"slice_lengths": [8, 48], "num_contexts": 1, "warmup": 0, "repeats": 1}})))
     elif fault == "checkpoint":
         # one rank fails while saving (here: its plan summary raises); the others stop within seconds
         STATUS["case"] = "checkpoint"
         engine = _engine(cfg, gpt_layer_specs(cfg), {"seq_len": seq_len, "slices": 3, "granularity": 4,
-                                                     "p2p_timeout_s": 120})
+                                                     "p2p_timeout_s": FAULT_P2P_TIMEOUT_S})
         engine.train_batch(iter(batches))
         if RANK == 1:
             def broken_summary() -> dict:
                 raise OSError("simulated disk failure")
 
             engine.plan_summary = broken_summary
-        results.append(run_until_error(lambda: engine.save_checkpoint(str(Path(extra["out"]) / "ckpt"))))
+        results.append(until_error(lambda: engine.save_checkpoint(str(Path(extra["out"]) / "ckpt"))))
     return results
 
 
@@ -1192,11 +1257,13 @@ SUITES["faults"] = suite_faults
 
 # -- progressive freezing (runtime/freeze.py), 2 ranks ---------------------------------------------------------
 def frozen_reference(specs: list, batches: list[tuple], num_steps: int, frozen_at: Callable[[int], int],
-                     lr: float = 0.1, momentum: float = 0.9) -> dict[str, Any]:
+                     lr: float = 0.1, momentum: float = 0.9, max_norm: float = 0.0) -> dict[str, Any]:
     """Single-process, unsliced training of the layer specs with the first ``frozen_at(step)`` layers frozen at
     each step: run under no_grad, their parameters out of training (a tied weight also used by a later layer
-    keeps training through that use). Losses, every step's gradients and the final parameters, under the pipeline
-    module's parameter names."""
+    keeps training through that use). With ``max_norm`` > 0 the gradients are clipped by torch's
+    ``clip_grad_norm_`` over the trained parameters before each step (the gradients recorded are the unclipped
+    ones, as the pipeline's snapshot before its step). Losses, every step's gradients and the final parameters,
+    under the pipeline module's parameter names."""
     steps, named, modules = build_spec_layers(specs)
     layer_params = list(zip(specs, modules))
     opt = torch.optim.SGD(list({id(p): p for p in named.values()}.values()), lr=lr, momentum=momentum)
@@ -1229,6 +1296,9 @@ def frozen_reference(specs: list, batches: list[tuple], num_steps: int, frozen_a
             total += float(loss)
         losses.append(total)
         grads.append({n: p.grad.detach().clone() for n, p in named.items() if p.grad is not None})
+        if max_norm > 0:
+            torch.nn.utils.clip_grad_norm_([p for p in {id(p): p for p in named.values()}.values()
+                                            if p.grad is not None], max_norm)
         opt.step()
     return {"losses": losses, "grads": grads, "params": {n: p.detach().clone() for n, p in named.items()}}
 
@@ -1249,11 +1319,14 @@ def _named_compare(named: dict[str, torch.Tensor], ref: dict[str, torch.Tensor],
 
 
 class UntiedHead(torch.nn.Module):
-    """An output projection of its own (no weight shared with the embedding)."""
+    """An output projection of its own (no weight shared with the embedding), initialised from ``cfg.seed`` (not
+    the global generator): the reference builds its own copy and must start from the same weights."""
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.proj = torch.nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
+        with torch.no_grad():
+            self.proj.weight.normal_(0.0, 0.02, generator=torch.Generator().manual_seed(cfg.seed + 101))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(x)
@@ -1495,9 +1568,16 @@ def suite_freeze(extra: dict) -> list[dict]:
     STATUS["case"] = "untied clipping"
     run = run_frozen(cfg, {"seq_len": seq_len, "slices": 2, "schedule": "1f1b", "freeze": {"schedule": [[1, 4]]}},
                      batches, 3, specs=untied_specs(cfg), clipping=1e-3)
+    clipped_ref = frozen_reference(untied_specs(cfg), batches[:3 * micro], 3, lambda step: 4 if step >= 1 else 0,
+                                   max_norm=1e-3)
+    param_err, param_name, _ = _named_compare(run["params"], clipped_ref["params"], run["has_embed"])
     results.append({"case": STATUS["case"], "losses": run["losses"], "changed": run["changed"],
                     "frozen": [len(f) for f in run["frozen"]], "stage": run["engine"].stage_id,
-                    "actions": run["actions"], "trained": sorted(n for n in run["params"] if n in run["grads"][-1])})
+                    "actions": run["actions"], "trained": sorted(n for n in run["params"] if n in run["grads"][-1]),
+                    "ref_losses": clipped_ref["losses"], "param_rel_err": param_err, "param_worst": param_name,
+                    "unclipped_param_rel_err": _named_compare(run["params"], frozen_reference(
+                        untied_specs(cfg), batches[:3 * micro], 3, lambda step: 4 if step >= 1 else 0)["params"],
+                        run["has_embed"])[0]})
 
     results.extend(repack_cases(extra, cfg, batches, num_steps, micro, batch, seq_len, at))
 

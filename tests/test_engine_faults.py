@@ -8,8 +8,11 @@
 * A fault ends a launch (it leaves transfers half done): a loss function raising on the last stage (launch 1),
   a micro-batch of another length in the middle of a step (launch 2), a layer raising in the init-time slice
   check on the middle stage (launch 3), a rank failing in save_checkpoint (launch 4) and a layer raising while
-  slices "auto" are profiled (launch 5). Every rank raises within 10 s (``p2p_timeout_s`` is 120 s), naming the origin rank and its error. A killed process, which raises nothing,
-  is caught by the p2p deadline: tests/test_engine_features.py and tests/test_example_trainer.py.
+  slices "auto" are profiled (launch 5). Every rank raises naming the origin rank and its error, and stops
+  through the abort flag (about a second after the origin raised, timed on the host's one monotonic clock; the
+  bound is a quarter of ``p2p_timeout_s`` = 120 s, the wait it replaces, and leaves DeepSpeed's init and the
+  profiling out of the window). A killed process, which raises nothing, is caught by the p2p deadline:
+  tests/test_engine_features.py and tests/test_example_trainer.py.
 """
 
 from __future__ import annotations
@@ -64,8 +67,18 @@ def launch_checkpoint(tmp_path_factory) -> list[dict[str, dict]]:
     return _fault_only(tmp_path_factory, "checkpoint")
 
 
+def _stopped_promptly(results: list[dict[str, dict]], case: str, origin: int) -> None:
+    """Every rank raised within a quarter of its p2p deadline of the moment the origin raised: the abort flag
+    stopped it, it did not wait out the deadline (nor, at init, the process group's much longer timeout)."""
+    failed_at, deadline = results[origin][case]["raised_at"], results[origin][case]["p2p_timeout_s"]
+    assert deadline >= 60, deadline   # a bound below 5x the flag's second would measure the machine, not the engine
+    for rank, result in enumerate(results):
+        after = result[case]["raised_at"] - failed_at
+        assert after < deadline / 4, f"rank {rank} raised {after:.1f}s after rank {origin} (p2p_timeout_s {deadline})"
+
+
 def _stopped_by(results: list[dict[str, dict]], case: str, origin: int, where: str, error: str) -> None:
-    """The origin raised ``error``; every other rank raised PeerFailedError naming it; all within 10 s."""
+    """The origin raised ``error``; every other rank raised PeerFailedError naming it, promptly."""
     first = results[origin][case]
     assert error in f"{first['raised']}: {first['message']}", first
     for rank, result in enumerate(results):
@@ -73,7 +86,7 @@ def _stopped_by(results: list[dict[str, dict]], case: str, origin: int, where: s
             assert result[case]["raised"] == "PeerFailedError", result[case]
             assert f"rank {origin} (stage {origin}) failed in {where}: {error}" in result[case]["message"], \
                 result[case]["message"]
-    assert max(result[case]["seconds"] for result in results) < 10, results
+    _stopped_promptly(results, case, origin)
 
 
 @pytest.mark.timeout(500)
@@ -96,7 +109,10 @@ def test_shared_keys_and_weight_shared_blocks_train_exactly(launch_loss, model: 
         assert case["loss"] == pytest.approx(case["ref_loss"], rel=TOL), case
         assert case["grad_rel_err"] <= TOL, f"gradient of {case['grad_worst']} off by {case['grad_rel_err']}"
         covered.update(case["covered"])
-    # every parameter of the model got its gradient on some stage; the shared block's once per stage it is on
+    # every parameter of the model got its gradient on some stage (the reference's names: a gradient that never
+    # arrived is missing from a rank's snapshot, not wrong in it); the shared block's on every stage it is on
+    ref_names = set(launch_loss[0][f"{model} {schedule}"]["ref_names"])
+    assert covered == ref_names, f"no stage has a gradient of {sorted(ref_names - covered)}"
     shared = {n for n in covered if n.startswith("tied_modules.shared.")}
     assert len(shared) == (12 if model == "shared block" else 0), sorted(covered)
     # some stage runs two blocks with one cache key (two blocks, or one shared block twice)
@@ -111,7 +127,7 @@ def test_a_planner_failure_on_rank_0_is_raised_by_every_rank(launch_loss) -> Non
         case = rank["planner failure"]
         assert case["raised"] == "ValueError", case
         assert "planning on global rank 0 failed: ValueError: memory_limit_bytes" in case["message"], case
-        assert case["seconds"] < 60, case  # profiling included; without the fix: the process group's timeout
+    _stopped_promptly(launch_loss, "planner failure", 0)   # not the process group's timeout
 
 
 @pytest.mark.timeout(500)
@@ -123,7 +139,7 @@ def test_raising_loss_stops_every_rank_within_seconds(launch_loss) -> None:
         assert case["raised"] == "PeerFailedError", case
         assert f"rank {WORLD - 1} (stage {WORLD - 1}) failed in train_batch" in case["message"], case["message"]
         assert "RuntimeError: simulated loss failure" in case["message"], case["message"]
-    assert max(rank["raising loss"]["seconds"] for rank in launch_loss) < 10, launch_loss
+    _stopped_promptly(launch_loss, "raising loss", WORLD - 1)
 
 
 @pytest.mark.timeout(500)
@@ -138,7 +154,7 @@ def test_mid_step_length_change_names_the_cause_and_stops_every_rank(launch_leng
         assert case["raised"] == "PeerFailedError", case
         assert "rank 0 (stage 0) failed in train_batch: ValueError: token pipeline: micro-batches of different " \
                "lengths in one step" in case["message"], case["message"]
-    assert max(rank["length change"]["seconds"] for rank in launch_length) < 10, launch_length
+    _stopped_promptly(launch_length, "length change", 0)
 
 
 @pytest.mark.timeout(500)
