@@ -26,6 +26,7 @@ def _check_equal(cases_per_rank: list[list[dict]], index: int) -> None:
     for rank, cases in enumerate(cases_per_rank):
         case = cases[index]
         where = f"{case['case']} rank {rank}"
+        assert len(case["loss"]) == len(case["ref_loss"]) > 0, where
         for got, ref in zip(case["loss"], case["ref_loss"]):
             assert abs(got - ref) <= TOL * abs(ref), f"{where}: loss {case['loss']} != {case['ref_loss']}"
         assert case["grad_rel_err"] <= TOL, f"{where}: gradient of {case['grad_worst']} off by {case['grad_rel_err']}"
