@@ -160,7 +160,8 @@ def test_layouts_the_engine_cannot_run_are_refused_on_every_rank(features) -> No
 def test_online_replanning_switches_every_rank_at_the_same_step_without_changing_results(features) -> None:
     decisions = [by_case["replan"] for by_case in features]
     case = decisions[0]
-    assert case["switch"] and case["gain"] > 0, case
+    # from the cached costs with a fixed 50 ms per action: 8 slices are far the dearer plan, whatever was measured
+    assert case["init_source"] == "cache" and case["switch"] and case["gain"] > 0 and len(case["best"]) < 8, case
     # step 1 warms up, step 2 is measured on the poor plan, steps 3-4 run the re-planned slicing, on every rank
     assert [s["slices"] for s in case["steps"]] == [[8] * 8, [8] * 8, case["best"], case["best"]], case
     assert [s["source"] for s in case["steps"]][2:] == ["replanned", "replanned"]

@@ -42,9 +42,10 @@ def _check_equal(cases_per_rank: list[list[dict]], index: int) -> None:
     assert spans == [(0, 4096), (4096, 8192)], spans
 
 
-def _check(results: list[dict], num_ranks: int, *, layout: bool = True) -> None:
-    """``layout``: also require the head's stage to get fewer layers than the naive split (the head outweighs a
-    block); off where ranks share cores, whose profiles cannot tell the two apart reliably."""
+def _check(results: list[dict], num_ranks: int) -> None:
+    """Every case equals the reference; the cost-based layouts give the head's stage fewer layers than the naive
+    split (tests/partition_worker.py makes the measured head 8x dearer: the layout follows from the costs, not
+    from how well this host's shared cores time a head against a block)."""
     errors = [r["error"] for r in results if "error" in r]
     assert not errors, errors[0]
     per_rank = [r["results"] for r in results]
@@ -67,7 +68,7 @@ def _check(results: list[dict], num_ranks: int, *, layout: bool = True) -> None:
                 assert report["vocab_parallel"] and case["parts"][-1] == 6 and report["naive_parts"] == [0, 3, 6]
             else:  # the head (and final norm) outweigh blocks: the last chunk holds fewer layers than naive
                 assert not report["vocab_parallel"]
-                assert not layout or case["parts"][-1] - case["parts"][-2] < naive_last or v > 1, report
+                assert case["parts"][-1] - case["parts"][-2] < naive_last or v > 1, report
             assert report["source"] == ("profiled" if case["case"].startswith("terapipe") else "cache")
     for first, again in zip(cases[0::2], cases[1::2]):
         if first["case"].startswith("terapipe"):
@@ -97,6 +98,4 @@ def test_cost_based_partition_with_two_replicas_and_zero1(tmp_path) -> None:
     """2 stages x 2 replicas (4 processes), ZeRO 1: all four ranks profile, one decision, equal to the reference."""
     results = launch("partition", 4, tmp_path, timeout_s=840, worker=WORKER,
                      extra={"dp": 2, "zero_stage": 1, "cases": [["1f1b", [8, 24, 16], 1]]})
-    # four processes on a 2-core CI machine: each rank profiles on a shared core, and the head's margin over a
-    # block was within that noise once ([0, 3, 7] chosen, as naive); the single-replica test checks the layout
-    _check(results, 2, layout=False)
+    _check(results, 2)   # the layout too: it follows from the (head-weighted) costs, not the shared cores' noise
