@@ -460,9 +460,10 @@ class TokenMixer(torch.nn.Module):
 
 
 def _engine(cfg: GPTConfig, layers: list, terapipe: dict, *, micro: int = 2, batch: int = 2,
-            extra_config: dict | None = None, loss_fn: Callable = causal_lm_loss):
+            extra_config: dict | None = None, loss_fn: Callable = causal_lm_loss, sampler: bool = True):
     model = ds_terapipe.TokenPipelineModule(layers, num_stages=WORLD, loss_fn=loss_fn,
-                                            vocab_size=cfg.vocab_size, partition_method="uniform")
+                                            vocab_size=cfg.vocab_size if sampler else None,
+                                            partition_method="uniform")
     config = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": micro,
               "train_batch_size": batch * micro, "steps_per_print": 10**9, "gradient_clipping": 0.0,
               "terapipe": dict(terapipe, enabled=True), **(extra_config or {})}
@@ -1158,6 +1159,22 @@ def suite_faults(extra: dict) -> list[dict]:
                 results.append({"case": STATUS["case"], "raised": None})
             except Exception as err:  # noqa: BLE001 - the test checks the type name
                 results.append({"case": STATUS["case"], "raised": type(err).__name__, "message": str(err)})
+
+        # the same wrong attention in a model that cannot sample an input (no vocab_size, no input_sampler):
+        # nothing to probe at init, so the check runs on the first real batch, before the first step
+        STATUS["case"] = "refusal bidirectional, no sampler"
+        layers = gpt_layer_specs(cfg)
+        layers.insert(1, LayerSpec(ZeroProjMixer, cfg, "bidirectional"))
+        engine = _engine(cfg, layers, {"seq_len": seq_len, "slices": 4, "schedule": "gpipe", "granularity": 4},
+                         sampler=False)
+        before = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
+        try:
+            engine.train_batch(iter(batches))
+            results.append({"case": STATUS["case"], "raised": None})
+        except Exception as err:  # noqa: BLE001 - the test checks the type name
+            results.append({"case": STATUS["case"], "raised": type(err).__name__, "message": str(err),
+                            "trained": any(not torch.equal(p, before[name])
+                                           for name, p in engine.module.named_parameters())})
 
         # the planner fails on global rank 0 (no slicing fits the memory limit): every rank raises it together,
         # none waits for rank 0's decision (no fault: the process group stays usable)

@@ -100,6 +100,17 @@ def test_zero_initialised_projection_is_refused_naming_the_layer(launch_loss, mo
 
 
 @pytest.mark.timeout(500)
+def test_a_model_without_a_sampler_is_checked_on_its_first_batch(launch_loss) -> None:
+    # built without vocab_size or input_sampler, init cannot probe: the first train_batch checks on its real
+    # inputs and refuses on every rank before any weight moves
+    for rank in launch_loss:
+        case = rank["refusal bidirectional, no sampler"]
+        assert case["raised"] == "SlicingMismatchError", case
+        assert "layer 1 (ZeroProjMixer)" in case["message"] and "checked on the first batch" in case["message"], case
+        assert case["trained"] is False, case
+
+
+@pytest.mark.timeout(500)
 @pytest.mark.parametrize("model", ["constant key", "shared block"])
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "gpipe+W", "1f1b+W"])
 def test_shared_keys_and_weight_shared_blocks_train_exactly(launch_loss, model: str, schedule: str) -> None:

@@ -71,6 +71,7 @@ from .recompute import install_sliced_checkpointing
 from .replan import Replanner
 from .schedule import (TokenPipeSchedule, VocabBackwardPass, VocabEmbedBackwardPass, VocabEmbedForwardPass,
                        VocabForwardPass, WeightGradPass)
+from .slice_check import check_stage_slicing
 from .vocab import VocabParallel
 
 __all__ = ["TokenPipelineEngine"]
@@ -193,6 +194,9 @@ class TokenPipelineEngine(PipelineEngine):
             self.plan: ResolvedPlan = resolve_plan(self)
             # One plan per sequence length seen, planned once (variable-length training), in the order resolved.
             self._plans: dict[int, ResolvedPlan] = {self.plan.seq_len: self.plan}
+            # Without an input sampler init could not probe the slice check: each length is checked on its first
+            # batch instead (_check_slicing_on_batch); the lengths done so far
+            self._checked_on_batch: set[int] = set()
             self._check_model_supports_slicing()
             self._train_schedule()  # a micro-batch count the schedule cannot run fails here, on every rank
             self.replanner = Replanner(self) if self.terapipe.replan.enabled else None
@@ -347,7 +351,7 @@ class TokenPipelineEngine(PipelineEngine):
         together, and a length that cannot be run fails on every rank at once instead of hanging the others.
         Returns the iterator with the peeked micro-batch put back in front.
         """
-        local = _NOT_READING
+        local, batch = _NOT_READING, None
         if self.is_first_stage() or self.is_last_stage():
             try:
                 batch = next(iterator)
@@ -385,7 +389,20 @@ class TokenPipelineEngine(PipelineEngine):
                     logger.info("terapipe: sequence length %d -> %d slice(s) %s", length, len(resolved.slices),
                                 list(resolved.slices))
         self.plan = self._plans[mine]
+        self._check_slicing_on_batch(set(stage0), batch[0] if self.is_first_stage() and batch is not None else None)
         return iterator
+
+    def _check_slicing_on_batch(self, lengths: set[int], first_input: Any) -> None:
+        """The slice check on a real batch, for a model that cannot sample an input (collective: every rank
+        decides from the same lengths). Before the first step of each sequence length that is sliced; the rank
+        holding the first chunk probes with the batch's inputs (``first_input``)."""
+        module = self.module
+        if (hasattr(module, "has_sampler") and module.has_sampler()) or lengths <= self._checked_on_batch:
+            return
+        if all(len(self._plans[length].slices) == 1 for length in lengths):
+            return
+        check_stage_slicing(self, self.plan.seq_len, self.plan.slices, first_input, on_batch=True)
+        self._checked_on_batch |= lengths
 
     def install_plan(self, plan: ResolvedPlan) -> None:
         """Run ``plan`` for its sequence length from the next batch on (collective: every rank installs the same

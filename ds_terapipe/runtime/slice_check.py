@@ -89,9 +89,10 @@ def _probe_cuts(seq_len: int, granularity: int, slices: Optional[Sequence[int]])
     return [c * granularity for c in cuts if c > 0]
 
 
-def probe_pass(engine: "TokenPipelineEngine", seq_len: int) -> dict[int, Any]:
-    """Run one unsliced forward through the pipeline on a sampled input; return each of this rank's chunks' input,
-    by chunk id (collective over the ranks of a pipeline).
+def probe_pass(engine: "TokenPipelineEngine", seq_len: int, first_input: Any = None) -> dict[int, Any]:
+    """Run one unsliced forward through the pipeline on a sampled input (or, on the rank holding chunk 0,
+    ``first_input``: a real batch's inputs); return each of this rank's chunks' input, by chunk id (collective over
+    the ranks of a pipeline).
 
     Every rank walks the chunks in order and runs its own: a chunk's input comes from the previous chunk, over
     p2p from another rank or handed over on this one. The chain is ordered by chunk id, so no rank waits on a
@@ -106,9 +107,10 @@ def probe_pass(engine: "TokenPipelineEngine", seq_len: int) -> dict[int, Any]:
     try:
         for chunk in engine.local_chunks:
             if chunk == 0:
-                sample = module.sample_input(engine.micro_batch_size, seq_len, gen)
-                chunk_input = tuple(t.to(engine.device) for t in sample) if isinstance(sample, tuple) else \
-                    sample.to(engine.device)
+                sample = first_input if first_input is not None else \
+                    module.sample_input(engine.micro_batch_size, seq_len, gen)
+                chunk_input = tuple(t.to(engine.device) if torch.is_tensor(t) else t for t in sample) \
+                    if isinstance(sample, (tuple, list)) else sample.to(engine.device)
             elif engine.placement[chunk - 1] == engine.stage_id:
                 chunk_input = handed
             else:
@@ -436,40 +438,42 @@ def check_slicing_equivalence(layers: list[Callable], first_layer_idx: int, stag
     return None
 
 
-def check_stage_slicing(engine: "TokenPipelineEngine", seq_len: int,
-                        slices: Optional[tuple[int, ...]]) -> Optional[dict[int, Any]]:
+def check_stage_slicing(engine: "TokenPipelineEngine", seq_len: int, slices: Optional[tuple[int, ...]],
+                        batch_input: Any = None, *, on_batch: bool = False) -> Optional[dict[int, Any]]:
     """Probe and check this rank's chunks for ``slices`` (None: not planned yet); return the probe inputs, by
     chunk, if any.
 
-    Collective over all ranks. Every rank raises :class:`SlicingMismatchError` if any chunk fails the check.
-    Without an input sampler nothing can be probed: the check is skipped with a warning.
+    Collective over all ranks. Every rank raises :class:`SlicingMismatchError` if any chunk fails the check. A
+    model with an input sampler is probed at engine init on a sampled input. Without one nothing can be sampled,
+    so init checks nothing and the engine calls this again with ``on_batch`` at the first batch of each sequence
+    length (every rank, before the step), the rank holding chunk 0 passing that batch's inputs as
+    ``batch_input``: a model built without ``vocab_size`` or ``input_sampler`` is checked all the same, on real
+    data, before it trains on a slicing that would give it wrong gradients.
     """
     module = engine.module
     can_sample = hasattr(module, "has_sampler") and module.has_sampler()
-    if can_sample and (slices is None or len(slices) > 1):
-        inputs = probe_pass(engine, seq_len)
-        cuts = _probe_cuts(seq_len, engine.terapipe.granularity, slices)
-        problem = None
-        if len(cuts) > 1:
-            names = {id(p): name for name, p in module.named_parameters()}
-            was_training = module.training
-            module.eval()  # dropout would make the two runs differ
-            try:
-                for chunk in engine.local_chunks:
-                    with engine._on_chunk(chunk):
-                        problem = check_slicing_equivalence(list(module.forward_funcs), module._local_start,
-                                                            inputs[chunk], cuts, names)
-                    if problem:
-                        where = f"stage {engine.stage_id}" if engine.num_chunks == engine.num_stages else \
-                            f"stage {engine.stage_id} (chunk {chunk})"
-                        problem = f"terapipe: {where}: {problem}"
-                        break
-            finally:
-                module.train(was_training)
-        agree_or_raise(problem, SlicingMismatchError, engine._p2p, "the slice check of every stage")
-        return inputs
-    if slices is not None and len(slices) > 1 and engine.global_rank == 0:
-        logger.warning("terapipe: %s has no input sampler, so the slice check (refusing layers that mix tokens "
-                       "non-causally) was skipped; use ds_terapipe.TokenPipelineModule(..., vocab_size=V)",
-                       type(module).__name__)
-    return None
+    if not on_batch and (not can_sample or (slices is not None and len(slices) == 1)):
+        return None
+    inputs = probe_pass(engine, seq_len, batch_input)
+    cuts = _probe_cuts(seq_len, engine.terapipe.granularity, slices)
+    problem = None
+    if len(cuts) > 1:
+        names = {id(p): name for name, p in module.named_parameters()}
+        was_training = module.training
+        module.eval()  # dropout would make the two runs differ
+        try:
+            for chunk in engine.local_chunks:
+                with engine._on_chunk(chunk):
+                    problem = check_slicing_equivalence(list(module.forward_funcs), module._local_start,
+                                                        inputs[chunk], cuts, names)
+                if problem:
+                    where = f"stage {engine.stage_id}" if engine.num_chunks == engine.num_stages else \
+                        f"stage {engine.stage_id} (chunk {chunk})"
+                    problem = f"terapipe: {where}: {problem}"
+                    if on_batch:
+                        problem += " (checked on the first batch: the model has no input sampler)"
+                    break
+        finally:
+            module.train(was_training)
+    agree_or_raise(problem, SlicingMismatchError, engine._p2p, "the slice check of every stage")
+    return inputs
