@@ -20,6 +20,14 @@ be polled (its work never reports completion before ``wait``) nor waited on with
 timeout tears the connections down), so with gloo the blocking ``wait`` runs on a helper thread while this
 thread watches the flag; other backends poll ``is_completed``. A process that dies raises nothing: its peers
 still fail at the deadline (or at once, where the transport reports the closed connection).
+
+Leaving after a fault: a wait the main thread gave up on (for the abort flag, or a Ctrl-C) leaves its helper
+thread blocked inside gloo with the GIL released. Were it still there when the interpreter finalises, the peer's
+closed connection would wake it, Python would end it with ``pthread_exit`` when it takes the GIL back, and that
+unwinding through torch's C++ frames is ``std::terminate`` ("terminate called without an active exception",
+SIGABRT instead of the exception's exit code). So at exit (``atexit``, before finalisation) such a wait is ended
+first, by closing this rank's gloo connections (see :func:`_break_connections`); then every helper thread is
+stopped and joined.
 """
 
 from __future__ import annotations
@@ -161,23 +169,90 @@ def linger_for_peers(timeout_s: Optional[float] = None) -> None:
         pass
 
 
+_Job = tuple[Sequence[dist.Work], datetime.timedelta, threading.Event, list]
+
+
 class _Waiter(threading.Thread):
     """Blocks in ``Work.wait`` on behalf of the main thread (gloo), so the main thread can watch the abort flag."""
 
     def __init__(self) -> None:
         super().__init__(name="terapipe-p2p-wait", daemon=True)
-        self.jobs: "queue.SimpleQueue[tuple[Sequence[dist.Work], datetime.timedelta, threading.Event, list]]" = \
-            queue.SimpleQueue()
+        # a job: (works, per-work timeout, set when done, errors for the main thread); None stops the thread
+        self.jobs: "queue.SimpleQueue[Optional[_Job]]" = queue.SimpleQueue()
+        self.busy_until: Optional[float] = None  # while in a job: when its last wait's deadline runs out
 
     def run(self) -> None:
         while True:
-            works, timeout, done, errors = self.jobs.get()
+            job = self.jobs.get()
+            if job is None:  # stopped at exit
+                return
+            works, timeout, done, errors = job
             try:
                 for work in works:
                     work.wait(timeout=timeout)
             except Exception as err:  # noqa: BLE001 - handed to the main thread
                 errors.append(err)
+            self.busy_until = None
             done.set()
+
+    def submit(self, works: Sequence[dist.Work], timeout: datetime.timedelta) -> tuple[threading.Event, list]:
+        """Hand ``works`` to this thread; returns the event set when they are done and the list of their errors."""
+        done, errors = threading.Event(), []
+        self.busy_until = time.monotonic() + len(works) * timeout.total_seconds()  # before the job is picked up
+        self.jobs.put((works, timeout, done, errors))
+        return done, errors
+
+    @classmethod
+    def start_new(cls) -> "_Waiter":
+        if not _WAITERS:
+            atexit.register(_stop_waiters)
+        waiter = cls()
+        _WAITERS.append(waiter)
+        waiter.start()
+        return waiter
+
+
+_WAITERS: list[_Waiter] = []
+
+# The tag of the receive that :func:`_break_connections` lets time out: no sender uses it, so it matches no
+# message. gloo picks a context (a set of connections) by tag modulo its device count, and the engine's transfers
+# use tag 0: this tag is 0 modulo every count up to 16, so it reaches their context (the only one with one device).
+_BREAK_TAG = 720720
+
+
+def _break_connections() -> None:
+    """Close this rank's gloo connections of the default process group, failing every wait on them at once.
+
+    Why a receive that times out: gloo answers a receive's timeout by closing every connection of its context
+    (torch binds no ``Work.abort`` and gloo's process-group ``abort`` does nothing), and the engine's transfers,
+    barriers and agreements all run on that context. Only for a process that is leaving: the group is unusable
+    afterwards. Waits on other groups (vocabulary parallelism's) end when their peers exit, or at their deadline.
+    """
+    try:
+        if not dist.is_initialized() or dist.get_world_size() < 2 or dist.get_backend() != "gloo":
+            return
+        peer = (dist.get_rank() + 1) % dist.get_world_size()
+        work = dist.irecv(torch.zeros(1), peer, tag=_BREAK_TAG)
+        work.wait(timeout=datetime.timedelta(milliseconds=1))
+    except Exception:  # noqa: BLE001 - the expected outcome: the receive timed out and the connections closed
+        pass
+
+
+def _stop_waiters() -> None:
+    """At exit, before the interpreter finalises: end any wait a helper thread is still blocked in, then stop
+    and join every helper thread (why: the module docstring, "Leaving after a fault")."""
+    if any(waiter.busy_until is not None for waiter in _WAITERS):
+        _break_connections()
+    for waiter in _WAITERS:
+        waiter.jobs.put(None)
+    for waiter in _WAITERS:
+        waiter.join(timeout=1.0)
+        if waiter.is_alive() and waiter.busy_until is not None:
+            left = max(0.0, waiter.busy_until - time.monotonic())
+            logger.warning("terapipe: exit waits up to %.0fs (the deadline of terapipe.p2p_timeout_s) for a "
+                           "transfer or collective this rank gave up on and a peer still holds open: leaving while "
+                           "its thread is inside gloo would abort the process (SIGABRT)", left)
+            waiter.join(timeout=left + 1.0)
 
 
 def as_tuple(value: torch.Tensor | Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -299,10 +374,8 @@ class SliceP2P:
 
     def _wait_on_thread(self, works: Sequence[dist.Work], what: str) -> list[Exception]:
         if self._waiter is None:
-            self._waiter = _Waiter()
-            self._waiter.start()
-        done, errors = threading.Event(), []
-        self._waiter.jobs.put((works, self.timeout, done, errors))
+            self._waiter = _Waiter.start_new()
+        done, errors = self._waiter.submit(works, self.timeout)
         while not done.wait(self.poll_s):
             self._check_abort(what)
         return errors

@@ -1,0 +1,104 @@
+"""One rank of tests/test_fault_exit.py: ``python tests/fault_exit_worker.py CASE DIR`` (env: RANK, WORLD_SIZE, ...),
+or by hand: ``PYTHONPATH=. deepspeed --num_gpus 2 tests/fault_exit_worker.py engine /tmp/out``.
+
+Unlike tests/dist_worker.py, which leaves through ``os._exit``, a rank here leaves the way a user's training
+script does after a fault: the exception escapes, Python prints it, runs the ``atexit`` hooks, finalises the
+interpreter and exits 1. Two ranks, gloo. Cases:
+
+* ``abandoned``: rank 1 waits for a transfer from rank 0, which raises the abort flag, so rank 1 raises
+  ``PeerFailedError`` with its receive still posted. Rank 0 keeps the connection open until rank 1 is finalising
+  (an object's ``__del__`` there writes ``DIR/finalising`` and holds finalisation for 2 s), and only then raises
+  and exits, closing the connection under rank 1's finalisation: exactly the moment that, unless the wait was
+  ended at exit (runtime/p2p.py, "Leaving after a fault"), wakes rank 1's helper thread and aborts the process.
+* ``killed``: rank 0 waits for a transfer from rank 1, which the test kills once rank 0 prints ``waiting``.
+* ``engine``: a 2-stage engine whose first stage reads micro-batches of two lengths in one step (a refused
+  batch): rank 0 raises ``ValueError``, rank 1 stops with ``PeerFailedError``.
+
+Last of the ``atexit`` hooks (registered first), each rank prints the Python threads still alive besides the
+main thread: ``threads at exit: [...]``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+RANK = int(os.environ["RANK"])
+
+
+def report_threads() -> None:
+    alive = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+    print(f"rank {RANK}: threads at exit: {alive}", flush=True)
+
+
+class HoldFinalisation:
+    """Kept in this module's globals, so that its ``__del__`` runs while the interpreter finalises."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __del__(self) -> None:
+        self.marker.write_text("finalising")
+        time.sleep(2.0)  # the peer exits now: its closed connection arrives while this process finalises
+
+
+def wait_for(path: Path, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def abandoned(out: Path) -> None:
+    from ds_terapipe.runtime.p2p import AbortFlag, SliceP2P
+
+    dist.init_process_group("gloo")
+    p2p = SliceP2P([0, 1], torch.device("cpu"), 60, abort=AbortFlag.on_default_group("fault_exit/abort"))
+    dist.barrier()
+    if RANK == 0:
+        p2p.abort.set(RANK, 0, "train_batch", "ValueError: simulated refused batch")
+        wait_for(out / "finalising")
+        raise ValueError("simulated refused batch")
+    globals()["_HOLD"] = HoldFinalisation(out / "finalising")
+    p2p.recv(0, "activations of micro-batch 0")
+
+
+def killed(out: Path) -> None:
+    from ds_terapipe.runtime.p2p import AbortFlag, SliceP2P
+
+    dist.init_process_group("gloo")
+    p2p = SliceP2P([0, 1], torch.device("cpu"), 60, abort=AbortFlag.on_default_group("fault_exit/abort"))
+    dist.barrier()
+    if RANK == 1:
+        time.sleep(60)  # killed by the test
+    print("waiting", flush=True)
+    p2p.recv(1, "gradients of micro-batch 0")
+
+
+def engine(out: Path) -> None:
+    import deepspeed
+
+    from ds_terapipe.models.gpt import GPTConfig, gpt_layer_specs
+    from tests import dist_worker as dw
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    cfg = GPTConfig(num_layers=2, hidden=32, num_heads=4, vocab_size=64, max_seq_len=64, seed=13)
+    engine = dw._engine(cfg, gpt_layer_specs(cfg), {"seq_len": 48, "slices": 3, "schedule": "gpipe",
+                                                    "granularity": 4, "p2p_timeout_s": 60})
+    mixed = [*dw.make_batches(cfg, 1, 2, 48, seed=21), *dw.make_batches(cfg, 1, 2, 32, seed=22)]
+    engine.train_batch(iter(mixed))
+
+
+CASES = {"abandoned": abandoned, "killed": killed, "engine": engine}
+
+if __name__ == "__main__":
+    atexit.register(report_threads)
+    torch.set_num_threads(1)
+    case, out = [arg for arg in sys.argv[1:] if not arg.startswith("--local_rank")]  # DeepSpeed's launcher adds it
+    CASES[case](Path(out))

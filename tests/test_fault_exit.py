@@ -1,0 +1,70 @@
+"""Tier b, three 2-rank launches of tests/fault_exit_worker.py: after a fault every rank leaves cleanly.
+
+A rank that stopped for a fault leaves the way a user's script does (the exception escapes, the interpreter
+finalises): it must print the exception and exit 1, never abort ("terminate called without an active
+exception", SIGABRT: -6 here, 134 from a shell, 250 from DeepSpeed's launcher), and no helper thread of
+runtime/p2p.py may be left running.
+
+* A wait given up for the abort flag whose peer closes the connection while this process finalises (the
+  race behind the abort, made to happen on every launch): without the exit path of runtime/p2p.py ("Leaving
+  after a fault") rank 1 aborted in 3 of 3 launches.
+* A refused batch in a real 2-stage engine (micro-batches of two lengths in one step): aborted 2 of 4 launches
+  without it.
+* A killed peer (its transfer fails, nothing is given up): exits 1 either way; its helper thread used to be
+  left running.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.dist_harness import ROOT, run_ranks
+
+pytestmark = pytest.mark.multiproc
+
+WORKER = ROOT / "tests" / "fault_exit_worker.py"
+ABORTED = (-6, 134, 250)
+
+
+def _launch(case: str, tmp_path: Path, kill: tuple[int, str] | None = None) -> tuple[list[int | None], list[str]]:
+    return run_ranks([sys.executable, str(WORKER), case, str(tmp_path)], 2, tmp_path, timeout_s=90, kill=kill,
+                     fail_fast=False)   # a rank killed by fail-fast would hide how it would have exited
+
+
+def _left_cleanly(codes: list[int | None], texts: list[str], errors: dict[int, str]) -> None:
+    """Each rank in ``errors`` printed that error, exited 1 (not an abort) and left no Python thread behind."""
+    for rank, error in errors.items():
+        text = texts[rank][-4000:]
+        assert codes[rank] not in ABORTED and "terminate called" not in text, f"rank {rank} aborted:\n{text}"
+        assert codes[rank] == 1, f"rank {rank} exited {codes[rank]}:\n{text}"
+        assert error in text, f"rank {rank} did not print {error!r}:\n{text}"
+        assert f"rank {rank}: threads at exit: []" in text, f"rank {rank} left a thread running:\n{text}"
+
+
+@pytest.mark.timeout(120)
+def test_a_wait_given_up_for_the_abort_flag_does_not_abort_the_exit(tmp_path) -> None:
+    codes, texts = _launch("abandoned", tmp_path)
+    _left_cleanly(codes, texts, {
+        0: "ValueError: simulated refused batch",
+        1: "PeerFailedError: rank 1: stopped while waiting for header of activations of micro-batch 0 from stage 0 "
+           "(rank 0), because rank 0 (stage 0) failed in train_batch: ValueError: simulated refused batch"})
+
+
+@pytest.mark.timeout(120)
+def test_a_refused_batch_ends_every_rank_with_its_error(tmp_path) -> None:
+    codes, texts = _launch("engine", tmp_path)
+    _left_cleanly(codes, texts, {
+        0: "ValueError: token pipeline: micro-batches of different lengths in one step",
+        1: "PeerFailedError: rank 1: stopped while waiting for activations of micro-batch 1 slice 0 from stage 0 "
+           "(rank 0), because rank 0 (stage 0) failed in train_batch: ValueError: token pipeline: micro-batches"})
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_peer_ends_the_survivor_with_its_error(tmp_path) -> None:
+    codes, texts = _launch("killed", tmp_path, kill=(1, "waiting"))
+    assert codes[1] is None, "rank 1 should have been killed"
+    _left_cleanly(codes, texts, {0: "P2PTimeoutError: rank 0: waiting for header of gradients of micro-batch 0 "
+                                    "from stage 1 (rank 1) failed"})
