@@ -25,6 +25,7 @@ deepspeed, so the command starts fast. Every mistake a user can make ends in one
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import math
@@ -526,9 +527,8 @@ def _cmd_schedules(args: argparse.Namespace) -> int:
 def _cmd_presets(args: argparse.Namespace) -> int:
     models = {name: {"num_layers": m.num_layers, "hidden": m.hidden, "num_heads": m.num_heads, "vocab": m.vocab,
                      "seq_len": m.seq_len} for name, m in MODEL_PRESETS.items()}
-    devices = {name: {"peak_tflops": d.peak_tflops, "mem_bw_gbps": d.mem_bw_gbps, "efficiency": d.efficiency,
-                      "per_layer_overhead_ms": d.per_layer_overhead_ms, "link_gbps": d.link_gbps,
-                      "link_latency_ms": d.link_latency_ms} for name, d in DEVICE_PRESETS.items()}
+    devices = {name: {f.name: getattr(d, f.name) for f in dataclasses.fields(d) if f.name != "name"}
+               for name, d in DEVICE_PRESETS.items()}
     if args.json:
         _print_json({"models": models, "devices": devices})
         return 0
@@ -536,11 +536,12 @@ def _cmd_presets(args: argparse.Namespace) -> int:
              f"{'seq_len':>7}"]
     lines += [f"  {n:<10} {m['num_layers']:>6} {m['hidden']:>7} {m['num_heads']:>5} {m['vocab']:>6} "
               f"{m['seq_len']:>7}" for n, m in models.items()]
-    lines += ["devices (--device):", f"  {'name':<6} {'TFLOPS':>7} {'GB/s':>6} {'eff':>5} {'layer ms':>8} "
-              f"{'link Gb/s':>9} {'link ms':>7}"]
+    # eff: of peak for GEMMs; bw eff: of bandwidth for weight-bound GEMMs; launch ms: the floor of one kernel
+    lines += ["devices (--device):", f"  {'name':<6} {'TFLOPS':>7} {'GB/s':>6} {'eff':>5} {'bw eff':>6} "
+              f"{'launch ms':>9} {'layer ms':>8} {'link Gb/s':>9} {'link ms':>7}"]
     lines += [f"  {n:<6} {d['peak_tflops']:>7g} {d['mem_bw_gbps']:>6g} {d['efficiency']:>5g} "
-              f"{d['per_layer_overhead_ms']:>8g} {d['link_gbps']:>9g} {d['link_latency_ms']:>7g}"
-              for n, d in devices.items()]
+              f"{d['bandwidth_efficiency']:>6g} {d['kernel_launch_ms']:>9g} {d['per_layer_overhead_ms']:>8g} "
+              f"{d['link_gbps']:>9g} {d['link_latency_ms']:>7g}" for n, d in devices.items()]
     print("\n".join(lines))
     return 0
 

@@ -296,6 +296,11 @@ def test_presets(capsys: pytest.CaptureFixture[str]) -> None:
     data = run_json(capsys, "presets")
     assert set(data["models"]) == set(MODEL_PRESETS) and set(data["devices"]) == set(DEVICE_PRESETS)
     assert data["models"]["gpt3-175b"]["hidden"] == 12288 and data["models"]["gpt3-175b"]["num_layers"] == 96
+    # every field of the device model, the GPU physics included (weight-read bandwidth, launch floor)
+    h100 = DEVICE_PRESETS["h100"]
+    assert data["devices"]["h100"]["bandwidth_efficiency"] == h100.bandwidth_efficiency
+    assert data["devices"]["h100"]["kernel_launch_ms"] == h100.kernel_launch_ms > 0
+    assert re.search(rf"^\s+h100\s.*\s{h100.kernel_launch_ms:g}\s", out, flags=re.M), out
 
 
 # --------------------------------------------------------------------------------------------------------------
