@@ -232,6 +232,28 @@ def test_a_fixed_cost_per_timed_call_is_not_scaled_with_the_elements() -> None:
     assert _scaled_ms(flat, tensors, 1000) == pytest.approx(70.0)
 
 
+def test_gradient_accumulation_is_timed_as_autograd_runs_it_an_add_per_parameter() -> None:
+    # AccumulateGrad adds each parameter's gradient on its own; a fused foreach add over all of them timed 2x
+    # slower on a GPU for a large layer, so the timer must run what autograd runs
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from ds_terapipe.runtime.step_profile import time_grad_accumulation
+
+    class _Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    params = list(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8)).parameters())
+    with _Ops() as ops:
+        time_grad_accumulation(params, warmup=0, repeats=1)
+    assert ops.names.count("add_") == len(params) and not any("foreach" in n for n in ops.names), ops.names
+
+
 def test_gradient_accumulation_is_timed_on_buffers_not_on_grad() -> None:
     from ds_terapipe.runtime.step_profile import time_grad_accumulation
 
