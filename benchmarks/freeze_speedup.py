@@ -1,5 +1,5 @@
 """Progressive freezing on CPU: tokens/s of the token pipeline unfrozen, after freezing half the blocks, after
-repacking to 1 stage x 2 replicas, and stock DeepSpeed with the same layers frozen (issue 14, item 6).
+repacking to 1 stage x 2 replicas, and stock DeepSpeed with the same layers frozen.
 
     flock /tmp/bench.lock python benchmarks/freeze_speedup.py            # 8 blocks, hidden 512, seq 1024, m = 4
     flock /tmp/bench.lock python benchmarks/freeze_speedup.py --quick    # a 1-2 minute smoke run

@@ -1,5 +1,5 @@
 """Speed as users see it: the example trainer through the ``deepspeed`` launcher, token pipeline vs stock DeepSpeed,
-with the planner's predicted ms/step beside the measured one (issue 16).
+with the planner's predicted ms/step beside the measured one.
 
     python benchmarks/trainer_speed.py                      # m in {1, 2, 4}, 3 rounds: about 30 minutes
     python benchmarks/trainer_speed.py --micro-batches 1 --rounds 2 --json /tmp/t.json

@@ -3,8 +3,8 @@
 A step is more than its pipeline schedule. After the last action every rank meets the others (the engine's
 end-of-schedule barrier), the first and last stage all-reduce the tied embedding/head gradient, every rank
 reduces its gradients over the data-parallel replicas and steps its optimizer, and the last stage broadcasts
-the loss, which meets every rank once more. Left out, a plan's predicted time misses all of that (issue 16:
-20% below the trainer's measured step), and a planner choosing between plans of different slice counts also
+the loss, which meets every rank once more. Left out, a plan's predicted time misses all of that
+(20% below the trainer's measured step), and a planner choosing between plans of different slice counts also
 misses that every action carries a fixed cost of its own (dispatch, slice buffers, the per-slice loss).
 
 :class:`StepCost` holds those terms, measured at engine init (``runtime/profile.py``):

@@ -1,6 +1,6 @@
 """Devices and clocks: what the runtime needs to be right on an accelerator, not only on CPU.
 
-Two rules (DESIGN.md, "Collectives and devices"):
+Two rules (docs/design.md, "Devices, collectives and faults"):
 
 * Every tensor handed to ``torch.distributed`` lives on the engine's device, the one DeepSpeed took from the
   accelerator (``engine.device``): NCCL accepts no CPU tensors. Tensors made from host values

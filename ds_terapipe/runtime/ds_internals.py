@@ -1,7 +1,7 @@
 """The DeepSpeed internals ds_terapipe relies on, in one table, and the check that they are still there.
 
-The plugin extends DeepSpeed by subclassing (DESIGN.md): its engine calls PipelineEngine's private handlers
-(``super()._exec_forward_pass``), fills its ``pipe_buffers``, overrides methods DeepSpeed calls
+The plugin extends DeepSpeed by subclassing (docs/design.md, "Parts"): its engine calls PipelineEngine's private
+handlers (``super()._exec_forward_pass``), fills its ``pipe_buffers``, overrides methods DeepSpeed calls
 (``_exec_schedule``), drives the bf16 optimizer between backwards, and ``ds_terapipe.initialize`` repeats the
 pipeline branch of ``deepspeed.initialize``. None of that is DeepSpeed's public API, so a DeepSpeed release can
 move it. :data:`INTERNALS` lists every such name with where we use it and why; :func:`check_deepspeed_internals`

@@ -12,7 +12,7 @@ schedule. It is deadlock-free by construction (the dry run is an execution that 
 any ranks, chunks, micro-batches and slices; a cap too tight to make progress is lifted for the step that would
 otherwise stall, so caps bound memory without ever hanging the builder.
 
-Dependencies (DESIGN.md, per chunk): F(c,b,i) after F(c-1,b,i) and F(c,b,i-1); B(c,b,i) after F(c,b,i),
+Dependencies (docs/design.md, per chunk): F(c,b,i) after F(c-1,b,i) and F(c,b,i-1); B(c,b,i) after F(c,b,i),
 B(c+1,b,i) and B(c,b,i+1). Units are numbered in forward order u = b * n + i; backward order is micro-batch 0
 first, later slices first (``backward_units``).
 """
