@@ -20,8 +20,10 @@ the bandwidth when bound by their weight; streaming ops 0.9; flash attention 0.3
 kernels on the same GPU measured 0.29-0.32). The launch floors are the host's: 24 us per op dispatched from
 Python (forwards, a deferred W pass), 12 us per op the autograd engine runs (backwards); with the counted ops of a
 block (``roofline.BLOCKS``) they are what a slice of a few hundred tokens pays besides its weight reads. ``a100``
-and ``v100`` keep their data-sheet peaks and bandwidths and take the H100's fractions and host floors, except
-attention: flash attention reaches about half of an A100's peak, and a V100 has no flash kernels (0.3).
+and ``v100`` are not calibrated: they keep their data-sheet peaks and bandwidths and their earlier GEMM
+efficiencies (0.55, 0.5), read weights at the full bandwidth, and take a launch floor of their earlier per-layer
+overhead spread over a block's ~15 kernels (5.3 and 6.7 us); attention and streaming ops run at those same
+efficiencies.
 
 Links are the stage-to-stage network a pipeline crossing nodes sees: V100 100 Gbit/s (AWS p3dn), A100 200 Gbit/s
 (HDR InfiniBand), H100 400 Gbit/s (NDR), CPU 10 Gbit/s Ethernet. These are estimates for ranking plans; profile
