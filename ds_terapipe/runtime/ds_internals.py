@@ -176,6 +176,13 @@ INTERNALS: tuple[Internal, ...] = (
        "the mark of a parameter copy that norms skip (tied weights off their first rank, a tied head's shards)"),
     _i("deepspeed.runtime.fp16.unfused_optimizer", "FP16_UnfusedOptimizer", "attr", "runtime/clip.py",
        "its norm counts a weight tied across ranks once per rank: refused with clipping"),
+    # -- fp16 without ZeRO: the loss scale DeepSpeed's backward leaves out (engine._loss_scale_deepspeed_leaves_out)
+    _i("deepspeed.runtime.base_optimizer", "ZeROOptimizer", "attr", f"{_E} BackwardPass",
+       "the optimizers whose loss DeepSpeed's backward scales itself"),
+    _i("deepspeed.runtime.fp16.unfused_optimizer:FP16_UnfusedOptimizer", "loss_scale", "attr", f"{_E} BackwardPass",
+       "the scale its step divides the gradients by"),
+    _i("deepspeed.runtime.fp16.fused_optimizer:FP16_Optimizer", "loss_scale", "attr", f"{_E} BackwardPass",
+       "the scale its step divides the gradients by"),
     # -- bf16 optimizer, driven around the deferred weight-gradient pass --------------------------------------
     _i(_BF16, "clear_lp_grads", "attr", f"{_E} WeightGradPass", "as DeepSpeed's backward does"),
     _i(_BF16, "update_hp_grads", "attr", f"{_E} WeightGradPass", "moves deferred grads to the fp32 masters",
