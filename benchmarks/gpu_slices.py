@@ -33,10 +33,11 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
+from benchlib.slices import VARIANTS, bounds, run_variant
 from benchlib.tables import machine_info, markdown_table, results_path, write_report
 
 NAME = "gpu_slices"
@@ -55,7 +56,6 @@ SMALL_SHAPES: dict[str, dict[str, Any]] = {
     "tiny-gpt": dict(kind="gpt", hidden=128, heads=4, layers=2, seq_len=256, batch=2),
     "tiny-llama": dict(kind="llama", hidden=128, heads=4, kv_heads=2, ffn=256, layers=2, seq_len=256, batch=1),
 }
-VARIANTS = ("sliced", "fused", "per-slice W", "unsynced")
 
 
 def build_stage(shape: dict[str, Any]) -> torch.nn.Module:
@@ -72,59 +72,6 @@ def build_stage(shape: dict[str, Any]) -> torch.nn.Module:
                       num_hidden_layers=shape["layers"], vocab_size=256, max_position_embeddings=shape["seq_len"])
     specs = causal_lm_specs(cfg)
     return torch.nn.Sequential(*[s.build() for s in specs[1:1 + shape["layers"]]])
-
-
-def _bounds(seq_len: int, n: int) -> list[tuple[int, int]]:
-    return [(i * seq_len // n, (i + 1) * seq_len // n) for i in range(n)]
-
-
-def run_variant(stage: torch.nn.Module, x0: torch.Tensor, n: int, variant: str) -> dict[str, Any]:
-    """One micro-batch in n slices: milliseconds of F, B and W (per slice for ``sliced``, totals otherwise)."""
-    from ds_terapipe.runtime.context import MicroBatchState, SliceContext, slice_scope
-    from ds_terapipe.runtime.deferred import WeightGradStash
-    from ds_terapipe.runtime.devices import synchronize
-    seq_len = x0.shape[1]
-    deferred = variant in ("fused", "per-slice W")
-    per_slice = variant == "sliced"
-    state = MicroBatchState(0, seq_len, n)
-    state.weight_stash = WeightGradStash() if deferred else None
-    for p in stage.parameters():
-        p.grad = None
-    marks: list[float] = []   # host times after device syncs: per slice for ``sliced``, per phase otherwise
-
-    def mark() -> None:
-        synchronize()
-        marks.append(time.perf_counter())
-
-    outs = []
-    mark()
-    for i, (a, b) in enumerate(_bounds(seq_len, n)):
-        x = x0[:, a:b].detach().requires_grad_()
-        with slice_scope(SliceContext(0, i, a, b, state)):
-            outs.append(stage(x))
-        if per_slice:
-            mark()
-    if not per_slice:
-        mark()
-    for y in reversed(outs):
-        y.backward(torch.full_like(y, 1e-3))
-        if per_slice:
-            mark()
-    del outs
-    if not per_slice:
-        mark()
-    if variant == "fused":
-        state.weight_stash.flush()
-    elif variant == "per-slice W":
-        for i in range(n):
-            params, grads = state.weight_stash.compute(slice_index=i)
-            if params:
-                torch.autograd.backward(params, grads)
-    mark()
-    ms = [(b - a) * 1e3 for a, b in zip(marks, marks[1:])]
-    if per_slice:
-        return {"F": ms[:n], "B": ms[n:2 * n][::-1], "W": ms[2 * n]}   # B per slice in token order
-    return {"F": ms[0], "B": ms[1], "W": ms[2]}
 
 
 def _slice_lengths(seq_len: int, counts: list[int], granularity: int) -> list[int]:
@@ -194,20 +141,20 @@ def profile_prediction(rec: dict[str, Any], n: int, variant: str) -> dict[str, f
     from ds_terapipe.runtime.profile import weight_cost
     shape = rec["shape"]
     seq_len, batch = shape["seq_len"], shape["batch"]
-    bounds = _bounds(seq_len, n)
+    cuts = bounds(seq_len, n)
     deferred = variant in ("fused", "per-slice W")
     points = rec["profile_deferred" if deferred else "profile"]
     cost = MeasuredCost([{k: v for k, v in p.items() if k != "weight_ms"} for p in points])
     acc = rec["accumulate_ms"]["not_linear"] + (0.0 if deferred else rec["accumulate_ms"]["linear"])
-    f = [float(cost.forward_ms(b - a, a, batch)) for a, b in bounds]
-    bw = [float(cost.backward_ms(b - a, a, batch)) + (acc if i < n - 1 else 0.0) for i, (a, b) in enumerate(bounds)]
+    f = [float(cost.forward_ms(b - a, a, batch)) for a, b in cuts]
+    bw = [float(cost.backward_ms(b - a, a, batch)) + (acc if i < n - 1 else 0.0) for i, (a, b) in enumerate(cuts)]
     w = 0.0
     if deferred:
         per_pass, per_token = weight_cost(points, batch)
         if variant == "fused":   # one pass; its gradients find .grad empty
             w = (per_pass + per_token * seq_len) * batch
         else:                    # a pass per slice, each after the first adding to .grad
-            w = sum((per_pass + per_token * (b - a)) * batch for a, b in bounds) + (n - 1) * rec["accumulate_ms"][
+            w = sum((per_pass + per_token * (b - a)) * batch for a, b in cuts) + (n - 1) * rec["accumulate_ms"][
                 "linear"]
     return {"F": f, "B": bw, "W": w, "total_ms": sum(f) + sum(bw) + w}
 
@@ -225,13 +172,13 @@ def preset_prediction(rec: dict[str, Any], device_name: str, n: int, variant: st
                            block=shape["kind"])
     deferred = variant in ("fused", "per-slice W")
     cost = AnalyticCost(spec, DEVICE_PRESETS[key], shape["layers"], deferred_weight_grads=deferred)
-    bounds = _bounds(shape["seq_len"], n)
+    cuts = bounds(shape["seq_len"], n)
     total = sum(float(cost.forward_ms(b - a, a, shape["batch"])) + float(cost.backward_ms(b - a, a, shape["batch"]))
-                for a, b in bounds)
+                for a, b in cuts)
     if variant == "fused":
         total += float(cost.weight_ms(shape["seq_len"], shape["batch"]))
     elif variant == "per-slice W":
-        total += sum(float(cost.weight_ms(b - a, shape["batch"])) for a, b in bounds)
+        total += sum(float(cost.weight_ms(b - a, shape["batch"])) for a, b in cuts)
     return total
 
 

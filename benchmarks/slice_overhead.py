@@ -23,10 +23,10 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 
 import torch
 
+from benchlib.slices import run_variant
 from benchlib.tables import machine_info, markdown_table, results_path, write_report
 
 NAME = "slice_overhead"
@@ -43,34 +43,10 @@ def _blocks(args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
 
 
 def _run(blocks: torch.nn.Module, x0: torch.Tensor, n: int, deferred: bool) -> tuple[float, float, float]:
-    """One micro-batch through the blocks in n equal slices: (F, B, W) milliseconds, device-synchronised."""
-    from ds_terapipe.runtime.context import MicroBatchState, SliceContext, slice_scope
-    from ds_terapipe.runtime.deferred import WeightGradStash
-    from ds_terapipe.runtime.devices import synchronize
-    seq_len = x0.shape[1]
-    bounds = [(i * seq_len // n, (i + 1) * seq_len // n) for i in range(n)]
-    state = MicroBatchState(0, seq_len, n)
-    state.weight_stash = WeightGradStash() if deferred else None
-    for p in blocks.parameters():
-        p.grad = None
-    outs = []
-    synchronize()
-    t0 = time.perf_counter()
-    for i, (a, b) in enumerate(bounds):
-        x = x0[:, a:b].detach().requires_grad_()
-        with slice_scope(SliceContext(0, i, a, b, state)):
-            outs.append(blocks(x))
-    synchronize()
-    t1 = time.perf_counter()
-    for y in reversed(outs):
-        y.backward(torch.ones_like(y))
-    synchronize()
-    t2 = time.perf_counter()
-    if deferred:
-        state.weight_stash.flush()
-    synchronize()
-    t3 = time.perf_counter()
-    return (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3
+    """One micro-batch through the blocks in n equal slices: (F, B, W) milliseconds, device-synchronised
+    (deferred: one W pass over the micro-batch, as gpipe runs it)."""
+    took = run_variant(blocks, x0, n, "fused" if deferred else "unsynced")
+    return took["F"], took["B"], took["W"]
 
 
 def _op_profile(blocks: torch.nn.Module, x0: torch.Tensor, n: int, top: int) -> dict[str, float]:

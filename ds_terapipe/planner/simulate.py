@@ -5,9 +5,10 @@ stream in order, one compute action at a time; a send is issued when the stream 
 nothing (isend); a receive blocks the stream until ``send issue time + comm_ms`` of the sender. F(s,b,i) costs
 ``cost.stage(s).forward_ms(slices[i], context=sum(slices[:i]), batch)``; B likewise with ``backward_ms``; a W
 (deferred weight gradients) ``weight_ms(sum(slices), batch)`` for a whole micro-batch (one pass over all its
-tokens, as the runtime computes it), ``weight_ms(slices[i], batch)`` when the schedule has one W per slice (0 for cost models without ``weight_ms``). A cost model with a
-whole-step part (``cost.step``, :mod:`~ds_terapipe.planner.step_cost`) adds its fixed cost to every action and
-its tail after the makespan (``SimResult.step_ms``).
+tokens, as the runtime computes it), ``weight_ms(slices[i], batch)`` when the schedule has one W per slice (0 for
+cost models without ``weight_ms``). A cost model with a whole-step part (``cost.step``,
+:mod:`~ds_terapipe.planner.step_cost`) adds its fixed cost to every action and its tail after the makespan
+(``SimResult.step_ms``).
 
 Speed matters (the slicing planner simulates many candidate plans), so the simulation is a lock-step sweep
 vectorised across stages with numpy: each sweep advances every stage whose next action's dependency is done, so
