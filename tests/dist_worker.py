@@ -1117,6 +1117,30 @@ def spec_reference_grads(specs: list, batches: list[tuple]) -> tuple[float, dict
     return total, {n: p.grad.detach().clone() for n, p in named.items() if p.grad is not None}
 
 
+def allow_fp16_on_cpu() -> None:
+    """Let DeepSpeed build its fp16 optimizers on a CPU whose oneDNN lacks fp16 kernels (this process only):
+    torch computes fp16 on any CPU, slowly; the precision tests check where gradients go and in which scale."""
+    from deepspeed.accelerator import get_accelerator
+
+    if not get_accelerator().is_fp16_supported():
+        get_accelerator().is_fp16_supported = lambda: True
+
+
+def run_cases(cases: list, label: Callable[..., str], run: Callable[..., dict]) -> list[dict]:
+    """``run(*case)`` for each case of a suite, named ``label(*case)``: a case that raises is reported with its
+    traceback and the suite goes on (every rank runs the same cases, so they fail alike)."""
+    results: list[dict] = []
+    for case in cases:
+        STATUS["case"] = label(*case)
+        try:
+            results.append(run(*case))
+        except Exception as err:  # noqa: BLE001 - reported per case; the test reads it
+            results.append({"case": STATUS["case"], "error": f"{type(err).__name__}: {err}",
+                            "traceback": traceback.format_exc()})
+        ENGINE_REF.pop("engine", None)
+    return results
+
+
 def run_until_error(run: Callable[[], Any], p2p_timeout_s: Optional[float] = None) -> dict[str, Any]:
     """``run()`` started on every rank at once: what it raised (with notes), after how many seconds, and when
     (``raised_at``: ``time.monotonic()``, one clock for every process of this host, so a peer's stop is timed
@@ -1615,7 +1639,6 @@ def suite_freeze(extra: dict) -> list[dict]:
 
     # refusals, on every rank before any step
     for case, freeze, zero in (("too many", {"schedule": [[1, 9]]}, 0), ("all", {"schedule": [[1, 7]]}, 0),
-                               ("zero1", {"schedule": [[1, 2]]}, 1),
                                ("repack micro-batches", {"schedule": [[1, 4]], "repack": True}, 0)):
         STATUS["case"] = f"refuse {case}"
         micro_batches = 3 if "repack" in case else 2  # 3 micro-batches cannot split over 2 replicas
@@ -1709,9 +1732,10 @@ def vocab_compare(engine: Any, named: dict[str, torch.Tensor], ref: dict[str, to
 
 
 def vocab_engine(cfg: GPTConfig, tied: bool, terapipe: dict, *, stages: int, micro: int, batch: int,
-                 zero_stage: int = 0, lr: float = 0.1, momentum: float = 0.9, clipping: float = 0.0):
+                 zero_stage: int = 0, lr: float = 0.1, momentum: float = 0.9, clipping: float = 0.0,
+                 extra_config: Optional[dict] = None):
     """A vocabulary-parallel engine; a schedule with virtual stages gets its default chunks per rank (module and
-    config alike)."""
+    config alike). ``extra_config``: more DeepSpeed config keys (e.g. ``bf16``)."""
     from ds_terapipe.planner.registry import get_schedule
 
     v = get_schedule(terapipe.get("schedule", "gpipe")).virtual_stages
@@ -1727,6 +1751,7 @@ def vocab_engine(cfg: GPTConfig, tied: bool, terapipe: dict, *, stages: int, mic
                                enabled=True)}
     if zero_stage:
         config["zero_allow_untested_optimizer"] = True
+    config.update(extra_config or {})
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     engine, _, _, _ = ds_terapipe.initialize(model=model, optimizer=opt, config=config)
     ENGINE_REF["engine"] = engine

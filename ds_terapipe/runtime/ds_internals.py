@@ -187,6 +187,14 @@ INTERNALS: tuple[Internal, ...] = (
     _i(_BF16, "clear_lp_grads", "attr", f"{_E} WeightGradPass", "as DeepSpeed's backward does"),
     _i(_BF16, "update_hp_grads", "attr", f"{_E} WeightGradPass", "moves deferred grads to the fp32 masters",
        ("clear_lp_grads", )),
+    # -- gradients computed by hand (the vocabulary passes), put where each optimizer reads them (grad_sink.py)
+    _i(_BF16, "bf16_groups", "instance", "runtime/grad_sink.py", "which master gradient belongs to a parameter"),
+    _i(_BF16, "fp32_groups_gradients", "instance", "runtime/grad_sink.py",
+       "the fp32 master gradients the shard gradients are added to"),
+    _i(_BF16, "fp32_groups_has_gradients", "instance", "runtime/grad_sink.py",
+       "the optimizer's norm and step read only the gradients flagged here"),
+    _i("deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer", "loss_scale", "attr", "runtime/grad_sink.py",
+       "the fp16 scale ZeRO's step divides the gradients by"),
     # -- PipelineModule and the grid ----------------------------------------------------------------------------
     _i(_MODULE, "_local_start", "instance", "runtime/slice_check.py, runtime/checkpoint.py",
        "global index of the stage's first layer"),

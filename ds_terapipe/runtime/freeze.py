@@ -10,9 +10,9 @@ the frozen layers are always a prefix ``[0, k)``):
 
 * its forward runs under ``torch.no_grad()``: nothing in front of layer ``k`` is part of the graph, so no backward
   reaches it and no gradient flows into it (the result equals a model whose first ``k`` layers are constants);
-* its parameters get ``requires_grad=False`` and their optimizer state is dropped, so DeepSpeed's gradient
-  reduction skips them and the optimizer never touches them again (torch optimizers skip parameters without a
-  gradient: the frozen weights stay bit-identical). A weight the layer *shares* (``TiedLayerSpec``
+* its parameters get ``requires_grad=False`` and their optimizer state is dropped (or, in DeepSpeed's flat master
+  copies, held at zero), so DeepSpeed's gradient reduction skips them and the optimizer never moves them again
+  (the frozen weights stay bit-identical). A weight the layer *shares* (``TiedLayerSpec``
   ``tied_weight_attr``) with a layer that still trains keeps training, from that layer's use only: DeepSpeed's
   tied-gradient all-reduce then sees a zero gradient from the frozen side (:meth:`Freezer.fill_tied_grads`);
 * a chunk whose layers are all frozen drops its backward and W actions from the schedule, and every gradient
@@ -26,10 +26,9 @@ decided on global rank 0 from the per-layer gradient norms all ranks gathered at
 profiled at init with each chunk's backward scaled by the share of its layers still training (0 for a frozen
 chunk; :func:`frozen_cost`), solved on rank 0 and installed on every rank with ``engine.install_plan``.
 
-Supported optimizers: DeepSpeed's ZeRO stage 0 in fp32, where the optimizer holds the parameters themselves.
-ZeRO 1/2 and the bf16/fp16 optimizers keep flat fp32 copies of every parameter whose partitions are updated
-with whatever gradient the flat buffer holds (zeros for a frozen weight: momentum and weight decay would still
-move it) and cannot drop part of a flat state; they are refused at init.
+Optimizers: with fp32 at ZeRO stage 0 the optimizer holds the parameters themselves (the state is dropped, as
+above). bf16, fp16 and ZeRO 1 keep fp32 master copies, mostly flat, that their inner optimizer updates whole; there
+the frozen elements are held still around each update and their state kept at zero (runtime/frozen_state.py).
 """
 
 from __future__ import annotations
@@ -46,6 +45,8 @@ from ..config import AutoFreezeConfig
 from ..planner.cost import PipelineCost, scaled_cost
 from ..planner.schedule import ActionKind, Schedule, add_communication, build_schedule
 from ..planner.simulate import simulate
+from .frozen_state import FrozenMasters, frozen_state_problem
+from .grad_sink import GradSink
 from .p2p import mark_collective
 
 if TYPE_CHECKING:  # pragma: no cover - annotations only
@@ -173,6 +174,8 @@ class Freezer:
         self._previous_norms: Optional[dict[int, float]] = None
         self._base_cost = engine.plan.cost  # the profiled costs (rank 0), before any freeze
         self.repacked: Optional[dict[str, Any]] = None  # the repack this run made (runtime/repack.py), if any
+        self._masters: Optional[FrozenMasters] = None  # DeepSpeed's master copies of the frozen weights
+        self.grads = GradSink(engine)
         problem = self._unsupported(engine)
         if problem is None and cfg.repack:
             from .repack import check_repack_supported
@@ -200,18 +203,7 @@ class Freezer:
     # -- checks at init ----------------------------------------------------------------------------------------
     @staticmethod
     def _unsupported(engine: "TokenPipelineEngine") -> Optional[str]:
-        stage = engine.zero_optimization_stage()
-        if stage > 0:
-            return (f"terapipe.freeze needs ZeRO stage 0, got zero_optimization.stage={stage}: ZeRO keeps flat fp32 "
-                    "copies whose partitions the optimizer updates whether or not a layer is frozen; set "
-                    "zero_optimization.stage to 0 or remove terapipe.freeze")
-        if engine.fp16_enabled() or engine.bfloat16_enabled():
-            return ("terapipe.freeze needs fp32 training: DeepSpeed's fp16/bf16 optimizers keep flat master copies "
-                    "of every parameter that a freeze cannot release; disable fp16/bf16 or remove terapipe.freeze")
-        if not isinstance(getattr(engine.optimizer, "state", None), dict):
-            return (f"terapipe.freeze needs a torch optimizer (per-parameter state), got "
-                    f"{type(engine.optimizer).__name__}; use a torch.optim optimizer or remove terapipe.freeze")
-        return None
+        return frozen_state_problem(engine.optimizer)
 
     def max_requested(self) -> int:
         return max((n for _, n in self.cfg.schedule), default=0) if self.cfg.schedule is not None else \
@@ -304,8 +296,13 @@ class Freezer:
         module = engine.module
         before_layers, before_chunks = self.num_frozen_layers, self.num_frozen_chunks
         local = self._local_layers(module)
-        released, frozen_params = 0, 0
-        state = engine.optimizer.state
+        released, held, frozen_params = 0, 0, 0
+        optimizer = engine.optimizer
+        masters = None
+        if not isinstance(optimizer, torch.optim.Optimizer):  # DeepSpeed's master copies (runtime/frozen_state.py)
+            if self._masters is None or self._masters.optimizer is not optimizer:
+                self._masters = FrozenMasters(optimizer)
+            masters = self._masters
         for idx in local:
             if idx >= num_frozen_layers:
                 continue
@@ -314,16 +311,21 @@ class Freezer:
                     frozen_params += param.numel()
                 param.requires_grad_(False)
                 param.grad = None
-                dropped = state.pop(param, None)
+                if masters is not None:
+                    held += masters.freeze(param)
+                    continue
+                dropped = optimizer.state.pop(param, None)
                 if isinstance(dropped, dict):
                     released += sum(t.numel() * t.element_size() for t in dropped.values() if torch.is_tensor(t))
         self._wrap_frozen_forwards(module, num_frozen_layers)
         self.num_frozen_layers = num_frozen_layers
         self.num_frozen_chunks = frozen_chunk_count(self.parts, num_frozen_layers)
         if frozen_params and not quiet:
+            kept = (f"; {held / 2**20:.1f} MiB of their master copies and state stay in {type(optimizer).__name__}'s "
+                    "flat buffers, held still") if masters is not None else ""
             logger.info("terapipe: step %d: stage %d froze %d parameter(s) of layers < %d, released %.1f MiB of "
-                        "optimizer state", engine.global_steps, engine.stage_id, frozen_params, num_frozen_layers,
-                        released / 2**20)
+                        "optimizer state%s", engine.global_steps, engine.stage_id, frozen_params, num_frozen_layers,
+                        released / 2**20, kept)
         event: dict[str, Any] = {"step": engine.global_steps, "layers": [before_layers, num_frozen_layers],
                                  "frozen_chunks": self.num_frozen_chunks, "slices_before": list(engine.slices)}
         if self.cfg.replan and engine.terapipe.slices == "auto":
@@ -360,8 +362,8 @@ class Freezer:
         if not self.num_frozen_layers:
             return
         for weight, _ in engine.module.get_tied_weights_and_groups():
-            if weight.requires_grad and weight.grad is None:
-                weight.grad = torch.zeros_like(weight)
+            if weight.requires_grad and self.grads.read(weight) is None:
+                self.grads.buffer(weight)  # zeros, where DeepSpeed's reduction reads (the bf16 master gradient)
 
     def observe_gradients(self, engine: "TokenPipelineEngine") -> None:
         """The auto policy's check (collective), right before the optimizer step of a check step: gather every
@@ -375,8 +377,9 @@ class Freezer:
         for idx in self._local_layers(module):
             if idx < self.num_frozen_layers or idx not in self.param_layers:
                 continue
-            grads = [p.grad for p in self._layer_params(module, idx) if p.grad is not None]
-            local[idx] = float(torch.sqrt(sum((g.float() ** 2).sum() for g in grads))) if grads else 0.0
+            grads = [g for g in (self.grads.read(p) for p in self._layer_params(module, idx)) if g is not None]
+            norm = float(torch.sqrt(sum((g.float() ** 2).sum() for g in grads))) if grads else 0.0
+            local[idx] = norm / self.grads.scale()  # fp16: the gradients carry the loss scale, which moves
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, local)
         norms: dict[int, float] = {}

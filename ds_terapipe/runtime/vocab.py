@@ -54,6 +54,7 @@ import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
 from .context import current_slice
+from .grad_sink import GradSink
 from .p2p import mark_collective
 from .vocab_embedding import EmbeddingSplit, VocabEmbedding, plan_embedding_split
 
@@ -316,6 +317,7 @@ class VocabParallel:
         self._handed: dict[tuple[int, int], tuple[Any, Any, torch.Tensor]] = {}  # last stage: (h, labels, placeholder)
         self._units: dict[tuple[int, int], _Unit] = {}
         self.tied_holders: tuple[int, ...] = ()
+        self.grads = GradSink(engine)  # the shard's gradients, where (and in the scale) the optimizer reads them
         spec = self.head.spec
         # the split input embedding's passes EF/EB (runtime/vocab_embedding.py), else None
         self.embedding = None if self.head.embedding is None else VocabEmbedding(engine, self.head,
@@ -333,10 +335,6 @@ class VocabParallel:
             raise ValueError(f"terapipe.vocab_parallel={wanted} but the model was built with vocab_parallel={built}; "
                              f"build it as ds_terapipe.TokenPipelineModule(..., vocab_parallel={wanted}) (or "
                              "**ds_terapipe.module_chunk_kwargs(terapipe))")
-        if wanted and (engine.fp16_enabled() or engine.bfloat16_enabled()):
-            raise ValueError("terapipe.vocab_parallel supports fp32 training only for now (its shard gradients are "
-                             "written without loss scaling or bf16 master copies); disable fp16/bf16 or set "
-                             "vocab_parallel to false")
 
     def reset(self) -> None:
         self._handed.clear()
@@ -446,13 +444,13 @@ class VocabParallel:
         grad *= unit.token_weight.unsqueeze(-1)  # (B, T, R): d loss / d logits
         gas = engine.gradient_accumulation_steps()  # DeepSpeed's backward divides the loss by it
         flat = grad.reshape(-1, grad.shape[-1])
-        _accumulate(head.weight, flat.t().mm(unit.hidden.reshape(-1, unit.hidden.shape[-1]).float()) / gas)
+        self.grads.add(head.weight, flat.t().mm(unit.hidden.reshape(-1, unit.hidden.shape[-1]).float()) / gas)
         if head.bias is not None:
-            _accumulate(head.bias, flat.sum(dim=0) / gas)
-        grad_hidden = grad.matmul(head.weight.float()).to(unit.hidden.dtype).contiguous()  # (B, T, H)
+            self.grads.add(head.bias, flat.sum(dim=0) / gas)
+        grad_hidden = grad.matmul(head.weight.float()).contiguous()  # (B, T, H), summed over the shards in fp32
         self._wait([dist.reduce(grad_hidden, self.src, group=self.group, async_op=True)],
                    f"the vocabulary backward of micro-batch {microbatch} slice {slice_index}")
-        return grad_hidden
+        return grad_hidden.to(unit.hidden.dtype)
 
     def reduce_tied_grads(self) -> None:
         """Sum the tied embedding's gradient and the shards' into one (V, H) gradient; each copy keeps its rows."""
@@ -460,27 +458,21 @@ class VocabParallel:
             return
         engine, head = self.engine, self.head
         padded = head.rows * head.num_shards
-        total = torch.zeros((padded, self.hidden_size), dtype=head.weight.dtype, device=engine.device)
+        total = torch.zeros((padded, self.hidden_size), dtype=torch.float32, device=engine.device)
         stage = engine.stage_id
         tied = None
         if stage in self.tied_holders:
             tied = _get(engine.module.tied_modules[head.spec.tied_key], head.spec.weight_name)
-            if stage == self.tied_holders[0] and tied.grad is not None:
-                total[:head.vocab_size] += tied.grad
-        if head.weight.grad is not None:
-            total[head.offset:head.offset + head.rows] += head.weight.grad
+            tied_grad = self.grads.read(tied)
+            if stage == self.tied_holders[0] and tied_grad is not None:
+                total[:head.vocab_size] += tied_grad
+        head_grad = self.grads.read(head.weight)
+        if head_grad is not None:
+            total[head.offset:head.offset + head.rows] += head_grad
         self._wait([dist.all_reduce(total, group=self.group, async_op=True)], "the tied output-layer gradients")
         if tied is not None:
-            tied.grad = total[:head.vocab_size].clone()
-        head.weight.grad = total[head.offset:head.offset + head.rows].clone()
+            self.grads.write(tied, total[:head.vocab_size])
+        self.grads.write(head.weight, total[head.offset:head.offset + head.rows])
 
     def _wait(self, works: list, what: str) -> None:
         self.engine._p2p.wait_all(works, what)
-
-
-def _accumulate(param: torch.nn.Parameter, grad: torch.Tensor) -> None:
-    grad = grad.to(param.dtype)
-    if param.grad is None:
-        param.grad = grad
-    else:
-        param.grad.add_(grad)

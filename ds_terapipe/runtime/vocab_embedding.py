@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from deepspeed.pipe import TiedLayerSpec
 
 from .context import current_slice, cut_tokens
+from .grad_sink import GradSink
 
 if TYPE_CHECKING:  # pragma: no cover
     from .engine import TokenPipelineEngine
@@ -181,6 +182,7 @@ class VocabEmbedding:
             assert isinstance(self.stub, SplitTokenEmbedding), "install_split ran at build"
         # (micro-batch, slice) -> (row index into the shard (B, T), counted mask (B, T)) until EB
         self._units: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.grads = GradSink(engine)
 
     def reset(self) -> None:
         self._units.clear()
@@ -237,9 +239,7 @@ class VocabEmbedding:
         self._wait([dist.broadcast(grad, self.src, group=self.group, async_op=True)],
                    f"the vocabulary embedding backward of micro-batch {microbatch} slice {slice_index}")
         with torch.no_grad():
-            if head.weight.grad is None:
-                head.weight.grad = torch.zeros_like(head.weight)
-            head.weight.grad.index_add_(0, local[counted], grad[counted])
+            self.grads.index_add(head.weight, local[counted], grad[counted].float())
 
     def _wait(self, works: list, what: str) -> None:
         self.engine._p2p.wait_all(works, what)

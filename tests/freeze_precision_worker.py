@@ -1,0 +1,119 @@
+"""One rank of the tests of freezing with DeepSpeed's master-copy optimizers: ``python
+tests/freeze_precision_worker.py freeze_precision OUT_DIR EXTRA_JSON``.
+
+Suite ``freeze_precision`` (tests/test_freeze_precision.py): a freeze schedule (2 layers from step 1, 4 from step
+2, of 7) on 2 stages (x the replicas the world size leaves) under bf16, fp16 and fp32 at ZeRO 0 and 1, against the
+unsliced single-process fp32 reference with the same layers frozen at the same steps (SGD with momentum 0.9: a
+frozen weight whose momentum survives keeps moving). Per case: the losses; the change of the optimizer's fp32
+master weights over the run against the reference's change, per parameter; per step, every frozen parameter's
+master copy and model weight unchanged bit for bit, and its optimizer state zero (``state_nonzero``: the frozen
+parameters whose momentum is not). Cases are ``extra["cases"]``: [precision, zero stage, schedule, virtual
+stages]. fp16 on a CPU: as tests/vocab_precision_worker.py, DeepSpeed is let build its fp16 optimizers.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+import torch
+
+import ds_terapipe
+from ds_terapipe.models.gpt import GPTConfig, causal_lm_loss, gpt_layer_specs
+from tests import dist_worker as dw
+from tests.precision_resume_worker import _master_weights
+
+WORLD = int(os.environ["WORLD_SIZE"])
+STAGES = 2
+SCHEDULE = [[1, 2], [2, 4]]
+STEPS = 4
+PRECISIONS = {"fp32": {}, "bf16": {"bf16": {"enabled": True}},
+              "fp16": {"fp16": {"enabled": True, "loss_scale": 1024.0}}}
+
+
+def _frozen_at(step: int) -> int:
+    return max([n for s, n in SCHEDULE if s <= step] + [0])
+
+
+def _engine(cfg: GPTConfig, precision: str, zero: int, schedule: str, v: int, micro: int, batch: int) -> Any:
+    chunks = {"virtual_stages": v, "schedule": schedule} if v > 1 else {}
+    model = ds_terapipe.TokenPipelineModule(gpt_layer_specs(cfg), num_stages=STAGES, loss_fn=causal_lm_loss,
+                                            vocab_size=cfg.vocab_size, partition_method="uniform", **chunks)
+    dp = WORLD // STAGES
+    config = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": micro,
+              "train_batch_size": batch * micro * dp, "steps_per_print": 10**9, "gradient_clipping": 0.0,
+              "zero_optimization": {"stage": zero}, "zero_allow_untested_optimizer": True,
+              "terapipe": {"enabled": True, "seq_len": 48, "slices": [8, 24, 16], "schedule": schedule,
+                           "virtual_stages": v, "granularity": 8, "p2p_timeout_s": 60,
+                           "freeze": {"schedule": SCHEDULE}},
+              **PRECISIONS[precision]}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    engine, _, _, _ = ds_terapipe.initialize(model=model, optimizer=opt, config=config)
+    dw.ENGINE_REF["engine"] = engine
+    return engine
+
+
+def _state_nonzero(engine: Any, names: list[str]) -> list[str]:
+    """The frozen parameters (``names``) whose optimizer state on this rank is not all zero."""
+    masters = getattr(engine.freezer, "_masters", None)
+    params = dict(engine.module.named_parameters())
+    if masters is None:   # a torch optimizer: the state is dropped
+        return [n for n in names if params[n] in engine.optimizer.state]
+    out = []
+    for name in names:
+        region = masters._region(params[name])
+        if region is None:
+            continue
+        master, start, count = region
+        if any(bool(t.view(-1).narrow(0, start, count).any()) for t in masters._state_tensors(master)):
+            out.append(name)
+    return out
+
+
+def _case(precision: str, zero: int, schedule: str, v: int) -> dict[str, Any]:
+    dp = WORLD // STAGES
+    micro, batch = 2, 2
+    cfg = GPTConfig(num_layers=4, hidden=32, num_heads=4, vocab_size=64, max_seq_len=64, seed=19)
+    batches = dw.make_batches(cfg, STEPS * micro * dp, batch, 48, seed=23)
+    _, initial, _ = dw.build_spec_layers(gpt_layer_specs(cfg))
+    ref_start = {n: p.detach().clone() for n, p in initial.items()}
+    ref = dw.frozen_reference(gpt_layer_specs(cfg), batches, STEPS, _frozen_at)
+    engine = _engine(cfg, precision, zero, schedule, v, micro, batch)
+    data = iter(dw.replica_batches(batches, engine.grid.data_parallel_id, micro, dp, STEPS))
+    start = _master_weights(engine)
+    previous: Optional[tuple[dict, dict]] = None
+    losses, moved, nonzero, frozen_counts = [], [], [], []
+    for _ in range(STEPS):
+        losses.append(float(engine.train_batch(data)))
+        master = _master_weights(engine)
+        weights = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+        frozen = sorted(n for n, p in engine.module.named_parameters() if not p.requires_grad)
+        frozen_counts.append(len(frozen))
+        if previous is not None:
+            moved.append([n for n in frozen if not torch.equal(master[n], previous[0][n]) or
+                          not torch.equal(weights[n], previous[1][n])])
+        nonzero.append(_state_nonzero(engine, frozen))
+        previous = (master, weights)
+    update = dw.deltas(_master_weights(engine), start)
+    ref_update = dw.deltas(ref["params"], ref_start)
+    has_embed = 0 in engine.local_chunks
+    err, worst, count = dw._named_compare(update, ref_update, has_embed)
+    return {"case": dw.STATUS["case"], "optimizer": type(engine.optimizer).__name__, "losses": losses,
+            "ref_losses": ref["losses"], "update_rel_err": err, "update_worst": worst, "compared": count,
+            "moved": moved, "state_nonzero": nonzero, "frozen_counts": frozen_counts,
+            "frozen_layers": engine.freezer.num_frozen_layers, "stage": engine.stage_id}
+
+
+def _label(precision: str, zero: int, schedule: str, v: int) -> str:
+    return f"{precision} zero{zero} schedule={schedule} v={v}"
+
+
+def suite_freeze_precision(extra: dict) -> list[dict]:
+    dw.allow_fp16_on_cpu()
+    return dw.run_cases(extra["cases"], _label, _case)
+
+
+dw.SUITES["freeze_precision"] = suite_freeze_precision
+
+if __name__ == "__main__":
+    dw.main()
