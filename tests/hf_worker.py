@@ -38,22 +38,41 @@ def batches(vocab: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(ids[b, :, :-1].contiguous(), ids[b, :, 1:].contiguous()) for b in range(MICRO_BATCHES)]
 
 
-def run_case(config: transformers.LlamaConfig, schedule: str) -> dict[str, Any]:
+def _head_name(config: transformers.LlamaConfig) -> str:
+    """The reference's name of the output weight the vocabulary shards hold rows of."""
+    return "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+
+
+def _pipe_name(name: str, config: transformers.LlamaConfig) -> str:
+    return _head_name(config) if name == "vocab_head.weight" else hf_param_name(name, config)
+
+
+def run_case(config: transformers.LlamaConfig, schedule: str, vocab_parallel: bool = False) -> dict[str, Any]:
     model = ds_terapipe.TokenPipelineModule(causal_lm_specs(config, seed=5), num_stages=2, loss_fn=causal_lm_loss,
-                                            vocab_size=config.vocab_size, partition_method="uniform")
+                                            vocab_size=config.vocab_size, partition_method="uniform",
+                                            vocab_parallel=vocab_parallel)
     ds_config = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": MICRO_BATCHES,
                  "train_batch_size": BATCH * MICRO_BATCHES, "steps_per_print": 10**9, "gradient_clipping": 0.0,
                  "terapipe": {"enabled": True, "seq_len": SEQ_LEN, "slices": [3, 9, 4], "granularity": 1,
-                              "schedule": schedule, "p2p_timeout_s": 60}}
+                              "schedule": schedule, "p2p_timeout_s": 60, "vocab_parallel": vocab_parallel}}
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     engine, _, _, _ = ds_terapipe.initialize(model=model, optimizer=optimizer, config=ds_config)
+    head = engine.module.vocab_head
+    rows = slice(head.offset, head.offset + head.num_valid) if head is not None else slice(None)
 
-    # The reference: transformers' model with the pipeline's initial weights, gathered from both stages.
-    mine = {hf_param_name(n, config): p.detach().clone() for n, p in engine.module.named_parameters()}
+    # The reference: transformers' model with the pipeline's initial weights, gathered from both stages (with
+    # vocabulary parallelism, the output weight from the shards' rows, in rank order).
+    mine = {hf_param_name(n, config): p.detach().clone() for n, p in engine.module.named_parameters()
+            if n != "vocab_head.weight"}
+    shard = head.weight.detach()[:head.num_valid].clone() if head is not None else None
     parts: list = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(parts, mine)
+    torch.distributed.all_gather_object(parts, (mine, shard))
+    weights = {k: v for part, _ in parts for k, v in part.items()}
+    if head is not None:
+        weights[_head_name(config)] = torch.cat([s for _, s in parts])
     reference = transformers.LlamaForCausalLM(config)
-    reference.load_state_dict({k: v for part in parts for k, v in part.items()}, strict=True)
+    reference.load_state_dict(weights, strict=False)
+    assert not set(weights) ^ {n for n, _ in reference.named_parameters()}, "the gathered weights are the model's"
     data = batches(config.vocab_size)
     ref_loss = sum(causal_lm_loss(reference(input_ids=x).logits, y) for x, y in data) / len(data)
     ref_loss.backward()
@@ -71,13 +90,17 @@ def run_case(config: transformers.LlamaConfig, schedule: str) -> dict[str, Any]:
     engine._take_model_step = original
     worst, worst_name = 0.0, ""
     for name, grad in grads.items():
-        ref = ref_grads[hf_param_name(name, config)]
+        ref = ref_grads[_pipe_name(name, config)]
+        if name == "vocab_head.weight":   # this rank's rows
+            grad, ref = grad[:head.num_valid], ref[rows]
         err = float((grad - ref).norm() / max(float(ref.norm()), 1e-12))
         if err >= worst:
             worst, worst_name = err, name
-    return {"schedule": schedule, "stage": engine.stage_id, "loss": loss, "ref_loss": float(ref_loss.detach()),
+    return {"schedule": schedule, "vocab_parallel": vocab_parallel, "tied": bool(config.tie_word_embeddings),
+            "stage": engine.stage_id, "loss": loss, "ref_loss": float(ref_loss.detach()),
             "grad_rel_err": worst, "grad_worst": worst_name,
-            "covered": sorted(hf_param_name(n, config) for n in grads), "slices": list(engine.slices)}
+            "covered": sorted(_pipe_name(n, config) for n in grads), "slices": list(engine.slices),
+            "all_params": sorted(n for n, _ in reference.named_parameters())}
 
 
 def main() -> None:
@@ -92,6 +115,13 @@ def main() -> None:
     try:
         for schedule in ("1f1b", "gpipe"):
             payload["cases"].append(run_case(config, schedule))
+        # vocabulary parallelism: the untied lm_head recognised by its structure, and the tied one (its input
+        # embedding split with it)
+        payload["cases"].append(run_case(config, "1f1b", vocab_parallel=True))
+        tied = tiny_llama()
+        tied.tie_word_embeddings = True
+        tied._attn_implementation = "eager"
+        payload["cases"].append(run_case(tied, "gpipe", vocab_parallel=True))
     except Exception as err:  # the test prints this; the peer fails on its p2p deadline or the launcher's kill
         payload["error"] = f"{type(err).__name__}: {err}\n{traceback.format_exc()}"
         print(payload["error"], flush=True)

@@ -304,7 +304,8 @@ def test_masks_and_headless_models_are_refused() -> None:
 @pytest.mark.timeout(300)
 def test_two_stage_engine_equals_transformers(tmp_path) -> None:
     """ds_terapipe.initialize on 2 gloo processes, a Llama GQA model from a config, slices [3, 9, 4], 1f1b
-    and gpipe (deferred weight gradients): loss and every gradient equal transformers' on the same weights."""
+    and gpipe (deferred weight gradients), and with vocabulary parallelism (untied and tied heads): loss and every
+    gradient equal transformers' on the same weights (a shard's against its rows)."""
     from tests.dist_harness import run_ranks
 
     worker = Path(__file__).resolve().parent / "hf_worker.py"
@@ -315,5 +316,13 @@ def test_two_stage_engine_equals_transformers(tmp_path) -> None:
         for case in result["cases"]:
             assert abs(case["loss"] - case["ref_loss"]) <= TOL * abs(case["ref_loss"]), case
             assert case["grad_rel_err"] <= TOL, case
-    covered = set().union(*(c["covered"] for r in results for c in r["cases"][:1]))
-    assert covered == set(results[0]["all_params"]), set(results[0]["all_params"]) - covered
+    for index, case in enumerate(results[0]["cases"]):  # every parameter compared, on one rank or the other
+        covered = set().union(*(r["cases"][index]["covered"] for r in results))
+        assert covered == set(case["all_params"]), (case["schedule"], set(case["all_params"]) ^ covered)
+    # vocabulary parallelism on the Hugging Face head (untied lm_head, then tied to the input embedding): the
+    # shards hold the head on both ranks
+    assert [(c["vocab_parallel"], c["tied"]) for c in results[0]["cases"]] == \
+        [(False, False), (False, False), (True, False), (True, True)]
+    for index in (2, 3):
+        assert all(any(n in ("lm_head.weight", "model.embed_tokens.weight") for n in r["cases"][index]["covered"])
+                   for r in results), index

@@ -32,6 +32,30 @@ def test_recognises_tied_and_linear_heads() -> None:
     assert spec.tied_key is None and spec.bias_name == "bias" and build_full(spec)[2].shape == (10, )
 
 
+class _Wrapped(torch.nn.Module):
+    """An output projection inside a module of its own (as a Hugging Face lm_head is): recognised by structure."""
+
+    def __init__(self, hidden: int, vocab: int, bias: bool = False, extra: bool = False) -> None:
+        super().__init__()
+        self.lm_head = torch.nn.Linear(hidden, vocab, bias=bias)
+        self.other = torch.nn.Linear(hidden, hidden) if extra else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(x if self.other is None else self.other(x))
+
+
+def test_recognises_a_wrapped_projection_by_structure() -> None:
+    for bias in (False, True):
+        _, spec = split_output_layer([LayerSpec(_Wrapped, 16, 10, bias=bias)])
+        assert spec.weight_name == "lm_head.weight" and spec.bias_name == ("lm_head.bias" if bias else None)
+        _, weight, got_bias = build_full(spec)
+        assert weight.shape == (10, 16) and (got_bias is not None) == bias
+    # a module object works too; two matrices are not an output projection
+    assert split_output_layer([_Wrapped(16, 10)])[1].weight_name == "lm_head.weight"
+    with pytest.raises(ValueError, match=r"last layer \(_Wrapped\) is not a recognisable output layer"):
+        split_output_layer([LayerSpec(_Wrapped, 16, 10, extra=True)])
+
+
 def test_refuses_what_is_not_an_output_layer() -> None:
     cfg = GPTConfig(num_layers=1, hidden=16, num_heads=2, vocab_size=10, max_seq_len=8)
     with pytest.raises(ValueError, match=r"last layer \(GPTFinalNorm\) is not a recognisable output layer"):

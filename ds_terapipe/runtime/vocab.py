@@ -6,8 +6,10 @@ How data flows (every schedule; "the last stage" is the rank the placement puts 
 with one chunk per rank or the looped placement, rank 0 under ``dualpipev``'s V):
 
 * Build: :class:`~ds_terapipe.runtime.module.TokenPipelineModule` (``vocab_parallel=True``) takes the output
-  layer (the last of ``layers``: an ``nn.Linear``, or a ``TiedLayerSpec`` whose forward is ``x @ W.T`` with its
-  tied weight, as the reference GPT's) out of the layers DeepSpeed partitions (into chunks, with virtual stages),
+  layer (the last of ``layers``: an ``nn.Linear``, a module holding one (V, H) matrix and at most a bias of V,
+  such as a Hugging Face ``lm_head`` wrapper, or a ``TiedLayerSpec`` whose forward is ``x @ W.T`` with its tied
+  weight, as the reference GPT's; each checked to compute ``x @ W.T + b``) out of the layers DeepSpeed
+  partitions (into chunks, with virtual stages),
   and every rank r holds
   :class:`VocabShardHead`: rows ``[r*R, (r+1)*R)`` of the weight (and bias), ``R = ceil(V/p)``; rows past V are
   padding, masked out of every softmax. Initial rows are broadcast from the rank whose weight is the truth (the
@@ -33,8 +35,11 @@ with one chunk per rank or the looped placement, rank 0 under ``dualpipev``'s V)
   parallelism loads from the head's (or the tied embedding's) layer file; a model without vocabulary
   parallelism loads the head (and a split embedding's table) from the shards (:func:`layer_fills`).
 
+Precision: the shards' gradients are computed in fp32 and go where each DeepSpeed optimizer reads them
+(runtime/grad_sink.py), so bf16, fp16 and ZeRO 1 train as fp32 does.
+
 Refused at build or engine init, on every rank, with the rule and the fix: no recognisable output layer, a loss
-other than ``causal_lm_loss``, a vocabulary smaller than p, fp16/bf16.
+other than ``causal_lm_loss``, a vocabulary smaller than p.
 """
 
 from __future__ import annotations
@@ -108,9 +113,37 @@ def split_output_layer(layers: list) -> tuple[list, HeadSpec]:
     if isinstance(head, LayerSpec) and isinstance(head.typename, type) and issubclass(head.typename, torch.nn.Linear) \
             or isinstance(head, torch.nn.Linear):
         return layers[:-1], HeadSpec(head, index, None, "weight", "bias")
+    found = _projection_names(head)
+    if found is not None:   # a module wrapping one projection (a Hugging Face lm_head): build_full checks x @ W.T
+        return layers[:-1], HeadSpec(head, index, None, *found)
     name = getattr(getattr(head, "typename", None), "__name__", type(head).__name__)
     raise ValueError(f"terapipe.vocab_parallel: the last layer ({name}) is not a recognisable output layer; "
                      f"{_FIX_HEAD}")
+
+
+def _projection_names(layer: Any) -> Optional[tuple[str, Optional[str]]]:
+    """(weight name, bias name or None) when ``layer`` (a LayerSpec or a module) holds exactly one matrix and at
+    most one vector of its rows: the shape of an output projection, recognised by structure rather than by class
+    (a LayerSpec is built on the meta device: no memory, no initialisation). None otherwise."""
+    if isinstance(layer, torch.nn.Module):
+        module = layer
+    elif isinstance(layer, LayerSpec):
+        try:
+            with torch.device("meta"):
+                module = layer.build()
+        except Exception:  # noqa: BLE001 - a layer that cannot be built on meta is not recognised here
+            return None
+    else:
+        return None
+    params = dict(module.named_parameters())
+    matrices = [n for n, p in params.items() if p.dim() == 2]
+    if len(matrices) != 1:
+        return None
+    rows = params[matrices[0]].shape[0]
+    rest = [n for n in params if n != matrices[0]]
+    if len(rest) > 1 or (rest and tuple(params[rest[0]].shape) != (rows, )):
+        return None
+    return matrices[0], rest[0] if rest else None
 
 
 def build_full(spec: HeadSpec) -> tuple[torch.nn.Module, torch.Tensor, Optional[torch.Tensor]]:
@@ -118,7 +151,7 @@ def build_full(spec: HeadSpec) -> tuple[torch.nn.Module, torch.Tensor, Optional[
     layer = spec.layer
     module = layer if isinstance(layer, torch.nn.Module) else layer.build()
     weight = _get(module, spec.weight_name)
-    bias = getattr(module, spec.bias_name, None) if spec.bias_name else None
+    bias = _get(module, spec.bias_name) if spec.bias_name else None
     if not torch.is_tensor(weight) or weight.dim() != 2:
         raise ValueError(f"terapipe.vocab_parallel: the output layer's {spec.weight_name} is not a (vocab, hidden) "
                          f"matrix; {_FIX_HEAD}")
