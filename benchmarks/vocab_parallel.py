@@ -93,7 +93,7 @@ class _Waits:
 
     def __init__(self, engine: Any) -> None:
         self.intervals: list[tuple[float, float]] = []
-        p2p = getattr(engine, "_p2p", None)
+        p2p = getattr(engine, "p2p", None)
         if p2p is not None:
             original = p2p.wait_all
 

@@ -16,7 +16,6 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.constants import TORCH_DISTRIBUTED_DEFAULT_PORT
 from deepspeed.pipe import PipelineModule
 from deepspeed.runtime import zero
-from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
 
 from .config import parse_terapipe_config
@@ -82,17 +81,7 @@ def initialize(args: Any = None,
 
 def build_engine(model: PipelineModule, ds_config: dict, terapipe: Any, **kwargs: Any) -> Any:
     """A :class:`~ds_terapipe.runtime.engine.TokenPipelineEngine` built the way ``deepspeed.initialize`` builds its
-    ``PipelineEngine`` (process group up; collective). Also how a repack builds the engine of the new layout."""
+    ``PipelineEngine`` (process group up; collective): ``TokenPipelineEngine.build``."""
     from .runtime.engine import TokenPipelineEngine
 
-    pipe_mpu = model.mpu()
-    config_class = DeepSpeedConfig(ds_config, pipe_mpu)
-    stage = config_class.zero_optimization_stage
-    if stage >= 2:
-        raise ValueError(f"terapipe: zero_optimization.stage={stage} is not supported with pipeline parallelism "
-                         "(DeepSpeed partitions gradients across a pipeline it does not own); use stage 0 or 1")
-    deepspeed.set_optimizer_flags(config_class, model)
-    engine = TokenPipelineEngine(model=model, mpu=pipe_mpu, config=ds_config, config_class=config_class,
-                                 terapipe_config=terapipe, **kwargs)
-    engine._configure_python_gc()
-    return engine
+    return TokenPipelineEngine.build(model, ds_config, terapipe, **kwargs)

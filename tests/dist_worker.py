@@ -800,7 +800,7 @@ def suite_varlen(extra: dict) -> list[dict]:
         except ValueError as err:
             bad = str(err)
         resume = varlen_resume(cfg, engine, tp, micro, batch, extra) if slices == "auto" else None
-        results.append({"case": STATUS["case"], "steps": seen, "plans": sorted(engine._plans), "bad_length": bad,
+        results.append({"case": STATUS["case"], "steps": seen, "plans": sorted(engine.plans), "bad_length": bad,
                         "resume": resume})
     return results
 
@@ -812,14 +812,14 @@ def varlen_resume(cfg: GPTConfig, engine: Any, tp: dict, micro: int, batch: int,
     save_dir = str(Path(extra["out"]) / "varlen_ckpt")
     engine.save_checkpoint(save_dir)
     again = _engine(cfg, gpt_layer_specs(cfg), tp, micro=micro, batch=batch)
-    profiled = next(s for s in ((32, 32), (16, 48)) if s != tuple(engine._plans[64].slices))
+    profiled = next(s for s in ((32, 32), (16, 48)) if s != tuple(engine.plans[64].slices))
     again.install_plan(replace(again.plan, slices=profiled))
     again.load_checkpoint(save_dir)
     more = make_batches(cfg, micro, batch, 128, seed=77)
     losses = [float(e.train_batch(iter(more))) for e in (engine, again)]
-    return {"plans": {str(n): list(p.slices) for n, p in sorted(engine._plans.items())},
-            "restored": {str(n): list(p.slices) for n, p in sorted(again._plans.items())},
-            "sources": {str(n): p.source for n, p in sorted(again._plans.items())}, "profiled": list(profiled),
+    return {"plans": {str(n): list(p.slices) for n, p in sorted(engine.plans.items())},
+            "restored": {str(n): list(p.slices) for n, p in sorted(again.plans.items())},
+            "sources": {str(n): p.source for n, p in sorted(again.plans.items())}, "profiled": list(profiled),
             "losses": losses}
 
 

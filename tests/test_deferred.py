@@ -216,7 +216,7 @@ def test_a_w_per_slice_computes_its_slice_alone_wherever_it_runs() -> None:
     names = {id(p): n for n, p in model.named_parameters()}
     whole = {names[id(p)]: g for p, g in zip(*stash.compute())}
     for per_slice in (True, False):
-        fake = SimpleNamespace(_running=SimpleNamespace(schedule=SimpleNamespace(weights_per_slice=per_slice)),
+        fake = SimpleNamespace(running=SimpleNamespace(schedule=SimpleNamespace(weights_per_slice=per_slice)),
                                _stashes={}, _states={}, _weight_grads=WeightGradAccumulator())
         stash = fake._stashes[(0, 0)] = WeightGradStash()
         _record(model, x, slices, stash)
@@ -258,7 +258,7 @@ def test_a_step_ending_with_uncomputed_weight_grads_is_refused() -> None:
     stash = WeightGradStash()
     _record(model, torch.randn(1, 16, 32, dtype=torch.float64), [8, 8], stash)
     stash.compute(slice_index=1)
-    fake = SimpleNamespace(_running=SimpleNamespace(schedule=SimpleNamespace(name="broken")),
+    fake = SimpleNamespace(running=SimpleNamespace(schedule=SimpleNamespace(name="broken")),
                            _stashes={(1, 0): stash, (0, 0): WeightGradStash()}, _weight_grads=WeightGradAccumulator())
     with pytest.raises(RuntimeError, match=r"'broken' left deferred weight gradients.*\(1, 0\): \[0\]"):
         TokenPipelineEngine._hand_over_weight_grads(fake)

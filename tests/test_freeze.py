@@ -12,7 +12,7 @@ from ds_terapipe.planner.registry import get_schedule, schedule_names
 from ds_terapipe.planner.schedule import ActionKind, build_schedule
 from ds_terapipe.planner.simulate import simulate
 from ds_terapipe.planner.verify import replay
-from ds_terapipe.runtime.freeze import auto_freeze_count, freeze_lowered, frozen_chunk_count, frozen_cost
+from ds_terapipe.planner.freeze import auto_freeze_count, freeze_lowered, frozen_chunk_count, frozen_cost
 
 
 def _parse(freeze: object) -> object:

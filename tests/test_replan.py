@@ -10,7 +10,7 @@ from ds_terapipe.planner.cost import PipelineCost
 from ds_terapipe.planner.schedule import Action, ActionKind
 from ds_terapipe.planner.simulate import TimedAction
 from ds_terapipe.planner.step_cost import StepCost
-from ds_terapipe.runtime.replan import measured_over_predicted, measured_sums, refit_cost, refit_step
+from ds_terapipe.planner.refit import measured_over_predicted, measured_sums, refit_cost, refit_step
 
 F, B, W = ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.WEIGHT
 
@@ -127,7 +127,7 @@ def test_the_time_between_actions_is_fitted_so_the_simulated_schedule_takes_what
     the simulation already takes as long, nothing is added."""
     from ds_terapipe.planner.schedule import build_schedule
     from ds_terapipe.planner.simulate import simulate
-    from ds_terapipe.runtime.replan import calibrate_action_gap
+    from ds_terapipe.planner.refit import calibrate_action_gap
 
     cost = {**_cost(), "step": {"action_ms": {"forward": 0.5, "backward": [0.2, 0.3]}, "optimizer_ms": 1.0}}
     slices = (16, 16, 32)

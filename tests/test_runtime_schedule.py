@@ -14,7 +14,7 @@ from deepspeed.runtime.pipe import schedule as ds
 
 from ds_terapipe.planner.schedule import (Action, ActionKind, PairingError, Schedule, ScheduleError,
                                          add_communication, build_schedule, replay)
-from ds_terapipe.runtime.schedule import forward_only
+from ds_terapipe.planner.lowering import forward_only
 from ds_terapipe.runtime.schedule import TokenPipeSchedule, WeightGradPass
 
 KIND = {ds.ForwardPass: ActionKind.FORWARD, ds.BackwardPass: ActionKind.BACKWARD,
@@ -186,7 +186,7 @@ def test_a_backward_before_its_later_slices_is_a_schedule_error_naming_the_rule_
 
     # the parts of an engine the check reads: slice 2 of 3 done, slice 1 not yet, micro-batch 1 on chunk 0
     engine = SimpleNamespace(_states={(0, 1): SimpleNamespace(backward_done={2})}, num_slices=3,
-                             _running=SimpleNamespace(schedule=SimpleNamespace(name="custom")))
+                             running=SimpleNamespace(schedule=SimpleNamespace(name="custom")))
     with pytest.raises(ScheduleError) as err:
         TokenPipelineEngine._exec_backward_pass(engine, 0, microbatch=1, slice_index=0, chunk=0)
     message = str(err.value)

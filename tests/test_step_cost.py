@@ -156,7 +156,7 @@ def test_a_fixed_cost_per_action_makes_the_planner_cut_fewer_slices(schedule: st
 
 
 def test_the_refit_scales_the_points_and_keeps_the_fixed_cost_per_action() -> None:
-    from ds_terapipe.runtime.replan import refit_cost
+    from ds_terapipe.planner.refit import refit_cost
 
     cost = pipeline({"action_ms": {"forward": 1.0, "backward": 2.0}})
     model = cost.stage(0)

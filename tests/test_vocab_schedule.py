@@ -97,7 +97,7 @@ def test_runtime_lowering_loads_before_the_first_embedding_pass(name: str, v: in
 
 
 def test_forward_only_has_no_backward_pass() -> None:
-    from ds_terapipe.runtime.schedule import forward_only
+    from ds_terapipe.planner.lowering import forward_only
 
     sched = add_vocab_passes(forward_only(build_schedule("1f1b", 3, 2, 3)))
     replay(sched)  # (validate wants every B: a forward-only schedule is the runtime's, not a training one)

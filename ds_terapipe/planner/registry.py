@@ -21,10 +21,7 @@ import importlib
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # the IR imports this module; at run time builders are plain callables
-    from .schedule import Schedule
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +34,7 @@ __all__ = [
 #: (config errors, ``--schedule`` choices, the docs table). Adding a built-in schedule = one module + one entry.
 _BUILTIN_MODULES = ("gpipe", "one_f_one_b", "interleaved", "looped_bfs", "dualpipev")
 
-Builder = Callable[..., "Schedule"]
+Builder = Callable[..., Any]  # returns a planner.schedule.Schedule (which imports this module)
 """(num_stages, num_microbatches, num_slices) -> a compute-only Schedule named after its spec; a schedule with
 virtual stages also takes ``virtual_stages`` as a fourth argument (passed only when it is not 1). Sizes are
 pipeline ranks, micro-batches and slices; the builder may place ``W`` actions itself (``dualpipev``)."""

@@ -16,14 +16,13 @@ from dataclasses import dataclass
 
 from .schedule import (
     _COLLECTIVES, _COMPUTE, _PEER_OFFSET, _RECVS, _SENDS, B, F, RECV_B, RECV_F, SEND_B, SEND_F, W, Action, ActionKind,
-    DeadlockError, PairingError, Schedule, ScheduleError, _message_of, add_communication, format_grid,
+    EB, EF, VB, VF, DeadlockError, PairingError, Schedule, ScheduleError, _message_of, add_communication, format_grid,
 )
-
-from .vocab import vocab_anchor_violations
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ReplayResult", "collective_violations", "match_messages", "replay", "validate"]
+__all__ = ["ReplayResult", "collective_chunk", "collective_violations", "match_messages", "replay", "validate",
+           "vocab_anchor_violations"]
 
 # Messages list at most this many violations; the exception keeps all of them.
 _MAX_LISTED = 50
@@ -307,3 +306,82 @@ def _deadlock(schedule: Schedule, done: Sequence[int], matches: Sequence[Mapping
     msg = (f"schedule {schedule.name!r} deadlocks: every unfinished rank is blocked\n  " + "\n  ".join(lines)
            + "\n" + format_grid(streams, marks))
     return DeadlockError(msg, lines)
+
+
+# -- the vocabulary passes' anchors (planner/vocab.py places them) ----------------------------------------------
+def collective_chunk(schedule: Schedule, rank: int, kind: ActionKind) -> int:
+    """The chunk a collective of ``kind`` on ``rank`` is written with: the rank's chunk nearest its anchor.
+
+    A collective belongs to a rank, not to a chunk, but an action names a chunk of the rank that runs it. ``VF``/
+    ``VB`` anchor on the last chunk: each rank writes them with its last chunk (on the rank that holds the last
+    chunk, that chunk itself, whose buffers ``VB`` reads). ``EF``/``EB`` anchor on chunk 0: each rank's first
+    chunk. With one chunk per rank both are the rank."""
+    chunks = schedule.chunks_of(rank)
+    return chunks[0] if kind in (EF, EB) else chunks[-1]
+
+
+def vocab_anchor_violations(schedule: Schedule) -> list[str]:
+    """The anchors of the vocabulary passes. On the rank of the last chunk C-1: ``VF(b,i)`` once per unit after
+    ``F(C-1,b,i)`` (its outputs are the hidden states it hands over), ``VB(b,i)`` once per unit after ``VF(b,i)``
+    and before ``B(C-1,b,i)`` (the hidden-state gradient B starts from). On the rank of chunk 0, when the schedule
+    has ``EF``: ``EF(b,i)`` once per unit before ``F(0,b,i)`` (the embedding its forward starts from),
+    ``EB(b,i)`` once per unit after ``B(0,b,i)`` (the gradient it hands on) and after ``EF(b,i)``. Every
+    collective is written with its rank's chunk of :func:`collective_chunk`. Empty when the schedule has no
+    vocabulary passes."""
+    last = schedule.num_chunks - 1
+    if not any(a.is_collective for st in schedule.stages for a in st):
+        return []
+    out = [f"rank {r} position {p}: {a} is written with chunk {a.stage}; rank {r} writes {a.kind.value} with its "
+           f"chunk {collective_chunk(schedule, r, a.kind)}"
+           for r, st in enumerate(schedule.stages) for p, a in enumerate(st)
+           if a.is_collective and a.stage != collective_chunk(schedule, r, a.kind)]
+    out += _anchor_violations(schedule, last, (F, VF), (VB, B), "the forward it hands on", "hidden-state gradient")
+    if any(a.kind is EF for st in schedule.stages for a in st):
+        out += _anchor_violations(schedule, 0, (EF, F), (B, EB), "the embedding it starts from",
+                                  "embedding-output gradient")
+    return out
+
+
+def _anchor_violations(schedule: Schedule, chunk: int, forward: tuple[ActionKind, ActionKind],
+                       backward: tuple[ActionKind, ActionKind], forward_need: str, backward_need: str) -> list[str]:
+    """Per unit on the rank of ``chunk``: ``forward[0]`` before ``forward[1]``, ``backward[0]`` before
+    ``backward[1]``, each once (F and B: those of ``chunk``); the collectives among them (VF, VB or EF, EB)
+    present for every unit, the backward one after the forward one."""
+    (k1, k2), (k3, k4) = forward, backward
+    rank = schedule.rank_of(chunk)
+    stream = schedule.stages[rank]
+    out: list[str] = []
+    pos: dict[tuple[ActionKind, int, int], int] = {}
+    for p, a in enumerate(stream):
+        if a.kind not in (k1, k2, k3, k4) or (not a.is_collective and a.stage != chunk):
+            continue
+        key = (a.kind, a.microbatch, a.slice)
+        if key in pos:
+            out.append(f"rank {rank} position {p}: {a} is a duplicate")
+        pos.setdefault(key, p)
+    has_backward = any(a.kind is B for a in stream)
+    coll_f = k1 if Action(0, k1, 0, 0).is_collective else k2
+    coll_b = k3 if Action(0, k3, 0, 0).is_collective else k4
+
+    def act(kind: ActionKind, b: int, i: int) -> Action:
+        written = collective_chunk(schedule, rank, kind) if Action(0, kind, 0, 0).is_collective else chunk
+        return Action(written, kind, b, i)
+
+    for b, i in schedule.units():
+        at = {k: pos.get((k, b, i)) for k in (k1, k2, k3, k4)}
+        if at[coll_f] is None:
+            out.append(f"rank {rank}: {act(coll_f, b, i)} is missing")
+        elif at[k1] is not None and at[k2] is not None and at[k2] < at[k1]:
+            out.append(f"rank {rank}: {act(k2, b, i)} at position {at[k2]} runs before "
+                       f"{act(k1, b, i)}, {forward_need}")
+        if not has_backward:
+            continue
+        if at[coll_b] is None:
+            out.append(f"rank {rank}: {act(coll_b, b, i)} is missing")
+        elif at[coll_f] is not None and at[coll_b] < at[coll_f]:
+            out.append(f"rank {rank}: {act(coll_b, b, i)} at position {at[coll_b]} runs before "
+                       f"{act(coll_f, b, i)}")
+        elif at[k3] is not None and at[k4] is not None and at[k4] < at[k3]:
+            out.append(f"rank {rank}: {act(k4, b, i)} at position {at[k4]} runs before "
+                       f"{act(k3, b, i)}, whose {backward_need} it needs")
+    return out

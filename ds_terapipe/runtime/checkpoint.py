@@ -27,6 +27,7 @@ from typing import Any, Optional
 import torch
 
 from .._io import atomic_write_text
+from .errors import CheckpointError
 
 __all__ = ["MANIFEST", "write_manifest", "verify_manifest", "write_latest", "read_latest", "read_manifest",
            "check_layer_shapes", "export_state_dict", "bf16_optimizer_file", "load_bf16_optimizer_state",
@@ -36,10 +37,6 @@ logger = logging.getLogger(__name__)
 
 MANIFEST = "terapipe_manifest.json"
 _LAYER_FILE = re.compile(r"layer_(\d+)-.*model_states\.pt$")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that is incomplete, corrupt, or written for another model."""
 
 
 def _sha256(path: str) -> str:
@@ -110,7 +107,7 @@ def read_latest(load_dir: str) -> Optional[str]:
 def check_layer_shapes(module: Any, tag_dir: str) -> Optional[str]:
     """Compare this rank's layers (every chunk's) with their files in the checkpoint; describe the first
     mismatch."""
-    from .vocab import layer_fills  # vocab builds on this module's errors
+    from .vocab import layer_fills
 
     fills = layer_fills(tag_dir)   # what vocabulary parallelism keeps in its shards instead of layer files
     for _ in module.each_chunk() if hasattr(module, "each_chunk") else [None]:
@@ -162,7 +159,7 @@ def export_state_dict(checkpoint_dir: str, tag: Optional[str] = None) -> dict[st
         layer = int(match.group(1))
         for name, tensor in torch.load(path, map_location="cpu", weights_only=True).items():
             out.setdefault(f"{layer}.{name}", tensor)
-    from .vocab import layer_fills  # vocab builds on this module's errors
+    from .vocab import layer_fills
 
     for layer, tensors in layer_fills(tag_dir).items():
         out.update({f"{layer}.{name}": tensor for name, tensor in tensors.items()})

@@ -40,16 +40,15 @@ Tested against ``clip_grad_norm_`` on the unsliced single-process model (tests/c
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterable, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 import torch.distributed as dist
 from deepspeed.pipe import TiedLayerSpec
 from deepspeed.runtime.constants import PIPE_REPLICATED
 from deepspeed.runtime.utils import is_model_parallel_parameter
+from .stage import PipelineStage
 
-if TYPE_CHECKING:  # pragma: no cover - annotations only
-    from .engine import TokenPipelineEngine
 
 __all__ = ["clip_by_global_norm", "clip_grad_norm_over", "clipping_problem", "counted_in_norm",
            "weights_tied_across_ranks"]
@@ -86,7 +85,7 @@ def clip_grad_norm_over(params: Iterable[torch.Tensor], max_norm: float, group: 
     return norm
 
 
-def clip_by_global_norm(engine: "TokenPipelineEngine") -> torch.Tensor:
+def clip_by_global_norm(engine: "PipelineStage") -> torch.Tensor:
     """The engine's fp32 clipping (no ZeRO, no fp16/bf16 optimizer): all its parameters by the whole model's
     norm, summed over its pipeline (with tensor parallelism: pipeline x tensor). Returns the norm."""
     grid = engine.grid
@@ -105,7 +104,7 @@ def weights_tied_across_ranks(module: Any) -> dict[str, list[int]]:
     return {key: sorted(ranks) for key, ranks in sorted(owners.items()) if len(ranks) > 1}
 
 
-def clipping_problem(engine: "TokenPipelineEngine") -> Optional[str]:
+def clipping_problem(engine: "PipelineStage") -> Optional[str]:
     """Why the configured clipping would use a wrong norm (rule, value, fix), or None. The same on every rank:
     it reads the config, the optimizer DeepSpeed chose from it and the layer specs."""
     max_norm = engine.gradient_clipping()

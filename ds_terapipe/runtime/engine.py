@@ -21,7 +21,7 @@ deadlines), because slices have different lengths.
 
 Virtual stages (``terapipe.virtual_stages`` v > 1, a :class:`~ds_terapipe.runtime.module.TokenPipelineModule`
 built with the same v and schedule): a rank holds several chunks, and every instruction names the chunk it runs
-on. While an instruction runs, its chunk is *active* (``_on_chunk``): the module's forward is that chunk's layers,
+on. While an instruction runs, its chunk is *active* (``on_chunk``): the module's forward is that chunk's layers,
 and ``is_first_stage()``/``is_last_stage()`` answer for the chunk (chunk 0 / the last chunk), so DeepSpeed's own
 forward and backward compute the loss exactly where the last chunk runs (under the V placement: rank 0). Between
 instructions they answer for the rank (holds chunk 0 / the last chunk: loads inputs / labels, owns the loss). KV
@@ -48,14 +48,17 @@ from contextlib import contextmanager, nullcontext
 from types import MethodType
 from typing import Any, Iterator, Optional
 
+import deepspeed
 import torch
+from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.pipe import schedule as ds_schedule
 from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from ..config import TeraPipeConfig
 from ..planner.registry import get_schedule
-from ..planner.schedule import Action, ActionKind, ScheduleError
+from ..planner.lowering import lower
+from ..planner.schedule import Action, Schedule, ScheduleError
 from ..planner.simulate import TimedAction
 from ..trace import events_to_chrome_trace
 from . import checkpoint as ckpt
@@ -66,12 +69,12 @@ from .freeze import Freezer
 from .devices import synchronized_ms
 from .ds_internals import check_deepspeed_internals
 from .module import chunk_layout
-from .p2p import AbortFlag, PeerFailedError, SliceP2P, agree_or_raise, as_tuple, mark_collective
+from .p2p import AbortFlag, PeerFailedError, SliceP2P, as_tuple
+from .collective import agree_or_raise, mark_collective
 from .plan import ResolvedPlan, plan_for_length, resolve_plan, restore_checkpoint_plan
 from .recompute import install_sliced_checkpointing
 from .replan import Replanner
-from .schedule import (TokenPipeSchedule, VocabBackwardPass, VocabEmbedBackwardPass, VocabEmbedForwardPass,
-                       VocabForwardPass, WeightGradPass)
+from .schedule import DISPATCH, TokenPipeSchedule
 from .slice_check import check_stage_slicing
 from .vocab import VocabParallel
 
@@ -123,8 +126,8 @@ _INIT = object()
 # abort flag, so an engine built after a failure starts clean.
 _ENGINE_SERIAL = itertools.count()
 
-_TIMED = {ds_schedule.ForwardPass: ActionKind.FORWARD, ds_schedule.BackwardPass: ActionKind.BACKWARD,
-          WeightGradPass: ActionKind.WEIGHT}
+#: The instructions whose spans the timeline records, as the action kinds they run (runtime/schedule.py DISPATCH).
+_TIMED = {d.instruction: kind for kind, d in DISPATCH.items() if d.timed}
 #: The instructions after the schedule, timed with the timeline under the names of the step model's terms
 #: (``planner/step_cost.py``): what re-planning refits the whole-step part of the cost model from.
 _TAIL = {ds_schedule.ReduceTiedGrads: "tied_reduce", ds_schedule.ReduceGrads: "grad_reduce",
@@ -142,6 +145,22 @@ class TokenPipelineEngine(PipelineEngine):
             length); ``slices``, ``slicing_plan`` and ``plan_source`` read it.
     """
 
+    @classmethod
+    def build(cls, model: Any, ds_config: dict, terapipe: TeraPipeConfig, **kwargs: Any) -> "TokenPipelineEngine":
+        """An engine built the way ``deepspeed.initialize`` builds its ``PipelineEngine`` (process group up;
+        collective): what ``ds_terapipe.initialize`` runs, and how a repack builds the engine of its new layout."""
+        pipe_mpu = model.mpu()
+        config_class = DeepSpeedConfig(ds_config, pipe_mpu)
+        stage = config_class.zero_optimization_stage
+        if stage >= 2:
+            raise ValueError(f"terapipe: zero_optimization.stage={stage} is not supported with pipeline parallelism "
+                             "(DeepSpeed partitions gradients across a pipeline it does not own); use stage 0 or 1")
+        deepspeed.set_optimizer_flags(config_class, model)
+        engine = cls(model=model, mpu=pipe_mpu, config=ds_config, config_class=config_class, terapipe_config=terapipe,
+                     **kwargs)
+        engine._configure_python_gc()
+        return engine
+
     def __init__(self, *args, terapipe_config: TeraPipeConfig, preset_plan: Optional[ResolvedPlan] = None,
                  **kwargs) -> None:
         self.terapipe = terapipe_config
@@ -149,7 +168,7 @@ class TokenPipelineEngine(PipelineEngine):
         self.repack_share: Any = None   # after a repack: this replica's share of each step's micro-batches
         self._chunk: Any = _INIT
         super().__init__(*args, **kwargs)
-        self._chunk = None  # the chunk an instruction runs on, while it runs (see _on_chunk)
+        self._chunk = None  # the chunk an instruction runs on, while it runs (see on_chunk)
         check_deepspeed_internals(self)  # a DeepSpeed that moved what we rely on fails here, naming it
         VocabParallel.check_engine(self)
         problem = clipping_problem(self)  # a clipping DeepSpeed's optimizer would get wrong (runtime/clip.py)
@@ -161,12 +180,12 @@ class TokenPipelineEngine(PipelineEngine):
         # chunk -> rank, and this rank's chunks (one chunk per rank: (0, ..., p-1) and (stage_id, ))
         self.placement, self.local_chunks = self._check_chunk_layout()
         self.num_chunks = len(self.placement)
-        self._p2p = SliceP2P([self.grid.stage_to_global(s) for s in range(self.num_stages)], self.device,
+        self.p2p = SliceP2P([self.grid.stage_to_global(s) for s in range(self.num_stages)], self.device,
                              self.terapipe.p2p_timeout_s,
                              abort=AbortFlag.on_default_group(f"ds_terapipe/abort/{next(_ENGINE_SERIAL)}"))
         self._states: dict[tuple[int, int], MicroBatchState] = {}  # (chunk, micro-batch) ->
-        self._loaded: dict[int, Any] = {}
-        self._unit_losses: dict[int, torch.Tensor] = {}
+        self.loaded: dict[int, Any] = {}
+        self.unit_losses: dict[int, torch.Tensor] = {}
         self._unit_grads: dict[int, Any] = {}
         self._logits: list[torch.Tensor] = []
         self._trail: deque[str] = deque(maxlen=8)
@@ -194,7 +213,7 @@ class TokenPipelineEngine(PipelineEngine):
             install_sliced_checkpointing(self.module, self.terapipe)  # before profiling: it times the recompute
             self.plan: ResolvedPlan = resolve_plan(self)
             # One plan per sequence length seen, planned once (variable-length training), in the order resolved.
-            self._plans: dict[int, ResolvedPlan] = {self.plan.seq_len: self.plan}
+            self.plans: dict[int, ResolvedPlan] = {self.plan.seq_len: self.plan}
             # Without an input sampler init could not probe the slice check: each length is checked on its first
             # batch instead (_check_slicing_on_batch); the lengths done so far
             self._checked_on_batch: set[int] = set()
@@ -236,10 +255,14 @@ class TokenPipelineEngine(PipelineEngine):
         return self._chunk == self.num_chunks - 1
 
     def _loss_stage_global_rank(self) -> int:
+        return self.last_chunk_global_rank()
+
+    def last_chunk_global_rank(self) -> int:
+        """The global rank holding the last chunk (where the loss is computed)."""
         return self.grid.stage_to_global(self.placement[-1])
 
     @contextmanager
-    def _on_chunk(self, chunk: int) -> Iterator[None]:
+    def on_chunk(self, chunk: int) -> Iterator[None]:
         """Run a block as chunk ``chunk``: its layers are the module's forward, stage roles are the chunk's."""
         self._chunk = chunk
         if len(self.local_chunks) > 1:
@@ -260,8 +283,8 @@ class TokenPipelineEngine(PipelineEngine):
             yield
         except Exception as err:
             if not isinstance(err, PeerFailedError) and not getattr(err, "terapipe_collective", False) and \
-                    self._p2p.abort is not None:
-                self._p2p.abort.set(self.global_rank, self.stage_id, what, f"{type(err).__name__}: {err}")
+                    self.p2p.abort is not None:
+                self.p2p.abort.set(self.global_rank, self.stage_id, what, f"{type(err).__name__}: {err}")
             raise
 
     # -- plan ------------------------------------------------------------------------------------------------
@@ -365,7 +388,7 @@ class TokenPipelineEngine(PipelineEngine):
         lengths = torch.full((torch.distributed.get_world_size(), ), _UNSET, dtype=torch.int64, device=self.device)
         lengths[self.global_rank] = local  # each rank fills its own slot; MAX merges them
         work = torch.distributed.all_reduce(lengths, op=torch.distributed.ReduceOp.MAX, async_op=True)
-        self._p2p.wait(work, "the sequence-length agreement at the start of a batch")
+        self.p2p.wait(work, "the sequence-length agreement at the start of a batch")
         values = lengths.tolist()
         # Every rank sees every pipeline's first and last stage, so every rank reaches the same verdict.
         if _EXHAUSTED in values:
@@ -382,14 +405,14 @@ class TokenPipelineEngine(PipelineEngine):
                                              "same batches"))
         mine = values[self.grid.stage_to_global(0)]
         for length in sorted(set(stage0)):
-            if length not in self._plans:
-                latest = next(reversed(self._plans.values()))  # carries the costs known so far
+            if length not in self.plans:
+                latest = next(reversed(self.plans.values()))  # carries the costs known so far
                 resolved = plan_for_length(self, latest, length)
-                self._plans[length] = resolved
+                self.plans[length] = resolved
                 if self.global_rank == 0:
                     logger.info("terapipe: sequence length %d -> %d slice(s) %s", length, len(resolved.slices),
                                 list(resolved.slices))
-        self.plan = self._plans[mine]
+        self.plan = self.plans[mine]
         self._check_slicing_on_batch(set(stage0), batch[0] if self.is_first_stage() and batch is not None else None)
         return iterator
 
@@ -400,7 +423,7 @@ class TokenPipelineEngine(PipelineEngine):
         module = self.module
         if (hasattr(module, "has_sampler") and module.has_sampler()) or lengths <= self._checked_on_batch:
             return
-        if all(len(self._plans[length].slices) == 1 for length in lengths):
+        if all(len(self.plans[length].slices) == 1 for length in lengths):
             return
         check_stage_slicing(self, self.plan.seq_len, self.plan.slices, first_input, on_batch=True)
         self._checked_on_batch |= lengths
@@ -408,10 +431,22 @@ class TokenPipelineEngine(PipelineEngine):
     def install_plan(self, plan: ResolvedPlan) -> None:
         """Run ``plan`` for its sequence length from the next batch on (collective: every rank installs the same
         plan at the same step, as the re-planner does). The newest plan's costs plan lengths seen later."""
-        self._plans.pop(plan.seq_len, None)
-        self._plans[plan.seq_len] = plan
+        self.plans.pop(plan.seq_len, None)
+        self.plans[plan.seq_len] = plan
         if plan.seq_len == self.plan.seq_len:
             self.plan = plan
+
+    def lowered_schedule(self, num_slices: int, num_frozen_chunks: Optional[int] = None,
+                         train: bool = True) -> Schedule:
+        """This run's executed schedule for ``num_slices`` slices (every rank's streams; planner/lowering.py),
+        with the frozen chunks now in effect unless ``num_frozen_chunks`` says otherwise: what the re-planner
+        and the freezer simulate."""
+        cfg = self.terapipe
+        frozen = self._frozen_chunks() if num_frozen_chunks is None else num_frozen_chunks
+        return lower(cfg.schedule, self.num_stages, self.micro_batches, num_slices, train=train,
+                     deferred_weight_grads=cfg.deferred_weight_grads, virtual_stages=cfg.virtual_stages,
+                     num_frozen_chunks=frozen, vocab_parallel=cfg.vocab_parallel,
+                     vocab_embedding=self._vocab_embedding)
 
     def _train_schedule(self) -> TokenPipeSchedule:
         return TokenPipeSchedule(self.terapipe.schedule, self.micro_batches, self.num_stages, self.stage_id,
@@ -463,11 +498,11 @@ class TokenPipelineEngine(PipelineEngine):
     def _exec_schedule(self, pipe_schedule: TokenPipeSchedule) -> None:
         """DeepSpeed's loop, plus: per-batch state reset, and errors that say where this rank was."""
         self._reserve_pipe_buffers(pipe_schedule.num_pipe_buffers())
-        self._running = pipe_schedule
+        self.running = pipe_schedule
         self.fwd_outputs = []
         self._states.clear()
-        self._loaded.clear()
-        self._unit_losses.clear()
+        self.loaded.clear()
+        self.unit_losses.clear()
         self._unit_grads.clear()
         self._stashes.clear()
         self._weight_grads = WeightGradAccumulator()
@@ -534,7 +569,7 @@ class TokenPipelineEngine(PipelineEngine):
             loaded["inputs"] = self._to_device(inputs, "inputs", microbatch)
         if self.is_last_stage():
             loaded["labels"] = self._to_device(labels, "labels", microbatch)
-        self._loaded[microbatch] = loaded
+        self.loaded[microbatch] = loaded
 
     def _to_device(self, value: Any, what: str, microbatch: int = 0) -> Any:
         first = _first_tensor(value)
@@ -569,7 +604,7 @@ class TokenPipelineEngine(PipelineEngine):
         return state
 
     def _unit_buffer(self, chunk: int, microbatch: int, slice_index: int) -> int:
-        return self._running.unit_buffer(chunk, microbatch, slice_index)
+        return self.running.unit_buffer(chunk, microbatch, slice_index)
 
     @contextmanager
     def _weighted_loss(self, weight: float) -> Iterator[None]:
@@ -589,12 +624,12 @@ class TokenPipelineEngine(PipelineEngine):
             self.module.loss_fn = loss_fn
 
     def _exec_forward_pass(self, buffer_id: int, microbatch: int, slice_index: int, chunk: int) -> None:
-        with self._on_chunk(chunk), self._frozen_scope(chunk):
+        with self.on_chunk(chunk), self._frozen_scope(chunk):
             self._forward_unit(buffer_id, microbatch, slice_index, chunk)
 
     def _forward_unit(self, buffer_id: int, microbatch: int, slice_index: int, chunk: int) -> None:
         start, end = self.slice_bounds(slice_index)
-        loaded = self._loaded.get(microbatch, {})
+        loaded = self.loaded.get(microbatch, {})
         first, last = self.is_first_stage(), self.is_last_stage()
         if first:
             self.pipe_buffers["inputs"][buffer_id] = cut_tokens(loaded["inputs"], start, end, self.seq_len)
@@ -609,9 +644,9 @@ class TokenPipelineEngine(PipelineEngine):
                 if used:
                     loaded.pop(key, None)
             if not loaded:
-                self._loaded.pop(microbatch, None)
+                self.loaded.pop(microbatch, None)
         if last:
-            self._unit_losses[buffer_id] = self.loss
+            self.unit_losses[buffer_id] = self.loss
             if self.eval_return_logits:
                 self._collect_logits(slice_index)
         handed_on = self._is_local(chunk + 1)
@@ -627,7 +662,7 @@ class TokenPipelineEngine(PipelineEngine):
             # No backward will run: nothing needs the inputs, and the KV cache only lives until the last slice.
             self.pipe_buffers["inputs"][buffer_id] = None
             self.pipe_buffers["labels"][buffer_id] = None
-            self._unit_losses.pop(buffer_id, None)
+            self.unit_losses.pop(buffer_id, None)
             if last or handed_on:
                 self.pipe_buffers["outputs"][buffer_id] = None
             if last_slice:
@@ -646,15 +681,15 @@ class TokenPipelineEngine(PipelineEngine):
         pending = [j for j in range(slice_index + 1, self.num_slices) if j not in state.backward_done]
         if pending:   # a schedule's order, not an internal state: checked under python -O too
             raise ScheduleError(
-                f"token pipeline: schedule {self._running.schedule.name!r} runs the backward of slice {slice_index} "
+                f"token pipeline: schedule {self.running.schedule.name!r} runs the backward of slice {slice_index} "
                 f"of micro-batch {microbatch} on chunk {chunk} before its later slices {pending}; a slice's "
                 "backward needs the gradient its later slices leave on its keys and values, so the backwards of a "
                 f"micro-batch run last slice first ({self.num_slices - 1} down to 0): fix the schedule's order "
                 "(ds_terapipe.planner.schedule.validate(schedule) names every such action)",
                 violations=[f"{chunk}B{microbatch}.{slice_index} before {chunk}B{microbatch}.{j}" for j in pending])
-        with self._on_chunk(chunk):
+        with self.on_chunk(chunk):
             if self.is_last_stage():
-                self.loss = self._unit_losses.pop(buffer_id)
+                self.loss = self.unit_losses.pop(buffer_id)
                 scale = self._loss_scale_deepspeed_leaves_out()
                 if scale is not None:
                     self.loss = self.loss.float() * scale
@@ -703,7 +738,7 @@ class TokenPipelineEngine(PipelineEngine):
         slices (a W per micro-batch, ``W<b>.0`` after the last backward) or slice ``slice_index`` alone (a W per
         slice, wherever the schedule put it: right after its backward, or later, in a bubble)."""
         key = (chunk, microbatch)
-        per_slice = self._running.schedule.weights_per_slice
+        per_slice = self.running.schedule.weights_per_slice
         stash = self._stashes.get(key)
         if stash is None:
             return
@@ -722,7 +757,7 @@ class TokenPipelineEngine(PipelineEngine):
         (tied-weight and data-parallel reductions, clipping, the optimizer, the freezer's statistics)."""
         left = {key: sorted(stash.slices()) for key, stash in self._stashes.items() if len(stash)}
         if left:   # a schedule without a W for a recorded backward: those weight gradients would be lost
-            raise RuntimeError(f"token pipeline: schedule {self._running.schedule.name!r} left deferred weight "
+            raise RuntimeError(f"token pipeline: schedule {self.running.schedule.name!r} left deferred weight "
                                f"gradients uncomputed at the end of the step ((chunk, micro-batch): slices {left}); "
                                "every backward needs a W of its slice (or one W per micro-batch at slice 0): "
                                "a schedule bug, please report it; set terapipe.deferred_weight_grads to false "
@@ -738,7 +773,7 @@ class TokenPipelineEngine(PipelineEngine):
     def _exec_send_activations(self, buffer_id: int, microbatch: int, slice_index: int, chunk: int) -> None:
         outputs = as_tuple(self.pipe_buffers["outputs"][buffer_id])
         key = (chunk, self.seq_len, self.slices[slice_index])
-        self._p2p.send(outputs, self.placement[chunk + 1],
+        self.p2p.send(outputs, self.placement[chunk + 1],
                        f"activations of micro-batch {microbatch} slice {slice_index}{self._chunk_note(chunk)}",
                        header=key not in self._shapes_sent)
         self._shapes_sent.add(key)
@@ -750,9 +785,9 @@ class TokenPipelineEngine(PipelineEngine):
         what = f"activations of micro-batch {microbatch} slice {slice_index}{self._chunk_note(chunk)}"
         source = self.placement[chunk - 1]
         if key in self._shapes_known:
-            received = self._p2p.recv_specs(self._shapes_known[key], source, what)
+            received = self.p2p.recv_specs(self._shapes_known[key], source, what)
         else:
-            received = self._p2p.recv(source, what)
+            received = self.p2p.recv(source, what)
             self._shapes_known[key] = [(tuple(t.shape), t.dtype) for t in received]
         if torch.is_grad_enabled() and not self._chunk_frozen(chunk - 1):  # no gradient goes back into a frozen chunk
             for tensor in received:
@@ -762,7 +797,7 @@ class TokenPipelineEngine(PipelineEngine):
     def _exec_send_grads(self, buffer_id: int, microbatch: int, slice_index: int, chunk: int) -> None:
         inputs = as_tuple(self.pipe_buffers["inputs"][buffer_id])
         grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs if t.is_floating_point()]
-        self._p2p.send(grads, self.placement[chunk - 1],
+        self.p2p.send(grads, self.placement[chunk - 1],
                        f"gradients of micro-batch {microbatch} slice {slice_index}{self._chunk_note(chunk - 1)}",
                        header=False)
         self.pipe_buffers["inputs"][buffer_id] = None
@@ -770,7 +805,7 @@ class TokenPipelineEngine(PipelineEngine):
     def _exec_recv_grads(self, buffer_id: int, microbatch: int, slice_index: int, chunk: int) -> None:
         outputs = self.pipe_buffers["outputs"][buffer_id]
         floats = [t for t in as_tuple(outputs) if t.is_floating_point()]
-        grads = self._p2p.recv_like(floats, self.placement[chunk + 1],
+        grads = self.p2p.recv_like(floats, self.placement[chunk + 1],
                                     f"gradients of micro-batch {microbatch} slice {slice_index}"
                                     f"{self._chunk_note(chunk)}")
         self._unit_grads[buffer_id] = grads[0] if torch.is_tensor(outputs) else list(grads)
@@ -810,7 +845,7 @@ class TokenPipelineEngine(PipelineEngine):
         return all(p.grad is None or (p.grad.dtype == wire and not p.grad.is_sparse)
                    for p in self.module.parameters() if p.requires_grad)
 
-    def _dp_reduce_will_be_identity(self) -> bool:
+    def dp_reduce_will_be_identity(self) -> bool:
         """:meth:`_dp_reduce_is_identity` before any gradient exists (the step cost model asks at init,
         ``runtime/step_profile.py``): the gradients will have their parameters' dtype."""
         wire = self.communication_data_type
@@ -838,31 +873,20 @@ class TokenPipelineEngine(PipelineEngine):
         return f" of chunk {chunk}" if self.num_chunks != self.num_stages else ""
 
     def _exec_commit_p2p(self) -> None:
-        self._p2p.drain()
-        if self._p2p.abort is not None:
+        self.p2p.drain()
+        if self.p2p.abort is not None:
             # Every rank finished its schedule before any enters DeepSpeed's blocking collectives, which cannot
             # watch the abort flag: a rank failing in its last backward stops its peers here, not there.
-            self._barrier("the schedule of this batch")
+            self.barrier("the schedule of this batch")
 
     _INSTRUCTION_MAP = {
         **PipelineEngine._INSTRUCTION_MAP,
         ds_schedule.LoadMicroBatch: _exec_load_micro_batch,
-        ds_schedule.ForwardPass: _exec_forward_pass,
-        ds_schedule.BackwardPass: _exec_backward_pass,
-        ds_schedule.SendActivation: _exec_send_activations,
-        ds_schedule.RecvActivation: _exec_recv_activations,
-        ds_schedule.SendGrad: _exec_send_grads,
-        ds_schedule.RecvGrad: _exec_recv_grads,
         ds_schedule.CommitP2P: _exec_commit_p2p,
-        WeightGradPass: _exec_weight_grad_pass,
-        VocabForwardPass: _exec_vocab_forward,
-        VocabBackwardPass: _exec_vocab_backward,
-        VocabEmbedForwardPass: _exec_vocab_embed_forward,
-        VocabEmbedBackwardPass: _exec_vocab_embed_backward,
         ds_schedule.ReduceTiedGrads: _exec_reduce_tied_grads,
         ds_schedule.ReduceGrads: _exec_reduce_grads,
         ds_schedule.OptimizerStep: _exec_optimizer_step,
-    }
+    }  # and every action kind's instruction, from DISPATCH (below the class)
 
     def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: Optional[dict] = None,
                         save_latest: bool = True, **kwargs: Any) -> Any:
@@ -880,9 +904,9 @@ class TokenPipelineEngine(PipelineEngine):
             state.setdefault("terapipe", {"plan": self.plan_summary(), "config": self.terapipe.model_dump()})
             if self.freezer is not None and isinstance(state["terapipe"], dict):  # a resumed run re-freezes it
                 state["terapipe"] = {**state["terapipe"], "freeze": self.freezer.state_dict()}
-            self._barrier("starting a checkpoint")  # DeepSpeed's own barriers in the save cannot watch the flag
+            self.barrier("starting a checkpoint")  # DeepSpeed's own barriers in the save cannot watch the flag
             result = super().save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=False, **kwargs)
-            self._barrier("saving a checkpoint")
+            self.barrier("saving a checkpoint")
             if self.global_rank == 0:
                 ckpt.write_manifest(tag_dir, {"num_stages": self.num_stages, "dp": self.dp_world_size,
                                               "virtual_stages": self.terapipe.virtual_stages,
@@ -890,11 +914,11 @@ class TokenPipelineEngine(PipelineEngine):
                                               "repacked": self.freezer.repacked if self.freezer else None,
                                               "plan": self.plan_summary(), "terapipe": self.terapipe.model_dump(),
                                               # every sequence length's slicing, for a resumed run to run again
-                                              "plans": {str(n): list(p.slices) for n, p in self._plans.items()}})
+                                              "plans": {str(n): list(p.slices) for n, p in self.plans.items()}})
                 if save_latest:
                     ckpt.write_latest(save_dir, tag)
                 logger.info("terapipe: checkpoint %s complete (manifest written)", tag_dir)
-            self._barrier("finishing a checkpoint")
+            self.barrier("finishing a checkpoint")
             return result
 
     def load_checkpoint(self, load_dir: str, tag: Any = None, **kwargs: Any) -> Any:
@@ -952,7 +976,7 @@ class TokenPipelineEngine(PipelineEngine):
                            "build the model with the checkpoint's dimensions")
         except ckpt.CheckpointError as err:
             problem = str(err)
-        agree_or_raise(problem, ckpt.CheckpointError, self._p2p, f"the check of checkpoint {tag_dir}")
+        agree_or_raise(problem, ckpt.CheckpointError, self.p2p, f"the check of checkpoint {tag_dir}")
         assert manifest is not None
         written = (manifest.get("num_stages", self.num_stages), manifest.get("virtual_stages", 1),
                    tuple(manifest.get("placement", range(manifest.get("num_stages", self.num_stages)))))
@@ -985,10 +1009,10 @@ class TokenPipelineEngine(PipelineEngine):
                 refresh()
         return result, manifest
 
-    def _barrier(self, what: str) -> None:
+    def barrier(self, what: str) -> None:
         """An all-reduce of one number that waits with the p2p deadline and watches the abort flag."""
         flag = torch.zeros(1, device=self.device)
-        self._p2p.wait(torch.distributed.all_reduce(flag, async_op=True), f"the barrier after {what}")
+        self.p2p.wait(torch.distributed.all_reduce(flag, async_op=True), f"the barrier after {what}")
 
     def plan_summary(self) -> dict[str, Any]:
         """What this engine runs, for logs and checkpoints."""
@@ -1000,3 +1024,7 @@ class TokenPipelineEngine(PipelineEngine):
             summary["planner"] = self.slicing_plan.to_dict()
         return summary
 
+
+# The actions' instructions and their handlers, from the one table of runtime/schedule.py.
+TokenPipelineEngine._INSTRUCTION_MAP.update(
+    {d.instruction: getattr(TokenPipelineEngine, d.handler) for d in DISPATCH.values()})

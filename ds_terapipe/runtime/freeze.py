@@ -34,98 +34,26 @@ the frozen elements are held still around each update and their state kept at ze
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
 
-from ..config import AutoFreezeConfig
-from ..planner.cost import PipelineCost, scaled_cost
-from ..planner.schedule import ActionKind, Schedule, add_communication, build_schedule
+from ..planner.cost import PipelineCost
+from ..planner.freeze import auto_freeze_count, frozen_chunk_count, frozen_cost
+from ..planner.schedule import Schedule
 from ..planner.simulate import simulate
 from .frozen_state import FrozenMasters, frozen_state_problem
 from .grad_sink import GradSink
-from .p2p import mark_collective
+from .collective import decided_on_rank0, mark_collective
+from .plan import solve_slicing
+from .stage import PipelineStage
 
-if TYPE_CHECKING:  # pragma: no cover - annotations only
-    from .engine import TokenPipelineEngine
 
-__all__ = ["Freezer", "auto_freeze_count", "freeze_lowered", "frozen_cost", "frozen_chunk_count"]
+__all__ = ["Freezer"]
 
 logger = logging.getLogger(__name__)
-
-_B, _W = ActionKind.BACKWARD, ActionKind.WEIGHT
-
-
-# -- pure parts: schedule, cost model, the automatic rule -------------------------------------------------------
-def frozen_chunk_count(parts: Sequence[int], num_frozen_layers: int) -> int:
-    """How many leading chunks hold frozen layers only (chunk c covers layers ``[parts[c], parts[c+1])``)."""
-    return sum(1 for c in range(len(parts) - 1) if parts[c + 1] <= num_frozen_layers)
-
-
-def freeze_lowered(schedule: Schedule, num_frozen_chunks: int) -> Schedule:
-    """``schedule`` (compute-only) lowered to p2p (:func:`add_communication`) without what frozen chunks need not
-    do: their B and W actions, and every gradient message into them (the send on the chunk behind, the receive
-    on theirs; a receive the lowering posted early for FIFO order included). Both ends of a channel lose the same
-    messages, so the k-th remaining receive still pairs with the k-th remaining send."""
-    if num_frozen_chunks <= 0:
-        return add_communication(schedule)
-    streams = [[a for a in stream if not (a.kind in (_B, _W) and a.stage < num_frozen_chunks)]
-               for stream in schedule.stages]
-    lowered = add_communication(schedule.with_streams(schedule.name, streams))
-
-    def into_frozen(a: Any) -> bool:
-        if a.kind is ActionKind.SEND_B:
-            return a.stage - 1 < num_frozen_chunks
-        return a.kind is ActionKind.RECV_B and a.stage < num_frozen_chunks
-
-    return lowered.with_streams(lowered.name, [[a for a in st if not into_frozen(a)] for st in lowered.stages])
-
-
-def frozen_cost(cost: Mapping[str, Any], parts: Sequence[int], num_frozen_layers: int) -> dict[str, Any]:
-    """The cost-file dict ``cost`` (one stage per chunk) with each chunk's backward and weight-gradient times
-    scaled by the share of its layers that still train: 0 for a chunk of frozen layers, ``(stop - k) / (stop -
-    start)`` for the chunk the frozen prefix ends in (layers weighted equally: the profile times chunks, not
-    layers). Forwards are unchanged: frozen layers still run them."""
-    shares = {}
-    for c in range(len(cost["stages"])):
-        start, stop = parts[c], parts[c + 1]
-        share = 1.0 if stop <= start else min(1.0, max(0.0, (stop - max(start, num_frozen_layers)) / (stop - start)))
-        shares[c] = {"B": share, "W": share}
-    return scaled_cost(cost, shares)
-
-
-def auto_freeze_count(frozen: int, previous: Mapping[int, float], current: Mapping[int, float],
-                      param_layers: Sequence[int], cfg: AutoFreezeConfig) -> int:
-    """The automatic rule: the new number of frozen layers (never fewer than ``frozen``).
-
-    ``previous`` / ``current``: the gradient norm of every layer with parameters that still trains, at the last
-    check and now. A layer is stable when ``|current - previous| / previous <= cfg.tolerance`` (a layer whose
-    gradient vanished, previous 0, counts as stable). Walking ``param_layers`` (ascending) from the first one
-    that trains, the stable ones in a row freeze, at most ``max(1, floor(aggressiveness x layers still
-    training))``, and never the last layer with parameters (or beyond ``max_frozen_layers``). The frozen prefix
-    then ends right before the next layer with parameters, so layers without parameters ride along."""
-    training = [layer for layer in param_layers if layer >= frozen]
-    budget = max(1, math.floor(cfg.aggressiveness * len(training)))
-    limit = len(training) - 1  # the last layer with parameters always trains
-    chosen = 0
-    for layer in training[:limit]:
-        if chosen >= budget or layer not in previous or layer not in current:
-            break
-        before, now = previous[layer], current[layer]
-        change = abs(now - before) / before if before > 0 else 0.0
-        if change > cfg.tolerance:
-            break
-        chosen += 1
-    if chosen == 0:
-        return frozen
-    new = training[chosen]  # up to the next layer with parameters
-    if cfg.max_frozen_layers is not None:
-        new = min(new, max(frozen, cfg.max_frozen_layers))
-    return max(frozen, new)
-
 
 # -- the engine's part ------------------------------------------------------------------------------------------
 class _NoGradLayer:
@@ -160,7 +88,7 @@ class Freezer:
         events: what each freeze did (step, layers, chunks, slices before/after, predicted ms), for logs and tests.
     """
 
-    def __init__(self, engine: "TokenPipelineEngine") -> None:
+    def __init__(self, engine: "PipelineStage") -> None:
         cfg = engine.terapipe.freeze
         assert cfg is not None
         self.cfg = cfg
@@ -202,7 +130,7 @@ class Freezer:
 
     # -- checks at init ----------------------------------------------------------------------------------------
     @staticmethod
-    def _unsupported(engine: "TokenPipelineEngine") -> Optional[str]:
+    def _unsupported(engine: "PipelineStage") -> Optional[str]:
         return frozen_state_problem(engine.optimizer)
 
     def max_requested(self) -> int:
@@ -256,7 +184,7 @@ class Freezer:
         """The costs profiled at init, before any freeze (global rank 0; None elsewhere)."""
         return self._base_cost
 
-    def before_step(self, engine: "TokenPipelineEngine") -> None:
+    def before_step(self, engine: "PipelineStage") -> None:
         """Freeze what the policy asks for at this step (every rank reaches the same count, see the module doc),
         then repack when ``repack`` is on and the rule says so (``engine`` is then the repacked engine)."""
         target = self.target(engine.global_steps)
@@ -265,7 +193,7 @@ class Freezer:
             self.apply(engine, target)
             self.maybe_repack(engine)
 
-    def maybe_repack(self, engine: "TokenPipelineEngine") -> None:
+    def maybe_repack(self, engine: "PipelineStage") -> None:
         """Repack (runtime/repack.py) when whole stages hold frozen layers only; once per run (collective)."""
         from .repack import repack, repack_factor
 
@@ -275,7 +203,7 @@ class Freezer:
         if k > 1:
             repack(engine, k)
 
-    def adopt(self, engine: "TokenPipelineEngine", before: "Freezer", event: dict[str, Any]) -> None:
+    def adopt(self, engine: "PipelineStage", before: "Freezer", event: dict[str, Any]) -> None:
         """Continue ``before``'s run on the repacked ``engine``: its history, then the same layers frozen here."""
         self.events = list(before.events) + [event]
         self._pending, self._previous_norms = before._pending, before._previous_norms
@@ -287,7 +215,7 @@ class Freezer:
         """The predicted step time of the plan after the latest freeze (or repack), when it was re-planned."""
         return next((e["after_ms"] for e in reversed(self.events) if e.get("after_ms")), None)
 
-    def apply(self, engine: "TokenPipelineEngine", num_frozen_layers: int, *, quiet: bool = False,
+    def apply(self, engine: "PipelineStage", num_frozen_layers: int, *, quiet: bool = False,
               keep_slices: bool = False) -> None:
         """Freeze layers ``[0, num_frozen_layers)`` on this rank (collective when it re-plans); ``quiet``: log
         nothing (a repack re-applies what already froze and logs the result itself); ``keep_slices``: re-plan the
@@ -355,7 +283,7 @@ class Freezer:
         """Whether ``chunk`` holds frozen layers only (forward only, no gradient into it)."""
         return 0 <= chunk < self.num_frozen_chunks
 
-    def fill_tied_grads(self, engine: "TokenPipelineEngine") -> None:
+    def fill_tied_grads(self, engine: "PipelineStage") -> None:
         """Before DeepSpeed's tied-gradient all-reduce: a trained tied weight whose only use on this rank is
         frozen has no gradient here, and DeepSpeed skips a missing gradient, leaving its peers in the all-reduce
         alone; a zero gradient is what this rank contributes."""
@@ -365,7 +293,7 @@ class Freezer:
             if weight.requires_grad and self.grads.read(weight) is None:
                 self.grads.buffer(weight)  # zeros, where DeepSpeed's reduction reads (the bf16 master gradient)
 
-    def observe_gradients(self, engine: "TokenPipelineEngine") -> None:
+    def observe_gradients(self, engine: "PipelineStage") -> None:
         """The auto policy's check (collective), right before the optimizer step of a check step: gather every
         training layer's gradient norm on rank 0, decide there, broadcast the count for the next batch."""
         auto = self.cfg.auto
@@ -388,9 +316,8 @@ class Freezer:
         previous, self._previous_norms = self._previous_norms, norms
         if previous is None:
             return
-        from .plan import _decided_on_rank0
 
-        self._pending = _decided_on_rank0(
+        self._pending = decided_on_rank0(
             lambda: auto_freeze_count(self.num_frozen_layers, previous, norms, self.param_layers, auto))
         if engine.global_rank == 0:
             logger.info("terapipe: step %d: gradient norms %s (previous %s): %s", step,
@@ -400,17 +327,13 @@ class Freezer:
                         else "nothing to freeze")
 
     # -- re-planning ---------------------------------------------------------------------------------------------
-    def lowered(self, engine: "TokenPipelineEngine", num_slices: int, num_frozen_chunks: int) -> Schedule:
-        cfg = engine.terapipe
-        return freeze_lowered(build_schedule(cfg.schedule, engine.num_stages, engine.micro_batches, num_slices,
-                                             cfg.deferred_weight_grads, virtual_stages=cfg.virtual_stages),
-                              num_frozen_chunks)
+    def lowered(self, engine: "PipelineStage", num_slices: int, num_frozen_chunks: int) -> Schedule:
+        return engine.lowered_schedule(num_slices, num_frozen_chunks)
 
-    def _replan(self, engine: "TokenPipelineEngine", before_layers: int, before_chunks: int, *,
+    def _replan(self, engine: "PipelineStage", before_layers: int, before_chunks: int, *,
                 may_switch: bool = True) -> dict[str, Any]:
         """Solve the slicing again under the frozen costs (rank 0) and install it on every rank (collective);
         ``may_switch`` False: only the frozen costs and the predictions change."""
-        from .plan import _decided_on_rank0, _solve
 
         plan = engine.plan
         batch = engine.micro_batch_size
@@ -430,7 +353,7 @@ class Freezer:
             unfrozen_ms = simulate(self.lowered(engine, len(first), 0), unfrozen, first, batch).makespan_ms
             current_ms = simulate(self.lowered(engine, n, self.num_frozen_chunks), model, plan.slices,
                                   batch).makespan_ms
-            best = _solve(engine, model, plan.stage_meta, plan.seq_len)
+            best = solve_slicing(engine, model, plan.stage_meta, plan.seq_len)
             best_ms = simulate(self.lowered(engine, len(best.slices), self.num_frozen_chunks), model, best.slices,
                                batch).makespan_ms
             switch = may_switch and tuple(best.slices) != tuple(plan.slices) and best_ms < current_ms
@@ -438,7 +361,7 @@ class Freezer:
                     "unfrozen_ms": unfrozen_ms,
                     "best_ms": best_ms, "switch": switch}
 
-        decision = _decided_on_rank0(decide)
+        decision = decided_on_rank0(decide)
         if decision is None:
             return {}
         from ..planner.slicing import SlicingPlan
@@ -460,7 +383,7 @@ class Freezer:
         return {"num_frozen_layers": self.num_frozen_layers, "pending": self._pending,
                 "previous_norms": self._previous_norms, "repacked": self.repacked}
 
-    def load_state_dict(self, engine: "TokenPipelineEngine", state: Mapping[str, Any], *,
+    def load_state_dict(self, engine: "PipelineStage", state: Mapping[str, Any], *,
                         keep_slices: bool = False) -> None:
         """Re-freeze what the checkpoint had frozen (every rank loads the same state); ``keep_slices``: the
         engine already runs the checkpoint's slicing (:func:`~ds_terapipe.runtime.plan.restore_checkpoint_plan`)."""

@@ -28,6 +28,7 @@ from deepspeed.pipe import PipelineModule
 from ..planner.registry import get_schedule
 from ..planner.schedule import chunks_on, looped_placement
 from . import vocab
+from .vocab_shard import split_output_layer
 from .vocab_embedding import install_split
 from .partition import custom_parts
 
@@ -92,7 +93,7 @@ class TokenPipelineModule(PipelineModule):
                                  f"virtual_stages={virtual_stages} is not supported (the planner would charge each "
                                  "rank's vocabulary share once per chunk); use virtual_stages=1, or "
                                  "partition_method='type:...', 'parameters' or 'parts:...' with virtual stages")
-            layers, head_spec = vocab.split_output_layer(layers)
+            layers, head_spec = split_output_layer(layers)
         # Read by the cost-based partition (runtime/partition.py): it times the head's shard, not the head.
         self.vocab_head_spec = head_spec
         # What a repack (runtime/repack.py) needs to build this model again over another topology.

@@ -44,8 +44,8 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["AbortFlag", "P2PTimeoutError", "PeerFailedError", "SliceP2P", "agree_or_raise", "as_tuple",
-           "linger_for_peers", "mark_collective"]
+__all__ = ["AbortFlag", "P2PTimeoutError", "PeerFailedError", "SliceP2P", "as_tuple",
+           "linger_for_peers"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,34 +62,6 @@ class P2PTimeoutError(RuntimeError):
 class PeerFailedError(RuntimeError):
     """Another rank of the job raised (in ``train_batch``, ``eval_batch``, engine init or checkpointing), so
     this rank stops too; the message names the origin rank and its error."""
-
-
-def mark_collective(err: BaseException) -> BaseException:
-    """Mark an error that every rank raises together (a verdict all ranks reached): no peer is left waiting,
-    so it does not set the abort flag (the engine may go on, e.g. after the data ran out)."""
-    err.terapipe_collective = True  # type: ignore[attr-defined]
-    return err
-
-
-def agree_or_raise(problem: Optional[str], error: type[Exception], waiter: Optional["SliceP2P"] = None,
-                   what: str = "the ranks' verdict") -> None:
-    """Collective: every rank raises ``error`` if any rank found a problem (the first rank's message), so no
-    rank is left waiting for a peer that gave up.
-
-    With ``waiter`` the ranks first agree on a flag through an async all-reduce that ``waiter`` waits for
-    (deadline, abort flag), so a rank that raised before reaching this point stops the others within seconds;
-    only then are the messages gathered.
-    """
-    if waiter is not None:
-        flag = torch.tensor([1 if problem else 0], dtype=torch.int32, device=waiter.device)
-        waiter.wait(dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), what)
-        if not int(flag.item()):
-            return
-    messages: list[Optional[str]] = [None] * dist.get_world_size()
-    dist.all_gather_object(messages, problem)
-    failures = [m for m in messages if m]
-    if failures:
-        raise mark_collective(error(failures[0]))
 
 
 class AbortFlag:

@@ -36,7 +36,7 @@ import logging
 import statistics
 from collections import Counter
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -48,13 +48,10 @@ from ..planner.cost import MeasuredCost
 from ..planner.partition import VocabShareCost, plan_partition
 from ..planner.registry import get_schedule
 from .context import current_slice, slice_scope
-from .p2p import mark_collective
+from .collective import mark_collective
 from .plan_cache import CacheEntry, load_cached, partition_cache_entry, store_partition
 from .profile import profile_stage
 from .vocab_cost import profiling_shard, share_runner, split_embedding_runner, time_links
-
-if TYPE_CHECKING:  # pragma: no cover - annotations only
-    from .module import TokenPipelineModule
 
 __all__ = ["TERAPIPE_METHOD", "PartitionSettings", "partition_kwargs", "custom_parts", "layer_kinds"]
 
@@ -171,7 +168,7 @@ def _with_loss(run: Any, loss_fn: Any, labels: torch.Tensor) -> Any:
     return run_with_loss
 
 
-def _profile_kinds(module: "TokenPipelineModule", settings: PartitionSettings, device: torch.device,
+def _profile_kinds(module: "torch.nn.Module", settings: PartitionSettings, device: torch.device,
                    shard: Optional[Any] = None, split: Optional[Any] = None) -> dict:
     """This rank's points per layer kind (``{"kinds": {kind: points}}``), in the cost-file format. With vocabulary
     parallelism (``shard``: this rank's head shard, ``split``: the input embedding split with it, or None) the
@@ -250,7 +247,7 @@ def _decide_on_rank0(decide: Any) -> Any:
     return value
 
 
-def _cache_entry(module: "TokenPipelineModule", settings: PartitionSettings, kinds: list[str],
+def _cache_entry(module: "torch.nn.Module", settings: PartitionSettings, kinds: list[str],
                  num_chunks: int) -> CacheEntry:
     material = {"kinds": kinds, "num_ranks": module.num_stages, "num_chunks": num_chunks,
                 "placement": list(module.placement), "world": dist.get_world_size(),
@@ -263,7 +260,7 @@ def _cache_entry(module: "TokenPipelineModule", settings: PartitionSettings, kin
     return partition_cache_entry(settings.plan_cache, material)
 
 
-def _cost_partition(module: "TokenPipelineModule", num_chunks: int) -> tuple[tuple[int, ...], dict]:
+def _cost_partition(module: "torch.nn.Module", num_chunks: int) -> tuple[tuple[int, ...], dict]:
     """Profile, plan on rank 0, broadcast: the boundaries and the partition report (collective)."""
     settings = module.partition_settings
     if not isinstance(settings, PartitionSettings):
@@ -346,7 +343,7 @@ def _parse_parts(method: str, num_layers: int, num_chunks: int) -> tuple[int, ..
     return parts
 
 
-def custom_parts(module: "TokenPipelineModule", method: Union[str, Any], num_chunks: int
+def custom_parts(module: "torch.nn.Module", method: Union[str, Any], num_chunks: int
                  ) -> Optional[tuple[int, ...]]:
     """The boundaries for ``"terapipe"`` or ``"parts:..."`` (collective for ``"terapipe"``), None for DeepSpeed's
     own methods. Sets ``module.partition_report`` (the chosen and naive layouts; None for other methods)."""

@@ -24,22 +24,22 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
+from typing import Any, Mapping, Optional
 
 import torch.distributed as dist
 
 from ..planner.cost import PipelineCost, scaled_cost
 from ..planner.slicing import MemoryModel, SlicingPlan, plan_slicing
-from .p2p import mark_collective
+from .collective import decided_on_rank0, mark_collective
 from .plan_cache import cache_entry, gather_fingerprints, load_cached, store_plan
 from .recompute import planned_activation_factor
 from .profile import measure_costs, recheck_costs
 from .slice_check import check_stage_slicing
+from .stage import PipelineStage
 
-if TYPE_CHECKING:  # pragma: no cover - annotations only
-    from .engine import TokenPipelineEngine
 
-__all__ = ["ResolvedPlan", "resolve_plan", "plan_for_length", "checkpoint_slices", "restore_checkpoint_plan"]
+__all__ = ["ResolvedPlan", "checkpoint_slices", "plan_for_length", "resolve_plan", "restore_checkpoint_plan",
+           "solve_slicing"]
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class ResolvedPlan:
         return sum(self.slices)
 
 
-def _solve(engine: "TokenPipelineEngine", cost: PipelineCost, stage_meta: Any, seq_len: int) -> SlicingPlan:
+def solve_slicing(engine: "PipelineStage", cost: PipelineCost, stage_meta: Any, seq_len: int) -> SlicingPlan:
     """Run the planner for one sequence length (rank 0 only; the caller broadcasts)."""
     cfg = engine.terapipe
     memory, limit = None, None
@@ -94,7 +94,7 @@ def _solve(engine: "TokenPipelineEngine", cost: PipelineCost, stage_meta: Any, s
     return plan
 
 
-def _auto_plan(engine: "TokenPipelineEngine", known: Optional[ResolvedPlan], stage_input: Any,
+def _auto_plan(engine: "PipelineStage", known: Optional[ResolvedPlan], stage_input: Any,
                seq_len: int) -> ResolvedPlan:
     """Plan for ``seq_len``: from the plan cache, from costs already measured (``known``), or by profiling.
 
@@ -115,12 +115,12 @@ def _auto_plan(engine: "TokenPipelineEngine", known: Optional[ResolvedPlan], sta
             return "cache", cached["plan"], cost is not None
         if cost is not None:
             # a new sequence length: the costs measured at init cover it, no re-profiling
-            plan = _solve(engine, PipelineCost.from_dict(cost, num_stages=engine.num_chunks), stage_meta, seq_len)
+            plan = solve_slicing(engine, PipelineCost.from_dict(cost, num_stages=engine.num_chunks), stage_meta, seq_len)
             store_plan(entry, plan, cost, stage_meta)
             return "planned", plan.to_dict(), False
         return None
 
-    decision = _decided_on_rank0(from_cache_or_known_costs)
+    decision = decided_on_rank0(from_cache_or_known_costs)
     if decision is not None:
         source, plan_dict, has_cost = decision
         plan = SlicingPlan.from_dict(plan_dict)
@@ -141,15 +141,15 @@ def _auto_plan(engine: "TokenPipelineEngine", known: Optional[ResolvedPlan], sta
         assert measured is not None
         cost, stage_meta = measured.cost.to_dict(), measured.stage_meta
         logger.info("terapipe: profiled %d chunk(s) in %.1fs", engine.num_chunks, measured.seconds)
-        plan = _solve(engine, measured.cost, stage_meta, seq_len)
+        plan = solve_slicing(engine, measured.cost, stage_meta, seq_len)
         store_plan(entry, plan, cost, stage_meta, profile_seconds=measured.seconds)
         return plan.to_dict()
 
-    plan = SlicingPlan.from_dict(_decided_on_rank0(from_measured))
+    plan = SlicingPlan.from_dict(decided_on_rank0(from_measured))
     return ResolvedPlan(tuple(plan.slices), "profiled", plan, cost, stage_meta, fingerprints)
 
 
-def _retimed(engine: "TokenPipelineEngine", stage_input: Any, seq_len: int, plan: SlicingPlan,
+def _retimed(engine: "PipelineStage", stage_input: Any, seq_len: int, plan: SlicingPlan,
              cost: Optional[dict], stage_meta: Any) -> tuple[SlicingPlan, Optional[dict]]:
     """A cached plan and its costs after re-timing the plan's median slice length
     (``terapipe.profile.recheck_cached``; collective). Rank 0 rescales the costs and solves again when any
@@ -179,17 +179,17 @@ def _retimed(engine: "TokenPipelineEngine", stage_input: Any, seq_len: int, plan
         logger.info("terapipe: cached costs re-timed at %d-token slices: measured / cached per chunk %s, up to "
                     "%.0f%% off: rescaling the costs and planning again", length, shown, 100 * drift)
         cost = scaled_cost(cost, ratios)
-        return _solve(engine, PipelineCost.from_dict(cost, num_stages=engine.num_chunks), stage_meta,
+        return solve_slicing(engine, PipelineCost.from_dict(cost, num_stages=engine.num_chunks), stage_meta,
                       seq_len).to_dict()
 
-    return SlicingPlan.from_dict(_decided_on_rank0(decide)), cost
+    return SlicingPlan.from_dict(decided_on_rank0(decide)), cost
 
 
 #: a plan-cache hit whose re-timed costs all lie within this fraction of the cached ones keeps its plan
 RECHECK_TOLERANCE = 0.05
 
 
-def _recheck_length(slices: tuple[int, ...], engine: "TokenPipelineEngine") -> int:
+def _recheck_length(slices: tuple[int, ...], engine: "PipelineStage") -> int:
     """The slice length a cache recheck times: the plan's median slice, on the granularity grid (every rank
     derives the same from the broadcast plan)."""
     g = engine.terapipe.granularity
@@ -197,27 +197,7 @@ def _recheck_length(slices: tuple[int, ...], engine: "TokenPipelineEngine") -> i
     return min(max(g, round(median / g) * g), sum(slices) // g * g)
 
 
-def _decided_on_rank0(decide: Callable[[], Any]) -> Any:
-    """``decide()`` on global rank 0, broadcast to every rank (collective). If it raises (the planner finds no
-    slicing, the cache cannot be written), every rank raises with its message, together: the others would
-    otherwise wait in the broadcast for a decision that never comes."""
-    payload: list[Any] = [None]
-    error: Optional[Exception] = None
-    if dist.get_rank() == 0:
-        try:
-            payload = [("ok", decide())]
-        except Exception as err:  # noqa: BLE001 - re-raised below, on every rank
-            error, payload = err, [("error", f"{type(err).__name__}: {err}")]
-    dist.broadcast_object_list(payload, src=0)
-    status, value = payload[0]
-    if status == "ok":
-        return value
-    if error is not None:
-        raise mark_collective(error)
-    raise mark_collective(ValueError(f"terapipe: planning on global rank 0 failed: {value}"))
-
-
-def _agree(engine: "TokenPipelineEngine", slices: tuple[int, ...]) -> None:
+def _agree(engine: "PipelineStage", slices: tuple[int, ...]) -> None:
     """Every rank must run the same slices and schedule (collective); a mismatch is a config mismatch."""
     every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, (list(slices), engine.terapipe.schedule))
@@ -226,7 +206,7 @@ def _agree(engine: "TokenPipelineEngine", slices: tuple[int, ...]) -> None:
                                          "the same DeepSpeed config"))
 
 
-def resolve_plan(engine: "TokenPipelineEngine") -> ResolvedPlan:
+def resolve_plan(engine: "PipelineStage") -> ResolvedPlan:
     """Decide the slices every rank will run for ``terapipe.seq_len`` (collective over all ranks)."""
     cfg = engine.terapipe
     if isinstance(cfg.slices, list):
@@ -259,7 +239,7 @@ def resolve_plan(engine: "TokenPipelineEngine") -> ResolvedPlan:
     return resolved
 
 
-def plan_for_length(engine: "TokenPipelineEngine", known: ResolvedPlan, seq_len: int) -> ResolvedPlan:
+def plan_for_length(engine: "PipelineStage", known: ResolvedPlan, seq_len: int) -> ResolvedPlan:
     """The plan for a sequence length other than ``terapipe.seq_len`` (collective: every rank calls it).
 
     ``known`` is the latest plan resolved: its measured costs plan the new length without profiling again.
@@ -323,7 +303,7 @@ def checkpoint_slices(saved: Any, current_plan: Mapping[str, Any],
     return {n: tuple(by_length[n]) for n in sorted(by_length)}, ""
 
 
-def restore_checkpoint_plan(engine: "TokenPipelineEngine", saved: Any) -> Optional[dict[int, tuple[int, ...]]]:
+def restore_checkpoint_plan(engine: "PipelineStage", saved: Any) -> Optional[dict[int, tuple[int, ...]]]:
     """Run the slicing the checkpoint's run was using, for every sequence length it had planned (collective:
     every rank calls it after the load).
 
@@ -349,7 +329,7 @@ def restore_checkpoint_plan(engine: "TokenPipelineEngine", saved: Any) -> Option
             planner = None  # its prediction is only worth keeping for the very slices it was made for
         return by_length, planner, why
 
-    by_length, planner, why = _decided_on_rank0(decide)
+    by_length, planner, why = decided_on_rank0(decide)
     current = engine.plan
     if not by_length:
         if engine.global_rank == 0:
@@ -358,7 +338,7 @@ def restore_checkpoint_plan(engine: "TokenPipelineEngine", saved: Any) -> Option
         return None
     replaced = []
     for length, slices in by_length.items():
-        known = engine._plans.get(length)
+        known = engine.plans.get(length)
         if known is not None and tuple(known.slices) == slices:
             continue
         kept = SlicingPlan.from_dict(planner) if planner is not None and planner["seq_len"] == length else None

@@ -15,15 +15,14 @@ import json
 import logging
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
 from .._io import atomic_write_text
+from .stage import PipelineStage
 
-if TYPE_CHECKING:  # pragma: no cover - annotations only
-    from .engine import TokenPipelineEngine
 
 __all__ = ["PLAN_CACHE_VERSION", "CacheEntry", "cache_entry", "gather_fingerprints", "load_cached", "store_plan",
            "partition_cache_entry", "store_partition"]
@@ -42,21 +41,21 @@ class CacheEntry:
     key: str
 
 
-def _stage_fingerprint(engine: "TokenPipelineEngine") -> list:
+def _stage_fingerprint(engine: "PipelineStage") -> list:
     module = engine.module
     chunks = getattr(module, "chunk_funcs", [module.forward_funcs])
     return [[name, list(p.shape), str(p.dtype)] for name, p in module.named_parameters()] + \
         [[type(f).__name__ for f in funcs] for funcs in chunks]
 
 
-def gather_fingerprints(engine: "TokenPipelineEngine") -> tuple:
+def gather_fingerprints(engine: "PipelineStage") -> tuple:
     """Every rank's model fingerprint, in (replica, stage) order (collective over all ranks)."""
     fingerprints: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(fingerprints, (engine.stage_id, engine.grid.data_parallel_id, _stage_fingerprint(engine)))
     return tuple(sorted(fingerprints, key=lambda f: (f[1], f[0])))
 
 
-def cache_entry(engine: "TokenPipelineEngine", fingerprints: tuple, seq_len: int) -> CacheEntry:
+def cache_entry(engine: "PipelineStage", fingerprints: tuple, seq_len: int) -> CacheEntry:
     """The cache key of the plan for ``seq_len`` in this engine's setting, and its file if caching is on."""
     cfg = engine.terapipe
     material = {

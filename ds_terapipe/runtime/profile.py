@@ -14,23 +14,22 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from ..planner.cost import PipelineCost
+from ..planner.refit import measured_over_predicted
 from .context import MicroBatchState, SliceContext, cut_tokens, slice_scope
 from .deferred import WeightGradAccumulator, WeightGradStash
 from .devices import synchronize
 from .p2p import as_tuple
-from .replan import measured_over_predicted
 from .slice_check import probe_pass
 from .step_profile import measure_step_terms
+from .stage import PipelineStage
 
-if TYPE_CHECKING:  # pragma: no cover - annotations only
-    from .engine import TokenPipelineEngine
 
 __all__ = ["MeasuredCosts", "measure_costs", "profile_stage", "recheck_costs", "weight_cost"]
 
@@ -177,7 +176,7 @@ def weight_cost(points: list[dict], batch: int) -> tuple[float, float]:
     return 0.0, max(rate, 0.0) / batch
 
 
-def measure_costs(engine: "TokenPipelineEngine", stage_input: Optional[dict[int, Any]] = None,
+def measure_costs(engine: "PipelineStage", stage_input: Optional[dict[int, Any]] = None,
                   seq_len: Optional[int] = None) -> Optional[MeasuredCosts]:
     """Profile every chunk's layers now and gather the costs (collective: every rank calls it).
 
@@ -200,7 +199,7 @@ def measure_costs(engine: "TokenPipelineEngine", stage_input: Optional[dict[int,
     mine = []
     for chunk in engine.local_chunks:
         chunk_input = stage_input[chunk]
-        with engine._on_chunk(chunk):
+        with engine.on_chunk(chunk):
             points = profile_stage(engine.module, params, chunk_input, seq_len, cfg.granularity,
                                    engine.micro_batch_size, slice_lengths=cfg.profile.slice_lengths,
                                    num_contexts=cfg.profile.num_contexts, warmup=cfg.profile.warmup,
@@ -219,7 +218,7 @@ def measure_costs(engine: "TokenPipelineEngine", stage_input: Optional[dict[int,
     profile_s = time.perf_counter() - started
     # The gather below blocks without a deadline: meet first in a barrier that watches the abort flag, so a rank
     # whose profiling raised stops its peers within seconds, naming it.
-    engine._barrier("profiling")
+    engine.barrier("profiling")
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, {"dp": engine.grid.data_parallel_id, "stage": engine.stage_id, "chunks": mine,
                                       "terms": terms})
@@ -239,7 +238,7 @@ def measure_costs(engine: "TokenPipelineEngine", stage_input: Optional[dict[int,
     return MeasuredCosts(cost, tuple(stage_meta), profile_s)
 
 
-def recheck_costs(engine: "TokenPipelineEngine", stage_input: dict[int, Any], seq_len: int,
+def recheck_costs(engine: "PipelineStage", stage_input: dict[int, Any], seq_len: int,
                   cost: dict, slice_len: int) -> Optional[dict[int, dict[str, float]]]:
     """How fast this device runs now relative to ``cost`` (collective): every chunk times slices of
     ``slice_len`` tokens at two contexts once more (one warm-up, two timed rounds) and global rank 0 returns,
@@ -254,11 +253,11 @@ def recheck_costs(engine: "TokenPipelineEngine", stage_input: dict[int, Any], se
     params = list(engine.module.parameters())
     mine = []
     for chunk in engine.local_chunks:
-        with engine._on_chunk(chunk):
+        with engine.on_chunk(chunk):
             mine.append((chunk, profile_stage(engine.module, params, stage_input[chunk], seq_len, cfg.granularity,
                                               engine.micro_batch_size, slice_lengths=[slice_len], num_contexts=2,
                                               warmup=1, repeats=2, deferred=cfg.deferred_weight_grads)))
-    engine._barrier("re-timing the cached costs")
+    engine.barrier("re-timing the cached costs")
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (engine.grid.data_parallel_id, mine))
     if dist.get_rank() != 0:

@@ -37,16 +37,15 @@ from __future__ import annotations
 import copy
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional, Sequence
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ..planner.cost import WEIGHT_KEYS
-from .p2p import mark_collective
+from .collective import mark_collective
+from .stage import PipelineStage
 
-if TYPE_CHECKING:  # pragma: no cover - annotations only
-    from .engine import TokenPipelineEngine
 
 __all__ = ["repack_factor", "merged_cost", "repacked_rank", "RepackShare", "repack", "check_repack_supported"]
 
@@ -114,7 +113,7 @@ def merged_stage_meta(meta: Optional[Sequence[Mapping[str, Any]]], k: int) -> Op
                  for g in groups)
 
 
-def check_repack_supported(engine: "TokenPipelineEngine") -> Optional[str]:
+def check_repack_supported(engine: "PipelineStage") -> Optional[str]:
     """Why ``terapipe.freeze.repack`` cannot run with this engine (the same answer on every rank), or None."""
     cfg = engine.terapipe
     if cfg.virtual_stages != 1:
@@ -163,7 +162,7 @@ class RepackShare:
     index: int
     old_replica: int
 
-    def take(self, engine: "TokenPipelineEngine", source: Optional[Iterator], per_replica: int,
+    def take(self, engine: "PipelineStage", source: Optional[Iterator], per_replica: int,
              what: str = "train_batch") -> Iterator:
         """Read ``factor x per_replica`` micro-batches from ``source`` and return an iterator over this replica's
         share; collective (the data check)."""
@@ -183,7 +182,7 @@ class RepackShare:
         sums = [_signature(b) for b in batches]
         table[engine.global_rank] = torch.tensor([self.old_replica, problem, sum(s[0] for s in sums),
                                                   sum(s[1] for s in sums)], dtype=torch.float64)
-        engine._p2p.wait(dist.all_reduce(table, async_op=True), f"the data check of {what} after a repack")
+        engine.p2p.wait(dist.all_reduce(table, async_op=True), f"the data check of {what} after a repack")
         rows = table.cpu().tolist()
         missing = [r for r, row in enumerate(rows) if row[1] == 1.0]
         short = [r for r, row in enumerate(rows) if row[1] == 2.0]
@@ -223,7 +222,7 @@ def _hyper(group: Mapping[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in group.items() if key != "params"}
 
 
-def _manifest(engine: "TokenPipelineEngine", new_module: Any) -> dict[str, Any]:
+def _manifest(engine: "PipelineStage", new_module: Any) -> dict[str, Any]:
     """What this rank holds (old module: parameters, their optimizer state and group settings) and needs."""
     groups = {id(p): _hyper(g) for g in engine.optimizer.param_groups for p in g["params"]}
     held = {}
@@ -243,7 +242,7 @@ def _owners(manifests: Sequence[Mapping[str, Any]]) -> dict[str, int]:
     return owners
 
 
-def _transfer(engine: "TokenPipelineEngine", manifests: Sequence[Mapping[str, Any]], owners: Mapping[str, int],
+def _transfer(engine: "PipelineStage", manifests: Sequence[Mapping[str, Any]], owners: Mapping[str, int],
               old_state: Mapping[str, Mapping[str, Any]], new_params: Mapping[str, torch.nn.Parameter]
               ) -> dict[str, dict[str, Any]]:
     """Send every parameter and optimizer-state tensor from its owner to each rank that now holds it (p2p, device
@@ -280,7 +279,7 @@ def _transfer(engine: "TokenPipelineEngine", manifests: Sequence[Mapping[str, An
                 pending.append((dist.irecv(buf, owner), buf, (name, what, key)))
     for work, buf, where in pending:
         if work is not None:
-            engine._p2p.wait(work, "moving parameters and optimizer state in a repack")
+            engine.p2p.wait(work, "moving parameters and optimizer state in a repack")
         if buf is None:
             continue
         name, what, key = where
@@ -313,7 +312,7 @@ def _regroup(optimizer: torch.optim.Optimizer, manifests: Sequence[Mapping[str, 
         optimizer.add_param_group({**settings, "params": params})
 
 
-def _new_config(engine: "TokenPipelineEngine", k: int) -> dict[str, Any]:
+def _new_config(engine: "PipelineStage", k: int) -> dict[str, Any]:
     config = copy.deepcopy(engine.config)
     config["gradient_accumulation_steps"] = engine.micro_batches // k
     config["train_micro_batch_size_per_gpu"] = engine.micro_batch_size
@@ -328,13 +327,12 @@ def _new_config(engine: "TokenPipelineEngine", k: int) -> dict[str, Any]:
 _COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
 
 
-def repack(engine: "TokenPipelineEngine", k: int) -> dict[str, Any]:
+def repack(engine: "PipelineStage", k: int) -> dict[str, Any]:
     """Continue ``engine`` on ``p / k`` stages x ``k d`` replicas (collective; see the module docstring).
 
     On return ``engine`` *is* the repacked engine (its state was replaced in place). Returns the event logged."""
     from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
-    from ..initialize import build_engine
     from .plan import ResolvedPlan
 
     old_stages, old_replicas = engine.num_stages, engine.dp_world_size
@@ -370,8 +368,8 @@ def repack(engine: "TokenPipelineEngine", k: int) -> dict[str, Any]:
         base = freezer.base_cost
         preset = ResolvedPlan(tuple(plan.slices), "repacked", None, merged_cost(base, old_stages, k),
                               merged_stage_meta(plan.stage_meta, k), None)
-    new = build_engine(new_module, _new_config(engine, k), engine.terapipe, args=None, optimizer=optimizer,
-                       lr_scheduler=scheduler, preset_plan=preset)
+    new = type(engine).build(new_module, _new_config(engine, k), engine.terapipe, args=None, optimizer=optimizer,
+                             lr_scheduler=scheduler, preset_plan=preset)
     new_params = dict(new.module.named_parameters())
     states = _transfer(engine, manifests, owners, old_state, new_params)
     for name, state in states.items():

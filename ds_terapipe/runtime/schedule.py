@@ -17,22 +17,16 @@ of a micro-batch, slice 0, or of one slice) becomes :class:`WeightGradPass` with
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterator
 
 from deepspeed.runtime.pipe import schedule as ds_schedule
 
-from ..planner.schedule import Action, ActionKind, Schedule, add_communication, build_schedule
-from ..planner.vocab import add_vocab_passes
-from .freeze import freeze_lowered
+from ..planner.lowering import lower
+from ..planner.schedule import Action, ActionKind, ScheduleError
 
-__all__ = ["TokenPipeSchedule", "VocabBackwardPass", "VocabEmbedBackwardPass", "VocabEmbedForwardPass",
-           "VocabForwardPass", "forward_only"]
-
-
-def forward_only(schedule: Schedule) -> Schedule:
-    """The forwards of ``schedule`` alone, in its order (evaluation: no backward, nothing kept for it)."""
-    return schedule.compute_only().with_streams(
-        f"{schedule.name}-forward", [[a for a in acts if a.kind == ActionKind.FORWARD] for acts in schedule.stages])
+__all__ = ["DISPATCH", "Dispatch", "TokenPipeSchedule", "VocabBackwardPass", "VocabEmbedBackwardPass",
+           "VocabEmbedForwardPass", "VocabForwardPass", "WeightGradPass"]
 
 
 class WeightGradPass(ds_schedule.PipeInstruction):
@@ -83,11 +77,10 @@ class TokenPipeSchedule(ds_schedule.PipeSchedule):
         super().__init__(micro_batches=micro_batches, stages=stages, stage_id=stage_id)
         self.num_slices = num_slices
         self.train = train
-        plan = build_schedule(name, stages, micro_batches, num_slices, deferred_weight_grads and train,
-                              virtual_stages=virtual_stages)
-        self.schedule = freeze_lowered(plan, num_frozen_chunks) if train else add_communication(forward_only(plan))
-        if vocab_parallel:
-            self.schedule = add_vocab_passes(self.schedule, embedding=vocab_embedding)
+        self.schedule = lower(name, stages, micro_batches, num_slices, train=train,
+                              deferred_weight_grads=deferred_weight_grads, virtual_stages=virtual_stages,
+                              num_frozen_chunks=num_frozen_chunks, vocab_parallel=vocab_parallel,
+                              vocab_embedding=vocab_embedding)
         self.actions: tuple[Action, ...] = self.schedule.stages[stage_id]
         self.chunks: tuple[int, ...] = self.schedule.chunks_of(stage_id)
         self._local = {chunk: index for index, chunk in enumerate(self.chunks)}
@@ -115,32 +108,40 @@ class TokenPipeSchedule(ds_schedule.PipeSchedule):
                 assert action.microbatch == loaded + 1, "micro-batches must start in order to load in order"
                 loaded = action.microbatch
                 cmds.append(ds_schedule.LoadMicroBatch(buffer_id=action.microbatch, microbatch=action.microbatch))
-            if kind == ActionKind.FORWARD:
-                cmds.append(ds_schedule.ForwardPass(**fields))
-            elif kind == ActionKind.BACKWARD:
-                cmds.append(ds_schedule.BackwardPass(**fields))
-            elif kind == ActionKind.WEIGHT:
-                cmds.append(WeightGradPass(**fields))
-            elif kind == ActionKind.SEND_F:
-                cmds.append(ds_schedule.SendActivation(**fields))
-            elif kind == ActionKind.RECV_F:
-                cmds.append(ds_schedule.RecvActivation(**fields))
-            elif kind == ActionKind.SEND_B:
-                cmds.append(ds_schedule.SendGrad(**fields))
-            elif kind == ActionKind.RECV_B:
-                cmds.append(ds_schedule.RecvGrad(**fields))
-            elif kind == ActionKind.VOCAB_F:
-                cmds.append(VocabForwardPass(**fields))
-            elif kind == ActionKind.VOCAB_B:
-                cmds.append(VocabBackwardPass(**fields))
-            elif kind == ActionKind.VOCAB_EMBED_F:
-                cmds.append(VocabEmbedForwardPass(**fields))
-            elif kind == ActionKind.VOCAB_EMBED_B:
-                cmds.append(VocabEmbedBackwardPass(**fields))
-            else:  # pragma: no cover - the IR has no other kinds
-                raise AssertionError(f"unknown action {action}")
+            dispatch = DISPATCH.get(kind)
+            if dispatch is None:
+                raise ScheduleError(f"action {action} of schedule {self.schedule.name!r}: the engine has no "
+                                    f"instruction for kind {kind.name}; add it to runtime/schedule.py DISPATCH")
+            cmds.append(dispatch.instruction(**fields))
             yield cmds
         tail: list[ds_schedule.PipeInstruction] = [ds_schedule.CommitP2P()]
         if self.train:
             tail += [ds_schedule.ReduceTiedGrads(), ds_schedule.ReduceGrads(), ds_schedule.OptimizerStep()]
         yield tail
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """How the engine runs one kind of action: the instruction it becomes, the engine method that executes it,
+    and whether its span is recorded in the timeline (compute actions, whose times re-planning refits)."""
+
+    instruction: type
+    handler: str
+    timed: bool = False
+
+
+#: Every action kind the IR has, to its instruction and handler: the one table the lowering (here), the engine's
+#: dispatch (``TokenPipelineEngine._INSTRUCTION_MAP``) and its timeline read. A kind missing here is refused.
+DISPATCH: dict[ActionKind, Dispatch] = {
+    ActionKind.FORWARD: Dispatch(ds_schedule.ForwardPass, "_exec_forward_pass", timed=True),
+    ActionKind.BACKWARD: Dispatch(ds_schedule.BackwardPass, "_exec_backward_pass", timed=True),
+    ActionKind.WEIGHT: Dispatch(WeightGradPass, "_exec_weight_grad_pass", timed=True),
+    ActionKind.SEND_F: Dispatch(ds_schedule.SendActivation, "_exec_send_activations"),
+    ActionKind.RECV_F: Dispatch(ds_schedule.RecvActivation, "_exec_recv_activations"),
+    ActionKind.SEND_B: Dispatch(ds_schedule.SendGrad, "_exec_send_grads"),
+    ActionKind.RECV_B: Dispatch(ds_schedule.RecvGrad, "_exec_recv_grads"),
+    ActionKind.VOCAB_F: Dispatch(VocabForwardPass, "_exec_vocab_forward"),
+    ActionKind.VOCAB_B: Dispatch(VocabBackwardPass, "_exec_vocab_backward"),
+    ActionKind.VOCAB_EMBED_F: Dispatch(VocabEmbedForwardPass, "_exec_vocab_embed_forward"),
+    ActionKind.VOCAB_EMBED_B: Dispatch(VocabEmbedBackwardPass, "_exec_vocab_embed_backward"),
+}

@@ -32,15 +32,15 @@ from __future__ import annotations
 import copy
 import logging
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
 from .context import MicroBatchState, SliceContext, cut_tokens, slice_scope
-from .p2p import agree_or_raise, as_tuple
+from .p2p import as_tuple
+from .collective import agree_or_raise
+from .stage import PipelineStage
 
-if TYPE_CHECKING:  # pragma: no cover - annotations only
-    from .engine import TokenPipelineEngine
 
 __all__ = ["SlicingMismatchError", "check_slicing_equivalence", "check_stage_slicing", "probe_pass"]
 
@@ -89,7 +89,7 @@ def _probe_cuts(seq_len: int, granularity: int, slices: Optional[Sequence[int]])
     return [c * granularity for c in cuts if c > 0]
 
 
-def probe_pass(engine: "TokenPipelineEngine", seq_len: int, first_input: Any = None) -> dict[int, Any]:
+def probe_pass(engine: "PipelineStage", seq_len: int, first_input: Any = None) -> dict[int, Any]:
     """Run one unsliced forward through the pipeline on a sampled input (or, on the rank holding chunk 0,
     ``first_input``: a real batch's inputs); return each of this rank's chunks' input, by chunk id (collective over
     the ranks of a pipeline).
@@ -114,19 +114,19 @@ def probe_pass(engine: "TokenPipelineEngine", seq_len: int, first_input: Any = N
             elif engine.placement[chunk - 1] == engine.stage_id:
                 chunk_input = handed
             else:
-                received = engine._p2p.recv(engine.placement[chunk - 1], f"probe activations of chunk {chunk}")
+                received = engine.p2p.recv(engine.placement[chunk - 1], f"probe activations of chunk {chunk}")
                 chunk_input = received[0] if len(received) == 1 else received
             inputs[chunk] = chunk_input
-            with torch.no_grad(), slice_scope(None), engine._on_chunk(chunk):
+            with torch.no_grad(), slice_scope(None), engine.on_chunk(chunk):
                 output = module(chunk_input)
             handed = None
             if chunk + 1 < engine.num_chunks:
                 if engine.placement[chunk + 1] == engine.stage_id:
                     handed = output
                 else:
-                    engine._p2p.send(as_tuple(output), engine.placement[chunk + 1],
+                    engine.p2p.send(as_tuple(output), engine.placement[chunk + 1],
                                      f"probe activations of chunk {chunk + 1}", header=True)
-        engine._p2p.drain()
+        engine.p2p.drain()
     finally:
         module.train(was_training)
     return inputs
@@ -438,7 +438,7 @@ def check_slicing_equivalence(layers: list[Callable], first_layer_idx: int, stag
     return None
 
 
-def check_stage_slicing(engine: "TokenPipelineEngine", seq_len: int, slices: Optional[tuple[int, ...]],
+def check_stage_slicing(engine: "PipelineStage", seq_len: int, slices: Optional[tuple[int, ...]],
                         batch_input: Any = None, *, on_batch: bool = False) -> Optional[dict[int, Any]]:
     """Probe and check this rank's chunks for ``slices`` (None: not planned yet); return the probe inputs, by
     chunk, if any.
@@ -463,7 +463,7 @@ def check_stage_slicing(engine: "TokenPipelineEngine", seq_len: int, slices: Opt
         module.eval()  # dropout would make the two runs differ
         try:
             for chunk in engine.local_chunks:
-                with engine._on_chunk(chunk):
+                with engine.on_chunk(chunk):
                     problem = check_slicing_equivalence(list(module.forward_funcs), module._local_start,
                                                         inputs[chunk], cuts, names)
                 if problem:
@@ -475,5 +475,5 @@ def check_stage_slicing(engine: "TokenPipelineEngine", seq_len: int, slices: Opt
                     break
         finally:
             module.train(was_training)
-    agree_or_raise(problem, SlicingMismatchError, engine._p2p, "the slice check of every stage")
+    agree_or_raise(problem, SlicingMismatchError, engine.p2p, "the slice check of every stage")
     return inputs

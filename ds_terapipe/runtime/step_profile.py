@@ -27,16 +27,15 @@ import inspect
 import logging
 import statistics
 import time
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .devices import synchronize
+from .stage import PipelineStage
 
-if TYPE_CHECKING:  # pragma: no cover - annotations only
-    from .engine import TokenPipelineEngine
 
 __all__ = ["measure_step_terms", "time_optimizer_step", "time_grad_accumulation"]
 
@@ -190,7 +189,7 @@ def time_grad_accumulation(params: list[torch.nn.Parameter], *, warmup: int = 1,
     return _scaled_ms(time_of, params, limit)
 
 
-def _time_tied_reduce(engine: "TokenPipelineEngine", warmup: int, repeats: int) -> float:
+def _time_tied_reduce(engine: "PipelineStage", warmup: int, repeats: int) -> float:
     """The tied-weight all-reduce (DeepSpeed's ``allreduce_tied_weight_gradients``) on zero buffers; only the
     ranks of a tied group take part, in DeepSpeed's key order."""
     module = engine.module
@@ -210,11 +209,11 @@ def _time_tied_reduce(engine: "TokenPipelineEngine", warmup: int, repeats: int) 
     return _median_ms(reduce, warmup, repeats)
 
 
-def _time_dp_reduce(engine: "TokenPipelineEngine", warmup: int, repeats: int) -> float:
+def _time_dp_reduce(engine: "PipelineStage", warmup: int, repeats: int) -> float:
     """Data-parallel gradient reduction: one all-reduce of this stage's gradient size over its replicas.
 
     With one replica the engine skips DeepSpeed's reduction where it is an identity (fp32/fp16, ZeRO 0, no
-    pre-divide: ``TokenPipelineEngine._dp_reduce_will_be_identity``): 0 then. Elsewhere one replica still pays
+    pre-divide: ``TokenPipelineEngine.dp_reduce_will_be_identity``): 0 then. Elsewhere one replica still pays
     for it: DeepSpeed moves every gradient through its buffers and back (the fallback flattens, reduces over a group of
     one and copies back; ZeRO 1 and the bf16 optimizer copy into their fp32 partitions), 50-65 ms per step for a
     4 x 512 stage on one CPU core. Timed as that: flatten zero gradients, all-reduce over the group of one, copy
@@ -226,7 +225,7 @@ def _time_dp_reduce(engine: "TokenPipelineEngine", warmup: int, repeats: int) ->
     params = [p for p in engine.module.parameters() if p.requires_grad]
     group = engine.grid.get_data_parallel_group()
     if engine.grid.data_parallel_size == 1:
-        if not params or engine._dp_reduce_will_be_identity():
+        if not params or engine.dp_reduce_will_be_identity():
             return 0.0
         sampled, scale = _sample(params, MAX_TIMED_ELEMENTS)
         grads = [torch.zeros_like(p) for p in sampled]
@@ -245,7 +244,7 @@ def _time_dp_reduce(engine: "TokenPipelineEngine", warmup: int, repeats: int) ->
     return _median_ms(lambda: dist.all_reduce(buf, group=group), warmup, repeats) * max(1.0, numel / buf.numel())
 
 
-def _ping_pong(engine: "TokenPipelineEngine", numel: int, dtype: torch.dtype, repeats: int) -> Optional[float]:
+def _ping_pong(engine: "PipelineStage", numel: int, dtype: torch.dtype, repeats: int) -> Optional[float]:
     """One-way milliseconds of a ``numel`` message from each rank to the next (rank 0 of every pair reports)."""
     p = engine.num_stages
     if p == 1:
@@ -275,14 +274,14 @@ def _ping_pong(engine: "TokenPipelineEngine", numel: int, dtype: torch.dtype, re
     return out
 
 
-def _time_sync(engine: "TokenPipelineEngine", warmup: int, repeats: int) -> float:
+def _time_sync(engine: "PipelineStage", warmup: int, repeats: int) -> float:
     """The end-of-step meetings: the engine's barrier and the loss broadcast over the pipeline."""
     loss = torch.zeros(2, device=engine.device)
     group = engine.grid.get_pipe_parallel_group()
-    src = engine._loss_stage_global_rank()
+    src = engine.last_chunk_global_rank()
 
     def meet() -> None:
-        engine._barrier("the step-cost profile")
+        engine.barrier("the step-cost profile")
         dist.broadcast(loss, src=src, group=group)
 
     return _median_ms(meet, warmup, repeats)
@@ -292,7 +291,7 @@ def _time_sync(engine: "TokenPipelineEngine", warmup: int, repeats: int) -> floa
 _BANDWIDTH_NUMEL = 1 << 20
 
 
-def measure_step_terms(engine: "TokenPipelineEngine", warmup: int = 1, repeats: int = 3) -> dict[str, Any]:
+def measure_step_terms(engine: "PipelineStage", warmup: int = 1, repeats: int = 3) -> dict[str, Any]:
     """This rank's whole-step terms (collective over all ranks); see the module docstring.
 
     Returns plain numbers: ``optimizer_ms``, ``grad_reduce_ms``, ``tied_reduce_ms``, ``sync_ms``,

@@ -44,153 +44,36 @@ other than ``causal_lm_loss``, a vocabulary smaller than p.
 
 from __future__ import annotations
 
-import functools
 import glob
 import logging
 import os
 import re
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from deepspeed.pipe import LayerSpec, TiedLayerSpec
+from deepspeed.pipe import TiedLayerSpec
 
 from .context import current_slice
+from .errors import CheckpointError
 from .grad_sink import GradSink
-from .p2p import mark_collective
-from .vocab_embedding import EmbeddingSplit, VocabEmbedding, plan_embedding_split
+from .collective import mark_collective
+from .vocab_embedding import VocabEmbedding, plan_embedding_split
+from .vocab_shard import HeadSpec, VocabShardHead, build_full, get_dotted
+from .stage import PipelineStage
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .engine import TokenPipelineEngine
 
-__all__ = ["HeadSpec", "VocabShardHead", "VocabParallel", "split_output_layer", "build_full", "build_shard_head",
-           "save_vocab_shard", "load_vocab_shard", "shard_file_name", "merge_vocab_shards", "layer_fills"]
+__all__ = ["VocabParallel", "build_shard_head", "save_vocab_shard", "load_vocab_shard", "shard_file_name",
+           "merge_vocab_shards", "layer_fills"]
 
 logger = logging.getLogger(__name__)
 
 _SHARD_FILE = re.compile(r"vocab_shard-(\d+)-of-(\d+)-model_states\.pt$")
-_FIX_HEAD = ("make the last layer the output projection: an nn.Linear(hidden, vocab) (LayerSpec or module), or a "
-             "TiedLayerSpec whose forward_fn computes x @ W.T with its tied weight; or set "
-             "terapipe.vocab_parallel to false")
-
-
 def shard_file_name(rank: int, num_shards: int) -> str:
     return f"vocab_shard-{rank:02d}-of-{num_shards:02d}-model_states.pt"
-
-
-@dataclass(frozen=True)
-class HeadSpec:
-    """The output layer as given (the last entry of ``layers``) and where its weight lives."""
-
-    layer: Any              # LayerSpec, TiedLayerSpec or nn.Module
-    index: int              # its layer index (for checkpoint files written without vocabulary parallelism)
-    tied_key: Optional[str]  # TiedLayerSpec key shared with an earlier layer, else None
-    weight_name: str        # state-dict name of the weight inside the layer ("weight", "wte.weight")
-    bias_name: Optional[str]
-
-
-def _get(module: torch.nn.Module, dotted: str) -> Any:
-    return functools.reduce(getattr, dotted.split("."), module)
-
-
-def split_output_layer(layers: list) -> tuple[list, HeadSpec]:
-    """``layers`` without the output layer, and the output layer; ValueError when the last layer is not one."""
-    layers = list(layers)
-    if not layers:
-        raise ValueError(f"terapipe.vocab_parallel: the model has no layers; {_FIX_HEAD}")
-    head, index = layers[-1], len(layers) - 1
-    if isinstance(head, TiedLayerSpec):
-        attrs = head.tied_weight_attr if isinstance(head.tied_weight_attr, (list, tuple)) else [head.tied_weight_attr]
-        if len(attrs) != 1:
-            raise ValueError(f"terapipe.vocab_parallel: the last layer (TiedLayerSpec {head.key!r}) ties "
-                             f"{list(attrs)}; the output layer must tie exactly one (vocab, hidden) weight; "
-                             f"{_FIX_HEAD}")
-        tied = any(isinstance(s, TiedLayerSpec) and s.key == head.key for s in layers[:-1])
-        return layers[:-1], HeadSpec(head, index, head.key if tied else None, attrs[0], None)
-    if isinstance(head, LayerSpec) and isinstance(head.typename, type) and issubclass(head.typename, torch.nn.Linear) \
-            or isinstance(head, torch.nn.Linear):
-        return layers[:-1], HeadSpec(head, index, None, "weight", "bias")
-    found = _projection_names(head)
-    if found is not None:   # a module wrapping one projection (a Hugging Face lm_head): build_full checks x @ W.T
-        return layers[:-1], HeadSpec(head, index, None, *found)
-    name = getattr(getattr(head, "typename", None), "__name__", type(head).__name__)
-    raise ValueError(f"terapipe.vocab_parallel: the last layer ({name}) is not a recognisable output layer; "
-                     f"{_FIX_HEAD}")
-
-
-def _projection_names(layer: Any) -> Optional[tuple[str, Optional[str]]]:
-    """(weight name, bias name or None) when ``layer`` (a LayerSpec or a module) holds exactly one matrix and at
-    most one vector of its rows: the shape of an output projection, recognised by structure rather than by class
-    (a LayerSpec is built on the meta device: no memory, no initialisation). None otherwise."""
-    if isinstance(layer, torch.nn.Module):
-        module = layer
-    elif isinstance(layer, LayerSpec):
-        try:
-            with torch.device("meta"):
-                module = layer.build()
-        except Exception:  # noqa: BLE001 - a layer that cannot be built on meta is not recognised here
-            return None
-    else:
-        return None
-    params = dict(module.named_parameters())
-    matrices = [n for n, p in params.items() if p.dim() == 2]
-    if len(matrices) != 1:
-        return None
-    rows = params[matrices[0]].shape[0]
-    rest = [n for n in params if n != matrices[0]]
-    if len(rest) > 1 or (rest and tuple(params[rest[0]].shape) != (rows, )):
-        return None
-    return matrices[0], rest[0] if rest else None
-
-
-def build_full(spec: HeadSpec) -> tuple[torch.nn.Module, torch.Tensor, Optional[torch.Tensor]]:
-    """The output layer built as given (CPU), its weight (V, H) and bias, after checking it computes x @ W.T + b."""
-    layer = spec.layer
-    module = layer if isinstance(layer, torch.nn.Module) else layer.build()
-    weight = _get(module, spec.weight_name)
-    bias = _get(module, spec.bias_name) if spec.bias_name else None
-    if not torch.is_tensor(weight) or weight.dim() != 2:
-        raise ValueError(f"terapipe.vocab_parallel: the output layer's {spec.weight_name} is not a (vocab, hidden) "
-                         f"matrix; {_FIX_HEAD}")
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 3, weight.shape[1], generator=gen, dtype=weight.dtype).to(weight.device)
-    with torch.no_grad():
-        fn = getattr(layer, "forward_fn", None)
-        got = fn(module, x) if fn is not None else module(x)
-        want = F.linear(x, weight, bias)
-    if not torch.is_tensor(got) or got.shape != want.shape or not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
-        raise ValueError(f"terapipe.vocab_parallel: the output layer does not compute x @ {spec.weight_name}.T"
-                         f"{' + bias' if bias is not None else ''}; {_FIX_HEAD}")
-    return module, weight.detach(), None if bias is None else bias.detach()
-
-
-class VocabShardHead(torch.nn.Module):
-    """This rank's rows of the output layer: ``weight`` (R, H), ``bias`` (R, ) or None; rows ``[offset,
-    offset + R)`` of the padded vocabulary, of which the first ``num_valid`` are real tokens."""
-
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], vocab_size: int, rank: int,
-                 num_shards: int, spec: HeadSpec) -> None:
-        super().__init__()
-        self.vocab_size, self.rank, self.num_shards, self.spec = vocab_size, rank, num_shards, spec
-        self.rows = -(-vocab_size // num_shards)
-        self.offset = rank * self.rows
-        self.num_valid = max(0, min(self.rows, vocab_size - self.offset))
-        self.weight = torch.nn.Parameter(weight)
-        self.bias = None if bias is None else torch.nn.Parameter(bias)
-        self.embedding: Optional[EmbeddingSplit] = None  # the tied input embedding, when split with the head
-
-    def extra_repr(self) -> str:
-        return (f"rows [{self.offset}, {self.offset + self.rows}) of vocab {self.vocab_size} (padded to "
-                f"{self.rows * self.num_shards}), hidden {self.weight.shape[1]}")
-
-    def take_rows(self, full: torch.Tensor) -> torch.Tensor:
-        """This shard's rows of a (V, ...) tensor, zero-padded past V."""
-        out = full.new_zeros((self.rows, *full.shape[1:]))
-        out[:self.num_valid] = full[self.offset:self.offset + self.num_valid]
-        return out
 
 
 def build_shard_head(module: Any, spec: HeadSpec) -> VocabShardHead:
@@ -217,7 +100,7 @@ def build_shard_head(module: Any, spec: HeadSpec) -> VocabShardHead:
         source = min(module.stage_owner(i) for i, s in enumerate(module._layer_specs)
                      if isinstance(s, TiedLayerSpec) and s.key == spec.tied_key)
         if stage == source:
-            weight = _get(module.tied_modules[spec.tied_key], spec.weight_name).detach().clone()
+            weight = get_dotted(module.tied_modules[spec.tied_key], spec.weight_name).detach().clone()
     if p > 1:
         group, src = module._grid.get_pipe_parallel_group(), module._grid.stage_to_global(source)
         dist.broadcast(weight, src, group=group)
@@ -261,8 +144,6 @@ def merge_vocab_shards(tag_dir: str) -> Optional[dict[str, Any]]:
             found[int(match.group(1))] = (int(match.group(2)), path)
     if not found:
         return None
-    from .checkpoint import CheckpointError
-
     counts = {n for n, _ in found.values()}
     if len(counts) != 1 or sorted(found) != list(range(counts.pop())):
         raise CheckpointError(f"checkpoint {tag_dir} has vocabulary shards {sorted(found)} of "
@@ -279,8 +160,6 @@ def merge_vocab_shards(tag_dir: str) -> Optional[dict[str, Any]]:
 
 def load_vocab_shard(module: Any, load_dir: str) -> None:
     """Load this rank's rows from the shards of any p, or from the head's layer file of a run without them."""
-    from .checkpoint import CheckpointError
-
     head: VocabShardHead = module.vocab_head
     merged = merge_vocab_shards(load_dir)
     if merged is None:
@@ -339,7 +218,7 @@ class _Unit:
 class VocabParallel:
     """The engine's side: the VF/VB passes and the tied-gradient exchange (see the module docstring)."""
 
-    def __init__(self, engine: "TokenPipelineEngine") -> None:
+    def __init__(self, engine: "PipelineStage") -> None:
         self.engine = engine
         self.head: VocabShardHead = engine.module.vocab_head
         self.group = engine.grid.get_pipe_parallel_group()
@@ -361,7 +240,7 @@ class VocabParallel:
                                               if isinstance(s, TiedLayerSpec) and s.key == spec.tied_key}))
 
     @staticmethod
-    def check_engine(engine: "TokenPipelineEngine") -> None:
+    def check_engine(engine: "PipelineStage") -> None:
         """Refusals that need the engine (every rank: the same config and model)."""
         wanted, built = engine.terapipe.vocab_parallel, getattr(engine.module, "vocab_head", None) is not None
         if wanted != built:
@@ -467,7 +346,7 @@ class VocabParallel:
         if self.is_last:
             outputs = self.engine.pipe_buffers["outputs"][buffer_id]
             # DeepSpeed's backward of the last stage starts from a loss: this one's gradient on h is grad_hidden
-            self.engine._unit_losses[buffer_id] = (outputs * grad_hidden).sum()
+            self.engine.unit_losses[buffer_id] = (outputs * grad_hidden).sum()
 
     def _backward(self, microbatch: int, slice_index: int) -> torch.Tensor:
         engine, head = self.engine, self.head
@@ -495,7 +374,7 @@ class VocabParallel:
         stage = engine.stage_id
         tied = None
         if stage in self.tied_holders:
-            tied = _get(engine.module.tied_modules[head.spec.tied_key], head.spec.weight_name)
+            tied = get_dotted(engine.module.tied_modules[head.spec.tied_key], head.spec.weight_name)
             tied_grad = self.grads.read(tied)
             if stage == self.tied_holders[0] and tied_grad is not None:
                 total[:head.vocab_size] += tied_grad
@@ -508,4 +387,4 @@ class VocabParallel:
         self.grads.write(head.weight, total[head.offset:head.offset + head.rows])
 
     def _wait(self, works: list, what: str) -> None:
-        self.engine._p2p.wait_all(works, what)
+        self.engine.p2p.wait_all(works, what)

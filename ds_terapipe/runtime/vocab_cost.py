@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -36,16 +36,13 @@ import torch.nn.functional as F
 
 from .context import current_slice
 from .devices import synchronize
-from .vocab import HeadSpec, VocabShardHead, build_full
+from .vocab_shard import HeadSpec, VocabShardHead, build_full
 from .vocab_embedding import EmbeddingSplit, SplitTokenEmbedding, plan_embedding_split
-
-if TYPE_CHECKING:  # pragma: no cover - annotations only
-    from .module import TokenPipelineModule
 
 __all__ = ["profiling_shard", "split_embedding_runner", "share_runner", "time_links"]
 
 
-def profiling_shard(module: "TokenPipelineModule", spec: HeadSpec, device: torch.device
+def profiling_shard(module: "torch.nn.Module", spec: HeadSpec, device: torch.device
                     ) -> tuple[VocabShardHead, Optional[EmbeddingSplit]]:
     """This rank's shard of the output layer (its rows of the layer as built from the spec) and the embedding
     split the module will install, decided as at build with the input embedding assumed on the first stage
@@ -94,7 +91,7 @@ def share_runner(head: VocabShardHead, labels: torch.Tensor, ids: Optional[torch
     return run, list(head.parameters())
 
 
-def time_links(module: "TokenPipelineModule", num_elements: int, dtype: torch.dtype, device: torch.device, *,
+def time_links(module: "torch.nn.Module", num_elements: int, dtype: torch.dtype, device: torch.device, *,
                warmup: int = 1, repeats: int = 3) -> dict[str, float]:
     """Milliseconds of a broadcast of one value and of ``num_elements`` over this pipeline's ranks, as the
     (latency per hop, Gbit/s) of ``VocabShareCost``'s model: ceil(log2 p) hops plus 2(p-1)/p of the bytes.

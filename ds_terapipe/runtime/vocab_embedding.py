@@ -36,11 +36,10 @@ loads it. A checkpoint written without the split loads its rows from the embeddi
 
 from __future__ import annotations
 
-import functools
 import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -49,10 +48,8 @@ from deepspeed.pipe import TiedLayerSpec
 
 from .context import current_slice, cut_tokens
 from .grad_sink import GradSink
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .engine import TokenPipelineEngine
-    from .vocab import HeadSpec, VocabShardHead
+from .stage import PipelineStage
+from .vocab_shard import HeadSpec, VocabShardHead, get_dotted
 
 __all__ = ["EmbeddingSplit", "SplitTokenEmbedding", "VocabEmbedding", "plan_embedding_split", "install_split",
            "lookup_rows"]
@@ -71,10 +68,6 @@ class EmbeddingSplit:
     padding_idx: Optional[int]
 
 
-def _get(module: torch.nn.Module, dotted: str) -> Any:
-    return functools.reduce(getattr, dotted.split("."), module)
-
-
 def plan_embedding_split(full: torch.nn.Module, spec: "HeadSpec", specs: list, stage_owner: Any
                          ) -> Optional[EmbeddingSplit]:
     """The split of the tied input embedding, or None where it stays whole (see the module docstring).
@@ -85,7 +78,7 @@ def plan_embedding_split(full: torch.nn.Module, spec: "HeadSpec", specs: list, s
         return None
     users = [i for i, s in enumerate(specs) if isinstance(s, TiedLayerSpec) and s.key == spec.tied_key]
     path, _, attr = spec.weight_name.rpartition(".")
-    embedding = _get(full, path) if path else None
+    embedding = get_dotted(full, path) if path else None
     why = None
     if len(users) != 1:
         why = f"the tied weight is used by layers {users} besides the head (one input embedding is split)"
@@ -162,7 +155,7 @@ def install_split(module: Any, head: "VocabShardHead", split: EmbeddingSplit) ->
     if split.key in module.tied_modules:
         tied = module.tied_modules[split.key]
         parent_path, _, name = split.path.rpartition(".")
-        parent = _get(tied, parent_path) if parent_path else tied
+        parent = get_dotted(tied, parent_path) if parent_path else tied
         setattr(parent, name, SplitTokenEmbedding(getattr(parent, name), head))
     module.tied_comms.pop(split.key, None)
 
@@ -170,7 +163,7 @@ def install_split(module: Any, head: "VocabShardHead", split: EmbeddingSplit) ->
 class VocabEmbedding:
     """The engine's side: the ``EF``/``EB`` passes (see the module docstring)."""
 
-    def __init__(self, engine: "TokenPipelineEngine", head: "VocabShardHead", split: EmbeddingSplit) -> None:
+    def __init__(self, engine: "PipelineStage", head: "VocabShardHead", split: EmbeddingSplit) -> None:
         self.engine, self.head, self.split = engine, head, split
         self.group = engine.grid.get_pipe_parallel_group()
         first = engine.placement[0]  # the rank of chunk 0 (rank 0 in every placement)
@@ -178,7 +171,7 @@ class VocabEmbedding:
         self.is_first = engine.stage_id == first
         self.stub: Optional[SplitTokenEmbedding] = None
         if self.is_first:
-            self.stub = _get(engine.module.tied_modules[split.key], split.path)
+            self.stub = get_dotted(engine.module.tied_modules[split.key], split.path)
             assert isinstance(self.stub, SplitTokenEmbedding), "install_split ran at build"
         # (micro-batch, slice) -> (row index into the shard (B, T), counted mask (B, T)) until EB
         self._units: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -207,7 +200,7 @@ class VocabEmbedding:
         what = f"the vocabulary embedding of micro-batch {microbatch} slice {slice_index}"
         training = torch.is_grad_enabled()
         if self.is_first:
-            inputs = cut_tokens(engine._loaded[microbatch]["inputs"], start, end, engine.seq_len)
+            inputs = cut_tokens(engine.loaded[microbatch]["inputs"], start, end, engine.seq_len)
             ids = inputs
             if not torch.is_tensor(ids) or ids.is_floating_point() or tuple(ids.shape) != shape:
                 got = tuple(ids.shape) if torch.is_tensor(ids) else type(ids).__name__
@@ -242,4 +235,4 @@ class VocabEmbedding:
             self.grads.index_add(head.weight, local[counted], grad[counted].float())
 
     def _wait(self, works: list, what: str) -> None:
-        self.engine._p2p.wait_all(works, what)
+        self.engine.p2p.wait_all(works, what)
