@@ -13,7 +13,7 @@ m micro-batches. Every variant's engine is built once, then ``--warmup`` + ``--s
 * ``token+freeze``: the same with ``freeze: {"schedule": [[0, 1 + layers/2]]}``: the embedding and the first half
   of the blocks are frozen before the first step, stage 0 runs forward only and the slicing is re-planned;
 * ``token+repack``: the same freeze with ``"repack": true``: stage 0 holds frozen layers only, so before the first
-  step the run continues as 1 stage x 2 data-parallel replicas (``runtime/repack.py``), each running the frozen
+  step the run continues as 1 stage x 2 data-parallel replicas (``runtime/features/repack.py``), each running the frozen
   prefix forward-only in front of the trained layers on 2 of the 4 micro-batches;
 * ``stock+freeze``: ``deepspeed.initialize`` on the same module with ``requires_grad=False`` on those layers'
   parameters (the tied embedding weight trains through the head, as in ``token+freeze``). DeepSpeed still runs

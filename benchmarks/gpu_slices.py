@@ -82,9 +82,9 @@ def _slice_lengths(seq_len: int, counts: list[int], granularity: int) -> list[in
 def measure_shape(shape: dict[str, Any], counts: list[int], rounds: int, device: torch.device,
                   dtype: torch.dtype) -> dict[str, Any]:
     """Profile points (as the engine's profile takes them), accumulation terms, and the four variants' medians."""
-    from ds_terapipe.runtime.deferred import enable_deferred_weight_grads
-    from ds_terapipe.runtime.profile import profile_stage
-    from ds_terapipe.runtime.step_profile import time_grad_accumulation
+    from ds_terapipe.runtime.slicing.deferred import enable_deferred_weight_grads
+    from ds_terapipe.runtime.planning.profile import profile_stage
+    from ds_terapipe.runtime.planning.step_profile import time_grad_accumulation
     started = time.perf_counter()
     stage = build_stage(shape).to(device, dtype)
     enable_deferred_weight_grads(stage)   # defers only under a slice context with a stash (fused, per-slice W)
@@ -138,7 +138,7 @@ def profile_prediction(rec: dict[str, Any], n: int, variant: str) -> dict[str, f
     of the micro-batch, here slice n-1's, finds none: the runs start from ``.grad = None``), W from the deferred
     fit (one pass, one GEMM per Linear over the W's tokens)."""
     from ds_terapipe.planner.cost import MeasuredCost
-    from ds_terapipe.runtime.profile import weight_cost
+    from ds_terapipe.runtime.planning.profile import weight_cost
     shape = rec["shape"]
     seq_len, batch = shape["seq_len"], shape["batch"]
     cuts = bounds(seq_len, n)

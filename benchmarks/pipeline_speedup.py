@@ -23,7 +23,7 @@ receives, sends and the optimizer tail. Reported per row (medians over the measu
 * ``bound ms``: the bubble-free bound, the slowest stage's busy time; ``eff``: bound / step;
 * ``pred ms``, ``err``: the planner's ``slicing_plan.predicted_ms`` and (pred - measured) / measured;
 * ``re-prof ms``, ``re-prof err``: the same plan predicted again from costs profiled right after the timed rounds
-  (``ds_terapipe.runtime.profile.measure_costs``, the engine's own profiler): on this shared host the same work
+  (``ds_terapipe.runtime.planning.profile.measure_costs``, the engine's own profiler): on this shared host the same work
   runs 10-20% slower or faster minutes apart, so ``pred err`` mixes the host's drift since init with the cost
   model's and simulator's error, and ``re-prof err`` is mostly the latter;
 * ``peak MiB``: everything one more untimed step allocates above what the process held when it began (parameter
@@ -34,7 +34,8 @@ receives, sends and the optimizer tail. Reported per row (medians over the measu
   ``weakref.finalize`` on the packed handle drops a storage when autograd frees its last saved reference) plus
   the KV cache buffers (``engine._states[*].nbytes()``, sampled at every pack and after every instruction).
 
-The parent launches the workers (``ds_terapipe.runtime.local_launch``: a free port, the RANK/WORLD_SIZE/MASTER_PORT
+The parent launches the workers (``ds_terapipe.runtime.execution.local_launch``: a free port, the
+RANK/WORLD_SIZE/MASTER_PORT
 environment), prints the tables and the targets, writes the report (``--json``, default
 ``benchmarks/results/pipeline_speedup.json``), and with ``--plots DIR`` the measured timeline of the median step of
 ``--timeline`` (merged Chrome trace + PNG) beside the planner's simulated timeline of the same plan.
@@ -168,7 +169,7 @@ def _reprofile(engine: Any) -> dict | None:
     """
     from ds_terapipe.planner.schedule import build_schedule
     from ds_terapipe.planner.simulate import simulate
-    from ds_terapipe.runtime.profile import measure_costs
+    from ds_terapipe.runtime.planning.profile import measure_costs
 
     measured = measure_costs(engine)
     if measured is None:   # not global rank 0
@@ -417,7 +418,7 @@ def check_targets(report: dict) -> list[dict]:
                            "value": r["efficiency"], "met": r["efficiency"] >= 0.90})
         if r["variant"] == "slices=1":
             # the engine's own overhead: one slice may not cost more than stock (it may cost less: one replica
-            # skips DeepSpeed's identity gradient reduction, runtime/engine.py _dp_reduce_is_identity)
+            # skips DeepSpeed's identity gradient reduction, runtime/execution/engine.py _dp_reduce_is_identity)
             checks.append({"target": f"m={r['m']} slices=1 at most 3% slower than stock", "value": r["speedup"],
                            "met": 1.0 / r["speedup"] - 1.0 <= 0.03})
         stock = next((x for x in rows if x["m"] == r["m"] and x["variant"] == "stock"), None)

@@ -36,7 +36,7 @@ def _blocks(args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
     from ds_terapipe.models.gpt import GPTBlock, GPTConfig
     cfg = GPTConfig(num_layers=2 * args.layers, hidden=args.hidden, num_heads=args.heads, vocab_size=256,
                     max_seq_len=args.seq_len)
-    from ds_terapipe.runtime.deferred import enable_deferred_weight_grads
+    from ds_terapipe.runtime.slicing.deferred import enable_deferred_weight_grads
     blocks = torch.nn.Sequential(*[GPTBlock(cfg, i) for i in range(args.layers)]).to(device)
     enable_deferred_weight_grads(blocks)  # defers only under a slice context with a stash (the "on" rows)
     return blocks

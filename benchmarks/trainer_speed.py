@@ -12,12 +12,13 @@ shared by the rounds, so only the first launch of a variant profiles); with ``--
 registered schedule, at its default chunks per rank (``interleaved-1f1b``, ``looped-bfs`` and ``dualpipev``: two,
 so the trainer cuts the 8 blocks into 4 chunks of 2), and any schedule with ``+replan`` (``gpipe+replan``): the same
 with ``terapipe.replan`` on at its defaults (refit after 5 warm-up and 3 measured steps, inside ``--warmup``,
-which is then 8 by default; the printed plan is the refit model's from then on). A round launches every variant once per m,
+which is then 8 by default; the printed plan is the refit model's from then on). A round launches every variant once
+per m,
 the order rotated per round; each launch trains ``--warmup`` + ``--steps`` steps and the trainer's per-step ms of
 the last ``--steps`` are kept. Reported per (m, variant): the median ms/step over all kept steps of all rounds, the
 speedup over stock (median over rounds of the per-round ratio of medians), the plan's predicted ms/step (the
 trainer prints it; the plan includes the optimizer step, gradient reductions and per-action overheads measured at
-init: ``runtime/step_profile.py``) and its error against the measured median.
+init: ``runtime/planning/step_profile.py``) and its error against the measured median.
 """
 from __future__ import annotations
 

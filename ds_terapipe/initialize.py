@@ -1,7 +1,7 @@
 """``ds_terapipe.initialize``: ``deepspeed.initialize`` that builds a TokenPipelineEngine when asked to.
 
 Same arguments, same return value. With ``"terapipe": {"enabled": true}`` in the DeepSpeed config and a
-``PipelineModule`` it builds :class:`~ds_terapipe.runtime.engine.TokenPipelineEngine` the way
+``PipelineModule`` it builds :class:`~ds_terapipe.runtime.execution.engine.TokenPipelineEngine` the way
 ``deepspeed.initialize`` builds its ``PipelineEngine`` (same steps, in the same order); in every other case it
 calls ``deepspeed.initialize`` with the arguments untouched.
 """
@@ -80,8 +80,9 @@ def initialize(args: Any = None,
 
 
 def build_engine(model: PipelineModule, ds_config: dict, terapipe: Any, **kwargs: Any) -> Any:
-    """A :class:`~ds_terapipe.runtime.engine.TokenPipelineEngine` built the way ``deepspeed.initialize`` builds its
+    """A :class:`~ds_terapipe.runtime.execution.engine.TokenPipelineEngine` built the way ``deepspeed.initialize``
+    builds its
     ``PipelineEngine`` (process group up; collective): ``TokenPipelineEngine.build``."""
-    from .runtime.engine import TokenPipelineEngine
+    from .runtime.execution.engine import TokenPipelineEngine
 
     return TokenPipelineEngine.build(model, ds_config, terapipe, **kwargs)

@@ -31,7 +31,7 @@ import torch
 import deepspeed
 import ds_terapipe
 from ds_terapipe.models.gpt import GPTConfig, causal_lm_loss, gpt_layer_specs
-from ds_terapipe.runtime.shm import remove_shm_segments
+from ds_terapipe.runtime.execution.shm import remove_shm_segments
 
 
 def setup_logging() -> None:

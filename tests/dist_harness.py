@@ -1,7 +1,7 @@
 """Launch N local gloo processes running tests/dist_worker.py and collect their results.
 
 Each launch runs many cases in one process group (DeepSpeed engine construction is the expensive part, a new
-launch is far more). Ranks are started by :func:`ds_terapipe.runtime.local_launch.run_local` (free port, one
+launch is far more). Ranks are started by :func:`ds_terapipe.runtime.execution.local_launch.run_local` (free port, one
 log per rank, deadline, fail-fast, shm cleanup). Every rank also arms tests/dist_worker.py's watchdog
 (``DS_TERAPIPE_WATCHDOG_S``, 15 s before the launch's deadline): past it the rank dumps its stack and the last
 instructions it ran to its log and exits, so a hang becomes a failure whose message shows where each rank was.
@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ds_terapipe.runtime.local_launch import LaunchResult, run_local
+from ds_terapipe.runtime.execution.local_launch import LaunchResult, run_local
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "dist_worker.py"

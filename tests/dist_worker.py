@@ -27,8 +27,8 @@ import deepspeed
 import ds_terapipe
 from deepspeed.accelerator import get_accelerator
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
-from ds_terapipe.runtime.p2p import linger_for_peers
-from ds_terapipe.runtime.step_profile import measure_step_terms
+from ds_terapipe.runtime.execution.p2p import linger_for_peers
+from ds_terapipe.runtime.planning.step_profile import measure_step_terms
 from ds_terapipe.models.gpt import (GPTBlock, GPTConfig, GPTReference, causal_lm_loss, gpt_layer_specs,
                                     reference_param_name)
 
@@ -165,7 +165,8 @@ def replica_batches(batches: list[tuple], dp_id: int, micro: int, dp: int, num_s
     return [batches[s * micro * dp + dp_id * micro + j] for s in range(num_steps) for j in range(micro)]
 
 
-# -- gradient clipping by the global norm (runtime/clip.py) -------------------------------------------------------
+# -- gradient clipping by the global norm (runtime/execution/clip.py)
+# -------------------------------------------------------
 # Small enough that every step of every clipping case clips (tests/clipping.py checks that the reference's norms
 # exceed it several times over): a clipping coefficient from any other norm changes the step.
 CLIP = 0.15
@@ -691,7 +692,7 @@ def suite_features(extra: dict) -> list[dict]:
 
     # robustness: export, another stage count, corrupt files, other dimensions (nothing overwritten)
     STATUS["case"] = "checkpoint robustness"
-    from ds_terapipe.runtime.checkpoint import CheckpointError, export_state_dict, read_latest
+    from ds_terapipe.runtime.execution.checkpoint import CheckpointError, export_state_dict, read_latest
 
     robust: dict[str, Any] = {"case": "checkpoint robustness"}
     exported = export_state_dict(ckpt)
@@ -1015,7 +1016,7 @@ def suite_virtual_features(extra: dict) -> list[dict]:
         other.load_checkpoint(ckpt)
         params = _gathered_params(other)
         loaded[label] = max(rel_err(params[n], saved[n]) for n in saved)
-    from ds_terapipe.runtime.checkpoint import export_state_dict
+    from ds_terapipe.runtime.execution.checkpoint import export_state_dict
     exported = {f"layers.{n}": v for n, v in export_state_dict(ckpt).items()}   # reference names
     results.append({"case": STATUS["case"], "uninterrupted": uninterrupted, "resumed": resumed,
                     "step": client["step"], "loaded_rel_err": loaded,
@@ -1290,7 +1291,7 @@ class RaisingWhenSliced(torch.nn.Module):
     """Position-wise when unsliced; raises inside a sliced forward (a bug that shows only under slicing)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from ds_terapipe.runtime.context import current_slice
+        from ds_terapipe.runtime.slicing.context import current_slice
 
         if current_slice() is not None:
             raise RuntimeError("simulated layer failure under slicing")
@@ -1298,7 +1299,7 @@ class RaisingWhenSliced(torch.nn.Module):
 
 
 class RaisingWhenProfiled(torch.nn.Module):
-    """Position-wise; raises when called by the profiler (``runtime/profile.py``), after the slice check passed."""
+    """Position-wise; raises when called by the profiler (``runtime/planning/profile.py``), after the slice check passed."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         import inspect
@@ -1311,7 +1312,8 @@ class RaisingWhenProfiled(torch.nn.Module):
 SUITES["faults"] = suite_faults
 
 
-# -- progressive freezing (runtime/freeze.py), 2 ranks ---------------------------------------------------------
+# -- progressive freezing (runtime/features/freeze.py), 2 ranks
+# ---------------------------------------------------------
 def frozen_reference(specs: list, batches: list[tuple], num_steps: int, frozen_at: Callable[[int], int],
                      lr: float = 0.1, momentum: float = 0.9, max_norm: float = 0.0) -> dict[str, Any]:
     """Single-process, unsliced training of the layer specs with the first ``frozen_at(step)`` layers frozen at
@@ -1469,7 +1471,7 @@ def _frozen_case(case: str, cfg: GPTConfig, run: dict[str, Any], ref: dict[str, 
 
 def repack_cases(extra: dict, cfg: GPTConfig, batches: list[tuple], num_steps: int, micro: int, batch: int,
                  seq_len: int, at: Callable[[int], int]) -> list[dict]:
-    """Repacking (runtime/repack.py): the freeze schedule that leaves stage 0 with frozen layers only, with and
+    """Repacking (runtime/features/repack.py): the freeze schedule that leaves stage 0 with frozen layers only, with and
     without ``repack``; after the repack both ranks hold every layer (1 stage x 2 replicas) and train the same
     losses and parameters as the pipeline that kept its 2 stages, and as the reference."""
     results: list[dict] = []
@@ -1620,7 +1622,7 @@ def suite_freeze(extra: dict) -> list[dict]:
                     "params_equal": all(torch.equal(params[0][n].detach(), params[1][n].detach()) for n in params[0])})
 
     # no tied weight: rank 0 ends with nothing to train at all, and gradient clipping still works (it joins the
-    # norm's all-reduce with zero: runtime/clip.py)
+    # norm's all-reduce with zero: runtime/execution/clip.py)
     STATUS["case"] = "untied clipping"
     run = run_frozen(cfg, {"seq_len": seq_len, "slices": 2, "schedule": "1f1b", "freeze": {"schedule": [[1, 4]]}},
                      batches, 3, specs=untied_specs(cfg), clipping=1e-3)
@@ -1825,9 +1827,10 @@ def _raised(fn: Callable[[], Any]) -> Optional[str]:
 
 def vocab_virtual_checkpoint_case(cfg: GPTConfig, batches: list[tuple], ckpt: Path) -> dict[str, Any]:
     """A checkpoint under dualpipev (two chunks per rank, the last chunk and chunk 0 on rank 0) with a tied head
-    whose input embedding is split: eval_batch equals the reference's loss; the same layout resumes exactly; a 1f1b model (one chunk per rank) loads the
+    whose input embedding is split: eval_batch equals the reference's loss; the same layout resumes exactly; a 1f1b
+    model (one chunk per rank) loads the
     same weights (layers by global index, the shards by pipeline rank); the export holds the whole head."""
-    from ds_terapipe.runtime.checkpoint import export_state_dict
+    from ds_terapipe.runtime.execution.checkpoint import export_state_dict
 
     STATUS["case"] = "vocab checkpoint under dualpipev"
     plan = {"slices": [8, 24, 16], "seq_len": 48, "schedule": "dualpipev"}
@@ -1870,7 +1873,7 @@ def vocab_virtual_checkpoint_case(cfg: GPTConfig, batches: list[tuple], ckpt: Pa
 def suite_vocab_features(extra: dict) -> list[dict]:
     """Checkpoints (same p: exact resume; p=1: weights; export_state_dict merges the shards), eval_batch, and the
     refusals, each raised on every rank."""
-    from ds_terapipe.runtime.checkpoint import export_state_dict
+    from ds_terapipe.runtime.execution.checkpoint import export_state_dict
 
     cfg = GPTConfig(num_layers=2, hidden=32, num_heads=4, vocab_size=63, max_seq_len=64, seed=7)
     batches = make_batches(cfg, 6, 2, 48, seed=77)

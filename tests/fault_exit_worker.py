@@ -9,7 +9,8 @@ interpreter and exits 1. Two ranks, gloo. Cases:
   ``PeerFailedError`` with its receive still posted. Rank 0 keeps the connection open until rank 1 is finalising
   (an object's ``__del__`` there writes ``DIR/finalising`` and holds finalisation for 2 s), and only then raises
   and exits, closing the connection under rank 1's finalisation: exactly the moment that, unless the wait was
-  ended at exit (runtime/p2p.py, "Leaving after a fault"), wakes rank 1's helper thread and aborts the process.
+  ended at exit (runtime/execution/p2p.py, "Leaving after a fault"), wakes rank 1's helper thread and aborts the
+  process.
 * ``killed``: rank 0 waits for a transfer from rank 1, which the test kills once rank 0 prints ``waiting``.
 * ``engine``: a 2-stage engine whose first stage reads micro-batches of two lengths in one step (a refused
   batch): rank 0 raises ``ValueError``, rank 1 stops with ``PeerFailedError``.
@@ -56,7 +57,7 @@ def wait_for(path: Path, timeout_s: float = 20.0) -> None:
 
 
 def abandoned(out: Path) -> None:
-    from ds_terapipe.runtime.p2p import AbortFlag, SliceP2P
+    from ds_terapipe.runtime.execution.p2p import AbortFlag, SliceP2P
 
     dist.init_process_group("gloo")
     p2p = SliceP2P([0, 1], torch.device("cpu"), 60, abort=AbortFlag.on_default_group("fault_exit/abort"))
@@ -70,7 +71,7 @@ def abandoned(out: Path) -> None:
 
 
 def killed(out: Path) -> None:
-    from ds_terapipe.runtime.p2p import AbortFlag, SliceP2P
+    from ds_terapipe.runtime.execution.p2p import AbortFlag, SliceP2P
 
     dist.init_process_group("gloo")
     p2p = SliceP2P([0, 1], torch.device("cpu"), 60, abort=AbortFlag.on_default_group("fault_exit/abort"))

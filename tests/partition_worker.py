@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 import ds_terapipe
-from ds_terapipe.runtime import partition as _partition
+from ds_terapipe.runtime.features import partition as _partition
 from ds_terapipe.models.gpt import GPTConfig, causal_lm_loss, gpt_layer_specs
 from tests import dist_worker as dw
 

@@ -13,9 +13,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ds_terapipe.runtime.attention import CausalSelfAttention, sliced_causal_attention
-from ds_terapipe.runtime.context import MicroBatchState, SliceContext, slice_scope
-from ds_terapipe.runtime.slice_check import check_slicing_equivalence
+from ds_terapipe.runtime.slicing.attention import CausalSelfAttention, sliced_causal_attention
+from ds_terapipe.runtime.slicing.context import MicroBatchState, SliceContext, slice_scope
+from ds_terapipe.runtime.planning.slice_check import check_slicing_equivalence
 
 
 def random_slices(seq_len: int, rng: random.Random) -> list[int]:

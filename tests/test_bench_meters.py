@@ -109,7 +109,7 @@ def test_alternate_stops_at_max_rounds_when_the_machine_stays_busy() -> None:
 def test_instruction_recorder_sees_the_token_schedules_microbatch_slice_and_chunk() -> None:
     """The recorder reads the fields TokenPipeSchedule's instructions carry, as the engine's dispatch passes them
     (``handler(engine, **cmd.kwargs)``): a timeline whose slices all read 0 would hide the token pipeline."""
-    from ds_terapipe.runtime.schedule import TokenPipeSchedule
+    from ds_terapipe.runtime.execution.schedule import TokenPipeSchedule
 
     sched = TokenPipeSchedule("interleaved-1f1b", micro_batches=2, stages=2, stage_id=1, num_slices=2,
                               virtual_stages=2)

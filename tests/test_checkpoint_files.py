@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from ds_terapipe.runtime.checkpoint import (MANIFEST, CheckpointError, export_state_dict, read_latest,
+from ds_terapipe.runtime.execution.checkpoint import (MANIFEST, CheckpointError, export_state_dict, read_latest,
                                             verify_manifest, write_latest, write_manifest)
 
 
@@ -64,7 +64,8 @@ def test_no_latest_names_the_fix(tmp_path) -> None:
         export_state_dict(str(tmp_path))
 
 
-# -- the slicing a resumed run runs (runtime/plan.py: checkpoint_slices, restore_checkpoint_plan) ---------------
+# -- the slicing a resumed run runs (runtime/planning/plan.py: checkpoint_slices, restore_checkpoint_plan)
+# ---------------
 def _summary(**over) -> dict:
     plan = {"slices": [24, 24], "seq_len": 48, "schedule": "1f1b", "num_stages": 2, "virtual_stages": 1,
             "micro_batches": 2, "micro_batch_size": 2}
@@ -79,7 +80,7 @@ def _config(**over) -> dict:
 
 
 def test_a_checkpoint_plan_is_run_again_only_for_the_same_shape_and_planning_keys() -> None:
-    from ds_terapipe.runtime.plan import checkpoint_slices
+    from ds_terapipe.runtime.planning.plan import checkpoint_slices
 
     saved = {"plan": _summary(), "config": _config()}
     here = _summary(slices=[48])   # this start profiled another slicing: the checkpoint's wins
@@ -110,7 +111,7 @@ def test_resume_plan_off_or_slices_from_the_config_restore_nothing_without_a_col
     from types import SimpleNamespace
 
     from ds_terapipe.config import parse_terapipe_config
-    from ds_terapipe.runtime.plan import restore_checkpoint_plan
+    from ds_terapipe.runtime.planning.plan import restore_checkpoint_plan
 
     saved = {"plan": _summary(), "config": _config()}
     for over in ({"resume_plan": False}, {"slices": 2}):

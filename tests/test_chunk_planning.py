@@ -170,7 +170,7 @@ def test_chrome_trace_of_one_chunk_runs_is_unchanged(tmp_path):
 
 def test_engine_schedule_takes_the_chunks_its_schedule_places():
     pytest.importorskip("deepspeed")
-    from ds_terapipe.runtime.schedule import TokenPipeSchedule
+    from ds_terapipe.runtime.execution.schedule import TokenPipeSchedule
 
     for name in CHUNKED:
         with pytest.raises(ValueError, match="virtual_stages = 1"):

@@ -1,4 +1,5 @@
-"""Tier a, one process: the parts of runtime/clip.py that need no process group. Which copy of a parameter counts
+"""Tier a, one process: the parts of runtime/execution/clip.py that need no process group. Which copy of a parameter
+counts
 in the norm, the arithmetic against torch's clip_grad_norm_ (the all-reduce stubbed: one rank), the tied weights
 every rank sees the same, and which configurations are refused. The multi-process checks against the reference
 (tests/clipping.py) run in the launches of test_engine_features, test_engine_equivalence (2 x 2 replicas),
@@ -13,8 +14,8 @@ import torch
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 
-from ds_terapipe.runtime import clip
-from ds_terapipe.runtime.clip import clip_grad_norm_over, clipping_problem, counted_in_norm, weights_tied_across_ranks
+from ds_terapipe.runtime.execution import clip
+from ds_terapipe.runtime.execution.clip import clip_grad_norm_over, clipping_problem, counted_in_norm, weights_tied_across_ranks
 
 
 def _param(values: list[float], **marks: object) -> torch.nn.Parameter:

@@ -1,4 +1,4 @@
-"""Deferred weight gradients (runtime/deferred.py): the split backward gives ordinary autograd's gradients.
+"""Deferred weight gradients (runtime/slicing/deferred.py): the split backward gives ordinary autograd's gradients.
 
 Single process, no DeepSpeed engine: GPT blocks run slice by slice through the slice context exactly as a
 stage does, backwards later slices first, then the micro-batch's W pass. Every parameter gradient must equal
@@ -12,8 +12,8 @@ import torch
 import torch.nn as nn
 
 from ds_terapipe.models.gpt import GPTBlock, GPTConfig
-from ds_terapipe.runtime.context import MicroBatchState, SliceContext, slice_scope
-from ds_terapipe.runtime.deferred import WeightGradStash, enable_deferred_weight_grads
+from ds_terapipe.runtime.slicing.context import MicroBatchState, SliceContext, slice_scope
+from ds_terapipe.runtime.slicing.deferred import WeightGradStash, enable_deferred_weight_grads
 
 CFG = GPTConfig(num_layers=2, hidden=32, num_heads=4, max_seq_len=64, seed=3)
 
@@ -145,7 +145,7 @@ def _record(model: nn.Module, x: torch.Tensor, slices: list[int], stash: WeightG
 def test_step_accumulator_sums_the_w_passes_and_hands_over_once() -> None:
     """The engine's path: W passes (one per slice, two micro-batches) summed in place, handed to .grad once;
     the same gradients as handing each W pass over on its own, and one accumulation per parameter per step."""
-    from ds_terapipe.runtime.deferred import WeightGradAccumulator
+    from ds_terapipe.runtime.slicing.deferred import WeightGradAccumulator
     model = _blocks()
     enable_deferred_weight_grads(model)
     xs = [torch.randn(2, 24, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(s)) for s in (5, 6)]
@@ -174,7 +174,7 @@ def test_step_accumulator_sums_the_w_passes_and_hands_over_once() -> None:
 def test_step_accumulator_leaves_low_precision_weights_to_each_w_pass() -> None:
     """bf16 weights: summing a step's W passes in bf16 would lose what DeepSpeed's fp32 accumulation keeps, so
     compute(into=...) returns their gradients for an immediate hand-over and keeps nothing."""
-    from ds_terapipe.runtime.deferred import WeightGradAccumulator
+    from ds_terapipe.runtime.slicing.deferred import WeightGradAccumulator
     model = _blocks().to(torch.bfloat16)
     enable_deferred_weight_grads(model)
     acc = WeightGradAccumulator()
@@ -204,8 +204,8 @@ def test_a_w_per_slice_computes_its_slice_alone_wherever_it_runs() -> None:
     computes all; the sums are the same as one W over everything, and the stash goes once nothing is left."""
     from types import SimpleNamespace
 
-    from ds_terapipe.runtime.deferred import WeightGradAccumulator
-    from ds_terapipe.runtime.engine import TokenPipelineEngine
+    from ds_terapipe.runtime.slicing.deferred import WeightGradAccumulator
+    from ds_terapipe.runtime.execution.engine import TokenPipelineEngine
     model = _blocks()
     enable_deferred_weight_grads(model)
     x = torch.randn(1, 24, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
@@ -251,8 +251,8 @@ def test_a_step_ending_with_uncomputed_weight_grads_is_refused() -> None:
 
     import pytest
 
-    from ds_terapipe.runtime.deferred import WeightGradAccumulator
-    from ds_terapipe.runtime.engine import TokenPipelineEngine
+    from ds_terapipe.runtime.slicing.deferred import WeightGradAccumulator
+    from ds_terapipe.runtime.execution.engine import TokenPipelineEngine
     model = _blocks()
     enable_deferred_weight_grads(model)
     stash = WeightGradStash()

@@ -1,4 +1,4 @@
-"""Tier a, one process: the GPU-only rules of runtime/devices.py, checked on CPU.
+"""Tier a, one process: the GPU-only rules of runtime/slicing/devices.py, checked on CPU.
 
 * Every host-clock read of the profiler comes right after an accelerator synchronize (the accelerator is
   patched to log its syncs next to the clock's reads: on CPU a missing sync changes no number, so only the
@@ -18,11 +18,11 @@ import torch.nn.functional as F
 from deepspeed.accelerator import get_accelerator
 from torch.nn.attention.bias import CausalBias, CausalVariant
 
-from ds_terapipe.runtime import attention, devices
-from ds_terapipe.runtime.attention import CausalSelfAttention, _prefix_causal_mask
-from ds_terapipe.runtime.context import MicroBatchState, SliceContext, slice_scope
-from ds_terapipe.runtime.deferred import enable_deferred_weight_grads
-from ds_terapipe.runtime.profile import profile_stage
+from ds_terapipe.runtime.slicing import attention, devices
+from ds_terapipe.runtime.slicing.attention import CausalSelfAttention, _prefix_causal_mask
+from ds_terapipe.runtime.slicing.context import MicroBatchState, SliceContext, slice_scope
+from ds_terapipe.runtime.slicing.deferred import enable_deferred_weight_grads
+from ds_terapipe.runtime.planning.profile import profile_stage
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Tier a, one process: the DeepSpeed internals ds_terapipe relies on (runtime/ds_internals.py) are all there,
+"""Tier a, one process: the DeepSpeed internals ds_terapipe relies on (runtime/execution/ds_internals.py) are all there,
 a missing one is named with where it is used and the tested range, and the table misses nothing the runtime
 touches."""
 
@@ -15,7 +15,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.module import PipelineModule
 from packaging.specifiers import SpecifierSet
 
-from ds_terapipe.runtime.ds_internals import (INTERNALS, TESTED_DEEPSPEED, DeepSpeedInternalsError,
+from ds_terapipe.runtime.execution.ds_internals import (INTERNALS, TESTED_DEEPSPEED, DeepSpeedInternalsError,
                                               check_deepspeed_internals, missing_internals)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,7 +34,7 @@ def test_a_removed_method_is_named_with_its_use_and_the_fix(monkeypatch) -> None
     with pytest.raises(DeepSpeedInternalsError) as err:
         check_deepspeed_internals()
     message = str(err.value)
-    assert "PipelineEngine._reserve_pipe_buffers (attr; used in runtime/engine.py _exec_schedule" in message
+    assert "PipelineEngine._reserve_pipe_buffers (attr; used in runtime/execution/engine.py _exec_schedule" in message
     assert f"DeepSpeed {deepspeed.__version__} does not have" in message
     assert f"pip install 'deepspeed{TESTED_DEEPSPEED}'" in message
     assert message.count("\n  - ") == 1  # only what is missing
@@ -90,7 +90,7 @@ def test_the_table_lists_every_deepspeed_internal_the_plugin_touches() -> None:
             if name in ds_names and not name.startswith("__"):
                 used.setdefault(name, str(path.relative_to(ROOT)))
     unlisted = {name: where for name, where in used.items() if name not in listed}
-    assert not unlisted, f"DeepSpeed internals used but missing from runtime/ds_internals.py INTERNALS: {unlisted}"
+    assert not unlisted, f"DeepSpeed internals used but missing from runtime/execution/ds_internals.py INTERNALS: {unlisted}"
     assert {"_exec_forward_pass", "_reserve_pipe_buffers", "_next_batch", "_local_start"} <= set(used)
 
 
@@ -98,7 +98,7 @@ def test_engine_init_runs_the_check(monkeypatch) -> None:
     """The engine's own ``__init__`` calls the check on itself, right after DeepSpeed's engine is built (a source
     grep would pass a commented-out call). DeepSpeed's ``__init__`` is stubbed and the check replaced by a spy that
     stops the constructor there, so no process group is needed."""
-    from ds_terapipe.runtime import engine as engine_module
+    from ds_terapipe.runtime.execution import engine as engine_module
 
     class Checked(Exception):
         pass

@@ -56,7 +56,7 @@ def test_auto_plan_is_profiled_once_then_cached_and_exact(features, features_dir
     solved = solve(cached["cost"], "1f1b")
     assert cached["plan"]["slices"] == list(solved.slices)
     assert cached["plan"] == solved.to_dict()
-    # the whole step was measured at init (runtime/step_profile.py) and is in the prediction; the losses and
+    # the whole step was measured at init (runtime/planning/step_profile.py) and is in the prediction; the losses and
     # gradients below equal the reference, so measuring it changed nothing the first step sees
     step = cached["cost"]["step"]
     assert step["tied_ranks"] == [0, 1] and step["tied_reduce_ms"] > 0 and step["sync_ms"] > 0

@@ -1,7 +1,7 @@
 """Tier a: the engine peeks at the next micro-batch every step and puts it back without nesting iterators."""
 from __future__ import annotations
 
-from ds_terapipe.runtime.engine import put_back
+from ds_terapipe.runtime.execution.engine import put_back
 
 
 def test_put_back_reuses_its_wrapper_so_steps_do_not_nest() -> None:

@@ -3,10 +3,10 @@
 A rank that stopped for a fault leaves the way a user's script does (the exception escapes, the interpreter
 finalises): it must print the exception and exit 1, never abort ("terminate called without an active
 exception", SIGABRT: -6 here, 134 from a shell, 250 from DeepSpeed's launcher), and no helper thread of
-runtime/p2p.py may be left running.
+runtime/execution/p2p.py may be left running.
 
 * A wait given up for the abort flag whose peer closes the connection while this process finalises (the
-  race behind the abort, made to happen on every launch): without the exit path of runtime/p2p.py ("Leaving
+  race behind the abort, made to happen on every launch): without the exit path of runtime/execution/p2p.py ("Leaving
   after a fault") rank 1 aborted in 3 of 3 launches.
 * A refused batch in a real 2-stage engine (micro-batches of two lengths in one step): aborted 2 of 4 launches
   without it.

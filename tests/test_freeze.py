@@ -1,4 +1,5 @@
-"""Progressive freezing (runtime/freeze.py): its config, the schedule without frozen chunks' backward, the frozen
+"""Progressive freezing (runtime/features/freeze.py): its config, the schedule without frozen chunks' backward, the
+frozen
 cost model, the automatic rule; then, on 2 gloo ranks (one launch), training with frozen layers against the
 unsliced reference with the same layers frozen at the same steps, and the refusals."""
 

@@ -3,7 +3,8 @@ unsliced reference with the same layers frozen at the same steps, and a frozen w
 
 DeepSpeed's BF16_Optimizer, ZeRO 1 and the fp16 optimizers keep fp32 master copies (flat partitions, or one copy
 per parameter) that their inner optimizer updates whole: with SGD momentum a frozen weight would keep moving. The
-freezer holds the frozen elements still around that update and zeroes their state (runtime/frozen_state.py). One
+freezer holds the frozen elements still around that update and zeroes their state (runtime/features/frozen_state.py).
+One
 launch of 2 ranks (bf16/fp16/fp32 x ZeRO 0/1, gpipe, 1f1b, interleaved-1f1b) and one of 4 (2 stages x 2 replicas,
 where ZeRO 1 and BF16_Optimizer split the master copies between the replicas); tests/freeze_precision_worker.py.
 
@@ -59,12 +60,13 @@ def test_freeze_with_master_copies_split_between_replicas(tmp_path) -> None:
 
 
 def test_which_optimizers_freezing_can_hold_still() -> None:
-    """The rule behind the refusal at init (runtime/frozen_state.py), without a process group: a torch optimizer,
+    """The rule behind the refusal at init (runtime/features/frozen_state.py), without a process group: a torch
+    optimizer,
     and DeepSpeed's wrappers whose master copies it can locate; the fused FP16_Optimizer and an unknown wrapper are
     refused with the rule and the fix."""
     import torch
 
-    from ds_terapipe.runtime.frozen_state import frozen_state_problem
+    from ds_terapipe.runtime.features.frozen_state import frozen_state_problem
 
     sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
     assert frozen_state_problem(sgd) is None

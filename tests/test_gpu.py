@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ds_terapipe.runtime.attention import CausalSelfAttention
-from ds_terapipe.runtime.context import MicroBatchState, SliceContext, slice_scope
+from ds_terapipe.runtime.slicing.attention import CausalSelfAttention
+from ds_terapipe.runtime.slicing.context import MicroBatchState, SliceContext, slice_scope
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

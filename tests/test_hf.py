@@ -25,7 +25,7 @@ from deepspeed.pipe import TiedLayerSpec  # noqa: E402
 from ds_terapipe.models.hf import (UnsupportedModelError, causal_lm_loss, causal_lm_specs,  # noqa: E402
                                    hf_param_name, hf_state_dict, terapipe_attention)
 from ds_terapipe.planner.schedule import ActionKind, build_schedule  # noqa: E402
-from ds_terapipe.runtime.context import MicroBatchState, SliceContext, slice_scope  # noqa: E402
+from ds_terapipe.runtime.slicing.context import MicroBatchState, SliceContext, slice_scope  # noqa: E402
 
 TOL = 1e-5
 SEQ_LEN, BATCH, MICRO_BATCHES, VOCAB = 16, 2, 2, 128

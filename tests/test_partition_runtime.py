@@ -1,4 +1,5 @@
-"""Tier b: cost-based layer partitioning at init (``partition_method="terapipe"``, runtime/partition.py) and the
+"""Tier b: cost-based layer partitioning at init (``partition_method="terapipe"``, runtime/features/partition.py) and
+the
 user's own boundaries (``"parts:..."``) equal the single-process unsliced reference: loss, every gradient and the
 parameters after 3 SGD+momentum steps (fp32 rel err <= 1e-5), under gpipe, 1f1b and interleaved-1f1b (two chunks
 per rank); every rank holds the same boundaries, the head's stage gets fewer blocks than the naive layout, the

@@ -1,4 +1,4 @@
-"""The plan cache's key (runtime/plan_cache.py cache_entry): what changes a plan changes the key, what does not
+"""The plan cache's key (runtime/planning/plan_cache.py cache_entry): what changes a plan changes the key, what does not
 leaves it alone. A fake engine carries just the attributes the key reads."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import torch
 
 from ds_terapipe.config import parse_terapipe_config
-from ds_terapipe.runtime import plan_cache
-from ds_terapipe.runtime.plan_cache import cache_entry
+from ds_terapipe.runtime.planning import plan_cache
+from ds_terapipe.runtime.planning.plan_cache import cache_entry
 
 
 def _engine(device: str = "cpu", **terapipe) -> SimpleNamespace:

@@ -6,7 +6,8 @@ Exactly means bit for bit: a fresh engine that loads the checkpoint trains the n
 scales and learning rates of the run that went on without stopping, and ends with the same fp32 master weights.
 bf16 at ZeRO stage 0 is the case DeepSpeed 0.19.8's own load gets wrong (its BF16_Optimizer is handed one state
 dict where it indexes a list per data-parallel rank: ``KeyError: 0``); the engine loads that optimizer itself
-(runtime/checkpoint.py). Loading weights only (``load_optimizer_states=False``) must leave the fp32 master weights
+(runtime/execution/checkpoint.py). Loading weights only (``load_optimizer_states=False``) must leave the fp32 master
+weights
 equal to the loaded weights, which DeepSpeed leaves at their initial values without ZeRO.
 
 fp16 on a CPU: DeepSpeed's CPU accelerator refuses it where oneDNN has no fp16 kernels ("Type fp16 is not
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from ds_terapipe.runtime.checkpoint import CheckpointError, bf16_optimizer_file
+from ds_terapipe.runtime.execution.checkpoint import CheckpointError, bf16_optimizer_file
 from tests.dist_harness import launch
 
 WORKER = Path(__file__).resolve().parent / "precision_resume_worker.py"

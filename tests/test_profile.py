@@ -1,4 +1,5 @@
-"""On-device profiling (runtime/profile.py, profile_stage): one point per (slice, context), rounds over the grid.
+"""On-device profiling (runtime/planning/profile.py, profile_stage): one point per (slice, context), rounds over the
+grid.
 
 Single process, a linear "stage" and a fake clock: the stage advances the clock by a duration chosen per timed
 call (forward, and backward through a custom autograd function), so medians are exact and nothing depends on
@@ -11,9 +12,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from ds_terapipe.runtime.context import current_slice
-from ds_terapipe.runtime.deferred import WeightGradStash, enable_deferred_weight_grads
-from ds_terapipe.runtime.profile import profile_stage, weight_cost
+from ds_terapipe.runtime.slicing.context import current_slice
+from ds_terapipe.runtime.slicing.deferred import WeightGradStash, enable_deferred_weight_grads
+from ds_terapipe.runtime.planning.profile import profile_stage, weight_cost
 
 SEQ, HIDDEN = 64, 16
 LENGTHS = [8, 16, 32]
@@ -161,7 +162,7 @@ def test_a_burst_times_copies_back_to_back_so_the_idle_start_is_paid_once(monkey
     # On an accelerator the first kernels after a sync wait for the host (a head start the runtime's stream of
     # slices does not pay per slice). Model it: the first timed forward after each device sync costs 40 ms more.
     # With burst=3 each point's 3 copies run between two syncs: the head start is a third per copy.
-    import ds_terapipe.runtime.profile as profile_module
+    import ds_terapipe.runtime.planning.profile as profile_module
 
     clock = FakeClock()
     idle = {"after_sync": True}

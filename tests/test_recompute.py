@@ -1,4 +1,4 @@
-"""Tier a, one process: activation checkpointing of token slices (runtime/recompute.py).
+"""Tier a, one process: activation checkpointing of token slices (runtime/features/recompute.py).
 
 Slices run forward in order and backward later-slices-first, as a stage runs them; every two-block segment is
 checkpointed, so each slice's backward recomputes its forward over the earlier slices' cached keys/values. The
@@ -15,10 +15,10 @@ import torch.nn as nn
 
 from ds_terapipe.config import TeraPipeConfig
 from ds_terapipe.planner.slicing import MemoryModel
-from ds_terapipe.runtime.attention import CausalSelfAttention
-from ds_terapipe.runtime.context import MicroBatchState, SliceContext, slice_scope
-from ds_terapipe.runtime.deferred import WeightGradStash, enable_deferred_weight_grads
-from ds_terapipe.runtime.recompute import install_sliced_checkpointing, planned_activation_factor, sliced_checkpoint
+from ds_terapipe.runtime.slicing.attention import CausalSelfAttention
+from ds_terapipe.runtime.slicing.context import MicroBatchState, SliceContext, slice_scope
+from ds_terapipe.runtime.slicing.deferred import WeightGradStash, enable_deferred_weight_grads
+from ds_terapipe.runtime.features.recompute import install_sliced_checkpointing, planned_activation_factor, sliced_checkpoint
 
 
 class Block(nn.Module):

@@ -1,4 +1,5 @@
-"""Online re-planning (runtime/replan.py): the refit of measured action times, and its config. The switch itself,
+"""Online re-planning (runtime/planning/replan.py): the refit of measured action times, and its config. The switch
+itself,
 on every rank at the same step and without changing results, is tests/test_engine_virtual.py's."""
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from deepspeed.runtime.pipe import schedule as ds
 from ds_terapipe.planner.schedule import (Action, ActionKind, PairingError, Schedule, ScheduleError,
                                          add_communication, build_schedule, replay)
 from ds_terapipe.planner.lowering import forward_only
-from ds_terapipe.runtime.schedule import TokenPipeSchedule, WeightGradPass
+from ds_terapipe.runtime.execution.schedule import TokenPipeSchedule, WeightGradPass
 
 KIND = {ds.ForwardPass: ActionKind.FORWARD, ds.BackwardPass: ActionKind.BACKWARD,
         ds.SendActivation: ActionKind.SEND_F, ds.RecvActivation: ActionKind.RECV_F,
@@ -90,7 +90,7 @@ def test_a_reordered_stream_is_caught() -> None:
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
 def test_deferred_weight_grads_lower_to_weight_passes_after_the_sends(name: str) -> None:
-    from ds_terapipe.runtime.schedule import WeightGradPass
+    from ds_terapipe.runtime.execution.schedule import WeightGradPass
 
     stages, micro, slices = 3, 2, 3
     per_slice = name == "1f1b"  # the default placement (planner.schedule.WEIGHTS_PER_SLICE)
@@ -182,7 +182,7 @@ def test_a_backward_before_its_later_slices_is_a_schedule_error_naming_the_rule_
     ``ScheduleError`` (not an ``assert``): it stays under ``python -O``."""
     from types import SimpleNamespace
 
-    from ds_terapipe.runtime.engine import TokenPipelineEngine
+    from ds_terapipe.runtime.execution.engine import TokenPipelineEngine
 
     # the parts of an engine the check reads: slice 2 of 3 done, slice 1 not yet, micro-batch 1 on chunk 0
     engine = SimpleNamespace(_states={(0, 1): SimpleNamespace(backward_done={2})}, num_slices=3,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ds_terapipe.runtime import shm
+from ds_terapipe.runtime.execution import shm
 
 
 def test_removes_only_that_port_and_rank(tmp_path, monkeypatch) -> None:

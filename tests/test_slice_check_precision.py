@@ -19,8 +19,8 @@ import torch
 import torch.nn as nn
 
 from ds_terapipe.models.gpt import GPTConfig, gpt_layer_specs
-from ds_terapipe.runtime.attention import CausalSelfAttention, apply_rotary, sliced_causal_attention
-from ds_terapipe.runtime.slice_check import check_slicing_equivalence
+from ds_terapipe.runtime.slicing.attention import CausalSelfAttention, apply_rotary, sliced_causal_attention
+from ds_terapipe.runtime.planning.slice_check import check_slicing_equivalence
 from tests.test_attention import MeanMixer, PlainCausal, ZeroProjAttention
 
 HALF = [torch.bfloat16, torch.float16]
@@ -177,7 +177,7 @@ def test_a_layer_that_cannot_be_copied_is_checked_in_its_own_precision(caplog) -
             return x + x.mean(dim=1, keepdim=True)
 
     x = torch.randn(BATCH, 32, 16).bfloat16()
-    with caplog.at_level("WARNING", logger="ds_terapipe.runtime.slice_check"):
+    with caplog.at_level("WARNING", logger="ds_terapipe.runtime.planning.slice_check"):
         problem = check_slicing_equivalence([Uncopyable()], 0, x, [8, 16, 8])
     assert problem is not None and "layer 0 (Uncopyable)" in problem, problem
     warned = [r.getMessage() for r in caplog.records]

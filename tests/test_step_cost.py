@@ -3,7 +3,7 @@
     python -m pytest -q tests/test_step_cost.py
 
 Tier (a) for the planner (pure Python, milliseconds), plus single-process checks of the runtime timers that
-must measure without changing the model or the optimizer (``runtime/step_profile.py``).
+must measure without changing the model or the optimizer (``runtime/planning/step_profile.py``).
 """
 from __future__ import annotations
 
@@ -177,7 +177,7 @@ def _per_stage(cost: PipelineCost) -> dict:
 # -- the runtime timers -------------------------------------------------------------------------------------------
 
 def test_timing_the_optimizer_step_changes_neither_the_model_nor_the_optimizer() -> None:
-    from ds_terapipe.runtime.step_profile import time_optimizer_step
+    from ds_terapipe.runtime.planning.step_profile import time_optimizer_step
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.LayerNorm(64), torch.nn.Linear(64, 8))
@@ -202,7 +202,7 @@ def test_timing_the_optimizer_step_changes_neither_the_model_nor_the_optimizer()
 
 
 def test_a_prefix_stands_for_the_rest_scaled_by_elements() -> None:
-    from ds_terapipe.runtime.step_profile import _sample
+    from ds_terapipe.runtime.planning.step_profile import _sample
 
     tensors = [torch.zeros(100), torch.zeros(50), torch.zeros(250)]
     assert _sample(tensors, 1000) == (tensors, 1.0)
@@ -222,7 +222,7 @@ def test_a_prefix_stands_for_the_rest_scaled_by_elements() -> None:
 def test_a_fixed_cost_per_timed_call_is_not_scaled_with_the_elements() -> None:
     # a timed call costs 5 ms whatever its size (launch, sync) plus 0.01 ms per element: 10,000 elements timed on
     # a 1,000-element sample must come out at 5 + 100 ms, not (5 + 10) x 10
-    from ds_terapipe.runtime.step_profile import _scaled_ms
+    from ds_terapipe.runtime.planning.step_profile import _scaled_ms
 
     tensors = [torch.zeros(64), torch.zeros(100, 99), torch.zeros(36)]
     fake = lambda sample: 5.0 + 0.01 * sum(t.numel() for t in sample)   # noqa: E731
@@ -237,7 +237,7 @@ def test_gradient_accumulation_is_timed_as_autograd_runs_it_an_add_per_parameter
     # slower on a GPU for a large layer, so the timer must run what autograd runs
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from ds_terapipe.runtime.step_profile import time_grad_accumulation
+    from ds_terapipe.runtime.planning.step_profile import time_grad_accumulation
 
     class _Ops(TorchDispatchMode):
         def __init__(self) -> None:
@@ -255,7 +255,7 @@ def test_gradient_accumulation_is_timed_as_autograd_runs_it_an_add_per_parameter
 
 
 def test_gradient_accumulation_is_timed_on_buffers_not_on_grad() -> None:
-    from ds_terapipe.runtime.step_profile import time_grad_accumulation
+    from ds_terapipe.runtime.planning.step_profile import time_grad_accumulation
 
     model = torch.nn.Linear(256, 256)
     assert time_grad_accumulation(list(model.parameters()), warmup=0, repeats=1) > 0

@@ -8,7 +8,7 @@ from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
 from ds_terapipe import module_chunk_kwargs, parse_terapipe_config
 from ds_terapipe.models.gpt import GPTConfig, GPTEmbedding, gpt_layer_specs
-from ds_terapipe.runtime.vocab_shard import VocabShardHead, build_full, split_output_layer
+from ds_terapipe.runtime.features.vocab_shard import VocabShardHead, build_full, split_output_layer
 
 
 def test_config_key_and_module_kwargs() -> None:

@@ -1,7 +1,7 @@
 """Tier b: vocabulary parallelism in bf16 and fp16, at ZeRO 0 and 1, against the fp32 unsliced reference.
 
 The shard gradients of the output layer (and of a tied head's split input embedding) are computed by hand, so they
-must reach the buffer each DeepSpeed optimizer reads, in its scale (runtime/grad_sink.py): the fp32 master
+must reach the buffer each DeepSpeed optimizer reads, in its scale (runtime/execution/grad_sink.py): the fp32 master
 gradients of BF16_Optimizer, ``.grad`` times the loss scale for the fp16 optimizers, ``.grad`` under ZeRO 1. One
 launch of 2 ranks (bf16/fp16 x ZeRO 0/1 x tied/untied with 1f1b, and the virtual-stage schedules) and one of 4
 (2 stages x 2 replicas); tests/vocab_precision_worker.py.

@@ -78,7 +78,7 @@ def test_runtime_lowering_loads_before_the_first_embedding_pass(name: str, v: in
     first); every rank's instructions carry the passes."""
     from deepspeed.runtime.pipe import schedule as ds_schedule
 
-    from ds_terapipe.runtime.schedule import TokenPipeSchedule, VocabEmbedBackwardPass, VocabEmbedForwardPass
+    from ds_terapipe.runtime.execution.schedule import TokenPipeSchedule, VocabEmbedBackwardPass, VocabEmbedForwardPass
 
     for stages in (1, 2, 3):
         for rank in range(stages):

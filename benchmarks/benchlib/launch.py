@@ -3,7 +3,8 @@
 The convention: the benchmark script is also its worker. The parent runs ``script --worker OUT_DIR OPTS_JSON``
 on every rank (:func:`launch_workers`); each worker does its part, writes ``OUT_DIR/rank{R}.json`` and prints
 progress lines starting ``[rank 0]`` on rank 0, which the parent echoes as they come. Processes are started by
-:func:`ds_terapipe.runtime.local_launch.run_local` (free port, one log per rank, deadline, fail-fast, DeepSpeed shm
+:func:`ds_terapipe.runtime.execution.local_launch.run_local` (free port, one log per rank, deadline, fail-fast,
+DeepSpeed shm
 cleanup), the launcher the tests use too.
 
 Worker side: :func:`run_as_worker` (through :func:`worker_args`) recognises the worker invocation and runs it;
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ds_terapipe.log import configure_logging
-from ds_terapipe.runtime.local_launch import run_local
+from ds_terapipe.runtime.execution.local_launch import run_local
 
 from .tables import ROOT
 

@@ -19,9 +19,9 @@ def bounds(seq_len: int, n: int) -> list[tuple[int, int]]:
 
 def run_variant(stage: torch.nn.Module, x0: torch.Tensor, n: int, variant: str) -> dict[str, Any]:
     """One micro-batch in n slices: milliseconds of F, B and W (per slice for ``sliced``, totals otherwise)."""
-    from ds_terapipe.runtime.context import MicroBatchState, SliceContext, slice_scope
-    from ds_terapipe.runtime.deferred import WeightGradStash
-    from ds_terapipe.runtime.devices import synchronize
+    from ds_terapipe.runtime.slicing.context import MicroBatchState, SliceContext, slice_scope
+    from ds_terapipe.runtime.slicing.deferred import WeightGradStash
+    from ds_terapipe.runtime.slicing.devices import synchronize
     seq_len = x0.shape[1]
     deferred = variant in ("fused", "per-slice W")
     per_slice = variant == "sliced"

@@ -7,8 +7,8 @@ Input and output embeddings are tied through ``TiedLayerSpec("embed", ...)``. Ev
 parameters from ``seed + layer index``, so any partitioning into stages, and the single-process
 :class:`GPTReference`, start from identical weights: that is what the equivalence tests compare against.
 Nothing here knows about slicing except the two places that must: attention goes through
-:func:`~ds_terapipe.runtime.attention.sliced_causal_attention` and positions add
-:func:`~ds_terapipe.runtime.context.token_offset`.
+:func:`~ds_terapipe.runtime.slicing.attention.sliced_causal_attention` and positions add
+:func:`~ds_terapipe.runtime.slicing.context.token_offset`.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
-from ..runtime.attention import CausalSelfAttention
-from ..runtime.context import token_offset
+from ..runtime.slicing.attention import CausalSelfAttention
+from ..runtime.slicing.context import token_offset
 
 __all__ = ["GPTConfig", "GPTEmbedding", "GPTBlock", "GPTFinalNorm", "gpt_layer_specs", "causal_lm_loss",
            "GPTReference", "reference_param_name"]

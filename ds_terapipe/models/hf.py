@@ -39,8 +39,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
-from ..runtime.attention import sliced_causal_attention
-from ..runtime.context import token_offset
+from ..runtime.slicing.attention import sliced_causal_attention
+from ..runtime.slicing.context import token_offset
 from .gpt import causal_lm_loss
 
 try:

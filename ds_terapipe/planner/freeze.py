@@ -1,4 +1,4 @@
-"""Progressive freezing's pure rules (``terapipe.freeze``; the engine's side is runtime/freeze.py).
+"""Progressive freezing's pure rules (``terapipe.freeze``; the engine's side is runtime/features/freeze.py).
 
 Why in the planner: the schedule without the frozen chunks' backward (:func:`freeze_lowered`), the cost model
 with their backward removed (:func:`frozen_cost`), how many chunks a frozen prefix covers

@@ -1,7 +1,7 @@
 """Fitting the cost model to measured times: what online re-planning and the plan cache's re-timing compute.
 
 Why in the planner: these are pure functions of a cost file and measurements (no process group, no engine), so
-the tests call them directly and the runtime's re-planner (runtime/replan.py) and profiler only gather the
+the tests call them directly and the runtime's re-planner (runtime/planning/replan.py) and profiler only gather the
 samples and hand them in. The rules: each chunk's cost points scaled by measured / predicted, per kind (F, B, W;
 :func:`refit_cost`); the whole-step terms replaced by the measured medians (:func:`refit_step`); the engine's time
 between actions fitted as a fixed cost per action (:func:`calibrate_action_gap`).
@@ -84,7 +84,7 @@ def measured_over_predicted(cost: Mapping[str, Any], samples: Iterable[tuple[int
     """Per chunk and kind (F, B, W): the samples' summed milliseconds over what ``cost`` predicts for them (1.0
     for a kind without samples or with a zero prediction). ``per_action``: the samples are a step's actions, so
     the model's fixed cost per action (``cost.step``) comes off them first; a profile's points (the plan cache's
-    re-timing, ``runtime/profile.recheck_costs``) contain none."""
+    re-timing, ``runtime/planning/profile.recheck_costs``) contain none."""
     model = PipelineCost.from_dict(cost)
     measured: dict[tuple[int, str], float] = defaultdict(float)
     predicted: dict[tuple[int, str], float] = defaultdict(float)

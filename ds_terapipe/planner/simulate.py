@@ -255,7 +255,7 @@ def _cost_table(cost: Any, K: int, slices: Sequence[int], batch: int, weights_pe
                 (2, "comm_ms", lambda: sc.comm_ms(lens, batch=batch))]
         if callable(getattr(sc, "weight_ms", None)):
             # weight_ms(tokens) is one W pass over that many tokens: the runtime computes a W covering the
-            # micro-batch as one GEMM per Linear over all its slices (runtime/deferred.py), so it reads each
+            # micro-batch as one GEMM per Linear over all its slices (runtime/slicing/deferred.py), so it reads each
             # weight once, as a slice's W does
             rows.append((3, "weight_ms", (lambda: sc.weight_ms(lens, batch=batch)) if weights_per_slice else
                          (lambda: sc.weight_ms(int(lens.sum()), batch=batch))))

@@ -7,7 +7,7 @@ the loss, which meets every rank once more. Left out, a plan's predicted time mi
 (20% below the trainer's measured step), and a planner choosing between plans of different slice counts also
 misses that every action carries a fixed cost of its own (dispatch, slice buffers, the per-slice loss).
 
-:class:`StepCost` holds those terms, measured at engine init (``runtime/profile.py``):
+:class:`StepCost` holds those terms, measured at engine init (``runtime/planning/profile.py``):
 
 * ``action_ms``: a fixed cost per F / B / W action, per cost stage (chunk), added to the stage's fitted times
   by the simulator and the planner's tables, so more slices cost more;

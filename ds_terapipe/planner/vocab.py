@@ -1,7 +1,7 @@
 """Vocabulary passes: where the output layer's collectives go in every rank's stream.
 
 With vocabulary parallelism (``terapipe.vocab_parallel``) the output layer is split by vocabulary rows over the
-p ranks of a pipeline (``runtime/vocab.py``). Per unit (micro-batch b, slice i) two collectives of all p ranks
+p ranks of a pipeline (``runtime/features/vocab.py``). Per unit (micro-batch b, slice i) two collectives of all p ranks
 run: ``VF(b,i)`` (the last chunk's hidden states reach every rank, each computes its shard's logits, the softmax
 statistics are combined, the loss is the unsharded cross entropy) and ``VB(b,i)`` (each rank's shard of the
 weight gradient, the hidden-state gradient summed back to the last chunk). On the rank holding the last chunk
@@ -19,7 +19,8 @@ waits for (its receives' sends, the collectives before it), so the streams run w
 checks it (collectives complete once all ranks arrived) and ``validate`` checks the order is one.
 
 With a tied head whose input embedding is split too (``embedding=True``), two more collectives per unit anchor
-on chunk 0 (rank 0 in every placement): ``EF(b,i)`` right before ``F(0,b,i)`` (the token ids reach every rank, the partial lookups
+on chunk 0 (rank 0 in every placement): ``EF(b,i)`` right before ``F(0,b,i)`` (the token ids reach every rank, the
+partial lookups
 are summed to rank 0, whose forward starts from them) and ``EB(b,i)`` right after ``B(0,b,i)`` (the gradient of
 the embedding's output reaches every rank, each adds its rows' weight gradient). They are placed by the same
 rule, half a step before and after their anchors. Try it::

@@ -1,0 +1,10 @@
+"""Execution: the engine and what it drives directly.
+
+``engine`` (TokenPipelineEngine, DeepSpeed's PipelineEngine running token slices), ``schedule`` (a lowered
+schedule as DeepSpeed instructions; DISPATCH, the one table from action kind to instruction and handler), ``p2p``
+(sends, receives and deadlines between ranks), ``module`` (TokenPipelineModule: layers cut into chunks),
+``checkpoint`` and ``errors``, ``collective`` (verdicts every rank takes together), ``stage`` (PipelineStage, the
+interface the other rooms take instead of the engine), ``grad_sink`` (hand-computed gradients into DeepSpeed's
+optimizers), ``clip``, ``ds_internals`` (the DeepSpeed internals relied on, checked at init), ``shm`` and
+``local_launch`` (process hygiene, in-process launches).
+"""

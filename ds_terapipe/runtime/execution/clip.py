@@ -1,0 +1,123 @@
+"""Gradient clipping (``"gradient_clipping"`` in the DeepSpeed config) by the norm of the whole model's gradient.
+
+Why this module: DeepSpeed's fp32 clipping without ZeRO (``DeepSpeedEngine.clip_fp32_gradients``, which calls
+``deepspeed.runtime.utils.clip_grad_norm_(..., mpu=grid)``) is wrong in a pipeline (DeepSpeed 0.19.8). The
+pipeline's grid is the mpu: its model-parallel group is the whole pipeline, but its model-parallel rank is the
+stage, and that function counts a gradient only on model-parallel rank 0. So only stage 0's gradients enter the
+norm and every stage clips by stage 0's norm: the step differs from the reference model's, which clips by
+``sqrt(sum over its parameters of ||g||^2)``. :func:`clip_by_global_norm` replaces it (the engine overrides
+``clip_fp32_gradients``): every stage sums the squares of the gradients it counts, one all-reduce over the
+pipeline gives every stage the same norm, and every stage scales its gradients by the same coefficient,
+``min(1, max_norm / (norm + 1e-6))`` as ``torch.nn.utils.clip_grad_norm_``.
+
+Which copy of a parameter counts (:func:`counted_in_norm`), so that every parameter of the reference counts once;
+the same rule DeepSpeed's ZeRO and bf16 optimizers apply:
+
+* a weight tied across pipeline ranks (``TiedLayerSpec``, e.g. the GPT embedding and head): DeepSpeed all-reduces
+  its gradient, every copy holds the same one, and it marks every copy but the first rank's
+  ``ds_pipe_replicated``. Under a V placement (``dualpipev``) both uses are one parameter on rank 0;
+* vocabulary-parallel shards (``runtime/features/vocab.py``): each rank's rows are its own and count there (with a tied
+  head split together with the input embedding, the shard holds both uses' gradient); where the input embedding
+  stays whole, a tied head's shards copy rows of its gradient and are marked ``ds_pipe_replicated`` when built;
+* data-parallel replicas hold the same reduced gradient: the sum runs over one pipeline (each replica computes the
+  same norm), never over replicas;
+* tensor parallelism (a ``model`` axis in the topology; not otherwise used by ds_terapipe): a parameter not marked
+  model-parallel counts on tensor rank 0 only, and the sum runs over the pipeline x tensor group (the grid's
+  ``get_model_parallel_group``).
+
+The other paths clip inside DeepSpeed's optimizers; :func:`clipping_problem` checks them at engine init:
+
+* ZeRO 1, any precision (``DeepSpeedZeroOptimizer``): its model-parallel rank is the tensor rank, so every stage
+  counts its partitions (``ds_pipe_replicated`` skipped), summed over data parallelism then the pipeline: right.
+* bf16 with ZeRO 0 (``BF16_Optimizer``): the same rule over the pipeline: right.
+* fp16 with ZeRO 0: ``FP16_Optimizer`` (DeepSpeed's FusedAdam) masks the marked copies: right.
+  ``FP16_UnfusedOptimizer`` (any other optimizer) takes the norm of the gradient tensors, which do not carry the
+  mark, so a weight tied across ranks counts once per rank holding it (measured: 0.875 for a true 0.760):
+  refused when the model has one, with the fix.
+
+Tested against ``clip_grad_norm_`` on the unsliced single-process model (tests/clipping.py and its callers).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Optional
+
+import torch
+import torch.distributed as dist
+from deepspeed.pipe import TiedLayerSpec
+from deepspeed.runtime.constants import PIPE_REPLICATED
+from deepspeed.runtime.utils import is_model_parallel_parameter
+from .stage import PipelineStage
+
+
+__all__ = ["clip_by_global_norm", "clip_grad_norm_over", "clipping_problem", "counted_in_norm",
+           "weights_tied_across_ranks"]
+
+# torch.nn.utils.clip_grad_norm_'s: the coefficient is max_norm / (norm + EPS), at most 1.
+EPS = 1e-6
+
+
+def counted_in_norm(param: torch.Tensor, tensor_rank: int = 0) -> bool:
+    """Whether this rank's copy of ``param`` counts in the global norm (module docstring: one copy per
+    parameter of the reference model)."""
+    if getattr(param, PIPE_REPLICATED, False):  # "ds_pipe_replicated"
+        return False
+    return tensor_rank == 0 or is_model_parallel_parameter(param)
+
+
+def clip_grad_norm_over(params: Iterable[torch.Tensor], max_norm: float, group: Any, device: torch.device,
+                        tensor_rank: int = 0) -> torch.Tensor:
+    """Clip the gradients of ``params`` in place by the 2-norm of all counted gradients of every rank of
+    ``group`` (collective: every rank of the group calls it, with or without gradients). Returns the norm, a
+    float32 tensor on ``device`` (no host synchronisation)."""
+    params = [p for p in params if p.grad is not None]
+    counted = [p.grad.detach() for p in params if counted_in_norm(p, tensor_rank)]
+    if counted:  # per-tensor norms first, as torch's clip_grad_norm_ takes them
+        norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32).to(device) for g in counted])
+        squares = norms.square().sum()
+    else:  # a rank with nothing to count (all its layers frozen, say) still joins the sum
+        squares = torch.zeros((), dtype=torch.float32, device=device)
+    dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=group)
+    norm = squares.sqrt()
+    coef = torch.clamp(max_norm / (norm + EPS), max=1.0)
+    for p in params:
+        p.grad.detach().mul_(coef.to(device=p.grad.device, dtype=p.grad.dtype))
+    return norm
+
+
+def clip_by_global_norm(engine: "PipelineStage") -> torch.Tensor:
+    """The engine's fp32 clipping (no ZeRO, no fp16/bf16 optimizer): all its parameters by the whole model's
+    norm, summed over its pipeline (with tensor parallelism: pipeline x tensor). Returns the norm."""
+    grid = engine.grid
+    return clip_grad_norm_over(engine.module.parameters(), engine.gradient_clipping(),
+                               grid.get_model_parallel_group(), engine.device,
+                               tensor_rank=grid.get_slice_parallel_rank())
+
+
+def weights_tied_across_ranks(module: Any) -> dict[str, list[int]]:
+    """``TiedLayerSpec`` keys whose layers live on more than one pipeline rank, with those ranks. Read from the
+    layer specs every rank holds, so every rank gets the same answer (a rank holding none of them included)."""
+    owners: dict[str, set[int]] = {}
+    for idx, spec in enumerate(getattr(module, "_layer_specs", [])):
+        if isinstance(spec, TiedLayerSpec):
+            owners.setdefault(spec.key, set()).add(module.stage_owner(idx))
+    return {key: sorted(ranks) for key, ranks in sorted(owners.items()) if len(ranks) > 1}
+
+
+def clipping_problem(engine: "PipelineStage") -> Optional[str]:
+    """Why the configured clipping would use a wrong norm (rule, value, fix), or None. The same on every rank:
+    it reads the config, the optimizer DeepSpeed chose from it and the layer specs."""
+    max_norm = engine.gradient_clipping()
+    if not max_norm or max_norm <= 0.0 or not engine.fp16_enabled() or engine.zero_optimization_stage() != 0:
+        return None
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    tied = weights_tied_across_ranks(engine.module)
+    if not isinstance(engine.optimizer, FP16_UnfusedOptimizer) or not tied:
+        return None
+    where = ", ".join(f"{key!r} on ranks {ranks}" for key, ranks in tied.items())
+    inner = type(getattr(engine.optimizer, "optimizer", engine.optimizer)).__name__
+    return (f"terapipe: gradient_clipping={max_norm} with fp16 and ZeRO stage 0 would clip by a wrong norm: "
+            f"DeepSpeed's FP16_UnfusedOptimizer (used with {inner}) counts the "
+            f"gradient of a weight tied across pipeline ranks ({where}) once per rank that holds it; use bf16, or "
+            "zero_optimization.stage 1, or set gradient_clipping to 0")

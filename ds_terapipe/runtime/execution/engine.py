@@ -1,0 +1,1035 @@
+"""TokenPipelineEngine: DeepSpeed's PipelineEngine, running token slices instead of whole micro-batches.
+
+How one training step flows (``train_batch``), on every stage:
+
+1. :class:`~ds_terapipe.runtime.execution.schedule.TokenPipeSchedule` yields DeepSpeed instructions for this stage's
+   actions of the planner schedule; each carries ``microbatch`` and ``slice_index``.
+2. ``LoadMicroBatch`` (first/last stage, before a micro-batch's slice 0) reads the whole micro-batch once.
+   ``ForwardPass`` cuts the slice's tokens out of it (first stage: inputs; last stage: labels) or takes the
+   activations received from the previous stage, opens the slice context (token offset, the micro-batch's
+   KV buffers) and runs DeepSpeed's own forward. The last stage's loss is weighted by the slice's share of the
+   tokens, so the per-slice losses add up to the unsliced loss.
+3. ``BackwardPass`` runs DeepSpeed's own backward of that one slice. Backwards go later slices first within a
+   micro-batch; attention routes the gradients of earlier slices' keys/values into the KV gradient buffers
+   (:mod:`ds_terapipe.runtime.slicing.attention`), where those slices' backwards pick them up. With
+   ``deferred_weight_grads``, ``nn.Linear`` weight gradients wait for ``WeightGradPass`` after the
+   micro-batch's last backward (:mod:`ds_terapipe.runtime.slicing.deferred`).
+4. Gradient reduction across data-parallel replicas, tied weights and the optimizer step are DeepSpeed's.
+
+Transfers go through :class:`~ds_terapipe.runtime.execution.p2p.SliceP2P` (per-transfer shapes, non-blocking sends,
+deadlines), because slices have different lengths.
+
+Virtual stages (``terapipe.virtual_stages`` v > 1, a :class:`~ds_terapipe.runtime.execution.module.TokenPipelineModule`
+built with the same v and schedule): a rank holds several chunks, and every instruction names the chunk it runs
+on. While an instruction runs, its chunk is *active* (``on_chunk``): the module's forward is that chunk's layers,
+and ``is_first_stage()``/``is_last_stage()`` answer for the chunk (chunk 0 / the last chunk), so DeepSpeed's own
+forward and backward compute the loss exactly where the last chunk runs (under the V placement: rank 0). Between
+instructions they answer for the rank (holds chunk 0 / the last chunk: loads inputs / labels, owns the loss). KV
+buffers, slice buffers and deferred weight gradients are per (chunk, micro-batch). A hand-off between two chunks
+of one rank is no message: the forward of chunk c leaves its outputs, detached, as the inputs of chunk c + 1, and
+the backward of chunk c + 1 leaves their gradients for chunk c (DeepSpeed's DualPipeV turn-around, generalised).
+
+Failing fast: an exception on any rank inside ``train_batch``, ``eval_batch``, engine init or checkpointing
+raises the job's abort flag (:class:`~ds_terapipe.runtime.execution.p2p.AbortFlag`, on the process group's store) with
+this rank and its error, and every other rank's waits turn it into a ``PeerFailedError`` naming both within
+about a second. Errors that every rank raises together (a collective verdict) do not raise the flag. So that
+no rank sits in one of DeepSpeed's own blocking collectives (tied and data-parallel gradient reduction, the
+loss broadcast) while a peer fails behind it, the end of every schedule is one abort-aware all-reduce.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from collections import defaultdict, deque
+from contextlib import contextmanager, nullcontext
+from types import MethodType
+from typing import Any, Iterator, Optional
+
+import deepspeed
+import torch
+from deepspeed.runtime.config import DeepSpeedConfig
+from deepspeed.runtime.pipe import schedule as ds_schedule
+from deepspeed.runtime.base_optimizer import ZeROOptimizer
+from deepspeed.runtime.pipe.engine import PipelineEngine
+
+from ...config import TeraPipeConfig
+from ...planner.registry import get_schedule
+from ...planner.lowering import lower
+from ...planner.schedule import Action, Schedule, ScheduleError
+from ...planner.simulate import TimedAction
+from ...trace import events_to_chrome_trace
+from . import checkpoint as ckpt
+from .clip import clip_by_global_norm, clipping_problem
+from ..slicing.context import MicroBatchState, SliceContext, cut_tokens, slice_scope
+from ..slicing.deferred import WeightGradAccumulator, WeightGradStash, enable_deferred_weight_grads
+from ..features.freeze import Freezer
+from ..slicing.devices import synchronized_ms
+from .ds_internals import check_deepspeed_internals
+from .module import chunk_layout
+from .p2p import AbortFlag, PeerFailedError, SliceP2P, as_tuple
+from .collective import agree_or_raise, mark_collective
+from ..planning.plan import ResolvedPlan, plan_for_length, resolve_plan, restore_checkpoint_plan
+from ..features.recompute import install_sliced_checkpointing
+from ..planning.replan import Replanner
+from .schedule import DISPATCH, TokenPipeSchedule
+from ..planning.slice_check import check_stage_slicing
+from ..features.vocab import VocabParallel
+
+__all__ = ["TokenPipelineEngine"]
+
+logger = logging.getLogger(__name__)
+
+
+class _PutBack:
+    """An iterator with items put back in front of another iterator (see :func:`put_back`)."""
+
+    def __init__(self, rest: Iterator) -> None:
+        self.pending: list[Any] = []
+        self.rest = rest
+
+    def __iter__(self) -> "_PutBack":
+        return self
+
+    def __next__(self) -> Any:
+        return self.pending.pop() if self.pending else next(self.rest)
+
+
+def put_back(item: Any, iterator: Iterator) -> Iterator:
+    """``iterator`` with ``item`` in front. Putting back into an iterator this returned reuses it: the engine's
+    stored data iterator is peeked and put back every step, and a new ``itertools.chain`` around the last one
+    each time nests one level deeper per step (each read walks every level; CPython crashes past ~200k steps)."""
+    if not isinstance(iterator, _PutBack):
+        iterator = _PutBack(iterator)
+    iterator.pending.append(item)
+    return iterator
+
+
+def _first_tensor(value: Any) -> Optional[torch.Tensor]:
+    if torch.is_tensor(value):
+        return value
+    if isinstance(value, (tuple, list)) and value:
+        return _first_tensor(value[0])
+    return None
+
+
+# Slots of the per-batch sequence-length agreement that are not lengths.
+_UNSET, _NO_SEQ_DIM, _EXHAUSTED, _NOT_READING = -100, -3, -2, -1
+
+# The active chunk while DeepSpeed's PipelineEngine.__init__ runs: stage roles are the rank's topological ones
+# then (its p2p warm-up pairs stage s with s + 1), as DeepSpeed's DualPipeVEngine does.
+_INIT = object()
+
+# Engines numbered in creation order, the same on every rank (creation is collective): each gets its own
+# abort flag, so an engine built after a failure starts clean.
+_ENGINE_SERIAL = itertools.count()
+
+#: The instructions whose spans the timeline records, as the action kinds they run (runtime/execution/schedule.py
+# DISPATCH).
+_TIMED = {d.instruction: kind for kind, d in DISPATCH.items() if d.timed}
+#: The instructions after the schedule, timed with the timeline under the names of the step model's terms
+#: (``planner/step_cost.py``): what re-planning refits the whole-step part of the cost model from.
+_TAIL = {ds_schedule.ReduceTiedGrads: "tied_reduce", ds_schedule.ReduceGrads: "grad_reduce",
+         ds_schedule.OptimizerStep: "optimizer"}
+
+
+class TokenPipelineEngine(PipelineEngine):
+    """A DeepSpeed ``PipelineEngine`` that pipelines token slices of each micro-batch (TeraPipe).
+
+    Created by :func:`ds_terapipe.initialize` when the DeepSpeed config has ``"terapipe": {"enabled": true}``.
+    ``train_batch()``, ``eval_batch()`` and checkpointing work as with DeepSpeed's engine.
+
+    Attributes:
+        plan: the :class:`~ds_terapipe.runtime.planning.plan.ResolvedPlan` in use (for the current batches' sequence
+            length); ``slices``, ``slicing_plan`` and ``plan_source`` read it.
+    """
+
+    @classmethod
+    def build(cls, model: Any, ds_config: dict, terapipe: TeraPipeConfig, **kwargs: Any) -> "TokenPipelineEngine":
+        """An engine built the way ``deepspeed.initialize`` builds its ``PipelineEngine`` (process group up;
+        collective): what ``ds_terapipe.initialize`` runs, and how a repack builds the engine of its new layout."""
+        pipe_mpu = model.mpu()
+        config_class = DeepSpeedConfig(ds_config, pipe_mpu)
+        stage = config_class.zero_optimization_stage
+        if stage >= 2:
+            raise ValueError(f"terapipe: zero_optimization.stage={stage} is not supported with pipeline parallelism "
+                             "(DeepSpeed partitions gradients across a pipeline it does not own); use stage 0 or 1")
+        deepspeed.set_optimizer_flags(config_class, model)
+        engine = cls(model=model, mpu=pipe_mpu, config=ds_config, config_class=config_class, terapipe_config=terapipe,
+                     **kwargs)
+        engine._configure_python_gc()
+        return engine
+
+    def __init__(self, *args, terapipe_config: TeraPipeConfig, preset_plan: Optional[ResolvedPlan] = None,
+                 **kwargs) -> None:
+        self.terapipe = terapipe_config
+        self.preset_plan = preset_plan  # a repack's plan for the layers it moved (runtime/features/repack.py)
+        self.repack_share: Any = None   # after a repack: this replica's share of each step's micro-batches
+        self._chunk: Any = _INIT
+        super().__init__(*args, **kwargs)
+        self._chunk = None  # the chunk an instruction runs on, while it runs (see on_chunk)
+        check_deepspeed_internals(self)  # a DeepSpeed that moved what we rely on fails here, naming it
+        VocabParallel.check_engine(self)
+        problem = clipping_problem(self)  # a clipping DeepSpeed's optimizer would get wrong (runtime/execution/clip.py)
+        if problem:
+            raise ValueError(problem)
+        if self.is_pipe_partitioned or self.is_grad_partitioned:
+            raise ValueError("terapipe: pipeline.pipe_partitioned / grad_partitioned are not supported by the "
+                             "token pipeline; set both to false in the DeepSpeed config")
+        # chunk -> rank, and this rank's chunks (one chunk per rank: (0, ..., p-1) and (stage_id, ))
+        self.placement, self.local_chunks = self._check_chunk_layout()
+        self.num_chunks = len(self.placement)
+        self.p2p = SliceP2P([self.grid.stage_to_global(s) for s in range(self.num_stages)], self.device,
+                             self.terapipe.p2p_timeout_s,
+                             abort=AbortFlag.on_default_group(f"ds_terapipe/abort/{next(_ENGINE_SERIAL)}"))
+        self._states: dict[tuple[int, int], MicroBatchState] = {}  # (chunk, micro-batch) ->
+        self.loaded: dict[int, Any] = {}
+        self.unit_losses: dict[int, torch.Tensor] = {}
+        self._unit_grads: dict[int, Any] = {}
+        self._logits: list[torch.Tensor] = []
+        self._trail: deque[str] = deque(maxlen=8)
+        # Activation shapes per (sending chunk, seq_len, slice_len) already exchanged: a header once per boundary.
+        self._shapes_sent: set[tuple[int, int, int]] = set()
+        self._shapes_known: dict[tuple[int, int, int], list[tuple[tuple[int, ...], torch.dtype]]] = {}
+        # Measured timeline of the last batch: compute actions with host-clock start/end (ms since the epoch).
+        self.record_timeline = self.terapipe.trace_dir is not None
+        self.last_timeline: list[TimedAction] = []
+        # With the timeline, the last training step's whole-step terms on this rank (ms): "step" (train_batch),
+        # "loop" (the instruction loop), and the tail instructions' spans (_TAIL); runtime/planning/replan.py refits
+        # from them.
+        self.last_step_terms: dict[str, float] = {}
+        self._batches_traced = 0
+        # Deferred weight gradients: per (chunk, micro-batch), the (input, output-gradient) pairs until its W.
+        self._stashes: dict[tuple[int, int], WeightGradStash] = {}
+        self._weight_grads = WeightGradAccumulator()   # the step's W passes, summed; to .grad before reductions
+        # Vocabulary parallelism: the output layer's shard on this rank and its passes (runtime/features/vocab.py).
+        self._vocab = VocabParallel(self) if self.terapipe.vocab_parallel else None
+        self._dp_identity_by_config = self._dp_reduce_identity_by_config()
+        with self._failing_fast("engine init"):
+            if self.terapipe.deferred_weight_grads:  # before profiling, which measures the split backward
+                count = enable_deferred_weight_grads(self.module)
+                logger.info("terapipe: stage %d defers the weight gradients of %d nn.Linear module(s)",
+                            self.stage_id, count)
+            install_sliced_checkpointing(self.module, self.terapipe)  # before profiling: it times the recompute
+            self.plan: ResolvedPlan = resolve_plan(self)
+            # One plan per sequence length seen, planned once (variable-length training), in the order resolved.
+            self.plans: dict[int, ResolvedPlan] = {self.plan.seq_len: self.plan}
+            # Without an input sampler init could not probe the slice check: each length is checked on its first
+            # batch instead (_check_slicing_on_batch); the lengths done so far
+            self._checked_on_batch: set[int] = set()
+            self._check_model_supports_slicing()
+            self._train_schedule()  # a micro-batch count the schedule cannot run fails here, on every rank
+            self.replanner = Replanner(self) if self.terapipe.replan.enabled else None
+            self.freezer = Freezer(self) if self.terapipe.freeze is not None else None
+
+    def _check_chunk_layout(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The module's chunk placement, refused (on every rank: same config, same model) unless it is the one
+        the configured schedule and ``virtual_stages`` place."""
+        name, v = self.terapipe.schedule, self.terapipe.virtual_stages
+        expected = tuple(get_schedule(name).placement(self.num_stages, v))
+        placement, chunks = chunk_layout(self.module)
+        if placement != expected:
+            built_v = getattr(self.module, "virtual_stages", 1)
+            raise ValueError(f"terapipe: schedule {name!r} with virtual_stages={v} places chunks on ranks as "
+                             f"{list(expected)} (chunk -> rank), but the model was built with virtual_stages="
+                             f"{built_v} ({list(placement)}); build it as ds_terapipe.TokenPipelineModule(..., "
+                             f"num_stages={self.num_stages}, virtual_stages={v}, schedule={name!r})")
+        return placement, chunks
+
+    # -- chunks and stage roles ------------------------------------------------------------------------------
+    def is_first_stage(self) -> bool:
+        """While a chunk runs: whether it is chunk 0 (reads the inputs). Otherwise: whether this rank holds it."""
+        if self._chunk is _INIT:
+            return super().is_first_stage()
+        if self._chunk is None:
+            return self.placement[0] == self.stage_id
+        return self._chunk == 0
+
+    def is_last_stage(self) -> bool:
+        """While a chunk runs: whether it is the last chunk (computes the loss). Otherwise: whether this rank holds
+        it (reads labels, owns the loss DeepSpeed aggregates and broadcasts)."""
+        if self._chunk is _INIT:
+            return super().is_last_stage()
+        if self._chunk is None:
+            return self.placement[-1] == self.stage_id
+        return self._chunk == self.num_chunks - 1
+
+    def _loss_stage_global_rank(self) -> int:
+        return self.last_chunk_global_rank()
+
+    def last_chunk_global_rank(self) -> int:
+        """The global rank holding the last chunk (where the loss is computed)."""
+        return self.grid.stage_to_global(self.placement[-1])
+
+    @contextmanager
+    def on_chunk(self, chunk: int) -> Iterator[None]:
+        """Run a block as chunk ``chunk``: its layers are the module's forward, stage roles are the chunk's."""
+        self._chunk = chunk
+        if len(self.local_chunks) > 1:
+            self.module.activate_chunk(self.local_chunks.index(chunk))
+        try:
+            yield
+        finally:
+            self._chunk = None
+
+    def _is_local(self, chunk: int) -> bool:
+        return 0 <= chunk < self.num_chunks and self.placement[chunk] == self.stage_id
+
+    # -- failing fast -----------------------------------------------------------------------------------------
+    @contextmanager
+    def _failing_fast(self, what: str) -> Iterator[None]:
+        """Raise the job's abort flag when the block raises on this rank alone, so peers stop within seconds."""
+        try:
+            yield
+        except Exception as err:
+            if not isinstance(err, PeerFailedError) and not getattr(err, "terapipe_collective", False) and \
+                    self.p2p.abort is not None:
+                self.p2p.abort.set(self.global_rank, self.stage_id, what, f"{type(err).__name__}: {err}")
+            raise
+
+    # -- plan ------------------------------------------------------------------------------------------------
+    @property
+    def slices(self) -> tuple[int, ...]:
+        """Token counts of the plan in use (summing to the current batches' sequence length)."""
+        return self.plan.slices
+
+    @property
+    def slicing_plan(self) -> Any:
+        """The planner's :class:`~ds_terapipe.planner.slicing.SlicingPlan` when ``slices`` was ``"auto"``
+        (predicted time, speedup), else None."""
+        return self.plan.planner
+
+    @property
+    def predicted_step_ms(self) -> Optional[float]:
+        """The planner's predicted step time of the plan in use (after freezes and repacks: the latest re-plan's),
+        or None when the slices came from the config."""
+        freezer = getattr(self, "freezer", None)
+        latest = freezer.predicted_ms() if freezer is not None else None
+        if latest is not None:
+            return latest
+        return self.slicing_plan.predicted_ms if self.slicing_plan is not None else None
+
+    @property
+    def plan_source(self) -> str:
+        """Where the plan in use came from: "config", "profiled", "cache", "planned", "replanned" or
+        "checkpoint" (:class:`~ds_terapipe.runtime.planning.plan.ResolvedPlan`)."""
+        return self.plan.source
+
+    @property
+    def seq_len(self) -> int:
+        return self.plan.seq_len
+
+    @property
+    def num_slices(self) -> int:
+        return len(self.slices)
+
+    def slice_bounds(self, slice_index: int) -> tuple[int, int]:
+        start = sum(self.slices[:slice_index])
+        return start, start + self.slices[slice_index]
+
+    def _check_model_supports_slicing(self) -> None:
+        if self.num_slices == 1:
+            return
+        if self.is_last_stage() and self.module.loss_fn is None:
+            raise ValueError("terapipe: the PipelineModule needs a loss_fn with more than one slice, so the engine "
+                             "can weight each slice's loss; pass loss_fn= to the PipelineModule")
+
+    # -- variable sequence lengths ----------------------------------------------------------------------------
+    def train_batch(self, data_iter: Optional[Iterator] = None) -> torch.Tensor:
+        with self._failing_fast("train_batch"):
+            # What the step costs as the caller sees it, from here (the data peek and the length agreement
+            # included); not synchronised: device work the last step left queued is this step's wait
+            entered = time.time() * 1e3
+            source = data_iter if data_iter is not None else getattr(self, "data_iterator", None)
+            if self.freezer is not None:
+                self.freezer.before_step(self)  # a repack (runtime/features/repack.py) turns self into the new engine
+            if self.repack_share is not None:   # this replica's share of the step's micro-batches
+                data_iter = self.repack_share.take(self, source, self.micro_batches)
+            if data_iter is not None:
+                self.set_dataiterator(data_iter)
+            peeked = self._use_plan_for_next_batch(self.data_iterator)
+            if self.is_first_stage() or self.is_last_stage():
+                self.data_iterator = peeked
+            if self.replanner is not None:
+                self.replanner.before_step(self)
+            loss = super().train_batch()
+            if self.record_timeline:
+                self.last_step_terms["step"] = synchronized_ms() - entered
+            if self.replanner is not None:
+                self.replanner.after_step(self)
+            return loss
+
+    def eval_batch(self, data_iter: Iterator, *args: Any, **kwargs: Any) -> Any:
+        with self._failing_fast("eval_batch"):
+            if self._vocab is not None:
+                self._vocab.check_eval(*args, **kwargs)
+            if self.repack_share is not None:
+                count = kwargs.get("num_micro_batches") or (args[4] if len(args) > 4 else None) or self.micro_batches
+                data_iter = self.repack_share.take(self, data_iter, count, "eval_batch")
+            return super().eval_batch(self._use_plan_for_next_batch(data_iter), *args, **kwargs)
+
+    def _use_plan_for_next_batch(self, iterator: Optional[Iterator]) -> Optional[Iterator]:
+        """Look at the next micro-batch's sequence length and switch to its plan (collective over all ranks).
+
+        Stage 0 reads the length; all ranks gather everyone's, so a new length is planned once by all ranks
+        together, and a length that cannot be run fails on every rank at once instead of hanging the others.
+        Returns the iterator with the peeked micro-batch put back in front.
+        """
+        local, batch = _NOT_READING, None
+        if self.is_first_stage() or self.is_last_stage():
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                batch, local = None, _EXHAUSTED
+            if batch is not None:
+                first = _first_tensor(batch[0] if self.is_first_stage() else batch[1])
+                local = first.shape[1] if first is not None and first.dim() >= 2 else _NO_SEQ_DIM
+                iterator = put_back(batch, iterator)
+        lengths = torch.full((torch.distributed.get_world_size(), ), _UNSET, dtype=torch.int64, device=self.device)
+        lengths[self.global_rank] = local  # each rank fills its own slot; MAX merges them
+        work = torch.distributed.all_reduce(lengths, op=torch.distributed.ReduceOp.MAX, async_op=True)
+        self.p2p.wait(work, "the sequence-length agreement at the start of a batch")
+        values = lengths.tolist()
+        # Every rank sees every pipeline's first and last stage, so every rank reaches the same verdict.
+        if _EXHAUSTED in values:
+            raise mark_collective(StopIteration("token pipeline: a data iterator ran out at the start of a batch"))
+        if _NO_SEQ_DIM in values:
+            raise mark_collective(ValueError("token pipeline: batch inputs/labels must be (batch, seq_len, ...) "
+                                             "tensors; a stage got a tensor without a sequence dimension"))
+        replicas = range(self.grid.data_parallel_size)
+        stage0 = [values[self.grid.stage_to_global(0, data=d)] for d in replicas]
+        last = [values[self.grid.stage_to_global(self.placement[-1], data=d)] for d in replicas]
+        if stage0 != last:
+            raise mark_collective(ValueError(f"token pipeline: first-stage inputs have lengths {stage0} but last-stage "
+                                             f"labels {last} (per data-parallel replica); both stages must read the "
+                                             "same batches"))
+        mine = values[self.grid.stage_to_global(0)]
+        for length in sorted(set(stage0)):
+            if length not in self.plans:
+                latest = next(reversed(self.plans.values()))  # carries the costs known so far
+                resolved = plan_for_length(self, latest, length)
+                self.plans[length] = resolved
+                if self.global_rank == 0:
+                    logger.info("terapipe: sequence length %d -> %d slice(s) %s", length, len(resolved.slices),
+                                list(resolved.slices))
+        self.plan = self.plans[mine]
+        self._check_slicing_on_batch(set(stage0), batch[0] if self.is_first_stage() and batch is not None else None)
+        return iterator
+
+    def _check_slicing_on_batch(self, lengths: set[int], first_input: Any) -> None:
+        """The slice check on a real batch, for a model that cannot sample an input (collective: every rank
+        decides from the same lengths). Before the first step of each sequence length that is sliced; the rank
+        holding the first chunk probes with the batch's inputs (``first_input``)."""
+        module = self.module
+        if (hasattr(module, "has_sampler") and module.has_sampler()) or lengths <= self._checked_on_batch:
+            return
+        if all(len(self.plans[length].slices) == 1 for length in lengths):
+            return
+        check_stage_slicing(self, self.plan.seq_len, self.plan.slices, first_input, on_batch=True)
+        self._checked_on_batch |= lengths
+
+    def install_plan(self, plan: ResolvedPlan) -> None:
+        """Run ``plan`` for its sequence length from the next batch on (collective: every rank installs the same
+        plan at the same step, as the re-planner does). The newest plan's costs plan lengths seen later."""
+        self.plans.pop(plan.seq_len, None)
+        self.plans[plan.seq_len] = plan
+        if plan.seq_len == self.plan.seq_len:
+            self.plan = plan
+
+    def lowered_schedule(self, num_slices: int, num_frozen_chunks: Optional[int] = None,
+                         train: bool = True) -> Schedule:
+        """This run's executed schedule for ``num_slices`` slices (every rank's streams; planner/lowering.py),
+        with the frozen chunks now in effect unless ``num_frozen_chunks`` says otherwise: what the re-planner
+        and the freezer simulate."""
+        cfg = self.terapipe
+        frozen = self._frozen_chunks() if num_frozen_chunks is None else num_frozen_chunks
+        return lower(cfg.schedule, self.num_stages, self.micro_batches, num_slices, train=train,
+                     deferred_weight_grads=cfg.deferred_weight_grads, virtual_stages=cfg.virtual_stages,
+                     num_frozen_chunks=frozen, vocab_parallel=cfg.vocab_parallel,
+                     vocab_embedding=self._vocab_embedding)
+
+    def _train_schedule(self) -> TokenPipeSchedule:
+        return TokenPipeSchedule(self.terapipe.schedule, self.micro_batches, self.num_stages, self.stage_id,
+                                 self.num_slices, train=True, deferred_weight_grads=self.terapipe.deferred_weight_grads,
+                                 virtual_stages=self.terapipe.virtual_stages, num_frozen_chunks=self._frozen_chunks(),
+                                 vocab_parallel=self.terapipe.vocab_parallel, vocab_embedding=self._vocab_embedding)
+
+    # -- frozen layers (runtime/features/freeze.py)
+    # -------------------------------------------------------------------------
+    def _frozen_chunks(self) -> int:
+        """Leading chunks whose layers are all frozen: forward only, no gradient into them."""
+        freezer = getattr(self, "freezer", None)
+        return freezer.num_frozen_chunks if freezer is not None else 0
+
+    def _chunk_frozen(self, chunk: int) -> bool:
+        return 0 <= chunk < self._frozen_chunks()
+
+    @contextmanager
+    def _frozen_scope(self, chunk: int) -> Iterator[None]:
+        """A frozen chunk's forward keeps no graph (and so drops its buffers as an inference forward does)."""
+        if self._chunk_frozen(chunk):
+            with torch.no_grad():
+                yield
+        else:
+            yield
+
+    def _exec_optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        self._hand_over_weight_grads()
+        if getattr(self, "freezer", None) is not None:
+            self.freezer.observe_gradients(self)
+        super()._exec_optimizer_step(*args, **kwargs)
+
+    def clip_fp32_gradients(self) -> None:
+        """DeepSpeed's fp32 clipping without ZeRO (its ``_take_model_step`` calls this), by the norm of the whole
+        model's gradient, summed over the pipeline (``runtime/execution/clip.py``); DeepSpeed's own counts stage 0's
+        gradients alone. The norm is what ``get_global_grad_norm()`` reports for the step."""
+        self._global_grad_norm = clip_by_global_norm(self)
+
+    def _inference_schedule(self, micro_batches: int) -> TokenPipeSchedule:
+        return TokenPipeSchedule(self.terapipe.schedule, micro_batches, self.num_stages, self.stage_id,
+                                 self.num_slices, train=False, virtual_stages=self.terapipe.virtual_stages,
+                                 vocab_parallel=self.terapipe.vocab_parallel, vocab_embedding=self._vocab_embedding)
+
+    @property
+    def _vocab_embedding(self) -> bool:
+        """Whether the tied input embedding is split with the head (the schedule has EF/EB)."""
+        return getattr(self, "_vocab", None) is not None and self._vocab.embedding is not None
+
+    # -- execution -------------------------------------------------------------------------------------------
+    def _exec_schedule(self, pipe_schedule: TokenPipeSchedule) -> None:
+        """DeepSpeed's loop, plus: per-batch state reset, and errors that say where this rank was."""
+        self._reserve_pipe_buffers(pipe_schedule.num_pipe_buffers())
+        self.running = pipe_schedule
+        self.fwd_outputs = []
+        self._states.clear()
+        self.loaded.clear()
+        self.unit_losses.clear()
+        self._unit_grads.clear()
+        self._stashes.clear()
+        self._weight_grads = WeightGradAccumulator()
+        self._logits = []
+        self._trail.clear()
+        timeline: list[TimedAction] = []
+        terms: dict[str, float] = defaultdict(float)
+        start = synchronized_ms() if self.record_timeline else 0.0
+        with self._vocab.running() if self._vocab is not None else nullcontext():
+            self._run_steps(pipe_schedule, timeline, terms)
+        if self.record_timeline and pipe_schedule.train:
+            self.last_step_terms = {"loop": synchronized_ms() - start, **terms}
+        if len(self._weight_grads):
+            raise RuntimeError(f"token pipeline: {len(self._weight_grads)} deferred weight gradients were computed "
+                               "but never reached .grad (the schedule has no ReduceTiedGrads/ReduceGrads/"
+                               "OptimizerStep after its last W); this is a bug in the schedule, please report it")
+        if self.record_timeline:
+            self.last_timeline = timeline
+            if pipe_schedule.train and self.terapipe.trace_dir is not None:
+                self._write_trace(timeline)
+
+    def _run_steps(self, pipe_schedule: TokenPipeSchedule, timeline: list[TimedAction],
+                   terms: dict[str, float]) -> None:
+        for step_id, step_cmds in enumerate(pipe_schedule):
+            for cmd in step_cmds:
+                handler = self._INSTRUCTION_MAP.get(type(cmd))
+                if handler is None:
+                    raise RuntimeError(f"{type(self).__name__} does not understand instruction {cmd!r}")
+                self._trail.append(repr(cmd))
+                kind = _TIMED.get(type(cmd)) if self.record_timeline else None
+                term = _TAIL.get(type(cmd)) if self.record_timeline else None
+                try:
+                    # device work queued before is not this action's
+                    start = synchronized_ms() if kind or term else 0.0
+                    MethodType(handler, self)(**cmd.kwargs)
+                    if kind:
+                        action = Action(cmd.chunk, kind, cmd.microbatch, cmd.slice_index)
+                        timeline.append(TimedAction(self.stage_id, action, start, synchronized_ms()))
+                    elif term:
+                        terms[term] += synchronized_ms() - start
+                except Exception as err:
+                    note = (f"[ds_terapipe] rank {self.global_rank} (stage {self.stage_id}) failed in step {step_id} "
+                            f"of the {pipe_schedule.schedule.name} schedule; last instructions: "
+                            f"{' ; '.join(self._trail)}")
+                    logger.error(note)
+                    if hasattr(err, "add_note"):
+                        err.add_note(note)
+                    raise
+
+    def _write_trace(self, timeline: list[TimedAction]) -> None:
+        path = os.path.join(self.terapipe.trace_dir, f"batch{self._batches_traced:05d}-rank{self.global_rank}.json")
+        events_to_chrome_trace(timeline, path, metadata={"rank": self.global_rank, "stage": self.stage_id,
+                                                         "plan": self.plan_summary()})
+        self._batches_traced += 1
+
+    def _exec_load_micro_batch(self, buffer_id: int, microbatch: int) -> None:
+        batch = self._next_batch()
+        if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+            raise TypeError("token pipeline: each batch from the data iterator must be (inputs, labels), got "
+                            f"{type(batch).__name__}")
+        inputs, labels = batch
+        loaded: dict[str, Any] = {}
+        if self.is_first_stage():
+            loaded["inputs"] = self._to_device(inputs, "inputs", microbatch)
+        if self.is_last_stage():
+            loaded["labels"] = self._to_device(labels, "labels", microbatch)
+        self.loaded[microbatch] = loaded
+
+    def _to_device(self, value: Any, what: str, microbatch: int = 0) -> Any:
+        first = _first_tensor(value)
+        if first is None or first.dim() < 2:
+            got = None if first is None else tuple(first.shape)
+            raise ValueError(f"token pipeline: batch {what} must be (batch, seq_len, ...) tensors; got shape {got} in "
+                             f"micro-batch {microbatch}")
+        if first.shape[1] != self.seq_len:
+            # The step's plan was chosen for its first micro-batch's length (read before the step started).
+            raise ValueError(f"token pipeline: micro-batches of different lengths in one step: micro-batch "
+                             f"{microbatch} has {what} of sequence length {first.shape[1]}, but the step's first "
+                             f"micro-batch had {self.seq_len}; all micro-batches of a step (gradient_accumulation_steps of "
+                             "them) must share one length: group batches by length, or pad "
+                             "or crop them to a common length")
+        if first.shape[0] != self.micro_batch_size:
+            # Stages exchange activation shapes once per slice length: a micro-batch of another size must stop here.
+            raise ValueError(f"token pipeline: a micro-batch of {what} has {first.shape[0]} sequences, but "
+                             f"train_micro_batch_size_per_gpu = {self.micro_batch_size}; drop or pad the last "
+                             "incomplete batch (e.g. DataLoader(drop_last=True))")
+        if torch.is_tensor(value):
+            return value.to(self.device).detach()
+        return tuple(v.to(self.device).detach() if torch.is_tensor(v) else v for v in value)
+
+    def _state(self, chunk: int, microbatch: int) -> MicroBatchState:
+        """The (chunk, micro-batch)'s KV buffers, backward progress and weight-gradient stash."""
+        state = self._states.get((chunk, microbatch))
+        if state is None:
+            state = MicroBatchState(microbatch, self.seq_len, self.num_slices)
+            if self.terapipe.deferred_weight_grads and torch.is_grad_enabled():
+                state.weight_stash = self._stashes.setdefault((chunk, microbatch), WeightGradStash())
+            self._states[(chunk, microbatch)] = state
+        return state
+
+    def _unit_buffer(self, chunk: int, microbatch: int, slice_index: int) -> int:
+        return self.running.unit_buffer(chunk, microbatch, slice_index)
+
+    @contextmanager
+    def _weighted_loss(self, weight: float) -> Iterator[None]:
+        """Scale the module's loss by the slice's share of tokens while DeepSpeed's forward computes it."""
+        if self._vocab is not None:  # the loss is the vocabulary passes' (VF computes it, weighted)
+            with self._vocab.loss_hook():
+                yield
+            return
+        loss_fn = self.module.loss_fn
+        if loss_fn is None or weight == 1.0:
+            yield
+            return
+        self.module.loss_fn = lambda outputs, labels: loss_fn(outputs, labels) * weight
+        try:
+            yield
+        finally:
+            self.module.loss_fn = loss_fn
+
+    def _exec_forward_pass(self, buffer_id: int, microbatch: int, slice_index: int, chunk: int) -> None:
+        with self.on_chunk(chunk), self._frozen_scope(chunk):
+            self._forward_unit(buffer_id, microbatch, slice_index, chunk)
+
+    def _forward_unit(self, buffer_id: int, microbatch: int, slice_index: int, chunk: int) -> None:
+        start, end = self.slice_bounds(slice_index)
+        loaded = self.loaded.get(microbatch, {})
+        first, last = self.is_first_stage(), self.is_last_stage()
+        if first:
+            self.pipe_buffers["inputs"][buffer_id] = cut_tokens(loaded["inputs"], start, end, self.seq_len)
+        if last:
+            self.pipe_buffers["labels"][buffer_id] = cut_tokens(loaded["labels"], start, end, self.seq_len)
+        ctx = SliceContext(microbatch, slice_index, start, end, self._state(chunk, microbatch))
+        with slice_scope(ctx), self._weighted_loss((end - start) / self.seq_len):
+            super()._exec_forward_pass(buffer_id)
+        last_slice = slice_index == self.num_slices - 1
+        if last_slice:
+            for key, used in (("inputs", first), ("labels", last)):
+                if used:
+                    loaded.pop(key, None)
+            if not loaded:
+                self.loaded.pop(microbatch, None)
+        if last:
+            self.unit_losses[buffer_id] = self.loss
+            if self.eval_return_logits:
+                self._collect_logits(slice_index)
+        handed_on = self._is_local(chunk + 1)
+        if handed_on:
+            # The next chunk is on this rank: its input is this output, cut from the graph as a received one
+            # would be; its backward leaves the gradient on it for ours (see _exec_backward_pass).
+            outputs = self.pipe_buffers["outputs"][buffer_id]
+            detached = [t.detach().requires_grad_(t.is_floating_point() and torch.is_grad_enabled())
+                        for t in as_tuple(outputs)]
+            self.pipe_buffers["inputs"][self._unit_buffer(chunk + 1, microbatch, slice_index)] = \
+                detached[0] if torch.is_tensor(outputs) else tuple(detached)
+        if not torch.is_grad_enabled():
+            # No backward will run: nothing needs the inputs, and the KV cache only lives until the last slice.
+            self.pipe_buffers["inputs"][buffer_id] = None
+            self.pipe_buffers["labels"][buffer_id] = None
+            self.unit_losses.pop(buffer_id, None)
+            if last or handed_on:
+                self.pipe_buffers["outputs"][buffer_id] = None
+            if last_slice:
+                self._states.pop((chunk, microbatch), None)
+
+    def _collect_logits(self, slice_index: int) -> None:
+        if slice_index == 0:
+            self._logits = []
+        self._logits.append(self.outputs)
+        if slice_index == self.num_slices - 1:
+            self.outputs = torch.cat(self._logits, dim=1) if len(self._logits) > 1 else self._logits[0]
+            self._logits = []
+
+    def _exec_backward_pass(self, buffer_id: int, microbatch: int, slice_index: int, chunk: int) -> None:
+        state = self._states[(chunk, microbatch)]
+        pending = [j for j in range(slice_index + 1, self.num_slices) if j not in state.backward_done]
+        if pending:   # a schedule's order, not an internal state: checked under python -O too
+            raise ScheduleError(
+                f"token pipeline: schedule {self.running.schedule.name!r} runs the backward of slice {slice_index} "
+                f"of micro-batch {microbatch} on chunk {chunk} before its later slices {pending}; a slice's "
+                "backward needs the gradient its later slices leave on its keys and values, so the backwards of a "
+                f"micro-batch run last slice first ({self.num_slices - 1} down to 0): fix the schedule's order "
+                "(ds_terapipe.planner.schedule.validate(schedule) names every such action)",
+                violations=[f"{chunk}B{microbatch}.{slice_index} before {chunk}B{microbatch}.{j}" for j in pending])
+        with self.on_chunk(chunk):
+            if self.is_last_stage():
+                self.loss = self.unit_losses.pop(buffer_id)
+                scale = self._loss_scale_deepspeed_leaves_out()
+                if scale is not None:
+                    self.loss = self.loss.float() * scale
+            else:
+                self.grad_layer = self._unit_grads.pop(buffer_id)
+            super()._exec_backward_pass(buffer_id)
+            self.grad_layer = None
+            state.backward_done.add(slice_index)
+            # DeepSpeed relies on cyclic buffer reuse to drop these; units are not reused, so drop them here.
+            self.pipe_buffers["outputs"][buffer_id] = None
+            self.pipe_buffers["labels"][buffer_id] = None
+            if self._is_local(chunk - 1) and not self._chunk_frozen(chunk - 1):
+                # The previous chunk is on this rank: hand it the gradient of its output (our input).
+                inputs = as_tuple(self.pipe_buffers["inputs"][buffer_id])
+                self._unit_grads[self._unit_buffer(chunk - 1, microbatch, slice_index)] = \
+                    self._input_grads(inputs, self.pipe_buffers["inputs"][buffer_id])
+                self.pipe_buffers["inputs"][buffer_id] = None
+            elif self.is_first_stage() or self._chunk_frozen(chunk - 1):
+                self.pipe_buffers["inputs"][buffer_id] = None
+        if slice_index == 0:
+            del self._states[(chunk, microbatch)]
+
+    def _loss_scale_deepspeed_leaves_out(self) -> Optional[float]:
+        """The fp16 loss scale the last stage's backward must apply itself, or None.
+
+        Why: DeepSpeed 0.19.8's ``backward`` scales the loss only for its ZeRO optimizers. Without ZeRO, fp16 runs
+        through FP16_Optimizer or FP16_UnfusedOptimizer, whose ``step`` divides the gradients by the loss scale
+        all the same, so every step moved the weights 1/scale as far as it should (measured: one SGD step moved
+        them 7.1e-5 against 1.8e-2 in fp32 at scale 256, in this engine and in DeepSpeed's own PipelineEngine).
+        The other stages' backwards start from the gradients the last stage sends, so they carry the scale.
+        """
+        if not self.fp16_enabled() or isinstance(self.optimizer, ZeROOptimizer):
+            return None
+        scale = getattr(self.optimizer, "loss_scale", None)
+        return float(scale) if scale else None
+
+    @staticmethod
+    def _input_grads(inputs: tuple[torch.Tensor, ...], like: Any) -> Any:
+        """The gradients of a unit's floating inputs (zeros where none arrived), shaped as DeepSpeed's
+        ``grad_layer``: a tensor for a tensor input, else a list."""
+        grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs if t.is_floating_point()]
+        return grads[0] if torch.is_tensor(like) else grads
+
+    def _exec_weight_grad_pass(self, buffer_id: int, microbatch: int, slice_index: int, chunk: int) -> None:
+        """Deferred weight gradients (``runtime/slicing/deferred.py``) of the micro-batch's backwards on ``chunk``: all
+        its
+        slices (a W per micro-batch, ``W<b>.0`` after the last backward) or slice ``slice_index`` alone (a W per
+        slice, wherever the schedule put it: right after its backward, or later, in a bubble)."""
+        key = (chunk, microbatch)
+        per_slice = self.running.schedule.weights_per_slice
+        stash = self._stashes.get(key)
+        if stash is None:
+            return
+        params, grads = stash.compute(into=self._weight_grads, slice_index=slice_index if per_slice else None)
+        if not len(stash) and key not in self._states:   # every slice's backward ran (B of slice 0 ends them)
+            del self._stashes[key]
+        if params:   # fp32 ones went into the step's sums (handed over once); bf16/fp16 ones reach .grad now
+            if self.using_bf16_optimizer:
+                self.optimizer.clear_lp_grads()  # as DeepSpeed's own backward does around each backward pass
+            torch.autograd.backward(params, grads)
+            if self.using_bf16_optimizer and not self._config.bfloat16_config.immediate_grad_update:
+                self.optimizer.update_hp_grads(clear_lp_grads=False)
+
+    def _hand_over_weight_grads(self) -> None:
+        """The step's deferred weight gradients into ``.grad``: once, before anything reads or reduces gradients
+        (tied-weight and data-parallel reductions, clipping, the optimizer, the freezer's statistics)."""
+        left = {key: sorted(stash.slices()) for key, stash in self._stashes.items() if len(stash)}
+        if left:   # a schedule without a W for a recorded backward: those weight gradients would be lost
+            raise RuntimeError(f"token pipeline: schedule {self.running.schedule.name!r} left deferred weight "
+                               f"gradients uncomputed at the end of the step ((chunk, micro-batch): slices {left}); "
+                               "every backward needs a W of its slice (or one W per micro-batch at slice 0): "
+                               "a schedule bug, please report it; set terapipe.deferred_weight_grads to false "
+                               "to train without deferral meanwhile")
+        if not len(self._weight_grads):
+            return
+        if self.using_bf16_optimizer:
+            self.optimizer.clear_lp_grads()
+        self._weight_grads.hand_over()
+        if self.using_bf16_optimizer and not self._config.bfloat16_config.immediate_grad_update:
+            self.optimizer.update_hp_grads(clear_lp_grads=False)
+
+    def _exec_send_activations(self, buffer_id: int, microbatch: int, slice_index: int, chunk: int) -> None:
+        outputs = as_tuple(self.pipe_buffers["outputs"][buffer_id])
+        key = (chunk, self.seq_len, self.slices[slice_index])
+        self.p2p.send(outputs, self.placement[chunk + 1],
+                       f"activations of micro-batch {microbatch} slice {slice_index}{self._chunk_note(chunk)}",
+                       header=key not in self._shapes_sent)
+        self._shapes_sent.add(key)
+        if not torch.is_grad_enabled() or self._chunk_frozen(chunk):
+            self.pipe_buffers["outputs"][buffer_id] = None
+
+    def _exec_recv_activations(self, buffer_id: int, microbatch: int, slice_index: int, chunk: int) -> None:
+        key = (chunk - 1, self.seq_len, self.slices[slice_index])  # the boundary into this chunk, as sent
+        what = f"activations of micro-batch {microbatch} slice {slice_index}{self._chunk_note(chunk)}"
+        source = self.placement[chunk - 1]
+        if key in self._shapes_known:
+            received = self.p2p.recv_specs(self._shapes_known[key], source, what)
+        else:
+            received = self.p2p.recv(source, what)
+            self._shapes_known[key] = [(tuple(t.shape), t.dtype) for t in received]
+        if torch.is_grad_enabled() and not self._chunk_frozen(chunk - 1):  # no gradient goes back into a frozen chunk
+            for tensor in received:
+                tensor.requires_grad_(tensor.is_floating_point())
+        self.pipe_buffers["inputs"][buffer_id] = received[0] if len(received) == 1 else received
+
+    def _exec_send_grads(self, buffer_id: int, microbatch: int, slice_index: int, chunk: int) -> None:
+        inputs = as_tuple(self.pipe_buffers["inputs"][buffer_id])
+        grads = [t.grad if t.grad is not None else torch.zeros_like(t) for t in inputs if t.is_floating_point()]
+        self.p2p.send(grads, self.placement[chunk - 1],
+                       f"gradients of micro-batch {microbatch} slice {slice_index}{self._chunk_note(chunk - 1)}",
+                       header=False)
+        self.pipe_buffers["inputs"][buffer_id] = None
+
+    def _exec_recv_grads(self, buffer_id: int, microbatch: int, slice_index: int, chunk: int) -> None:
+        outputs = self.pipe_buffers["outputs"][buffer_id]
+        floats = [t for t in as_tuple(outputs) if t.is_floating_point()]
+        grads = self.p2p.recv_like(floats, self.placement[chunk + 1],
+                                    f"gradients of micro-batch {microbatch} slice {slice_index}"
+                                    f"{self._chunk_note(chunk)}")
+        self._unit_grads[buffer_id] = grads[0] if torch.is_tensor(outputs) else list(grads)
+
+    def _exec_vocab_forward(self, buffer_id: int, microbatch: int, slice_index: int, chunk: int) -> None:
+        self._vocab.forward_pass(buffer_id, microbatch, slice_index)
+
+    def _exec_vocab_backward(self, buffer_id: int, microbatch: int, slice_index: int, chunk: int) -> None:
+        self._vocab.backward_pass(buffer_id, microbatch, slice_index)
+
+    def _exec_vocab_embed_forward(self, buffer_id: int, microbatch: int, slice_index: int, chunk: int) -> None:
+        self._vocab.embedding.forward_pass(microbatch, slice_index)
+
+    def _exec_vocab_embed_backward(self, buffer_id: int, microbatch: int, slice_index: int, chunk: int) -> None:
+        self._vocab.embedding.backward_pass(microbatch, slice_index)
+
+    def _exec_reduce_grads(self) -> None:
+        self._hand_over_weight_grads()
+        if self._dp_reduce_is_identity():
+            return
+        super()._exec_reduce_grads()
+
+    def _dp_reduce_is_identity(self) -> bool:
+        """Whether DeepSpeed's data-parallel reduction would leave every gradient as it is (skipped then).
+
+        Why: with one replica DeepSpeed's fallback still flattens the stage's gradients into a fresh buffer,
+        scales it by 1, all-reduces it over a group of one and copies it back: 50-65 ms per step for a 4 x 512
+        stage on one CPU core (about 3% of a 2-stage m = 1 step), which the step model (a zero data-parallel
+        term for one replica) does not contain. It is an exact identity only on that path: fp32/fp16 without
+        ZeRO or the bf16 optimizer (they reduce through their own buffers), dense gradients in the
+        communication dtype (another dtype would round them on the way), no MoE expert groups, and no
+        pre-divide factor (scaling by f then by 1/f can round).
+        """
+        if not self._dp_identity_by_config:
+            return False
+        wire = self.communication_data_type
+        return all(p.grad is None or (p.grad.dtype == wire and not p.grad.is_sparse)
+                   for p in self.module.parameters() if p.requires_grad)
+
+    def dp_reduce_will_be_identity(self) -> bool:
+        """:meth:`_dp_reduce_is_identity` before any gradient exists (the step cost model asks at init,
+        ``runtime/planning/step_profile.py``): the gradients will have their parameters' dtype."""
+        wire = self.communication_data_type
+        return self._dp_identity_by_config and all(p.dtype == wire for p in self.module.parameters()
+                                                   if p.requires_grad)
+
+    def _dp_reduce_identity_by_config(self) -> bool:
+        """The configuration's part of :meth:`_dp_reduce_is_identity`, decided once at init (it cannot change
+        while the engine lives: a repack builds a new engine)."""
+        if self.grid.data_parallel_size != 1 or self.zero_optimization_stage() != 0 or self.using_bf16_optimizer:
+            return False
+        if self.has_moe_layers or not self.pipeline_enable_backward_allreduce:
+            return False
+        return not (self.gradient_average and self.postscale_gradients() and self.gradient_predivide_factor() != 1.0)
+
+    def _exec_reduce_tied_grads(self) -> None:
+        self._hand_over_weight_grads()
+        if getattr(self, "freezer", None) is not None:   # a zero gradient where only frozen layers use the weight
+            self.freezer.fill_tied_grads(self)
+        super()._exec_reduce_tied_grads()
+        if self._vocab is not None:
+            self._vocab.reduce_tied_grads()
+
+    def _chunk_note(self, chunk: int) -> str:
+        return f" of chunk {chunk}" if self.num_chunks != self.num_stages else ""
+
+    def _exec_commit_p2p(self) -> None:
+        self.p2p.drain()
+        if self.p2p.abort is not None:
+            # Every rank finished its schedule before any enters DeepSpeed's blocking collectives, which cannot
+            # watch the abort flag: a rank failing in its last backward stops its peers here, not there.
+            self.barrier("the schedule of this batch")
+
+    _INSTRUCTION_MAP = {
+        **PipelineEngine._INSTRUCTION_MAP,
+        ds_schedule.LoadMicroBatch: _exec_load_micro_batch,
+        ds_schedule.CommitP2P: _exec_commit_p2p,
+        ds_schedule.ReduceTiedGrads: _exec_reduce_tied_grads,
+        ds_schedule.ReduceGrads: _exec_reduce_grads,
+        ds_schedule.OptimizerStep: _exec_optimizer_step,
+    }  # and every action kind's instruction, from DISPATCH (below the class)
+
+    def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: Optional[dict] = None,
+                        save_latest: bool = True, **kwargs: Any) -> Any:
+        """DeepSpeed's checkpoint, plus the slicing plan and terapipe config, made crash-safe.
+
+        ``latest`` moves to the new tag only after every rank wrote its files and rank 0 wrote the manifest
+        (sizes and SHA-256 of every file), so an interrupted save never hides the previous checkpoint.
+        """
+        tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
+        tag_dir = os.path.join(save_dir, tag)
+        if self.global_rank == 0 and os.path.exists(os.path.join(tag_dir, ckpt.MANIFEST)):
+            os.remove(os.path.join(tag_dir, ckpt.MANIFEST))  # being rewritten: incomplete until the end
+        with self._failing_fast("save_checkpoint"):
+            state = dict(client_state or {})
+            state.setdefault("terapipe", {"plan": self.plan_summary(), "config": self.terapipe.model_dump()})
+            if self.freezer is not None and isinstance(state["terapipe"], dict):  # a resumed run re-freezes it
+                state["terapipe"] = {**state["terapipe"], "freeze": self.freezer.state_dict()}
+            self.barrier("starting a checkpoint")  # DeepSpeed's own barriers in the save cannot watch the flag
+            result = super().save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=False, **kwargs)
+            self.barrier("saving a checkpoint")
+            if self.global_rank == 0:
+                ckpt.write_manifest(tag_dir, {"num_stages": self.num_stages, "dp": self.dp_world_size,
+                                              "virtual_stages": self.terapipe.virtual_stages,
+                                              "placement": list(self.placement),
+                                              "repacked": self.freezer.repacked if self.freezer else None,
+                                              "plan": self.plan_summary(), "terapipe": self.terapipe.model_dump(),
+                                              # every sequence length's slicing, for a resumed run to run again
+                                              "plans": {str(n): list(p.slices) for n, p in self.plans.items()}})
+                if save_latest:
+                    ckpt.write_latest(save_dir, tag)
+                logger.info("terapipe: checkpoint %s complete (manifest written)", tag_dir)
+            self.barrier("finishing a checkpoint")
+            return result
+
+    def load_checkpoint(self, load_dir: str, tag: Any = None, **kwargs: Any) -> Any:
+        """DeepSpeed's load, after checking the checkpoint is complete and fits this model (nothing is touched
+        otherwise). A checkpoint from another number of stages loads its weights (per-layer files) but not the
+        optimizer state, which DeepSpeed stores per stage."""
+        with self._failing_fast("load_checkpoint"):
+            self._repack_like(load_dir, tag)
+            result, manifest = self._checked_load(load_dir, tag, **kwargs)
+            client = result[1] if isinstance(result, tuple) and len(result) > 1 else None
+            # the checkpoint's slicing first, so a re-applied freeze keeps it (it re-plans only without one); from
+            # the manifest, which the engine writes itself (a caller's client_state may hold its own "terapipe");
+            # nothing loaded (no `latest`: the same files on every rank) restores nothing
+            restored = None if manifest is None else restore_checkpoint_plan(
+                self, {"plan": manifest.get("plan"), "plans": manifest.get("plans"),
+                       "config": manifest.get("terapipe")})
+            if self.freezer is not None and isinstance(client, dict):
+                self.freezer.load_state_dict(self, client.get("terapipe", {}).get("freeze") or {},
+                                             keep_slices=self.plan.seq_len in (restored or {}))
+            return result
+
+    def _repack_like(self, load_dir: str, tag: Any) -> None:
+        """A checkpoint written after a repack (runtime/features/repack.py) holds the repacked layout: an engine still
+        in
+        the layout the run started with freezes and repacks the same way first (collective: every rank reads the
+        same manifest), so the optimizer state DeepSpeed stores per stage loads into the stages it was saved from."""
+        if self.freezer is None or self.freezer.repacked is not None or not self.freezer.cfg.repack:
+            return
+        tag = str(tag) if tag is not None else ckpt.read_latest(load_dir)
+        try:
+            manifest = ckpt.read_manifest(os.path.join(load_dir, tag)) if tag is not None else {}
+        except ckpt.CheckpointError:
+            return  # _checked_load reports it, on every rank
+        done = manifest.get("repacked")
+        if not done or list(done["stages"]) != [self.num_stages, manifest.get("num_stages")]:
+            return
+        from ..features.repack import repack
+
+        if int(done["num_frozen_layers"]) > self.freezer.num_frozen_layers:
+            self.freezer.apply(self, int(done["num_frozen_layers"]))
+        repack(self, self.num_stages // int(manifest["num_stages"]))
+
+    def _checked_load(self, load_dir: str, tag: Any, **kwargs: Any) -> tuple[Any, Optional[dict]]:
+        """DeepSpeed's load result and the checkpoint's manifest (None when nothing was loaded)."""
+        tag = str(tag) if tag is not None else ckpt.read_latest(load_dir)
+        if tag is None:
+            logger.warning("terapipe: no 'latest' file in %s: nothing loaded", load_dir)
+            return (None, None), None
+        tag_dir = os.path.join(load_dir, tag)
+        manifest, problem = None, None
+        try:
+            manifest = ckpt.verify_manifest(tag_dir)
+            problem = ckpt.check_layer_shapes(self.module, tag_dir)
+            if problem:
+                problem = (f"checkpoint {tag_dir} was written for a model with different dimensions: {problem}; "
+                           "build the model with the checkpoint's dimensions")
+        except ckpt.CheckpointError as err:
+            problem = str(err)
+        agree_or_raise(problem, ckpt.CheckpointError, self.p2p, f"the check of checkpoint {tag_dir}")
+        assert manifest is not None
+        written = (manifest.get("num_stages", self.num_stages), manifest.get("virtual_stages", 1),
+                   tuple(manifest.get("placement", range(manifest.get("num_stages", self.num_stages)))))
+        if written != (self.num_stages, self.terapipe.virtual_stages, self.placement):
+            if self.global_rank == 0:
+                logger.warning("terapipe: checkpoint %s has %s stages x %s virtual stages (chunk -> rank %s), this run "
+                               "%d x %d (%s): loading weights only (optimizer and scheduler state are per rank)",
+                               tag_dir, written[0], written[1], list(written[2]), self.num_stages,
+                               self.terapipe.virtual_stages, list(self.placement))
+            kwargs.update(load_optimizer_states=False, load_lr_scheduler_states=False, load_module_only=True)
+        # without ZeRO, DeepSpeed cannot load the bf16 optimizer, and loading weights only leaves the fp32 master
+        # weights of the bf16/fp16 optimizers at their initial values (runtime/execution/checkpoint.py)
+        no_zero = not self.zero_optimization() and not kwargs.get("load_module_only")
+        own_bf16 = no_zero and self.using_bf16_optimizer
+        load_optimizer_states = kwargs.pop("load_optimizer_states", True)
+        if own_bf16:
+            dp_group = self.optimizer.dp_process_group
+            dp_rank, dp_size = torch.distributed.get_rank(group=dp_group), torch.distributed.get_world_size(dp_group)
+            bf16_file = None if not load_optimizer_states else ckpt.bf16_optimizer_file(
+                tag_dir, dp_rank=dp_rank, dp_world_size=dp_size, mp_rank=self.checkpoint_mp_rank,
+                saved_dp_world_size=manifest.get("dp"))
+        result = super().load_checkpoint(load_dir, tag=tag,
+                                         load_optimizer_states=load_optimizer_states and not own_bf16, **kwargs)
+        if result[0] is not None and own_bf16:
+            ckpt.load_bf16_optimizer_state(self.optimizer, bf16_file, dp_rank=dp_rank, dp_world_size=dp_size,
+                                           load_from_fp32_weights=self.zero_load_from_fp32_weights())
+        elif result[0] is not None and no_zero and not load_optimizer_states:
+            refresh = getattr(self.optimizer, "refresh_fp32_params", None)   # fp16's optimizers; fp32 has no masters
+            if refresh is not None:
+                refresh()
+        return result, manifest
+
+    def barrier(self, what: str) -> None:
+        """An all-reduce of one number that waits with the p2p deadline and watches the abort flag."""
+        flag = torch.zeros(1, device=self.device)
+        self.p2p.wait(torch.distributed.all_reduce(flag, async_op=True), f"the barrier after {what}")
+
+    def plan_summary(self) -> dict[str, Any]:
+        """What this engine runs, for logs and checkpoints."""
+        summary: dict[str, Any] = {"slices": list(self.slices), "seq_len": self.seq_len,
+                                   "schedule": self.terapipe.schedule, "num_stages": self.num_stages,
+                                   "virtual_stages": self.terapipe.virtual_stages,
+                                   "micro_batches": self.micro_batches, "micro_batch_size": self.micro_batch_size}
+        if self.slicing_plan is not None:
+            summary["planner"] = self.slicing_plan.to_dict()
+        return summary
+
+
+# The actions' instructions and their handlers, from the one table of runtime/execution/schedule.py.
+TokenPipelineEngine._INSTRUCTION_MAP.update(
+    {d.instruction: getattr(TokenPipelineEngine, d.handler) for d in DISPATCH.values()})

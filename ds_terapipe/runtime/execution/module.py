@@ -1,0 +1,289 @@
+"""TokenPipelineModule: a DeepSpeed PipelineModule that can sample inputs and hold several chunks per rank.
+
+Any ``PipelineModule`` runs in the token pipeline as long as its token-mixing layers read the slice context
+(:func:`~ds_terapipe.runtime.slicing.attention.sliced_causal_attention`). What a plain PipelineModule cannot do is
+say what its first stage's input looks like, and the engine needs exactly that at init: to check that every
+stage gives the same result sliced as unsliced (the refusal of non-causal models) and to profile each stage
+for ``slices: "auto"``. This subclass adds that.
+
+Virtual stages (``virtual_stages=v > 1``): ``num_stages`` stays the number p of pipeline ranks, DeepSpeed's
+``partition_method`` cuts the layers into p*v *chunks*, and rank r builds the chunks the schedule places on it
+(``schedule=``: looped, chunk c on rank c mod p, for ``interleaved-1f1b`` and ``looped-bfs``; a V, chunks r and
+2p-1-r, for ``dualpipev``). This generalises DeepSpeed's ``DualPipeVModule`` (two chunks, ``activate_phase``):
+the engine calls :meth:`activate_chunk` before running a chunk, which points DeepSpeed's ``forward_funcs`` and
+layer bounds at that chunk, so DeepSpeed's own forward, activation checkpointing and per-layer checkpoint files
+(global layer indices: any (p, v) loads weights written by any other) work per chunk unchanged. A tied layer
+used by two chunks of one rank (embedding and head under the V placement) is one module there.
+"""
+
+from __future__ import annotations
+
+import functools
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional, Union
+
+import torch
+from deepspeed.pipe import PipelineModule
+
+from ...planner.registry import get_schedule
+from ...planner.schedule import chunks_on, looped_placement
+from ..features import vocab
+from ..features.vocab_shard import split_output_layer
+from ..features.vocab_embedding import install_split
+from ..features.partition import custom_parts
+
+__all__ = ["TokenPipelineModule", "InputSampler", "chunk_layout", "module_chunk_kwargs"]
+
+# (batch, seq_len, generator) -> first-stage input: a tensor or tuple of tensors of shape (batch, seq_len, ...)
+InputSampler = Callable[[int, int, torch.Generator], Union[torch.Tensor, tuple]]
+
+
+class TokenPipelineModule(PipelineModule):
+    """A ``PipelineModule`` with a sampler of first-stage inputs and, optionally, several chunks per rank.
+
+    Args:
+        layers, num_stages, topology, loss_fn, partition_method, ...: as ``deepspeed.pipe.PipelineModule``;
+            ``num_stages`` is the number of pipeline ranks.
+        vocab_size: for token-id inputs: sample ids uniformly from ``[0, vocab_size)``.
+        input_sampler: for other inputs: ``fn(batch, seq_len, generator)`` returning the first stage's input.
+        virtual_stages: chunks per rank (the config's ``terapipe.virtual_stages``); the model is cut into
+            ``num_stages * virtual_stages`` chunks.
+        schedule: the registered schedule whose placement puts chunks on ranks (the config's
+            ``terapipe.schedule``); None: looped (chunk c on rank c mod p).
+        partition_method: DeepSpeed's (``uniform``, ``parameters``, ``type:...``), or ``"terapipe"`` (cost-based:
+            layers profiled, boundaries and slicing planned together; needs ``partition_settings``, see
+            :func:`~ds_terapipe.runtime.features.partition.partition_kwargs`) or ``"parts:0,5,9"`` (your own
+            boundaries).
+        vocab_parallel: split the output layer (the last of ``layers``) by vocabulary rows over the pipeline
+            ranks (the config's ``terapipe.vocab_parallel``; :mod:`ds_terapipe.runtime.features.vocab`): every rank
+            holds
+            ``vocab_head``, its shard, and the last chunk's forward ends with the final hidden states (the other
+            ``layers`` are cut into chunks as without it). With ``partition_method="terapipe"`` the partition
+            is costed with the head's shard on every rank (one chunk per rank; virtual stages are refused).
+
+    Attributes:
+        placement: the rank of every chunk, chunk-indexed (``(0, 1, ..., p-1)`` with one chunk per rank).
+        chunk_ids: the chunks this rank holds, ascending; :meth:`activate_chunk` takes an index into it.
+        partition_report: for ``partition_method="terapipe"``, the chosen and naive layouts (boundaries, slices,
+            predicted step and busy time per rank); else None.
+    """
+
+    def __init__(self, layers, *args, vocab_size: Optional[int] = None,
+                 input_sampler: Optional[InputSampler] = None, virtual_stages: int = 1,
+                 schedule: Optional[str] = None, partition_settings: Optional[Any] = None,
+                 vocab_parallel: bool = False, **kwargs) -> None:
+        if vocab_size is not None and input_sampler is not None:
+            raise ValueError("TokenPipelineModule: pass vocab_size or input_sampler, not both")
+        if vocab_size is not None and vocab_size < 1:
+            raise ValueError(f"TokenPipelineModule: vocab_size={vocab_size} must be >= 1")
+        if isinstance(virtual_stages, bool) or not isinstance(virtual_stages, int) or virtual_stages < 1:
+            raise ValueError(f"TokenPipelineModule: virtual_stages={virtual_stages!r} must be an int >= 1 (chunks per "
+                             "pipeline rank; the config's terapipe.virtual_stages)")
+        if schedule is not None:
+            get_schedule(schedule)  # an unknown name fails here, listing the valid ones
+        # Read by _partition_layers, which PipelineModule.__init__ calls before returning.
+        self.virtual_stages = virtual_stages
+        self.chunk_schedule = schedule
+        self.partition_settings = partition_settings   # and the sampler: partition_method="terapipe" profiles
+        self.vocab_size = vocab_size
+        self.input_sampler = input_sampler
+        head_spec = None
+        if vocab_parallel:
+            cost_based = partition_settings is not None or str(kwargs.get("partition_method", "")) == "terapipe"
+            if cost_based and virtual_stages > 1:
+                raise ValueError(f"TokenPipelineModule: vocab_parallel with partition_method='terapipe' and "
+                                 f"virtual_stages={virtual_stages} is not supported (the planner would charge each "
+                                 "rank's vocabulary share once per chunk); use virtual_stages=1, or "
+                                 "partition_method='type:...', 'parameters' or 'parts:...' with virtual stages")
+            layers, head_spec = split_output_layer(layers)
+        # Read by the cost-based partition (runtime/features/partition.py): it times the head's shard, not the head.
+        self.vocab_head_spec = head_spec
+        # What a repack (runtime/features/repack.py) needs to build this model again over another topology.
+        self.rebuild_spec = {"layers": list(layers) if head_spec is None else None, "args": args,
+                             "kwargs": dict(kwargs, vocab_size=vocab_size, input_sampler=input_sampler,
+                                            virtual_stages=virtual_stages, schedule=schedule,
+                                            partition_settings=partition_settings, vocab_parallel=vocab_parallel)}
+        super().__init__(layers, *args, **kwargs)
+        self.vocab_head = None if head_spec is None else vocab.build_shard_head(self, head_spec)
+        if self.vocab_head is not None and self.vocab_head.embedding is not None:
+            install_split(self, self.vocab_head, self.vocab_head.embedding)
+
+    # -- inputs ---------------------------------------------------------------------------------------------
+    def has_sampler(self) -> bool:
+        return self.vocab_size is not None or self.input_sampler is not None
+
+    def sample_input(self, batch: int, seq_len: int, generator: torch.Generator) -> Union[torch.Tensor, tuple]:
+        """A first-stage input of ``batch`` sequences of ``seq_len`` tokens (on CPU)."""
+        if self.input_sampler is not None:
+            return self.input_sampler(batch, seq_len, generator)
+        if self.vocab_size is None:
+            raise ValueError("TokenPipelineModule has no input sampler: pass vocab_size= or input_sampler=")
+        return torch.randint(0, self.vocab_size, (batch, seq_len), generator=generator)
+
+    # -- chunks ---------------------------------------------------------------------------------------------
+    @property
+    def num_chunks(self) -> int:
+        return len(self.placement)
+
+    @property
+    def has_chunks(self) -> bool:
+        """Whether this rank's layers are cut into chunks placed by a schedule (else DeepSpeed's one range)."""
+        return self.placement != tuple(range(self.num_stages))
+
+    def _chunk_placement(self, num_ranks: int) -> tuple[int, ...]:
+        if self.chunk_schedule is not None:
+            return tuple(get_schedule(self.chunk_schedule).placement(num_ranks, self.virtual_stages))
+        return looped_placement(num_ranks, self.virtual_stages)
+
+    def _partition_layers(self, method: str = "uniform") -> None:
+        num_ranks = self.num_stages
+        self.placement = self._chunk_placement(num_ranks)
+        parts = custom_parts(self, method, len(self.placement))  # "terapipe", "parts:..." (features/partition.py)
+        if not self.has_chunks:
+            if parts is None:
+                super()._partition_layers(method)
+            else:
+                self.parts = list(parts)
+                self._set_bounds(start=self.parts[self.stage_id], stop=self.parts[self.stage_id + 1])
+            self.chunk_ids = (self.stage_id, )
+            self.chunk_bounds = [(self._local_start, self._local_stop)]
+            return
+        num_chunks = len(self.placement)
+        if self._num_layers < num_chunks:
+            raise ValueError(f"TokenPipelineModule: {self._num_layers} layers cannot be cut into {num_ranks} stages x "
+                             f"{self.virtual_stages} virtual stages = {num_chunks} chunks of at least one layer each; "
+                             "use fewer virtual_stages or pipeline stages, or a model with more layers")
+        # DeepSpeed's partition methods (uniform, parameters, type:...) cut over the chunks.
+        self.num_stages = num_chunks
+        try:
+            if parts is None:
+                super()._partition_layers(method)
+            else:
+                self.parts = list(parts)
+        finally:
+            self.num_stages = num_ranks
+        self.chunk_ids = chunks_on(self.placement, self.stage_id)
+        self.chunk_bounds = [(self.parts[c], self.parts[c + 1]) for c in self.chunk_ids]
+        self._set_bounds(*self.chunk_bounds[0])
+
+    def stage_owner(self, layer_idx: int) -> int:
+        """The pipeline rank that holds ``layer_idx`` (DeepSpeed groups tied layers by it)."""
+        if not self.has_chunks:
+            return super().stage_owner(layer_idx)
+        for chunk, rank in enumerate(self.placement):
+            if self.parts[chunk] <= layer_idx < self.parts[chunk + 1]:
+                return rank
+        raise ValueError(f"layer {layer_idx} is in no chunk (parts {self.parts})")
+
+    def _build(self) -> None:
+        if not self.has_chunks:
+            super()._build()
+            self.chunk_funcs = [self.forward_funcs]
+            self.chunk_checkpointable = [self.is_checkpointable_results]
+            self.active_chunk = 0
+            return
+        self.chunk_funcs, self.chunk_checkpointable = [], []
+        for start, stop in self.chunk_bounds:
+            self._set_bounds(start, stop)
+            self.forward_funcs = []
+            super()._build()
+            self.chunk_funcs.append(self.forward_funcs)
+            self.chunk_checkpointable.append([])
+        self.activate_chunk(0)
+
+    def activate_chunk(self, index: int) -> None:
+        """Make the ``index``-th chunk of this rank (``chunk_ids[index]``) the one ``forward()`` runs."""
+        self.active_chunk = index
+        self.forward_funcs = self.chunk_funcs[index]
+        self.is_checkpointable_results = self.chunk_checkpointable[index]
+        self._local_start, self._local_stop = self.chunk_bounds[index]
+
+    @contextmanager
+    def chunk(self, index: int) -> Iterator[None]:
+        """Run a block with the ``index``-th local chunk active; the previously active one is restored."""
+        previous = self.active_chunk
+        self.activate_chunk(index)
+        try:
+            yield
+        finally:
+            self.activate_chunk(previous)
+
+    def each_chunk(self) -> Iterator[int]:
+        """Activate each local chunk in turn, yielding its chunk id; restores the active chunk afterwards."""
+        previous = self.active_chunk
+        try:
+            for index, chunk in enumerate(self.chunk_ids):
+                self.activate_chunk(index)
+                yield chunk
+        finally:
+            self.activate_chunk(previous)
+
+    def _precompute_checkpointable_values(self) -> None:
+        if not self.has_chunks:
+            super()._precompute_checkpointable_values()
+            self.chunk_checkpointable = [self.is_checkpointable_results]
+            return
+        for index, _ in enumerate(self.each_chunk()):
+            self.is_checkpointable_results_interval = None  # DeepSpeed caches per interval, not per chunk
+            super()._precompute_checkpointable_values()
+            self.chunk_checkpointable[index] = self.is_checkpointable_results
+
+    def save_state_dict(self, save_dir, *args, **kwargs) -> None:
+        for _ in self.each_chunk():
+            super().save_state_dict(save_dir, *args, **kwargs)
+        if self.vocab_head is not None:
+            vocab.save_vocab_shard(self, save_dir)
+
+    def load_state_dir(self, load_dir, *args, **kwargs) -> None:
+        # Without vocabulary parallelism, from a checkpoint written with it: a tied input embedding split with
+        # the head left its table in the shards; its layer file gets it back while it loads.
+        fills = vocab.layer_fills(load_dir) if self.vocab_head is None else {}
+        for _ in self.each_chunk():
+            patched = []
+            for local, layer in enumerate(self.forward_funcs):
+                extra = fills.get(local + self._local_start)
+                if extra and isinstance(layer, torch.nn.Module):
+                    original = layer.load_state_dict
+                    layer.load_state_dict = functools.partial(_load_with, original, extra)
+                    patched.append(layer)
+            try:
+                super().load_state_dir(load_dir, *args, **kwargs)
+            finally:
+                for layer in patched:
+                    del layer.load_state_dict
+        if self.vocab_head is not None:
+            vocab.load_vocab_shard(self, load_dir)
+
+    def compile(self, *args, **kwargs) -> None:
+        for _ in self.each_chunk():
+            super().compile(*args, **kwargs)
+
+
+def _load_with(load: Callable, extra: dict, state_dict: dict, *args: Any, **kwargs: Any) -> Any:
+    return load({**state_dict, **{k: v for k, v in extra.items() if k not in state_dict}}, *args, **kwargs)
+
+
+def chunk_layout(module: torch.nn.Module) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(placement, this rank's chunk ids) of any PipelineModule: one chunk per rank unless it is a
+    :class:`TokenPipelineModule` with virtual stages."""
+    placement = getattr(module, "placement", None)
+    if placement is None:
+        return tuple(range(module.num_stages)), (module.stage_id, )
+    return tuple(placement), tuple(module.chunk_ids)
+
+
+
+def module_chunk_kwargs(terapipe: Optional[Any]) -> dict[str, Any]:
+    """The :class:`TokenPipelineModule` keywords a parsed ``"terapipe"`` section asks for: ``virtual_stages`` and
+    ``schedule`` when it places several chunks per rank, ``vocab_parallel`` when on, else none (one chunk per rank,
+    or stock DeepSpeed)::
+
+        terapipe = ds_terapipe.parse_terapipe_config(ds_config)
+        model = TokenPipelineModule(layers, num_stages=2, ..., **ds_terapipe.module_chunk_kwargs(terapipe))
+    """
+    if terapipe is None or not terapipe.enabled:
+        return {}
+    out: dict[str, Any] = {"vocab_parallel": True} if terapipe.vocab_parallel else {}
+    if terapipe.virtual_stages != 1:
+        out.update(virtual_stages=terapipe.virtual_stages, schedule=terapipe.schedule)
+    return out

@@ -1,0 +1,396 @@
+"""Repacking (``terapipe.freeze.repack``): fewer pipeline stages and more data-parallel replicas after a freeze.
+
+Why: once a freeze leaves whole stages with frozen layers only, those ranks run forwards only and the stage that
+still trains becomes the pipeline's bottleneck; re-planning the slicing cannot fix that. PipeTransformer (ICML
+2021) packs the layers that still train into fewer stages and uses the freed ranks as extra data-parallel
+replicas. This module does it inside the running job: same processes, same ``deepspeed`` command.
+
+The rule (decided after every freeze, on every rank from the same numbers): with ``f`` leading stages holding
+frozen layers only, the pipeline shrinks from ``p`` to ``p'``, the largest divisor of ``p`` with ``p' <= p - f``;
+nothing happens while ``f = 0``. With ``k = p / p'``:
+
+* layout: new stage ``s'`` holds the layers of old stages ``[s'k, (s'+1)k)`` (boundaries ``parts[::k]``), so the
+  costs profiled at init merge exactly (a sum per stage) and nothing is profiled again. The rank that was old
+  stage ``s`` of replica ``r`` becomes stage ``s // k`` of replica ``(s % k) * d + r`` (``d`` old replicas). The
+  frozen prefix runs forward-only in front of the first trained layers on every replica: replicated, not cached,
+  because each step brings new inputs (a cache pays off only for repeated data, and its memory grows with it).
+* batch and data order: the global batch stays (``gradient_accumulation_steps`` becomes ``G / k``). Every rank
+  reads all ``G`` micro-batches of the step from the iterator it is given (the stream of its old replica, as
+  before the repack) and runs its share: new replica ``(s % k) * d + r`` takes micro-batches
+  ``[(s % k) G/k, (s % k + 1) G/k)``. DeepSpeed's mean over micro-batches and replicas then equals the mean the
+  old pipeline took. A cheap checksum per step checks that the ranks of one old replica read the same data
+  (a middle stage's iterator that DeepSpeed never read from would be behind): a mismatch fails every rank.
+* state: every parameter and the optimizer state of every parameter still training move from their owner
+  (the old stage's replica 0) to every rank that holds them now, as device tensors over p2p. The optimizer
+  object and the learning-rate scheduler are the ones the run started with (their param groups now list the
+  new module's parameters), so references a script holds stay valid; step counters carry over.
+* the engine: a new :class:`~ds_terapipe.runtime.execution.engine.TokenPipelineEngine` over the new topology
+(DeepSpeed's
+  own process groups for it), whose state then replaces the old engine's in place: the object the script holds
+  is the repacked engine.
+
+Checkpoints written after a repack hold the new layout; loading one into an engine started with the original
+layout repacks first, then loads (``TokenPipelineEngine.load_checkpoint``).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ...planner.cost import WEIGHT_KEYS
+from ..execution.collective import mark_collective
+from ..execution.stage import PipelineStage
+
+
+__all__ = ["repack_factor", "merged_cost", "repacked_rank", "RepackShare", "repack", "check_repack_supported"]
+
+logger = logging.getLogger(__name__)
+
+
+# -- pure parts ---------------------------------------------------------------------------------------------------
+def repack_factor(num_stages: int, num_frozen_stages: int) -> int:
+    """``k = p / p'`` for ``p'`` the largest divisor of ``p`` with ``p' <= p - f`` (1: stay as is)."""
+    if num_frozen_stages <= 0:
+        return 1
+    for p2 in range(num_stages - num_frozen_stages, 0, -1):
+        if num_stages % p2 == 0:
+            return num_stages // p2
+    return num_stages
+
+
+def repacked_rank(stage: int, replica: int, num_replicas: int, k: int) -> tuple[int, int]:
+    """(new stage, new replica) of the rank that was ``stage`` of ``replica`` (of ``num_replicas``)."""
+    return stage // k, (stage % k) * num_replicas + replica
+
+
+def merged_cost(cost: Optional[Mapping[str, Any]], num_stages: int, k: int) -> Optional[dict[str, Any]]:
+    """The cost-file dict ``cost`` (one stage per old stage) for stages merged ``k`` at a time: forward and
+    backward times add up point by point, as do the weight-gradient rates; the transfer cost is the last merged
+    stage's (it sends to the next). Whole-step terms (``step``) were measured on the old layout and are dropped."""
+    if cost is None:
+        return None
+    stages = cost.get("stages")
+    if stages is None:
+        shared = {key: cost[key] for key in ("points", "comm", "hidden", "bytes_per_element", *WEIGHT_KEYS)
+                  if key in cost}
+        stages = [copy.deepcopy(shared) for _ in range(num_stages)]
+    out_stages = []
+    for group in range(num_stages // k):
+        members = stages[group * k:(group + 1) * k]
+        merged = copy.deepcopy(members[-1])
+        by_key: dict[tuple, dict] = {}
+        for member in members:
+            for point in member["points"]:
+                key = (point["batch"], point["slice"], point["context"])
+                if key not in by_key:
+                    by_key[key] = dict(point, forward_ms=0.0, backward_ms=0.0)
+                by_key[key]["forward_ms"] += point["forward_ms"]
+                by_key[key]["backward_ms"] += point["backward_ms"]
+        complete = [point for key, point in by_key.items()
+                    if all(any((q["batch"], q["slice"], q["context"]) == key for q in m["points"]) for m in members)]
+        merged["points"] = complete
+        for key in WEIGHT_KEYS:
+            merged.pop(key, None)
+            if any(key in m for m in members):   # a merged stage's W of a slice is its members' W of it
+                merged[key] = sum(m.get(key, 0.0) for m in members)
+        out_stages.append(merged)
+    out: dict[str, Any] = {"stages": out_stages, "num_stages": num_stages // k}
+    if cost.get("meta") is not None:
+        out["meta"] = dict(cost["meta"])
+    return out
+
+
+def merged_stage_meta(meta: Optional[Sequence[Mapping[str, Any]]], k: int) -> Optional[tuple[dict, ...]]:
+    if meta is None:
+        return None
+    groups = [meta[i:i + k] for i in range(0, len(meta), k)]
+    return tuple({"layers": sum(m["layers"] for m in g), "hidden": g[0]["hidden"], "bytes": max(m["bytes"] for m in g)}
+                 for g in groups)
+
+
+def check_repack_supported(engine: "PipelineStage") -> Optional[str]:
+    """Why ``terapipe.freeze.repack`` cannot run with this engine (the same answer on every rank), or None."""
+    cfg = engine.terapipe
+    if cfg.virtual_stages != 1:
+        return (f"terapipe.freeze.repack needs one chunk per rank, got virtual_stages={cfg.virtual_stages}; set "
+                "virtual_stages to 1 or repack to false")
+    if getattr(engine.module, "rebuild_spec", None) is None or engine.module.rebuild_spec["layers"] is None:
+        return (f"terapipe.freeze.repack rebuilds the model over the new layout and needs a "
+                f"ds_terapipe.TokenPipelineModule, got {type(engine.module).__name__}; build the model as a "
+                "TokenPipelineModule or set repack to false")
+    gas = engine.micro_batches
+    if gas % engine.num_stages:
+        return (f"terapipe.freeze.repack splits each step's micro-batches over the replicas a repack adds: "
+                f"gradient_accumulation_steps={gas} must be divisible by the {engine.num_stages} pipeline stages; "
+                f"use a multiple of {engine.num_stages} or set repack to false")
+    if engine.training_dataloader is not None:
+        return ("terapipe.freeze.repack changes the data-parallel layout, which a DeepSpeed data loader built by "
+                "initialize(training_data=...) is sharded by; hand train_batch an iterator on every rank instead")
+    if not isinstance(engine.config, dict):
+        return "terapipe.freeze.repack needs the DeepSpeed config as a dict or a JSON file path"
+    return None
+
+
+# -- the data share ---------------------------------------------------------------------------------------------------
+def _signature(batch: Any) -> tuple[float, float]:
+    tensors = [batch] if torch.is_tensor(batch) else [t for t in (batch if isinstance(batch, (tuple, list)) else ())
+                                                     if torch.is_tensor(t)]
+    total, squares = 0.0, 0.0
+    for t in tensors:
+        values = t.detach().double()
+        total += float(values.sum())
+        squares += float((values * values).sum())
+    return total, squares
+
+
+@dataclass
+class RepackShare:
+    """This rank's share of each step's micro-batches after a repack (see the module docstring).
+
+    Attributes:
+        factor: ``k``, the replicas each old pipeline became.
+        index: which ``1/k`` of the step this rank's replica runs.
+        old_replica: the replica this rank belonged to before (ranks of one old replica read the same stream).
+    """
+
+    factor: int
+    index: int
+    old_replica: int
+
+    def take(self, engine: "PipelineStage", source: Optional[Iterator], per_replica: int,
+             what: str = "train_batch") -> Iterator:
+        """Read ``factor x per_replica`` micro-batches from ``source`` and return an iterator over this replica's
+        share; collective (the data check)."""
+        total = self.factor * per_replica
+        batches: list[Any] = []
+        problem = 0.0
+        if source is None:
+            problem = 1.0
+        else:
+            try:
+                for _ in range(total):
+                    batches.append(next(source))
+            except StopIteration:
+                problem = 2.0
+        world = dist.get_world_size()
+        table = torch.zeros(world, 4, dtype=torch.float64, device=engine.device)
+        sums = [_signature(b) for b in batches]
+        table[engine.global_rank] = torch.tensor([self.old_replica, problem, sum(s[0] for s in sums),
+                                                  sum(s[1] for s in sums)], dtype=torch.float64)
+        engine.p2p.wait(dist.all_reduce(table, async_op=True), f"the data check of {what} after a repack")
+        rows = table.cpu().tolist()
+        missing = [r for r, row in enumerate(rows) if row[1] == 1.0]
+        short = [r for r, row in enumerate(rows) if row[1] == 2.0]
+        if missing:
+            raise mark_collective(ValueError(
+                f"terapipe: after a repack every rank runs micro-batches, but rank(s) {missing} got no data iterator "
+                f"in {what}; pass the same data_iter to {what} on every rank"))
+        if short:
+            raise mark_collective(StopIteration(
+                f"terapipe: a data iterator ran out on rank(s) {short}: after a repack each rank reads the whole "
+                f"step ({total} micro-batches) and runs {per_replica} of them"))
+        for replica in sorted({int(row[0]) for row in rows}):
+            members = [r for r, row in enumerate(rows) if int(row[0]) == replica]
+            seen = {tuple(rows[r][2:]) for r in members}
+            if len(seen) > 1:
+                raise mark_collective(ValueError(
+                    f"terapipe: after a repack the ranks {members} of one former pipeline read different "
+                    f"micro-batches in {what} (checksums {[rows[r][2:] for r in members]}); every rank must get that "
+                    "pipeline's stream: a persistent iterator on a former middle stage, which DeepSpeed never read "
+                    "from, is behind; create the iterator per step or advance it"))
+        return iter(batches[self.index * per_replica:(self.index + 1) * per_replica])
+
+
+# -- moving the state -------------------------------------------------------------------------------------------------
+def _state_spec(state: Mapping[str, Any], param: torch.Tensor) -> dict[str, Any]:
+    spec: dict[str, Any] = {}
+    for name, value in state.items():
+        if torch.is_tensor(value):
+            spec[name] = ("tensor", tuple(value.shape), str(value.dtype).replace("torch.", ""),
+                          value.device == param.device)
+        else:
+            spec[name] = ("value", value)
+    return spec
+
+
+def _hyper(group: Mapping[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in group.items() if key != "params"}
+
+
+def _manifest(engine: "PipelineStage", new_module: Any) -> dict[str, Any]:
+    """What this rank holds (old module: parameters, their optimizer state and group settings) and needs."""
+    groups = {id(p): _hyper(g) for g in engine.optimizer.param_groups for p in g["params"]}
+    held = {}
+    if engine.grid.data_parallel_id == 0:  # replicas hold copies: replica 0 of each stage sends
+        for name, param in engine.module.named_parameters():
+            state = engine.optimizer.state.get(param, {})
+            held[name] = {"shape": tuple(param.shape), "dtype": str(param.dtype).replace("torch.", ""),
+                          "hyper": groups.get(id(param)), "state": _state_spec(state, param)}
+    return {"held": held, "needed": [name for name, _ in new_module.named_parameters()]}
+
+
+def _owners(manifests: Sequence[Mapping[str, Any]]) -> dict[str, int]:
+    owners: dict[str, int] = {}
+    for rank, manifest in enumerate(manifests):
+        for name in manifest["held"]:
+            owners.setdefault(name, rank)
+    return owners
+
+
+def _transfer(engine: "PipelineStage", manifests: Sequence[Mapping[str, Any]], owners: Mapping[str, int],
+              old_state: Mapping[str, Mapping[str, Any]], new_params: Mapping[str, torch.nn.Parameter]
+              ) -> dict[str, dict[str, Any]]:
+    """Send every parameter and optimizer-state tensor from its owner to each rank that now holds it (p2p, device
+    tensors). ``old_state``: this rank's optimizer state before the repack, by parameter name. Returns this rank's
+    new optimizer state by parameter name."""
+    me, device = engine.global_rank, engine.device
+    old_params = dict(engine.module.named_parameters())
+    pending: list[tuple[Any, Any, Any]] = []  # (work, received buffer, where it goes)
+    states: dict[str, dict[str, Any]] = {}
+    keep_alive: list[torch.Tensor] = []
+    for name in sorted(owners):
+        owner = owners[name]
+        receivers = [r for r, m in enumerate(manifests) if name in m["needed"]]
+        info = manifests[owner]["held"][name]
+        items: list[tuple[str, Optional[str], tuple, str]] = [("param", None, info["shape"], info["dtype"])]
+        for key in sorted(info["state"]):
+            kind = info["state"][key]
+            if kind[0] == "tensor":
+                items.append(("state", key, kind[1], kind[2]))
+        if me in receivers:
+            states[name] = {key: kind[1] for key, kind in info["state"].items() if kind[0] == "value"}
+        for what, key, shape, dtype in items:
+            if me == owner:
+                src = old_params[name] if what == "param" else old_state[name][key]
+                wire = src.detach().to(device).contiguous()
+                keep_alive.append(wire)
+                for dst in receivers:
+                    if dst != me:
+                        pending.append((dist.isend(wire, dst), None, None))
+                if me in receivers:
+                    pending.append((None, wire.clone(), (name, what, key)))
+            elif me in receivers:
+                buf = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+                pending.append((dist.irecv(buf, owner), buf, (name, what, key)))
+    for work, buf, where in pending:
+        if work is not None:
+            engine.p2p.wait(work, "moving parameters and optimizer state in a repack")
+        if buf is None:
+            continue
+        name, what, key = where
+        if what == "param":
+            with torch.no_grad():
+                new_params[name].copy_(buf)
+        else:
+            on_param = manifests[owners[name]]["held"][name]["state"][key][3]
+            states[name][key] = buf.to(new_params[name].device if on_param else torch.device("cpu"))
+    return states
+
+
+def _regroup(optimizer: torch.optim.Optimizer, manifests: Sequence[Mapping[str, Any]], owners: Mapping[str, int],
+             new_module: Any) -> None:
+    """The optimizer's param groups list the new module's parameters, each with the settings its group had."""
+    groups: list[tuple[dict[str, Any], list[torch.nn.Parameter]]] = []
+    fallback = _hyper(optimizer.param_groups[0]) if optimizer.param_groups else {}
+    for name, param in new_module.named_parameters():
+        hyper = manifests[owners[name]]["held"][name]["hyper"] if name in owners else None
+        hyper = dict(fallback if hyper is None else hyper)
+        for settings, params in groups:
+            if repr(settings) == repr(hyper):
+                params.append(param)
+                break
+        else:
+            groups.append((hyper, [param]))
+    optimizer.param_groups.clear()
+    optimizer.state.clear()
+    for settings, params in groups:
+        optimizer.add_param_group({**settings, "params": params})
+
+
+def _new_config(engine: "PipelineStage", k: int) -> dict[str, Any]:
+    config = copy.deepcopy(engine.config)
+    config["gradient_accumulation_steps"] = engine.micro_batches // k
+    config["train_micro_batch_size_per_gpu"] = engine.micro_batch_size
+    config["train_batch_size"] = engine.train_batch_size()
+    config.pop("optimizer", None)   # the run's optimizer and scheduler objects carry over
+    config.pop("scheduler", None)
+    if isinstance(config.get("pipeline"), dict) and "stages" in config["pipeline"]:
+        config["pipeline"] = dict(config["pipeline"], stages=engine.num_stages // k)
+    return config
+
+
+_COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
+
+
+def repack(engine: "PipelineStage", k: int) -> dict[str, Any]:
+    """Continue ``engine`` on ``p / k`` stages x ``k d`` replicas (collective; see the module docstring).
+
+    On return ``engine`` *is* the repacked engine (its state was replaced in place). Returns the event logged."""
+    from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
+
+    from ..planning.plan import ResolvedPlan
+
+    old_stages, old_replicas = engine.num_stages, engine.dp_world_size
+    new_stages, new_replicas = old_stages // k, old_replicas * k
+    stage, replica = engine.stage_id, engine.grid.data_parallel_id
+    freezer = engine.freezer
+    assert freezer is not None and engine.optimizer is not None
+    parts = [int(b) for b in engine.module.parts]
+    new_parts = parts[::k]
+    spec = engine.module.rebuild_spec
+    kwargs = dict(spec["kwargs"])
+    kwargs.pop("num_stages", None)
+    kwargs.update(topology=PipeDataParallelTopology(num_pp=new_stages, num_dp=new_replicas),
+                  partition_method="parts:" + ",".join(str(b) for b in new_parts))
+    new_module = type(engine.module)(spec["layers"], *spec["args"], **kwargs)
+    expected = repacked_rank(stage, replica, old_replicas, k)
+    got = (new_module.stage_id, new_module._grid.data_parallel_id)
+    assert got == expected, (got, expected)
+
+    manifests: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(manifests, _manifest(engine, new_module))
+    owners = _owners(manifests)
+    missing = sorted({n for m in manifests for n in m["needed"]} - set(owners))
+    if missing:
+        raise mark_collective(RuntimeError(f"terapipe: repack: no rank holds {missing[:5]}"))
+    optimizer, scheduler = engine.optimizer, engine.lr_scheduler
+    old_state = {name: dict(optimizer.state.get(param, {})) for name, param in engine.module.named_parameters()}
+    _regroup(optimizer, manifests, owners, new_module)
+
+    plan = engine.plan
+    preset = None
+    if engine.terapipe.slices == "auto":
+        base = freezer.base_cost
+        preset = ResolvedPlan(tuple(plan.slices), "repacked", None, merged_cost(base, old_stages, k),
+                              merged_stage_meta(plan.stage_meta, k), None)
+    new = type(engine).build(new_module, _new_config(engine, k), engine.terapipe, args=None, optimizer=optimizer,
+                             lr_scheduler=scheduler, preset_plan=preset)
+    new_params = dict(new.module.named_parameters())
+    states = _transfer(engine, manifests, owners, old_state, new_params)
+    for name, state in states.items():
+        if state and new_params[name].requires_grad:
+            optimizer.state[new_params[name]] = state
+    for counter in _COUNTERS:
+        setattr(new, counter, getattr(engine, counter))
+    new.repack_share = RepackShare(factor=k, index=expected[1] // old_replicas, old_replica=replica)
+    event = {"step": engine.global_steps, "repack": {"stages": [old_stages, new_stages],
+                                                       "replicas": [old_replicas, new_replicas], "parts": new_parts,
+                                                       "micro_batches": [engine.micro_batches, new.micro_batches]}}
+    before_ms = freezer.predicted_ms()
+    new.freezer.adopt(new, freezer, event)
+    after_ms = new.freezer.predicted_ms()
+    event["repack"].update(before_ms=before_ms, after_ms=after_ms)
+    if engine.global_rank == 0:
+        speed = f"; predicted step {before_ms:.1f} ms -> {after_ms:.1f} ms ({before_ms / after_ms:.2f}x)" \
+            if before_ms and after_ms else ""
+        logger.info("terapipe: step %d: repacked %d stage(s) x %d replica(s) -> %d x %d (layer boundaries %s; "
+                    "%d micro-batch(es) per replica per step); plan %s%s", engine.global_steps, old_stages,
+                    old_replicas, new_stages, new_replicas, new_parts, new.micro_batches, list(new.slices), speed)
+    engine.__dict__ = new.__dict__  # the script's engine object is the repacked engine from here on
+    return event

@@ -1,0 +1,177 @@
+"""Causal self-attention over the cached prefix, with cache gradients carried backward.
+
+Slice ``i`` of a sequence (tokens ``[start, end)``) attends to every earlier token of its micro-batch, so its
+keys/values are the rows ``[0, end)`` of a full-length buffer (:class:`~ds_terapipe.runtime.slicing.context.KVBuffers`)
+into which each slice writes its own rows. :class:`_PrefixKV` does that write and returns the ``[0, end)``
+view; its backward splits the incoming gradient in two:
+
+* rows ``[0, start)`` belong to earlier slices: they are *added* to the gradient buffer, where the backwards
+  of those slices (which run later: backwards go later slices first) pick them up;
+* rows ``[start, end)`` are this slice's own keys/values: their gradient is this slice's part plus whatever
+  later slices already accumulated there.
+
+No graph is traversed twice and nothing full-length is copied per slice. Adapting an existing attention is a
+one-line change: replace ``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` with
+``sliced_causal_attention(q, k, v, cache_key=self)``, and add :func:`~ds_terapipe.token_offset` to position
+ids (learned or rotary).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Hashable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .context import KVBuffers, current_slice, token_offset
+from .devices import prefix_causal_bias
+
+__all__ = ["CausalSelfAttention", "sliced_causal_attention"]
+
+
+class _PrefixKV(torch.autograd.Function):
+    """Append a slice's keys (or values) to the cache and return the cached prefix including them."""
+
+    @staticmethod
+    def forward(ctx, new: torch.Tensor, bufs: KVBuffers, which: str, start: int) -> torch.Tensor:
+        end = start + new.shape[2]
+        writable = bufs.k_w if which == "k" else bufs.v_w
+        writable[:, :, start:end].copy_(new)
+        ctx.bufs, ctx.which, ctx.start, ctx.end = bufs, which, start, end
+        full = bufs.k if which == "k" else bufs.v
+        return full[:, :, :end]  # (B, nh, end, hs), a view
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        bufs: KVBuffers = ctx.bufs
+        acc = bufs.grad_buffer(ctx.which)
+        start, end = ctx.start, ctx.end
+        if start > 0:
+            acc[:, :, :start].add_(grad[:, :, :start])
+        own = grad[:, :, start:end] + acc[:, :, start:end]
+        return own, None, None, None
+
+
+_MASKS: dict[tuple, torch.Tensor] = {}
+
+
+def _prefix_causal_mask(start: int, end: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """(end - start, end) additive mask: query row r (global position start + r) sees keys <= start + r.
+
+    Additive and already in the query dtype: SDPA would otherwise convert a boolean mask on every call, in
+    every layer, and keep that copy for backward.
+    """
+    key = (start, end, dtype, str(device))
+    mask = _MASKS.get(key)
+    if mask is None:
+        if len(_MASKS) > 256:
+            _MASKS.clear()
+        visible = torch.ones(end - start, end, dtype=torch.bool, device=device).tril(diagonal=start)
+        mask = torch.zeros(end - start, end, dtype=dtype, device=device).masked_fill(~visible, float("-inf"))
+        _MASKS[key] = mask
+    return mask
+
+
+def sliced_causal_attention(q: torch.Tensor,
+                            k: torch.Tensor,
+                            v: torch.Tensor,
+                            *,
+                            cache_key: Hashable,
+                            dropout_p: float = 0.0,
+                            scale: float | None = None) -> torch.Tensor:
+    """Causal attention of one slice over itself and the cached earlier slices of its micro-batch.
+
+    Args:
+        q, k, v: (B, nh, T, hs) for the running slice's T tokens (the whole sequence outside a pipeline); k and
+            v may have fewer heads (B, nkv, T, hs), nh a multiple of nkv (grouped-query attention): the KV cache
+            then holds nkv heads, and SDPA pairs query head h with key/value head h // (nh / nkv).
+        cache_key: names the attention layer (``self`` is the usual choice). Each call within one slice's
+            forward gets its own KV buffer, keyed by (cache_key, how many calls with this key came before it),
+            so a layer applied twice (shared weights) or two layers passing the same key still train exactly.
+        dropout_p, scale: as in ``torch.nn.functional.scaled_dot_product_attention``.
+
+    Returns:
+        (B, nh, T, hs), equal to rows ``[start, end)`` of unsliced causal attention over the whole sequence.
+    """
+    gqa = _gqa_kwargs(q, k, v)
+    ctx = current_slice()
+    if ctx is None or ctx.num_slices == 1:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, scale=scale, **gqa)
+    if k.shape[2] != ctx.length or q.shape[2] != ctx.length:
+        raise ValueError(f"sliced_causal_attention: q/k/v have {q.shape[2]}/{k.shape[2]} tokens but the running "
+                         f"slice has {ctx.length} (tokens [{ctx.start}, {ctx.end})); pass (B, heads, T, head_dim) "
+                         "tensors of the slice, not of the whole sequence")
+    bufs = ctx.kv_buffers(cache_key, k, v)
+    # SDPA saves q for backward; q is usually a view of a fused qkv projection whose k/v parts now live in the
+    # cache, so give q its own storage (same (B, nh, T, hs) strides as before) and let that projection go.
+    q = q.transpose(1, 2).contiguous().transpose(1, 2)
+    keys = _PrefixKV.apply(k, bufs, "k", ctx.start)  # (B, nh, end, hs)
+    values = _PrefixKV.apply(v, bufs, "v", ctx.start)
+    if ctx.start == 0:
+        return F.scaled_dot_product_attention(q, keys, values, is_causal=True, dropout_p=dropout_p, scale=scale, **gqa)
+    mask = prefix_causal_bias(ctx.start, ctx.end, q.device)  # lazy on an accelerator: fused kernels stay eligible
+    if mask is None:
+        mask = _prefix_causal_mask(ctx.start, ctx.end, q.dtype, q.device)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, dropout_p=dropout_p, scale=scale, **gqa)
+
+
+def _gqa_kwargs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, bool]:
+    """``enable_gqa=True`` for SDPA when k/v have fewer heads than q (nothing otherwise, so equal-head calls stay
+    exactly what they were); the cache keeps the k/v heads, never repeated copies."""
+    num_heads, num_kv = q.shape[1], k.shape[1]
+    if num_kv == num_heads:
+        return {}
+    if v.shape[1] != num_kv or num_heads % num_kv:
+        raise ValueError(f"sliced_causal_attention: q has {num_heads} heads but k/v have {num_kv}/{v.shape[1]}; "
+                         "grouped-query attention needs k and v with the same number of heads, dividing q's")
+    return {"enable_gqa": True}
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention (GPT-2 style) that runs sliced inside a token pipeline.
+
+    Input and output: (B, T, C). Optional rotary position embedding uses :func:`token_offset`, so slices get
+    their true positions.
+    """
+
+    terapipe_token_mixing = "causal-sliced"
+
+    def __init__(self, hidden: int, num_heads: int, *, dropout: float = 0.0, bias: bool = True,
+                 rotary: bool = False) -> None:
+        super().__init__()
+        if hidden % num_heads != 0:
+            raise ValueError(f"CausalSelfAttention: hidden={hidden} is not divisible by num_heads={num_heads}; "
+                             "choose num_heads dividing hidden")
+        self.hidden, self.num_heads, self.dropout, self.rotary = hidden, num_heads, dropout, rotary
+        self.qkv = nn.Linear(hidden, 3 * hidden, bias=bias)
+        self.proj = nn.Linear(hidden, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, tokens, channels = x.shape  # (B, T, C)
+        head_dim = channels // self.num_heads
+        q, k, v = self.qkv(x).split(channels, dim=2)
+        q = q.view(batch, tokens, self.num_heads, head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(batch, tokens, self.num_heads, head_dim).transpose(1, 2)
+        v = v.view(batch, tokens, self.num_heads, head_dim).transpose(1, 2)
+        if self.rotary:
+            q, k = apply_rotary(q, token_offset()), apply_rotary(k, token_offset())
+        dropout = self.dropout if self.training else 0.0
+        y = sliced_causal_attention(q, k, v, cache_key=self, dropout_p=dropout)  # (B, nh, T, hs)
+        y = y.transpose(1, 2).contiguous().view(batch, tokens, channels)
+        return self.proj(y)
+
+
+def apply_rotary(x: torch.Tensor, offset: int, base: float = 10000.0) -> torch.Tensor:
+    """Rotary position embedding of (B, nh, T, hs) for positions ``offset .. offset + T - 1``."""
+    head_dim = x.shape[-1]
+    if head_dim % 2:
+        raise ValueError(f"apply_rotary: head_dim={head_dim} must be even for rotary embeddings")
+    half = head_dim // 2
+    inv_freq = torch.exp(-math.log(base) * torch.arange(half, device=x.device, dtype=torch.float32) / half)
+    pos = torch.arange(offset, offset + x.shape[2], device=x.device, dtype=torch.float32)
+    angles = torch.outer(pos, inv_freq)  # (T, hs/2)
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
