@@ -32,6 +32,8 @@ _LAZY = {
     "sliced_causal_attention": ".runtime.slicing.attention",
     "current_slice": ".runtime.slicing.context",
     "token_offset": ".runtime.slicing.context",
+    "slice_positions": ".runtime.slicing.documents",
+    "packed_documents": ".runtime.slicing.documents",
     "SliceContext": ".runtime.slicing.context",
     "P2PTimeoutError": ".runtime.execution.p2p",
     "PeerFailedError": ".runtime.execution.p2p",

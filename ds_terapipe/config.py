@@ -54,7 +54,7 @@ class ProfileConfig(DeepSpeedConfigModel):
 
 
 class ReplanConfig(DeepSpeedConfigModel):
-    """Online re-planning (``runtime/replan.py``): after warm-up, refit the cost model to measured action times
+    """Online re-planning (``runtime/planning/replan.py``): after warm-up, refit the cost model to measured action times
     and switch to a better slicing when it pays; all ranks switch at the same step, results do not change."""
 
     model_config = ConfigDict(extra="forbid")
@@ -74,7 +74,7 @@ class ReplanConfig(DeepSpeedConfigModel):
 
 
 class AutoFreezeConfig(DeepSpeedConfigModel):
-    """The automatic freezing policy (``runtime/freeze.py``, as in PipeTransformer): every ``check_interval``
+    """The automatic freezing policy (``runtime/features/freeze.py``, as in PipeTransformer): every ``check_interval``
     steps each still-training layer's gradient norm is measured (after the data-parallel reduction, before the
     optimizer step). A layer is *stable* when its norm changed by at most ``tolerance`` (relative) since the
     previous check. The stable layers in a row right behind the frozen prefix freeze, at most
@@ -102,7 +102,7 @@ class AutoFreezeConfig(DeepSpeedConfigModel):
 
 
 class FreezeConfig(DeepSpeedConfigModel):
-    """Progressive freezing of the front layers (``runtime/freeze.py``): frozen layers run forward only, take no
+    """Progressive freezing of the front layers (``runtime/features/freeze.py``): frozen layers run forward only, take no
     backward and no weight gradient, their optimizer state is released; ranks whose layers are all frozen get no
     gradient. Exactly one policy: ``schedule`` or ``auto``."""
 
@@ -122,7 +122,7 @@ class FreezeConfig(DeepSpeedConfigModel):
 
     repack: bool = False
     """After a freeze that leaves whole pipeline stages with frozen layers only, continue on fewer stages with more
-    data-parallel replicas, in the same processes (PipeTransformer's elastic pipelining; ``runtime/repack.py``
+    data-parallel replicas, in the same processes (PipeTransformer's elastic pipelining; ``runtime/features/repack.py``
     states the rule). Needs ``gradient_accumulation_steps`` divisible by the number of pipeline stages, one chunk
     per rank, a ``TokenPipelineModule`` and data handed to ``train_batch`` on every rank."""
 
@@ -190,7 +190,7 @@ class TeraPipeConfig(DeepSpeedConfigModel):
 
     deferred_weight_grads: Optional[bool] = None
     """Backward of a slice computes input gradients only and sends them on; the ``nn.Linear`` weight gradients
-    follow in a ``W`` action (runtime/deferred.py), so the previous stage gets its gradients sooner. With
+    follow in a ``W`` action (runtime/slicing/deferred.py), so the previous stage gets its gradients sooner. With
     ``gpipe`` one W per micro-batch after its last backward (its Linear inputs and output gradients wait until
     then); with ``1f1b`` one W per slice right after the send (one slice's pairs wait). Default (None): on with
     ``gpipe``; off with ``1f1b``, whose point is bounded memory (per-slice W measured +5-30% activations): the
@@ -198,13 +198,20 @@ class TeraPipeConfig(DeepSpeedConfigModel):
 
     vocab_parallel: bool = False
     """Split the output layer (and its gradient and optimizer state) by vocabulary rows over the pipeline ranks,
-    so the last stage stops being the slowest (``runtime/vocab.py``). Per (micro-batch, slice) every rank joins
+    so the last stage stops being the slowest (``runtime/features/vocab.py``). Per (micro-batch, slice) every rank joins
     two collectives (the last stage's hidden states and labels out, softmax statistics, the hidden-state gradient
     back); the loss is exactly the unsharded cross entropy. A tied head's input embedding is split with it
-    (``runtime/vocab_embedding.py``: two more collectives per unit). Needs ``loss_fn=causal_lm_loss``, an
-    output layer as the last layer and fp32; works with every schedule, virtual stages included (the passes follow
+    (``runtime/features/vocab_embedding.py``: two more collectives per unit). Needs ``loss_fn=causal_lm_loss`` and
+    an output layer as the last layer; any precision and ZeRO stage 0/1; works with every schedule, virtual stages included (the passes follow
     the last chunk and chunk 0 wherever the placement puts them); build the model with
     ``TokenPipelineModule(..., vocab_parallel=True)`` (and the same ``virtual_stages`` and ``schedule``)."""
+
+    packed: bool = False
+    """Batches may hold packed documents: ``((input_ids, position_ids), labels)``, position ids restarting at 0
+    where each document starts (Hugging Face's ``DataCollatorWithFlattening`` convention). Attention then stays
+    within each document, also across slices, and positions restart per document (runtime/slicing/documents.py);
+    every slice's activations carry its position ids to the next stage. A batch ``(input_ids, labels)`` is one
+    document per row. Off: a tuple of inputs goes to the first layer as it is."""
 
     max_slices: Optional[int] = Field(None, ge=1)
     """Upper bound on the number of slices ``"auto"`` may choose."""

@@ -23,7 +23,7 @@ import sys
 import sysconfig
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -69,6 +69,9 @@ def training_parser(doc: str) -> argparse.ArgumentParser:
     parser.add_argument("--checkpoint-interval", type=int, default=0,
                         help="activation checkpointing every N layers (0: off); each slice's forward is recomputed "
                              "in its backward with the earlier slices' cached keys/values")
+    parser.add_argument("--pack", action="store_true",
+                        help="packed documents (terapipe.packed): rows of whole files, position ids restarting at "
+                             "each file, attention within each file, no loss across a file boundary")
     parser.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
     return parser
 
@@ -116,24 +119,31 @@ def freeze_section(spec: str) -> dict:
 
 def load_tokens(args: argparse.Namespace) -> np.ndarray:
     """The corpus as a 1-D array of token ids."""
+    return load_documents(args)[0]
+
+
+def load_documents(args: argparse.Namespace) -> tuple[np.ndarray, np.ndarray]:
+    """The corpus as a 1-D array of token ids, and where each document (file) starts in it."""
     if args.data:
         paths = [Path(p) for p in args.data]
         missing = [str(p) for p in paths if not p.is_file()]
         if missing:
             raise SystemExit(f"train_gpt: --data file(s) not found: {missing}")
         if len(paths) == 1 and paths[0].suffix == ".bin":
-            return np.fromfile(paths[0], dtype=np.uint16).astype(np.int64)
-        return np.frombuffer(b"".join(p.read_bytes() for p in paths), dtype=np.uint8).astype(np.int64)
-    # Default corpus: the standard library's source, sorted, so every rank and every run reads the same bytes.
-    root = Path(sysconfig.get_paths()["stdlib"])
-    budget, chunks = int(args.max_corpus_mb * 2**20), []
-    for path in sorted(root.glob("*.py")):
-        data = path.read_bytes()
-        chunks.append(data)
-        budget -= len(data)
-        if budget <= 0:
-            break
-    return np.frombuffer(b"".join(chunks), dtype=np.uint8).astype(np.int64)
+            return np.fromfile(paths[0], dtype=np.uint16).astype(np.int64), np.zeros(1, dtype=np.int64)
+        chunks = [p.read_bytes() for p in paths]
+    else:
+        # Default corpus: the standard library's source, sorted, so every rank and every run reads the same bytes.
+        root = Path(sysconfig.get_paths()["stdlib"])
+        budget, chunks = int(args.max_corpus_mb * 2**20), []
+        for path in sorted(root.glob("*.py")):
+            data = path.read_bytes()
+            chunks.append(data)
+            budget -= len(data)
+            if budget <= 0:
+                break
+    starts = np.cumsum([0] + [len(c) for c in chunks[:-1]], dtype=np.int64)
+    return np.frombuffer(b"".join(chunks), dtype=np.uint8).astype(np.int64), starts
 
 
 class Batches:
@@ -154,6 +164,31 @@ class Batches:
             window = np.stack([self.tokens[s:s + self.seq_len + 1] for s in starts])
             ids = torch.from_numpy(window)
             yield ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+
+
+class PackedBatches(Batches):
+    """Random windows of the corpus as packed rows: ``((ids, position_ids), labels)``, the position ids restarting
+    at 0 where a document (file) starts inside the window, and no label across a document boundary (-100: the
+    loss counts every token's prediction within its own document once)."""
+
+    def __init__(self, tokens: np.ndarray, starts: np.ndarray, seq_len: int, batch: int, seed: int,
+                 dp_rank: int) -> None:
+        super().__init__(tokens, seq_len, batch, seed, dp_rank)
+        self.starts = starts
+
+    def iterator(self, step: int, count: int):
+        rng = np.random.default_rng([self.seed, self.dp_rank, step])
+        offsets = np.arange(self.seq_len + 1)
+        for _ in range(count):
+            begins = rng.integers(0, len(self.tokens) - self.seq_len - 1, self.batch)
+            index = begins[:, None] + offsets                                  # (B, L + 1) corpus positions
+            doc = np.searchsorted(self.starts, index, side="right")           # document of each token
+            first = np.maximum(self.starts[doc - 1], begins[:, None])         # where it starts in the window
+            ids = torch.from_numpy(self.tokens[index])
+            positions = torch.from_numpy(index - first)
+            labels = ids[:, 1:].clone()
+            labels[torch.from_numpy(doc[:, 1:] != doc[:, :-1])] = -100       # no prediction across documents
+            yield (ids[:, :-1].contiguous(), positions[:, :-1].contiguous()), labels
 
 
 def start(args: argparse.Namespace, name: str) -> tuple[dict, Any, int, int]:
@@ -183,14 +218,22 @@ def start(args: argparse.Namespace, name: str) -> tuple[dict, Any, int, int]:
 
 
 def train(engine: Any, args: argparse.Namespace, tokens: np.ndarray, seq_len: int, stages: int, header: str,
-          name: str) -> None:
+          name: str, starts: Optional[np.ndarray] = None) -> None:
     """The training loop: 90/10 train/held-out split, resume, logging, evaluation, checkpoints; then leave."""
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     split = int(len(tokens) * 0.9)
     micro, gas = engine.micro_batch_size, engine.micro_batches
     dp_rank = engine.grid.data_parallel_id
-    train_data = Batches(tokens[:split], seq_len, micro, args.seed, dp_rank)
-    held_out = Batches(tokens[split:], seq_len, micro, args.seed + 1, dp_rank)
+    if args.pack:   # documents: the files; the held-out split starts a document of its own
+        if not getattr(getattr(engine, "terapipe", None), "packed", False):
+            raise SystemExit(f"{name}: --pack needs the token pipeline (terapipe.enabled) with terapipe.packed")
+        docs = np.zeros(1, dtype=np.int64) if starts is None else starts
+        train_data: Batches = PackedBatches(tokens[:split], docs[docs < split], seq_len, micro, args.seed, dp_rank)
+        held_out: Batches = PackedBatches(tokens[split:], np.concatenate([[0], docs[docs > split] - split]), seq_len,
+                                          micro, args.seed + 1, dp_rank)
+    else:
+        train_data = Batches(tokens[:split], seq_len, micro, args.seed, dp_rank)
+        held_out = Batches(tokens[split:], seq_len, micro, args.seed + 1, dp_rank)
     plan = engine.plan_summary() if hasattr(engine, "plan_summary") else {"slices": [seq_len]}
     if rank == 0:
         print(f"{header}, world {world} = {stages} stage(s) x {world // stages} replica(s), micro-batch {micro} x "
@@ -252,8 +295,10 @@ def main() -> None:
     args = parse_args()
     ds_config, terapipe, stages, seq_len = start(args, "train_gpt")
     config = None
-    if args.freeze or args.repack:  # the config from the file, with this freeze section: handed over as a dict
+    if args.freeze or args.repack or args.pack:  # the config from the file, changed: handed over as a dict
         section = ds_config.setdefault("terapipe", {})
+        if args.pack:
+            section["packed"] = True
         if args.freeze:
             section["freeze"] = freeze_section(args.freeze)
         if args.repack:
@@ -262,7 +307,7 @@ def main() -> None:
             section["freeze"]["repack"] = True
         terapipe = ds_terapipe.parse_terapipe_config(ds_config)
         config, args.deepspeed_config = ds_config, None
-    tokens = load_tokens(args)
+    tokens, starts = load_documents(args)
     vocab = args.vocab_size if args.data and args.data[0].endswith(".bin") else 256
     if int(tokens.max()) >= vocab:
         raise SystemExit(f"train_gpt: token id {int(tokens.max())} >= --vocab-size {vocab}")
@@ -281,7 +326,7 @@ def main() -> None:
     # step for 21M parameters against 51 ms fused, and the step's optimizer tail is on every schedule's critical path
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95), fused=True)
     engine, _, _, _ = ds_terapipe.initialize(args=args, model=model, optimizer=optimizer, config=config)
-    train(engine, args, tokens, seq_len, stages, name="train_gpt",
+    train(engine, args, tokens, seq_len, stages, name="train_gpt", starts=starts,
           header=f"corpus {len(tokens):,} tokens ({'--data' if args.data else 'Python stdlib source'})")
 
 

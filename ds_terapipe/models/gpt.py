@@ -23,6 +23,7 @@ from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
 from ..runtime.slicing.attention import CausalSelfAttention
 from ..runtime.slicing.context import token_offset
+from ..runtime.slicing.documents import slice_positions
 
 __all__ = ["GPTConfig", "GPTEmbedding", "GPTBlock", "GPTFinalNorm", "gpt_layer_specs", "causal_lm_loss",
            "GPTReference", "reference_param_name"]
@@ -80,7 +81,7 @@ class GPTEmbedding(nn.Module):
         if offset + tokens > self.cfg.max_seq_len:
             raise ValueError(f"GPTEmbedding: positions up to {offset + tokens} exceed max_seq_len="
                              f"{self.cfg.max_seq_len}; raise GPTConfig.max_seq_len")
-        pos = torch.arange(offset, offset + tokens, device=ids.device)
+        pos = slice_positions(tokens, ids.device)  # (T,), or (B, T) within each packed document
         return self.drop(self.wte(ids) + self.wpe(pos))  # (B, T, C)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:

@@ -41,6 +41,7 @@ from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
 from ..runtime.slicing.attention import sliced_causal_attention
 from ..runtime.slicing.context import token_offset
+from ..runtime.slicing.documents import slice_positions
 from .gpt import causal_lm_loss
 
 try:
@@ -302,7 +303,7 @@ class HFEmbedding(nn.Module):
         if offset + tokens > self.wpe.num_embeddings:
             raise ValueError(f"HFEmbedding: positions up to {offset + tokens} exceed n_positions="
                              f"{self.wpe.num_embeddings}; use shorter sequences or a config with more positions")
-        pos = torch.arange(offset, offset + tokens, device=ids.device)
+        pos = slice_positions(tokens, ids.device)  # (T,), or (B, T) within each packed document
         return self.drop(hidden + self.wpe(pos))
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -333,9 +334,10 @@ class HFDecoderLayer(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.rotary is None:  # GPT-2: positions were added by the embedding
             return self.layer(hidden)
-        offset = token_offset()
-        position_ids = torch.arange(offset, offset + hidden.shape[1], device=hidden.device).unsqueeze(0)  # (1, T)
-        position_embeddings = self.rotary(hidden, position_ids)  # cos, sin: (1, T, hs)
+        position_ids = slice_positions(hidden.shape[1], hidden.device)  # (T,), or (B, T) for packed rows
+        if position_ids.dim() == 1:
+            position_ids = position_ids.unsqueeze(0)  # (1, T)
+        position_embeddings = self.rotary(hidden, position_ids)  # cos, sin: (1 or B, T, hs)
         return self.layer(hidden, attention_mask=None, position_ids=position_ids,
                           position_embeddings=position_embeddings)
 

@@ -67,6 +67,7 @@ from ..slicing.context import MicroBatchState, SliceContext, cut_tokens, slice_s
 from ..slicing.deferred import WeightGradAccumulator, WeightGradStash, enable_deferred_weight_grads
 from ..features.freeze import Freezer
 from ..slicing.devices import synchronized_ms
+from ..slicing.documents import Documents, check_position_ids
 from .ds_internals import check_deepspeed_internals
 from .module import chunk_layout
 from .p2p import AbortFlag, PeerFailedError, SliceP2P, as_tuple
@@ -116,7 +117,7 @@ def _first_tensor(value: Any) -> Optional[torch.Tensor]:
 
 
 # Slots of the per-batch sequence-length agreement that are not lengths.
-_UNSET, _NO_SEQ_DIM, _EXHAUSTED, _NOT_READING = -100, -3, -2, -1
+_UNSET, _BAD_DOCUMENTS, _NO_SEQ_DIM, _EXHAUSTED, _NOT_READING = -100, -4, -3, -2, -1
 
 # The active chunk while DeepSpeed's PipelineEngine.__init__ runs: stage roles are the rank's topological ones
 # then (its p2p warm-up pairs stage s with s + 1), as DeepSpeed's DualPipeVEngine does.
@@ -186,6 +187,8 @@ class TokenPipelineEngine(PipelineEngine):
                              abort=AbortFlag.on_default_group(f"ds_terapipe/abort/{next(_ENGINE_SERIAL)}"))
         self._states: dict[tuple[int, int], MicroBatchState] = {}  # (chunk, micro-batch) ->
         self.loaded: dict[int, Any] = {}
+        # Packed rows (terapipe.packed): each micro-batch's documents on this rank (runtime/slicing/documents.py)
+        self.documents: dict[int, Documents] = {}
         self.unit_losses: dict[int, torch.Tensor] = {}
         self._unit_grads: dict[int, Any] = {}
         self._logits: list[torch.Tensor] = []
@@ -377,7 +380,7 @@ class TokenPipelineEngine(PipelineEngine):
         together, and a length that cannot be run fails on every rank at once instead of hanging the others.
         Returns the iterator with the peeked micro-batch put back in front.
         """
-        local, batch = _NOT_READING, None
+        local, batch, refused = _NOT_READING, None, None
         if self.is_first_stage() or self.is_last_stage():
             try:
                 batch = next(iterator)
@@ -386,6 +389,9 @@ class TokenPipelineEngine(PipelineEngine):
             if batch is not None:
                 first = _first_tensor(batch[0] if self.is_first_stage() else batch[1])
                 local = first.shape[1] if first is not None and first.dim() >= 2 else _NO_SEQ_DIM
+                refused = self._documents_problem(batch[0]) if self.is_first_stage() else None
+                if refused is not None:
+                    local = _BAD_DOCUMENTS
                 iterator = put_back(batch, iterator)
         lengths = torch.full((torch.distributed.get_world_size(), ), _UNSET, dtype=torch.int64, device=self.device)
         lengths[self.global_rank] = local  # each rank fills its own slot; MAX merges them
@@ -395,6 +401,11 @@ class TokenPipelineEngine(PipelineEngine):
         # Every rank sees every pipeline's first and last stage, so every rank reaches the same verdict.
         if _EXHAUSTED in values:
             raise mark_collective(StopIteration("token pipeline: a data iterator ran out at the start of a batch"))
+        if _BAD_DOCUMENTS in values:   # the first stage's message on it, a pointer to it on the others
+            origin = values.index(_BAD_DOCUMENTS)
+            raise mark_collective(ValueError(refused if local == _BAD_DOCUMENTS else
+                                             f"token pipeline: rank {origin} (a first stage) refused the position "
+                                             "ids of the next batch; its error says why"))
         if _NO_SEQ_DIM in values:
             raise mark_collective(ValueError("token pipeline: batch inputs/labels must be (batch, seq_len, ...) "
                                              "tensors; a stage got a tensor without a sequence dimension"))
@@ -415,7 +426,10 @@ class TokenPipelineEngine(PipelineEngine):
                     logger.info("terapipe: sequence length %d -> %d slice(s) %s", length, len(resolved.slices),
                                 list(resolved.slices))
         self.plan = self.plans[mine]
-        self._check_slicing_on_batch(set(stage0), batch[0] if self.is_first_stage() and batch is not None else None)
+        first_input = batch[0] if self.is_first_stage() and batch is not None else None
+        if self.terapipe.packed and isinstance(first_input, (tuple, list)):
+            first_input = first_input[0]  # the ids: the check probes causality, documents aside
+        self._check_slicing_on_batch(set(stage0), first_input)
         return iterator
 
     def _check_slicing_on_batch(self, lengths: set[int], first_input: Any) -> None:
@@ -505,6 +519,7 @@ class TokenPipelineEngine(PipelineEngine):
         self.fwd_outputs = []
         self._states.clear()
         self.loaded.clear()
+        self.documents.clear()
         self.unit_losses.clear()
         self._unit_grads.clear()
         self._stashes.clear()
@@ -569,10 +584,53 @@ class TokenPipelineEngine(PipelineEngine):
         inputs, labels = batch
         loaded: dict[str, Any] = {}
         if self.is_first_stage():
+            if self.terapipe.packed:
+                inputs = self._load_documents(inputs, microbatch)
             loaded["inputs"] = self._to_device(inputs, "inputs", microbatch)
         if self.is_last_stage():
             loaded["labels"] = self._to_device(labels, "labels", microbatch)
         self.loaded[microbatch] = loaded
+
+    def _load_documents(self, inputs: Any, microbatch: int) -> Any:
+        """Packed rows: ``(input_ids, position_ids)`` -> the ids, with the micro-batch's documents kept; plain
+        ids are one document per row."""
+        if isinstance(inputs, (tuple, list)) and len(inputs) == 2 and torch.is_tensor(inputs[1]):
+            ids, positions = inputs
+            check_position_ids(ids, positions, f"micro-batch {microbatch}")
+        elif torch.is_tensor(inputs) and inputs.dim() == 2 and not inputs.is_floating_point():
+            ids = inputs
+            positions = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
+        else:
+            got = type(inputs).__name__ if not torch.is_tensor(inputs) else f"a tensor {tuple(inputs.shape)}"
+            raise ValueError(f"terapipe.packed: the inputs of micro-batch {microbatch} must be input_ids (batch, "
+                             f"seq_len) or (input_ids, position_ids), got {got}; pass ((input_ids, position_ids), "
+                             "labels) or set terapipe.packed to false")
+        self.documents[microbatch] = Documents(positions.to(self.device, torch.int64).clone())
+        return ids
+
+    def _documents_problem(self, inputs: Any) -> Optional[str]:
+        """Why the first micro-batch's position ids cannot be run (None if they can, or rows are not packed):
+        checked before the step, so every rank refuses together."""
+        if not (isinstance(inputs, (tuple, list)) and len(inputs) == 2):
+            return None
+        try:
+            check_position_ids(inputs[0], inputs[1], "the next batch")
+        except ValueError as err:
+            return str(err) if self.terapipe.packed else None
+        if not self.terapipe.packed and int((inputs[1] == 0).sum()) > inputs[1].shape[0]:
+            # position ids that restart: packed rows given to an engine that would hand them to the first layer
+            return ("token pipeline: the next batch's inputs are (input_ids, position_ids) of packed documents (the "
+                    "position ids restart at 0 inside rows); set \"packed\": true in the terapipe config so "
+                    "attention stays within each document, or pass input_ids alone")
+        return None
+
+    def _documents_of(self, microbatch: int) -> Documents:
+        """The micro-batch's documents on a rank that learns them slice by slice (from received activations)."""
+        docs = self.documents.get(microbatch)
+        if docs is None:
+            docs = Documents.empty(self.micro_batch_size, self.seq_len, self.device)
+            self.documents[microbatch] = docs
+        return docs
 
     def _to_device(self, value: Any, what: str, microbatch: int = 0) -> Any:
         first = _first_tensor(value)
@@ -638,7 +696,8 @@ class TokenPipelineEngine(PipelineEngine):
             self.pipe_buffers["inputs"][buffer_id] = cut_tokens(loaded["inputs"], start, end, self.seq_len)
         if last:
             self.pipe_buffers["labels"][buffer_id] = cut_tokens(loaded["labels"], start, end, self.seq_len)
-        ctx = SliceContext(microbatch, slice_index, start, end, self._state(chunk, microbatch))
+        ctx = SliceContext(microbatch, slice_index, start, end, self._state(chunk, microbatch),
+                           documents=self.documents.get(microbatch))
         with slice_scope(ctx), self._weighted_loss((end - start) / self.seq_len):
             super()._exec_forward_pass(buffer_id)
         last_slice = slice_index == self.num_slices - 1
@@ -776,6 +835,9 @@ class TokenPipelineEngine(PipelineEngine):
 
     def _exec_send_activations(self, buffer_id: int, microbatch: int, slice_index: int, chunk: int) -> None:
         outputs = as_tuple(self.pipe_buffers["outputs"][buffer_id])
+        if self.terapipe.packed:   # the slice's position ids travel with it: the next stage's documents
+            start, end = self.slice_bounds(slice_index)
+            outputs = (*outputs, self.documents[microbatch].positions[:, start:end].contiguous())
         key = (chunk, self.seq_len, self.slices[slice_index])
         self.p2p.send(outputs, self.placement[chunk + 1],
                        f"activations of micro-batch {microbatch} slice {slice_index}{self._chunk_note(chunk)}",
@@ -793,6 +855,9 @@ class TokenPipelineEngine(PipelineEngine):
         else:
             received = self.p2p.recv(source, what)
             self._shapes_known[key] = [(tuple(t.shape), t.dtype) for t in received]
+        if self.terapipe.packed:   # the last tensor is the slice's position ids (see _exec_send_activations)
+            *received, positions = received
+            self._documents_of(microbatch).write(self.slice_bounds(slice_index)[0], positions)
         if torch.is_grad_enabled() and not self._chunk_frozen(chunk - 1):  # no gradient goes back into a frozen chunk
             for tensor in received:
                 tensor.requires_grad_(tensor.is_floating_point())

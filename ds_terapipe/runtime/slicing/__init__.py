@@ -1,6 +1,7 @@
 """The mechanics of one token slice, shared by every schedule and feature.
 
 ``context`` (the slice a layer is running: offsets, KV carry, micro-batch state), ``attention`` (sliced causal
-attention over the carried keys and values, on the fast SDPA paths), ``deferred`` (weight gradients computed
+attention over the carried keys and values, on the fast SDPA paths), ``documents`` (packed rows: attention
+within each document, positions restarting per document), ``deferred`` (weight gradients computed
 later, one GEMM per Linear over all slices), ``devices`` (accelerator-synchronised timing and device helpers).
 """

@@ -12,8 +12,8 @@ view; its backward splits the incoming gradient in two:
 
 No graph is traversed twice and nothing full-length is copied per slice. Adapting an existing attention is a
 one-line change: replace ``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` with
-``sliced_causal_attention(q, k, v, cache_key=self)``, and add :func:`~ds_terapipe.token_offset` to position
-ids (learned or rotary).
+``sliced_causal_attention(q, k, v, cache_key=self)``, and take position ids (learned or rotary) from
+:func:`~ds_terapipe.runtime.slicing.documents.slice_positions` (the slice's offset, or packed rows' positions).
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .context import KVBuffers, current_slice, token_offset
+from .context import KVBuffers, current_slice
 from .devices import prefix_causal_bias
+from .documents import current_documents, slice_positions
 
 __all__ = ["CausalSelfAttention", "sliced_causal_attention"]
 
@@ -97,7 +98,11 @@ def sliced_causal_attention(q: torch.Tensor,
     """
     gqa = _gqa_kwargs(q, k, v)
     ctx = current_slice()
+    docs = current_documents()
     if ctx is None or ctx.num_slices == 1:
+        if docs is not None:  # packed rows: causal within each document
+            mask = docs.mask(0, q.shape[2], q.dtype)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, **gqa)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, scale=scale, **gqa)
     if k.shape[2] != ctx.length or q.shape[2] != ctx.length:
         raise ValueError(f"sliced_causal_attention: q/k/v have {q.shape[2]}/{k.shape[2]} tokens but the running "
@@ -109,6 +114,10 @@ def sliced_causal_attention(q: torch.Tensor,
     q = q.transpose(1, 2).contiguous().transpose(1, 2)
     keys = _PrefixKV.apply(k, bufs, "k", ctx.start)  # (B, nh, end, hs)
     values = _PrefixKV.apply(v, bufs, "v", ctx.start)
+    if docs is not None:  # packed rows: the prefix's keys of the query's own document only
+        mask = docs.mask(ctx.start, ctx.end, q.dtype)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, dropout_p=dropout_p, scale=scale,
+                                              **gqa)
     if ctx.start == 0:
         return F.scaled_dot_product_attention(q, keys, values, is_causal=True, dropout_p=dropout_p, scale=scale, **gqa)
     mask = prefix_causal_bias(ctx.start, ctx.end, q.device)  # lazy on an accelerator: fused kernels stay eligible
@@ -132,7 +141,7 @@ def _gqa_kwargs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, 
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention (GPT-2 style) that runs sliced inside a token pipeline.
 
-    Input and output: (B, T, C). Optional rotary position embedding uses :func:`token_offset`, so slices get
+    Input and output: (B, T, C). Optional rotary position embedding uses :func:`slice_positions`, so slices get
     their true positions.
     """
 
@@ -156,22 +165,29 @@ class CausalSelfAttention(nn.Module):
         k = k.view(batch, tokens, self.num_heads, head_dim).transpose(1, 2)
         v = v.view(batch, tokens, self.num_heads, head_dim).transpose(1, 2)
         if self.rotary:
-            q, k = apply_rotary(q, token_offset()), apply_rotary(k, token_offset())
+            positions = slice_positions(tokens, x.device)  # packed rows: within each document
+            q, k = apply_rotary(q, positions), apply_rotary(k, positions)
         dropout = self.dropout if self.training else 0.0
         y = sliced_causal_attention(q, k, v, cache_key=self, dropout_p=dropout)  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(batch, tokens, channels)
         return self.proj(y)
 
 
-def apply_rotary(x: torch.Tensor, offset: int, base: float = 10000.0) -> torch.Tensor:
-    """Rotary position embedding of (B, nh, T, hs) for positions ``offset .. offset + T - 1``."""
+def apply_rotary(x: torch.Tensor, offset: int | torch.Tensor, base: float = 10000.0) -> torch.Tensor:
+    """Rotary position embedding of (B, nh, T, hs) for positions ``offset .. offset + T - 1``, or for the
+    positions ``offset`` gives: (T,) or (B, T) (packed rows, :func:`slice_positions`)."""
     head_dim = x.shape[-1]
     if head_dim % 2:
         raise ValueError(f"apply_rotary: head_dim={head_dim} must be even for rotary embeddings")
     half = head_dim // 2
     inv_freq = torch.exp(-math.log(base) * torch.arange(half, device=x.device, dtype=torch.float32) / half)
-    pos = torch.arange(offset, offset + x.shape[2], device=x.device, dtype=torch.float32)
-    angles = torch.outer(pos, inv_freq)  # (T, hs/2)
+    if torch.is_tensor(offset):
+        pos = offset.to(device=x.device, dtype=torch.float32)
+    else:
+        pos = torch.arange(offset, offset + x.shape[2], device=x.device, dtype=torch.float32)
+    angles = pos.unsqueeze(-1) * inv_freq  # (T, hs/2) or (B, T, hs/2)
+    if angles.dim() == 3:
+        angles = angles.unsqueeze(1)  # (B, 1, T, hs/2): one rotation per row, every head
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)

@@ -102,6 +102,8 @@ class SliceContext:
     start: int
     end: int
     state: MicroBatchState
+    # Packed rows: the micro-batch's documents (runtime/slicing/documents.py Documents), else None.
+    documents: Any = None
     # Attention calls so far in this slice's forward, per cache key (see kv_buffers).
     kv_calls: dict[Hashable, int] = field(default_factory=dict, repr=False)
 

@@ -1,0 +1,141 @@
+"""Packed documents: rows that hold several documents, each token attending to its own document only.
+
+Long-context training packs documents into fixed-length rows; fine-tuning packs examples. A row's structure is
+given the Hugging Face way (what ``DataCollatorWithFlattening`` produces): ``position_ids`` that restart at 0
+where a document starts, batches ``((input_ids, position_ids), labels)``. Two things follow for every layer:
+
+* attention: a query sees the keys of its own document only (and, causally, only earlier ones): a key ``j``
+  is visible to query ``i`` iff ``j <= i`` and both lie in the same document. Documents are numbered by the
+  restarts (:meth:`Documents.ids`), so a slice of a row needs the positions of the row up to its end: the keys
+  held in the KV carry from earlier slices keep their documents;
+* positions: each document starts at position 0 (learned position embeddings and rotary alike), so a layer
+  takes :func:`slice_positions` rather than ``token_offset() + arange(T)``.
+
+In the token pipeline the engine keeps one :class:`Documents` per micro-batch on each rank (the first stage
+from the batch, the others from the positions each slice's activations carry) and hands it to the slice
+context. For a plain forward (a single-process reference, inference) :func:`packed_documents` sets the same
+structure around the call. On a CPU the mask is dense; it is built once per slice and shared by every attention
+layer of the slice.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
+
+import torch
+
+from .context import current_slice
+
+__all__ = ["Documents", "check_position_ids", "current_documents", "packed_documents", "slice_positions"]
+
+
+def check_position_ids(ids: Any, positions: Any, where: str = "batch") -> None:
+    """Refuse position ids that do not describe packed documents of ``ids`` (ValueError with the rule and fix)."""
+    if not torch.is_tensor(positions) or positions.is_floating_point() or positions.dim() != 2:
+        got = f"{positions.dtype} {tuple(positions.shape)}" if torch.is_tensor(positions) else type(positions).__name__
+        raise ValueError(f"token pipeline: {where}: position_ids must be an integer tensor (batch, seq_len) that "
+                         f"restarts at 0 where each packed document starts, got {got}; pass "
+                         "((input_ids, position_ids), labels)")
+    if not torch.is_tensor(ids) or tuple(ids.shape[:2]) != tuple(positions.shape):
+        got = tuple(ids.shape) if torch.is_tensor(ids) else type(ids).__name__
+        raise ValueError(f"token pipeline: {where}: input_ids {got} and position_ids {tuple(positions.shape)} "
+                         "differ in shape; give one position id per token")
+    if positions.numel() and int(positions.min()) >= 0 and int(positions.max()) <= 1 and \
+            bool(((positions[:, 1:] == 1) & (positions[:, :-1] == 1)).any()):
+        raise ValueError(f"token pipeline: {where}: position_ids look like an attention mask (only 0 and 1, with "
+                         "runs of 1); packed rows take position ids that restart at 0 per document, and padding "
+                         "masks are not supported with token slicing: pack documents into full rows instead")
+    if bool((positions[:, 0] != 0).any()):
+        raise ValueError(f"token pipeline: {where}: position_ids must start each row at 0 (a row starts a "
+                         f"document), got first positions {positions[:, 0].tolist()}")
+    step = positions[:, 1:] - positions[:, :-1]
+    bad = (step != 1) & (positions[:, 1:] != 0)
+    if bool(bad.any()):
+        row, col = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"token pipeline: {where}: position_ids must count up by 1 within a document and "
+                         f"restart at 0 at the next one; row {row} goes {int(positions[row, col])} -> "
+                         f"{int(positions[row, col + 1])} at token {col + 1}")
+
+
+class Documents:
+    """The document structure of one micro-batch: ``positions`` (B, L), filled as the slices arrive."""
+
+    def __init__(self, positions: torch.Tensor, filled: Optional[int] = None) -> None:
+        self.positions = positions
+        # Rows [0, filled) are known. Rows are written once: a layer may keep a view of them for its backward
+        # (an embedding saves its indices), and a rewrite would invalidate that view.
+        self.filled = positions.shape[1] if filled is None else filled
+        self._masks: dict[tuple, torch.Tensor] = {}
+
+    @classmethod
+    def empty(cls, batch: int, seq_len: int, device: torch.device) -> "Documents":
+        """To be filled slice by slice (a stage that receives positions with each slice's activations)."""
+        return cls(torch.zeros(batch, seq_len, dtype=torch.int64, device=device), filled=0)
+
+    def write(self, start: int, positions: torch.Tensor) -> None:
+        """Rows ``[start, start + T)`` (a slice arriving); rows already known (a rank holding two chunks gets
+        each slice twice) are left as they are."""
+        end = start + positions.shape[1]
+        if end <= self.filled:
+            return
+        if start != self.filled:
+            raise RuntimeError(f"packed documents: slice rows [{start}, {end}) arrived after rows [0, "
+                               f"{self.filled}); slices of a micro-batch must arrive in order")
+        self.positions[:, start:end] = positions
+        self.filled = end
+
+    def ids(self, end: int) -> torch.Tensor:
+        """(B, end): the document index of each token of ``[0, end)`` (0 for the row's first document)."""
+        return (self.positions[:, :end] == 0).cumsum(dim=1)
+
+    def mask(self, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
+        """(B, 1, end - start, end) additive mask: query ``start + r`` sees key ``j`` iff ``j <= start + r`` and
+        both are in the same document (-inf elsewhere). Cached: every attention layer of a slice reuses it."""
+        key = (start, end, dtype)
+        mask = self._masks.get(key)
+        if mask is None:
+            docs = self.ids(end)
+            same = docs[:, start:end, None] == docs[:, None, :]                         # (B, T, end)
+            causal = torch.ones(end - start, end, dtype=torch.bool, device=docs.device).tril(diagonal=start)
+            visible = (same & causal).unsqueeze(1)
+            mask = torch.zeros(visible.shape, dtype=dtype, device=docs.device).masked_fill(~visible, float("-inf"))
+            self._masks = {key: mask}  # one slice at a time: the previous slice's mask is no longer needed
+        return mask
+
+
+_local = threading.local()
+
+
+def current_documents() -> Optional[Documents]:
+    """The documents of the running forward: the slice context's, else those :func:`packed_documents` set."""
+    ctx = current_slice()
+    if ctx is not None:
+        return ctx.documents
+    return getattr(_local, "documents", None)
+
+
+@contextmanager
+def packed_documents(position_ids: Optional[torch.Tensor]) -> Iterator[Optional[Documents]]:
+    """Run a plain (unsliced) forward over packed rows: ``position_ids`` (B, L) restarting at 0 per document.
+
+    ``with packed_documents(pos): loss = model(ids)`` applies the same document mask and positions as the
+    token pipeline does with ``((ids, pos), labels)`` batches. None: rows are one document each."""
+    previous = getattr(_local, "documents", None)
+    _local.documents = None if position_ids is None else Documents(position_ids)
+    try:
+        yield _local.documents
+    finally:
+        _local.documents = previous
+
+
+def slice_positions(tokens: int, device: torch.device) -> torch.Tensor:
+    """Position ids of the running slice's ``tokens`` tokens: (B, T) within their documents for packed rows,
+    else (T,) ``token_offset() + arange(T)``."""
+    ctx = current_slice()
+    docs = current_documents()
+    start = 0 if ctx is None else ctx.start
+    if docs is not None:
+        return docs.positions[:, start:start + tokens].to(device)
+    return torch.arange(start, start + tokens, device=device)

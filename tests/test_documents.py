@@ -1,0 +1,208 @@
+"""Tier a, one process: packed documents (runtime/slicing/documents.py) in sliced attention and positions.
+
+A row of several documents (position ids restarting at 0) runs slice by slice, forward in order and backward
+later slices first as the engine runs them, and must equal the unsliced forward under ``packed_documents`` with
+the same position ids: outputs, input gradients and every parameter gradient, with learned and rotary positions,
+grouped-query attention and document boundaries inside, at and across slice boundaries.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn as nn
+
+from ds_terapipe.models.gpt import GPTBlock, GPTConfig, GPTEmbedding
+from ds_terapipe.runtime.slicing.attention import CausalSelfAttention, sliced_causal_attention
+from ds_terapipe.runtime.slicing.context import MicroBatchState, SliceContext, slice_scope
+from ds_terapipe.runtime.slicing.documents import Documents, check_position_ids, packed_documents
+
+
+def packed_positions(batch: int, seq_len: int, rng: random.Random) -> torch.Tensor:
+    """(B, L) position ids of rows cut into documents of random, skewed lengths."""
+    rows = []
+    for _ in range(batch):
+        row: list[int] = []
+        while len(row) < seq_len:
+            length = max(1, int(rng.expovariate(1 / 7)))
+            row += list(range(length))
+        rows.append(row[:seq_len])
+    return torch.tensor(rows)
+
+
+def random_slices(seq_len: int, rng: random.Random) -> list[int]:
+    cuts = sorted(rng.sample(range(1, seq_len), rng.randint(1, min(5, seq_len - 1))))
+    bounds = [0, *cuts, seq_len]
+    return [b - a for a, b in zip(bounds, bounds[1:])]
+
+
+class Stack(nn.Module):
+    """Embedding (learned positions) and two blocks, or two rotary attention layers on float inputs."""
+
+    def __init__(self, rotary: bool) -> None:
+        super().__init__()
+        self.rotary = rotary
+        if rotary:
+            self.layers = nn.ModuleList([CausalSelfAttention(16, 4, rotary=True) for _ in range(2)])
+        else:
+            cfg = GPTConfig(num_layers=2, hidden=16, num_heads=4, vocab_size=50, max_seq_len=64, seed=3)
+            self.embed = GPTEmbedding(cfg)
+            self.layers = nn.ModuleList([GPTBlock(cfg, 0), GPTBlock(cfg, 1)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.rotary:
+            x = self.embed(x)
+        for layer in self.layers:
+            x = x + layer(x) if self.rotary else layer(x)
+        return x
+
+
+def _inputs(rotary: bool, batch: int, seq_len: int) -> torch.Tensor:
+    if rotary:
+        return torch.randn(batch, seq_len, 16, dtype=torch.double)
+    return torch.randint(0, 50, (batch, seq_len))
+
+
+@pytest.mark.parametrize("rotary", [False, True])
+@pytest.mark.parametrize("seed", range(5))
+def test_sliced_packed_rows_equal_the_unsliced_document_masked_forward(rotary: bool, seed: int) -> None:
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    batch, seq_len = 2, rng.randint(12, 40)
+    model = Stack(rotary).double()
+    x = _inputs(rotary, batch, seq_len)
+    positions = packed_positions(batch, seq_len, rng)
+    weight = torch.randn(batch, seq_len, 16, dtype=torch.double)
+    leaf = x.detach().requires_grad_() if rotary else x
+    with packed_documents(positions):
+        ref_out = model(leaf)
+    (ref_out * weight).sum().backward()
+    ref_grads = [p.grad.clone() for p in model.parameters()]
+    ref_x = leaf.grad.clone() if rotary else None
+    model.zero_grad(set_to_none=True)
+
+    slices = random_slices(seq_len, rng)
+    state, docs = MicroBatchState(0, seq_len, len(slices)), Documents(positions)
+    units, start = [], 0
+    for i, length in enumerate(slices):
+        piece = x[:, start:start + length]
+        piece = piece.detach().requires_grad_() if rotary else piece
+        with slice_scope(SliceContext(0, i, start, start + length, state, documents=docs)):
+            units.append((piece, model(piece), start, length))
+        start += length
+    out = torch.cat([u[1] for u in units], dim=1)
+    assert torch.allclose(out, ref_out.detach(), atol=1e-10), slices
+    for piece, y, start, length in reversed(units):
+        y.backward(weight[:, start:start + length])
+    for p, ref in zip(model.parameters(), ref_grads):
+        assert torch.allclose(p.grad, ref, atol=1e-10), slices
+    if rotary:
+        assert torch.allclose(torch.cat([u[0].grad for u in units], dim=1), ref_x, atol=1e-10), slices
+
+
+def test_the_document_mask_changes_the_result() -> None:
+    """The documents matter (else the equality above would hold for an attention that ignored them)."""
+    torch.manual_seed(0)
+    model = Stack(rotary=False).double()
+    ids = torch.randint(0, 50, (1, 16))
+    packed = torch.tensor([list(range(6)) + list(range(10))])
+    with packed_documents(packed):
+        split = model(ids)
+    whole = model(ids)
+    assert torch.allclose(split[:, :6], whole[:, :6], atol=1e-12)   # the first document sees the same prefix
+    assert not torch.allclose(split[:, 6:], whole[:, 6:], atol=1e-6)  # the second no longer sees the first
+    with packed_documents(torch.arange(16).unsqueeze(0)):             # one document: plain causal attention
+        assert torch.allclose(model(ids), whole, atol=1e-12)
+
+
+def test_grouped_query_attention_with_documents() -> None:
+    torch.manual_seed(1)
+    q = torch.randn(2, 4, 12, 8, dtype=torch.double)
+    k, v = torch.randn(2, 2, 12, 8, dtype=torch.double), torch.randn(2, 2, 12, 8, dtype=torch.double)
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]])
+    with packed_documents(positions):
+        ref = sliced_causal_attention(q, k, v, cache_key="a")
+    state, docs, outs, start = MicroBatchState(0, 12, 3), Documents(positions), [], 0
+    for i, length in enumerate([5, 4, 3]):
+        with slice_scope(SliceContext(0, i, start, start + length, state, documents=docs)):
+            outs.append(sliced_causal_attention(q[:, :, start:start + length], k[:, :, start:start + length],
+                                                v[:, :, start:start + length], cache_key="a"))
+        start += length
+    assert torch.allclose(torch.cat(outs, dim=2), ref, atol=1e-12)
+    # row 1 is one document: plain causal attention
+    plain = torch.nn.functional.scaled_dot_product_attention(q[1:], k[1:].repeat_interleave(2, 1),
+                                                             v[1:].repeat_interleave(2, 1), is_causal=True)
+    assert torch.allclose(ref[1:], plain, atol=1e-12)
+
+
+def test_mask_rule() -> None:
+    docs = Documents(torch.tensor([[0, 1, 0, 1, 2]]))
+    visible = docs.mask(2, 5, torch.float32)[0, 0] == 0
+    assert visible.tolist() == [[False, False, True, False, False],
+                                [False, False, True, True, False],
+                                [False, False, True, True, True]]
+    assert docs.ids(5).tolist() == [[1, 1, 2, 2, 2]]
+
+
+@pytest.mark.parametrize("positions, match", [
+    (torch.tensor([[1, 2, 3, 4]]), "start each row at 0"),
+    (torch.tensor([[0, 1, 3, 4]]), "row 0 goes 1 -> 3 at token 2"),
+    (torch.tensor([[0, 1, 2]]), "differ in shape"),
+    (torch.tensor([[0.0, 1.0, 2.0, 3.0]]), "must be an integer tensor"),
+    (torch.tensor([[1, 1, 1, 1]]), "look like an attention mask"),
+    (torch.tensor([[0, 0, 1, 1]]), "look like an attention mask"),
+])
+def test_bad_position_ids_are_refused(positions: torch.Tensor, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        check_position_ids(torch.zeros(1, 4, dtype=torch.long), positions)
+    check_position_ids(torch.zeros(1, 4, dtype=torch.long), torch.tensor([[0, 1, 0, 0]]))  # documents of 2, 1, 1
+
+
+def test_hugging_face_llama_sliced_packed_equals_transformers_packed_forward() -> None:
+    """The Hugging Face layers (Llama, grouped-query attention, rotary) over packed rows, sliced, against
+    ``transformers``' own packed forward (``position_ids`` that restart, no attention mask, no cache):
+    logits and every gradient."""
+    transformers = pytest.importorskip("transformers")
+    from deepspeed.pipe import TiedLayerSpec
+
+    from ds_terapipe.models.hf import causal_lm_loss, causal_lm_specs, hf_param_name
+
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+    layers, tied, named = [], {}, {}
+    for index, spec in enumerate(causal_lm_specs(cfg, seed=5)):
+        if isinstance(spec, TiedLayerSpec):
+            module = tied.setdefault(spec.key, spec.build())
+            layers.append((lambda x, m=module, f=spec.forward_fn: f(m, x)) if spec.forward_fn else module)
+            prefix = f"tied_modules.{spec.key}"
+        else:
+            module, prefix = spec.build(), str(index)
+            layers.append(module)
+        named.update({f"{prefix}.{n}": p for n, p in module.named_parameters()})
+    cfg._attn_implementation = "sdpa"
+    reference = transformers.LlamaForCausalLM(cfg)
+    reference.load_state_dict({hf_param_name(n, cfg): p.detach() for n, p in named.items()}, strict=True)
+    gen = torch.Generator().manual_seed(3)
+    ids, labels = torch.randint(0, 128, (2, 20), generator=gen), torch.randint(0, 128, (2, 20), generator=gen)
+    positions = torch.tensor([list(range(7)) + list(range(13)), list(range(4)) + list(range(16))])
+    ref_logits = reference(input_ids=ids, position_ids=positions, use_cache=False).logits
+    causal_lm_loss(ref_logits, labels).backward()
+
+    state, docs, start, outs = MicroBatchState(0, 20, 3), Documents(positions), 0, []
+    for i, length in enumerate([5, 9, 6]):
+        with slice_scope(SliceContext(0, i, start, start + length, state, documents=docs)):
+            x = ids[:, start:start + length]
+            for layer in layers:
+                x = layer(x)
+        outs.append((x, start, length))
+        start += length
+    logits = torch.cat([o[0] for o in outs], dim=1)
+    assert torch.allclose(logits, ref_logits, atol=1e-5), float((logits - ref_logits).abs().max())
+    for x, start, length in reversed(outs):   # each slice's share of the mean loss, later slices first
+        (causal_lm_loss(x, labels[:, start:start + length]) * length / 20).backward()
+    ref_grads = dict(reference.named_parameters())
+    for name, param in named.items():
+        ref = ref_grads[hf_param_name(name, cfg)].grad
+        assert torch.allclose(param.grad, ref, atol=1e-5, rtol=1e-4), name

@@ -1,0 +1,66 @@
+"""Tier b: packed documents through the token pipeline (terapipe.packed) equal the unsliced reference.
+
+One launch of 2 ranks (tests/packed_worker.py, suite ``packed``): rows packing documents of skewed lengths as
+``((input_ids, position_ids), labels)``, mixed in each step with rows of one document and plain ``input_ids``,
+on gpipe, 1f1b, interleaved-1f1b, looped-bfs and dualpipev, slices cutting documents anywhere; against the reference
+GPT run unsliced under ``packed_documents``: losses, every first-step gradient and the parameters after 3 steps
+within 1e-5 (measured: 5e-7). Then the refusals, each on every rank before the step: position ids that do not
+restart at 0, of another length, an attention mask in their place, and packed rows without ``terapipe.packed``.
+The attention and position rules themselves, and the Hugging Face layers against ``transformers``' packed
+forward, are tier a (tests/test_documents.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.dist_harness import launch
+
+pytestmark = pytest.mark.multiproc
+
+WORKER = Path(__file__).resolve().parent / "packed_worker.py"
+TOL = 1e-5
+CASES = [["gpipe", 1, [8, 24, 16]], ["1f1b", 1, 3], ["interleaved-1f1b", 2, [16, 16, 16]],
+         ["looped-bfs", 2, [8, 40]], ["dualpipev", 2, [24, 24]]]
+REFUSALS = {"no restart": "must start each row at 0", "length": "differ in shape",
+            "mask": "look like an attention mask", "not packed": 'set "packed": true'}
+
+
+@pytest.fixture(scope="module")
+def packed_results(tmp_path_factory) -> list[dict]:
+    results = launch("packed", 2, tmp_path_factory.mktemp("packed"), timeout_s=540, worker=WORKER,
+                     extra={"cases": CASES, "refusals": list(REFUSALS)})
+    errors = [r["error"] for r in results if "error" in r]
+    assert not errors, errors[0]
+    return [r["results"] for r in results]
+
+
+@pytest.mark.timeout(600)
+def test_packed_rows_equal_the_document_masked_reference(packed_results) -> None:
+    for rank, cases in enumerate(packed_results):
+        trained = [c for c in cases if c["case"].startswith("packed")]
+        assert len(trained) == len(CASES)
+        for case in trained:
+            where = f"{case['case']}, rank {rank}"
+            assert "error" not in case, f"{where}: {case.get('error')}\n{case.get('traceback')}"
+            for got, ref in zip(case["losses"], case["ref_losses"]):
+                assert abs(got - ref) <= TOL * abs(ref), f"{where}: {case['losses']} != {case['ref_losses']}"
+            assert case["grad_rel_err"] <= TOL, f"{where}: gradient of {case['grad_worst']}"
+            assert case["param_rel_err"] <= TOL, f"{where}: after 3 steps {case['param_worst']}"
+    for index in range(len(CASES)):   # every reference parameter compared on one rank or the other
+        covered = set().union(*(cases[index]["covered"] for cases in packed_results))
+        assert len(covered) == packed_results[0][index]["num_ref_params"], sorted(covered)
+
+
+@pytest.mark.timeout(600)
+def test_bad_position_ids_are_refused_on_every_rank(packed_results) -> None:
+    for rank, cases in enumerate(packed_results):
+        refused = {c["case"].removeprefix("refuse "): c for c in cases if c["case"].startswith("refuse")}
+        assert sorted(refused) == sorted(REFUSALS)
+        for kind, text in REFUSALS.items():
+            case = refused[kind]
+            assert case["raised"] == "ValueError", (rank, case)
+            # the first stage says why; the other rank points at it
+            assert (text if rank == 0 else "refused the position ids of the next batch") in case["message"], case
