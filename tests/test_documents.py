@@ -144,6 +144,10 @@ def test_mask_rule() -> None:
                                 [False, False, True, True, False],
                                 [False, False, True, True, True]]
     assert docs.ids(5).tolist() == [[1, 1, 2, 2, 2]]
+    # keys of documents that ended before a slice are skipped; a row whose document spans the start keeps them
+    assert docs.first_visible(2) == 2 and docs.first_visible(4) == 2 and docs.first_visible(1) == 0
+    assert Documents(torch.tensor([[0, 1, 0, 1, 2], [0, 1, 2, 3, 4]])).first_visible(3) == 0
+    assert (docs.mask(2, 5, torch.float32, first_key=2)[0, 0] == 0).tolist() == [row[2:] for row in visible.tolist()]
 
 
 @pytest.mark.parametrize("positions, match", [

@@ -115,9 +115,10 @@ def sliced_causal_attention(q: torch.Tensor,
     keys = _PrefixKV.apply(k, bufs, "k", ctx.start)  # (B, nh, end, hs)
     values = _PrefixKV.apply(v, bufs, "v", ctx.start)
     if docs is not None:  # packed rows: the prefix's keys of the query's own document only
-        mask = docs.mask(ctx.start, ctx.end, q.dtype)
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, dropout_p=dropout_p, scale=scale,
-                                              **gqa)
+        first = docs.first_visible(ctx.start)  # keys of documents that ended before the slice: skipped
+        mask = docs.mask(ctx.start, ctx.end, q.dtype, first)
+        return F.scaled_dot_product_attention(q, keys[:, :, first:], values[:, :, first:], attn_mask=mask,
+                                              dropout_p=dropout_p, scale=scale, **gqa)
     if ctx.start == 0:
         return F.scaled_dot_product_attention(q, keys, values, is_causal=True, dropout_p=dropout_p, scale=scale, **gqa)
     mask = prefix_causal_bias(ctx.start, ctx.end, q.device)  # lazy on an accelerator: fused kernels stay eligible

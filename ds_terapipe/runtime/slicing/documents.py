@@ -15,7 +15,9 @@ In the token pipeline the engine keeps one :class:`Documents` per micro-batch on
 from the batch, the others from the positions each slice's activations carry) and hands it to the slice
 context. For a plain forward (a single-process reference, inference) :func:`packed_documents` sets the same
 structure around the call. On a CPU the mask is dense; it is built once per slice and shared by every attention
-layer of the slice.
+layer of the slice. Keys of documents that ended before a slice starts (in every row of the micro-batch) are not
+attended to at all (:meth:`Documents.first_visible`): a slice deep in a row of short documents pays attention
+over its own documents' prefix, not the row's.
 """
 
 from __future__ import annotations
@@ -90,16 +92,22 @@ class Documents:
         """(B, end): the document index of each token of ``[0, end)`` (0 for the row's first document)."""
         return (self.positions[:, :end] == 0).cumsum(dim=1)
 
-    def mask(self, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
-        """(B, 1, end - start, end) additive mask: query ``start + r`` sees key ``j`` iff ``j <= start + r`` and
-        both are in the same document (-inf elsewhere). Cached: every attention layer of a slice reuses it."""
-        key = (start, end, dtype)
+    def first_visible(self, start: int) -> int:
+        """The first key any query of a slice starting at ``start`` can see: the earliest start, over the rows, of
+        the document token ``start`` is in. Keys before it belong to documents that ended: attention skips them."""
+        return int((start - self.positions[:, start]).min().clamp(min=0))
+
+    def mask(self, start: int, end: int, dtype: torch.dtype, first_key: int = 0) -> torch.Tensor:
+        """(B, 1, end - start, end - first_key) additive mask: query ``start + r`` sees key ``first_key + j`` iff
+        that key is at most ``start + r`` and both are in the same document (-inf elsewhere). Cached: every
+        attention layer of a slice reuses it."""
+        key = (start, end, dtype, first_key)
         mask = self._masks.get(key)
         if mask is None:
             docs = self.ids(end)
-            same = docs[:, start:end, None] == docs[:, None, :]                         # (B, T, end)
+            same = docs[:, start:end, None] == docs[:, None, first_key:]                 # (B, T, end - first_key)
             causal = torch.ones(end - start, end, dtype=torch.bool, device=docs.device).tril(diagonal=start)
-            visible = (same & causal).unsqueeze(1)
+            visible = (same & causal[:, first_key:]).unsqueeze(1)
             mask = torch.zeros(visible.shape, dtype=dtype, device=docs.device).masked_fill(~visible, float("-inf"))
             self._masks = {key: mask}  # one slice at a time: the previous slice's mask is no longer needed
         return mask
