@@ -280,10 +280,6 @@ class TeraPipeConfig(DeepSpeedConfigModel):
             self.deferred_weight_grads = spec.deferred_weight_grads
         if self.virtual_stages is None:
             self.virtual_stages = spec.virtual_stages
-        if self.vocab_parallel and self.freeze is not None:
-            raise ValueError("terapipe.vocab_parallel with terapipe.freeze is not supported yet (freezing drops "
-                             "gradient messages the vocabulary passes' collectives are ordered against); remove one "
-                             "of the two")
         try:
             spec.placement(2, self.virtual_stages)  # the rule does not depend on the number of ranks
         except ValueError as err:

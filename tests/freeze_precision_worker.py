@@ -8,7 +8,7 @@ frozen weight whose momentum survives keeps moving). Per case: the losses; the c
 master weights over the run against the reference's change, per parameter; per step, every frozen parameter's
 master copy and model weight unchanged bit for bit, and its optimizer state zero (``state_nonzero``: the frozen
 parameters whose momentum is not). Cases are ``extra["cases"]``: [precision, zero stage, schedule, virtual
-stages]. fp16 on a CPU: as tests/vocab_precision_worker.py, DeepSpeed is let build its fp16 optimizers.
+stages(, vocabulary parallelism: the tied table in the shards, each compared with its rows of the reference's)]. fp16 on a CPU: as tests/vocab_precision_worker.py, DeepSpeed is let build its fp16 optimizers.
 """
 
 from __future__ import annotations
@@ -35,17 +35,19 @@ def _frozen_at(step: int) -> int:
     return max([n for s, n in SCHEDULE if s <= step] + [0])
 
 
-def _engine(cfg: GPTConfig, precision: str, zero: int, schedule: str, v: int, micro: int, batch: int) -> Any:
+def _engine(cfg: GPTConfig, precision: str, zero: int, schedule: str, v: int, micro: int, batch: int,
+            vocab: bool = False) -> Any:
     chunks = {"virtual_stages": v, "schedule": schedule} if v > 1 else {}
     model = ds_terapipe.TokenPipelineModule(gpt_layer_specs(cfg), num_stages=STAGES, loss_fn=causal_lm_loss,
-                                            vocab_size=cfg.vocab_size, partition_method="uniform", **chunks)
+                                            vocab_size=cfg.vocab_size, partition_method="uniform",
+                                            vocab_parallel=vocab, **chunks)
     dp = WORLD // STAGES
     config = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": micro,
               "train_batch_size": batch * micro * dp, "steps_per_print": 10**9, "gradient_clipping": 0.0,
               "zero_optimization": {"stage": zero}, "zero_allow_untested_optimizer": True,
               "terapipe": {"enabled": True, "seq_len": 48, "slices": [8, 24, 16], "schedule": schedule,
                            "virtual_stages": v, "granularity": 8, "p2p_timeout_s": 60,
-                           "freeze": {"schedule": SCHEDULE}},
+                           "freeze": {"schedule": SCHEDULE}, "vocab_parallel": vocab},
               **PRECISIONS[precision]}
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     engine, _, _, _ = ds_terapipe.initialize(model=model, optimizer=opt, config=config)
@@ -70,7 +72,20 @@ def _state_nonzero(engine: Any, names: list[str]) -> list[str]:
     return out
 
 
-def _case(precision: str, zero: int, schedule: str, v: int) -> dict[str, Any]:
+def _vocab_update(engine: Any, update: dict[str, torch.Tensor], ref_update: dict[str, torch.Tensor]
+                  ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """With vocabulary parallelism the tied table lives in the shards: each shard against its rows of the
+    reference's ``wte``, under the shard's name."""
+    head = engine.module.vocab_head
+    if head is None:
+        return update, ref_update
+    rows = slice(head.offset, head.offset + head.num_valid)
+    update = dict(update, **{"vocab_head.weight": update["vocab_head.weight"][:head.num_valid]})
+    ref_update = dict(ref_update, **{"vocab_head.weight": ref_update["tied_modules.embed.wte.weight"][rows]})
+    return update, ref_update
+
+
+def _case(precision: str, zero: int, schedule: str, v: int, vocab: bool = False) -> dict[str, Any]:
     dp = WORLD // STAGES
     micro, batch = 2, 2
     cfg = GPTConfig(num_layers=4, hidden=32, num_heads=4, vocab_size=64, max_seq_len=64, seed=19)
@@ -78,7 +93,7 @@ def _case(precision: str, zero: int, schedule: str, v: int) -> dict[str, Any]:
     _, initial, _ = dw.build_spec_layers(gpt_layer_specs(cfg))
     ref_start = {n: p.detach().clone() for n, p in initial.items()}
     ref = dw.frozen_reference(gpt_layer_specs(cfg), batches, STEPS, _frozen_at)
-    engine = _engine(cfg, precision, zero, schedule, v, micro, batch)
+    engine = _engine(cfg, precision, zero, schedule, v, micro, batch, vocab)
     data = iter(dw.replica_batches(batches, engine.grid.data_parallel_id, micro, dp, STEPS))
     start = _master_weights(engine)
     previous: Optional[tuple[dict, dict]] = None
@@ -96,6 +111,7 @@ def _case(precision: str, zero: int, schedule: str, v: int) -> dict[str, Any]:
         previous = (master, weights)
     update = dw.deltas(_master_weights(engine), start)
     ref_update = dw.deltas(ref["params"], ref_start)
+    update, ref_update = _vocab_update(engine, update, ref_update)
     has_embed = 0 in engine.local_chunks
     err, worst, count = dw._named_compare(update, ref_update, has_embed)
     return {"case": dw.STATUS["case"], "optimizer": type(engine.optimizer).__name__, "losses": losses,
@@ -104,8 +120,8 @@ def _case(precision: str, zero: int, schedule: str, v: int) -> dict[str, Any]:
             "frozen_layers": engine.freezer.num_frozen_layers, "stage": engine.stage_id}
 
 
-def _label(precision: str, zero: int, schedule: str, v: int) -> str:
-    return f"{precision} zero{zero} schedule={schedule} v={v}"
+def _label(precision: str, zero: int, schedule: str, v: int, vocab: bool = False) -> str:
+    return f"{precision} zero{zero} schedule={schedule} v={v}" + (" vocab_parallel" if vocab else "")
 
 
 def suite_freeze_precision(extra: dict) -> list[dict]:

@@ -5,8 +5,9 @@ DeepSpeed's BF16_Optimizer, ZeRO 1 and the fp16 optimizers keep fp32 master copi
 per parameter) that their inner optimizer updates whole: with SGD momentum a frozen weight would keep moving. The
 freezer holds the frozen elements still around that update and zeroes their state (runtime/features/frozen_state.py).
 One
-launch of 2 ranks (bf16/fp16/fp32 x ZeRO 0/1, gpipe, 1f1b, interleaved-1f1b) and one of 4 (2 stages x 2 replicas,
-where ZeRO 1 and BF16_Optimizer split the master copies between the replicas); tests/freeze_precision_worker.py.
+launch of 2 ranks (bf16/fp16/fp32 x ZeRO 0/1, gpipe, 1f1b, interleaved-1f1b, dualpipev; and with vocabulary
+parallelism, the tied table in the shards, fp32 and bf16) and one of 4 (2 stages x 2 replicas, where ZeRO 1 and
+BF16_Optimizer split the master copies between the replicas); tests/freeze_precision_worker.py.
 
 Measured: master-weight updates within 1.8e-2 of the reference in bf16 (its rounding), 5e-3 in fp16, 1e-7 in
 fp32; losses within 2e-5. With the frozen elements not held, the frozen weights move at every step (13-37
@@ -25,8 +26,10 @@ from tests.precision import check_precision_case
 pytestmark = pytest.mark.multiproc
 
 WORKER = Path(__file__).resolve().parent / "freeze_precision_worker.py"
+# [precision, ZeRO stage, schedule, virtual stages(, vocabulary parallelism)]
 TWO_RANKS = [["bf16", 0, "1f1b", 1], ["bf16", 1, "gpipe", 1], ["fp32", 1, "1f1b", 1], ["fp16", 0, "1f1b", 1],
-             ["fp16", 1, "interleaved-1f1b", 2], ["bf16", 0, "dualpipev", 2]]
+             ["fp16", 1, "interleaved-1f1b", 2], ["bf16", 0, "dualpipev", 2],
+             ["fp32", 0, "1f1b", 1, True], ["bf16", 0, "gpipe", 1, True], ["fp32", 1, "interleaved-1f1b", 2, True]]
 FOUR_RANKS = [["bf16", 1, "1f1b", 1], ["fp32", 1, "gpipe", 1], ["bf16", 0, "1f1b", 1], ["fp16", 1, "1f1b", 1]]
 
 
