@@ -10,6 +10,10 @@ keys are refused by pydantic (the base's ``extra="forbid"``; a typo must not sil
 and ranges are field constraints. :func:`parse_terapipe_config` turns pydantic's report into one line naming
 the key, the value and the rule, and lists the valid keys for an unknown one. Allowed ``schedule`` values and
 the default for ``deferred_weight_grads`` come from the schedule registry (``planner/registry.py``).
+
+A field's ``description`` is what the key means to a user, the text of its row in ``docs/configuration.md`` (that
+table is generated from these models: :mod:`ds_terapipe.config_doc`); an attribute docstring adds what a reader of
+the code needs on top.
 """
 
 from __future__ import annotations
@@ -32,21 +36,30 @@ class ProfileConfig(DeepSpeedConfigModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    slice_lengths: Optional[List[int]] = None
+    slice_lengths: Optional[List[int]] = Field(None, description=(
+        "slice lengths timed at context 0"), json_schema_extra={"doc_default": "powers of 2"})
     """Slice lengths (tokens) to time at context 0; default: powers of two from ``granularity`` to ``seq_len``
     (at most 6 of them), which brackets every slice the planner may pick."""
 
-    num_contexts: int = Field(3, ge=1)
+    num_contexts: int = Field(3, ge=1, description=(
+        "prefix lengths timed per slice length (for the context term of the cost model)"))
     """How many prefix lengths (spread over ``[0, seq_len)``) to time per slice length, for the context term."""
 
-    warmup: int = Field(1, ge=0)
+    warmup: int = Field(1, ge=0, description="untimed rounds over the profiling grid, before the timed ones")
     """Untimed rounds over the grid before the timed ones (first calls allocate)."""
 
-    repeats: int = Field(3, ge=1)
+    repeats: int = Field(3, ge=1, description=(
+        "timed rounds over the profiling grid (each point keeps its median; rounds, not back-to-back repeats, so a "
+        "burst of load on a shared host spoils one sample of many points rather than every sample of a few)"))
     """Timed rounds over the grid; each point keeps its median. Three, so the median rejects one disturbed sample
     (the median of two is their mean)."""
 
-    recheck_cached: bool = True
+    recheck_cached: bool = Field(True, description=(
+        "on a plan-cache hit every stage times the plan's median slice length again (about a second); when the "
+        "device runs more than 5% off the cached costs (a shared host under other load, another machine of the same "
+        "type) they are rescaled to this run's speed and the slicing solved again, logged either way, so the plan "
+        "and its predicted step are this run's (measured through the trainer: cached plans predicted the step 23% "
+        "short; re-timed, -4.6% to +4.0% in one run, -13.7% to +2.5% in a noisier one)"))
     """On a plan-cache hit, time the plan's median slice length again (about a second per stage) and, when the
     device now runs more than 5% faster or slower than the cached costs (a shared host under other load, another
     host of the same type), rescale them and solve again: the plan and its predicted step match this run's
@@ -59,17 +72,29 @@ class ReplanConfig(DeepSpeedConfigModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    enabled: bool = False
+    enabled: bool = Field(False, description=(
+        'online re-planning (needs `slices: "auto"`): after `replan.warmup_steps` steps the engine records '
+        "`replan.measure_steps` steps' timelines, rank 0 scales each chunk's profiled costs by measured / predicted "
+        "(forward, backward and W apart), replaces the whole-step terms (optimizer step, tied and data-parallel "
+        "reduction, the step outside the instruction loop) by what those steps measured, fits a fixed time per "
+        "forward and backward action for what the engine does between actions (so the refit schedule takes what the "
+        "measured one took), re-solves, and every rank switches at the same step when the refit model predicts at "
+        "least `replan.min_gain` less step time; logged either way; a kept plan's prediction "
+        "(`engine.predicted_step_ms`, which the example trainer prints) becomes the refit model's, and the log puts "
+        "it beside the measured step (schedule and what follows it apart). Slicing is exact, so a switch never "
+        "changes results (tested across a switch); afterwards it records nothing (one comparison per step)"))
     """Re-plan once from measurements (needs ``slices: "auto"``: a plan from the config is the user's)."""
 
-    warmup_steps: int = Field(5, ge=0)
+    warmup_steps: int = Field(5, ge=0, description=(
+        "training steps before measuring (the first steps allocate and warm caches, and run slower than the later "
+        "ones)"))
     """Training steps before measuring: the first steps allocate and warm caches (measured with the example
     trainer: its first 4-5 steps run 5-40% slower than the later ones, and a refit from them overestimates)."""
 
-    measure_steps: int = Field(3, ge=1)
-    """Training steps whose timelines are summed for the refit."""
+    measure_steps: int = Field(3, ge=1, description="training steps whose timelines are summed for the refit")
 
-    min_gain: float = Field(0.03, ge=0.0)
+    min_gain: float = Field(0.03, ge=0.0, description=(
+        "switch only when the refit model predicts at least this fraction less step time (0.03: 3%)"))
     """Switch only when the refit model predicts the new slicing at least this much faster (0.03: 3%)."""
 
 
@@ -84,21 +109,23 @@ class AutoFreezeConfig(DeepSpeedConfigModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    check_interval: int = Field(10, ge=1)
-    """Training steps between two gradient-norm checks (the first check only records)."""
+    check_interval: int = Field(10, ge=1, description=(
+        "training steps between two gradient-norm checks (the first check only records)"))
 
-    warmup_steps: int = Field(0, ge=0)
-    """No check before this many steps (gradients of the first steps move a lot)."""
+    warmup_steps: int = Field(0, ge=0, description=(
+        "no check before this many steps (gradients of the first steps move a lot)"))
 
-    tolerance: float = Field(0.1, gt=0.0)
-    """A layer is stable when ``|norm - previous norm| / previous norm <= tolerance`` between two checks."""
+    tolerance: float = Field(0.1, gt=0.0, description=(
+        "a layer is stable when `abs(norm - previous norm) / previous norm <= tolerance` between two checks"))
 
-    aggressiveness: float = Field(0.5, gt=0.0, le=1.0)
+    aggressiveness: float = Field(0.5, gt=0.0, le=1.0, description=(
+        "the fraction of the still-training layers (with parameters) one check may freeze, at least one; 1.0 "
+        "freezes every stable layer in a row at once"))
     """The fraction of the still-training layers (with parameters) one check may freeze (at least one): PipeTransformer's
     alpha. 1.0 freezes every stable layer in a row at once."""
 
-    max_frozen_layers: Optional[int] = Field(None, ge=1)
-    """Never freeze beyond this many layers (default: all but the last layer with parameters)."""
+    max_frozen_layers: Optional[int] = Field(None, ge=1, description=(
+        "never freeze beyond this many layers (none: all but the last layer with parameters)"))
 
 
 class FreezeConfig(DeepSpeedConfigModel):
@@ -108,19 +135,28 @@ class FreezeConfig(DeepSpeedConfigModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    schedule: Optional[List[List[int]]] = None
+    schedule: Optional[List[List[int]]] = Field(None, description=(
+        "`[[step, num_frozen_layers], ...]`: from training step `step` on, the first `num_frozen_layers` layers "
+        "(DeepSpeed's layer list: embedding = 0, blocks, ..., head) are frozen; steps strictly increasing, counts "
+        "never decreasing. See [Progressive freezing](freezing.md)"))
     """``[[step, num_frozen_layers], ...]``: from training step ``step`` (optimizer steps done before the batch)
     on, the first ``num_frozen_layers`` layers of the model (DeepSpeed's layer list, global indices) are frozen.
     Steps strictly increase and counts never decrease (a layer never unfreezes)."""
 
-    auto: Optional[AutoFreezeConfig] = None
+    auto: Optional[AutoFreezeConfig] = Field(None, description=(
+        "the gradient-norm policy instead of a schedule (its keys below); rule under [Progressive "
+        "freezing](freezing.md)"))
     """The automatic policy from per-layer gradient-norm change (see :class:`AutoFreezeConfig`)."""
 
-    replan: bool = True
+    replan: bool = Field(True, description=(
+        'after each freeze, re-plan the slicing (with `slices: "auto"`) from the costs profiled at init with the '
+        "frozen backward removed"))
     """After each freeze, re-plan the slicing from the costs profiled at init with the frozen layers' backward
     removed (``slices: "auto"`` only; a plan from the config is the user's and stays)."""
 
-    repack: bool = False
+    repack: bool = Field(False, description=(
+        "once whole stages hold frozen layers only, continue on fewer stages with more data-parallel replicas (same "
+        "processes); see [Repacking](freezing.md#repacking-freeze--repack-true)"))
     """After a freeze that leaves whole pipeline stages with frozen layers only, continue on fewer stages with more
     data-parallel replicas, in the same processes (PipeTransformer's elastic pipelining; ``runtime/features/repack.py``
     states the rule). Needs ``gradient_accumulation_steps`` divisible by the number of pipeline stages, one chunk
@@ -162,33 +198,54 @@ class TeraPipeConfig(DeepSpeedConfigModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    enabled: bool = False
+    enabled: bool = Field(False, description="turn token-level pipelining on")
     """Turn token-level pipelining on. Off: ``ds_terapipe.initialize`` is exactly ``deepspeed.initialize``."""
 
-    seq_len: Optional[int] = Field(None, ge=1)
+    seq_len: Optional[int] = Field(None, ge=1, description=(
+        "tokens per sequence the plan is made for (*implied by a list of `slices`)"),
+        json_schema_extra={"doc_default": "required*"})
     """Tokens per sequence the plan is made for. Required unless ``slices`` is a list (then its sum)."""
 
-    slices: Union[Literal["auto"], int, List[int]] = "auto"
+    slices: Union[Literal["auto"], int, List[int]] = Field("auto", description=(
+        '`"auto"`: profile each stage at init and let the planner choose; an int *n*: *n* equal slices (multiples '
+        "of `granularity`); a list: exact token counts summing to `seq_len`, taken as given (any positive lengths: "
+        "`granularity` does not apply to them; tested with `[5, 27, 16]`)"))
     """``"auto"``: profile each stage at engine init and let the planner choose; an int n: n equal slices
     (multiples of ``granularity``, the remainder spread over the first slices); a list: exact token counts,
     taken as given (any positive lengths summing to ``seq_len``; ``granularity`` does not apply to them)."""
 
-    granularity: int = Field(8, ge=1)
+    granularity: int = Field(8, ge=1, description=(
+        'slices the engine chooses (`"auto"`, an int) are multiples of this, and with those it must divide '
+        "`seq_len` and every batch length; a list of `slices` is run as written"))
     """Slices the engine chooses (``"auto"``, an int) are multiples of this many tokens (keeps kernels efficient
     and the planner fast); it must then divide ``seq_len`` and every batch length. Not applied to a list of
     ``slices``, which is run exactly as written."""
 
-    schedule: str = "gpipe"
+    schedule: str = Field("gpipe", description=(
+        '`"gpipe"`: all forwards then all backwards (TeraPipe); `"1f1b"`: token-level 1F1B (Seq1F1B), bounded '
+        "activations in flight: stage s holds at most n + K - 1 - s slices, the last stage one micro-batch at a "
+        "time, as stock 1F1B"))
     """A registered schedule (``ds-terapipe schedules`` lists them). ``gpipe``: all forwards, then all backwards
     (TeraPipe). ``1f1b``: token-level 1F1B, bounded memory."""
 
-    virtual_stages: Optional[int] = Field(None, ge=1)
+    virtual_stages: Optional[int] = Field(None, ge=1, description=(
+        "chunks per pipeline rank for `interleaved-1f1b`, `looped-bfs` (v >= 2) and `dualpipev` (v = 2); build the "
+        "module with `**ds_terapipe.module_chunk_kwargs(terapipe)` ([Schedules](schedules.md)); `gpipe` and `1f1b` "
+        "take 1"), json_schema_extra={"doc_default": "the schedule's: 1, or 2 for the last three"})
     """Chunks per pipeline rank: the model is cut into ``pipeline stages x virtual_stages`` chunks, placed by the
     schedule (``interleaved-1f1b``, ``looped-bfs``: chunk c on rank c mod p; ``dualpipev``: chunks r and 2p-1-r).
     Build the model with the same value: ``TokenPipelineModule(..., virtual_stages=v, schedule=name)``. Default
     (None): the schedule's own, 1 for ``gpipe`` and ``1f1b``, 2 for the others."""
 
-    deferred_weight_grads: Optional[bool] = None
+    deferred_weight_grads: Optional[bool] = Field(None, description=(
+        "a slice's backward computes input gradients only and sends them on; the `nn.Linear` weight gradients "
+        "follow in a `W` action: with `gpipe` once per micro-batch after its last backward, one GEMM per Linear "
+        "over all its slices (its Linear inputs and output gradients wait until then: 130 -> 158 MiB per stage at m "
+        "= 1 below), with `1f1b` (when set to `true`) after each slice's send (one slice's pairs wait: +5-30% "
+        "activations measured, hence off by default there). The W passes of a step are summed in place and reach "
+        "`.grad` once, before the gradient reductions (bf16/fp16 weights: after each W). Measured at m = 1: 1.54x "
+        "-> 1.58x for gpipe (docs/performance.md)"),
+        json_schema_extra={"doc_default": "on with `gpipe`, off with `1f1b`"})
     """Backward of a slice computes input gradients only and sends them on; the ``nn.Linear`` weight gradients
     follow in a ``W`` action (runtime/slicing/deferred.py), so the previous stage gets its gradients sooner. With
     ``gpipe`` one W per micro-batch after its last backward (its Linear inputs and output gradients wait until
@@ -196,7 +253,12 @@ class TeraPipeConfig(DeepSpeedConfigModel):
     ``gpipe``; off with ``1f1b``, whose point is bounded memory (per-slice W measured +5-30% activations): the
     schedule's registered ``ScheduleSpec.deferred_weight_grads``."""
 
-    vocab_parallel: bool = False
+    vocab_parallel: bool = Field(False, description=(
+        "split the output layer (and a tied head's input embedding) by vocabulary rows over the pipeline ranks "
+        "([Vocabulary parallelism](vocab_parallel.md)); build the module with `vocab_parallel=True` "
+        "(`**ds_terapipe.module_chunk_kwargs(terapipe)`); every schedule, the virtual-stage ones included (the "
+        "passes follow the last chunk and chunk 0 to the ranks the placement puts them on); fp32, "
+        "`loss_fn=causal_lm_loss`"))
     """Split the output layer (and its gradient and optimizer state) by vocabulary rows over the pipeline ranks,
     so the last stage stops being the slowest (``runtime/features/vocab.py``). Per (micro-batch, slice) every rank joins
     two collectives (the last stage's hidden states and labels out, softmax statistics, the hidden-state gradient
@@ -206,44 +268,65 @@ class TeraPipeConfig(DeepSpeedConfigModel):
     the last chunk and chunk 0 wherever the placement puts them); build the model with
     ``TokenPipelineModule(..., vocab_parallel=True)`` (and the same ``virtual_stages`` and ``schedule``)."""
 
-    packed: bool = False
+    packed: bool = Field(False, description=(
+        "batches may hold packed documents: `((input_ids, position_ids), labels)`, position ids restarting at 0 "
+        "where each document starts (Hugging Face's `DataCollatorWithFlattening` convention); attention stays "
+        "within each document, also across slices, and positions restart per document; every slice's activations "
+        "carry its position ids to the next stage. `(input_ids, labels)` is one document per row ([Packed "
+        "documents](models.md#packed-documents))"))
     """Batches may hold packed documents: ``((input_ids, position_ids), labels)``, position ids restarting at 0
     where each document starts (Hugging Face's ``DataCollatorWithFlattening`` convention). Attention then stays
     within each document, also across slices, and positions restart per document (runtime/slicing/documents.py);
     every slice's activations carry its position ids to the next stage. A batch ``(input_ids, labels)`` is one
     document per row. Off: a tuple of inputs goes to the first layer as it is."""
 
-    max_slices: Optional[int] = Field(None, ge=1)
-    """Upper bound on the number of slices ``"auto"`` may choose."""
+    max_slices: Optional[int] = Field(None, ge=1, description='upper bound on the number of slices `"auto"` may choose')
 
-    memory_limit_gb: Optional[float] = Field(None, gt=0)
-    """Per-stage memory budget for activations + KV caches; ``"auto"`` rejects plans estimated above it."""
+    memory_limit_gb: Optional[float] = Field(None, gt=0, description=(
+        'per-stage budget for activations + KV caches; `"auto"` rejects plans estimated above it'))
 
-    plan_cache: Optional[str] = None
+    plan_cache: Optional[str] = Field(None, description=(
+        "directory for plans, keyed by everything that determines them (model shapes, topology, batch, schedule, "
+        "device, profile settings); a restart skips profiling (and re-times one slice length instead: "
+        "`profile.recheck_cached`)"))
     """Directory where plans are stored, keyed by everything that determines them; a restart skips profiling."""
 
-    resume_plan: bool = True
+    resume_plan: bool = Field(True, description=(
+        "with `slices: \"auto\"`, `load_checkpoint` runs the slicing the checkpoint's run was using (its plans at "
+        "the save, after any freeze or re-plan switch, for every sequence length it had planned) instead of what "
+        "this start profiled and would plan, when the plan's shape (stages, micro-batches, batch, schedule) and the "
+        "planning keys above are unchanged; logged either way. `false`: keep this start's plan (a run moved to "
+        "another kind of machine)"))
     """With ``slices: "auto"``, ``load_checkpoint`` runs the slicing the checkpoint's run was using (its plans at
     the save, for every sequence length it had planned: the init plan, or what a freeze or the re-planner
     switched to) when the shapes and planning keys are unchanged, so a resumed run continues exactly as it would
     have; the plan profiled at this start is dropped (logged). ``false``: keep this start's plan (moving a run to
     another kind of machine)."""
 
-    p2p_timeout_s: float = Field(300.0, gt=0)
+    p2p_timeout_s: float = Field(300.0, gt=0, description=(
+        "a rank waiting longer than this for a pipeline peer fails with the instruction it was stuck on (a dead "
+        "process; a peer that raised stops the others within about a second instead, see "
+        "[Faults](training.md#training-for-days-data-parallelism-variable-lengths-checkpoints-faults))"))
     """Seconds a rank waits for a pipeline peer before failing with the instruction it was stuck on."""
 
-    trace_dir: Optional[str] = None
+    trace_dir: Optional[str] = Field(None, description=(
+        "every rank writes a Chrome trace of each training batch (measured start/end of each forward and backward "
+        "per micro-batch and slice), in the simulator's format; merge ranks with `ds_terapipe.trace.merge_traces`"))
     """Directory where every rank writes a Chrome trace of each training batch: when each forward and backward
     of each (micro-batch, slice) started and ended, in the simulator's format (merge the ranks' files with
     ``ds_terapipe.trace.merge_traces``; times share the host clock, so ranks on one machine line up)."""
 
-    profile: ProfileConfig = ProfileConfig()
+    profile: ProfileConfig = Field(ProfileConfig(), description=(
+        'how each stage measures its own layers when `slices` is `"auto"` (its keys below)'))
     """Profiling settings for ``slices: "auto"``."""
 
-    replan: ReplanConfig = ReplanConfig()
+    replan: ReplanConfig = Field(ReplanConfig(), description=(
+        "online re-planning from measured step timelines (its keys below; off unless `replan.enabled`)"))
     """Online re-planning from measured step timelines (off by default)."""
 
-    freeze: Optional[FreezeConfig] = None
+    freeze: Optional[FreezeConfig] = Field(None, description=(
+        "progressive freezing of the front layers, off without this section; exactly one policy: `freeze.schedule` "
+        "or `freeze.auto` (its keys below)"))
     """Progressive freezing of the front layers (off by default; see :class:`FreezeConfig`)."""
 
     @field_validator("schedule")
