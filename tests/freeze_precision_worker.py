@@ -8,12 +8,14 @@ frozen weight whose momentum survives keeps moving). Per case: the losses; the c
 master weights over the run against the reference's change, per parameter; per step, every frozen parameter's
 master copy and model weight unchanged bit for bit, and its optimizer state zero (``state_nonzero``: the frozen
 parameters whose momentum is not). Cases are ``extra["cases"]``: [precision, zero stage, schedule, virtual
-stages(, vocabulary parallelism: the tied table in the shards, each compared with its rows of the reference's)]. fp16 on a CPU: as tests/vocab_precision_worker.py, DeepSpeed is let build its fp16 optimizers.
+stages(, vocabulary parallelism: the head's shards, each compared with its rows of the reference's(, the model:
+"gpt", the reference GPT with its tied head, or "llama", a Hugging Face Llama from a config, untied head))]. fp16 on a CPU: as tests/vocab_precision_worker.py, DeepSpeed is let build its fp16 optimizers.
 """
 
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 from typing import Any, Optional
 
 import torch
@@ -35,11 +37,26 @@ def _frozen_at(step: int) -> int:
     return max([n for s, n in SCHEDULE if s <= step] + [0])
 
 
-def _engine(cfg: GPTConfig, precision: str, zero: int, schedule: str, v: int, micro: int, batch: int,
+def _specs(model: str) -> tuple[list, int]:
+    """The layer specs of ``model`` ("gpt": the reference GPT, tied head; "llama": a Hugging Face Llama with
+    grouped-query attention and an untied lm_head, from a config) and its vocabulary; 7 layers each."""
+    if model == "gpt":
+        cfg = GPTConfig(num_layers=4, hidden=32, num_heads=4, vocab_size=64, max_seq_len=64, seed=19)
+        return gpt_layer_specs(cfg), cfg.vocab_size
+    import transformers
+
+    from ds_terapipe.models.hf import causal_lm_specs
+
+    llama = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                                     num_key_value_heads=2, vocab_size=64, max_position_embeddings=64)
+    return causal_lm_specs(llama, seed=5), llama.vocab_size
+
+
+def _engine(specs: list, vocab_size: int, precision: str, zero: int, schedule: str, v: int, micro: int, batch: int,
             vocab: bool = False) -> Any:
     chunks = {"virtual_stages": v, "schedule": schedule} if v > 1 else {}
-    model = ds_terapipe.TokenPipelineModule(gpt_layer_specs(cfg), num_stages=STAGES, loss_fn=causal_lm_loss,
-                                            vocab_size=cfg.vocab_size, partition_method="uniform",
+    model = ds_terapipe.TokenPipelineModule(specs, num_stages=STAGES, loss_fn=causal_lm_loss,
+                                            vocab_size=vocab_size, partition_method="uniform",
                                             vocab_parallel=vocab, **chunks)
     dp = WORLD // STAGES
     config = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": micro,
@@ -80,20 +97,23 @@ def _vocab_update(engine: Any, update: dict[str, torch.Tensor], ref_update: dict
     if head is None:
         return update, ref_update
     rows = slice(head.offset, head.offset + head.num_valid)
+    table = f"tied_modules.{head.spec.tied_key}.{head.spec.weight_name}" if head.spec.tied_key else \
+        f"{head.spec.index}.{head.spec.weight_name}"
     update = dict(update, **{"vocab_head.weight": update["vocab_head.weight"][:head.num_valid]})
-    ref_update = dict(ref_update, **{"vocab_head.weight": ref_update["tied_modules.embed.wte.weight"][rows]})
+    ref_update = dict(ref_update, **{"vocab_head.weight": ref_update[table][rows]})
     return update, ref_update
 
 
-def _case(precision: str, zero: int, schedule: str, v: int, vocab: bool = False) -> dict[str, Any]:
+def _case(precision: str, zero: int, schedule: str, v: int, vocab: bool = False, model: str = "gpt"
+          ) -> dict[str, Any]:
     dp = WORLD // STAGES
     micro, batch = 2, 2
-    cfg = GPTConfig(num_layers=4, hidden=32, num_heads=4, vocab_size=64, max_seq_len=64, seed=19)
-    batches = dw.make_batches(cfg, STEPS * micro * dp, batch, 48, seed=23)
-    _, initial, _ = dw.build_spec_layers(gpt_layer_specs(cfg))
+    specs, vocab_size = _specs(model)
+    batches = dw.make_batches(SimpleNamespace(vocab_size=vocab_size), STEPS * micro * dp, batch, 48, seed=23)
+    _, initial, _ = dw.build_spec_layers(_specs(model)[0])
     ref_start = {n: p.detach().clone() for n, p in initial.items()}
-    ref = dw.frozen_reference(gpt_layer_specs(cfg), batches, STEPS, _frozen_at)
-    engine = _engine(cfg, precision, zero, schedule, v, micro, batch, vocab)
+    ref = dw.frozen_reference(_specs(model)[0], batches, STEPS, _frozen_at)
+    engine = _engine(specs, vocab_size, precision, zero, schedule, v, micro, batch, vocab)
     data = iter(dw.replica_batches(batches, engine.grid.data_parallel_id, micro, dp, STEPS))
     start = _master_weights(engine)
     previous: Optional[tuple[dict, dict]] = None
@@ -120,8 +140,8 @@ def _case(precision: str, zero: int, schedule: str, v: int, vocab: bool = False)
             "frozen_layers": engine.freezer.num_frozen_layers, "stage": engine.stage_id}
 
 
-def _label(precision: str, zero: int, schedule: str, v: int, vocab: bool = False) -> str:
-    return f"{precision} zero{zero} schedule={schedule} v={v}" + (" vocab_parallel" if vocab else "")
+def _label(precision: str, zero: int, schedule: str, v: int, vocab: bool = False, model: str = "gpt") -> str:
+    return f"{precision} zero{zero} schedule={schedule} v={v} model={model}" + (" vocab_parallel" if vocab else "")
 
 
 def suite_freeze_precision(extra: dict) -> list[dict]:

@@ -4,8 +4,10 @@ the reference's, and the fp32 master weights' change within the precision's roun
 
 from __future__ import annotations
 
-# bf16 rounds to 8 bits of mantissa, fp16 to 11: the master-weight change over a few steps stays within these
-UPDATE_TOL = {"bf16": 5e-2, "fp16": 1e-2, "fp32": 1e-5}
+# bf16 rounds to 8 bits of mantissa, fp16 to 11: the master-weight change over a few steps stays within these.
+# fp32: the change is small next to the weights, so their rounding (1e-7 of a weight) reaches 2e-5 of the change
+# (seen on a Llama's attention projections); a wrong update is off by 8e-2 or more.
+UPDATE_TOL = {"bf16": 5e-2, "fp16": 1e-2, "fp32": 1e-4}
 LOSS_TOL = 1e-4
 OPTIMIZERS = {("bf16", 0): "BF16_Optimizer", ("fp16", 0): "FP16_UnfusedOptimizer", ("fp32", 0): "SGD",
               ("bf16", 1): "DeepSpeedZeroOptimizer", ("fp16", 1): "DeepSpeedZeroOptimizer",

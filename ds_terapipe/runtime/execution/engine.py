@@ -493,6 +493,7 @@ class TokenPipelineEngine(PipelineEngine):
         self._hand_over_weight_grads()
         if getattr(self, "freezer", None) is not None:
             self.freezer.observe_gradients(self)
+            self.freezer.before_optimizer_step(self)
         super()._exec_optimizer_step(*args, **kwargs)
 
     def clip_fp32_gradients(self) -> None:
