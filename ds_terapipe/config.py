@@ -257,11 +257,11 @@ class TeraPipeConfig(DeepSpeedConfigModel):
         "split the output layer (and a tied head's input embedding) by vocabulary rows over the pipeline ranks "
         "([Vocabulary parallelism](vocab_parallel.md)); build the module with `vocab_parallel=True` "
         "(`**ds_terapipe.module_chunk_kwargs(terapipe)`); every schedule, the virtual-stage ones included (the "
-        "passes follow the last chunk and chunk 0 to the ranks the placement puts them on); fp32, "
-        "`loss_fn=causal_lm_loss`"))
+        "passes follow the last chunk and chunk 0 to the ranks the placement puts them on); any precision, ZeRO "
+        "0/1, with `freeze`; `loss_fn=causal_lm_loss`"))
     """Split the output layer (and its gradient and optimizer state) by vocabulary rows over the pipeline ranks,
-    so the last stage stops being the slowest (``runtime/features/vocab.py``). Per (micro-batch, slice) every rank joins
-    two collectives (the last stage's hidden states and labels out, softmax statistics, the hidden-state gradient
+    so the last stage stops being the slowest (``runtime/features/vocab.py``). Per (micro-batch, slice) every rank
+    joins two collectives (the last stage's hidden states and labels out, softmax statistics, the hidden-state gradient
     back); the loss is exactly the unsharded cross entropy. A tied head's input embedding is split with it
     (``runtime/features/vocab_embedding.py``: two more collectives per unit). Needs ``loss_fn=causal_lm_loss`` and
     an output layer as the last layer; any precision and ZeRO stage 0/1; works with every schedule, virtual stages included (the passes follow
