@@ -18,6 +18,7 @@ the code needs on top.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, List, Literal, Optional, Union
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
@@ -191,6 +192,45 @@ class FreezeConfig(DeepSpeedConfigModel):
             raise ValueError("terapipe.freeze needs exactly one policy: \"schedule\": [[step, num_frozen_layers], "
                              "...] or \"auto\": {...}" + (", not both" if self.schedule is not None else ""))
         return self
+
+
+@dataclass(frozen=True)
+class SlicingPolicy:
+    """``terapipe.slices`` decoded once, so no consumer reads the ``"auto"`` | int | list union itself.
+
+    ``kind``: ``"auto"`` (profile and plan), ``"equal"`` (``count`` equal slices of any length, multiples of
+    ``granularity``) or ``"fixed"`` (``lengths``, for their sum only).
+    """
+
+    kind: Literal["auto", "equal", "fixed"]
+    granularity: int
+    count: Optional[int] = None
+    lengths: Optional[tuple[int, ...]] = None
+
+    @property
+    def is_auto(self) -> bool:
+        return self.kind == "auto"
+
+    def fixed_for(self, seq_len: int) -> Optional[tuple[int, ...]]:
+        """The slices the config sets for sequences of ``seq_len`` tokens, or None when they are to be planned
+        (``"auto"``). ValueError for a length a fixed list or the granularity cannot serve."""
+        if self.kind == "auto":
+            return None
+        if self.kind == "fixed":
+            assert self.lengths is not None
+            if sum(self.lengths) != seq_len:
+                raise ValueError(f"terapipe.slices={list(self.lengths)} is a fixed list for seq_len "
+                                 f"{sum(self.lengths)}, but a batch has sequence length {seq_len}; use slices \"auto\" "
+                                 "or an int for variable lengths")
+            return self.lengths
+        assert self.count is not None
+        if seq_len % self.granularity:
+            raise ValueError(f"terapipe: a batch has sequence length {seq_len}, not a multiple of "
+                             f"terapipe.granularity={self.granularity}; pad sequences to a multiple of "
+                             f"{self.granularity} (or lower granularity)")
+        units = seq_len // self.granularity
+        n = min(self.count, units)
+        return tuple((units // n + (1 if i < units % n else 0)) * self.granularity for i in range(n))
 
 
 class TeraPipeConfig(DeepSpeedConfigModel):
@@ -388,14 +428,21 @@ class TeraPipeConfig(DeepSpeedConfigModel):
                              f"{self.seq_len // self.granularity}; use fewer slices or a smaller granularity")
         return self
 
+    @property
+    def slicing(self) -> SlicingPolicy:
+        """``slices`` as a :class:`SlicingPolicy` (the one place the union is decoded after validation)."""
+        if isinstance(self.slices, list):
+            return SlicingPolicy("fixed", self.granularity, lengths=tuple(self.slices))
+        if isinstance(self.slices, int):
+            return SlicingPolicy("equal", self.granularity, count=self.slices)
+        return SlicingPolicy("auto", self.granularity)
+
     def equal_slices(self, seq_len: Optional[int] = None) -> List[int]:
         """Token counts for ``slices: n`` over ``seq_len`` (default: ``self.seq_len``): multiples of granularity,
         as equal as possible, larger first; fewer than n if the sequence has fewer granularity units."""
         seq_len = self.seq_len if seq_len is None else seq_len
-        assert isinstance(self.slices, int) and seq_len is not None and seq_len % self.granularity == 0
-        units = seq_len // self.granularity
-        n = min(self.slices, units)
-        return [(units // n + (1 if i < units % n else 0)) * self.granularity for i in range(n)]
+        assert isinstance(self.slices, int) and seq_len is not None
+        return list(self.slicing.fixed_for(seq_len) or ())
 
 
 #: nested sections by their path under "terapipe", for the valid keys of an unknown one

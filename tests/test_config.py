@@ -80,3 +80,16 @@ def test_virtual_stages_a_schedule_cannot_place_are_refused_at_parse_time(name: 
         parse(schedule=name, virtual_stages=v)
     message = str(info.value)
     assert f"terapipe.virtual_stages={v} with schedule {name!r}" in message and rule in message and "use" in message
+
+def test_slices_are_decoded_once_into_a_policy() -> None:
+    """``slices`` ("auto" | int | list) as the SlicingPolicy every consumer reads (the plan, freezing, repacking)."""
+    auto = parse_terapipe_config({"terapipe": {"enabled": True, "seq_len": 64}}).slicing
+    assert auto.is_auto and auto.fixed_for(64) is None and auto.fixed_for(128) is None
+    equal = parse_terapipe_config({"terapipe": {"enabled": True, "seq_len": 64, "slices": 3, "granularity": 8}}).slicing
+    assert not equal.is_auto and equal.fixed_for(64) == (24, 24, 16) and equal.fixed_for(16) == (8, 8)
+    with pytest.raises(ValueError, match="not a multiple of terapipe.granularity=8"):
+        equal.fixed_for(60)
+    fixed = parse_terapipe_config({"terapipe": {"enabled": True, "slices": [5, 27, 16]}}).slicing
+    assert fixed.kind == "fixed" and fixed.fixed_for(48) == (5, 27, 16)
+    with pytest.raises(ValueError, match=r"fixed list for seq_len 48, but a batch has sequence length 64"):
+        fixed.fixed_for(64)

@@ -256,7 +256,7 @@ class Freezer:
                         released / 2**20, kept)
         event: dict[str, Any] = {"step": engine.global_steps, "layers": [before_layers, num_frozen_layers],
                                  "frozen_chunks": self.num_frozen_chunks, "slices_before": list(engine.slices)}
-        if self.cfg.replan and engine.terapipe.slices == "auto":
+        if self.cfg.replan and engine.terapipe.slicing.is_auto:
             event.update(self._replan(engine, before_layers, before_chunks, may_switch=not keep_slices))
         event["slices_after"] = list(engine.slices)
         self.events.append(event)

@@ -365,7 +365,7 @@ def repack(engine: "PipelineStage", k: int) -> dict[str, Any]:
 
     plan = engine.plan
     preset = None
-    if engine.terapipe.slices == "auto":
+    if engine.terapipe.slicing.is_auto:
         base = freezer.base_cost
         preset = ResolvedPlan(tuple(plan.slices), "repacked", None, merged_cost(base, old_stages, k),
                               merged_stage_meta(plan.stage_meta, k), None)

@@ -210,14 +210,9 @@ def _agree(engine: "PipelineStage", slices: tuple[int, ...]) -> None:
 def resolve_plan(engine: "PipelineStage") -> ResolvedPlan:
     """Decide the slices every rank will run for ``terapipe.seq_len`` (collective over all ranks)."""
     cfg = engine.terapipe
-    if isinstance(cfg.slices, list):
-        slices: Optional[tuple[int, ...]] = tuple(cfg.slices)
-    elif isinstance(cfg.slices, int):
-        slices = tuple(cfg.equal_slices())
-    else:
-        slices = None
     seq_len = cfg.seq_len
     assert seq_len is not None
+    slices = cfg.slicing.fixed_for(seq_len)
     module = engine.module
     if slices is None and not (hasattr(module, "has_sampler") and module.has_sampler()):
         raise mark_collective(ValueError(
@@ -251,12 +246,12 @@ def plan_for_length(engine: "PipelineStage", known: ResolvedPlan, seq_len: int) 
         raise mark_collective(ValueError(
             f"terapipe: a batch has sequence length {seq_len}, not a multiple of terapipe.granularity="
             f"{cfg.granularity}; pad sequences to a multiple of {cfg.granularity} (or lower granularity)"))
-    if isinstance(cfg.slices, list):
-        raise mark_collective(ValueError(
-            f"terapipe.slices={cfg.slices} is a fixed list for seq_len {sum(cfg.slices)}, but a batch has sequence "
-            f"length {seq_len}; use slices \"auto\" or an int for variable lengths"))
-    if isinstance(cfg.slices, int):
-        return ResolvedPlan(tuple(cfg.equal_slices(seq_len)), "config")
+    try:
+        fixed = cfg.slicing.fixed_for(seq_len)
+    except ValueError as err:
+        raise mark_collective(err) from None
+    if fixed is not None:
+        return ResolvedPlan(fixed, "config")
     return _auto_plan(engine, known, None, seq_len)
 
 
@@ -319,7 +314,7 @@ def restore_checkpoint_plan(engine: "PipelineStage", saved: Any) -> Optional[dic
     fit: logged with why).
     """
     cfg = engine.terapipe
-    if cfg.slices != "auto" or not cfg.resume_plan:
+    if not cfg.slicing.is_auto or not cfg.resume_plan:
         return None
 
     def decide() -> tuple[dict[int, tuple[int, ...]], Optional[dict], str]:
