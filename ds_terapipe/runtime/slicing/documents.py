@@ -70,6 +70,7 @@ class Documents:
         # (an embedding saves its indices), and a rewrite would invalidate that view.
         self.filled = positions.shape[1] if filled is None else filled
         self._masks: dict[tuple, torch.Tensor] = {}
+        self._first: dict[int, int] = {}
 
     @classmethod
     def empty(cls, batch: int, seq_len: int, device: torch.device) -> "Documents":
@@ -94,8 +95,13 @@ class Documents:
 
     def first_visible(self, start: int) -> int:
         """The first key any query of a slice starting at ``start`` can see: the earliest start, over the rows, of
-        the document token ``start`` is in. Keys before it belong to documents that ended: attention skips them."""
-        return int((start - self.positions[:, start]).min().clamp(min=0))
+        the document token ``start`` is in. Keys before it belong to documents that ended: attention skips them.
+        Once per slice (the value is cached: on an accelerator reading it waits for the device)."""
+        first = self._first.get(start)
+        if first is None:
+            first = int((start - self.positions[:, start]).min().clamp(min=0))
+            self._first = {start: first}
+        return first
 
     def mask(self, start: int, end: int, dtype: torch.dtype, first_key: int = 0) -> torch.Tensor:
         """(B, 1, end - start, end - first_key) additive mask: query ``start + r`` sees key ``first_key + j`` iff
