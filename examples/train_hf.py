@@ -24,7 +24,7 @@ from ds_terapipe.models.hf import causal_lm_loss, causal_lm_specs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # The GPT example's corpus, shared options, set-up and training loop.
-from train_gpt import load_tokens, parse_training_args, start, train, training_parser  # noqa: E402
+from train_gpt import load_documents, parse_training_args, start, train, training_parser  # noqa: E402
 
 CONFIGS = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
            "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}
@@ -57,8 +57,13 @@ def model_config(args: argparse.Namespace, vocab: int, seq_len: int) -> transfor
 
 def main() -> None:
     args = parse_args()
-    _, terapipe, stages, seq_len = start(args, "train_hf")
-    tokens = load_tokens(args)
+    ds_config, terapipe, stages, seq_len = start(args, "train_hf")
+    config_dict = None
+    if args.pack:   # packed documents: the config from the file with terapipe.packed, handed over as a dict
+        ds_config.setdefault("terapipe", {})["packed"] = True
+        terapipe = ds_terapipe.parse_terapipe_config(ds_config)
+        config_dict, args.deepspeed_config = ds_config, None
+    tokens, starts = load_documents(args)
     vocab = args.vocab_size if args.data and args.data[0].endswith(".bin") else 256
     config = model_config(args, vocab, seq_len)
     if int(tokens.max()) >= config.vocab_size:
@@ -69,9 +74,9 @@ def main() -> None:
                                             activation_checkpoint_interval=args.checkpoint_interval,
                                             **ds_terapipe.module_chunk_kwargs(terapipe))  # virtual stages
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
-    engine, _, _, _ = ds_terapipe.initialize(args=args, model=model, optimizer=optimizer)
+    engine, _, _, _ = ds_terapipe.initialize(args=args, model=model, optimizer=optimizer, config=config_dict)
     kv_heads = getattr(config, "num_key_value_heads", config.num_attention_heads)
-    train(engine, args, tokens, seq_len, stages, name="train_hf",
+    train(engine, args, tokens, seq_len, stages, name="train_hf", starts=starts,
           header=f"model {config.model_type} ({args.model_dir or 'from config'}): {config.num_hidden_layers} layers, "
                  f"hidden {config.hidden_size}, {config.num_attention_heads} heads / {kv_heads} kv heads, "
                  f"vocab {config.vocab_size}")
