@@ -1609,9 +1609,11 @@ def suite_freeze(extra: dict) -> list[dict]:
                                                                        "aggressiveness": 0.34}}})
     # this start profiled its own slicing; make it differ from the first run's, as another host's speed can
     # (CI once chose [48] against the run's [24, 24]): the load must put the checkpoint's slicing back
-    profiled = next(s for s in ((8, 40), (16, 32)) if s != tuple(first.slices))
+    saved = list(first.slices)   # the checkpoint's slicing (a freeze in the next step may re-plan both runs)
+    profiled = next(s for s in ((8, 40), (16, 32)) if s != tuple(saved))
     second.install_plan(replace(second.plan, slices=profiled))
     second.load_checkpoint(save_dir)
+    loaded = list(second.slices)
     more = make_batches(cfg, micro, batch, seq_len, seed=31)
     losses = [float(first.train_batch(iter(more))), float(second.train_batch(iter(more)))]
     params = [dict(first.module.named_parameters()), dict(second.module.named_parameters())]
@@ -1619,6 +1621,7 @@ def suite_freeze(extra: dict) -> list[dict]:
                     "frozen_names": [sorted(n for n, p in ps.items() if not p.requires_grad) for ps in params],
                     "losses": losses, "slices": [list(first.slices), list(second.slices)],
                     "sources": [first.plan_source, second.plan_source], "profiled": list(profiled),
+                    "saved_slices": saved, "loaded_slices": loaded,
                     "params_equal": all(torch.equal(params[0][n].detach(), params[1][n].detach()) for n in params[0])})
 
     # no tied weight: rank 0 ends with nothing to train at all, and gradient clipping still works (it joins the

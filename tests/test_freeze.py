@@ -220,8 +220,10 @@ def test_a_resumed_run_freezes_the_same_layers_and_continues_identically(freeze_
         case = next(c for c in cases if c["case"] == "resume")
         assert case["frozen"][0] == case["frozen"][1] > 0, (rank, case)
         assert case["frozen_names"][0] == case["frozen_names"][1], (rank, case)
-        # the second engine's own plan differed (set by the worker): the load ran the checkpoint's slicing again
-        assert case["profiled"] != case["slices"][0] and case["slices"][0] == case["slices"][1], (rank, case)
+        # the second engine's own plan differed (set by the worker): the load ran the checkpoint's slicing again,
+        # and both runs went on with the same slicing (a freeze in that step may have re-planned both)
+        assert case["profiled"] != case["saved_slices"] == case["loaded_slices"], (rank, case)
+        assert case["slices"][0] == case["slices"][1], (rank, case)
         assert case["sources"][1] == "checkpoint", (rank, case)
         assert case["losses"][0] == case["losses"][1] and case["params_equal"], (rank, case)
 
