@@ -50,34 +50,34 @@ from typing import Any, Iterator, Optional
 
 import deepspeed
 import torch
+from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.pipe import schedule as ds_schedule
-from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
 from ...config import TeraPipeConfig
-from ...planner.registry import get_schedule
 from ...planner.lowering import lower
+from ...planner.registry import get_schedule
 from ...planner.schedule import Action, Schedule, ScheduleError
 from ...planner.simulate import TimedAction
 from ...trace import events_to_chrome_trace
-from . import checkpoint as ckpt
-from .clip import clip_by_global_norm, clipping_problem
+from ..features.freeze import Freezer
+from ..features.recompute import install_sliced_checkpointing
+from ..features.vocab import VocabParallel
+from ..planning.plan import ResolvedPlan, plan_for_length, resolve_plan, restore_checkpoint_plan
+from ..planning.replan import Replanner
+from ..planning.slice_check import check_stage_slicing
 from ..slicing.context import MicroBatchState, SliceContext, cut_tokens, slice_scope
 from ..slicing.deferred import WeightGradAccumulator, WeightGradStash, enable_deferred_weight_grads
-from ..features.freeze import Freezer
 from ..slicing.devices import synchronized_ms
 from ..slicing.documents import Documents, check_position_ids
+from . import checkpoint as ckpt
+from .clip import clip_by_global_norm, clipping_problem
+from .collective import agree_or_raise, mark_collective
 from .ds_internals import check_deepspeed_internals
 from .module import chunk_layout
 from .p2p import AbortFlag, PeerFailedError, SliceP2P, as_tuple
-from .collective import agree_or_raise, mark_collective
-from ..planning.plan import ResolvedPlan, plan_for_length, resolve_plan, restore_checkpoint_plan
-from ..features.recompute import install_sliced_checkpointing
-from ..planning.replan import Replanner
 from .schedule import DISPATCH, TokenPipeSchedule
-from ..planning.slice_check import check_stage_slicing
-from ..features.vocab import VocabParallel
 
 __all__ = ["TokenPipelineEngine"]
 
@@ -127,8 +127,7 @@ _INIT = object()
 # abort flag, so an engine built after a failure starts clean.
 _ENGINE_SERIAL = itertools.count()
 
-#: The instructions whose spans the timeline records, as the action kinds they run (runtime/execution/schedule.py
-# DISPATCH).
+#: The instructions whose spans the timeline records, as the action kinds they run (DISPATCH, schedule.py).
 _TIMED = {d.instruction: kind for kind, d in DISPATCH.items() if d.timed}
 #: The instructions after the schedule, timed with the timeline under the names of the step model's terms
 #: (``planner/step_cost.py``): what re-planning refits the whole-step part of the cost model from.

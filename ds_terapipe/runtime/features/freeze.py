@@ -44,11 +44,11 @@ from ...planner.cost import PipelineCost
 from ...planner.freeze import auto_freeze_count, frozen_chunk_count, frozen_cost
 from ...planner.schedule import Schedule
 from ...planner.simulate import simulate
-from .frozen_state import FrozenMasters, frozen_state_problem
-from ..execution.grad_sink import GradSink
 from ..execution.collective import decided_on_rank0, mark_collective
-from ..planning.plan import solve_slicing
+from ..execution.grad_sink import GradSink
 from ..execution.stage import PipelineStage
+from ..planning.plan import solve_slicing
+from .frozen_state import FrozenMasters, frozen_state_problem
 
 
 __all__ = ["Freezer"]

@@ -57,13 +57,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from deepspeed.pipe import TiedLayerSpec
 
-from ..slicing.context import current_slice
+from ..execution.collective import mark_collective
 from ..execution.errors import CheckpointError
 from ..execution.grad_sink import GradSink
-from ..execution.collective import mark_collective
+from ..execution.stage import PipelineStage
+from ..slicing.context import current_slice
 from .vocab_embedding import VocabEmbedding, plan_embedding_split
 from .vocab_shard import HeadSpec, VocabShardHead, build_full, get_dotted
-from ..execution.stage import PipelineStage
 
 
 __all__ = ["VocabParallel", "build_shard_head", "save_vocab_shard", "load_vocab_shard", "shard_file_name",

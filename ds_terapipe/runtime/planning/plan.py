@@ -31,11 +31,11 @@ import torch.distributed as dist
 from ...planner.cost import PipelineCost, scaled_cost
 from ...planner.slicing import MemoryModel, SlicingPlan, plan_slicing
 from ..execution.collective import decided_on_rank0, mark_collective
-from .plan_cache import cache_entry, gather_fingerprints, load_cached, store_plan
+from ..execution.stage import PipelineStage
 from ..features.recompute import planned_activation_factor
+from .plan_cache import cache_entry, gather_fingerprints, load_cached, store_plan
 from .profile import measure_costs, recheck_costs
 from .slice_check import check_stage_slicing
-from ..execution.stage import PipelineStage
 
 
 __all__ = ["ResolvedPlan", "checkpoint_slices", "plan_for_length", "resolve_plan", "restore_checkpoint_plan",

@@ -22,13 +22,13 @@ import torch.distributed as dist
 
 from ...planner.cost import PipelineCost
 from ...planner.refit import measured_over_predicted
+from ..execution.p2p import as_tuple
+from ..execution.stage import PipelineStage
 from ..slicing.context import MicroBatchState, SliceContext, cut_tokens, slice_scope
 from ..slicing.deferred import WeightGradAccumulator, WeightGradStash
 from ..slicing.devices import synchronize
-from ..execution.p2p import as_tuple
 from .slice_check import probe_pass
 from .step_profile import measure_step_terms
-from ..execution.stage import PipelineStage
 
 
 __all__ = ["MeasuredCosts", "measure_costs", "profile_stage", "recheck_costs", "weight_cost"]

@@ -40,8 +40,8 @@ from ...planner.cost import PipelineCost
 from ...planner.refit import calibrate_action_gap, measured_sums, refit_cost, refit_step
 from ...planner.simulate import simulate
 from ..execution.collective import decided_on_rank0
-from .plan import ResolvedPlan, solve_slicing
 from ..execution.stage import PipelineStage
+from .plan import ResolvedPlan, solve_slicing
 
 __all__ = ["Replanner"]
 
