@@ -9,7 +9,9 @@ master weights over the run against the reference's change, per parameter; per s
 master copy and model weight unchanged bit for bit, and its optimizer state zero (``state_nonzero``: the frozen
 parameters whose momentum is not). Cases are ``extra["cases"]``: [precision, zero stage, schedule, virtual
 stages(, vocabulary parallelism: the head's shards, each compared with its rows of the reference's(, the model:
-"gpt", the reference GPT with its tied head, or "llama", a Hugging Face Llama from a config, untied head))]. fp16 on a CPU: as tests/vocab_precision_worker.py, DeepSpeed is let build its fp16 optimizers.
+"gpt", the reference GPT with its tied head, or "llama", a Hugging Face Llama from a config, untied head(, freeze:
+false runs the same case without freezing)))]. fp16 on a CPU: as tests/vocab_precision_worker.py, DeepSpeed is
+let build its fp16 optimizers.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ def _specs(model: str) -> tuple[list, int]:
 
 
 def _engine(specs: list, vocab_size: int, precision: str, zero: int, schedule: str, v: int, micro: int, batch: int,
-            vocab: bool = False) -> Any:
+            vocab: bool = False, freeze: bool = True) -> Any:
     chunks = {"virtual_stages": v, "schedule": schedule} if v > 1 else {}
     model = ds_terapipe.TokenPipelineModule(specs, num_stages=STAGES, loss_fn=causal_lm_loss,
                                             vocab_size=vocab_size, partition_method="uniform",
@@ -64,7 +66,7 @@ def _engine(specs: list, vocab_size: int, precision: str, zero: int, schedule: s
               "zero_optimization": {"stage": zero}, "zero_allow_untested_optimizer": True,
               "terapipe": {"enabled": True, "seq_len": 48, "slices": [8, 24, 16], "schedule": schedule,
                            "virtual_stages": v, "granularity": 8, "p2p_timeout_s": 60,
-                           "freeze": {"schedule": SCHEDULE}, "vocab_parallel": vocab},
+                           **({"freeze": {"schedule": SCHEDULE}} if freeze else {}), "vocab_parallel": vocab},
               **PRECISIONS[precision]}
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     engine, _, _, _ = ds_terapipe.initialize(model=model, optimizer=opt, config=config)
@@ -104,16 +106,16 @@ def _vocab_update(engine: Any, update: dict[str, torch.Tensor], ref_update: dict
     return update, ref_update
 
 
-def _case(precision: str, zero: int, schedule: str, v: int, vocab: bool = False, model: str = "gpt"
-          ) -> dict[str, Any]:
+def _case(precision: str, zero: int, schedule: str, v: int, vocab: bool = False, model: str = "gpt",
+          freeze: bool = True) -> dict[str, Any]:
     dp = WORLD // STAGES
     micro, batch = 2, 2
     specs, vocab_size = _specs(model)
     batches = dw.make_batches(SimpleNamespace(vocab_size=vocab_size), STEPS * micro * dp, batch, 48, seed=23)
     _, initial, _ = dw.build_spec_layers(_specs(model)[0])
     ref_start = {n: p.detach().clone() for n, p in initial.items()}
-    ref = dw.frozen_reference(_specs(model)[0], batches, STEPS, _frozen_at)
-    engine = _engine(specs, vocab_size, precision, zero, schedule, v, micro, batch, vocab)
+    ref = dw.frozen_reference(_specs(model)[0], batches, STEPS, _frozen_at if freeze else (lambda step: 0))
+    engine = _engine(specs, vocab_size, precision, zero, schedule, v, micro, batch, vocab, freeze)
     data = iter(dw.replica_batches(batches, engine.grid.data_parallel_id, micro, dp, STEPS))
     start = _master_weights(engine)
     previous: Optional[tuple[dict, dict]] = None
@@ -137,11 +139,13 @@ def _case(precision: str, zero: int, schedule: str, v: int, vocab: bool = False,
     return {"case": dw.STATUS["case"], "optimizer": type(engine.optimizer).__name__, "losses": losses,
             "ref_losses": ref["losses"], "update_rel_err": err, "update_worst": worst, "compared": count,
             "moved": moved, "state_nonzero": nonzero, "frozen_counts": frozen_counts,
-            "frozen_layers": engine.freezer.num_frozen_layers, "stage": engine.stage_id}
+            "frozen_layers": engine.freezer.num_frozen_layers if freeze else None, "stage": engine.stage_id}
 
 
-def _label(precision: str, zero: int, schedule: str, v: int, vocab: bool = False, model: str = "gpt") -> str:
-    return f"{precision} zero{zero} schedule={schedule} v={v} model={model}" + (" vocab_parallel" if vocab else "")
+def _label(precision: str, zero: int, schedule: str, v: int, vocab: bool = False, model: str = "gpt",
+           freeze: bool = True) -> str:
+    return (f"{precision} zero{zero} schedule={schedule} v={v} model={model}" + (" vocab_parallel" if vocab else "")
+            + ("" if freeze else " no-freeze"))
 
 
 def suite_freeze_precision(extra: dict) -> list[dict]:
