@@ -7,7 +7,8 @@ ids: the losses of 3 SGD+momentum steps, every gradient of the first step and th
 ``extra["refusals"]``: bad position ids on the first stage (no restart at 0, another length, a mask; packed
 rows without ``terapipe.packed``), each raised on every rank before the step.
 Each step mixes packed rows, rows of one document (position ids 0..L-1) and plain ``input_ids`` micro-batches
-(one document per row). Cases are ``extra["cases"]``: [schedule, virtual stages, slices]. The helpers are
+(one document per row). Cases are ``extra["cases"]``: [schedule, virtual stages, slices(, precision: "bf16" compares
+the fp32 master weights' change over the steps instead, bf16 weights hiding updates below their rounding)]. The helpers are
 tests/dist_worker.py's.
 """
 
@@ -23,6 +24,7 @@ import ds_terapipe
 from ds_terapipe.models.gpt import GPTConfig, GPTReference, causal_lm_loss, gpt_layer_specs
 from ds_terapipe.runtime.slicing.documents import packed_documents
 from tests import dist_worker as dw
+from tests.precision_resume_worker import _master_weights
 
 WORLD = int(os.environ["WORLD_SIZE"])
 STAGES, STEPS, MICRO, BATCH, SEQ_LEN = 2, 3, 3, 2, 48
@@ -81,7 +83,7 @@ def packed_reference(cfg: GPTConfig, batches: list[tuple], lr: float = 0.1, mome
     return losses, first, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _engine(cfg: GPTConfig, schedule: str, v: int, slices: Any, packed: bool = True) -> Any:
+def _engine(cfg: GPTConfig, schedule: str, v: int, slices: Any, packed: bool = True, bf16: bool = False) -> Any:
     chunks = {"virtual_stages": v, "schedule": schedule} if v > 1 else {}
     model = ds_terapipe.TokenPipelineModule(gpt_layer_specs(cfg), num_stages=STAGES, loss_fn=causal_lm_loss,
                                             vocab_size=cfg.vocab_size, partition_method="uniform", **chunks)
@@ -89,20 +91,30 @@ def _engine(cfg: GPTConfig, schedule: str, v: int, slices: Any, packed: bool = T
     config = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": MICRO,
               "train_batch_size": BATCH * MICRO * dp, "steps_per_print": 10**9, "gradient_clipping": 0.0,
               "terapipe": {"enabled": True, "seq_len": SEQ_LEN, "slices": slices, "schedule": schedule,
-                           "virtual_stages": v, "granularity": 8, "p2p_timeout_s": 60, "packed": packed}}
+                           "virtual_stages": v, "granularity": 8, "p2p_timeout_s": 60, "packed": packed},
+              **({"bf16": {"enabled": True}} if bf16 else {})}
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     engine, _, _, _ = ds_terapipe.initialize(model=model, optimizer=opt, config=config)
     dw.ENGINE_REF["engine"] = engine
     return engine
 
 
-def _case(schedule: str, v: int, slices: Any) -> dict[str, Any]:
+def _case(schedule: str, v: int, slices: Any, precision: str = "fp32") -> dict[str, Any]:
     dp = WORLD // STAGES
     cfg = GPTConfig(num_layers=2, hidden=32, num_heads=4, vocab_size=64, max_seq_len=64, seed=13)
     batches = packed_batches(cfg, STEPS * MICRO * dp, seed=41)
     ref_losses, ref_grads, ref_params = packed_reference(cfg, batches)
-    engine = _engine(cfg, schedule, v, slices)
+    engine = _engine(cfg, schedule, v, slices, bf16=precision == "bf16")
     data = iter(dw.replica_batches(batches, engine.grid.data_parallel_id, MICRO, dp, STEPS))
+    if precision == "bf16":   # bf16 weights cannot show an update below their rounding: the master weights' change
+        start = _master_weights(engine)
+        losses = [float(engine.train_batch(data)) for _ in range(STEPS)]
+        ref_start = {n: p.detach().clone() for n, p in GPTReference(cfg).named_parameters()}
+        err, worst, covered = dw.compare(dw.deltas(_master_weights(engine), start), dw.deltas(ref_params, ref_start),
+                                         engine.stage_id)
+        return {"case": dw.STATUS["case"], "losses": losses, "ref_losses": ref_losses, "update_rel_err": err,
+                "update_worst": worst, "covered": covered, "num_ref_params": len(ref_params),
+                "optimizer": type(engine.optimizer).__name__, "stage": engine.stage_id}
     with dw.first_step_grads(engine) as grads:
         losses = [float(engine.train_batch(data)) for _ in range(STEPS)]
     params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
@@ -113,8 +125,8 @@ def _case(schedule: str, v: int, slices: Any) -> dict[str, Any]:
             "num_ref_params": len(ref_params), "stage": engine.stage_id, "slices": list(engine.slices)}
 
 
-def _label(schedule: str, v: int, slices: Any) -> str:
-    return f"packed schedule={schedule} v={v} slices={slices}"
+def _label(schedule: str, v: int, slices: Any, precision: str = "fp32") -> str:
+    return f"packed schedule={schedule} v={v} slices={slices} {precision}"
 
 
 def _refusal(kind: str) -> dict[str, Any]:

@@ -4,7 +4,7 @@ One launch of 2 ranks (tests/packed_worker.py, suite ``packed``): rows packing d
 ``((input_ids, position_ids), labels)``, mixed in each step with rows of one document and plain ``input_ids``,
 on gpipe, 1f1b, interleaved-1f1b, looped-bfs and dualpipev, slices cutting documents anywhere; against the reference
 GPT run unsliced under ``packed_documents``: losses, every first-step gradient and the parameters after 3 steps
-within 1e-5 (measured: 5e-7). Then the refusals, each on every rank before the step: position ids that do not
+within 1e-5 (measured: 5e-7); in bf16 (1f1b) the fp32 master weights' change within bf16's tolerance. Then the refusals, each on every rank before the step: position ids that do not
 restart at 0, of another length, an attention mask in their place, and packed rows without ``terapipe.packed``.
 The attention and position rules themselves, and the Hugging Face layers against ``transformers``' packed
 forward, are tier a (tests/test_documents.py).
@@ -17,13 +17,14 @@ from pathlib import Path
 import pytest
 
 from tests.dist_harness import launch
+from tests.precision import LOSS_TOL, UPDATE_TOL
 
 pytestmark = pytest.mark.multiproc
 
 WORKER = Path(__file__).resolve().parent / "packed_worker.py"
 TOL = 1e-5
 CASES = [["gpipe", 1, [8, 24, 16]], ["1f1b", 1, 3], ["interleaved-1f1b", 2, [16, 16, 16]],
-         ["looped-bfs", 2, [8, 40]], ["dualpipev", 2, [24, 24]]]
+         ["looped-bfs", 2, [8, 40]], ["dualpipev", 2, [24, 24]], ["1f1b", 1, [8, 24, 16], "bf16"]]
 REFUSALS = {"no restart": "must start each row at 0", "length": "differ in shape",
             "mask": "look like an attention mask", "not packed": 'set "packed": true'}
 
@@ -44,6 +45,11 @@ def test_packed_rows_equal_the_document_masked_reference(packed_results) -> None
         assert len(trained) == len(CASES)
         for case in trained:
             where = f"{case['case']}, rank {rank}"
+            if case["case"].endswith("bf16"):   # BF16_Optimizer: the master weights' change, as the other bf16 tests
+                assert "error" not in case and case["optimizer"] == "BF16_Optimizer", (where, case)
+                assert all(abs(a - b) <= LOSS_TOL * abs(b) for a, b in zip(case["losses"], case["ref_losses"])), where
+                assert case["update_rel_err"] <= UPDATE_TOL["bf16"], (where, case["update_worst"])
+                continue
             assert "error" not in case, f"{where}: {case.get('error')}\n{case.get('traceback')}"
             for got, ref in zip(case["losses"], case["ref_losses"]):
                 assert abs(got - ref) <= TOL * abs(ref), f"{where}: {case['losses']} != {case['ref_losses']}"
