@@ -17,7 +17,6 @@ host: indicative only. Writes
 """
 from __future__ import annotations
 
-import argparse
 import gc
 import os
 import sys
@@ -28,7 +27,7 @@ from typing import Any
 
 from benchlib.launch import launch_workers, pin_and_single_thread, run_as_worker
 from benchlib.meters import HeapMeter
-from benchlib.tables import ROOT, machine_info, markdown_table, results_path, write_report
+from benchlib.tables import ROOT, benchmark_parser, markdown_table, results_path, write_ranks_report
 
 NAME = "checkpoint_memory"
 NUM_STAGES = 2
@@ -109,7 +108,7 @@ def table(ranks: list[dict]) -> list[str]:
 def main() -> int:
     if run_as_worker(worker_main):
         return 0
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = benchmark_parser(__doc__)
     ap.add_argument("--seq-lens", default="4096,8192", help="comma-separated sequence lengths")
     ap.add_argument("--json", metavar="PATH", help=f"report path (default {results_path(NAME).relative_to(ROOT)})")
     ap.add_argument("--timeout", type=float, default=900.0)
@@ -122,10 +121,7 @@ def main() -> int:
     print("\n" + "\n".join(lines))
     report = {"name": NAME, "options": opts, "table": lines, "ranks": ranks,
               "wall_s": time.perf_counter() - started}
-    path = write_report(report, Path(args.json) if args.json else results_path(NAME),
-                        machine=machine_info(torch=ranks[0]["torch"], deepspeed=ranks[0]["deepspeed"],
-                                             threads_per_rank=1, cores_pinned=True))
-    print(f"report: {path}")
+    write_ranks_report(report, NAME, args.json, ranks)
     return 0
 
 

@@ -25,7 +25,6 @@ from the same weights on the same batch: freezing before the first step changes 
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -36,7 +35,7 @@ from typing import Any
 
 from benchlib.alternate import median
 from benchlib.launch import launch_workers, pin_and_single_thread, run_as_worker
-from benchlib.tables import ROOT, markdown_table, print_checks, results_path, write_report
+from benchlib.tables import ROOT, benchmark_parser, markdown_table, print_checks, results_path, write_report
 
 NAME = "freeze_speedup"
 NUM_STAGES = 2
@@ -121,8 +120,7 @@ def worker_main(out_dir: Path, opts: dict) -> None:
 def main() -> int:
     if run_as_worker(worker_main):
         return 0
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = benchmark_parser(__doc__)
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=512)

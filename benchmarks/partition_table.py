@@ -21,11 +21,10 @@ dense per-slice gradient, the blocks, the LM head with GEMM + softmax over the v
 """
 from __future__ import annotations
 
-import argparse
 import time
 from typing import Any
 
-from benchlib.tables import fmt, markdown_table, results_path, write_report
+from benchlib.tables import benchmark_parser, fmt, markdown_table, results_path, write_report
 
 from ds_terapipe.planner.partition import analytic_layouts
 
@@ -37,7 +36,7 @@ VOCABS = [50257, 256000]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--device", default="a100")
     parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 16])
     parser.add_argument("--json", default=str(results_path(NAME)), help="where to write the report")

@@ -42,7 +42,6 @@ environment), prints the tables and the targets, writes the report (``--json``, 
 """
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import os
@@ -58,7 +57,8 @@ from benchlib.alternate import alternate, median, median_index, paired_ratios, r
 from benchlib.launch import launch_workers, pin_and_single_thread, run_as_worker
 from benchlib.meters import ActivationMeter, CpuMeter, HeapMeter, InstructionRecorder, compute_events, step_summary
 from benchlib.peers import PEER_VARIANTS, build_peer, peer_applies
-from benchlib.tables import ROOT, fmt, machine_info, markdown_table, print_checks, results_path, write_report
+from benchlib.tables import (ROOT, benchmark_parser, fmt, machine_info, markdown_table,
+                            print_checks, results_path, write_report)
 
 NAME = "pipeline_speedup"   # its report: benchmarks/results/pipeline_speedup.json
 NUM_STAGES = 2
@@ -563,8 +563,7 @@ def finish_report(report: dict, opts: dict, ranks: list[dict], started: float, j
 def main() -> int:
     if run_as_worker(worker_main):
         return 0
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = benchmark_parser(__doc__)
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=8, help="transformer blocks (split evenly over 2 stages)")
     ap.add_argument("--hidden", type=int, default=512)

@@ -13,7 +13,6 @@ grid with 3% noise and fits a MeasuredCost per stage: unequal stages, as the eng
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import subprocess
@@ -21,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchlib.tables import ROOT, machine_info, results_path, write_report
+from benchlib.tables import ROOT, benchmark_parser, machine_info, results_path, write_report
 
 NAME = "planner_speed"
 
@@ -80,7 +79,7 @@ def run_case(spec: tuple, repeats: int) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = benchmark_parser(__doc__)
     ap.add_argument("--repeats", type=int, default=3, help="fresh processes per case (default 3)")
     ap.add_argument("--case", action="append", choices=sorted(CASES), help="run only these cases (repeatable)")
     ap.add_argument("--json", metavar="PATH", help=f"where to write the report (default: "

@@ -22,11 +22,10 @@ rows compare at the same layer count.
 """
 from __future__ import annotations
 
-import argparse
 import time
 from typing import Any
 
-from benchlib.tables import fmt, markdown_table, results_path, write_report
+from benchlib.tables import benchmark_parser, fmt, markdown_table, results_path, write_report
 
 from ds_terapipe.planner.presets import MODEL_PRESETS, analytic_pipeline_cost
 from ds_terapipe.planner.registry import get_schedule
@@ -76,7 +75,7 @@ def run_variant(schedule: str, v: int, sliced: bool, seq_len: int, m: int) -> di
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = benchmark_parser(__doc__)
     parser.add_argument("--seq-len", type=int, nargs="+", default=[2048, 8192], choices=sorted(GRANULARITY))
     parser.add_argument("--microbatches", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--json", default=str(results_path(NAME)), help="where to write the report")

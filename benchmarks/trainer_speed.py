@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from benchlib.alternate import median
-from benchlib.tables import ROOT, markdown_table, print_checks, results_path, write_report
+from benchlib.tables import ROOT, benchmark_parser, markdown_table, print_checks, results_path, write_report
 from ds_terapipe.config import ReplanConfig
 from ds_terapipe.planner.registry import schedule_names
 
@@ -104,8 +104,7 @@ def slices_run(log: str) -> Any:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = benchmark_parser(__doc__)
     ap.add_argument("--micro-batches", default="1,2,4", help="comma-separated m values")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=None,

@@ -22,7 +22,6 @@ which guards the peers' wiring (tied embedding/head, loss scaling) as much as ou
 """
 from __future__ import annotations
 
-import argparse
 import shutil
 import sys
 import tempfile
@@ -32,7 +31,7 @@ from pathlib import Path
 import pipeline_speedup as ps
 from benchlib.launch import launch_workers
 from benchlib.peers import PEER_VARIANTS
-from benchlib.tables import ROOT, fmt, markdown_table, print_checks, results_path
+from benchlib.tables import ROOT, benchmark_parser, fmt, markdown_table, print_checks, results_path
 
 NAME = "virtual_stages"
 PEERS = ["stock", *PEER_VARIANTS]   # stock DeepSpeed 1F1B first: the baseline
@@ -113,8 +112,7 @@ def check_losses(rows: list[dict], rtol: float = 1e-4) -> list[dict]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = benchmark_parser(__doc__)
     ap.add_argument("--micro-batches", default="1,2,4,8", help="m values, comma-separated")
     ap.add_argument("--warmup", type=int, default=1, help="untimed rounds per m")
     ap.add_argument("--steps", type=int, default=3, help="timed rounds per m (one step of every variant each)")

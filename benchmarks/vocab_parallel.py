@@ -27,7 +27,6 @@ bytes. Writes ``benchmarks/results/vocab_parallel.json`` unless ``--json PATH``.
 """
 from __future__ import annotations
 
-import argparse
 import gc
 import os
 import sys
@@ -39,7 +38,7 @@ from typing import Any
 from benchlib.alternate import alternate, median, rounds_in_use
 from benchlib.launch import launch_workers, pin_and_single_thread, run_as_worker
 from benchlib.meters import KINDS, CpuMeter, InstructionRecorder
-from benchlib.tables import ROOT, machine_info, markdown_table, results_path, write_report
+from benchlib.tables import ROOT, benchmark_parser, markdown_table, results_path, write_ranks_report
 
 NAME = "vocab_parallel"
 NUM_STAGES = 2
@@ -260,7 +259,7 @@ def analyse(ranks: list[dict], opts: dict) -> tuple[list[str], list[dict], list[
 def main() -> int:
     if run_as_worker(worker_main):
         return 0
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = benchmark_parser(__doc__)
     ap.add_argument("--micro-batches", default="1,4", help="comma-separated micro-batch counts")
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--vocab", type=int, default=65536)
@@ -294,10 +293,7 @@ def main() -> int:
     print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} (1 min)")
     report = {"name": NAME, "options": opts, "table": lines, "rows": rows, "checks": checks, "ranks": ranks,
               "load_average": {"before": load_before, "after": load_after}, "wall_s": time.perf_counter() - started}
-    path = write_report(report, Path(args.json) if args.json else results_path(NAME),
-                        machine=machine_info(torch=ranks[0]["torch"], deepspeed=ranks[0]["deepspeed"],
-                                             threads_per_rank=1, cores_pinned=True))
-    print(f"report: {path}")
+    write_ranks_report(report, NAME, args.json, ranks)
     return 0
 
 

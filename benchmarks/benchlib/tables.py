@@ -6,6 +6,8 @@ dirty flag: measured code that differs from the commit is not that commit's), an
 """
 from __future__ import annotations
 
+import argparse
+
 import json
 import os
 import platform
@@ -111,3 +113,19 @@ def write_report(report: dict, path: Path, *, machine: dict | None = None) -> Pa
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=1))
     return path
+
+
+def write_ranks_report(report: dict, name: str, json_path: str | None, ranks: Sequence[dict]) -> Path:
+    """:func:`write_report` at ``json_path`` (default: ``results/<name>.json``) with the machine the worker ranks
+    measured on (their torch and DeepSpeed, one pinned core each); prints the path."""
+    machine = machine_info(torch=ranks[0]["torch"], deepspeed=ranks[0]["deepspeed"], threads_per_rank=1,
+                           cores_pinned=True)
+    path = write_report(report, Path(json_path) if json_path else results_path(name), machine=machine)
+    print(f"report: {path}")
+    return path
+
+
+def benchmark_parser(doc: str) -> argparse.ArgumentParser:
+    """A benchmark script's argument parser: its docstring's first line as the description."""
+    return argparse.ArgumentParser(description=doc.splitlines()[0],
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
