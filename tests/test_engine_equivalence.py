@@ -12,6 +12,7 @@ import pytest
 
 from tests.clipping import assert_clipped_by_the_global_norm
 from tests.dist_harness import launch
+from tests.results import cases_per_rank
 
 pytestmark = pytest.mark.multiproc
 
@@ -19,10 +20,7 @@ TOL = 1e-5
 
 
 def _check(results: list[dict], expected_cases: int) -> None:
-    errors = [r["error"] for r in results if "error" in r]
-    assert not errors, errors[0]
-    per_rank = [[c for c in r["results"] if not c["case"].startswith("clip")] for r in results]
-    assert all(len(cases) == expected_cases for cases in per_rank), [len(c) for c in per_rank]
+    per_rank = cases_per_rank(results, expected_cases)
     for index in range(expected_cases):
         covered: set[str] = set()
         for cases in per_rank:
