@@ -197,6 +197,17 @@ INTERNALS: tuple[Internal, ...] = (
        "the optimizer's norm and step read only the gradients flagged here"),
     _i("deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer", "loss_scale", "attr", "execution/grad_sink.py",
        "the fp16 scale ZeRO's step divides the gradients by"),
+    # -- frozen weights held still in DeepSpeed's master copies (features/frozen_state.py) ---------------------------
+    _i("deepspeed.utils.tensor_fragment:tensor_fragment", "get_hp_fragment_address", "attr",
+       "features/frozen_state.py", "where a parameter's fragment lies in its flat fp32 partition (with the "
+       "fragment's param_group_index: the inner optimizer's group that holds it; BF16_Optimizer is recognised by "
+       "bf16_groups, listed above)"),
+    _i("deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer", "single_partition_of_fp32_groups", "instance",
+       "features/frozen_state.py", "ZeRO 1/2 is recognised by it"),
+    _i("deepspeed.runtime.fp16.unfused_optimizer:FP16_UnfusedOptimizer", "fp32_groups", "instance",
+       "features/frozen_state.py", "its per-parameter fp32 copies, parallel to fp16_groups"),
+    _i("deepspeed.runtime.fp16.unfused_optimizer:FP16_UnfusedOptimizer", "fp16_groups", "instance",
+       "features/frozen_state.py", "the parameters the fp32 copies belong to"),
     # -- PipelineModule and the grid ----------------------------------------------------------------------------
     _i(_MODULE, "_local_start", "instance", "planning/slice_check.py, execution/checkpoint.py",
        "global index of the stage's first layer"),
