@@ -1,6 +1,7 @@
-"""The check of one gradient-clipping case of tests/dist_worker.py (``clip_result``), shared by the test modules
-whose launches run such cases: the engine clipped every step by the norm of the whole model's gradient, as the
-single-process reference's ``torch.nn.utils.clip_grad_norm_`` did, so its parameters end where the reference's do.
+"""The check of one gradient-clipping case of a suite (``clip_result``, tests/suites/common.py), shared by the test
+modules whose launches run such cases: the engine clipped every step by the norm of the whole model's gradient, as
+the single-process reference's ``torch.nn.utils.clip_grad_norm_`` did, so its parameters end where the reference's
+do.
 """
 
 from __future__ import annotations

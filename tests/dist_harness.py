@@ -1,10 +1,11 @@
-"""Launch N local gloo processes running tests/dist_worker.py and collect their results.
+"""Launch N local gloo processes running a suite of tests/suites/ (through tests/dist_worker.py) and collect their
+results.
 
 Each launch runs many cases in one process group (DeepSpeed engine construction is the expensive part, a new
 launch is far more). Ranks are started by :func:`ds_terapipe.runtime.execution.local_launch.run_local` (free port, one
-log per rank, deadline, fail-fast, shm cleanup). Every rank also arms tests/dist_worker.py's watchdog
-(``DS_TERAPIPE_WATCHDOG_S``, 15 s before the launch's deadline): past it the rank dumps its stack and the last
-instructions it ran to its log and exits, so a hang becomes a failure whose message shows where each rank was.
+log per rank, deadline, fail-fast, shm cleanup). Every rank of a suite of cases also arms tests/dist_worker.py's
+watchdog (``DS_TERAPIPE_WATCHDOG_S``, 15 s before the launch's deadline): past it the rank dumps its stack and the
+last instructions it ran to its log and exits, so a hang becomes a failure whose message shows where each rank was.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 from ds_terapipe.runtime.execution.local_launch import LaunchResult, run_local
 
 ROOT = Path(__file__).resolve().parent.parent
-WORKER = Path(__file__).resolve().parent / "dist_worker.py"
+RUNNER = Path(__file__).resolve().parent / "dist_worker.py"
 
 
 def _run(argv: list[str], world_size: int, out_dir: Path, timeout_s: float, **options: Any) -> LaunchResult:
@@ -37,12 +38,15 @@ def run_ranks(argv: list[str], world_size: int, out_dir: Path, *, timeout_s: flo
     return result.codes, result.texts()
 
 
+def suite_command(suite: str, out_dir: Path, extra: dict | None = None) -> list[str]:
+    """The command line of one rank of ``suite`` (tests/suites/<suite>.py)."""
+    return [sys.executable, str(RUNNER), suite, str(out_dir), json.dumps(extra or {})]
+
+
 def launch(suite: str, world_size: int, out_dir: Path, *, timeout_s: float = 600,
-           extra: dict | None = None, worker: Path = WORKER) -> list[dict[str, Any]]:
-    """Run ``suite`` of ``worker`` (tests/dist_worker.py, or a worker adding suites to it) on ``world_size``
-    ranks; return each rank's result dict."""
-    argv = [sys.executable, str(worker), suite, str(out_dir), json.dumps(extra or {})]
-    result = _run(argv, world_size, out_dir, timeout_s)
+           extra: dict | None = None) -> list[dict[str, Any]]:
+    """Run the suite of cases ``suite`` on ``world_size`` ranks; return each rank's result dict."""
+    result = _run(suite_command(suite, out_dir, extra), world_size, out_dir, timeout_s)
     if not result.ok:
         raise AssertionError(f"suite {suite!r} on {world_size} rank(s) failed or timed out after {timeout_s}s\n"
                              + result.failure_report(40))

@@ -1,6 +1,6 @@
 """Tier b, one 2-rank launch: every tensor handed to torch.distributed is on the accelerator's device.
 
-tests/device_worker.py gives the accelerator a device of its own, marks every tensor made on the host and
+tests/suites/device.py gives the accelerator a device of its own, marks every tensor made on the host and
 refuses one at any torch.distributed call (ours and DeepSpeed's), through slice check, profiling, planning,
 training at two sequence lengths, eval, checkpoint save and load; it also counts accelerator synchronizes
 around the measured timeline. On CPU nothing else would notice a ``torch.tensor(...)`` without
@@ -10,21 +10,17 @@ around the measured timeline. On CPU nothing else would notice a ``torch.tensor(
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-from tests.dist_harness import run_ranks
+from tests.dist_harness import run_ranks, suite_command
 
 pytestmark = pytest.mark.multiproc
-
-WORKER = Path(__file__).resolve().parent / "device_worker.py"
 
 
 @pytest.mark.timeout(400)
 def test_every_distributed_tensor_is_on_the_accelerator_device(tmp_path) -> None:
-    codes, texts = run_ranks([sys.executable, str(WORKER), str(tmp_path)], 2, tmp_path, timeout_s=300)
+    codes, texts = run_ranks(suite_command("device", tmp_path), 2, tmp_path, timeout_s=300)
     assert codes == [0, 0], "\n".join(f"--- rank {r} (exit {c})\n{t[-4000:]}" for r, (c, t) in
                                       enumerate(zip(codes, texts)))
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]

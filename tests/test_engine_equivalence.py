@@ -1,7 +1,7 @@
 """Tier b: the token pipeline equals the single-process unsliced reference, gradient by gradient.
 
 One launch per topology runs the whole grid (slices {1, [8, 24, 16], 8} x schedules {gpipe, 1f1b} x weight
-gradients {per slice, deferred} x micro-batches {1, 3}) inside one process group; see tests/dist_worker.py.
+gradients {per slice, deferred} x micro-batches {1, 3}) inside one process group; see tests/suites/equivalence.py.
 Tolerance: fp32 relative error <= 1e-5 for the loss, every parameter gradient after one step, and every
 parameter after 3 SGD+momentum steps.
 """

@@ -19,7 +19,7 @@ from tests.dist_harness import launch
 
 pytestmark = pytest.mark.multiproc
 
-# what the workers' "auto" cases configure (tests/dist_worker.py suite_features)
+# what the suite's "auto" cases configure (tests/suites/features.py)
 SEQ_LEN, MICRO_BATCHES, MICRO_BATCH_SIZE, GRANULARITY = 64, 2, 2, 8
 
 

@@ -4,7 +4,7 @@ interleaved-1f1b, looped-bfs and dualpipev with v = 2 chunks per rank, on p = 2 
 4}, micro-batches {2, 4}, with and without deferred weight gradients (dualpipev also against DeepSpeed's own
 DualPipeV where that runs, m >= 2p); 2 ranks x 2 replicas with ZeRO 1; then
 "auto" slices profiled per chunk, eval_batch, variable lengths, timelines, checkpoints across layouts and the
-refusals (tests/dist_worker.py: suites ``virtual`` and ``virtual_features``). Tolerance: fp32 relative error
+refusals (tests/suites/virtual.py and tests/suites/virtual_features.py). Tolerance: fp32 relative error
 <= 1e-5 for the loss, every gradient and every parameter after 3 SGD+momentum steps.
 """
 

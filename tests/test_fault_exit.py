@@ -1,4 +1,4 @@
-"""Tier b, three 2-rank launches of tests/fault_exit_worker.py: after a fault every rank leaves cleanly.
+"""Tier b, three 2-rank launches of tests/suites/fault_exit.py: after a fault every rank leaves cleanly.
 
 A rank that stopped for a fault leaves the way a user's script does (the exception escapes, the interpreter
 finalises): it must print the exception and exit 1, never abort ("terminate called without an active
@@ -16,21 +16,19 @@ runtime/execution/p2p.py may be left running.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.dist_harness import ROOT, run_ranks
+from tests.dist_harness import run_ranks, suite_command
 
 pytestmark = pytest.mark.multiproc
 
-WORKER = ROOT / "tests" / "fault_exit_worker.py"
 ABORTED = (-6, 134, 250)
 
 
 def _launch(case: str, tmp_path: Path, kill: tuple[int, str] | None = None) -> tuple[list[int | None], list[str]]:
-    return run_ranks([sys.executable, str(WORKER), case, str(tmp_path)], 2, tmp_path, timeout_s=90, kill=kill,
+    return run_ranks(suite_command("fault_exit", tmp_path, {"case": case}), 2, tmp_path, timeout_s=90, kill=kill,
                      fail_fast=False)   # a rank killed by fail-fast would hide how it would have exited
 
 

@@ -8,7 +8,7 @@ One
 launch of 2 ranks (bf16/fp16/fp32 x ZeRO 0/1, gpipe, 1f1b, interleaved-1f1b, dualpipev; with vocabulary
 parallelism, the tied table in the shards, fp32 and bf16; a Hugging Face Llama, untied head, with and without
 vocabulary parallelism) and one of 4 (2 stages x 2 replicas, where ZeRO 1 and
-BF16_Optimizer split the master copies between the replicas); tests/freeze_precision_worker.py.
+BF16_Optimizer split the master copies between the replicas); tests/suites/freeze_precision.py.
 
 Measured: master-weight updates within 1.8e-2 of the reference in bf16 (its rounding), 5e-3 in fp16, 2.2e-5 in
 fp32; losses within 2e-5. With the frozen elements not held, the frozen weights move at every step (13-37
@@ -17,8 +17,6 @@ parameters on stage 0) and stage 0's update is off by 240%.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from tests.dist_harness import launch
@@ -26,7 +24,6 @@ from tests.precision import check_precision_case
 
 pytestmark = pytest.mark.multiproc
 
-WORKER = Path(__file__).resolve().parent / "freeze_precision_worker.py"
 # [precision, ZeRO stage, schedule, virtual stages(, vocabulary parallelism(, model: "gpt" or "llama"(, freeze)))]; the
 # Llama's head is untied, so its stage 0 ends with nothing left to train (the BF16_Optimizer norm over no gradient)
 TWO_RANKS = [["bf16", 0, "1f1b", 1], ["bf16", 1, "gpipe", 1], ["fp32", 1, "1f1b", 1], ["fp16", 0, "1f1b", 1],
@@ -59,13 +56,13 @@ def _check(results: list[dict], expected: int) -> None:
 
 @pytest.mark.timeout(600)
 def test_freeze_with_master_copy_optimizers(tmp_path) -> None:
-    results = launch("freeze_precision", 2, tmp_path, timeout_s=540, worker=WORKER, extra={"cases": TWO_RANKS})
+    results = launch("freeze_precision", 2, tmp_path, timeout_s=540, extra={"cases": TWO_RANKS})
     _check(results, len(TWO_RANKS))
 
 
 @pytest.mark.timeout(600)
 def test_freeze_with_master_copies_split_between_replicas(tmp_path) -> None:
-    results = launch("freeze_precision", 4, tmp_path, timeout_s=540, worker=WORKER, extra={"cases": FOUR_RANKS})
+    results = launch("freeze_precision", 4, tmp_path, timeout_s=540, extra={"cases": FOUR_RANKS})
     _check(results, len(FOUR_RANKS))
 
 

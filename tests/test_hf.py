@@ -4,16 +4,14 @@ Tier a (one process): the pipeline layers built by ``causal_lm_specs`` run as 2 
 (micro-batch, slice) forward and backward in the order the planner's schedule gives each stage (gpipe, 1f1b),
 with the engine's slice contexts and per-(stage, micro-batch) KV state; loss and every gradient must equal
 ``transformers``' unsliced model on the same weights (fp32, relative error <= 1e-5). Tiny configs are made
-here; nothing is downloaded. Tier b: one 2-stage run through ``ds_terapipe.initialize`` (tests/hf_worker.py).
+here; nothing is downloaded. Tier b: one 2-stage run through ``ds_terapipe.initialize`` (tests/suites/hf.py).
 """
 
 from __future__ import annotations
 
 import copy
 import json
-import sys
 from functools import partial
-from pathlib import Path
 
 import pytest
 import torch
@@ -306,10 +304,9 @@ def test_two_stage_engine_equals_transformers(tmp_path) -> None:
     """ds_terapipe.initialize on 2 gloo processes, a Llama GQA model from a config, slices [3, 9, 4], 1f1b
     and gpipe (deferred weight gradients), and with vocabulary parallelism (untied and tied heads): loss and every
     gradient equal transformers' on the same weights (a shard's against its rows)."""
-    from tests.dist_harness import run_ranks
+    from tests.dist_harness import run_ranks, suite_command
 
-    worker = Path(__file__).resolve().parent / "hf_worker.py"
-    codes, texts = run_ranks([sys.executable, str(worker), str(tmp_path)], 2, tmp_path, timeout_s=240)
+    codes, texts = run_ranks(suite_command("hf", tmp_path), 2, tmp_path, timeout_s=240)
     assert codes == [0, 0], "\n".join(t[-3000:] for t in texts)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for result in results:

@@ -1,6 +1,6 @@
 """Tier b: packed documents through the token pipeline (terapipe.packed) equal the unsliced reference.
 
-One launch of 2 ranks (tests/packed_worker.py, suite ``packed``): rows packing documents of skewed lengths as
+One launch of 2 ranks (tests/suites/packed.py): rows packing documents of skewed lengths as
 ``((input_ids, position_ids), labels)``, mixed in each step with rows of one document and plain ``input_ids``,
 on gpipe, 1f1b, interleaved-1f1b, looped-bfs and dualpipev, slices cutting documents anywhere; against the reference
 GPT run unsliced under ``packed_documents``: losses, every first-step gradient and the parameters after 3 steps
@@ -12,8 +12,6 @@ forward, are tier a (tests/test_documents.py).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from tests.dist_harness import launch
@@ -21,7 +19,6 @@ from tests.precision import LOSS_TOL, UPDATE_TOL
 
 pytestmark = pytest.mark.multiproc
 
-WORKER = Path(__file__).resolve().parent / "packed_worker.py"
 TOL = 1e-5
 CASES = [["gpipe", 1, [8, 24, 16]], ["1f1b", 1, 3], ["interleaved-1f1b", 2, [16, 16, 16]],
          ["looped-bfs", 2, [8, 40]], ["dualpipev", 2, [24, 24]], ["1f1b", 1, [8, 24, 16], "bf16"]]
@@ -31,7 +28,7 @@ REFUSALS = {"no restart": "must start each row at 0", "length": "differ in shape
 
 @pytest.fixture(scope="module")
 def packed_results(tmp_path_factory) -> list[dict]:
-    results = launch("packed", 2, tmp_path_factory.mktemp("packed"), timeout_s=540, worker=WORKER,
+    results = launch("packed", 2, tmp_path_factory.mktemp("packed"), timeout_s=540,
                      extra={"cases": CASES, "refusals": list(REFUSALS)})
     errors = [r["error"] for r in results if "error" in r]
     assert not errors, errors[0]

@@ -5,7 +5,7 @@ parameters after 3 SGD+momentum steps (fp32 rel err <= 1e-5), under gpipe, 1f1b 
 per rank); every rank holds the same boundaries, the head's stage gets fewer blocks than the naive layout, the
 second start reads the plan cache; with vocabulary parallelism (tied head split over both ranks, the share costed
 on every rank) under gpipe and 1f1b likewise, each shard against its rows of the reference's table; refusals
-(tests/partition_worker.py, suite ``partition``)."""
+(tests/suites/partition.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ from tests.dist_harness import launch
 pytestmark = pytest.mark.multiproc
 
 TOL = 1e-5
-WORKER = Path(__file__).resolve().parent / "partition_worker.py"
 
 
 def _check_equal(cases_per_rank: list[list[dict]], index: int) -> None:
@@ -45,7 +44,7 @@ def _check_equal(cases_per_rank: list[list[dict]], index: int) -> None:
 
 def _check(results: list[dict], num_ranks: int) -> None:
     """Every case equals the reference; the cost-based layouts give the head's stage fewer layers than the naive
-    split (tests/partition_worker.py makes the measured head 8x dearer: the layout follows from the costs, not
+    split (tests/suites/partition.py makes the measured head 8x dearer: the layout follows from the costs, not
     from how well this host's shared cores time a head against a block)."""
     errors = [r["error"] for r in results if "error" in r]
     assert not errors, errors[0]
@@ -78,7 +77,7 @@ def _check(results: list[dict], num_ranks: int) -> None:
 
 @pytest.mark.timeout(900)
 def test_cost_based_partition_equals_the_reference(tmp_path) -> None:
-    results = launch("partition", 2, tmp_path, timeout_s=840, worker=WORKER)
+    results = launch("partition", 2, tmp_path, timeout_s=840)
     _check(results, 2)
     cases = {c["case"]: c for c in results[0]["results"]}
     assert cases["parts:0,2,7"]["parts"] == [0, 2, 7]
@@ -97,6 +96,6 @@ def test_cost_based_partition_equals_the_reference(tmp_path) -> None:
 @pytest.mark.timeout(900)
 def test_cost_based_partition_with_two_replicas_and_zero1(tmp_path) -> None:
     """2 stages x 2 replicas (4 processes), ZeRO 1: all four ranks profile, one decision, equal to the reference."""
-    results = launch("partition", 4, tmp_path, timeout_s=840, worker=WORKER,
+    results = launch("partition", 4, tmp_path, timeout_s=840,
                      extra={"dp": 2, "zero_stage": 1, "cases": [["1f1b", [8, 24, 16], 1]]})
     _check(results, 2)   # the layout too: it follows from the (head-weighted) costs, not the shared cores' noise

@@ -1,6 +1,6 @@
 """Tier b: bf16 and fp16 runs at ZeRO stage 0 and 1 resume from a checkpoint exactly, on 2 stages (one launch of
 2 ranks) and on 2 stages x 2 replicas (one launch of 4 ranks), every case in one process group
-(tests/precision_resume_worker.py, suite ``precision_resume``).
+(tests/suites/precision_resume.py).
 
 Exactly means bit for bit: a fresh engine that loads the checkpoint trains the next 3 steps with the losses, loss
 scales and learning rates of the run that went on without stopping, and ends with the same fp32 master weights.
@@ -11,20 +11,17 @@ weights
 equal to the loaded weights, which DeepSpeed leaves at their initial values without ZeRO.
 
 fp16 on a CPU: DeepSpeed's CPU accelerator refuses it where oneDNN has no fp16 kernels ("Type fp16 is not
-supported on your device."); the worker lets DeepSpeed build its fp16 optimizers anyway (torch computes fp16 on any
+supported on your device."); the suite lets DeepSpeed build its fp16 optimizers anyway (torch computes fp16 on any
 CPU), because the optimizers' checkpoint state is what is tested.
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 
 from ds_terapipe.runtime.execution.checkpoint import CheckpointError, bf16_optimizer_file
 from tests.dist_harness import launch
 
-WORKER = Path(__file__).resolve().parent / "precision_resume_worker.py"
 OPTIMIZERS = {"bf16 zero0": "BF16_Optimizer", "bf16 zero1": "DeepSpeedZeroOptimizer",
               "fp16 zero0": "FP16_UnfusedOptimizer", "fp16 zero1": "DeepSpeedZeroOptimizer"}
 
@@ -62,7 +59,7 @@ def _check(results: list[dict], world: int) -> None:
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("world", [2, 4], ids=["2stages", "2stages_x_2replicas"])
 def test_bf16_and_fp16_at_zero_0_and_1_resume_bit_for_bit(tmp_path, world: int) -> None:
-    _check(launch("precision_resume", world, tmp_path, timeout_s=360, extra={"force_fp16": True}, worker=WORKER),
+    _check(launch("precision_resume", world, tmp_path, timeout_s=360, extra={"force_fp16": True}),
            world)
 
 

@@ -1,11 +1,11 @@
 """Tier b: vocabulary parallelism (terapipe.vocab_parallel) equals the single-process unsliced reference.
 
-One launch per topology runs the grid (tied and untied heads x vocabularies divisible by p and not x gpipe, 1f1b
-x slices {1, [8, 24, 16]}) and cases of the virtual-stage schedules (interleaved-1f1b, looped-bfs, dualpipev: two
-chunks per rank) that cover the same choices between them; see tests/dist_worker.py ``suite_vocab``. Loss, every gradient (each rank's shard
-against its rows of the reference head), parameters after 3 SGD+momentum steps: fp32 rel err <= 1e-5; the
-padding rows of a shard stay exactly 0. With a tied head the input embedding is split too (its gradient is
-in the shard's, against the reference's tied table).
+One launch per topology runs the grid (tied and untied heads x vocabularies divisible by p and not x gpipe, 1f1b x
+slices {1, [8, 24, 16]}) and cases of the virtual-stage schedules (interleaved-1f1b, looped-bfs, dualpipev: two
+chunks per rank) that cover the same choices between them; see tests/suites/vocab.py. Loss, every gradient (each
+rank's shard against its rows of the reference head), parameters after 3 SGD+momentum steps: fp32 rel err <= 1e-5;
+the padding rows of a shard stay exactly 0. With a tied head the input embedding is split too (its gradient is in
+the shard's, against the reference's tied table).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ The shard gradients of the output layer (and of a tied head's split input embedd
 must reach the buffer each DeepSpeed optimizer reads, in its scale (runtime/execution/grad_sink.py): the fp32 master
 gradients of BF16_Optimizer, ``.grad`` times the loss scale for the fp16 optimizers, ``.grad`` under ZeRO 1. One
 launch of 2 ranks (bf16/fp16 x ZeRO 0/1 x tied/untied with 1f1b, and the virtual-stage schedules) and one of 4
-(2 stages x 2 replicas); tests/vocab_precision_worker.py.
+(2 stages x 2 replicas); tests/suites/vocab_precision.py.
 
 What is compared: the change of the fp32 master weights over 3 SGD+momentum steps, each parameter (a shard
 against its rows of the reference's table), and the losses. Measured: bf16 within 2.1e-2 (its rounding), fp16
@@ -15,8 +15,6 @@ bound).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from tests.dist_harness import launch
@@ -24,7 +22,6 @@ from tests.precision import UPDATE_TOL, check_precision_case
 
 pytestmark = pytest.mark.multiproc
 
-WORKER = Path(__file__).resolve().parent / "vocab_precision_worker.py"
 UNEQUAL = [8, 24, 16]
 FLAT = [[precision, zero, tied, "1f1b", UNEQUAL, 2] for precision in ("bf16", "fp16") for zero in (0, 1)
         for tied in (True, False)]
@@ -57,12 +54,12 @@ def _check(results: list[dict], expected: int) -> None:
 @pytest.mark.timeout(600)
 def test_vocab_parallel_half_precision(tmp_path) -> None:
     """bf16/fp16 x ZeRO 0/1 x tied/untied heads on 1f1b, then gpipe and the virtual-stage schedules, 2 ranks."""
-    results = launch("vocab_precision", 2, tmp_path, timeout_s=540, worker=WORKER, extra={"cases": FLAT + VIRTUAL})
+    results = launch("vocab_precision", 2, tmp_path, timeout_s=540, extra={"cases": FLAT + VIRTUAL})
     _check(results, len(FLAT) + len(VIRTUAL))
 
 
 @pytest.mark.timeout(600)
 def test_vocab_parallel_half_precision_with_replicas(tmp_path) -> None:
     """2 stages x 2 replicas: bf16 and fp16 under ZeRO 1 (partitioned master copies), bf16 at ZeRO 0."""
-    results = launch("vocab_precision", 4, tmp_path, timeout_s=540, worker=WORKER, extra={"cases": REPLICATED})
+    results = launch("vocab_precision", 4, tmp_path, timeout_s=540, extra={"cases": REPLICATED})
     _check(results, len(REPLICATED))

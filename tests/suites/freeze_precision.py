@@ -1,22 +1,17 @@
-"""One rank of the tests of freezing with DeepSpeed's master-copy optimizers: ``python
-tests/freeze_precision_worker.py freeze_precision OUT_DIR EXTRA_JSON``.
-
-Suite ``freeze_precision`` (tests/test_freeze_precision.py): a freeze schedule (2 layers from step 1, 4 from step
-2, of 7) on 2 stages (x the replicas the world size leaves) under bf16, fp16 and fp32 at ZeRO 0 and 1, against the
-unsliced single-process fp32 reference with the same layers frozen at the same steps (SGD with momentum 0.9: a
-frozen weight whose momentum survives keeps moving). Per case: the losses; the change of the optimizer's fp32
-master weights over the run against the reference's change, per parameter; per step, every frozen parameter's
-master copy and model weight unchanged bit for bit, and its optimizer state zero (``state_nonzero``: the frozen
-parameters whose momentum is not). Cases are ``extra["cases"]``: [precision, zero stage, schedule, virtual
-stages(, vocabulary parallelism: the head's shards, each compared with its rows of the reference's(, the model:
-"gpt", the reference GPT with its tied head, or "llama", a Hugging Face Llama from a config, untied head(, freeze:
-false runs the same case without freezing)))]. fp16 on a CPU: as tests/vocab_precision_worker.py, DeepSpeed is
-let build its fp16 optimizers.
+"""Suite ``freeze_precision``, asserted on by tests/test_freeze_precision.py: a freeze schedule (2 layers from step 1,
+4 from step 2, of 7) on 2 stages (x the replicas the world size leaves) under bf16, fp16 and fp32 at ZeRO 0 and 1,
+against the unsliced single-process fp32 reference with the same layers frozen at the same steps (SGD with momentum
+0.9: a frozen weight whose momentum survives keeps moving). Per case: the losses; the change of the optimizer's fp32
+master weights over the run against the reference's change, per parameter; per step, every frozen parameter's master
+copy and model weight unchanged bit for bit, and its optimizer state zero (``state_nonzero``: the frozen parameters
+whose momentum is not). Cases are ``extra["cases"]``: [precision, zero stage, schedule, virtual stages(, vocabulary
+parallelism: the head's shards, each compared with its rows of the reference's(, the model: "gpt", the reference GPT
+with its tied head, or "llama", a Hugging Face Llama from a config, untied head(, freeze: false runs the same case
+without freezing)))]. fp16 on a CPU: as tests/suites/vocab_precision.py, DeepSpeed is let build its fp16 optimizers.
 """
 
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
 from typing import Any, Optional
 
@@ -24,10 +19,11 @@ import torch
 
 import ds_terapipe
 from ds_terapipe.models.gpt import GPTConfig, causal_lm_loss, gpt_layer_specs
-from tests import dist_worker as dw
-from tests.precision_resume_worker import _master_weights
+from tests.suites import suite
+from tests.suites.common import (ENGINE_REF, STATUS, WORLD, allow_fp16_on_cpu, build_spec_layers, deltas,
+                                 frozen_reference, make_batches, master_weights, named_compare, replica_batches,
+                                 run_cases)
 
-WORLD = int(os.environ["WORLD_SIZE"])
 STAGES = 2
 SCHEDULE = [[1, 2], [2, 4]]
 STEPS = 4
@@ -70,7 +66,7 @@ def _engine(specs: list, vocab_size: int, precision: str, zero: int, schedule: s
               **PRECISIONS[precision]}
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     engine, _, _, _ = ds_terapipe.initialize(model=model, optimizer=opt, config=config)
-    dw.ENGINE_REF["engine"] = engine
+    ENGINE_REF["engine"] = engine
     return engine
 
 
@@ -111,18 +107,18 @@ def _case(precision: str, zero: int, schedule: str, v: int, vocab: bool = False,
     dp = WORLD // STAGES
     micro, batch = 2, 2
     specs, vocab_size = _specs(model)
-    batches = dw.make_batches(SimpleNamespace(vocab_size=vocab_size), STEPS * micro * dp, batch, 48, seed=23)
-    _, initial, _ = dw.build_spec_layers(_specs(model)[0])
+    batches = make_batches(SimpleNamespace(vocab_size=vocab_size), STEPS * micro * dp, batch, 48, seed=23)
+    _, initial, _ = build_spec_layers(_specs(model)[0])
     ref_start = {n: p.detach().clone() for n, p in initial.items()}
-    ref = dw.frozen_reference(_specs(model)[0], batches, STEPS, _frozen_at if freeze else (lambda step: 0))
+    ref = frozen_reference(_specs(model)[0], batches, STEPS, _frozen_at if freeze else (lambda step: 0))
     engine = _engine(specs, vocab_size, precision, zero, schedule, v, micro, batch, vocab, freeze)
-    data = iter(dw.replica_batches(batches, engine.grid.data_parallel_id, micro, dp, STEPS))
-    start = _master_weights(engine)
+    data = iter(replica_batches(batches, engine.grid.data_parallel_id, micro, dp, STEPS))
+    start = master_weights(engine)
     previous: Optional[tuple[dict, dict]] = None
     losses, moved, nonzero, frozen_counts = [], [], [], []
     for _ in range(STEPS):
         losses.append(float(engine.train_batch(data)))
-        master = _master_weights(engine)
+        master = master_weights(engine)
         weights = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
         frozen = sorted(n for n, p in engine.module.named_parameters() if not p.requires_grad)
         frozen_counts.append(len(frozen))
@@ -131,12 +127,12 @@ def _case(precision: str, zero: int, schedule: str, v: int, vocab: bool = False,
                           not torch.equal(weights[n], previous[1][n])])
         nonzero.append(_state_nonzero(engine, frozen))
         previous = (master, weights)
-    update = dw.deltas(_master_weights(engine), start)
-    ref_update = dw.deltas(ref["params"], ref_start)
+    update = deltas(master_weights(engine), start)
+    ref_update = deltas(ref["params"], ref_start)
     update, ref_update = _vocab_update(engine, update, ref_update)
     has_embed = 0 in engine.local_chunks
-    err, worst, count = dw._named_compare(update, ref_update, has_embed)
-    return {"case": dw.STATUS["case"], "optimizer": type(engine.optimizer).__name__, "losses": losses,
+    err, worst, count = named_compare(update, ref_update, has_embed)
+    return {"case": STATUS["case"], "optimizer": type(engine.optimizer).__name__, "losses": losses,
             "ref_losses": ref["losses"], "update_rel_err": err, "update_worst": worst, "compared": count,
             "moved": moved, "state_nonzero": nonzero, "frozen_counts": frozen_counts,
             "frozen_layers": engine.freezer.num_frozen_layers if freeze else None, "stage": engine.stage_id}
@@ -148,12 +144,7 @@ def _label(precision: str, zero: int, schedule: str, v: int, vocab: bool = False
             + ("" if freeze else " no-freeze"))
 
 
+@suite("freeze_precision")
 def suite_freeze_precision(extra: dict) -> list[dict]:
-    dw.allow_fp16_on_cpu()
-    return dw.run_cases(extra["cases"], _label, _case)
-
-
-dw.SUITES["freeze_precision"] = suite_freeze_precision
-
-if __name__ == "__main__":
-    dw.main()
+    allow_fp16_on_cpu()
+    return run_cases(extra["cases"], _label, _case)

@@ -1,20 +1,16 @@
-"""One rank of the packed-documents tests: ``python tests/packed_worker.py packed OUT_DIR EXTRA_JSON``.
-
-Suite ``packed`` (tests/test_packed.py): rows that pack several documents of skewed lengths, given as
+"""Suite ``packed``, asserted on by tests/test_packed.py: rows that pack several documents of skewed lengths, given as
 ``((input_ids, position_ids), labels)`` with ``terapipe.packed``, on 2 stages (x the replicas the world size
 leaves), against the single-process unsliced reference GPT run under ``packed_documents`` with the same position
 ids: the losses of 3 SGD+momentum steps, every gradient of the first step and the parameters after the last.
-``extra["refusals"]``: bad position ids on the first stage (no restart at 0, another length, a mask; packed
-rows without ``terapipe.packed``), each raised on every rank before the step.
-Each step mixes packed rows, rows of one document (position ids 0..L-1) and plain ``input_ids`` micro-batches
-(one document per row). Cases are ``extra["cases"]``: [schedule, virtual stages, slices(, precision: "bf16" compares
-the fp32 master weights' change over the steps instead, bf16 weights hiding updates below their rounding)]. The helpers are
-tests/dist_worker.py's.
+``extra["refusals"]``: bad position ids on the first stage (no restart at 0, another length, a mask; packed rows
+without ``terapipe.packed``), each raised on every rank before the step. Each step mixes packed rows, rows of one
+document (position ids 0..L-1) and plain ``input_ids`` micro-batches (one document per row). Cases are
+``extra["cases"]``: [schedule, virtual stages, slices(, precision: "bf16" compares the fp32 master weights' change
+over the steps instead, bf16 weights hiding updates below their rounding)].
 """
 
 from __future__ import annotations
 
-import os
 import random
 from typing import Any, Optional
 
@@ -23,10 +19,10 @@ import torch
 import ds_terapipe
 from ds_terapipe.models.gpt import GPTConfig, GPTReference, causal_lm_loss, gpt_layer_specs
 from ds_terapipe.runtime.slicing.documents import packed_documents
-from tests import dist_worker as dw
-from tests.precision_resume_worker import _master_weights
+from tests.suites import suite
+from tests.suites.common import (ENGINE_REF, STATUS, WORLD, compare, deltas, first_step_grads, make_batches,
+                                 master_weights, replica_batches, run_cases, run_until_error)
 
-WORLD = int(os.environ["WORLD_SIZE"])
 STAGES, STEPS, MICRO, BATCH, SEQ_LEN = 2, 3, 3, 2, 48
 
 
@@ -46,7 +42,7 @@ def packed_batches(cfg: GPTConfig, num: int, seed: int) -> list[tuple]:
     the one after it a single document per row given as position ids."""
     rng = random.Random(seed)
     out: list[tuple] = []
-    for index, (ids, labels) in enumerate(dw.make_batches(cfg, num, BATCH, SEQ_LEN, seed)):
+    for index, (ids, labels) in enumerate(make_batches(cfg, num, BATCH, SEQ_LEN, seed)):
         kind = index % 3
         if kind == 0:
             out.append(((ids, packed_positions(rng, BATCH, SEQ_LEN)), labels))
@@ -95,7 +91,7 @@ def _engine(cfg: GPTConfig, schedule: str, v: int, slices: Any, packed: bool = T
               **({"bf16": {"enabled": True}} if bf16 else {})}
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     engine, _, _, _ = ds_terapipe.initialize(model=model, optimizer=opt, config=config)
-    dw.ENGINE_REF["engine"] = engine
+    ENGINE_REF["engine"] = engine
     return engine
 
 
@@ -105,22 +101,22 @@ def _case(schedule: str, v: int, slices: Any, precision: str = "fp32") -> dict[s
     batches = packed_batches(cfg, STEPS * MICRO * dp, seed=41)
     ref_losses, ref_grads, ref_params = packed_reference(cfg, batches)
     engine = _engine(cfg, schedule, v, slices, bf16=precision == "bf16")
-    data = iter(dw.replica_batches(batches, engine.grid.data_parallel_id, MICRO, dp, STEPS))
+    data = iter(replica_batches(batches, engine.grid.data_parallel_id, MICRO, dp, STEPS))
     if precision == "bf16":   # bf16 weights cannot show an update below their rounding: the master weights' change
-        start = _master_weights(engine)
+        start = master_weights(engine)
         losses = [float(engine.train_batch(data)) for _ in range(STEPS)]
         ref_start = {n: p.detach().clone() for n, p in GPTReference(cfg).named_parameters()}
-        err, worst, covered = dw.compare(dw.deltas(_master_weights(engine), start), dw.deltas(ref_params, ref_start),
-                                         engine.stage_id)
-        return {"case": dw.STATUS["case"], "losses": losses, "ref_losses": ref_losses, "update_rel_err": err,
+        err, worst, covered = compare(deltas(master_weights(engine), start), deltas(ref_params, ref_start),
+                                      engine.stage_id)
+        return {"case": STATUS["case"], "losses": losses, "ref_losses": ref_losses, "update_rel_err": err,
                 "update_worst": worst, "covered": covered, "num_ref_params": len(ref_params),
                 "optimizer": type(engine.optimizer).__name__, "stage": engine.stage_id}
-    with dw.first_step_grads(engine) as grads:
+    with first_step_grads(engine) as grads:
         losses = [float(engine.train_batch(data)) for _ in range(STEPS)]
     params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-    g_err, g_name, g_covered = dw.compare(grads, ref_grads, engine.stage_id)
-    p_err, p_name, _ = dw.compare(params, ref_params, engine.stage_id)
-    return {"case": dw.STATUS["case"], "losses": losses, "ref_losses": ref_losses, "grad_rel_err": g_err,
+    g_err, g_name, g_covered = compare(grads, ref_grads, engine.stage_id)
+    p_err, p_name, _ = compare(params, ref_params, engine.stage_id)
+    return {"case": STATUS["case"], "losses": losses, "ref_losses": ref_losses, "grad_rel_err": g_err,
             "grad_worst": g_name, "param_rel_err": p_err, "param_worst": p_name, "covered": g_covered,
             "num_ref_params": len(ref_params), "stage": engine.stage_id, "slices": list(engine.slices)}
 
@@ -138,19 +134,14 @@ def _refusal(kind: str) -> dict[str, Any]:
            "not packed": positions}[kind]
     batches[0] = ((ids, bad), labels)
     engine = _engine(cfg, "1f1b", 1, 3, packed=kind != "not packed")
-    return dw.run_until_error(lambda: engine.train_batch(iter(batches)))
+    return run_until_error(lambda: engine.train_batch(iter(batches)))
 
 
+@suite("packed")
 def suite_packed(extra: dict) -> list[dict]:
-    results = dw.run_cases(extra["cases"], _label, _case)
+    results = run_cases(extra["cases"], _label, _case)
     for kind in extra.get("refusals", []):
-        dw.STATUS["case"] = f"refuse {kind}"
+        STATUS["case"] = f"refuse {kind}"
         results.append(_refusal(kind))
-        dw.ENGINE_REF.pop("engine", None)
+        ENGINE_REF.pop("engine", None)
     return results
-
-
-dw.SUITES["packed"] = suite_packed
-
-if __name__ == "__main__":
-    dw.main()

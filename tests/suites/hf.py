@@ -1,4 +1,5 @@
-"""One rank of tests/test_hf.py's 2-stage run: ``python tests/hf_worker.py OUT_DIR`` (env: RANK, WORLD_SIZE, ...).
+"""Suite ``hf`` (standalone, 2 ranks), asserted on by tests/test_hf.py: ``python tests/dist_worker.py hf OUT_DIR {}``
+(env: RANK, WORLD_SIZE, ...).
 
 A Llama model with grouped-query attention, built from a config by ``causal_lm_specs``, runs one training step
 through ``ds_terapipe.initialize`` on 2 stages (slices [3, 9, 4]; 1f1b, then gpipe with deferred weight
@@ -21,6 +22,7 @@ import transformers
 import deepspeed
 import ds_terapipe
 from ds_terapipe.models.hf import causal_lm_loss, causal_lm_specs, hf_param_name
+from tests.suites import suite
 
 RANK = int(os.environ["RANK"])
 SEQ_LEN, BATCH, MICRO_BATCHES = 16, 2, 2
@@ -103,8 +105,8 @@ def run_case(config: transformers.LlamaConfig, schedule: str, vocab_parallel: bo
             "all_params": sorted(n for n, _ in reference.named_parameters())}
 
 
-def main() -> None:
-    out_dir = Path(sys.argv[1])
+@suite("hf", standalone=True)
+def suite_hf(out_dir: Path, extra: dict) -> None:
     torch.manual_seed(0)
     deepspeed.init_distributed(dist_backend="gloo")
     config = tiny_llama()
@@ -132,7 +134,3 @@ def main() -> None:
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     os._exit(code)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,23 +1,20 @@
-"""One rank of the half-precision resume tests: ``python tests/precision_resume_worker.py precision_resume OUT_DIR
-EXTRA_JSON``.
-
-Suite ``precision_resume`` (tests/test_precision_resume.py): for bf16 and fp16 at ZeRO 0 and 1 on 2 stages (x the
-replicas the world size leaves), train 2 steps, save, train 3 more (the uninterrupted run); then a fresh engine
-loads the checkpoint and trains the same 3 steps. Each case records both runs' losses, loss scales, learning rates
-and final fp32 master weights, so the test can require them equal bit for bit; a third engine loads weights only
-(``load_optimizer_states=False``) and records how far its fp32 master weights are from the loaded weights. SGD with
-momentum and a warm-up learning rate make the optimizer and scheduler state matter; a dynamic fp16 loss scale with
-a short window makes the loss scaler's state matter. Case names are "<precision> zero<stage>", precision one of
-fp32, bf16, fp16 (``extra["cases"]``; the default leaves fp32 out, which other suites resume).
+"""Suite ``precision_resume``, asserted on by tests/test_precision_resume.py: for bf16 and fp16 at ZeRO 0 and 1 on
+2 stages (x the replicas the world size leaves), train 2 steps, save, train 3 more (the uninterrupted run); then a
+fresh engine loads the checkpoint and trains the same 3 steps. Each case records both runs' losses, loss scales,
+learning rates and final fp32 master weights, so the test can require them equal bit for bit; a third engine loads
+weights only (``load_optimizer_states=False``) and records how far its fp32 master weights are from the loaded
+weights. SGD with momentum and a warm-up learning rate make the optimizer and scheduler state matter; a dynamic
+fp16 loss scale with a short window makes the loss scaler's state matter. Case names are "<precision>
+zero<stage>", precision one of fp32, bf16, fp16 (``extra["cases"]``; the default leaves fp32 out, which other
+suites resume).
 
 DeepSpeed's CPU accelerator reports fp16 only where oneDNN has fp16 kernels; with ``extra["force_fp16"]`` the
 suite lets DeepSpeed build its fp16 optimizers anyway (torch runs fp16 on any CPU, slowly), since what is tested
-here is their checkpoint state, not fp16 speed. The helpers are tests/dist_worker.py's.
+here is their checkpoint state, not fp16 speed.
 """
 
 from __future__ import annotations
 
-import os
 import traceback
 from pathlib import Path
 from typing import Any, Iterator
@@ -27,9 +24,9 @@ import torch
 import ds_terapipe
 from deepspeed.accelerator import get_accelerator
 from ds_terapipe.models.gpt import GPTConfig, causal_lm_loss, gpt_layer_specs
-from tests import dist_worker as dw
+from tests.suites import suite
+from tests.suites.common import ENGINE_REF, STATUS, WORLD, make_batches, master_weights
 
-WORLD = int(os.environ["WORLD_SIZE"])
 STAGES = 2
 STEPS_BEFORE, STEPS_AFTER = 2, 3
 PRECISIONS = {"fp32": {}, "bf16": {"bf16": {"enabled": True}},
@@ -50,20 +47,8 @@ def _engine(cfg: GPTConfig, precision: str, zero_stage: int, *, micro: int, batc
               **PRECISIONS[precision]}
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     engine, _, _, _ = ds_terapipe.initialize(model=model, optimizer=opt, config=config)
-    dw.ENGINE_REF["engine"] = engine
+    ENGINE_REF["engine"] = engine
     return engine
-
-
-def _master_weights(engine: Any) -> dict[str, torch.Tensor]:
-    """The optimizer's fp32 copy of every parameter (DeepSpeed's helper for it does not know FP16_UnfusedOptimizer,
-    which keeps the copies in lists parallel to the fp16 parameters)."""
-    if isinstance(engine.optimizer, torch.optim.Optimizer):   # fp32: the weights are their own master copy
-        return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-    groups = getattr(engine.optimizer, "fp32_groups", None)
-    if type(engine.optimizer).__name__ != "FP16_UnfusedOptimizer" or groups is None:
-        return dw.master_weights(engine)
-    fp32 = {id(p16): p32 for g16, g32 in zip(engine.optimizer.fp16_groups, groups) for p16, p32 in zip(g16, g32)}
-    return {n: fp32[id(p)].detach().clone() for n, p in engine.module.named_parameters()}
 
 
 def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[float, str]:
@@ -91,7 +76,7 @@ def _train(engine: Any, groups: Iterator[list[tuple]]) -> dict[str, list[float]]
 def _case(cfg: GPTConfig, precision: str, zero_stage: int, ckpt: Path) -> dict[str, Any]:
     micro, batch, seq_len = 2, 2, 64
     dp = WORLD // STAGES
-    steps = dw.make_batches(cfg, (STEPS_BEFORE + STEPS_AFTER) * micro * dp, batch, seq_len, seed=23)
+    steps = make_batches(cfg, (STEPS_BEFORE + STEPS_AFTER) * micro * dp, batch, seq_len, seed=23)
     first = _engine(cfg, precision, zero_stage, micro=micro, batch=batch, seq_len=seq_len)
     dp_id = first.grid.data_parallel_id
     # step s of replica r: micro-batches [(s * dp + r) * micro, ... + micro)
@@ -99,7 +84,7 @@ def _case(cfg: GPTConfig, precision: str, zero_stage: int, ckpt: Path) -> dict[s
     before = _train(first, iter(groups[:STEPS_BEFORE]))
     first.save_checkpoint(str(ckpt), client_state={"step": STEPS_BEFORE})
     uninterrupted = _train(first, iter(groups[STEPS_BEFORE:]))
-    master = _master_weights(first)
+    master = master_weights(first)
     optimizer = type(first.optimizer).__name__
     again = _engine(cfg, precision, zero_stage, micro=micro, batch=batch, seq_len=seq_len)
     _, client = again.load_checkpoint(str(ckpt))
@@ -109,14 +94,15 @@ def _case(cfg: GPTConfig, precision: str, zero_stage: int, ckpt: Path) -> dict[s
     initial = {n: p.detach().clone() for n, p in weights_only.module.named_parameters()}
     weights_only.load_checkpoint(str(ckpt), load_optimizer_states=False)
     loaded = {n: p.detach().clone() for n, p in weights_only.module.named_parameters()}
-    dw.ENGINE_REF.pop("engine", None)
-    return {"case": dw.STATUS["case"], "optimizer": optimizer, "before": before, "uninterrupted": uninterrupted,
-            "resumed": resumed, "master_max_diff": _max_diff(master, _master_weights(again)),
-            "weights_only_master_vs_weights": _max_diff(_master_weights(weights_only), loaded),
+    ENGINE_REF.pop("engine", None)
+    return {"case": STATUS["case"], "optimizer": optimizer, "before": before, "uninterrupted": uninterrupted,
+            "resumed": resumed, "master_max_diff": _max_diff(master, master_weights(again)),
+            "weights_only_master_vs_weights": _max_diff(master_weights(weights_only), loaded),
             "loaded_vs_initial": _max_diff(loaded, initial),
             "step": client["step"], "global_steps": [first.global_steps, again.global_steps]}
 
 
+@suite("precision_resume")
 def suite_precision_resume(extra: dict) -> list[dict]:
     cfg = GPTConfig(num_layers=2, hidden=32, num_heads=4, vocab_size=64, max_seq_len=64, seed=11)
     fp16 = bool(get_accelerator().is_fp16_supported())
@@ -125,18 +111,12 @@ def suite_precision_resume(extra: dict) -> list[dict]:
     results: list[dict] = [{"case": "host", "fp16_supported": fp16, "world": WORLD}]
     for name in extra.get("cases", ["bf16 zero0", "bf16 zero1", "fp16 zero0", "fp16 zero1"]):
         precision, zero = name.split()
-        dw.STATUS["case"] = name
+        STATUS["case"] = name
         try:
             ckpt = Path(extra["out"]) / name.replace(" ", "_")
             results.append(_case(cfg, precision, int(zero.removeprefix("zero")), ckpt))
         except Exception as err:  # noqa: BLE001 - every rank fails the same load the same way; the test reads it
             results.append({"case": name, "error": f"{type(err).__name__}: {err}",
                             "traceback": traceback.format_exc()})
-            dw.ENGINE_REF.pop("engine", None)
+            ENGINE_REF.pop("engine", None)
     return results
-
-
-dw.SUITES["precision_resume"] = suite_precision_resume
-
-if __name__ == "__main__":
-    dw.main()

@@ -1,16 +1,13 @@
-"""One rank of the partition tests: ``python tests/partition_worker.py partition OUT_DIR EXTRA_JSON``.
-
-Suite ``partition`` (tests/test_partition_runtime.py): modules built with ``partition_method="terapipe"`` (layer
-kinds profiled at init, boundaries and slicing planned together, broadcast, cached) and ``"parts:..."`` (the
-user's own), trained 3 steps and compared with the single-process unsliced reference (loss, every gradient,
-parameters), under gpipe, 1f1b and interleaved-1f1b, and with ``vocab_parallel`` under gpipe and 1f1b; each
-followed by the cache hit; then the refusals. The helpers are
-tests/dist_worker.py's.
+"""Suite ``partition``, asserted on by tests/test_partition_runtime.py: modules built with
+``partition_method="terapipe"`` (layer kinds profiled at init, boundaries and slicing planned together, broadcast,
+cached) and ``"parts:..."`` (the user's own), trained 3 steps and compared with the single-process unsliced
+reference (loss, every gradient, parameters), under gpipe, 1f1b and interleaved-1f1b, and with ``vocab_parallel``
+under gpipe and 1f1b; each followed by the cache hit; then the refusals. ``extra``: ``dp``, ``cases``
+([schedule, slices, virtual stages(, vocab_parallel)]), ``zero_stage``.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -20,9 +17,9 @@ import torch
 import ds_terapipe
 from ds_terapipe.runtime.features import partition as _partition
 from ds_terapipe.models.gpt import GPTConfig, causal_lm_loss, gpt_layer_specs
-from tests import dist_worker as dw
-
-WORLD = int(os.environ["WORLD_SIZE"])
+from tests.suites import suite
+from tests.suites.common import ENGINE_REF, STATUS, WORLD, compare, first_step_grads, make_batches, reference_step
+from tests.suites.common_vocab import vocab_compare
 
 # The head's measured points are made this much dearer before the partition is planned. Measured alone its margin
 # over a block is a few times the noise of ranks sharing cores (four processes on two cores once planned the
@@ -67,8 +64,8 @@ def _module(cfg: GPTConfig, config: dict, stages: int, method: str) -> Any:
 def _case(cfg: GPTConfig, terapipe: dict, method: str, *, stages: int, micro: int, batch: int, seq_len: int,
           zero_stage: int = 0, steps: int = 3, vocab_parallel: bool = False) -> dict:
     dp = WORLD // stages
-    batches = dw.make_batches(cfg, steps * micro * dp, batch, seq_len, seed=300 + micro)
-    ref_losses, ref_grads, ref_params = dw.reference_step(cfg, batches, steps, lr=0.1, momentum=0.9)
+    batches = make_batches(cfg, steps * micro * dp, batch, seq_len, seed=300 + micro)
+    ref_losses, ref_grads, ref_params = reference_step(cfg, batches, steps, lr=0.1, momentum=0.9)
     config = _config(dict(terapipe, seq_len=seq_len), micro=micro, batch=batch, dp=dp, zero_stage=zero_stage,
                      vocab_parallel=vocab_parallel)
     t0 = time.perf_counter()
@@ -76,24 +73,24 @@ def _case(cfg: GPTConfig, terapipe: dict, method: str, *, stages: int, micro: in
     init_s = time.perf_counter() - t0
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     engine, _, _, _ = ds_terapipe.initialize(model=model, optimizer=opt, config=config)
-    dw.ENGINE_REF["engine"] = engine
+    ENGINE_REF["engine"] = engine
     mine = [batches[s * micro * dp + engine.grid.data_parallel_id * micro + j] for s in range(steps)
             for j in range(micro)]
     data = iter(mine)
-    with dw.first_step_grads(engine) as grads:
+    with first_step_grads(engine) as grads:
         losses = [float(engine.train_batch(data)) for _ in range(steps)]
     params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     grads_ok = zero_stage == 0
     if vocab_parallel:  # the shard against its rows of the reference's tied table
-        grad_err, grad_name, covered, _ = dw.vocab_compare(engine, grads if grads_ok else params,
-                                                           ref_grads if grads_ok else ref_params, tied=True)
-        param_err, param_name, _, _ = dw.vocab_compare(engine, params, ref_params, tied=True)
+        grad_err, grad_name, covered, _ = vocab_compare(engine, grads if grads_ok else params,
+                                                        ref_grads if grads_ok else ref_params, tied=True)
+        param_err, param_name, _, _ = vocab_compare(engine, params, ref_params, tied=True)
     else:
-        grad_err, grad_name, covered = dw.compare(grads if grads_ok else params,
-                                                  ref_grads if grads_ok else ref_params, engine.stage_id)
-        param_err, param_name, _ = dw.compare(params, ref_params, engine.stage_id)
-    dw.ENGINE_REF.pop("engine", None)
-    return {"case": dw.STATUS["case"], "parts": list(model.parts), "report": model.partition_report,
+        grad_err, grad_name, covered = compare(grads if grads_ok else params,
+                                               ref_grads if grads_ok else ref_params, engine.stage_id)
+        param_err, param_name, _ = compare(params, ref_params, engine.stage_id)
+    ENGINE_REF.pop("engine", None)
+    return {"case": STATUS["case"], "parts": list(model.parts), "report": model.partition_report,
             "chunks": list(engine.local_chunks), "slices": list(engine.slices), "loss": losses,
             "ref_loss": ref_losses, "grad_rel_err": grad_err, "grad_worst": grad_name, "param_rel_err": param_err,
             "param_worst": param_name, "covered": covered, "init_s": init_s}
@@ -107,6 +104,7 @@ def _error(run: Any) -> dict:
     return {"type": None, "message": ""}
 
 
+@suite("partition")
 def suite_partition(extra: dict) -> list[dict]:
     dp = extra.get("dp", 1)
     stages = WORLD // dp
@@ -120,19 +118,19 @@ def suite_partition(extra: dict) -> list[dict]:
                                                      ["interleaved-1f1b", [16, 32], 2],
                                                      ["gpipe", 1, 1, True], ["1f1b", [8, 24, 16], 1, True]]):
         vp_text = " vocab_parallel" if vp and vp[0] else ""
-        dw.STATUS["case"] = f"terapipe schedule={sched} slices={slices} v={v}{vp_text}"
+        STATUS["case"] = f"terapipe schedule={sched} slices={slices} v={v}{vp_text}"
         terapipe = {"slices": slices, "schedule": sched, "granularity": 8, "plan_cache": cache, "profile": profile,
                     **({"virtual_stages": v} if v > 1 else {})}
         results.append(_case(cfg, terapipe, "terapipe", stages=stages, micro=2 * v, batch=2, seq_len=48,
                              zero_stage=extra.get("zero_stage", 0), vocab_parallel=bool(vp and vp[0])))
-        dw.STATUS["case"] = f"cache schedule={sched} slices={slices} v={v}{vp_text}"   # the same setting: cached
+        STATUS["case"] = f"cache schedule={sched} slices={slices} v={v}{vp_text}"   # the same setting: cached
         results.append(_case(cfg, terapipe, "terapipe", stages=stages, micro=2 * v, batch=2, seq_len=48,
                              zero_stage=extra.get("zero_stage", 0), steps=1, vocab_parallel=bool(vp and vp[0])))
     if dp == 1 and stages == 2:
-        dw.STATUS["case"] = "parts:0,2,7"
+        STATUS["case"] = "parts:0,2,7"
         results.append(_case(cfg, {"slices": [8, 24, 16], "schedule": "1f1b"}, "parts:0,2,7", stages=2, micro=2,
                              batch=2, seq_len=48))
-        dw.STATUS["case"] = "refusals"
+        STATUS["case"] = "refusals"
         config = _config({"slices": 1, "seq_len": 48}, micro=1, batch=2, dp=1, zero_stage=0)
         no_settings = _error(lambda: ds_terapipe.TokenPipelineModule(
             gpt_layer_specs(cfg), num_stages=2, loss_fn=causal_lm_loss, vocab_size=cfg.vocab_size,
@@ -145,9 +143,3 @@ def suite_partition(extra: dict) -> list[dict]:
         results.append({"case": "refusals", "no_settings": no_settings, "bad_parts": bad_parts,
                         "no_seq_len": no_seq_len, "vp_virtual": vp_virtual})
     return results
-
-
-dw.SUITES["partition"] = suite_partition
-
-if __name__ == "__main__":
-    dw.main()

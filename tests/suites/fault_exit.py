@@ -1,9 +1,10 @@
-"""One rank of tests/test_fault_exit.py: ``python tests/fault_exit_worker.py CASE DIR`` (env: RANK, WORLD_SIZE, ...),
-or by hand: ``PYTHONPATH=. deepspeed --num_gpus 2 tests/fault_exit_worker.py engine /tmp/out``.
+"""Suite ``fault_exit`` (standalone, 2 ranks), asserted on by tests/test_fault_exit.py:
+``python tests/dist_worker.py fault_exit DIR '{"case": CASE}'`` (env: RANK, WORLD_SIZE, ...), or by hand:
+``PYTHONPATH=. deepspeed --num_gpus 2 tests/dist_worker.py fault_exit /tmp/out '{"case": "engine"}'``.
 
-Unlike tests/dist_worker.py, which leaves through ``os._exit``, a rank here leaves the way a user's training
-script does after a fault: the exception escapes, Python prints it, runs the ``atexit`` hooks, finalises the
-interpreter and exits 1. Two ranks, gloo. Cases:
+Unlike a suite of cases, which leaves through ``os._exit``, a rank here leaves the way a user's training script does
+after a fault: the exception escapes, Python prints it, runs the ``atexit`` hooks, finalises the interpreter and
+exits 1. Two ranks, gloo. Cases:
 
 * ``abandoned``: rank 1 waits for a transfer from rank 0, which raises the abort flag, so rank 1 raises
   ``PeerFailedError`` with its receive still posted. Rank 0 keeps the connection open until rank 1 is finalising
@@ -23,13 +24,14 @@ from __future__ import annotations
 
 import atexit
 import os
-import sys
 import threading
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from tests.suites import suite
 
 RANK = int(os.environ["RANK"])
 
@@ -86,20 +88,21 @@ def engine(out: Path) -> None:
     import deepspeed
 
     from ds_terapipe.models.gpt import GPTConfig, gpt_layer_specs
-    from tests import dist_worker as dw
+    from tests.suites.common import make_batches, pipeline_engine
 
     deepspeed.init_distributed(dist_backend="gloo")
     cfg = GPTConfig(num_layers=2, hidden=32, num_heads=4, vocab_size=64, max_seq_len=64, seed=13)
-    engine = dw._engine(cfg, gpt_layer_specs(cfg), {"seq_len": 48, "slices": 3, "schedule": "gpipe",
-                                                    "granularity": 4, "p2p_timeout_s": 60})
-    mixed = [*dw.make_batches(cfg, 1, 2, 48, seed=21), *dw.make_batches(cfg, 1, 2, 32, seed=22)]
+    engine = pipeline_engine(cfg, gpt_layer_specs(cfg), {"seq_len": 48, "slices": 3, "schedule": "gpipe",
+                                                         "granularity": 4, "p2p_timeout_s": 60})
+    mixed = [*make_batches(cfg, 1, 2, 48, seed=21), *make_batches(cfg, 1, 2, 32, seed=22)]
     engine.train_batch(iter(mixed))
 
 
 CASES = {"abandoned": abandoned, "killed": killed, "engine": engine}
 
-if __name__ == "__main__":
+
+@suite("fault_exit", standalone=True)
+def suite_fault_exit(out: Path, extra: dict) -> None:
     atexit.register(report_threads)
     torch.set_num_threads(1)
-    case, out = [arg for arg in sys.argv[1:] if not arg.startswith("--local_rank")]  # DeepSpeed's launcher adds it
-    CASES[case](Path(out))
+    CASES[extra["case"]](out)

@@ -1,7 +1,8 @@
-"""One rank of the device test: ``python tests/device_worker.py OUT_DIR`` (env: RANK, WORLD_SIZE, ...).
+"""Suite ``device`` (standalone, 2 ranks), asserted on by tests/test_device_collectives.py:
+``python tests/dist_worker.py device OUT_DIR {}`` (env: RANK, WORLD_SIZE, ...).
 
 NCCL refuses CPU tensors, but on a CPU-only machine every tensor is a CPU tensor, so "is it on the
-accelerator?" cannot be read off ``tensor.device``. This worker makes the question answerable:
+accelerator?" cannot be read off ``tensor.device``. This suite makes the question answerable:
 
 1. The accelerator reports a device of its own, ``cpu:7`` (:data:`FAKE_DEVICE`): DeepSpeed's engine takes it
    as ``engine.device``, and torch accepts it for allocation (the tensors land on ``cpu``).
@@ -22,19 +23,22 @@ tensors made where the mode cannot see (inside autograd's backward, by C++ code)
 The run covers what the runtime does with processes: slices "auto" (slice check, profiling, plan broadcast),
 training, a second sequence length, eval, checkpoint save and load, and the measured timeline
 (``trace_dir``), whose every clock read must follow an accelerator synchronize. Writes ``OUT_DIR/rank{R}.json``.
+The suite owns its process: it installs its guards and starts its tracking mode before ds_terapipe is imported
+and before the process group starts.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
+
+from tests.suites import suite
 
 RANK = int(os.environ["RANK"])
 LOCAL_RANK = int(os.environ.get("LOCAL_RANK", RANK))
@@ -243,15 +247,11 @@ def run(out_dir: Path) -> dict[str, Any]:
     return result
 
 
-def main() -> None:
-    out_dir = Path(sys.argv[1])
+@suite("device", standalone=True)
+def suite_device(out_dir: Path, extra: dict) -> None:
     install()
     with HostTracker(FAKE_DEVICE):
         result = run(out_dir)
     (out_dir / f"rank{RANK}.json").write_text(json.dumps(result))
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()
