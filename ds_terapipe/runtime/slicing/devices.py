@@ -10,7 +10,7 @@ Two rules (docs/design.md, "Devices, collectives and faults"):
 * A host clock read after device work measures only the launch of that work unless the accelerator is
   synchronised first: :func:`synchronized_ms` does both, and the profiler syncs through :func:`synchronize`.
 
-On the CPU accelerator both syncs are no-ops; tests/device_worker.py checks the first rule on CPU by giving
+On the CPU accelerator both syncs are no-ops; tests/suites/device.py checks the first rule on CPU by giving
 the accelerator a device tensors cannot silently match.
 """
 
