@@ -161,8 +161,7 @@ INTERNALS: tuple[Internal, ...] = (
     _i(_CONFIG, "bfloat16_config", "instance", f"{_E} WeightGradPass", "bf16 immediate_grad_update"),
     _i(_BF16_CONFIG, "immediate_grad_update", "field", f"{_E} WeightGradPass", "when hp grads are updated"),
     _i(_CONFIG, "zero_optimization_stage", "instance", "initialize.py", "ZeRO 2/3 refused with pipelines"),
-    # -- gradient clipping (runtime/execution/clip.py)
-    # ------------------------------------------------------------------
+    # -- gradient clipping (runtime/execution/clip.py) -------------------------------------------------------------
     _i(_DS_ENGINE, "clip_fp32_gradients", "attr", f"{_E} (overridden)",
        "fp32 clipping without ZeRO, by the whole model's norm instead of stage 0's"),
     _i(f"{_DS_ENGINE}._take_model_step", "clip_fp32_gradients", "calls", f"{_E} clip_fp32_gradients",

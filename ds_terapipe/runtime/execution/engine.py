@@ -75,6 +75,7 @@ from . import checkpoint as ckpt
 from .clip import clip_by_global_norm, clipping_problem
 from .collective import agree_or_raise, mark_collective
 from .ds_internals import check_deepspeed_internals
+from .grad_sink import GradSink
 from .module import chunk_layout
 from .p2p import AbortFlag, PeerFailedError, SliceP2P, as_tuple
 from .schedule import DISPATCH, TokenPipeSchedule
@@ -207,6 +208,8 @@ class TokenPipelineEngine(PipelineEngine):
         self._stashes: dict[tuple[int, int], WeightGradStash] = {}
         self._weight_grads = WeightGradAccumulator()   # the step's W passes, summed; to .grad before reductions
         # Vocabulary parallelism: the output layer's shard on this rank and its passes (runtime/features/vocab.py).
+        # Gradients computed by hand (vocabulary passes, freezing's zero gradients) go where the optimizer reads them
+        self.grad_sink = GradSink(self)
         self._vocab = VocabParallel(self) if self.terapipe.vocab_parallel else None
         self._dp_identity_by_config = self._dp_reduce_identity_by_config()
         with self._failing_fast("engine init"):
@@ -469,8 +472,7 @@ class TokenPipelineEngine(PipelineEngine):
                                  virtual_stages=self.terapipe.virtual_stages, num_frozen_chunks=self._frozen_chunks(),
                                  vocab_parallel=self.terapipe.vocab_parallel, vocab_embedding=self._vocab_embedding)
 
-    # -- frozen layers (runtime/features/freeze.py)
-    # -------------------------------------------------------------------------
+    # -- frozen layers (runtime/features/freeze.py) ----------------------------------------------------------------
     def _frozen_chunks(self) -> int:
         """Leading chunks whose layers are all frozen: forward only, no gradient into them."""
         freezer = getattr(self, "freezer", None)
@@ -856,7 +858,7 @@ class TokenPipelineEngine(PipelineEngine):
             received = self.p2p.recv(source, what)
             self._shapes_known[key] = [(tuple(t.shape), t.dtype) for t in received]
         if self.terapipe.packed:   # the last tensor is the slice's position ids (see _exec_send_activations)
-            *received, positions = received
+            received, positions = received[:-1], received[-1]
             self._documents_of(microbatch).write(self.slice_bounds(slice_index)[0], positions)
         if torch.is_grad_enabled() and not self._chunk_frozen(chunk - 1):  # no gradient goes back into a frozen chunk
             for tensor in received:

@@ -74,6 +74,7 @@ class PipelineStage(Protocol):
     config: Any
     using_bf16_optimizer: bool
     freezer: Any
+    grad_sink: Any                   # runtime.execution.grad_sink.GradSink: hand-computed gradients, as optimizers read
 
     def fp16_enabled(self) -> bool: ...
     def zero_optimization_stage(self) -> int: ...

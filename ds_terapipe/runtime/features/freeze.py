@@ -45,7 +45,6 @@ from ...planner.freeze import auto_freeze_count, frozen_chunk_count, frozen_cost
 from ...planner.schedule import Schedule
 from ...planner.simulate import simulate
 from ..execution.collective import decided_on_rank0, mark_collective
-from ..execution.grad_sink import GradSink
 from ..execution.stage import PipelineStage
 from ..planning.plan import solve_slicing
 from .frozen_state import FrozenMasters, frozen_state_problem
@@ -103,7 +102,7 @@ class Freezer:
         self._base_cost = engine.plan.cost  # the profiled costs (rank 0), before any freeze
         self.repacked: Optional[dict[str, Any]] = None  # the repack this run made (runtime/features/repack.py), if any
         self._masters: Optional[FrozenMasters] = None  # DeepSpeed's master copies of the frozen weights
-        self.grads = GradSink(engine)
+        self.grads = engine.grad_sink
         problem = self._unsupported(engine)
         if problem is None and cfg.repack:
             from .repack import check_repack_supported

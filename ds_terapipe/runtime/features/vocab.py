@@ -59,7 +59,6 @@ from deepspeed.pipe import TiedLayerSpec
 
 from ..execution.collective import mark_collective
 from ..execution.errors import CheckpointError
-from ..execution.grad_sink import GradSink
 from ..execution.stage import PipelineStage
 from ..slicing.context import current_slice
 from .vocab_embedding import VocabEmbedding, plan_embedding_split
@@ -229,7 +228,7 @@ class VocabParallel:
         self._handed: dict[tuple[int, int], tuple[Any, Any, torch.Tensor]] = {}  # last stage: (h, labels, placeholder)
         self._units: dict[tuple[int, int], _Unit] = {}
         self.tied_holders: tuple[int, ...] = ()
-        self.grads = GradSink(engine)  # the shard's gradients, where (and in the scale) the optimizer reads them
+        self.grads = engine.grad_sink  # the shard's gradients, where (and in the scale) the optimizer reads them
         spec = self.head.spec
         # the split input embedding's passes EF/EB (runtime/features/vocab_embedding.py), else None
         self.embedding = None if self.head.embedding is None else VocabEmbedding(engine, self.head,

@@ -48,7 +48,6 @@ import torch.nn.functional as F
 from deepspeed.pipe import TiedLayerSpec
 
 from ..slicing.context import current_slice, cut_tokens
-from ..execution.grad_sink import GradSink
 from ..execution.stage import PipelineStage
 from .vocab_shard import HeadSpec, VocabShardHead, get_dotted
 
@@ -176,7 +175,7 @@ class VocabEmbedding:
             assert isinstance(self.stub, SplitTokenEmbedding), "install_split ran at build"
         # (micro-batch, slice) -> (row index into the shard (B, T), counted mask (B, T)) until EB
         self._units: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        self.grads = GradSink(engine)
+        self.grads = engine.grad_sink
 
     def reset(self) -> None:
         self._units.clear()
