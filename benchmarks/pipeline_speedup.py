@@ -483,7 +483,7 @@ def write_plots(report: dict, which: tuple[int, str], out_dir: Path, work_dir: P
         lens = row["slices"]
         ctx = [sum(lens[:i]) for i in range(len(lens))]
         for s, k, mb, sl, t0, t1, c in events:
-            model = cost.stage(c)
+            model = cost.chunk(c)
             w_slices = [lens[sl]] if sched.weights_per_slice else lens   # a W per micro-batch: every slice's
             pred = sum(float(model.weight_ms(n, 1)) for n in w_slices) if k == "W" else \
                 float((model.forward_ms if k == "F" else model.backward_ms)(lens[sl], ctx[sl], 1))
@@ -515,16 +515,16 @@ def cost_model_check(report: dict) -> list[dict]:
                     if not r.get("deferred_weight_grads"):
                         continue
                     # every slice's W work: the same total whether W runs per micro-batch or per slice
-                    pred = sum(float(cost.stage(c).weight_ms(n, 1)) for c in chunks for n in lens) * r["m"]
+                    pred = sum(float(cost.chunk(c).weight_ms(n, 1)) for c in chunks for n in lens) * r["m"]
                     actions = r["m"] * len(chunks) * (len(lens) if WEIGHTS_PER_SLICE.get(r["schedule"]) else 1)
                 else:
-                    pred = sum(float((cost.stage(c).forward_ms if kind == "F" else cost.stage(c).backward_ms)(
+                    pred = sum(float((cost.chunk(c).forward_ms if kind == "F" else cost.chunk(c).backward_ms)(
                         lens[i], ctx[i], 1)) for c in chunks for i in range(len(lens))) * r["m"]
                     actions = len(lens) * r["m"] * len(chunks)
                 if cost.step is not None:   # the whole-step model's fixed cost per action, measured at init
                     name = {"F": "forward", "B": "backward", "W": "weight"}[kind]
                     per_chunk = len(lens) if kind != "W" or WEIGHTS_PER_SLICE.get(r["schedule"]) else 1
-                    pred += sum(cost.step.action_ms(name, c, cost.num_stages) for c in chunks) * r["m"] * per_chunk
+                    pred += sum(cost.step.action_ms(name, c, cost.num_chunks) for c in chunks) * r["m"] * per_chunk
                 meas = r["stages"][stage][{"F": "forward_ms", "B": "backward_ms", "W": "weight_ms"}[kind]]
                 out.append({"m": r["m"], "variant": r["variant"], "stage": stage, "kind": kind,
                             "predicted_ms": pred, "measured_ms": meas, "err": (pred - meas) / meas,

@@ -52,8 +52,8 @@ if head == "measured":
     grid = [(s, c) for s in (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192) for c in (0, 256, 1024, 4096)
             if s + c <= L]
     stages = [{"points": [{"slice": s, "context": c,
-                           "forward_ms": float(cost.stage(i).forward_ms(s, c) * (1 + 0.03 * rng.standard_normal())),
-                           "backward_ms": float(cost.stage(i).backward_ms(s, c) * (1 + 0.03 * rng.standard_normal()))}
+                           "forward_ms": float(cost.chunk(i).forward_ms(s, c) * (1 + 0.03 * rng.standard_normal())),
+                           "backward_ms": float(cost.chunk(i).backward_ms(s, c) * (1 + 0.03 * rng.standard_normal()))}
                           for s, c in grid]} for i in range(k)]
     cost = PipelineCost.from_dict({"stages": stages, "comm": {"latency_ms": 0.02, "gbps": 100.0}, "hidden": 12288})
 t1 = time.perf_counter()

@@ -225,8 +225,8 @@ def _load_cost(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         cost = PipelineCost.from_dict(obj, num_stages=None if args.stages is None else args.stages * v)
     except (ValueError, TypeError) as exc:
         raise UsageError(f"--cost {args.cost}: {_one_line(exc)}") from None
-    if cost.num_stages % v:
-        raise UsageError(f"--cost {args.cost} describes {cost.num_stages} stages, not a multiple of --virtual-stages "
+    if cost.num_chunks % v:
+        raise UsageError(f"--cost {args.cost} describes {cost.num_chunks} stages, not a multiple of --virtual-stages "
                          f"{v}: with virtual stages a cost file gives one entry per chunk (ranks x {v}); profile "
                          "per chunk or pass --virtual-stages 1")
     return cost, {"kind": "measured", "file": str(Path(args.cost))}
@@ -275,7 +275,7 @@ def _plan(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any], float]:
     granularity = _granularity(args)
     cost, source = _load_cost(args)
     v = _virtual_stages(args)
-    num_ranks = cost.num_stages // v
+    num_ranks = cost.num_chunks // v
     memory = _memory_model(args, num_ranks)
     if memory is not None:
         _check_memory(args, memory, num_ranks, granularity, v)
@@ -467,7 +467,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
         cost, plan, source, plan_seconds = _plan(args)
         slices, batch_splits = list(plan.slices), list(plan.batch_splits)
     v = _virtual_stages(args)
-    num_ranks = cost.num_stages // v
+    num_ranks = cost.num_chunks // v
     units, batch = args.microbatches * len(batch_splits), batch_splits[0]  # sub-batches are pipeline units too
     t0 = time.perf_counter()
     # a cost measured with deferred weight gradients (its backward leaves them out) runs with the W actions, as

@@ -56,7 +56,7 @@ def _normalise(events: Iterable[Any]) -> list[TimedAction]:
 def _chunked(events: Sequence[TimedAction]) -> bool:
     """Whether the events come from a schedule with several chunks per rank (an action's chunk is not its row):
     rows are then ranks and labels name the chunk."""
-    return any(e.action.stage != e.stage for e in events)
+    return any(e.action.chunk != e.stage for e in events)
 
 
 def _write_json(obj: Any, path: str | os.PathLike[str]) -> Path:
@@ -87,7 +87,7 @@ def events_to_chrome_trace(events: Iterable[Any], path: str | os.PathLike[str], 
         trace.append({"name": str(a), "cat": _CATEGORY.get(a.kind, "comm"), "ph": "X", "pid": e.stage, "tid": 0,
                       "ts": e.start_ms * 1e3, "dur": (e.end_ms - e.start_ms) * 1e3,
                       "args": {"microbatch": a.microbatch, "slice": a.slice,
-                               **({"chunk": a.stage} if chunked else {})}})
+                               **({"chunk": a.chunk} if chunked else {})}})
     doc: dict[str, Any] = {"traceEvents": trace, "displayTimeUnit": "ms"}
     if metadata:
         doc["otherData"] = dict(metadata)
@@ -190,7 +190,7 @@ def plot_timeline(events: Iterable[Any], path: str | os.PathLike[str], *, title:
     for e in evs:
         text = f"{e.action.microbatch}.{e.action.slice}"
         if chunked:
-            text = f"c{e.action.stage}:{text}"
+            text = f"c{e.action.chunk}:{text}"
         if drawn < 3000 and e.duration_ms * px_per_ms > _px_per_char(fontsize, dpi) * len(text) + 2:
             ax.text(e.start_ms - t0 + e.duration_ms / 2, e.stage, text, ha="center", va="center",
                     fontsize=fontsize, clip_on=True)

@@ -113,7 +113,7 @@ def test_cli_plan_and_simulate_round_trip_with_virtual_stages(name, capsys, tmp_
     assert sim["makespan_ms"] == pytest.approx(plan["predicted_ms"], rel=1e-12)
     assert len(sim["busy_ms"]) == len(sim["peak_in_flight"]) == 4
     events = load_chrome_trace(trace)   # one row (pid) per rank, actions name their chunks
-    assert {e.stage for e in events} == set(range(4)) and {e.action.stage for e in events} == set(range(4 * v))
+    assert {e.stage for e in events} == set(range(4)) and {e.action.chunk for e in events} == set(range(4 * v))
     doc = json.loads(trace.read_text())
     names = {ev["args"]["name"] for ev in doc["traceEvents"] if ev["name"] == "process_name"}
     assert names == {f"rank {r}" for r in range(4)}
@@ -175,6 +175,6 @@ def test_engine_schedule_takes_the_chunks_its_schedule_places():
     for name in CHUNKED:
         with pytest.raises(ValueError, match="virtual_stages = 1"):
             TokenPipeSchedule(name, 2, 2, 0, 2)   # one chunk per rank is not this schedule's placement
-        assert {a.stage for a in TokenPipeSchedule(name, 2, 2, 0, 2, virtual_stages=2).actions} == \
+        assert {a.chunk for a in TokenPipeSchedule(name, 2, 2, 0, 2, virtual_stages=2).actions} == \
             ({0, 2} if name != "dualpipev" else {0, 3})
     assert TokenPipeSchedule("1f1b", 2, 2, 0, 2).actions   # one chunk per rank: as before

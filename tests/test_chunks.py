@@ -77,14 +77,14 @@ def test_grid_builds_validate_and_replay_per_chunk(name):
             for pos, (sr, sp) in match.items():   # a receive runs after its send and carries what it needs
                 assert result.steps[r][pos] > result.steps[sr][sp]
                 got, sent = lowered.stages[r][pos], lowered.stages[sr][sp]
-                assert got.unit == sent.unit and got.stage == sent.stage + (1 if sent.kind is SEND_F else -1)
+                assert got.unit == sent.unit and got.chunk == sent.chunk + (1 if sent.kind is SEND_F else -1)
         units = list(sched.units())
         back = [(b, i) for b in range(m) for i in reversed(range(n))]
         for r, stream in enumerate(sched.stages):
-            assert {a.stage for a in stream} == set(sched.chunks_of(r)), where
+            assert {a.chunk for a in stream} == set(sched.chunks_of(r)), where
             for c in sched.chunks_of(r):   # every chunk: forwards in unit order, backwards in backward order
-                assert [a.unit for a in stream if a.stage == c and a.kind is F] == units, (where, c)
-                assert [a.unit for a in stream if a.stage == c and a.kind is B] == back, (where, c)
+                assert [a.unit for a in stream if a.chunk == c and a.kind is F] == units, (where, c)
+                assert [a.unit for a in stream if a.chunk == c and a.kind is B] == back, (where, c)
             if name in CAP:   # the memory the spec estimates is what the schedule holds
                 assert peak_in_flight(stream) <= CAP[name](r, p, n, v), (where, r)
         deferred = build_schedule(name, p, m, n, deferred_weight_grads=True, virtual_stages=v)
@@ -153,7 +153,7 @@ def test_lowering_receives_other_flows_early_so_fifo_pairs():
             if a.kind in (RECV_F, RECV_B):
                 need = F if a.kind is RECV_F else B
                 nxt = next(x for x in stream[pos + 1:] if x.is_compute and x.kind is not W)
-                early += nxt != Action(a.stage, need, *a.unit)
+                early += nxt != Action(a.chunk, need, *a.unit)
     assert early > 0
     replay(sched)
     # Posting each receive right before its compute instead mis-pairs the channel.
@@ -161,9 +161,9 @@ def test_lowering_receives_other_flows_early_so_fifo_pairs():
     for stream in lowered.stages:
         out = [a for a in stream if a.kind not in (RECV_F, RECV_B)]
         for a in list(out):
-            if a.kind in (F, B) and any(x.kind in (RECV_F, RECV_B) and x.stage == a.stage and x.unit == a.unit
+            if a.kind in (F, B) and any(x.kind in (RECV_F, RECV_B) and x.chunk == a.chunk and x.unit == a.unit
                                         and (x.kind is RECV_F) == (a.kind is F) for x in stream):
-                out.insert(out.index(a), Action(a.stage, RECV_F if a.kind is F else RECV_B, *a.unit))
+                out.insert(out.index(a), Action(a.chunk, RECV_F if a.kind is F else RECV_B, *a.unit))
         naive.append(out)
     with pytest.raises(PairingError, match="channel 0->1: receive #"):
         replay(lowered.with_streams("naive", naive))
@@ -260,7 +260,7 @@ def reference(schedule: Schedule, cost: FakeCost, slices: list[int]) -> dict[Act
         for r, st in enumerate(lowered.stages):
             while ptr[r] < len(st):
                 a = st[ptr[r]]
-                stage, i = cost.stage(a.stage), a.slice
+                stage, i = cost.chunk(a.chunk), a.slice
                 if a.kind in (F, B, W):
                     if a.kind is W:
                         tokens = slices[i] if schedule.weights_per_slice else sum(slices)
@@ -271,17 +271,17 @@ def reference(schedule: Schedule, cost: FakeCost, slices: list[int]) -> dict[Act
                     times[a] = (free[r], free[r] + dt)
                     free[r] += dt
                 elif a.kind in (SEND_F, SEND_B):
-                    to = a.stage + (1 if a.kind is SEND_F else -1)
+                    to = a.chunk + (1 if a.kind is SEND_F else -1)
                     delay = one(stage.comm_ms([slices[i]]))
                     queues.setdefault((r, place[to]), []).append(((a.kind is SEND_F, to, a.unit), free[r] + delay))
                 else:
-                    frm = a.stage + (-1 if a.kind is RECV_F else 1)
+                    frm = a.chunk + (-1 if a.kind is RECV_F else 1)
                     ch = (place[frm], r)
                     k = taken.get(ch, 0)
                     if len(queues.get(ch, [])) <= k:
                         break
                     msg, arrives = queues[ch][k]
-                    assert msg == (a.kind is RECV_F, a.stage, a.unit), "reference: mis-paired"
+                    assert msg == (a.kind is RECV_F, a.chunk, a.unit), "reference: mis-paired"
                     taken[ch] = k + 1
                     free[r] = max(free[r], arrives)
                 ptr[r] += 1
@@ -305,7 +305,7 @@ def test_simulation_matches_chunk_reference_with_costs_per_chunk_and_comm(name):
         assert len(res.events) == len(ref)
         for ev in res.events:
             t0, t1 = ref[ev.action]
-            assert ev.stage == sched.rank_of(ev.action.stage)   # a timeline row per rank, actions name chunks
+            assert ev.stage == sched.rank_of(ev.action.chunk)   # a timeline row per rank, actions name chunks
             assert ev.start_ms == pytest.approx(t0, abs=1e-9) and ev.end_ms == pytest.approx(t1, abs=1e-9)
         assert res.makespan_ms == pytest.approx(max(t1 for _, t1 in ref.values()), rel=1e-12)
         assert len(res.busy_ms) == len(res.peak_in_flight) == p
@@ -313,8 +313,8 @@ def test_simulation_matches_chunk_reference_with_costs_per_chunk_and_comm(name):
 
 def test_simulator_needs_a_cost_per_chunk():
     sched = build_schedule("interleaved-1f1b", 2, 2, 1)
-    with pytest.raises(ValueError, match=r"num_stages=2 but the schedule has 4 chunks \(2 ranks x 2 virtual "
-                                         r"stages\); the cost model's stages are chunks"):
+    with pytest.raises(ValueError, match=r"num_chunks=2 but the schedule has 4 chunks \(2 ranks x 2 virtual "
+                                         r"stages\); a cost model has an entry per chunk"):
         simulate(sched, FakeCost.uniform(FakeStage(1, 1), 2), [4])
 
 

@@ -67,10 +67,10 @@ def test_frozen_chunks_drop_backward_and_every_gradient_into_them(name: str, p: 
             replay(lowered)  # pairs up and runs to the end on every rank
             for stream in lowered.stages:
                 for a in stream:
-                    if a.stage < frozen:
+                    if a.chunk < frozen:
                         assert a.kind in (ActionKind.FORWARD, ActionKind.SEND_F, ActionKind.RECV_F), (frozen, a)
                     if a.kind is ActionKind.SEND_B:
-                        assert a.stage - 1 >= frozen, (frozen, a)
+                        assert a.chunk - 1 >= frozen, (frozen, a)
             trained = sum(1 for st in lowered.stages for a in st if a.kind is ActionKind.BACKWARD)
             assert trained == (p * v - frozen) * 3 * 2
 

@@ -41,18 +41,18 @@ def test_measured_sums_group_actions_by_what_the_cost_model_predicts() -> None:
 def test_refit_scales_each_chunk_and_kind_by_measured_over_predicted() -> None:
     cost = _cost()
     model = PipelineCost.from_dict(cost)
-    f = float(model.stage(0).forward_ms(16, 16, 1))
-    b = float(model.stage(1).backward_ms(32, 0, 1))
-    w = float(model.stage(1).weight_ms(64, 1))
+    f = float(model.chunk(0).forward_ms(16, 16, 1))
+    b = float(model.chunk(1).backward_ms(32, 0, 1))
+    w = float(model.chunk(1).weight_ms(64, 1))
     samples = [(0, "F", 16, 16, 2, 2 * f * 1.5), (1, "B", 32, 0, 1, b * 0.5), (1, "W", 64, 0, 1, w * 2.0)]
     refit, ratios = refit_cost(cost, samples, batch=1)
     assert ratios[0] == pytest.approx({"F": 1.5, "B": 1.0, "W": 1.0})   # no samples: the scale stays
     assert ratios[1] == pytest.approx({"F": 1.0, "B": 0.5, "W": 2.0})
     new = PipelineCost.from_dict(refit)
-    assert float(new.stage(0).forward_ms(16, 16, 1)) == pytest.approx(1.5 * f, rel=1e-6)
-    assert float(new.stage(0).backward_ms(16, 16, 1)) == pytest.approx(float(model.stage(0).backward_ms(16, 16, 1)))
-    assert float(new.stage(1).backward_ms(32, 0, 1)) == pytest.approx(0.5 * b, rel=1e-6)
-    assert float(new.stage(1).weight_ms(64, 1)) == pytest.approx(2.0 * w, rel=1e-6)
+    assert float(new.chunk(0).forward_ms(16, 16, 1)) == pytest.approx(1.5 * f, rel=1e-6)
+    assert float(new.chunk(0).backward_ms(16, 16, 1)) == pytest.approx(float(model.chunk(0).backward_ms(16, 16, 1)))
+    assert float(new.chunk(1).backward_ms(32, 0, 1)) == pytest.approx(0.5 * b, rel=1e-6)
+    assert float(new.chunk(1).weight_ms(64, 1)) == pytest.approx(2.0 * w, rel=1e-6)
     assert cost == _cost()   # the plan's own costs are not modified
 
 
@@ -62,7 +62,7 @@ def test_refit_predicts_one_w_per_micro_batch_as_its_slices_w_work() -> None:
         stage["weight_ms_per_slice"] = 1.0
     model = PipelineCost.from_dict(cost)
     slices = (16, 16, 32)
-    w = sum(float(model.stage(1).weight_ms(s, 1)) for s in slices)   # 3 fixed parts + 64 tokens
+    w = sum(float(model.chunk(1).weight_ms(s, 1)) for s in slices)   # 3 fixed parts + 64 tokens
     refit, ratios = refit_cost(cost, [(1, "W", 64, 0, 2, 2 * w * 1.25)], batch=1, slices=slices)
     assert ratios[1]["W"] == pytest.approx(1.25)
     assert refit["stages"][1]["weight_ms_per_slice"] == pytest.approx(1.25)
@@ -73,7 +73,7 @@ def test_a_step_s_actions_lose_the_fixed_cost_per_action_a_profile_s_points_keep
     # the refit (a step's actions) takes the model's fixed 0.5 ms per forward off first; the plan cache's
     # re-timing (profile points, per_action=False) compares the whole milliseconds
     cost = {**_cost(), "step": {"action_ms": {"forward": 0.5}}}
-    f = float(PipelineCost.from_dict(cost).stage(0).forward_ms(16, 16, 1))
+    f = float(PipelineCost.from_dict(cost).chunk(0).forward_ms(16, 16, 1))
     samples = [(0, "F", 16, 16, 2, 2 * (2 * f + 0.5))]
     assert measured_over_predicted(cost, samples, 1)[0]["F"] == pytest.approx(2.0)
     assert measured_over_predicted(cost, samples, 1, per_action=False)[0]["F"] == pytest.approx(2.0 + 0.5 / f)

@@ -75,7 +75,7 @@ def test_action_parse_needs_str():
 
 
 def test_action_checks_its_fields():
-    with pytest.raises(ValueError, match="stage must be >= 0"):
+    with pytest.raises(ValueError, match="chunk must be >= 0"):
         Action(-1, F, 0, 0)
     with pytest.raises(ValueError, match="slice must be >= 0"):
         Action(0, F, 0, -2)
@@ -86,14 +86,14 @@ def test_action_checks_its_fields():
     with pytest.raises(ValueError, match="kind 'X' is not one of"):
         Action(0, "X", 0, 0)
     coerced = Action(np.int64(2), "SEND_B", np.int32(1), 0)
-    assert coerced == Action(2, ActionKind.SEND_B, 1, 0) and type(coerced.stage) is int
+    assert coerced == Action(2, ActionKind.SEND_B, 1, 0) and type(coerced.chunk) is int
     assert coerced.kind is ActionKind.SEND_B
 
 
 def test_action_is_an_immutable_value():
     a = Action(1, F, 2, 3)
     with pytest.raises(dataclasses.FrozenInstanceError):
-        a.stage = 2
+        a.chunk = 2
     assert {a, Action(1, F, 2, 3), Action(1, B, 2, 3)} == {Action(1, B, 2, 3), a}
     assert a.unit == (2, 3)
 

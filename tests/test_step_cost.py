@@ -159,7 +159,7 @@ def test_the_refit_scales_the_points_and_keeps_the_fixed_cost_per_action() -> No
     from ds_terapipe.planner.refit import refit_cost
 
     cost = pipeline({"action_ms": {"forward": 1.0, "backward": 2.0}})
-    model = cost.stage(0)
+    model = cost.chunk(0)
     f, b = float(model.forward_ms(128, 256)), float(model.backward_ms(128, 256))
     # measured: the points' time x 1.5, plus the per-action cost: the refit scales the points by 1.5 exactly
     samples = [(0, "F", 128, 256, 4, 4 * (1.5 * f + 1.0)), (0, "B", 128, 256, 4, 4 * (1.5 * b + 2.0))]
@@ -171,7 +171,7 @@ def test_the_refit_scales_the_points_and_keeps_the_fixed_cost_per_action() -> No
 def _per_stage(cost: PipelineCost) -> dict:
     obj = cost.to_dict()
     stage = {k: obj.pop(k) for k in ("points", "comm", "bytes_per_element") if k in obj}
-    return {**obj, "stages": [copy.deepcopy(stage) for _ in range(cost.num_stages)]}
+    return {**obj, "stages": [copy.deepcopy(stage) for _ in range(cost.num_chunks)]}
 
 
 # -- the runtime timers -------------------------------------------------------------------------------------------

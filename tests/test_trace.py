@@ -28,9 +28,9 @@ class _Stage:
 
 class _Cost:
     def __init__(self, num_stages: int):
-        self.num_stages = num_stages
+        self.num_chunks = num_stages
 
-    def stage(self, s: int) -> _Stage:
+    def chunk(self, s: int) -> _Stage:
         return _Stage()
 
 

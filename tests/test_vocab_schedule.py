@@ -39,22 +39,22 @@ def test_grid_validates_and_replays(name: str, v: int, max_p: int, deferred: boo
         # each rank writes VF/VB with its last chunk, EF/EB with its first
         for r, st in enumerate(sched.stages):
             mine = sched.chunks_of(r)
-            assert all(a.stage == (mine[0] if a.kind in (ActionKind.VOCAB_EMBED_F, ActionKind.VOCAB_EMBED_B)
+            assert all(a.chunk == (mine[0] if a.kind in (ActionKind.VOCAB_EMBED_F, ActionKind.VOCAB_EMBED_B)
                                    else mine[-1]) for a in st if a.is_collective), (name, stages, r)
         last_chunk = sched.num_chunks - 1
         last, first = sched.stages[sched.rank_of(last_chunk)], sched.stages[sched.rank_of(0)]
         for p, a in enumerate(last):
-            if a.kind is ActionKind.FORWARD and a.stage == last_chunk:  # VF right after the last chunk's forward
+            if a.kind is ActionKind.FORWARD and a.chunk == last_chunk:  # VF right after the last chunk's forward
                 assert Action(last_chunk, ActionKind.VOCAB_F, a.microbatch, a.slice) in _next_collectives(last, p, 1)
-            if a.kind is ActionKind.BACKWARD and a.stage == last_chunk:  # VB right before its backward
+            if a.kind is ActionKind.BACKWARD and a.chunk == last_chunk:  # VB right before its backward
                 assert Action(last_chunk, ActionKind.VOCAB_B, a.microbatch, a.slice) in \
                     _next_collectives(last, p, -1)
         kinds = {a.kind for a in first}
         assert (ActionKind.VOCAB_EMBED_F in kinds) == embedding and (ActionKind.VOCAB_EMBED_B in kinds) == embedding
         for p, a in enumerate(first if embedding else ()):
-            if a.kind is ActionKind.FORWARD and a.stage == 0:  # EF right before chunk 0's forward
+            if a.kind is ActionKind.FORWARD and a.chunk == 0:  # EF right before chunk 0's forward
                 assert Action(0, ActionKind.VOCAB_EMBED_F, a.microbatch, a.slice) in _next_collectives(first, p, -1)
-            if a.kind is ActionKind.BACKWARD and a.stage == 0:  # EB right after its backward
+            if a.kind is ActionKind.BACKWARD and a.chunk == 0:  # EB right after its backward
                 assert Action(0, ActionKind.VOCAB_EMBED_B, a.microbatch, a.slice) in _next_collectives(first, p, 1)
 
 

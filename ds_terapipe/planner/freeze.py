@@ -33,14 +33,14 @@ def freeze_lowered(schedule: Schedule, num_frozen_chunks: int) -> Schedule:
     messages, so the k-th remaining receive still pairs with the k-th remaining send."""
     if num_frozen_chunks <= 0:
         return add_communication(schedule)
-    streams = [[a for a in stream if not (a.kind in (_B, _W) and a.stage < num_frozen_chunks)]
+    streams = [[a for a in stream if not (a.kind in (_B, _W) and a.chunk < num_frozen_chunks)]
                for stream in schedule.stages]
     lowered = add_communication(schedule.with_streams(schedule.name, streams))
 
     def into_frozen(a: Any) -> bool:
         if a.kind is ActionKind.SEND_B:
-            return a.stage - 1 < num_frozen_chunks
-        return a.kind is ActionKind.RECV_B and a.stage < num_frozen_chunks
+            return a.chunk - 1 < num_frozen_chunks
+        return a.kind is ActionKind.RECV_B and a.chunk < num_frozen_chunks
 
     return lowered.with_streams(lowered.name, [[a for a in st if not into_frozen(a)] for st in lowered.stages])
 

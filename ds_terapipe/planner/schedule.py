@@ -121,10 +121,10 @@ def _index(name: str, value: object) -> int:
 
 @dataclass(frozen=True, repr=False)
 class Action:
-    """One step of one stage: a compute (F/B/W) or a p2p message for unit (microbatch, slice).
+    """One step of one chunk: a compute (F/B/W) or a p2p message for unit (microbatch, slice).
 
-    ``stage`` is the pipeline stage the action runs on: with virtual stages, its chunk (the rank is the
-    schedule's ``placement[stage]``); with one chunk per rank, chunk = stage = rank, as before.
+    ``chunk`` is the piece of the model the action runs on; the pipeline stage (rank) that holds it is the
+    schedule's ``rank_of(chunk)``. With one chunk per stage, chunk ``c`` is stage ``c``.
 
     ``W`` (deferred weight gradients) covers a whole micro-batch, written with slice 0, or one slice when the
     schedule has a W per unit (see :func:`defer_weights`).
@@ -133,13 +133,13 @@ class Action:
     so schedules can be written, logged and compared as text.
     """
 
-    stage: int
+    chunk: int
     kind: ActionKind
     microbatch: int
     slice: int
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "stage", _index("stage", self.stage))
+        object.__setattr__(self, "chunk", _index("chunk", self.chunk))
         object.__setattr__(self, "microbatch", _index("microbatch", self.microbatch))
         object.__setattr__(self, "slice", _index("slice", self.slice))
         if not isinstance(self.kind, ActionKind):
@@ -150,7 +150,7 @@ class Action:
                 raise ValueError(f"Action.kind {self.kind!r} is not one of: {valid}") from None
 
     def __str__(self) -> str:
-        return f"{self.stage}{self.kind.value}{self.microbatch}.{self.slice}"
+        return f"{self.chunk}{self.kind.value}{self.microbatch}.{self.slice}"
 
     __repr__ = __str__
 
@@ -161,14 +161,9 @@ class Action:
             raise TypeError(f"Action.parse needs a str, got {type(text).__name__}")
         m = _ACTION_RE.fullmatch(text)
         if m is None:
-            raise ValueError(f"cannot parse action {text!r}: expected '<stage><kind><microbatch>.<slice>' "
+            raise ValueError(f"cannot parse action {text!r}: expected '<chunk><kind><microbatch>.<slice>' "
                              f"with kind in {[k.value for k in ActionKind]}, e.g. '1F0.2'")
         return cls(int(m[1]), ActionKind(m[2]), int(m[3]), int(m[4]))
-
-    @property
-    def chunk(self) -> int:
-        """The chunk (virtual stage) the action runs on: ``stage`` under its virtual-stage name."""
-        return self.stage
 
     @property
     def is_compute(self) -> bool:
@@ -190,21 +185,22 @@ class Action:
 
     @property
     def peer(self) -> int | None:
-        """The stage (chunk) at the other end of a comm action (``None`` for compute actions, which talk to no one);
+        """The chunk at the other end of a comm action (``None`` for compute actions, which talk to no one);
         its rank is the schedule's ``rank_of(peer)``."""
         off = _PEER_OFFSET.get(self.kind)
-        return None if off is None else self.stage + off
+        return None if off is None else self.chunk + off
 
 
 @dataclass(frozen=True)
 class Schedule:
     """Per-rank ordered actions for ``num_microbatches`` micro-batches cut into ``num_slices`` slices each.
 
-    ``stages[r]`` is what rank ``r`` executes, in order (the name is from before virtual stages, when rank and
-    stage were one). With ``virtual_stages`` v > 1 the model is cut into ``num_stages * v`` chunks and an
-    action's ``stage`` is its *chunk*; ``placement[c]`` is the rank that holds chunk ``c`` (the way
-    torch.distributed.pipelining keeps stage index and rank apart). ``placement`` defaults to looped (chunk c
-    on rank c mod p), which for v = 1 is chunk r on rank r: every schedule from before virtual stages.
+    The words mean one thing each, as in DeepSpeed: a *stage* is a position in the pipeline, one process of it
+    (DeepSpeed's ``stage_id``; "rank" in the schedule means the same, ``num_ranks == num_stages``), and a *chunk*
+    is a piece of the model that runs as one unit. ``stages[r]`` is what stage ``r`` executes, in order. With
+    ``virtual_stages`` v > 1 the model is cut into ``num_stages * v`` chunks, an action names its chunk, and
+    ``placement[c]`` is the stage that holds chunk ``c``. ``placement`` defaults to looped (chunk c on stage
+    c mod p), which for v = 1 is chunk r on stage r.
     Immutable and hashable, so builders can be memoised and the simulator can cache what it derives.
     """
 
@@ -244,12 +240,12 @@ class Schedule:
             for p, a in enumerate(stream):
                 if not isinstance(a, Action):
                     raise TypeError(f"Schedule.stages[{s}][{p}] must be an Action, got {type(a).__name__}")
-                if one and a.stage != s:
-                    raise ValueError(f"Schedule.stages[{s}][{p}] is {a}, an action of stage {a.stage}; "
+                if one and a.chunk != s:
+                    raise ValueError(f"Schedule.stages[{s}][{p}] is {a}, an action of stage {a.chunk}; "
                                      f"each stage's stream may only hold its own actions")
-                if not one and (a.stage >= num_chunks or placement[a.stage] != s):
-                    where = "does not exist" if a.stage >= num_chunks else f"is placed on rank {placement[a.stage]}"
-                    raise ValueError(f"Schedule.stages[{s}][{p}] is {a}, an action of chunk {a.stage}, which "
+                if not one and (a.chunk >= num_chunks or placement[a.chunk] != s):
+                    where = "does not exist" if a.chunk >= num_chunks else f"is placed on rank {placement[a.chunk]}"
+                    raise ValueError(f"Schedule.stages[{s}][{p}] is {a}, an action of chunk {a.chunk}, which "
                                      f"{where}; rank {s}'s stream may only hold actions of its chunks "
                                      f"{list(chunks_on(placement, s))}")
                 kinds.add(a.kind)
@@ -261,7 +257,7 @@ class Schedule:
 
     @property
     def num_ranks(self) -> int:
-        """Pipeline ranks: one stream each (``num_stages``, named for the v = 1 case)."""
+        """The pipeline's stages, one stream each: ``num_stages`` under the name the runtime uses."""
         return self.num_stages
 
     @property
@@ -346,11 +342,11 @@ def check_placement(placement: Sequence[int] | None, num_ranks: int, virtual_sta
 _new = object.__new__
 
 
-def _make(stage: int, kind: ActionKind, microbatch: int, slice_: int) -> Action:
+def _make(chunk: int, kind: ActionKind, microbatch: int, slice_: int) -> Action:
     """Action without argument checks, for builders whose arguments are ints by construction (4x faster)."""
     a = _new(Action)
     d = a.__dict__
-    d["stage"], d["kind"], d["microbatch"], d["slice"] = stage, kind, microbatch, slice_
+    d["chunk"], d["kind"], d["microbatch"], d["slice"] = chunk, kind, microbatch, slice_
     return a
 
 
@@ -479,7 +475,7 @@ def defer_weights(schedule: Schedule, per_slice: bool | None = None) -> Schedule
         for a in stream:
             out.append(a)
             if a.kind is B and (per_slice or a.slice == 0):
-                out.append(_make(a.stage, W, a.microbatch, a.slice))
+                out.append(_make(a.chunk, W, a.microbatch, a.slice))
         streams.append(tuple(out))
     return _trusted(schedule.name, schedule.num_stages, schedule.num_microbatches, schedule.num_slices,
                     tuple(streams), False, True, per_slice and schedule.num_slices > 1, schedule.virtual_stages,
@@ -490,8 +486,8 @@ def _message_of(a: Action) -> tuple[ActionKind, int, int, int]:
     """What a comm action carries, the same for a send and the receive it pairs with: (F or B, the chunk that
     receives it, micro-batch, slice)."""
     if a.kind is SEND_F or a.kind is SEND_B:
-        return (F if a.kind is SEND_F else B, a.stage + _PEER_OFFSET[a.kind], a.microbatch, a.slice)
-    return (F if a.kind is RECV_F else B, a.stage, a.microbatch, a.slice)
+        return (F if a.kind is SEND_F else B, a.chunk + _PEER_OFFSET[a.kind], a.microbatch, a.slice)
+    return (F if a.kind is RECV_F else B, a.chunk, a.microbatch, a.slice)
 
 
 @_no_gc()
@@ -555,9 +551,9 @@ def _add_chunk_communication(schedule: Schedule) -> Schedule:
     sent: dict[tuple[int, int], list[tuple[ActionKind, int, int, int]]] = {}
     for r, stream in enumerate(schedule.stages):
         for a in stream:
-            if a.kind is not W and out_rank[a.kind][a.stage] >= 0:
-                sent.setdefault((r, out_rank[a.kind][a.stage]), []).append(
-                    (a.kind, a.stage + step[a.kind], a.microbatch, a.slice))
+            if a.kind is not W and out_rank[a.kind][a.chunk] >= 0:
+                sent.setdefault((r, out_rank[a.kind][a.chunk]), []).append(
+                    (a.kind, a.chunk + step[a.kind], a.microbatch, a.slice))
     index = {ch: {msg: k for k, msg in enumerate(msgs)} for ch, msgs in sent.items()}
     streams = []
     for r, stream in enumerate(schedule.stages):
@@ -570,7 +566,7 @@ def _add_chunk_communication(schedule: Schedule) -> Schedule:
             if kind is W:
                 append(a)
                 continue
-            c, b, i = a.stage, a.microbatch, a.slice
+            c, b, i = a.chunk, a.microbatch, a.slice
             src = in_rank[kind][c]
             if src >= 0:
                 ch = (src, r)

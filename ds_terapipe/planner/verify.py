@@ -71,7 +71,7 @@ def validate(schedule: Schedule) -> None:
     pos: list[dict[ActionKind, dict[tuple[int, int], int]]] = [{k: {} for k in ActionKind} for _ in range(C)]
     for s, stream in enumerate(schedule.stages):
         for p, a in enumerate(stream):
-            c = a.stage
+            c = a.chunk
             if a.kind in _COLLECTIVES:
                 continue  # checked by collective_order below
             if a.microbatch >= m or a.slice >= n:
@@ -184,7 +184,7 @@ def match_messages(schedule: Schedule) -> tuple[dict[tuple[int, int], tuple[int,
             kind = a.kind
             if kind is F or kind is B or kind is W or kind in _COLLECTIVES:
                 continue
-            peer = a.stage + _PEER_OFFSET[kind]
+            peer = a.chunk + _PEER_OFFSET[kind]
             if not 0 <= peer < C:
                 what = f"rank {peer}" if one else f"chunk {peer}"
                 bad.append(f"{a} (rank {r}, position {p}) talks to {what}, which does not exist")
@@ -273,7 +273,7 @@ def _deadlock(schedule: Schedule, done: Sequence[int], matches: Sequence[Mapping
     for r, st in enumerate(streams):
         for a in st:
             if a.kind in _SENDS:
-                ch = (r, place[a.stage + _PEER_OFFSET[a.kind]])
+                ch = (r, place[a.chunk + _PEER_OFFSET[a.kind]])
                 sends_on[ch] = sends_on.get(ch, 0) + 1
     marks: dict[tuple[int, int], str] = {}
     lines = []
@@ -291,9 +291,9 @@ def _deadlock(schedule: Schedule, done: Sequence[int], matches: Sequence[Mapping
             lines.append(f"rank {r} blocked at position {p} on {a}: {why}")
             continue
         src = matches[r].get(p)
-        peer = place[a.stage + _PEER_OFFSET[a.kind]]
+        peer = place[a.chunk + _PEER_OFFSET[a.kind]]
         if src is None:
-            k = sum(1 for x in st[:p] if x.kind in _RECVS and place[x.stage + _PEER_OFFSET[x.kind]] == peer)
+            k = sum(1 for x in st[:p] if x.kind in _RECVS and place[x.chunk + _PEER_OFFSET[x.kind]] == peer)
             why = (f"waits for send #{k} on channel {peer}->{r}, but rank {peer} issues only "
                    f"{sends_on.get((peer, r), 0)}: it waits forever")
         else:
@@ -331,10 +331,10 @@ def vocab_anchor_violations(schedule: Schedule) -> list[str]:
     last = schedule.num_chunks - 1
     if not any(a.is_collective for st in schedule.stages for a in st):
         return []
-    out = [f"rank {r} position {p}: {a} is written with chunk {a.stage}; rank {r} writes {a.kind.value} with its "
+    out = [f"rank {r} position {p}: {a} is written with chunk {a.chunk}; rank {r} writes {a.kind.value} with its "
            f"chunk {collective_chunk(schedule, r, a.kind)}"
            for r, st in enumerate(schedule.stages) for p, a in enumerate(st)
-           if a.is_collective and a.stage != collective_chunk(schedule, r, a.kind)]
+           if a.is_collective and a.chunk != collective_chunk(schedule, r, a.kind)]
     out += _anchor_violations(schedule, last, (F, VF), (VB, B), "the forward it hands on", "hidden-state gradient")
     if any(a.kind is EF for st in schedule.stages for a in st):
         out += _anchor_violations(schedule, 0, (EF, F), (B, EB), "the embedding it starts from",
@@ -353,7 +353,7 @@ def _anchor_violations(schedule: Schedule, chunk: int, forward: tuple[ActionKind
     out: list[str] = []
     pos: dict[tuple[ActionKind, int, int], int] = {}
     for p, a in enumerate(stream):
-        if a.kind not in (k1, k2, k3, k4) or (not a.is_collective and a.stage != chunk):
+        if a.kind not in (k1, k2, k3, k4) or (not a.is_collective and a.chunk != chunk):
             continue
         key = (a.kind, a.microbatch, a.slice)
         if key in pos:

@@ -61,7 +61,7 @@ def add_vocab_passes(schedule: Schedule, embedding: bool = False) -> Schedule:
     for chunk, rule in anchors:
         rank = lowered.rank_of(chunk)
         for p, a in enumerate(lowered.stages[rank]):
-            if a.stage == chunk and a.kind in rule:
+            if a.chunk == chunk and a.kind in rule:
                 shift, side, kind = rule[a.kind]
                 events.append((steps[rank][p] + shift, side, a.microbatch, a.slice, kind))
     events.sort(key=lambda e: (e[0], e[1], e[2], e[3], e[4].value))

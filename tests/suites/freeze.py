@@ -88,7 +88,7 @@ def run_frozen(cfg: GPTConfig, terapipe: dict, batches: list[tuple], num_steps: 
         changed.append([n for n in frozen if engine.module is module and not torch.equal(params[n].detach(),
                                                                                        before[n])])
         with_state.append([n for n in frozen if params[n] in engine.optimizer.state])
-        actions.append(sorted({str(a)[len(str(a.stage)):].split(".")[0].rstrip("0123456789")
+        actions.append(sorted({str(a)[len(str(a.chunk)):].split(".")[0].rstrip("0123456789")
                                for a in engine._train_schedule().actions}))
         slices.append(list(engine.slices))
     engine._take_model_step = original

@@ -175,7 +175,7 @@ def suite_virtual_features(extra: dict) -> list[dict]:
         seen.append({"length": length, "slices": list(engine.slices), "loss": loss, "ref_loss": float(total),
                      "grad_rel_err": err, "grad_worst": name})
     results.append({"case": STATUS["case"], "steps": seen,
-                    "timeline_chunks": sorted({e.action.stage for e in engine.last_timeline}),
+                    "timeline_chunks": sorted({e.action.chunk for e in engine.last_timeline}),
                     "chunks": list(engine.local_chunks), "trace_files": sorted(os.listdir(traces))})
 
     # checkpoints: written with v = 2 (V placement), resumed at the same layout bit-exactly, weights loaded at v = 1

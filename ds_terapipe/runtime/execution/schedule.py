@@ -97,13 +97,13 @@ class TokenPipeSchedule(ds_schedule.PipeSchedule):
     def steps(self) -> Iterator[list[ds_schedule.PipeInstruction]]:
         loaded = -1
         for action in self.actions:
-            fields = dict(buffer_id=self.unit_buffer(action.stage, action.microbatch, action.slice),
-                          microbatch=action.microbatch, slice_index=action.slice, chunk=action.stage)
+            fields = dict(buffer_id=self.unit_buffer(action.chunk, action.microbatch, action.slice),
+                          microbatch=action.microbatch, slice_index=action.slice, chunk=action.chunk)
             cmds: list[ds_schedule.PipeInstruction] = []
             kind = action.kind
             # A micro-batch is loaded before the first action that reads it: the forward of its slice 0 on a
             # chunk that reads data, or the EF of its slice 0 where chunk 0 is (EF reads the token ids).
-            reads = (kind == ActionKind.FORWARD and action.stage in self.data_chunks) or \
+            reads = (kind == ActionKind.FORWARD and action.chunk in self.data_chunks) or \
                 (kind == ActionKind.VOCAB_EMBED_F and 0 in self.data_chunks)
             if reads and action.slice == 0 and action.microbatch > loaded:
                 assert action.microbatch == loaded + 1, "micro-batches must start in order to load in order"
