@@ -151,18 +151,18 @@ def test_covers_measured_range_only():
 
 def test_uniform_file_round_trips_and_predicts_identically():
     pc = PipelineCost.from_dict(file_obj(), num_stages=4)
-    assert pc.num_stages == 4 and pc.is_uniform()
+    assert pc.num_chunks == 4 and pc.is_uniform()
     again = PipelineCost.from_dict(json.loads(json.dumps(pc.to_dict())))
-    assert again.to_dict() == pc.to_dict() and again.num_stages == 4
+    assert again.to_dict() == pc.to_dict() and again.num_chunks == 4
     s, c = np.array([8, 100, 600]), np.array([0, 300, 5000])
     for k in range(4):
-        np.testing.assert_array_equal(again.stage(k).forward_ms(s, c), pc.stage(k).forward_ms(s, c))
-        np.testing.assert_array_equal(again.stage(k).comm_ms(s, 2), pc.stage(k).comm_ms(s, 2))
+        np.testing.assert_array_equal(again.chunk(k).forward_ms(s, c), pc.chunk(k).forward_ms(s, c))
+        np.testing.assert_array_equal(again.chunk(k).comm_ms(s, 2), pc.chunk(k).comm_ms(s, 2))
 
 
 def test_points_only_defaults_to_one_stage_and_file_num_stages_must_agree():
-    assert PipelineCost.from_dict({"points": grid_points()}).num_stages == 1
-    assert PipelineCost.from_dict({"points": grid_points(), "num_stages": 3}).num_stages == 3
+    assert PipelineCost.from_dict({"points": grid_points()}).num_chunks == 1
+    assert PipelineCost.from_dict({"points": grid_points(), "num_stages": 3}).num_chunks == 3
     with pytest.raises(ValueError, match="num_stages"):
         PipelineCost.from_dict({"points": grid_points(), "num_stages": 3}, num_stages=2)
 
@@ -173,9 +173,9 @@ def test_per_stage_keys_override_top_level_and_round_trip():
            "comm": {"latency_ms": 0.1, "gbps": 100.0}, "hidden": 4096, "meta": {"device": "test"}}
     pc = PipelineCost.from_dict(obj, num_stages=2)
     assert not pc.is_uniform()
-    assert pc.stage(0).comm_ms(10) == pytest.approx(0.1 + 10 * 4096 * 2 * 8 / 100e6)
-    assert pc.stage(1).comm_ms(10) == pytest.approx(1.0 + 10 * 1024 * 2 * 8 / 1e6)
-    assert pc.stage(1).forward_ms(100, 100) == pytest.approx(bilinear(100, 100, 2.0))
+    assert pc.chunk(0).comm_ms(10) == pytest.approx(0.1 + 10 * 4096 * 2 * 8 / 100e6)
+    assert pc.chunk(1).comm_ms(10) == pytest.approx(1.0 + 10 * 1024 * 2 * 8 / 1e6)
+    assert pc.chunk(1).forward_ms(100, 100) == pytest.approx(bilinear(100, 100, 2.0))
     d = pc.to_dict()
     assert d["meta"] == {"device": "test"} and PipelineCost.from_dict(d).to_dict() == d
 
@@ -189,7 +189,7 @@ def test_equal_stage_objects_are_recognised_as_uniform():
 def test_load_cost_file(tmp_path):
     path = tmp_path / "cost.json"
     path.write_text(json.dumps(file_obj()))
-    assert load_cost_file(path, num_stages=2).num_stages == 2
+    assert load_cost_file(path, num_stages=2).num_chunks == 2
     path.write_text('{"points": [\n  {"slice": 64,, }]}')
     with pytest.raises(ValueError) as err:
         load_cost_file(path)
@@ -271,7 +271,7 @@ def test_pipeline_cost_api_errors():
     with pytest.raises(TypeError, match="to_dict needs MeasuredCost stages, stage 0 is AnalyticCost"):
         analytic_pipeline_cost("gpt3-1b", "v100", 2).to_dict()
     with pytest.raises(IndexError):
-        PipelineCost.uniform(MeasuredCost(grid_points()), 2).stage(2)
+        PipelineCost.uniform(MeasuredCost(grid_points()), 2).chunk(2)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -346,7 +346,7 @@ def test_device_presets():
 def test_analytic_pipeline_cost_splits_layers_and_puts_the_head_last():
     assert split_layers(10, 4) == [3, 3, 2, 2]
     pc = analytic_pipeline_cost("gpt3-13b", "a100", 3)       # 40 layers: 14, 13, 13 + head
-    times = [pc.stage(k).forward_ms(256, 0) for k in range(3)]
+    times = [pc.chunk(k).forward_ms(256, 0) for k in range(3)]
     assert times[0] > times[1] and times[2] > times[1] and not pc.is_uniform()
     assert analytic_pipeline_cost("gpt3-1b", "v100", 4, lm_head=False).is_uniform()
     assert not analytic_pipeline_cost("gpt3-1b", "v100", 5, lm_head=False).is_uniform()
@@ -362,9 +362,9 @@ def test_weight_ms_per_token_round_trips_and_defaults_to_zero():
     plain = MeasuredCost(points)
     assert float(plain.weight_ms(64, 2)) == 0.0 and "weight_ms_per_token" not in plain.to_dict()
     cost = PipelineCost.from_dict({"points": points, "weight_ms_per_token": 0.25}, num_stages=2)
-    assert float(cost.stage(1).weight_ms(64, 2)) == pytest.approx(0.25 * 64 * 2)
+    assert float(cost.chunk(1).weight_ms(64, 2)) == pytest.approx(0.25 * 64 * 2)
     again = PipelineCost.from_dict(cost.to_dict())
-    assert float(again.stage(0).weight_ms(10)) == pytest.approx(2.5)
+    assert float(again.chunk(0).weight_ms(10)) == pytest.approx(2.5)
     with pytest.raises(ValueError, match="weight_ms_per_token"):
         PipelineCost.from_dict({"points": points, "weight_ms_per_token": "fast"})
 
@@ -376,9 +376,9 @@ def test_weight_ms_per_slice_is_paid_once_per_w_pass() -> None:
               {"slice": 16, "context": 0, "forward_ms": 2.0, "backward_ms": 4.0}]
     cost = PipelineCost.from_dict({"points": points, "weight_ms_per_token": 0.25, "weight_ms_per_slice": 3.0},
                                   num_stages=2)
-    assert float(cost.stage(1).weight_ms(64, 2)) == pytest.approx((3.0 + 0.25 * 64) * 2)
-    assert cost.stage(0).weight_ms(np.array([8, 0]), 1) == pytest.approx([5.0, 0.0])   # no tokens, no W
-    assert PipelineCost.from_dict(cost.to_dict()).stage(0).to_dict()["weight_ms_per_slice"] == 3.0
+    assert float(cost.chunk(1).weight_ms(64, 2)) == pytest.approx((3.0 + 0.25 * 64) * 2)
+    assert cost.chunk(0).weight_ms(np.array([8, 0]), 1) == pytest.approx([5.0, 0.0])   # no tokens, no W
+    assert PipelineCost.from_dict(cost.to_dict()).chunk(0).to_dict()["weight_ms_per_slice"] == 3.0
     sched = defer_weights(build_gpipe(2, 1, 4))
     one_w = [e for e in simulate(sched, cost, [16] * 4).events if e.action.kind is ActionKind.WEIGHT]
     assert [e.duration_ms for e in one_w] == pytest.approx([3.0 + 0.25 * 64] * 2)   # one W per stage, one pass
@@ -404,3 +404,43 @@ def test_a_noisy_context_fit_never_makes_a_prefix_free():
         for c in (8, 64, 256):
             assert float(cost.forward_ms(s, c)) >= float(cost.forward_ms(s, 0)) > 0
             assert float(cost.backward_ms(s, c)) >= float(cost.backward_ms(s, 0)) > 0
+
+
+def _share(split: bool = True):
+    from ds_terapipe.planner.cost import VocabShareCost
+    points = [{"batch": 1, "slice": s, "context": c, "forward_ms": 0.5 + 0.01 * s, "backward_ms": 1.0 + 0.02 * s}
+              for s in (8, 32, 64) for c in (0, 64)]
+    return VocabShareCost(MeasuredCost(points), 4, 256, link_latency_ms=0.05, link_gbps=20.0,
+                          bytes_per_element=2, head_is_shard=True, split_embedding=split)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_vocab_passes_add_up_to_the_share(split):
+    """VF + EF is the share's forward, VB + EB its backward: the simulator's passes and the slicer's folded
+    share charge the same time; without a split embedding EF and EB cost nothing."""
+    share = _share(split)
+    s = np.array([8, 24, 64])
+    fwd = share.pass_ms("VF", s) + share.pass_ms("EF", s)
+    bwd = share.pass_ms("VB", s) + share.pass_ms("EB", s)
+    np.testing.assert_allclose(fwd, share.forward_ms(s, 0), rtol=1e-12)
+    np.testing.assert_allclose(bwd, share.backward_ms(s, 0), rtol=1e-12)
+    assert (np.all(share.pass_ms("EF", s) > 0) and np.all(share.pass_ms("EB", s) > 0)) == split
+    with pytest.raises(ValueError, match="not a vocabulary pass"):
+        share.pass_ms("F", s)
+
+
+def test_a_cost_with_a_vocab_share_round_trips_and_folds_into_the_chunks():
+    share = _share()
+    pc = PipelineCost.from_dict(file_obj(), num_stages=4)
+    pc = PipelineCost(pc.stages, meta=pc.meta, step=pc.step, vocab=share)
+    again = PipelineCost.from_dict(json.loads(json.dumps(pc.to_dict())))
+    assert again.to_dict() == pc.to_dict() and again.vocab is not None
+    np.testing.assert_allclose(again.vocab.pass_ms("VF", [16, 48]), share.pass_ms("VF", [16, 48]), rtol=1e-12)
+    folded = pc.folded_vocab(2)
+    assert folded.vocab is None and folded.num_chunks == 4 and pc.folded_vocab(1) is not pc
+    got = folded.chunk(1).forward_ms(32, 64)
+    assert got == pytest.approx(float(pc.chunk(1).forward_ms(32, 64)) + 0.5 * float(share.forward_ms(32, 64)))
+    assert PipelineCost(pc.stages).folded_vocab(2).stages == pc.stages   # nothing to fold: unchanged
+    bad = dict(pc.to_dict(), vocab={**pc.to_dict()["vocab"], "gbsp": 1.0})
+    with pytest.raises(ValueError, match="cost.vocab has unknown key 'gbsp'"):
+        PipelineCost.from_dict(bad)

@@ -53,13 +53,13 @@ class FakeStage:
 class FakeCost:
     def __init__(self, stages: list[FakeStage]):
         self.stages = stages
-        self.num_stages = len(stages)
+        self.num_chunks = len(stages)
 
     @classmethod
     def uniform(cls, stage: FakeStage, num_stages: int) -> FakeCost:
         return cls([stage] * num_stages)
 
-    def stage(self, s: int) -> FakeStage:
+    def chunk(self, s: int) -> FakeStage:
         return self.stages[s]
 
 
@@ -70,44 +70,10 @@ def random_cost(rng: random.Random, K: int) -> FakeCost:
 
 def reference(schedule: Schedule, cost: FakeCost, slices: list[int], batch: int = 1) -> dict[Action, tuple]:
     """Straightforward per-action simulation over the comm-augmented streams: FIFO channel queues, blocking
-    receives, sends that cost nothing. Independent of the library's matching and of its vectorised sweep."""
-    lowered = add_communication(schedule)
-    ctx = [sum(slices[:i]) for i in range(len(slices))]
-
-    def one(fn, *args) -> float:
-        return float(np.asarray(fn(*args)).reshape(-1)[0])
-
-    queues: dict[tuple[int, int], list[tuple[tuple[int, int], float]]] = {}
-    taken: dict[tuple[int, int], int] = {}
-    K = lowered.num_stages
-    ptr, free, times = [0] * K, [0.0] * K, {}
-    while any(ptr[r] < len(lowered.stages[r]) for r in range(K)):
-        moved = False
-        for r in range(K):
-            while ptr[r] < len(lowered.stages[r]):
-                a = lowered.stages[r][ptr[r]]
-                i = a.slice
-                if a.kind in (F, B):
-                    fn = cost.stage(r).forward_ms if a.kind is F else cost.stage(r).backward_ms
-                    start = free[r]
-                    free[r] = start + one(fn, [slices[i]], [ctx[i]], batch)
-                    times[a] = (start, free[r])
-                elif a.kind in (ActionKind.SEND_F, ActionKind.SEND_B):
-                    queues.setdefault((r, a.peer), []).append((a.unit, free[r]))
-                else:
-                    ch = (a.peer, r)
-                    k = taken.get(ch, 0)
-                    if len(queues.get(ch, [])) <= k:
-                        break
-                    unit, issued = queues[ch][k]
-                    assert unit == a.unit, "reference: mis-paired"
-                    taken[ch] = k + 1
-                    free[r] = max(free[r], issued + one(cost.stage(a.peer).comm_ms, [slices[i]], batch))
-                ptr[r] += 1
-                moved = True
-        if not moved:
-            raise RuntimeError("reference: deadlock")
-    return times
+    receives, sends that cost nothing (:func:`collective_reference`, which also runs the vocabulary collectives).
+    Independent of the library's matching and of its vectorised sweep."""
+    times, _ = collective_reference(add_communication(schedule), cost, slices, batch)
+    return {a: t for (_, a), t in times.items()}
 
 
 def assert_matches_reference(result: SimResult, schedule: Schedule, cost: FakeCost, slices: list[int],
@@ -116,7 +82,7 @@ def assert_matches_reference(result: SimResult, schedule: Schedule, cost: FakeCo
     assert len(result.events) == len(ref) == 2 * schedule.num_stages * schedule.num_units
     for ev in result.events:
         t0, t1 = ref[ev.action]
-        assert ev.stage == ev.action.stage
+        assert ev.stage == ev.action.chunk
         assert ev.start_ms == pytest.approx(t0, rel=1e-12, abs=1e-9)
         assert ev.end_ms == pytest.approx(t1, rel=1e-12, abs=1e-9)
     assert result.makespan_ms == pytest.approx(max(t1 for _, t1 in ref.values()), rel=1e-12)
@@ -225,7 +191,7 @@ def test_events_keep_stream_order_and_cross_stage_dependencies():
             assert all(x.end_ms <= y.start_ms for x, y in zip(evs, evs[1:]))
             assert res.busy_ms[s] == pytest.approx(sum(e.duration_ms for e in evs))
             for a in stream:
-                comm = lambda src: cost.stage(src).comm_ms(np.array([slices[a.slice]])).item()
+                comm = lambda src: cost.chunk(src).comm_ms(np.array([slices[a.slice]])).item()
                 if a.kind is F and s > 0:
                     assert by_action[a].start_ms >= by_action[Action(s - 1, F, *a.unit)].end_ms + comm(s - 1) - 1e-9
                 if a.kind is B and s < K - 1:
@@ -274,11 +240,11 @@ def test_simulate_rejects_bad_inputs():
         simulate(sched, cost, [1.5, 2])
     with pytest.raises(ValueError, match="micro_batch_size"):
         simulate(sched, cost, [1, 1], micro_batch_size=0)
-    with pytest.raises(ValueError, match="num_stages=3 but the schedule has 2"):
+    with pytest.raises(ValueError, match="num_chunks=3 but the schedule has 2"):
         simulate(sched, FakeCost.uniform(FakeStage(1, 1), 3), [1, 1])
-    with pytest.raises(ValueError, match=r"cost.stage\(0\).forward_ms returned \[-1.0, -1.0\]"):
+    with pytest.raises(ValueError, match=r"cost.chunk\(0\).forward_ms returned \[-1.0, -1.0\]"):
         simulate(sched, FakeCost.uniform(FakeStage(-1, 1), 2), [1, 1])
-    with pytest.raises(TypeError, match=r"\.stage\(s\)"):
+    with pytest.raises(TypeError, match=r"\.chunk\(c\)"):
         simulate(sched, object(), [1, 1])
     with pytest.raises(TypeError, match="needs a Schedule"):
         simulate("gpipe", cost, [1, 1])
@@ -307,8 +273,8 @@ def test_w_actions_are_timed_with_weight_ms_off_the_gradient_path():
     assert w_events == [(0, 9.0, 10.5), (1, 7.0, 8.5)]
     assert res.busy_ms == pytest.approx((1 + 1 + 2 + 2 + 1.5, 1 + 1 + 2 + 2 + 1.5))
     # one pass over the micro-batch's 8 tokens (the runtime's one GEMM per Linear), not one per slice
-    assert ("weight_ms", [8], None, 1) in cost.stage(0).calls
-    assert not any(c[0] == "weight_ms" and c[1] == [4, 4] for c in cost.stage(0).calls)
+    assert ("weight_ms", [8], None, 1) in cost.chunk(0).calls
+    assert not any(c[0] == "weight_ms" and c[1] == [4, 4] for c in cost.chunk(0).calls)
     assert simulate(add_communication(sched), cost, [4, 4]).makespan_ms == pytest.approx(10.5)
 
 
@@ -333,3 +299,102 @@ def test_w_per_slice_is_timed_per_slice_length():
     w_events = sorted((e.stage, e.action.slice, e.start_ms, e.end_ms) for e in res.events
                       if e.action.kind is ActionKind.WEIGHT)
     assert w_events == [(0, 0, 13.0, 15.0), (0, 1, 7.0, 11.0), (1, 0, 11.0, 13.0), (1, 1, 5.0, 9.0)]
+
+
+# ------------------------------------------------------------------------------- vocabulary collectives
+
+
+class FakeVocab:
+    """A vocabulary pass costs ``base[kind] + per_token * slice_len`` (the same on every rank)."""
+
+    def __init__(self, rng: random.Random):
+        self.base = {k: rng.uniform(0.1, 1.5) for k in ("VF", "VB", "EF", "EB")}
+        self.per_token = rng.uniform(0, 0.05)
+
+    def pass_ms(self, kind, slice_len, batch=1):
+        return (self.base[kind] + self.per_token * np.asarray(slice_len, float)) * batch
+
+
+def collective_reference(lowered: Schedule, cost, slices: list[int], batch: int = 1):
+    """Per-action simulation of a lowered schedule with collectives, written apart from the library's sweep: a
+    rank at a collective waits until every rank stands at the same one (kind, unit), which then runs on all of
+    them from the latest arrival for its pass time. Returns {(rank, action): (start, end)} for every compute and
+    collective action, and the makespan."""
+    ctx = [sum(slices[:i]) for i in range(len(slices))]
+    one = lambda x: float(np.asarray(x).reshape(-1)[0])   # noqa: E731
+    K = lowered.num_stages
+    queues: dict[tuple[int, int], list[tuple[tuple[int, int], float]]] = {}
+    taken: dict[tuple[int, int], int] = {}
+    arrived: dict[tuple, dict[int, float]] = {}
+    finished: dict[tuple, tuple[float, float]] = {}
+    ptr, free, times = [0] * K, [0.0] * K, {}
+    while any(ptr[r] < len(lowered.stages[r]) for r in range(K)):
+        moved = False
+        for r in range(K):
+            while ptr[r] < len(lowered.stages[r]):
+                a = lowered.stages[r][ptr[r]]
+                i = a.slice
+                if a.is_collective:
+                    key = (a.kind, a.unit)
+                    arrived.setdefault(key, {})[r] = free[r]
+                    if key not in finished:
+                        if len(arrived[key]) < K:
+                            break
+                        t0 = max(arrived[key].values())
+                        finished[key] = (t0, t0 + one(cost.vocab.pass_ms(a.kind.value, [slices[i]], batch)))
+                    times[(r, a)] = finished[key]
+                    free[r] = finished[key][1]
+                elif a.kind in (F, B):
+                    st = cost.chunk(a.chunk)
+                    fn = st.forward_ms if a.kind is F else st.backward_ms
+                    start = free[r]
+                    free[r] = start + one(fn([slices[i]], [ctx[i]], batch))
+                    times[(r, a)] = (start, free[r])
+                elif a.kind in (ActionKind.SEND_F, ActionKind.SEND_B):
+                    queues.setdefault((a.chunk, a.peer), []).append((a.unit, free[r]))
+                else:
+                    ch = (a.peer, a.chunk)
+                    k = taken.get(ch, 0)
+                    if len(queues.get(ch, [])) <= k:
+                        break
+                    unit, issued = queues[ch][k]
+                    assert unit == a.unit, "reference: mis-paired"
+                    taken[ch] = k + 1
+                    free[r] = max(free[r], issued + one(cost.chunk(a.peer).comm_ms([slices[i]], batch)))
+                ptr[r] += 1
+                moved = True
+        if not moved:
+            raise RuntimeError("reference: deadlock")
+    return times, max(free)
+
+
+@pytest.mark.parametrize("name,v", [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("looped-bfs", 2),
+                                    ("dualpipev", 2)])
+@pytest.mark.parametrize("embedding", [False, True])
+def test_vocabulary_collectives_are_costed_and_synchronise_every_rank(name, v, embedding):
+    """Each VF/VB/EF/EB costs its pass and starts on every rank at once, when the last rank arrives: the
+    simulator's compute events and makespan equal a per-action reference that implements exactly that."""
+    from ds_terapipe.planner.vocab import vocab_schedule
+    rng = random.Random(f"{name}{v}{embedding}")
+    for p, m, n in [(2, 2, 2), (3, 2, 3), (2, 3, 1)]:
+        if name == "dualpipev" and m < 2 * p:
+            m = 2 * p
+        lowered = vocab_schedule(name, p, m, n, embedding=embedding, virtual_stages=v)
+        assert any(a.is_collective for st in lowered.stages for a in st)
+        cost = random_cost(rng, p * v)
+        cost.vocab = FakeVocab(rng)
+        slices = [rng.randint(4, 64) for _ in range(n)]
+        res = simulate(lowered, cost, slices)
+        ref, makespan = collective_reference(lowered, cost, slices)
+        assert res.makespan_ms == pytest.approx(makespan, rel=1e-12)
+        for ev in res.events:
+            assert (ev.start_ms, ev.end_ms) == pytest.approx(ref[(ev.stage, ev.action)], rel=1e-12, abs=1e-9)
+        free = FakeVocab(rng)
+        free.base = dict.fromkeys(free.base, 0.0)
+        free.per_token = 0.0
+        cost.vocab = free    # collectives that cost nothing still make every rank wait for the last
+        assert simulate(lowered, cost, slices).makespan_ms >= simulate(
+            sch.build_schedule(name, p, m, n, virtual_stages=v), cost, slices).makespan_ms - 1e-9
+        cost.vocab = None
+        with pytest.raises(ValueError, match="no cost for them"):
+            simulate(lowered, cost, slices)

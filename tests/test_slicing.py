@@ -54,7 +54,7 @@ class TableCost(StageCost):
 
 def slice_times(cost: PipelineCost, slices, batch: int) -> tuple[np.ndarray, np.ndarray]:
     """Per slice (w, t) of the slowest stage, straight from the cost model (no planner code)."""
-    k = cost.num_stages
+    k = cost.num_chunks
     w, t = [], []
     ctx = 0
     for s in slices:
@@ -68,7 +68,7 @@ def slice_times(cost: PipelineCost, slices, batch: int) -> tuple[np.ndarray, np.
 
 def closed_form(cost: PipelineCost, slices, units: int, batch: int) -> float:
     w, t = slice_times(cost, slices, batch)
-    return units * float(w.sum()) + (cost.num_stages - 1) * float(t.max())
+    return units * float(w.sum()) + (cost.num_chunks - 1) * float(t.max())
 
 
 def pair_tables(cost: PipelineCost, n: int, g: int, batch: int) -> tuple[np.ndarray, np.ndarray]:
@@ -81,7 +81,7 @@ def pair_tables(cost: PipelineCost, n: int, g: int, batch: int) -> tuple[np.ndar
         per = [(st.forward_ms(lens, g * a, batch), st.backward_ms(lens, g * a, batch), st.comm_ms(lens, batch))
                for st in stages]
         w[a, a + 1:] = np.max([f + b for f, b, _ in per], axis=0)
-        t[a, a + 1:] = np.max([f + b + (2 * c if cost.num_stages > 1 else 0) for f, b, c in per], axis=0)
+        t[a, a + 1:] = np.max([f + b + (2 * c if cost.num_chunks > 1 else 0) for f, b, c in per], axis=0)
     return w, t
 
 
@@ -103,7 +103,7 @@ def brute_force(cost: PipelineCost, seq_len: int, g: int, units: int, batch: int
             total += np.where(used, w[a, b], 0.0)
             top = np.where(used, np.maximum(top, t[a, b]), top)
     count = bits.sum(axis=1) + 1
-    value = units * total + (cost.num_stages - 1) * top
+    value = units * total + (cost.num_chunks - 1) * top
     value[(count < n_min) | (count > n_max)] = np.inf
     return float(value.min())
 
@@ -119,7 +119,7 @@ def reference_thresholds(cost: PipelineCost, seq_len: int, g: int, units: int, b
         f[0] = 0
         for b in range(1, n + 1):
             f[b] = (f[:b] + wm[:b, b]).min()
-        best = min(best, units * f[n] + (cost.num_stages - 1) * tau)
+        best = min(best, units * f[n] + (cost.num_chunks - 1) * tau)
     return best
 
 
@@ -203,7 +203,7 @@ def test_closed_form_equals_the_simulation_with_a_constant_comm_latency():
     from ds_terapipe.planner.schedule import build_schedule
     from ds_terapipe.planner.simulate import simulate
 
-    stage = proportional_cost().stage(0)
+    stage = proportional_cost().chunk(0)
     cost = PipelineCost.uniform(MeasuredCost(stage.to_dict()["points"], comm={"latency_ms": 0.7}), 5)
     plan = plan_slicing(cost, 1024, num_microbatches=2, granularity=32)
     res = simulate(build_schedule("gpipe", 5, 2, plan.num_slices), cost, plan.slices, micro_batch_size=1)
@@ -486,3 +486,23 @@ def test_a_cost_with_weight_terms_is_refused_without_deferred_weight_grads():
     with pytest.raises(ValueError, match="measured with deferred weight gradients.*pass deferred_weight_grads=True"):
         plan_slicing(cost, 256, granularity=16)
     assert plan_slicing(cost, 256, granularity=16, deferred_weight_grads=True).num_slices >= 1
+
+
+@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("interleaved-1f1b", 2)])
+def test_the_vocabulary_share_is_planned_on_every_chunk(schedule, v):
+    """With ``cost.vocab`` the slicer plans as if each chunk carried 1/v of its rank's share per slice: the plan
+    equals the one for the folded cost, and the share makes it slower than without (the passes are work)."""
+    from ds_terapipe.planner.cost import VocabShareCost
+
+    points = [{"slice": s, "context": c, "forward_ms": 0.2 + 0.01 * s * (1 + c / 512),
+               "backward_ms": 0.3 + 0.012 * s * (1 + c / 512)} for s in (16, 64, 256) for c in (0, 256 - s)]
+    head = [{"slice": s, "context": 0, "forward_ms": 0.5 + 0.02 * s, "backward_ms": 1.0 + 0.04 * s}
+            for s in (16, 64, 256)]
+    base = PipelineCost.from_dict({"points": points}, num_stages=2 * v)
+    share = VocabShareCost(MeasuredCost(head), 2, 64, link_latency_ms=0.05, link_gbps=10.0, head_is_shard=True)
+    with_vocab = PipelineCost(base.stages, vocab=share)
+    kw = dict(num_microbatches=2 * v, granularity=16, schedule=schedule, virtual_stages=v)
+    plan = plan_slicing(with_vocab, 256, **kw)
+    folded = plan_slicing(with_vocab.folded_vocab(v), 256, **kw)
+    assert plan.slices == folded.slices and plan.predicted_ms == pytest.approx(folded.predicted_ms)
+    assert plan.predicted_ms > plan_slicing(base, 256, **kw).predicted_ms

@@ -59,7 +59,8 @@ UNEQUAL = [8, 24, 16]
 VIRTUAL_CASES = {
     2: [["interleaved-1f1b", 64, True, 1, 2], ["interleaved-1f1b", 63, False, UNEQUAL, 2],
         ["looped-bfs", 63, True, UNEQUAL, 2], ["looped-bfs+W", 64, False, 1, 2],
-        ["dualpipev", 64, True, UNEQUAL, 2], ["dualpipev", 63, False, 1, 2], ["dualpipev", 63, True, 1, 2]],
+        ["dualpipev", 64, True, UNEQUAL, 2], ["dualpipev", 63, False, 1, 2], ["dualpipev", 63, True, 1, 2],
+        ["interleaved-1f1b", 64, True, "auto", 2], ["dualpipev", 63, False, "auto", 2]],
     3: [["interleaved-1f1b", 64, True, UNEQUAL, 4], ["dualpipev", 63, False, UNEQUAL, 4],
         ["looped-bfs", 64, False, 1, 4]],
 }
@@ -82,7 +83,19 @@ def test_vocab_parallel_grid(world: int, tmp_path) -> None:
             assert name in case["case"] and len(case["chunks"]) == 2, case["case"]
             want = [rank, 2 * world - 1 - rank] if name == "dualpipev" else [rank, rank + world]
             assert case["chunks"] == want, (case["case"], case["chunks"])
-            chunks = {Action.parse(a).kind.value: Action.parse(a).stage for a in case["vocab_actions"]}
+            if "slices=auto" in case["case"]:
+                # profiled with the vocabulary passes: rank 0's cost holds every rank's share and the links, the
+                # split embedding's passes with a tied head; every rank runs the one plan
+                assert case["source"] in ("profiled", "cache") and sum(case["slices"]) == 48, case
+                assert case["slices"] == results[0]["results"][index]["slices"], case["case"]
+                share = case["vocab_cost"]
+                if rank == 0:
+                    assert share is not None and share["num_ranks"] == world and share["points"], case["case"]
+                    assert share["split_embedding"] == ("tied=True" in case["case"])
+                    assert all(p["forward_ms"] > 0 and p["backward_ms"] > 0 for p in share["points"])
+                else:
+                    assert share is None
+            chunks = {Action.parse(a).kind.value: Action.parse(a).chunk for a in case["vocab_actions"]}
             assert chunks["VF"] == chunks["VB"] == max(want), (case["case"], chunks)
             assert chunks.get("EF", min(want)) == min(want), (case["case"], chunks)
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Mapping, Sequence
@@ -42,6 +43,8 @@ __all__ = [
     "DeviceSpec",
     "AnalyticCost",
     "PipelineCost",
+    "VocabShareCost",
+    "WithVocabShare",
     "CostFileError",
     "load_cost_file",
     "read_cost_json",
@@ -57,7 +60,10 @@ _COMM_KEYS = ("latency_ms", "gbps")
 #: the deferred weight-gradient terms of a stage object: W of one slice of s tokens = per_slice + per_token * s
 WEIGHT_KEYS = ("weight_ms_per_token", "weight_ms_per_slice")
 _STAGE_KEYS = ("points", "comm", "hidden", "bytes_per_element", *WEIGHT_KEYS)
-_TOP_KEYS = ("points", "stages", "comm", "hidden", "bytes_per_element", *WEIGHT_KEYS, "num_stages", "meta", "step")
+_TOP_KEYS = ("points", "stages", "comm", "hidden", "bytes_per_element", *WEIGHT_KEYS, "num_stages", "meta", "step",
+             "vocab")
+#: the ``vocab`` object: one rank's measured vocabulary-parallel share and the pipeline's collective links
+_VOCAB_KEYS = ("points", "num_ranks", "hidden", "latency_ms", "gbps", "bytes_per_element", "split_embedding")
 
 
 def _result(x: np.ndarray) -> Any:
@@ -488,18 +494,154 @@ class AnalyticCost(StageCost):
                 self.embedding, self.deferred_weight_grads)
 
 
+class VocabShareCost(StageCost):
+    """One rank's share of a vocabulary-parallel LM head: ``head / num_ranks`` plus the per-slice collectives.
+
+    Collectives among the p ranks of a pipeline over a link of ``link_latency_ms`` and ``link_gbps`` (Gbit/s):
+    each costs ceil(log2 p) latencies plus 2(p-1)/p of its bytes over the link (a ring's volume). Forward: the
+    hidden states (b*s*h*bytes_per_element) broadcast from the last stage, then an all-reduce of the max and one of
+    (sum of exp, target logit) in fp32 (b*s*4 and b*s*8 bytes). Backward: the hidden-state gradient reduced to the
+    last stage. ``comm_ms`` is 0 (the share sends nothing along the pipeline itself). ``head_is_shard``: ``head``
+    is one rank's shard as measured on it (the runtime's cost-based partition), not divided by ``num_ranks``.
+    ``split_embedding``: a tied input embedding split with the head adds EF (token ids, int64, broadcast; the
+    partial embeddings reduced) and EB (the embedding's gradient broadcast) per slice.
+    """
+
+    def __init__(self, head: StageCost, num_ranks: int, hidden: int, *, link_latency_ms: float, link_gbps: float,
+                 bytes_per_element: int = 2, head_is_shard: bool = False, split_embedding: bool = False) -> None:
+        self.head = head
+        self.head_is_shard = bool(head_is_shard)  # the head cost is one rank's shard already (timed on it)
+        self.split_embedding = bool(split_embedding)
+        self.num_ranks = check_int(num_ranks, "num_ranks", fix="pass the pipeline ranks the head is split over")
+        self.hidden = check_int(hidden, "hidden", fix="pass the model width")
+        self.latency = check_number(link_latency_ms, "link_latency_ms", fix="pass the link latency in ms")
+        self.gbps = check_number(link_gbps, "link_gbps", positive=True, fix="pass the link bandwidth in Gbit/s")
+        self.bytes_per_element = check_int(bytes_per_element, "bytes_per_element", fix="use 2 (16 bit) or 4")
+
+    @property
+    def _divisor(self) -> int:
+        return 1 if self.head_is_shard else self.num_ranks
+
+    def _collective(self, num_bytes: np.ndarray) -> np.ndarray:
+        p = self.num_ranks
+        if p == 1:
+            return np.zeros_like(num_bytes)
+        return math.ceil(math.log2(p)) * self.latency + 2.0 * (p - 1) / p * num_bytes * 8.0 / (self.gbps * 1e6)
+
+    def collective_ms(self, slice_len: ArrayLike, batch: ArrayLike = 1, backward: bool = False) -> Any:
+        """The collectives' time of one slice (forward: broadcast + two all-reduces; backward: one reduce), with
+        the split embedding's (EF, EB) added."""
+        tokens = np.asarray(slice_len, float) * np.asarray(batch, float)
+        hidden = self._collective(tokens * self.hidden * self.bytes_per_element)
+        embedding = hidden if self.split_embedding else 0.0  # EB's gradient broadcast; EF's partial-sum reduce
+        if backward:
+            return hidden + embedding
+        ids = self._collective(tokens * 8.0) if self.split_embedding else 0.0
+        return hidden + self._collective(tokens * 4.0) + self._collective(tokens * 8.0) + embedding + ids
+
+    def pass_ms(self, kind: str, slice_len: ArrayLike, batch: ArrayLike = 1) -> Any:
+        """One vocabulary pass of a slice as the schedule runs it: ``"VF"`` (the shard's logits and softmax
+        statistics, the hidden states' broadcast, two all-reduces), ``"VB"`` (the shard's gradients, the hidden
+        gradient's reduce), ``"EF"`` (token ids broadcast, partial lookups reduced) and ``"EB"`` (the embedding
+        gradient's broadcast). ``VF + EF`` is :meth:`forward_ms` at context 0, ``VB + EB`` :meth:`backward_ms`;
+        the shard's arithmetic (its lookup and row gradient too) is charged to VF and VB."""
+        tokens = np.asarray(slice_len, float) * np.asarray(batch, float)
+        hidden = self._collective(tokens * self.hidden * self.bytes_per_element)
+        if kind == "VF":
+            return np.asarray(self.head.forward_ms(slice_len, 0, batch)) / self._divisor + hidden + \
+                self._collective(tokens * 4.0) + self._collective(tokens * 8.0)
+        if kind == "VB":
+            return np.asarray(self.head.backward_ms(slice_len, 0, batch)) / self._divisor + hidden
+        if kind == "EF":
+            return (hidden + self._collective(tokens * 8.0)) if self.split_embedding else np.zeros_like(tokens)
+        if kind == "EB":
+            return hidden if self.split_embedding else np.zeros_like(tokens)
+        raise ValueError(f"pass_ms: kind {kind!r} is not a vocabulary pass; use 'VF', 'VB', 'EF' or 'EB'")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The cost file's ``vocab`` object (a measured shard only; ``PipelineCost.from_dict`` reads it back)."""
+        if not isinstance(self.head, MeasuredCost) or not self.head_is_shard:
+            raise TypeError("VocabShareCost.to_dict needs a measured shard (MeasuredCost, head_is_shard=True)")
+        return {"points": self.head.to_dict()["points"], "num_ranks": self.num_ranks, "hidden": self.hidden,
+                "latency_ms": self.latency, "gbps": self.gbps, "bytes_per_element": self.bytes_per_element,
+                "split_embedding": self.split_embedding}
+
+    @classmethod
+    def from_dict(cls, obj: Mapping[str, Any], where: str = "cost.vocab") -> VocabShareCost:
+        _check_keys(obj, _VOCAB_KEYS, where)
+        missing = [k for k in _VOCAB_KEYS if k not in obj]
+        if missing:
+            raise ValueError(f"{where} lacks {missing}; it needs {list(_VOCAB_KEYS)} (one rank's measured shard)")
+        head = MeasuredCost.from_dict({"points": obj["points"]}, where=where)
+        return cls(head, obj["num_ranks"], obj["hidden"], link_latency_ms=obj["latency_ms"], link_gbps=obj["gbps"],
+                   bytes_per_element=obj["bytes_per_element"], head_is_shard=True,
+                   split_embedding=bool(obj["split_embedding"]))
+
+    def forward_ms(self, slice_len: ArrayLike, context: ArrayLike, batch: ArrayLike = 1) -> Any:
+        return np.asarray(self.head.forward_ms(slice_len, context, batch)) / self._divisor + \
+            self.collective_ms(slice_len, batch)
+
+    def backward_ms(self, slice_len: ArrayLike, context: ArrayLike, batch: ArrayLike = 1) -> Any:
+        return np.asarray(self.head.backward_ms(slice_len, context, batch)) / self._divisor + \
+            self.collective_ms(slice_len, batch, backward=True)
+
+    def comm_ms(self, slice_len: ArrayLike, batch: ArrayLike = 1) -> Any:
+        return np.zeros(np.broadcast_shapes(np.shape(slice_len), np.shape(batch)))[()]
+
+    def covers(self, slice_len: ArrayLike, context: ArrayLike, batch: ArrayLike | None = None) -> bool:
+        return self.head.covers(slice_len, context, batch)
+
+    def cache_key(self) -> Hashable:
+        return ("vocab-share", self.head.cache_key(), self.num_ranks, self.hidden, self.latency, self.gbps,
+                self.bytes_per_element, self.head_is_shard, self.split_embedding)
+
+
+class WithVocabShare(StageCost):
+    """A chunk's cost with ``weight`` of every rank's vocabulary passes added to its forward and backward: how
+    the slicer sees vocabulary parallelism (each rank runs VF + EF and VB + EB once per slice, whatever its
+    chunk count, so with v chunks per rank each chunk carries 1/v). Everything else is the chunk's own."""
+
+    def __init__(self, chunk: StageCost, share: VocabShareCost, weight: float = 1.0) -> None:
+        self.chunk, self.share, self.weight = chunk, share, float(weight)
+
+    def __getattr__(self, name: str) -> Any:   # weight-gradient terms, deferral flags: the chunk's
+        if name in ("chunk", "share", "weight"):
+            raise AttributeError(name)
+        return getattr(self.chunk, name)
+
+    def forward_ms(self, slice_len: ArrayLike, context: ArrayLike, batch: ArrayLike = 1) -> Any:
+        return np.asarray(self.chunk.forward_ms(slice_len, context, batch)) + \
+            self.weight * np.asarray(self.share.forward_ms(slice_len, context, batch))
+
+    def backward_ms(self, slice_len: ArrayLike, context: ArrayLike, batch: ArrayLike = 1) -> Any:
+        return np.asarray(self.chunk.backward_ms(slice_len, context, batch)) + \
+            self.weight * np.asarray(self.share.backward_ms(slice_len, context, batch))
+
+    def comm_ms(self, slice_len: ArrayLike, batch: ArrayLike = 1) -> Any:
+        return self.chunk.comm_ms(slice_len, batch)
+
+    def covers(self, slice_len: ArrayLike, context: ArrayLike, batch: ArrayLike | None = None) -> bool:
+        return self.chunk.covers(slice_len, context, batch) and self.share.covers(slice_len, context, batch)
+
+    def cache_key(self) -> Hashable:
+        return ("with-vocab-share", self.chunk.cache_key(), self.share.cache_key(), self.weight)
+
+
 # --------------------------------------------------------------------------------------------------------------
 # PipelineCost and the file format
 
 class PipelineCost:
-    """One ``StageCost`` per pipeline stage; the planner's and simulator's view of the hardware.
+    """One ``StageCost`` per chunk of the model (per pipeline stage when each stage holds one chunk); the
+    planner's and simulator's view of the hardware. The file format names the list ``stages``.
 
     ``step``: what a training step costs besides the slices (:class:`~ds_terapipe.planner.step_cost.StepCost`:
     per-action fixed costs, optimizer, gradient reductions, end-of-step sync); None: nothing (the older model).
+    ``vocab``: with vocabulary parallelism, every rank's share of the output layer and its collectives
+    (:class:`VocabShareCost`): the simulator costs the ``VF``/``VB``/``EF``/``EB`` actions with it.
     """
 
     def __init__(self, stages: Sequence[StageCost], *, meta: Mapping[str, Any] | None = None,
-                 step: StepCost | None = None) -> None:
+                 step: StepCost | None = None, vocab: VocabShareCost | None = None) -> None:
         stages = list(stages)
         if not stages:
             raise ValueError("PipelineCost needs at least one stage cost; pass a non-empty list")
@@ -512,15 +654,30 @@ class PipelineCost:
         if step is not None and not isinstance(step, StepCost):
             raise TypeError(f"step must be a StepCost, got {type(step).__name__}; parse it with StepCost.from_dict")
         self.step: StepCost | None = step
+        if vocab is not None and not isinstance(vocab, VocabShareCost):
+            raise TypeError(f"vocab must be a VocabShareCost, got {type(vocab).__name__}")
+        self.vocab: VocabShareCost | None = vocab
 
     @property
-    def num_stages(self) -> int:
+    def num_chunks(self) -> int:
+        """The model pieces costed: the pipeline's stages, or with virtual stages its chunks."""
         return len(self.stages)
 
-    def stage(self, s: int) -> StageCost:
-        if not 0 <= s < len(self.stages):
-            raise IndexError(f"stage {s} out of range for a {len(self.stages)}-stage pipeline")
-        return self.stages[s]
+    def chunk(self, c: int) -> StageCost:
+        """The cost of chunk ``c`` (with one chunk per stage, of stage ``c``)."""
+        if not 0 <= c < len(self.stages):
+            raise IndexError(f"chunk {c} out of range for a cost of {len(self.stages)} chunks")
+        return self.stages[c]
+
+    def folded_vocab(self, virtual_stages: int = 1) -> PipelineCost:
+        """This cost with the vocabulary passes folded into every chunk (1/v of a rank's per chunk) and no
+        ``vocab`` term: for planners that cost chunk by chunk on schedules without the passes. Itself without a
+        ``vocab``."""
+        if self.vocab is None:
+            return self
+        weight = 1.0 / virtual_stages
+        return PipelineCost([WithVocabShare(st, self.vocab, weight) for st in self.stages], meta=self.meta,
+                            step=self.step)
 
     @property
     def has_weight_terms(self) -> bool:
@@ -568,13 +725,14 @@ class PipelineCost:
         if meta is not None and not isinstance(meta, Mapping):
             raise ValueError(f"cost.meta = {meta!r:.60} must be a JSON object; use {{}} or drop it")
         step = StepCost.from_dict(obj["step"]) if obj.get("step") is not None else None
+        vocab = VocabShareCost.from_dict(obj["vocab"]) if obj.get("vocab") is not None else None
         defaults = {k: obj[k] for k in ("comm", "hidden", "bytes_per_element", *WEIGHT_KEYS) if k in obj}
         if ("points" in obj) == ("stages" in obj):
             raise ValueError("cost needs exactly one of \"points\" (same cost on every stage) or \"stages\" "
                              f"(one object per stage), got keys {sorted(obj)}; see docs/cost_format.md")
         if "points" in obj:
             stage = MeasuredCost.from_dict({**defaults, "points": obj["points"]}, where="cost")
-            return cls([stage] * (num_stages or 1), meta=meta, step=step)
+            return cls([stage] * (num_stages or 1), meta=meta, step=step, vocab=vocab)
         stage_objs = obj["stages"]
         if not isinstance(stage_objs, list) or not stage_objs:
             raise ValueError(f"cost.stages = {stage_objs!r:.60} must be a non-empty list of stage objects")
@@ -585,7 +743,7 @@ class PipelineCost:
         for i, st in enumerate(stage_objs):
             _check_keys(st, _STAGE_KEYS, f"cost.stages[{i}]")
             stages.append(MeasuredCost.from_dict({**defaults, **st}, where=f"cost.stages[{i}]"))
-        return cls(stages, meta=meta, step=step)
+        return cls(stages, meta=meta, step=step, vocab=vocab)
 
     def to_dict(self) -> dict[str, Any]:
         """The cost file for this pipeline (MeasuredCost stages only); ``from_dict`` of it round-trips exactly."""
@@ -595,18 +753,20 @@ class PipelineCost:
                                 "profile it or sample it into points first")
         out: dict[str, Any]
         if self.is_uniform():
-            out = {**self.stages[0].to_dict(), "num_stages": self.num_stages}  # type: ignore[union-attr]
+            out = {**self.stages[0].to_dict(), "num_stages": self.num_chunks}  # type: ignore[union-attr]
         else:
-            out = {"stages": [st.to_dict() for st in self.stages], "num_stages": self.num_stages}  # type: ignore
+            out = {"stages": [st.to_dict() for st in self.stages], "num_stages": self.num_chunks}  # type: ignore
         if self.meta is not None:
             out["meta"] = dict(self.meta)
         if self.step is not None:
             out["step"] = self.step.to_dict()
+        if self.vocab is not None:
+            out["vocab"] = self.vocab.to_dict()
         return out
 
     def __repr__(self) -> str:
         kinds = sorted({type(st).__name__ for st in self.stages})
-        return f"PipelineCost(num_stages={self.num_stages}, {'uniform' if self.is_uniform() else 'unequal'}, " \
+        return f"PipelineCost(num_chunks={self.num_chunks}, {'uniform' if self.is_uniform() else 'unequal'}, " \
                f"{'/'.join(kinds)})"
 
 

@@ -37,8 +37,8 @@ from typing import Any
 
 import numpy as np
 
-from ._checks import check_int, check_number
-from .cost import ArrayLike, PipelineCost, StageCost
+from ._checks import check_int
+from .cost import ArrayLike, PipelineCost, StageCost, VocabShareCost
 from .registry import get_schedule
 from .schedule import build_schedule
 from .simulate import SimResult, simulate
@@ -106,69 +106,6 @@ class ChunkCost(StageCost):
 
     def cache_key(self) -> Hashable:
         return self._key
-
-
-class VocabShareCost(StageCost):
-    """One rank's share of a vocabulary-parallel LM head: ``head / num_ranks`` plus the per-slice collectives.
-
-    Collectives among the p ranks of a pipeline over a link of ``link_latency_ms`` and ``link_gbps`` (Gbit/s):
-    each costs ceil(log2 p) latencies plus 2(p-1)/p of its bytes over the link (a ring's volume). Forward: the
-    hidden states (b*s*h*bytes_per_element) broadcast from the last stage, then an all-reduce of the max and one of
-    (sum of exp, target logit) in fp32 (b*s*4 and b*s*8 bytes). Backward: the hidden-state gradient reduced to the
-    last stage. ``comm_ms`` is 0 (the share sends nothing along the pipeline itself). ``head_is_shard``: ``head``
-    is one rank's shard as measured on it (the runtime's cost-based partition), not divided by ``num_ranks``.
-    ``split_embedding``: a tied input embedding split with the head adds EF (token ids, int64, broadcast; the
-    partial embeddings reduced) and EB (the embedding's gradient broadcast) per slice.
-    """
-
-    def __init__(self, head: StageCost, num_ranks: int, hidden: int, *, link_latency_ms: float, link_gbps: float,
-                 bytes_per_element: int = 2, head_is_shard: bool = False, split_embedding: bool = False) -> None:
-        self.head = head
-        self.head_is_shard = bool(head_is_shard)  # the head cost is one rank's shard already (timed on it)
-        self.split_embedding = bool(split_embedding)
-        self.num_ranks = check_int(num_ranks, "num_ranks", fix="pass the pipeline ranks the head is split over")
-        self.hidden = check_int(hidden, "hidden", fix="pass the model width")
-        self.latency = check_number(link_latency_ms, "link_latency_ms", fix="pass the link latency in ms")
-        self.gbps = check_number(link_gbps, "link_gbps", positive=True, fix="pass the link bandwidth in Gbit/s")
-        self.bytes_per_element = check_int(bytes_per_element, "bytes_per_element", fix="use 2 (16 bit) or 4")
-
-    @property
-    def _divisor(self) -> int:
-        return 1 if self.head_is_shard else self.num_ranks
-
-    def _collective(self, num_bytes: np.ndarray) -> np.ndarray:
-        p = self.num_ranks
-        if p == 1:
-            return np.zeros_like(num_bytes)
-        return math.ceil(math.log2(p)) * self.latency + 2.0 * (p - 1) / p * num_bytes * 8.0 / (self.gbps * 1e6)
-
-    def collective_ms(self, slice_len: ArrayLike, batch: ArrayLike = 1, backward: bool = False) -> Any:
-        """The collectives' time of one slice (forward: broadcast + two all-reduces; backward: one reduce)."""
-        tokens = np.asarray(slice_len, float) * np.asarray(batch, float)
-        hidden = self._collective(tokens * self.hidden * self.bytes_per_element)
-        embedding = hidden if self.split_embedding else 0.0  # EB's gradient broadcast; EF's partial-sum reduce
-        if backward:
-            return hidden + embedding
-        ids = self._collective(tokens * 8.0) if self.split_embedding else 0.0
-        return hidden + self._collective(tokens * 4.0) + self._collective(tokens * 8.0) + embedding + ids
-
-    def forward_ms(self, slice_len: ArrayLike, context: ArrayLike, batch: ArrayLike = 1) -> Any:
-        return np.asarray(self.head.forward_ms(slice_len, context, batch)) / self._divisor + \
-            self.collective_ms(slice_len, batch)
-
-    def backward_ms(self, slice_len: ArrayLike, context: ArrayLike, batch: ArrayLike = 1) -> Any:
-        return np.asarray(self.head.backward_ms(slice_len, context, batch)) / self._divisor + \
-            self.collective_ms(slice_len, batch, backward=True)
-
-    def comm_ms(self, slice_len: ArrayLike, batch: ArrayLike = 1) -> Any:
-        return np.zeros(np.broadcast_shapes(np.shape(slice_len), np.shape(batch)))[()]
-
-    def covers(self, slice_len: ArrayLike, context: ArrayLike, batch: ArrayLike | None = None) -> bool:
-        return self.head.covers(slice_len, context, batch)
-
-    def cache_key(self) -> Hashable:
-        return ("vocab-share", self.head.cache_key(), self.num_ranks, self.hidden, self.latency, self.gbps,
-                self.bytes_per_element, self.head_is_shard, self.split_embedding)
 
 
 def _check_parts(parts: Sequence[int], num_layers: int, num_chunks: int) -> tuple[int, ...]:

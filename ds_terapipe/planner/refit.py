@@ -39,7 +39,7 @@ def measured_sums(timeline: Iterable[TimedAction], slices: tuple[int, ...], seq_
         length, context = slices[action.slice], starts[action.slice]
         if kind == "W" and not weights_per_slice:
             length, context = seq_len, 0
-        entry = sums[(action.stage, kind, length, context)]
+        entry = sums[(action.chunk, kind, length, context)]
         entry[0] += 1
         entry[1] += event.end_ms - event.start_ms
     return [(c, k, s, ctx, int(n), ms) for (c, k, s, ctx), (n, ms) in sorted(sums.items())]
@@ -49,12 +49,12 @@ def _action_ms(cost: PipelineCost, chunk: int, kind: str) -> float:
     """The cost model's fixed cost per action (``cost.step``), which the refit leaves alone."""
     if cost.step is None:
         return 0.0
-    return cost.step.action_ms({"F": "forward", "B": "backward", "W": "weight"}[kind], chunk, cost.num_stages)
+    return cost.step.action_ms({"F": "forward", "B": "backward", "W": "weight"}[kind], chunk, cost.num_chunks)
 
 
 def _predicted_ms(cost: PipelineCost, chunk: int, kind: str, slice_len: int, context: int, batch: int,
                   slices: Optional[tuple[int, ...]]) -> float:
-    stage = cost.stage(chunk)
+    stage = cost.chunk(chunk)
     if kind == "F":
         return float(stage.forward_ms(slice_len, context, batch))
     if kind == "B":
@@ -162,7 +162,7 @@ def calibrate_action_gap(cost: Mapping[str, Any], schedule: Any, slices: tuple[i
                        backward_ms=tuple(v + gap for v in base_step.backward_ms))
 
     def makespan(gap: float) -> float:
-        trial = PipelineCost(fitted.stages, meta=fitted.meta, step=step_with(gap))
+        trial = PipelineCost(fitted.stages, meta=fitted.meta, step=step_with(gap), vocab=fitted.vocab)
         return float(simulate(schedule, trial, list(slices), batch).makespan_ms)
 
     base = makespan(0.0)

@@ -3,7 +3,7 @@
 The semantics are the runtime's (and :func:`~ds_terapipe.planner.schedule.replay`'s): each stage runs its
 stream in order, one compute action at a time; a send is issued when the stream reaches it and costs the stream
 nothing (isend); a receive blocks the stream until ``send issue time + comm_ms`` of the sender. F(s,b,i) costs
-``cost.stage(s).forward_ms(slices[i], context=sum(slices[:i]), batch)``; B likewise with ``backward_ms``; a W
+``cost.chunk(s).forward_ms(slices[i], context=sum(slices[:i]), batch)``; B likewise with ``backward_ms``; a W
 (deferred weight gradients) ``weight_ms(sum(slices), batch)`` for a whole micro-batch (one pass over all its
 tokens, as the runtime computes it), ``weight_ms(slices[i], batch)`` when the schedule has one W per slice (0 for
 cost models without ``weight_ms``). A cost model with a whole-step part (``cost.step``,
@@ -39,14 +39,18 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["DeadlockError", "PairingError", "SimResult", "StageCostLike", "TimedAction", "simulate"]
 
-# Node codes in the compiled program (also the row of the cost table). Comm and padding cost nothing.
+# Node codes in the compiled program (also the row of the cost table). Point-to-point comm and padding cost
+# nothing as nodes (a message's time is its receiver's delay); the vocabulary collectives cost their pass.
 _F, _B, _COMM, _W = 0, 1, 2, 3
-_CODE = {ActionKind.FORWARD: _F, ActionKind.BACKWARD: _B, ActionKind.WEIGHT: _W}
+_VF, _VB, _EF, _EB = 4, 5, 6, 7
+_CODE = {ActionKind.FORWARD: _F, ActionKind.BACKWARD: _B, ActionKind.WEIGHT: _W, ActionKind.VOCAB_F: _VF,
+         ActionKind.VOCAB_B: _VB, ActionKind.VOCAB_EMBED_F: _EF, ActionKind.VOCAB_EMBED_B: _EB}
+_COLLECTIVE_ROWS = {_VF: "VF", _VB: "VB", _EF: "EF", _EB: "EB"}
 _NEVER = np.iinfo(np.int64).max // 2  # dependency position of a receive that has no send: never ready
 
 
 class StageCostLike(Protocol):
-    """What :func:`simulate` needs from ``cost.stage(s)`` (``ds_terapipe.planner.cost.StageCost`` fits)."""
+    """What :func:`simulate` needs from ``cost.chunk(s)`` (``ds_terapipe.planner.cost.StageCost`` fits)."""
 
     def forward_ms(self, slice_len: Any, context: Any, batch: int = 1) -> Any: ...
     def backward_ms(self, slice_len: Any, context: Any, batch: int = 1) -> Any: ...
@@ -78,7 +82,7 @@ class _Program:
 
     num_stages: int
     width: int              # W
-    kind: np.ndarray        # (K*W+1,) int8: _F, _B, _W or _COMM (sentinels: _COMM, so they cost nothing)
+    kind: np.ndarray        # (K*W+1,) int8: _F, _B, _W, a collective's code or _COMM (sentinels: _COMM)
     slice_idx: np.ndarray   # (K*W+1,) slice of the node's unit
     dep: np.ndarray         # (K*W+1,) node that must finish first
     delay_stage: np.ndarray  # (K*W+1,) chunk whose comm_ms delays the node after its dependency; -1: none
@@ -87,6 +91,9 @@ class _Program:
     compute: tuple[tuple[Action, ...], ...]   # compute actions per stage, stream order
     compute_node: tuple[np.ndarray, ...]      # their node indices
     peak_in_flight: tuple[int, ...]
+    group: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    """(K*W+1,) the collective a node is one rank's part of (-1: none): it starts when every rank reached it."""
+    group_size: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # (G,) ranks per collective
 
 
 _programs: dict[int, _Program] = {}
@@ -161,29 +168,39 @@ def _compile_full(schedule: Schedule) -> _Program:
         n = len(st)
         kind[s, :n] = [code[a.kind] for a in st]
         slice_idx[s, :n] = [a.slice for a in st]
-        chunk[s, :n] = [a.stage for a in st]
+        chunk[s, :n] = [a.chunk for a in st]
         match = matches[s]
         recvs = [p for p, a in enumerate(st) if a.kind is ActionKind.RECV_F or a.kind is ActionKind.RECV_B]
         if recvs:
             src = [match.get(p) for p in recvs]
             dep[s, recvs] = [K * W if m is None else m[0] * W + m[1] for m in src]
-            delay_stage[s, recvs] = [-1 if m is None else streams[m[0]][m[1]].stage for m in src]
+            delay_stage[s, recvs] = [-1 if m is None else streams[m[0]][m[1]].chunk for m in src]
     compute = tuple(tuple(a for a in st if a.is_compute) for st in streams)
-    return _finish(schedule, kind, slice_idx, dep, delay_stage, chunk, [len(st) for st in streams], compute)
+    # A collective (VF/VB/EF/EB of one unit) is one node per rank; the nodes of one form a group.
+    group = np.full((K, W), -1, np.int64)
+    ids: dict[tuple[ActionKind, int, int], int] = {}
+    for s, st in enumerate(streams):
+        for p, a in enumerate(st):
+            if a.is_collective:
+                group[s, p] = ids.setdefault((a.kind, a.microbatch, a.slice), len(ids))
+    return _finish(schedule, kind, slice_idx, dep, delay_stage, chunk, [len(st) for st in streams], compute, group)
 
 
 def _finish(schedule: Schedule, kind: np.ndarray, slice_idx: np.ndarray, dep: np.ndarray,
             delay_stage: np.ndarray, chunk: np.ndarray, lengths: list[int],
-            compute: tuple[tuple[Action, ...], ...]) -> _Program:
+            compute: tuple[tuple[Action, ...], ...], group: np.ndarray | None = None) -> _Program:
     K, W = kind.shape
+    if group is None:
+        group = np.full((K, W), -1, np.int64)
 
     def flat(x: np.ndarray, pad: int) -> np.ndarray:
         return np.append(x.ravel(), np.array([pad], x.dtype))
 
-    compute_node = tuple(s * W + np.flatnonzero(kind[s] != _COMM) for s in range(K))
+    compute_node = tuple(s * W + np.flatnonzero((kind[s] != _COMM) & (kind[s] <= _W)) for s in range(K))
     assert all(len(c) == len(a) for c, a in zip(compute_node, compute)), "compute nodes out of sync"
     return _Program(K, W, flat(kind, _COMM), flat(slice_idx, 0), flat(dep, K * W), flat(delay_stage, -1),
-                    flat(chunk, 0), np.array(lengths, np.int64), compute, compute_node, _peaks(kind))
+                    flat(chunk, 0), np.array(lengths, np.int64), compute, compute_node, _peaks(kind),
+                    flat(group, -1), np.bincount(group[group >= 0], minlength=int(group.max(initial=-1)) + 1))
 
 
 def _peaks(kind: np.ndarray) -> tuple[int, ...]:
@@ -231,25 +248,38 @@ class SimResult:
 
 
 def _cost_table(cost: Any, K: int, slices: Sequence[int], batch: int, weights_per_slice: bool = False,
-                virtual_stages: int = 1) -> np.ndarray:
-    """(4, K, n) forward, backward, comm and weight-gradient times of the K chunks; the cost model is asked once
+                virtual_stages: int = 1, collectives: bool = False) -> np.ndarray:
+    """(8, K, n) forward, backward, comm and weight-gradient times of the K chunks, then the vocabulary passes
+    VF, VB, EF, EB of each slice (the same on every rank: each holds an equal shard); the cost model is asked once
     per chunk, vectorised. Row 3 is the W of slice i, or of the whole micro-batch in every column; 0 without
-    weight_ms."""
-    num = getattr(cost, "num_stages", K)
+    weight_ms. ``collectives``: the schedule has vocabulary passes, which ``cost.vocab`` must cost."""
+    num = getattr(cost, "num_chunks", K)
     if num != K:
         if virtual_stages == 1:
-            raise ValueError(f"cost model has num_stages={num} but the schedule has {K} stages; "
+            raise ValueError(f"cost model has num_chunks={num} but the schedule has {K} stages; "
                              f"build the cost for the same pipeline depth")
-        raise ValueError(f"cost model has num_stages={num} but the schedule has {K} chunks ({K // virtual_stages} "
-                         f"ranks x {virtual_stages} virtual stages); the cost model's stages are chunks: build it "
-                         f"for {K} stages (e.g. analytic_pipeline_cost(model, device, {K}))")
-    if not callable(getattr(cost, "stage", None)):
-        raise TypeError(f"cost must have a .stage(s) method (like PipelineCost), got {type(cost).__name__}")
+        raise ValueError(f"cost model has num_chunks={num} but the schedule has {K} chunks ({K // virtual_stages} "
+                         f"ranks x {virtual_stages} virtual stages); a cost model has an entry per chunk: build it "
+                         f"for {K} chunks (e.g. analytic_pipeline_cost(model, device, {K}))")
+    if not callable(getattr(cost, "chunk", None)):
+        raise TypeError(f"cost must have a .chunk(c) method (like PipelineCost), got {type(cost).__name__}")
     lens = np.asarray(slices, dtype=np.int64)
     context = np.concatenate(([0], np.cumsum(lens)[:-1])).astype(np.int64)
-    table = np.zeros((4, K, len(lens)))
+    table = np.zeros((8, K, len(lens)))
+    if collectives:
+        vocab = getattr(cost, "vocab", None)
+        if vocab is None:
+            raise ValueError("the schedule has vocabulary-parallel collectives (VF/VB/EF/EB) but the cost model has "
+                             "no cost for them (cost.vocab is None); give PipelineCost(..., vocab=VocabShareCost(...)) "
+                             "or simulate the schedule without its vocabulary passes")
+        for row, name in _COLLECTIVE_ROWS.items():
+            got = np.broadcast_to(np.asarray(vocab.pass_ms(name, lens, batch), dtype=float), lens.shape)
+            if not np.all(np.isfinite(got)) or np.any(got < 0):
+                raise ValueError(f"cost.vocab.pass_ms({name!r}) returned {got.tolist()} for slices {list(slices)}; "
+                                 "times must be finite and >= 0")
+            table[row] = got
     for s in range(K):
-        sc = cost.stage(s)
+        sc = cost.chunk(s)
         rows = [(0, "forward_ms", lambda: sc.forward_ms(lens, context=context, batch=batch)),
                 (1, "backward_ms", lambda: sc.backward_ms(lens, context=context, batch=batch)),
                 (2, "comm_ms", lambda: sc.comm_ms(lens, batch=batch))]
@@ -262,7 +292,7 @@ def _cost_table(cost: Any, K: int, slices: Sequence[int], batch: int, weights_pe
         for row, name, values in rows:
             got = np.broadcast_to(np.asarray(values(), dtype=float), lens.shape)
             if not np.all(np.isfinite(got)) or np.any(got < 0):
-                raise ValueError(f"cost.stage({s}).{name} returned {got.tolist()} for slices {list(slices)}; "
+                raise ValueError(f"cost.chunk({s}).{name} returned {got.tolist()} for slices {list(slices)}; "
                                  f"times must be finite and >= 0, check the cost model's fit")
             table[row, s] = got
     step = getattr(cost, "step", None)
@@ -298,12 +328,12 @@ def _check_inputs(schedule: Schedule, slices: Sequence[int], micro_batch_size: i
 def simulate(schedule: Schedule, cost: Any, slices: Sequence[int], micro_batch_size: int = 1) -> SimResult:
     """Simulate ``schedule`` under ``cost`` for a sequence cut into ``slices`` (tokens per slice).
 
-    With virtual stages the cost model's stages are the schedule's *chunks* (``cost.num_stages ==
-    schedule.num_chunks``): chunk c's actions cost ``cost.stage(c)``, a message from chunk c costs its
+    With virtual stages the cost model's stages are the schedule's *chunks* (``cost.num_chunks ==
+    schedule.num_chunks``): chunk c's actions cost ``cost.chunk(c)``, a message from chunk c costs its
     ``comm_ms``, and a hand-off between chunks on the same rank costs nothing. ``busy_ms``, ``bubble_fraction``,
     ``peak_in_flight`` and the events' ``stage`` are per rank (a timeline row per rank, actions name chunks).
 
-    ``cost`` is duck-typed like ``PipelineCost``: ``.num_stages`` and ``.stage(s)`` returning an object with
+    ``cost`` is duck-typed like ``PipelineCost``: ``.num_chunks`` and ``.chunk(c)`` returning an object with
     vectorised ``forward_ms``, ``backward_ms`` and ``comm_ms`` (see :class:`StageCostLike`). Raises
     :class:`DeadlockError` / :class:`PairingError` (the classes ``replay`` raises) when the schedule cannot run.
     Per-stage order rules are :func:`~ds_terapipe.planner.schedule.validate`'s, not checked here.
@@ -312,7 +342,7 @@ def simulate(schedule: Schedule, cost: Any, slices: Sequence[int], micro_batch_s
     prog = _program(schedule)
     K = schedule.num_stages
     table = _cost_table(cost, schedule.num_chunks, lens, micro_batch_size, schedule.weights_per_slice,
-                        schedule.virtual_stages)  # (4, chunks, n)
+                        schedule.virtual_stages, prog.group_size.size > 0)  # (8, chunks, n)
     row = np.where(prog.kind == _COMM, 0, prog.kind)
     dur = np.where(prog.kind == _COMM, 0.0, table[row, prog.chunk, prog.slice_idx])
     delay = np.where(prog.delay_stage < 0, 0.0, table[2, prog.delay_stage, prog.slice_idx])
@@ -336,6 +366,7 @@ def _sweep(prog: _Program, dur: np.ndarray, delay: np.ndarray) -> tuple[np.ndarr
     the costs. Returns flat (start, end) times per node, or None when no stage can move (deadlock).
     """
     W = prog.width
+    group, size = prog.group, prog.group_size
     done = np.zeros(prog.kind.size, bool)
     done[W - 1:-1:W] = True  # the per-stage sentinels
     start = np.zeros(prog.kind.size)
@@ -347,14 +378,28 @@ def _sweep(prog: _Program, dur: np.ndarray, delay: np.ndarray) -> tuple[np.ndarr
     while cur.size:
         d = dep[cur]
         ok = done[d]
+        g = group[cur] if size.size else None
+        joined = None
+        if g is not None and (g >= 0).any():
+            # a collective starts when every rank stands at it, all at the latest arrival
+            at = g >= 0
+            arrived = np.bincount(g[at], minlength=size.size)
+            ok[at] &= arrived[g[at]] == size[g[at]]
+            joined = np.zeros(size.size)
+            np.maximum.at(joined, g[at], free[at])
         if ok.all():
             c = cur
             t0 = np.maximum(free, end[d] + delay_of[c])
+            if joined is not None:
+                t0 = np.where(g >= 0, joined[np.maximum(g, 0)], t0)
             free = t1 = t0 + dur_of[c]
             cur = cur + 1
         elif ok.any():
             c, d = cur[ok], d[ok]
             t0 = np.maximum(free[ok], end[d] + delay_of[c])
+            if joined is not None:
+                gk = g[ok]
+                t0 = np.where(gk >= 0, joined[np.maximum(gk, 0)], t0)
             free[ok] = t1 = t0 + dur_of[c]
             cur[ok] += 1
         else:

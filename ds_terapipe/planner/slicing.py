@@ -396,8 +396,8 @@ def _action_ms(cost: PipelineCost, stage: int) -> tuple[float, float]:
     """The whole-step model's fixed cost of one forward and one backward action on ``stage`` (0 without one)."""
     if cost.step is None:
         return 0.0, 0.0
-    return (cost.step.action_ms("forward", stage, cost.num_stages),
-            cost.step.action_ms("backward", stage, cost.num_stages))
+    return (cost.step.action_ms("forward", stage, cost.num_chunks),
+            cost.step.action_ms("backward", stage, cost.num_chunks))
 
 
 def _stage_key(cost: PipelineCost, stage: int) -> Any:
@@ -431,7 +431,7 @@ def _stage_times(cost: PipelineCost, lens: np.ndarray, ctx: np.ndarray, batch: i
     """Per stage (forward, backward, comm) for slices ``lens`` after ``ctx`` (small inputs: keeps all stages)."""
     seen = {key: _times(k, st, lens, ctx, batch, _action_ms(cost, k))
             for key, (k, st) in _distinct_stages(cost).items()}
-    return [seen[_stage_key(cost, k)] for k in range(cost.num_stages)]
+    return [seen[_stage_key(cost, k)] for k in range(cost.num_chunks)]
 
 
 def _tables(cost: PipelineCost, n: int, granularity: int, batch: int) -> tuple[np.ndarray, np.ndarray]:
@@ -441,7 +441,7 @@ def _tables(cost: PipelineCost, n: int, granularity: int, batch: int) -> tuple[n
     # only the running max (48 distinct stages x N^2 would not fit in memory at N = 1024).
     lens = granularity * np.arange(1, n + 1, dtype=float)[None, :]
     ctx = granularity * np.arange(n, dtype=float)[:, None]
-    comm_factor = 2.0 if cost.num_stages > 1 else 0.0
+    comm_factor = 2.0 if cost.num_chunks > 1 else 0.0
     w_grid = t_grid = None
     for k, st in _distinct_stages(cost).values():
         f, b, c = _times(k, st, lens, ctx, batch, _action_ms(cost, k))
@@ -468,7 +468,7 @@ class _Simulated:
                  virtual_stages: int = 1) -> None:
         self.cost, self.schedule, self.seq_len, self.deferred = cost, schedule, seq_len, deferred
         self.virtual_stages = virtual_stages
-        self.num_ranks = cost.num_stages // virtual_stages
+        self.num_ranks = cost.num_chunks // virtual_stages
         self.placement = get_schedule(schedule).placement(self.num_ranks, virtual_stages)
         self._schedules: dict[tuple[int, int], Schedule] = {}
         self.num_simulated = 0
@@ -619,6 +619,8 @@ def plan_slicing(cost: PipelineCost, seq_len: int, *, num_microbatches: int = 1,
     one per micro-batch with gpipe, one per slice with 1f1b); ``cost`` then has ``backward_ms`` without them and
     ``weight_ms`` for W.
     Candidates are always simulated (W changes the critical path; the closed form does not know it).
+    With ``cost.vocab`` (vocabulary parallelism) every rank's share of the output layer is added to its chunks'
+    forward and backward per slice (:meth:`PipelineCost.folded_vocab`).
 
     ``virtual_stages`` (None: the schedule's default, 1 for gpipe and 1f1b): chunks per rank. The cost model's
     stages are then *chunks*: ``cost`` has p·v stages for p ranks (build it for p·v, e.g.
@@ -660,11 +662,14 @@ def plan_slicing(cost: PipelineCost, seq_len: int, *, num_microbatches: int = 1,
                              "bytes_per_element) to estimate a plan's memory (see presets.preset_memory_model)")
     v = spec.virtual_stages if virtual_stages is None else check_int(
         virtual_stages, "virtual_stages", fix="use 1, or the chunks per rank of a schedule with virtual stages")
-    if cost.num_stages % v:
-        raise ValueError(f"cost has {cost.num_stages} stages, not a multiple of virtual_stages = {v}: the cost "
+    if cost.num_chunks % v:
+        raise ValueError(f"cost has {cost.num_chunks} stages, not a multiple of virtual_stages = {v}: the cost "
                          f"model's stages are chunks (ranks x virtual stages); build it for p * {v} chunks")
-    num_stages = cost.num_stages // v   # pipeline ranks
+    num_stages = cost.num_chunks // v   # pipeline ranks
     spec.placement(num_stages, v)       # refuses a v the schedule cannot run, with its rule and fix
+    # with vocabulary parallelism every rank pays its share of the output layer per slice; the candidates are
+    # scored on the schedule without the passes, so the share rides on the chunks (planner/cost.py)
+    cost = cost.folded_vocab(v)
     if memory is not None:
         memory.layers(num_stages)  # validates the per-rank layer counts against the cost
     if not cost.covers(np.array([granularity, seq_len, granularity]), np.array([0, 0, seq_len - granularity]), batch):
@@ -702,7 +707,7 @@ def plan_slicing(cost: PipelineCost, seq_len: int, *, num_microbatches: int = 1,
         options.append((q, n_min))
 
     exact = spec.dp_exact and cost.is_uniform() and not deferred_weight_grads and \
-        len({_action_ms(cost, k) for k in range(cost.num_stages)}) == 1
+        len({_action_ms(cost, k) for k in range(cost.num_chunks)}) == 1
     sim = None if exact else _Simulated(cost, schedule, seq_len, deferred_weight_grads, v)
     best: tuple[float, int, list[int], Any] | None = None   # (ms, q, cuts, SimResult or None)
     for q, n_min in options:

@@ -3,7 +3,8 @@ against the unsliced reference: tied and untied heads x vocabularies (divisible 
 slicings, 3 steps each: loss, every gradient (each rank's head shard against its rows), parameters, and the
 shard's padding rows left at zero. ``extra``: ``dp``, ``micro``, ``layers``, ``vocabs``, ``tied``, ``slicings``,
 ``schedules``, ``zero_stage``, ``virtual_cases`` (more cases, one each, as [schedule, vocab, tied, slices,
-layers]: virtual-stage schedules, whose p*v chunks need more layers), ``clip`` (one gradient-clipping case).
+layers]: virtual-stage schedules, whose p*v chunks need more layers; slices may be "auto"), ``clip`` (one
+gradient-clipping case).
 """
 
 from __future__ import annotations
@@ -53,9 +54,13 @@ def vocab_case(cfg: GPTConfig, tied: bool, sched: str, slices: Any, batches: lis
     parameters after the steps); ``sched`` may end with ``+W`` (deferred weight gradients)."""
     ref_losses, ref_grads, ref_params = reference
     STATUS["case"] = f"vocab={cfg.vocab_size} tied={tied} slices={slices} schedule={sched}"
+    # slices "auto": profiled at init, the vocabulary passes with the layers (a small grid: 3 lengths, 2 contexts)
+    auto = {"granularity": 8, "profile": {"slice_lengths": [8, 24, 48], "num_contexts": 2, "warmup": 0,
+                                          "repeats": 1}} if slices == "auto" else {}
     engine = vocab_engine(cfg, tied, {"slices": slices, "seq_len": seq_len, "schedule": sched.removesuffix("+W"),
-                                      **({"deferred_weight_grads": True} if sched.endswith("+W") else {})},
+                                      **({"deferred_weight_grads": True} if sched.endswith("+W") else {}), **auto},
                           stages=stages, micro=micro, batch=batch, zero_stage=zero_stage)
+    measured = engine.plan.cost   # rank 0's profiled costs (None elsewhere and for given slices)
     data = iter([batches[s * micro * dp + engine.grid.data_parallel_id * micro + j]
                  for s in range(steps) for j in range(micro)])
     with first_step_grads(engine) as grads:
@@ -72,4 +77,6 @@ def vocab_case(cfg: GPTConfig, tied: bool, sched: str, slices: Any, batches: lis
             "covered": covered, "rows": [head.offset, head.rows, head.num_valid],
             "num_ref_params": len(ref_params), "chunks": list(engine.local_chunks),
             "placement": list(engine.placement),
-            "vocab_actions": [str(a) for a in engine._train_schedule().actions if a.is_collective]}
+            "vocab_actions": [str(a) for a in engine._train_schedule().actions if a.is_collective],
+            "slices": list(engine.slices), "source": engine.plan_source,
+            "vocab_cost": None if measured is None else measured.get("vocab")}

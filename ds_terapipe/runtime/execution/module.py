@@ -89,12 +89,6 @@ class TokenPipelineModule(PipelineModule):
         self.input_sampler = input_sampler
         head_spec = None
         if vocab_parallel:
-            cost_based = partition_settings is not None or str(kwargs.get("partition_method", "")) == "terapipe"
-            if cost_based and virtual_stages > 1:
-                raise ValueError(f"TokenPipelineModule: vocab_parallel with partition_method='terapipe' and "
-                                 f"virtual_stages={virtual_stages} is not supported (the planner would charge each "
-                                 "rank's vocabulary share once per chunk); use virtual_stages=1, or "
-                                 "partition_method='type:...', 'parameters' or 'parts:...' with virtual stages")
             layers, head_spec = split_output_layer(layers)
         # Read by the cost-based partition (runtime/features/partition.py): it times the head's shard, not the head.
         self.vocab_head_spec = head_spec

@@ -30,7 +30,7 @@ __all__ = ["PLAN_CACHE_VERSION", "CacheEntry", "cache_entry", "gather_fingerprin
 logger = logging.getLogger(__name__)
 
 # Bump when the file's content or the meaning of a plan changes: old files then stop matching.
-PLAN_CACHE_VERSION = 4
+PLAN_CACHE_VERSION = 5
 
 
 @dataclass(frozen=True)

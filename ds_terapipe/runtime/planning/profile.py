@@ -214,6 +214,7 @@ def measure_costs(engine: "PipelineStage", stage_input: Optional[dict[int, Any]]
                          "layers": len(engine.module.forward_funcs),
                          "hidden": first.shape[-1] if first.is_floating_point() else None,
                          "bytes": first.element_size() if first.is_floating_point() else 4})
+    share = _measure_vocab_share(engine, seq_len) if engine.module.vocab_head is not None else None
     terms = measure_step_terms(engine, warmup=cfg.profile.warmup, repeats=cfg.profile.repeats)
     profile_s = time.perf_counter() - started
     # The gather below blocks without a deadline: meet first in a barrier that watches the abort flag, so a rank
@@ -221,7 +222,7 @@ def measure_costs(engine: "PipelineStage", stage_input: Optional[dict[int, Any]]
     engine.barrier("profiling")
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, {"dp": engine.grid.data_parallel_id, "stage": engine.stage_id, "chunks": mine,
-                                      "terms": terms})
+                                      "terms": terms, "share": share})
     if dist.get_rank() != 0:
         return None
     chunks = sorted((c for g in gathered if g["dp"] == 0 for c in g["chunks"]), key=lambda c: c["chunk"])
@@ -234,8 +235,56 @@ def measure_costs(engine: "PipelineStage", stage_input: Optional[dict[int, Any]]
                                                **_comm_of(ranks[engine.placement[c["chunk"]]]["terms"], hidden,
                                                           max(m["bytes"] for m in stage_meta))}
                                               for c in chunks],
-                                   "step": _step_of(ranks, engine.placement)}, num_stages=engine.num_chunks)
+                                   "step": _step_of(ranks, engine.placement),
+                                   "vocab": _vocab_of([g["share"] for g in ranks], engine.num_stages)},
+                                  num_stages=engine.num_chunks)
     return MeasuredCosts(cost, tuple(stage_meta), profile_s)
+
+
+def _measure_vocab_share(engine: "PipelineStage", seq_len: int) -> dict[str, Any]:
+    """This rank's vocabulary passes per slice, timed like the layers (its shard's logits, softmax statistics and
+    gradients; with the split embedding its lookup and row gradient too: ``features/vocab_cost.share_runner``),
+    and the pipeline's links for the passes' collectives (collective over the pipeline group).
+
+    Why: with vocabulary parallelism the output layer is not among the chunks' layers; unmeasured, the plan and
+    every simulation of the executed schedule would leave out the passes every rank runs per slice."""
+    from ..features.vocab_cost import share_runner, time_links   # the feature's probes, used only here
+
+    cfg = engine.terapipe
+    head = engine.module.vocab_head
+    hidden_size, dtype, device = head.weight.shape[1], head.weight.dtype, head.weight.device
+    batch = engine.micro_batch_size
+    gen = torch.Generator().manual_seed(1234)
+    labels = torch.randint(0, head.vocab_size, (batch, seq_len), generator=gen).to(device)
+    ids = labels.roll(1, dims=1) if head.embedding is not None else None
+    hidden = torch.randn(batch, seq_len, hidden_size, generator=gen).to(device=device, dtype=dtype)
+    run, params = share_runner(head, labels, ids)
+    points = profile_stage(run, params, hidden, seq_len, cfg.granularity, batch,
+                           slice_lengths=cfg.profile.slice_lengths, num_contexts=1, warmup=cfg.profile.warmup,
+                           repeats=cfg.profile.repeats)
+    links = None
+    if engine.num_stages > 1:
+        links = time_links(engine.module, batch * seq_len * hidden_size, dtype, device, warmup=cfg.profile.warmup,
+                           repeats=cfg.profile.repeats)
+    return {"points": [{k: p[k] for k in ("batch", "slice", "context", "forward_ms", "backward_ms")} for p in points],
+            "links": links, "hidden": int(hidden_size), "bytes": head.weight.element_size(),
+            "split_embedding": head.embedding is not None}
+
+
+def _vocab_of(shares: list[Optional[dict]], num_ranks: int) -> Optional[dict]:
+    """The cost file's ``vocab`` object from the pipeline's measured shares (None without vocabulary
+    parallelism): each point's median over the ranks (equal shards; one rank's noise does not decide)."""
+    if not shares or shares[0] is None:
+        return None
+    points = [dict(same[0], forward_ms=statistics.median(p["forward_ms"] for p in same),
+                   backward_ms=statistics.median(p["backward_ms"] for p in same))
+              for same in zip(*(s["points"] for s in shares))]
+    links = [s["links"] for s in shares if s["links"] is not None]
+    link = {k: statistics.median(x[k] for x in links) for k in ("latency_ms", "gbps")} if links else \
+        {"latency_ms": 0.0, "gbps": 1.0}
+    first = shares[0]
+    return {"points": points, "num_ranks": num_ranks, "hidden": first["hidden"], **link,
+            "bytes_per_element": first["bytes"], "split_embedding": first["split_embedding"]}
 
 
 def recheck_costs(engine: "PipelineStage", stage_input: dict[int, Any], seq_len: int,
