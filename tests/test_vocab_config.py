@@ -81,19 +81,9 @@ def test_shards_tile_the_vocabulary(vocab: int, shards: int) -> None:
     assert torch.equal(torch.cat(rows), full)
 
 
-def test_refuses_the_combinations_not_built_yet() -> None:
-    """Cost-based partitioning with virtual stages is not combined with vocabulary parallelism: refused, not run
-    (cost-based partitioning with one chunk per rank is: tests/test_partition_runtime.py). Freezing is combined
-    (tests/test_freeze_precision.py): the config takes both."""
+def test_the_config_takes_vocab_parallel_with_freezing() -> None:
+    """Freezing is combined with vocabulary parallelism (tests/test_freeze_precision.py), as is cost-based
+    partitioning with virtual stages (tests/test_partition_runtime.py): the config takes both."""
     cfg = parse_terapipe_config({"terapipe": {"enabled": True, "seq_len": 64, "slices": 4, "vocab_parallel": True,
                                               "freeze": {"schedule": [[1, 1]]}}})
     assert cfg.vocab_parallel and cfg.freeze is not None
-    from ds_terapipe import TokenPipelineModule
-    from ds_terapipe.models.gpt import causal_lm_loss
-
-    cfg = GPTConfig(num_layers=2, hidden=16, num_heads=2, vocab_size=10, max_seq_len=8)
-    with pytest.raises(ValueError, match="vocab_parallel with partition_method='terapipe' and virtual_stages=2 is "
-                                         "not supported.*use virtual_stages=1"):
-        TokenPipelineModule(gpt_layer_specs(cfg), num_stages=2, loss_fn=causal_lm_loss, vocab_size=10,
-                            vocab_parallel=True, partition_method="terapipe", virtual_stages=2,
-                            schedule="interleaved-1f1b")
