@@ -3,6 +3,7 @@ the last stage, with cost-based partitioning, and with vocabulary parallelism, s
 
     flock /tmp/bench.lock python benchmarks/vocab_parallel.py            # about 10 minutes on 2 cores
     python benchmarks/vocab_parallel.py --micro-batches 1 --steps 1      # a quick look
+    flock /tmp/bench.lock python benchmarks/vocab_parallel.py --dtype bf16   # every variant in bf16
 
 Two pipeline stages (2 local gloo processes, one thread each, pinned to one core each), the reference GPT
 (``ds_terapipe.models.gpt``: 4 blocks, hidden 256, 4 heads, vocab 65536, tied head), sequence 512, micro-batch size
@@ -24,6 +25,15 @@ enough. Per variant and m: the median step time (slowest rank), per stage the bu
 vocabulary passes' own compute without their waits in collectives, and the optimizer step) and the imbalance
 (max / mean busy over the stages), and per stage the parameter, gradient (at the optimizer step) and optimizer-state
 bytes. Writes ``benchmarks/results/vocab_parallel.json`` unless ``--json PATH``.
+
+``--dtype bf16`` runs every variant, the stock ones too, with ``"bf16": {"enabled": true}`` (ZeRO stage 0:
+DeepSpeed's ``BF16_Optimizer``, bf16 weights with an fp32 master copy and fp32 gradient buffers) and writes
+``benchmarks/results/vocab_parallel_bf16.json``. Its memory columns count what that optimizer holds: grads are the
+fp32 gradient buffers (plus any bf16 ``.grad`` still alive at the step), optimizer the AdamW states plus the fp32
+master weights. bf16 rounds sliced and unsliced, split and whole heads differently, so the losses of vocabulary
+parallelism and of the head on the last stage are checked to agree within 2e-2 relative there. A variant with a
+stage that holds only a tied copy (its only parameters ``ds_pipe_replicated``) cannot step under BF16_Optimizer and
+is left out, under ``skipped`` in the report.
 """
 from __future__ import annotations
 
@@ -41,6 +51,9 @@ from benchlib.meters import KINDS, CpuMeter, InstructionRecorder
 from benchlib.tables import ROOT, benchmark_parser, markdown_table, results_path, write_ranks_report
 
 NAME = "vocab_parallel"
+DTYPES = ("fp32", "bf16")
+# bf16 keeps 8 bits of mantissa: sliced, split and whole heads round differently
+BF16_LOSS_RTOL, BF16_LOSS_RTOL_TEXT = 2e-2, "2e-2"
 NUM_STAGES = 2
 STOCK = ["deepspeed uniform", "deepspeed parameters", "deepspeed type:GPTBlock"]
 HEAD_LAST, COST_BASED, VOCAB = "token: head on last stage", "token: cost-based partition", "token: vocab parallel"
@@ -51,7 +64,7 @@ VOCAB_PASSES = {"VocabForwardPass", "VocabBackwardPass", "VocabEmbedForwardPass"
 BUSY = set(KINDS) | {"OptimizerStep"}
 
 
-def _engine(variant: str, cfg: Any, seq_len: int, micro: int, slices: int) -> Any:
+def _engine(variant: str, cfg: Any, seq_len: int, micro: int, slices: int, dtype: str) -> Any:
     import deepspeed
     import torch
 
@@ -60,6 +73,8 @@ def _engine(variant: str, cfg: Any, seq_len: int, micro: int, slices: int) -> An
 
     config: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": micro,
                               "train_batch_size": micro, "steps_per_print": 10**9, "gradient_clipping": 0.0}
+    if dtype == "bf16":
+        config["bf16"] = {"enabled": True}
     kwargs: dict[str, Any] = {"partition_method": "type:GPTBlock"}
     if variant in STOCK:
         kwargs["partition_method"] = variant.split(" ", 1)[1]
@@ -83,8 +98,25 @@ def _memory(engine: Any, grad_bytes: int) -> dict:
     params = sum(p.numel() * p.element_size() for p in engine.module.parameters())
     state = sum(t.numel() * t.element_size() for s in engine.optimizer.state.values() for t in s.values()
                 if torch.is_tensor(t))
-    return {"param_bytes": params, "grad_bytes": grad_bytes, "optimizer_bytes": state,
-            "parts": [int(x) for x in engine.module.parts]}
+    out = {"param_bytes": params, "grad_bytes": grad_bytes, "optimizer_bytes": state,
+           "parts": [int(x) for x in engine.module.parts]}
+    master = _bytes(getattr(engine.optimizer, "fp32_groups_flat_partition", None))
+    if master is not None:   # DeepSpeed's BF16_Optimizer: its fp32 master weights are optimizer memory too
+        out.update(optimizer_state_bytes=state, master_bytes=master, optimizer_bytes=state + master)
+    return out
+
+
+def _norm_over_nothing(engine: Any) -> bool:
+    """True when DeepSpeed's BF16_Optimizer on this rank holds only pipeline-replicated parameters (a stage that
+    holds nothing but a tied copy, e.g. the tied head alone): its step skips those in the gradient norm, so it
+    computes the norm of no tensor and fails (``torch.stack`` of an empty list), whatever the clipping."""
+    groups = getattr(engine.optimizer, "bf16_groups", None)
+    return groups is not None and all(getattr(p, "ds_pipe_replicated", False) for g in groups for p in g)
+
+
+def _bytes(tensors: Any) -> int | None:
+    """Bytes of a list of tensors, None for None."""
+    return None if tensors is None else sum(t.numel() * t.element_size() for t in tensors)
 
 
 class _Waits:
@@ -134,7 +166,8 @@ def worker_main(out_dir: Path, opts: dict) -> None:
     pids: list[Any] = [None] * NUM_STAGES
     dist.all_gather_object(pids, os.getpid())
     cpu = CpuMeter(pids) if rank == 0 and os.path.exists("/proc/stat") else None
-    rows = []
+    rows: list[dict] = []
+    skipped: list[dict] = []
     for micro in opts["micro_batches"]:
         gen = torch.Generator().manual_seed(7)
         batches = []
@@ -144,7 +177,20 @@ def worker_main(out_dir: Path, opts: dict) -> None:
         engines, recorders, waits, grads, info = {}, {}, {}, {}, {}
         for name in opts["variants"]:
             t0 = time.perf_counter()
-            engine = _engine(name, cfg, seq_len, micro, opts["slices"])
+            engine = _engine(name, cfg, seq_len, micro, opts["slices"], opts["dtype"])
+            if opts["dtype"] != "fp32":
+                stuck: list[Any] = [None] * NUM_STAGES
+                dist.all_gather_object(stuck, _norm_over_nothing(engine))
+                if any(stuck):
+                    parts = [int(x) for x in engine.module.parts]
+                    skipped.append({"variant": name, "micro_batches": micro, "parts": parts,
+                                    "reason": f"stage(s) {[s for s, x in enumerate(stuck) if x]} hold only "
+                                              "pipeline-replicated (tied) parameters: DeepSpeed's BF16_Optimizer "
+                                              "step would take the gradient norm of no tensor and fail"})
+                    print(f"[rank {rank}] m={micro} {name}: parts {parts}, left out: {skipped[-1]['reason']}",
+                          flush=True)
+                    del engine
+                    continue
             engines[name], recorders[name], waits[name] = engine, InstructionRecorder(engine, engine.stage_id), \
                 _Waits(engine)
             info[name] = {"build_s": time.perf_counter() - t0, "steps": [], "losses": []}
@@ -178,18 +224,22 @@ def worker_main(out_dir: Path, opts: dict) -> None:
         engines.clear()
         recorders.clear()
         gc.collect()
-    (out_dir / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "rows": rows, "torch": torch.__version__,
-                                                          "deepspeed": deepspeed.__version__}))
+    report = {"rank": rank, "rows": rows, "torch": torch.__version__, "deepspeed": deepspeed.__version__}
+    if opts["dtype"] != "fp32":
+        report["skipped"] = skipped
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(report))
 
 
 def _grad_probe(engine: Any) -> list[int]:
-    """Bytes of the gradients held at the optimizer step (the last step's), in a one-item list."""
+    """Bytes of the gradients held at the optimizer step (the last step's), in a one-item list; with DeepSpeed's
+    BF16_Optimizer its fp32 gradient buffers count too."""
     seen = [0]
     original = engine._take_model_step
 
     def probe(*args: Any, **kwargs: Any) -> Any:
         seen[0] = sum(p.grad.numel() * p.grad.element_size() for p in engine.module.parameters()
                       if p.grad is not None)
+        seen[0] += _bytes(getattr(engine.optimizer, "fp32_groups_gradients_flat", None)) or 0
         return original(*args, **kwargs)
 
     engine._take_model_step = probe
@@ -206,7 +256,7 @@ def analyse(ranks: list[dict], opts: dict) -> tuple[list[str], list[dict], list[
     mib = 2.0 ** 20
     for micro in opts["micro_batches"]:
         entries = {}
-        for name in opts["variants"]:
+        for name in [n for n in opts["variants"] if (micro, n) in by_key]:   # all but those left out
             stages = [by_key[(micro, name)][s] for s in range(NUM_STAGES)]
             use = rounds_in_use(stages[0]["rounds"], opts["steps"])
             per_round = [dict(zip(("s0", "s1"), pair)) for pair in zip(*(s["steps"] for s in stages))]
@@ -242,7 +292,10 @@ def analyse(ranks: list[dict], opts: dict) -> tuple[list[str], list[dict], list[
             out.append(e)
         if VOCAB in entries and base is not None:
             vp = entries[VOCAB]
-            head_share = opts["vocab"] * 256 * 4 / mib * 3   # weight + two AdamW states, fp32
+            if opts["dtype"] == "bf16":   # bf16 weight, fp32 master copy, two fp32 AdamW states
+                head_share = opts["vocab"] * 256 * (2 + 4 + 2 * 4) / mib
+            else:
+                head_share = opts["vocab"] * 256 * 4 / mib * 3   # weight + two AdamW states, fp32
             fall = (base["param_mib"][-1] + base["optimizer_mib"][-1]) - (vp["param_mib"][-1] + vp["optimizer_mib"][-1])
             floor = (NUM_STAGES - 1) / NUM_STAGES * head_share
             checks.append({"m": micro, "vp_speedup": vp["speedup_vs_head_last"], "vp_speedup_floor": 1.3,
@@ -251,6 +304,12 @@ def analyse(ranks: list[dict], opts: dict) -> tuple[list[str], list[dict], list[
                            "max_loss_diff": max(abs(a - b) for a, b in zip(vp["losses"], base["losses"])),
                            "met": {"speedup": vp["speedup_vs_head_last"] >= 1.3, "imbalance": vp["imbalance"] <= 1.10,
                                    "memory": fall >= floor}})
+            if opts["dtype"] == "bf16":
+                rel = max(abs(a - b) / abs(b) for a, b in zip(vp["losses"], base["losses"]))
+                checks[-1].update(max_loss_rel_diff=rel, loss_rel_tol=BF16_LOSS_RTOL,
+                                  loss_target=f"losses agree with the head on the last stage (rel <= "
+                                              f"{BF16_LOSS_RTOL_TEXT}, bf16)")
+                checks[-1]["met"]["losses"] = rel <= BF16_LOSS_RTOL
     header = ["m", "variant", "layers per stage", "step s", "vs head on last", "busy s stage 0 / 1", "imbalance",
               "params+grads+optimizer MiB stage 0 / 1"]
     return markdown_table(header, lines), out, checks
@@ -268,7 +327,10 @@ def main() -> int:
     ap.add_argument("--max-rounds", type=int, default=5)
     ap.add_argument("--quiet-wait", type=float, default=10.0, help="seconds to wait for a quiet host per round")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of: " + ", ".join(VARIANTS))
-    ap.add_argument("--json", metavar="PATH", help=f"report path (default {results_path(NAME).relative_to(ROOT)})")
+    ap.add_argument("--dtype", choices=DTYPES, default="fp32",
+                    help="run every variant in this precision (bf16: DeepSpeed's bf16 section, ZeRO stage 0)")
+    ap.add_argument("--json", metavar="PATH", help=f"report path (default {results_path(NAME).relative_to(ROOT)}; "
+                                                   f"bf16: {results_path(NAME + '_bf16').relative_to(ROOT)})")
     ap.add_argument("--timeout", type=float, default=3000.0)
     args = ap.parse_args()
     variants = [v.strip() for v in args.variants.split(",")]
@@ -277,7 +339,7 @@ def main() -> int:
         ap.error(f"--variants: unknown {unknown}; choose from {VARIANTS}")
     opts = {"micro_batches": [int(x) for x in args.micro_batches.split(",")], "seq_len": args.seq_len,
             "vocab": args.vocab, "slices": args.slices, "steps": args.steps, "max_rounds": args.max_rounds,
-            "quiet_wait": args.quiet_wait, "foreign_max": 0.2, "variants": variants}
+            "quiet_wait": args.quiet_wait, "foreign_max": 0.2, "variants": variants, "dtype": args.dtype}
     out_dir = Path(tempfile.mkdtemp(prefix="vocab_parallel-"))
     started = time.perf_counter()
     load_before = os.getloadavg()
@@ -290,10 +352,19 @@ def main() -> int:
               f"imbalance {check['vp_imbalance']:.2f} (floor 1.10), last stage params+optimizer -"
               f"{check['last_stage_param_opt_fall_mib']:.0f} MiB (floor {check['fall_floor_mib']:.0f}), losses agree "
               f"to {check['max_loss_diff']:.1e}")
+        if "losses" in check["met"]:
+            print(f"  [{'met ' if check['met']['losses'] else 'MISS'}] {check['loss_target']}: "
+                  f"{check['max_loss_rel_diff']:.1e}")
+    skipped = ranks[0].get("skipped", [])
+    for s in skipped:
+        print(f"m={s['micro_batches']}: {s['variant']} left out (parts {s['parts']}): {s['reason']}")
     print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} (1 min)")
-    report = {"name": NAME, "options": opts, "table": lines, "rows": rows, "checks": checks, "ranks": ranks,
-              "load_average": {"before": load_before, "after": load_after}, "wall_s": time.perf_counter() - started}
-    write_ranks_report(report, NAME, args.json, ranks)
+    report = {"name": NAME, "dtype": args.dtype, "options": opts, "table": lines, "rows": rows, "checks": checks,
+              "ranks": ranks, "load_average": {"before": load_before, "after": load_after},
+              "wall_s": time.perf_counter() - started}
+    if args.dtype != "fp32":
+        report["skipped"] = skipped
+    write_ranks_report(report, NAME if args.dtype == "fp32" else f"{NAME}_{args.dtype}", args.json, ranks)
     return 0
 
 
