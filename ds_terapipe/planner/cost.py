@@ -528,16 +528,27 @@ class VocabShareCost(StageCost):
             return np.zeros_like(num_bytes)
         return math.ceil(math.log2(p)) * self.latency + 2.0 * (p - 1) / p * num_bytes * 8.0 / (self.gbps * 1e6)
 
+    def _pass_collectives(self, kind: str, slice_len: ArrayLike, batch: ArrayLike) -> Any:
+        """The collectives of one pass of a slice: VF the hidden states' broadcast and two all-reduces (fp32 max;
+        sum of exp and target logit), VB the hidden gradient's reduce; with the split embedding EF the ids'
+        broadcast and the partial lookups' reduce, EB the embedding gradient's broadcast (else nothing)."""
+        tokens = np.asarray(slice_len, float) * np.asarray(batch, float)
+        hidden = self._collective(tokens * self.hidden * self.bytes_per_element)
+        if kind == "VF":
+            return hidden + self._collective(tokens * 4.0) + self._collective(tokens * 8.0)
+        if kind == "VB":
+            return hidden
+        if kind not in ("EF", "EB"):
+            raise ValueError(f"pass_ms: kind {kind!r} is not a vocabulary pass; use 'VF', 'VB', 'EF' or 'EB'")
+        if not self.split_embedding:
+            return np.zeros_like(tokens)
+        return hidden + self._collective(tokens * 8.0) if kind == "EF" else hidden
+
     def collective_ms(self, slice_len: ArrayLike, batch: ArrayLike = 1, backward: bool = False) -> Any:
         """The collectives' time of one slice (forward: broadcast + two all-reduces; backward: one reduce), with
         the split embedding's (EF, EB) added."""
-        tokens = np.asarray(slice_len, float) * np.asarray(batch, float)
-        hidden = self._collective(tokens * self.hidden * self.bytes_per_element)
-        embedding = hidden if self.split_embedding else 0.0  # EB's gradient broadcast; EF's partial-sum reduce
-        if backward:
-            return hidden + embedding
-        ids = self._collective(tokens * 8.0) if self.split_embedding else 0.0
-        return hidden + self._collective(tokens * 4.0) + self._collective(tokens * 8.0) + embedding + ids
+        kinds = ("VB", "EB") if backward else ("VF", "EF")
+        return sum(self._pass_collectives(k, slice_len, batch) for k in kinds)
 
     def pass_ms(self, kind: str, slice_len: ArrayLike, batch: ArrayLike = 1) -> Any:
         """One vocabulary pass of a slice as the schedule runs it: ``"VF"`` (the shard's logits and softmax
@@ -545,18 +556,12 @@ class VocabShareCost(StageCost):
         gradient's reduce), ``"EF"`` (token ids broadcast, partial lookups reduced) and ``"EB"`` (the embedding
         gradient's broadcast). ``VF + EF`` is :meth:`forward_ms` at context 0, ``VB + EB`` :meth:`backward_ms`;
         the shard's arithmetic (its lookup and row gradient too) is charged to VF and VB."""
-        tokens = np.asarray(slice_len, float) * np.asarray(batch, float)
-        hidden = self._collective(tokens * self.hidden * self.bytes_per_element)
+        comm = self._pass_collectives(kind, slice_len, batch)
         if kind == "VF":
-            return np.asarray(self.head.forward_ms(slice_len, 0, batch)) / self._divisor + hidden + \
-                self._collective(tokens * 4.0) + self._collective(tokens * 8.0)
+            return np.asarray(self.head.forward_ms(slice_len, 0, batch)) / self._divisor + comm
         if kind == "VB":
-            return np.asarray(self.head.backward_ms(slice_len, 0, batch)) / self._divisor + hidden
-        if kind == "EF":
-            return (hidden + self._collective(tokens * 8.0)) if self.split_embedding else np.zeros_like(tokens)
-        if kind == "EB":
-            return hidden if self.split_embedding else np.zeros_like(tokens)
-        raise ValueError(f"pass_ms: kind {kind!r} is not a vocabulary pass; use 'VF', 'VB', 'EF' or 'EB'")
+            return np.asarray(self.head.backward_ms(slice_len, 0, batch)) / self._divisor + comm
+        return comm
 
     def to_dict(self) -> dict[str, Any]:
         """The cost file's ``vocab`` object (a measured shard only; ``PipelineCost.from_dict`` reads it back)."""
