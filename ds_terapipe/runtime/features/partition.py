@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import statistics
 from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Any, Optional, Sequence, Union
@@ -51,7 +50,7 @@ from ...planner.registry import get_schedule
 from ..slicing.context import current_slice, slice_scope
 from ..execution.collective import mark_collective
 from ..planning.plan_cache import CacheEntry, load_cached, partition_cache_entry, store_partition
-from ..planning.profile import profile_stage
+from ..planning.profile import median_link, median_points, profile_stage
 from .vocab_cost import profiling_shard, share_runner, split_embedding_runner, time_links
 
 __all__ = ["TERAPIPE_METHOD", "PartitionSettings", "partition_kwargs", "custom_parts", "layer_kinds"]
@@ -215,15 +214,6 @@ def _profile_kinds(module: "torch.nn.Module", settings: PartitionSettings, devic
         return {"kinds": points, "share": profile(run, params, x), "hidden": int(x.shape[-1])}
 
 
-def _median_points(per_rank: Sequence[list]) -> list[dict]:
-    """Each point's median over the ranks (the same grid everywhere): one rank's noisy sample does not decide."""
-    out = []
-    for same in zip(*per_rank):
-        out.append({**same[0], "forward_ms": statistics.median(p["forward_ms"] for p in same),
-                    "backward_ms": statistics.median(p["backward_ms"] for p in same)})
-    return out
-
-
 def _naive_ends(kinds: Sequence[str]) -> tuple[int, int]:
     """Layers before the first and after the last of the most frequent kind (the blocks): embedding and head."""
     block = Counter(kinds).most_common(1)[0][0]
@@ -302,15 +292,13 @@ def _cost_partition(module: "torch.nn.Module", num_chunks: int) -> tuple[tuple[i
         raise mark_collective(RuntimeError(f"terapipe partition: profiling the layer kinds failed ({failed[0]})"))
 
     def solve() -> dict:
-        points = {kind: _median_points([g[1]["kinds"][kind] for g in gathered]) for kind in gathered[0][1]["kinds"]}
+        points = {kind: median_points([g[1]["kinds"][kind] for g in gathered]) for kind in gathered[0][1]["kinds"]}
         costs = {kind: MeasuredCost(p, where=f"layer kind {kind}") for kind, p in points.items()}
         first, last = _naive_ends(kinds)
         share, stored = None, {}
         if shard is not None:  # the head is not among the layers: every rank pays its share per slice
-            share_points = _median_points([g[1]["share"] for g in gathered])
-            rates = [g[1]["links"] for g in gathered if g[1]["links"] is not None]
-            link = {k: statistics.median(r[k] for r in rates) for k in ("latency_ms", "gbps")} if rates else \
-                {"latency_ms": 0.0, "gbps": 1.0}
+            share_points = median_points([g[1]["share"] for g in gathered])
+            link = median_link([g[1]["links"] for g in gathered])
             share = VocabShareCost(MeasuredCost(share_points, where="vocabulary-parallel share"), num_ranks,
                                    gathered[0][1]["hidden"], link_latency_ms=link["latency_ms"],
                                    link_gbps=link["gbps"], bytes_per_element=shard.weight.element_size(),

@@ -31,7 +31,8 @@ from .slice_check import probe_pass
 from .step_profile import measure_step_terms
 
 
-__all__ = ["MeasuredCosts", "measure_costs", "profile_stage", "recheck_costs", "weight_cost"]
+__all__ = ["MeasuredCosts", "measure_costs", "median_link", "median_points", "profile_stage", "recheck_costs",
+           "weight_cost"]
 
 
 class MeasuredCosts(NamedTuple):
@@ -276,15 +277,25 @@ def _vocab_of(shares: list[Optional[dict]], num_ranks: int) -> Optional[dict]:
     parallelism): each point's median over the ranks (equal shards; one rank's noise does not decide)."""
     if not shares or shares[0] is None:
         return None
-    points = [dict(same[0], forward_ms=statistics.median(p["forward_ms"] for p in same),
-                   backward_ms=statistics.median(p["backward_ms"] for p in same))
-              for same in zip(*(s["points"] for s in shares))]
-    links = [s["links"] for s in shares if s["links"] is not None]
-    link = {k: statistics.median(x[k] for x in links) for k in ("latency_ms", "gbps")} if links else \
-        {"latency_ms": 0.0, "gbps": 1.0}
     first = shares[0]
-    return {"points": points, "num_ranks": num_ranks, "hidden": first["hidden"], **link,
+    return {"points": median_points([s["points"] for s in shares]), "num_ranks": num_ranks,
+            "hidden": first["hidden"], **median_link([s["links"] for s in shares]),
             "bytes_per_element": first["bytes"], "split_embedding": first["split_embedding"]}
+
+
+def median_points(per_rank: list[list[dict]]) -> list[dict]:
+    """Each point's median over the ranks (the same grid everywhere): one rank's noisy sample does not decide."""
+    return [dict(same[0], forward_ms=statistics.median(p["forward_ms"] for p in same),
+                 backward_ms=statistics.median(p["backward_ms"] for p in same)) for same in zip(*per_rank)]
+
+
+def median_link(per_rank: list[Optional[dict]]) -> dict[str, float]:
+    """The pipeline group's link (``time_links``: latency per hop, Gbit/s) as the ranks' medians; one rank (no
+    link measured) gets a link its collectives never use."""
+    links = [x for x in per_rank if x is not None]
+    if not links:
+        return {"latency_ms": 0.0, "gbps": 1.0}
+    return {k: statistics.median(x[k] for x in links) for k in ("latency_ms", "gbps")}
 
 
 def recheck_costs(engine: "PipelineStage", stage_input: dict[int, Any], seq_len: int,
