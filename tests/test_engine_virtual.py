@@ -14,6 +14,7 @@ import pytest
 
 from tests.clipping import assert_clipped_by_the_global_norm
 from tests.dist_harness import launch
+from tests.results import cases_per_rank
 
 pytestmark = pytest.mark.multiproc
 
@@ -22,10 +23,7 @@ SCHEDULES = ["interleaved-1f1b", "looped-bfs", "dualpipev"]
 
 
 def _check(results: list[dict], expected_cases: int, placement: list[int]) -> None:
-    errors = [r["error"] for r in results if "error" in r]
-    assert not errors, errors[0]
-    per_rank = [r["results"] for r in results]
-    assert all(len(cases) == expected_cases for cases in per_rank), [len(c) for c in per_rank]
+    per_rank = cases_per_rank(results, expected_cases)
     for index in range(expected_cases):
         covered: set[str] = set()
         for rank, cases in enumerate(per_rank):

@@ -19,6 +19,7 @@ import pytest
 
 from tests.dist_harness import launch
 from tests.precision import UPDATE_TOL, check_precision_case
+from tests.results import cases_per_rank
 
 pytestmark = pytest.mark.multiproc
 
@@ -32,10 +33,7 @@ REPLICATED = [["bf16", 1, True, "1f1b", UNEQUAL, 2], ["fp16", 1, False, "1f1b", 
 
 
 def _check(results: list[dict], expected: int) -> None:
-    errors = [r["error"] for r in results if "error" in r]
-    assert not errors, errors[0]
-    per_rank = [r["results"] for r in results]
-    assert all(len(cases) == expected for cases in per_rank), [len(c) for c in per_rank]
+    per_rank = cases_per_rank(results, expected)
     for index in range(expected):
         covered: set[str] = set()
         for rank, cases in enumerate(per_rank):
