@@ -120,6 +120,11 @@ def check_repack_supported(engine: "PipelineStage") -> Optional[str]:
     if cfg.virtual_stages != 1:
         return (f"terapipe.freeze.repack needs one chunk per rank, got virtual_stages={cfg.virtual_stages}; set "
                 "virtual_stages to 1 or repack to false")
+    if engine.optimizer is not None and not isinstance(engine.optimizer, torch.optim.Optimizer):
+        return (f"terapipe.freeze.repack regroups the optimizer over the new layout and moves its state parameter "
+                f"by parameter, which DeepSpeed's {type(engine.optimizer).__name__} (bf16, fp16 or ZeRO stage 1: "
+                "flat fp32 master copies) does not allow; train in fp32 at ZeRO stage 0 to repack, or set repack "
+                "to false (freezing itself works with it)")
     if getattr(engine.module, "rebuild_spec", None) is None or engine.module.rebuild_spec["layers"] is None:
         return (f"terapipe.freeze.repack rebuilds the model over the new layout and needs a "
                 f"ds_terapipe.TokenPipelineModule, got {type(engine.module).__name__}; build the model as a "
