@@ -91,9 +91,8 @@ class _Program:
     compute: tuple[tuple[Action, ...], ...]   # compute actions per stage, stream order
     compute_node: tuple[np.ndarray, ...]      # their node indices
     peak_in_flight: tuple[int, ...]
-    group: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    """(K*W+1,) the collective a node is one rank's part of (-1: none): it starts when every rank reached it."""
-    group_size: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # (G,) ranks per collective
+    group: np.ndarray       # (K*W+1,) the collective a node is one rank's part of (-1: none), see _sweep
+    group_size: np.ndarray  # (G,) ranks per collective: it starts when all of them stand at it
 
 
 _programs: dict[int, _Program] = {}
