@@ -320,6 +320,16 @@ class TeraPipeConfig(DeepSpeedConfigModel):
     every slice's activations carry its position ids to the next stage. A batch ``(input_ids, labels)`` is one
     document per row. Off: a tuple of inputs goes to the first layer as it is."""
 
+    plan_per_batch: bool = Field(False, description=(
+        'with `packed` and `slices: "auto"`: plan each training step\'s slicing for the documents of its rows, '
+        "from the costs measured at init (a slice attends over its own document's prefix only, so where documents "
+        "end moves the best cuts); memoised by document layout, one all-reduce and one broadcast per step; measured "
+        "no faster than a fixed plan on a realistic corpus ([Planning packed rows](models.md#planning-packed-rows))"))
+    """Plan every training step's slicing for its rows' documents (``runtime/planning/batch_plan.py``): the first
+    stages reduce their micro-batches' position ids to the document context at each grid start, rank 0 plans from
+    the measured costs (memoised by layout) and broadcasts the slices. Needs ``packed`` and ``slices: "auto"``;
+    not with ``replan`` or ``freeze``, which install plans of their own."""
+
     max_slices: Optional[int] = Field(None, ge=1, description='upper bound on the number of slices `"auto"` may choose')
 
     memory_limit_gb: Optional[float] = Field(None, gt=0, description=(
@@ -399,6 +409,14 @@ class TeraPipeConfig(DeepSpeedConfigModel):
             raise ValueError(f"terapipe.replan.enabled needs slices \"auto\" (re-planning refits the costs an "
                              f"\"auto\" plan was made from), got slices={self.slices!r}; set slices to \"auto\" or "
                              "disable replan")
+        if self.plan_per_batch:
+            needs = [why for why, bad in (("packed: true", not self.packed), ('slices: "auto"', self.slices != "auto"),
+                                          ("no replan", self.replan.enabled), ("no freeze", self.freeze is not None))
+                     if bad]
+            if needs:
+                raise ValueError(f"terapipe.plan_per_batch plans each step's slicing for its packed documents from "
+                                 f"the measured costs, and needs {', '.join(needs)} (re-planning and freezing "
+                                 "install plans of their own); set those, or plan_per_batch to false")
         if self.deferred_weight_grads is None:
             self.deferred_weight_grads = spec.deferred_weight_grads
         if self.virtual_stages is None:

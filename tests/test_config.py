@@ -44,6 +44,10 @@ def test_equal_slices(seq_len: int, granularity: int, n: int, expected: list[int
     ({"memory_limit_gb": -1}, "terapipe.memory_limit_gb=-1"),
     ({"enabled": True, "seq_len": 64, "slices": 9}, "terapipe.slices=9 is more than seq_len/granularity = 8"),
     ({"profile": {"repeats": 0}}, "terapipe.profile.repeats=0 must be >= 1"),
+    ({"seq_len": 64, "plan_per_batch": True}, 'needs packed: true'),
+    ({"seq_len": 64, "plan_per_batch": True, "packed": True, "slices": 4}, 'needs slices: "auto"'),
+    ({"seq_len": 64, "plan_per_batch": True, "packed": True, "replan": {"enabled": True}}, "needs no replan"),
+    ({"seq_len": 64, "plan_per_batch": True, "packed": True, "freeze": {"schedule": [[1, 1]]}}, "needs no freeze"),
 ])
 def test_errors_name_key_value_and_fix(section: dict, needle: str) -> None:
     with pytest.raises(ValueError) as info:

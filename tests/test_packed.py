@@ -20,8 +20,11 @@ from tests.precision import LOSS_TOL, UPDATE_TOL
 pytestmark = pytest.mark.multiproc
 
 TOL = 1e-5
+SEQ_LEN, GRANULARITY = 48, 8   # tests/suites/packed.py
 CASES = [["gpipe", 1, [8, 24, 16]], ["1f1b", 1, 3], ["interleaved-1f1b", 2, [16, 16, 16]],
-         ["looped-bfs", 2, [8, 40]], ["dualpipev", 2, [24, 24]], ["1f1b", 1, [8, 24, 16], "bf16"]]
+         ["looped-bfs", 2, [8, 40]], ["dualpipev", 2, [24, 24]], ["1f1b", 1, [8, 24, 16], "bf16"],
+         ["1f1b", 1, "auto", "per-batch"], ["gpipe", 1, "auto", "per-batch cuts"],
+         ["interleaved-1f1b", 2, "auto", "per-batch cuts"]]
 REFUSALS = {"no restart": "must start each row at 0", "length": "differ in shape",
             "mask": "look like an attention mask", "not packed": 'set "packed": true'}
 
@@ -48,6 +51,8 @@ def test_packed_rows_equal_the_document_masked_reference(packed_results) -> None
                 assert case["update_rel_err"] <= UPDATE_TOL["bf16"], (where, case["update_worst"])
                 continue
             assert "error" not in case, f"{where}: {case.get('error')}\n{case.get('traceback')}"
+            if "per-batch" in case["case"]:
+                _check_per_batch(case, packed_results[0][trained.index(case)], where)
             for got, ref in zip(case["losses"], case["ref_losses"]):
                 assert abs(got - ref) <= TOL * abs(ref), f"{where}: {case['losses']} != {case['ref_losses']}"
             assert case["grad_rel_err"] <= TOL, f"{where}: gradient of {case['grad_worst']}"
@@ -55,6 +60,21 @@ def test_packed_rows_equal_the_document_masked_reference(packed_results) -> None
     for index in range(len(CASES)):   # every reference parameter compared on one rank or the other
         covered = set().union(*(cases[index]["covered"] for cases in packed_results))
         assert len(covered) == packed_results[0][index]["num_ref_params"], sorted(covered)
+
+
+def _check_per_batch(case: dict, rank0: dict, where: str) -> None:
+    """Each step ran rank 0's plan for that step's documents (the same slicing on every rank)."""
+    assert case["sources"] == ["documents"] * len(case["sources"]), (where, case["sources"])
+    assert case["slicings"] == rank0["slicings"] and case["contexts"] == rank0["contexts"], where
+    assert all(sum(s) == SEQ_LEN for s in case["slicings"]), (where, case["slicings"])
+    if case["case"].endswith("cuts"):   # the replaced planner: a slicing per step, from the step's documents
+        for slices, context in zip(case["slicings"], case["contexts"]):
+            starts = [sum(slices[:i]) // GRANULARITY for i in range(1, len(slices))]
+            restarts = [k for k in range(1, len(context)) if context[k] < context[k - 1] + GRANULARITY]
+            assert starts == restarts, (where, slices, context)
+        assert len({tuple(s) for s in case["slicings"]}) > 1, (where, case["slicings"])
+    else:   # the real planner ran on rank 0 once per step
+        assert len(rank0["planning_ms"]) == len(case["slicings"]), (where, rank0["planning_ms"])
 
 
 @pytest.mark.timeout(600)

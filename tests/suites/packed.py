@@ -5,8 +5,11 @@ ids: the losses of 3 SGD+momentum steps, every gradient of the first step and th
 ``extra["refusals"]``: bad position ids on the first stage (no restart at 0, another length, a mask; packed rows
 without ``terapipe.packed``), each raised on every rank before the step. Each step mixes packed rows, rows of one
 document (position ids 0..L-1) and plain ``input_ids`` micro-batches (one document per row). Cases are
-``extra["cases"]``: [schedule, virtual stages, slices(, precision: "bf16" compares the fp32 master weights' change
-over the steps instead, bf16 weights hiding updates below their rounding)].
+``extra["cases"]``: [schedule, virtual stages, slices(, mode)] with mode "fp32" (default), "bf16" (compares the fp32
+master weights' change over the steps instead, bf16 weights hiding updates below their rounding), "per-batch"
+(``slices: "auto"`` with ``terapipe.plan_per_batch``: each step planned for its documents) or "per-batch cuts"
+(the same, with rank 0's planner replaced by a rule that cuts wherever a row of the step starts a document, so
+every step runs another slicing whatever the profile measured).
 """
 
 from __future__ import annotations
@@ -79,7 +82,18 @@ def packed_reference(cfg: GPTConfig, batches: list[tuple], lr: float = 0.1, mome
     return losses, first, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _engine(cfg: GPTConfig, schedule: str, v: int, slices: Any, packed: bool = True, bf16: bool = False) -> Any:
+QUICK_PROFILE = {"slice_lengths": [8, 32], "num_contexts": 2, "warmup": 0, "repeats": 1}
+
+
+def document_cuts(context: Any, granularity: int = 8) -> tuple[int, ...]:
+    """A slicing from a step's document context: a cut at every grid start where some row of the step starts a
+    document since the last grid start (its context grew by less than the grid)."""
+    cuts = [0] + [k for k in range(1, len(context)) if context[k] < context[k - 1] + granularity] + [len(context)]
+    return tuple(granularity * (b - a) for a, b in zip(cuts[:-1], cuts[1:]))
+
+
+def _engine(cfg: GPTConfig, schedule: str, v: int, slices: Any, packed: bool = True, bf16: bool = False,
+            per_batch: bool = False) -> Any:
     chunks = {"virtual_stages": v, "schedule": schedule} if v > 1 else {}
     model = ds_terapipe.TokenPipelineModule(gpt_layer_specs(cfg), num_stages=STAGES, loss_fn=causal_lm_loss,
                                             vocab_size=cfg.vocab_size, partition_method="uniform", **chunks)
@@ -87,7 +101,8 @@ def _engine(cfg: GPTConfig, schedule: str, v: int, slices: Any, packed: bool = T
     config = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": MICRO,
               "train_batch_size": BATCH * MICRO * dp, "steps_per_print": 10**9, "gradient_clipping": 0.0,
               "terapipe": {"enabled": True, "seq_len": SEQ_LEN, "slices": slices, "schedule": schedule,
-                           "virtual_stages": v, "granularity": 8, "p2p_timeout_s": 60, "packed": packed},
+                           "virtual_stages": v, "granularity": 8, "p2p_timeout_s": 60, "packed": packed,
+                           **({"plan_per_batch": True, "profile": QUICK_PROFILE} if per_batch else {})},
               **({"bf16": {"enabled": True}} if bf16 else {})}
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     engine, _, _, _ = ds_terapipe.initialize(model=model, optimizer=opt, config=config)
@@ -100,8 +115,11 @@ def _case(schedule: str, v: int, slices: Any, precision: str = "fp32") -> dict[s
     cfg = GPTConfig(num_layers=2, hidden=32, num_heads=4, vocab_size=64, max_seq_len=64, seed=13)
     batches = packed_batches(cfg, STEPS * MICRO * dp, seed=41)
     ref_losses, ref_grads, ref_params = packed_reference(cfg, batches)
-    engine = _engine(cfg, schedule, v, slices, bf16=precision == "bf16")
+    per_batch = precision.startswith("per-batch")
+    engine = _engine(cfg, schedule, v, slices, bf16=precision == "bf16", per_batch=per_batch)
     data = iter(replica_batches(batches, engine.grid.data_parallel_id, MICRO, dp, STEPS))
+    if per_batch:
+        return _per_batch_case(engine, data, precision.endswith("cuts"), ref_losses, ref_grads, ref_params)
     if precision == "bf16":   # bf16 weights cannot show an update below their rounding: the master weights' change
         start = master_weights(engine)
         losses = [float(engine.train_batch(data)) for _ in range(STEPS)]
@@ -119,6 +137,29 @@ def _case(schedule: str, v: int, slices: Any, precision: str = "fp32") -> dict[s
     return {"case": STATUS["case"], "losses": losses, "ref_losses": ref_losses, "grad_rel_err": g_err,
             "grad_worst": g_name, "param_rel_err": p_err, "param_worst": p_name, "covered": g_covered,
             "num_ref_params": len(ref_params), "stage": engine.stage_id, "slices": list(engine.slices)}
+
+
+def _per_batch_case(engine: Any, data: Any, cuts: bool, ref_losses: list, ref_grads: dict, ref_params: dict
+                    ) -> dict[str, Any]:
+    """Train the steps with a plan per batch: the slicing each step ran, its source, and the comparison."""
+    planner = engine.batch_planner
+    if cuts:   # rank 0 decides; the others must run what it broadcasts
+        planner._solve = lambda engine, base, context: document_cuts(context)
+    losses, slicings, sources, contexts = [], [], [], []
+    with first_step_grads(engine) as grads:
+        for _ in range(STEPS):
+            losses.append(float(engine.train_batch(data)))
+            slicings.append(list(engine.slices))
+            sources.append(engine.plan.source)
+            contexts.append(planner.last_context.tolist())
+    params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    g_err, g_name, g_covered = compare(grads, ref_grads, engine.stage_id)
+    p_err, p_name, _ = compare(params, ref_params, engine.stage_id)
+    return {"case": STATUS["case"], "losses": losses, "ref_losses": ref_losses, "grad_rel_err": g_err,
+            "grad_worst": g_name, "param_rel_err": p_err, "param_worst": p_name, "covered": g_covered,
+            "num_ref_params": len(ref_params), "stage": engine.stage_id, "slicings": slicings, "sources": sources,
+            "contexts": contexts, "length_plan": list(engine.plans[SEQ_LEN].slices),
+            "planning_ms": planner.planning_ms}
 
 
 def _label(schedule: str, v: int, slices: Any, precision: str = "fp32") -> str:

@@ -64,6 +64,7 @@ from ...trace import events_to_chrome_trace
 from ..features.freeze import Freezer
 from ..features.recompute import install_sliced_checkpointing
 from ..features.vocab import VocabParallel
+from ..planning.batch_plan import BatchPlanner
 from ..planning.plan import ResolvedPlan, plan_for_length, resolve_plan, restore_checkpoint_plan
 from ..planning.replan import Replanner
 from ..planning.slice_check import check_stage_slicing
@@ -228,6 +229,8 @@ class TokenPipelineEngine(PipelineEngine):
             self._train_schedule()  # a micro-batch count the schedule cannot run fails here, on every rank
             self.replanner = Replanner(self) if self.terapipe.replan.enabled else None
             self.freezer = Freezer(self) if self.terapipe.freeze is not None else None
+            # Packed rows planned per step (terapipe.plan_per_batch: runtime/planning/batch_plan.py)
+            self.batch_planner = BatchPlanner(self) if self.terapipe.plan_per_batch else None
 
     def _check_chunk_layout(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The module's chunk placement, refused (on every rank: same config, same model) unless it is the one
@@ -354,7 +357,7 @@ class TokenPipelineEngine(PipelineEngine):
                 data_iter = self.repack_share.take(self, source, self.micro_batches)
             if data_iter is not None:
                 self.set_dataiterator(data_iter)
-            peeked = self._use_plan_for_next_batch(self.data_iterator)
+            peeked = self._use_plan_for_next_batch(self.data_iterator, train=True)
             if self.is_first_stage() or self.is_last_stage():
                 self.data_iterator = peeked
             if self.replanner is not None:
@@ -375,26 +378,36 @@ class TokenPipelineEngine(PipelineEngine):
                 data_iter = self.repack_share.take(self, data_iter, count, "eval_batch")
             return super().eval_batch(self._use_plan_for_next_batch(data_iter), *args, **kwargs)
 
-    def _use_plan_for_next_batch(self, iterator: Optional[Iterator]) -> Optional[Iterator]:
+    def _use_plan_for_next_batch(self, iterator: Optional[Iterator], train: bool = False) -> Optional[Iterator]:
         """Look at the next micro-batch's sequence length and switch to its plan (collective over all ranks).
 
         Stage 0 reads the length; all ranks gather everyone's, so a new length is planned once by all ranks
         together, and a length that cannot be run fails on every rank at once instead of hanging the others.
-        Returns the iterator with the peeked micro-batch put back in front.
+        With ``terapipe.plan_per_batch`` a training step's first stage peeks all its micro-batches and the step
+        runs the slicing planned for their documents (runtime/planning/batch_plan.py).
+        Returns the iterator with the peeked micro-batches put back in front.
         """
         local, batch, refused = _NOT_READING, None, None
+        per_batch = train and self.batch_planner is not None
+        peeked: list[Any] = []
         if self.is_first_stage() or self.is_last_stage():
-            try:
-                batch = next(iterator)
-            except StopIteration:
-                batch, local = None, _EXHAUSTED
-            if batch is not None:
+            wanted = self.micro_batches if per_batch and self.is_first_stage() else 1
+            for _ in range(wanted):
+                try:
+                    peeked.append(next(iterator))
+                except StopIteration:
+                    break
+            if not peeked:
+                local = _EXHAUSTED
+            else:
+                batch = peeked[0]
                 first = _first_tensor(batch[0] if self.is_first_stage() else batch[1])
                 local = first.shape[1] if first is not None and first.dim() >= 2 else _NO_SEQ_DIM
                 refused = self._documents_problem(batch[0]) if self.is_first_stage() else None
                 if refused is not None:
                     local = _BAD_DOCUMENTS
-                iterator = put_back(batch, iterator)
+                for item in reversed(peeked):   # put back last first: they come out in their order
+                    iterator = put_back(item, iterator)
         lengths = torch.full((torch.distributed.get_world_size(), ), _UNSET, dtype=torch.int64, device=self.device)
         lengths[self.global_rank] = local  # each rank fills its own slot; MAX merges them
         work = torch.distributed.all_reduce(lengths, op=torch.distributed.ReduceOp.MAX, async_op=True)
@@ -428,6 +441,11 @@ class TokenPipelineEngine(PipelineEngine):
                     logger.info("terapipe: sequence length %d -> %d slice(s) %s", length, len(resolved.slices),
                                 list(resolved.slices))
         self.plan = self.plans[mine]
+        if per_batch:
+            context = None
+            if self.is_first_stage() and local > 0:
+                context = self.batch_planner.local_context([b[0] for b in peeked], local)
+            self.plan = self.batch_planner.plan_step(self, self.plan, context)
         first_input = batch[0] if self.is_first_stage() and batch is not None else None
         if self.terapipe.packed and isinstance(first_input, (tuple, list)):
             first_input = first_input[0]  # the ids: the check probes causality, documents aside

@@ -52,7 +52,8 @@ class ResolvedPlan:
         slices: token counts per slice, summing to the sequence length.
         source: ``"config"`` (a list or an int), ``"profiled"`` (measured at init), ``"cache"`` (the plan cache),
             ``"planned"`` (another sequence length, from costs measured earlier), ``"replanned"`` (a freeze or the
-            re-planner switched) or ``"checkpoint"`` (the loaded checkpoint's run was using it).
+            re-planner switched), ``"checkpoint"`` (the loaded checkpoint's run was using it) or ``"documents"``
+            (one step's plan for its packed rows, ``terapipe.plan_per_batch``).
         planner: the planner's :class:`~ds_terapipe.planner.slicing.SlicingPlan` (predicted time, speedup) for
             ``slices: "auto"``, else None.
         cost: the measured costs (``PipelineCost.to_dict()``) other lengths are planned from; global rank 0 only.
@@ -72,8 +73,11 @@ class ResolvedPlan:
         return sum(self.slices)
 
 
-def solve_slicing(engine: "PipelineStage", cost: PipelineCost, stage_meta: Any, seq_len: int) -> SlicingPlan:
-    """Run the planner for one sequence length (rank 0 only; the caller broadcasts)."""
+def solve_slicing(engine: "PipelineStage", cost: PipelineCost, stage_meta: Any, seq_len: int,
+                  quiet: bool = False, granularity: Optional[int] = None) -> SlicingPlan:
+    """Run the planner for one sequence length (rank 0 only; the caller broadcasts). ``quiet``: log the plan at
+    debug level (a plan per batch would fill the log). ``granularity``: a coarser grid than the config's (a
+    multiple of it), for plans that must be cheap."""
     cfg = engine.terapipe
     memory, limit = None, None
     if cfg.memory_limit_gb is not None:
@@ -86,11 +90,12 @@ def solve_slicing(engine: "PipelineStage", cost: PipelineCost, stage_meta: Any, 
                                  engine.module.activation_checkpoint_interval, cfg))
         limit = cfg.memory_limit_gb * 2**30
     plan = plan_slicing(cost, seq_len, num_microbatches=engine.micro_batches, micro_batch_size=engine.micro_batch_size,
-                        granularity=cfg.granularity, schedule=cfg.schedule, memory_limit_bytes=limit, memory=memory,
+                        granularity=granularity or cfg.granularity, schedule=cfg.schedule, memory_limit_bytes=limit, memory=memory,
                         max_slices=cfg.max_slices, deferred_weight_grads=cfg.deferred_weight_grads,
                         virtual_stages=cfg.virtual_stages)
-    logger.info("terapipe: plan for seq_len %d: %s slices=%s predicted %.1f ms vs %.1f ms unsliced (%.2fx)", seq_len,
-                cfg.schedule, list(plan.slices), plan.predicted_ms, plan.unsliced_ms, plan.speedup)
+    logger.log(logging.DEBUG if quiet else logging.INFO,
+               "terapipe: plan for seq_len %d: %s slices=%s predicted %.1f ms vs %.1f ms unsliced (%.2fx)", seq_len,
+               cfg.schedule, list(plan.slices), plan.predicted_ms, plan.unsliced_ms, plan.speedup)
     return plan
 
 
