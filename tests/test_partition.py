@@ -103,6 +103,70 @@ def test_best_partition_equals_brute_force_over_every_partition(schedule, ranks,
     assert simulate(sched, chunk_costs(layers, parts), slices).makespan_ms == pytest.approx(brute, rel=1e-12)
 
 
+
+def _owned(parts, owners) -> bool:
+    return all(any(owners[a:b]) for a, b in zip(parts[:-1], parts[1:]))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_owner_constraint_equals_brute_force_over_the_owned_partitions(seed):
+    """With ``owners`` every chunk holds an owner layer (bf16: a stage of tied copies only cannot step): the DP
+    and the enumeration equal brute force over exactly the partitions that give every chunk one."""
+    rng = np.random.default_rng(100 + seed)
+    n = int(rng.integers(4, 9))
+    w = rng.uniform(0.1, 5.0, size=n)
+    w[-1] *= 4   # a heavy last layer (the head), the kind the unconstrained search leaves alone on its chunk
+    owners = [bool(x) for x in rng.random(n) < 0.6]
+    owners[-1] = False
+    for k in range(1, sum(owners) + 1):
+        owned = [p for p in _all_partitions(n, k) if _owned(p, owners)]
+        value, parts = minmax_partition(w, k, 0.25, owners)
+        assert _owned(parts, owners)
+        assert value == pytest.approx(min(max(w[a:b].sum() + 0.25 for a, b in zip(p[:-1], p[1:])) for p in owned),
+                                      rel=1e-12)
+        got = list(enumerate_partitions(w, k, value * 1.3, 0.25, owners=owners))
+        want = {p for p in owned if max(w[a:b].sum() + 0.25 for a, b in zip(p[:-1], p[1:])) <= value * 1.3}
+        assert len(got) == len(set(got)) and set(got) == want
+
+
+def test_owner_constraint_keeps_the_tied_head_off_a_stage_of_its_own():
+    """A heavy tied head: unconstrained, the best layout gives it a stage alone; with the head flagged as no
+    owner every chunk gets an owner layer, still no worse than the naive layout. Without flags (None), or with
+    every layer an owner, the result is the unconstrained one."""
+    spec = TransformerSpec(num_layers=6, hidden=512, num_heads=4, vocab=256000, seq_len=512)
+    layers = analytic_layer_costs(spec, DEV)
+    kw = dict(num_ranks=2, num_microbatches=4, schedule="1f1b")
+    free = plan_partition(layers, 512, **kw)
+    assert free.parts[-2] == len(layers) - 1           # the head alone on the last stage
+    owners = [True] * (len(layers) - 1) + [False]      # the head: a tied copy of the embedding
+    held = plan_partition(layers, 512, owners=owners, **kw)
+    assert _owned(held.parts, owners) and held.parts[-2] < len(layers) - 1
+    assert held.plan.predicted_ms <= held.naive_plan.predicted_ms * (1 + 1e-12)
+    assert held.plan.predicted_ms >= free.plan.predicted_ms * (1 - 1e-12)
+    for same in (None, [True] * len(layers)):
+        again = plan_partition(layers, 512, owners=same, **kw)
+        assert again.parts == free.parts and again.plan == free.plan
+    slices = list(free.plan.slices)
+    assert best_partition(layers, slices, owners=owners, include=[free.parts], **kw)[0] != free.parts
+    assert best_partition(layers, slices, owners=None, **kw)[:1] == best_partition(layers, slices, **kw)[:1]
+    assert minmax_partition([1.0, 2.0, 9.0], 2) == minmax_partition([1.0, 2.0, 9.0], 2, owners=None)
+    # a naive layout without an owner in a chunk stays the baseline but is not chosen
+    mixed = _mixed_layers(0)
+    lopsided = [True, True, True, True, False, False, False]
+    pp = plan_partition(mixed, 256, num_ranks=2, granularity=32, owners=lopsided)
+    assert not _owned(pp.naive_parts, lopsided) and _owned(pp.parts, lopsided)
+
+
+def test_owner_constraint_refuses_too_few_owners():
+    with pytest.raises(ValueError, match=r"only 1 of the 3 layers are owners \(layers \[1\]\) for 2 chunks; use "
+                                         r"at most 1 chunks .* or train in fp32"):
+        minmax_partition([1.0, 1.0, 1.0], 2, owners=[False, True, False])
+    with pytest.raises(ValueError, match="owners has 2 flags for 3 layers"):
+        minmax_partition([1.0, 1.0, 1.0], 2, owners=[True, True])
+    layers = _mixed_layers(0)
+    with pytest.raises(ValueError, match="BF16_Optimizer"):
+        plan_partition(layers, 256, num_ranks=3, granularity=32, owners=[False] * 5 + [True, True])
+
 def test_layer_work_is_additive_over_layers():
     layers = _mixed_layers(0)
     slices = [64, 64, 128]

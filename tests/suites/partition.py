@@ -2,8 +2,10 @@
 ``partition_method="terapipe"`` (layer kinds profiled at init, boundaries and slicing planned together, broadcast,
 cached) and ``"parts:..."`` (the user's own), trained 3 steps and compared with the single-process unsliced
 reference (loss, every gradient, parameters), under gpipe, 1f1b and interleaved-1f1b, and with ``vocab_parallel``
-under gpipe and 1f1b; each followed by the cache hit; then the refusals. ``extra``: ``dp``, ``cases``
-([schedule, slices, virtual stages(, vocab_parallel)]), ``zero_stage``.
+under gpipe and 1f1b; each followed by the cache hit; then the refusals; then bf16: the cost-based partition of
+the same setting as the first case (its fp32 partition cached) gives every stage a layer with parameters of its
+own and trains, and a user's layout with the tied head alone on a stage is refused on every rank.
+``extra``: ``dp``, ``cases`` ([schedule, slices, virtual stages(, vocab_parallel)]), ``zero_stage``.
 """
 
 from __future__ import annotations
@@ -96,6 +98,35 @@ def _case(cfg: GPTConfig, terapipe: dict, method: str, *, stages: int, micro: in
             "param_worst": param_name, "covered": covered, "init_s": init_s}
 
 
+def _bf16_engine(cfg: GPTConfig, terapipe: dict, method: str, *, micro: int, batch: int, seq_len: int) -> Any:
+    config = _config(dict(terapipe, seq_len=seq_len), micro=micro, batch=batch, dp=1, zero_stage=0)
+    config["bf16"] = {"enabled": True}   # DeepSpeed's BF16_Optimizer
+    model = _module(cfg, config, 2, method)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    engine, _, _, _ = ds_terapipe.initialize(model=model, optimizer=opt, config=config)
+    ENGINE_REF["engine"] = engine
+    _partition.check_replicated_only(engine)   # collective: refuses a stage of tied copies only on every rank
+    return engine
+
+
+def _bf16_case(cfg: GPTConfig, terapipe: dict, *, micro: int, batch: int, seq_len: int) -> dict:
+    """The cost-based partition under bf16 (the head made dearer: unconstrained, it gets a stage alone), trained
+    2 steps; whether this rank's optimizer holds a parameter that is not a tied copy; the refusal of the user's
+    ``parts:0,6,7`` (the tied head alone on stage 1)."""
+    engine = _bf16_engine(cfg, terapipe, "terapipe", micro=micro, batch=batch, seq_len=seq_len)
+    data = iter(make_batches(cfg, 2 * micro, batch, seq_len, seed=500))
+    losses = [float(engine.train_batch(data)) for _ in range(2)]
+    owned = any(not p.ds_pipe_replicated for g in engine.optimizer.bf16_groups for p in g)
+    parts, report = list(engine.module.parts), engine.module.partition_report
+    ENGINE_REF.pop("engine", None)
+    del engine
+    refused = _error(lambda: _bf16_engine(cfg, {"slices": [8, 24, 16], "schedule": "1f1b"}, "parts:0,6,7",
+                                          micro=micro, batch=batch, seq_len=seq_len))
+    ENGINE_REF.pop("engine", None)
+    return {"case": STATUS["case"], "parts": parts, "report": report, "loss": losses, "owned": owned,
+            "refused": refused}
+
+
 def _error(run: Any) -> dict:
     try:
         run()
@@ -114,10 +145,11 @@ def suite_partition(extra: dict) -> list[dict]:
     profile = {"warmup": 1, "repeats": 3, "num_contexts": 2}
     results = []
     # [schedule, slices, virtual stages, vocab_parallel (the tied head split over the ranks)]
-    for sched, slices, v, *vp in extra.get("cases", [["gpipe", [8, 24, 16], 1], ["1f1b", 1, 1],
-                                                     ["interleaved-1f1b", [16, 32], 2],
-                                                     ["gpipe", 1, 1, True], ["1f1b", [8, 24, 16], 1, True],
-                                                     ["interleaved-1f1b", [16, 32], 2, True]]):
+    cases = extra.get("cases", [["gpipe", [8, 24, 16], 1], ["1f1b", 1, 1], ["interleaved-1f1b", [16, 32], 2],
+                                ["gpipe", 1, 1, True], ["1f1b", [8, 24, 16], 1, True],
+                                ["interleaved-1f1b", [16, 32], 2, True]])
+    first_case = cases[0][:3]
+    for sched, slices, v, *vp in cases:
         vp_text = " vocab_parallel" if vp and vp[0] else ""
         STATUS["case"] = f"terapipe schedule={sched} slices={slices} v={v}{vp_text}"
         terapipe = {"slices": slices, "schedule": sched, "granularity": 8, "plan_cache": cache, "profile": profile,
@@ -140,4 +172,8 @@ def suite_partition(extra: dict) -> list[dict]:
         no_seq_len = _error(lambda: ds_terapipe.partition_kwargs({"terapipe": {"enabled": True}}))
         results.append({"case": "refusals", "no_settings": no_settings, "bad_parts": bad_parts,
                         "no_seq_len": no_seq_len})
+        STATUS["case"] = "bf16"   # the first case's setting: its fp32 partition is in the cache
+        sched, slices, _ = first_case
+        results.append(_bf16_case(cfg, {"slices": slices, "schedule": sched, "granularity": 8, "plan_cache": cache,
+                                        "profile": profile}, micro=2, batch=2, seq_len=48))
     return results
