@@ -38,9 +38,11 @@ class ProfileConfig(DeepSpeedConfigModel):
     model_config = ConfigDict(extra="forbid")
 
     slice_lengths: Optional[List[int]] = Field(None, description=(
-        "slice lengths timed at context 0"), json_schema_extra={"doc_default": "powers of 2"})
+        "slice lengths timed at context 0; the plan has no slice shorter than the shortest of them"),
+        json_schema_extra={"doc_default": "powers of 2"})
     """Slice lengths (tokens) to time at context 0; default: powers of two from ``granularity`` to ``seq_len``
-    (at most 6 of them), which brackets every slice the planner may pick."""
+    (at most 6 of them), which brackets every slice the planner may pick. Given, the planner picks no slice
+    shorter than the shortest (the fit knows nothing below it)."""
 
     num_contexts: int = Field(3, ge=1, description=(
         "prefix lengths timed per slice length (for the context term of the cost model)"))

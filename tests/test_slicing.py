@@ -422,8 +422,23 @@ def test_extrapolation_is_logged(caplog):
     assert "extrapolated" in caplog.text
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_no_slice_shorter_than_min_slice_len(schedule):
+    # measured from 256 tokens up, no fixed cost per slice in the fit: extrapolated, 8-token slices look free
+    pts = [{"slice": s, "context": c, "forward_ms": 0.01 * s + 1e-5 * s * (c + s / 2),
+            "backward_ms": 0.02 * s + 2e-5 * s * (c + s / 2)} for s in (256, 512, 1024, 2048) for c in (0, 1024)]
+    cost = PipelineCost.uniform(MeasuredCost(pts), 2)
+    blind = plan_slicing(cost, 2048, num_microbatches=4, granularity=8, schedule=schedule)
+    assert min(blind.slices) < 256
+    for floor in (256, 200, 4096):
+        plan = plan_slicing(cost, 2048, num_microbatches=4, granularity=8, schedule=schedule, min_slice_len=floor)
+        assert min(plan.slices) >= min(floor, 2048) and sum(plan.slices) == 2048, (floor, plan.slices)
+        assert plan.predicted_ms >= blind.predicted_ms
+
+
 @pytest.mark.parametrize("kwargs, exc, needle", [
     ({"seq_len": 4, "granularity": 8}, ValueError, "seq_len = 4 is smaller than granularity = 8"),
+    ({"min_slice_len": 0}, ValueError, "min_slice_len = 0 must be >= 1"),
     ({"granularity": 0}, ValueError, "granularity = 0 must be >= 1"),
     ({"granularity": 2.0}, TypeError, "granularity = 2.0 must be an int"),
     ({"seq_len": 100, "granularity": 8}, ValueError, r"seq_len = 100 is not a multiple of granularity = 8.*e\.g\. 4"),

@@ -592,7 +592,7 @@ def plan_slicing(cost: PipelineCost, seq_len: int, *, num_microbatches: int = 1,
                  granularity: int = 8, schedule: str = "gpipe", memory_limit_bytes: float | None = None,
                  split_batch: bool = False, max_slices: int | None = None,
                  memory: MemoryModel | None = None, deferred_weight_grads: bool = False,
-                 virtual_stages: int | None = None) -> SlicingPlan:
+                 virtual_stages: int | None = None, min_slice_len: int | None = None) -> SlicingPlan:
     """The fastest slicing of ``seq_len``-token sequences for this pipeline, cost model and schedule.
 
     Slice lengths are multiples of ``granularity`` (smaller granularity: finer plans, slower planning); at
@@ -630,6 +630,11 @@ def plan_slicing(cost: PipelineCost, seq_len: int, *, num_microbatches: int = 1,
     (``build_schedule(schedule, p, ..., virtual_stages=v)``), the 16 best rather than 64 (each distinct slice
     count compiles a new chunk schedule). ``memory`` is per rank (p layer counts).
     ``SlicingPlan.num_stages`` is p.
+
+    ``min_slice_len``: no slice shorter than this many tokens (the whole sequence excepted, when it is shorter).
+    A measured cost model knows nothing below its shortest profiled slice, and a fit extrapolated there can make
+    tiny slices look free (a profile from 256 tokens up planned 256 slices of 8 tokens, 4x slower than its
+    16 slices of ~128); the runtime passes its shortest profiled length.
     """
     if not isinstance(cost, PipelineCost):
         raise TypeError(f"cost must be a PipelineCost, got {type(cost).__name__}; build one with "
@@ -641,6 +646,8 @@ def plan_slicing(cost: PipelineCost, seq_len: int, *, num_microbatches: int = 1,
     if seq_len % granularity:
         raise ValueError(f"seq_len = {seq_len} is not a multiple of granularity = {granularity}; pick a "
                          f"granularity dividing it (e.g. {math.gcd(seq_len, granularity)})")
+    if min_slice_len is not None:
+        min_slice_len = check_int(min_slice_len, "min_slice_len", fix="pass a token count, or None for no floor")
     m = check_int(num_microbatches, "num_microbatches", fix="pass the micro-batches per step (>= 1)")
     batch = check_int(micro_batch_size, "micro_batch_size", fix="pass the sequences per micro-batch (>= 1)")
     if cost.has_weight_terms and not deferred_weight_grads:
@@ -713,6 +720,9 @@ def plan_slicing(cost: PipelineCost, seq_len: int, *, num_microbatches: int = 1,
     for q, n_min in options:
         units, sub = m * q, batch // q
         w, t = _tables(cost, n, granularity, sub)
+        if min_slice_len is not None and min_slice_len > granularity:
+            short = np.arange(n + 1)[None, :] - np.arange(n + 1)[:, None] < min(min_slice_len, seq_len) / granularity
+            w[short], t[short] = _INF, _INF
         dp = _Dp(w, t, n_min, n_max)
         window = 0.0 if exact else _SIM_WINDOW
         # v chunk-units per unit on every rank: the interleaved closed form v*units*sum(w) + (p-1)*max(t).

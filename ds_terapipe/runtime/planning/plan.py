@@ -92,7 +92,9 @@ def solve_slicing(engine: "PipelineStage", cost: PipelineCost, stage_meta: Any, 
     plan = plan_slicing(cost, seq_len, num_microbatches=engine.micro_batches, micro_batch_size=engine.micro_batch_size,
                         granularity=granularity or cfg.granularity, schedule=cfg.schedule, memory_limit_bytes=limit, memory=memory,
                         max_slices=cfg.max_slices, deferred_weight_grads=cfg.deferred_weight_grads,
-                        virtual_stages=cfg.virtual_stages)
+                        virtual_stages=cfg.virtual_stages,
+                        # nothing shorter than the profile timed: its fit is blind there
+                        min_slice_len=min(cfg.profile.slice_lengths) if cfg.profile.slice_lengths else None)
     logger.log(logging.DEBUG if quiet else logging.INFO,
                "terapipe: plan for seq_len %d: %s slices=%s predicted %.1f ms vs %.1f ms unsliced (%.2fx)", seq_len,
                cfg.schedule, list(plan.slices), plan.predicted_ms, plan.unsliced_ms, plan.speedup)
