@@ -62,6 +62,7 @@ from ...planner.schedule import Action, Schedule, ScheduleError
 from ...planner.simulate import TimedAction
 from ...trace import events_to_chrome_trace
 from ..features.freeze import Freezer
+from ..features.partition import check_replicated_only
 from ..features.recompute import install_sliced_checkpointing
 from ..features.vocab import VocabParallel
 from ..planning.batch_plan import BatchPlanner
@@ -214,6 +215,7 @@ class TokenPipelineEngine(PipelineEngine):
         self._vocab = VocabParallel(self) if self.terapipe.vocab_parallel else None
         self._dp_identity_by_config = self._dp_reduce_identity_by_config()
         with self._failing_fast("engine init"):
+            check_replicated_only(self)  # bf16: a stage of tied copies only cannot step (features/partition.py)
             if self.terapipe.deferred_weight_grads:  # before profiling, which measures the split backward
                 count = enable_deferred_weight_grads(self.module)
                 logger.info("terapipe: stage %d defers the weight gradients of %d nn.Linear module(s)",
