@@ -278,8 +278,8 @@ def test_bf16_optimizer_gets_deferred_weight_grads(features) -> None:
 @pytest.mark.timeout(700)
 def test_dead_peer_fails_within_timeout_naming_the_instruction(features) -> None:
     dead = features[1]["timeout"]
-    assert dead["raised"] == "RuntimeError" and "simulated data failure" in dead["message"]
-    assert "LoadMicroBatch(buffer_id=1, microbatch=1)" in dead["message"]  # the failing rank says where it was
+    assert dead["raised"] == "RuntimeError" and "simulated loss failure" in dead["message"]
+    assert "ForwardPass(" in dead["message"] and "microbatch=1" in dead["message"]  # it says where it was
     case = features[0]["timeout"]
     assert case["raised"] == "P2PTimeoutError", case
     # on its own clock the waiting rank waited its deadline out (its peer spoke only after it failed), and failed

@@ -8,8 +8,8 @@ runtime/execution/p2p.py may be left running.
 * A wait given up for the abort flag whose peer closes the connection while this process finalises (the
   race behind the abort, made to happen on every launch): without the exit path of runtime/execution/p2p.py ("Leaving
   after a fault") rank 1 aborted in 3 of 3 launches.
-* A refused batch in a real 2-stage engine (micro-batches of two lengths in one step): aborted 2 of 4 launches
-  without it.
+* A refused batch in a real 2-stage engine (micro-batch 1 of a step with too few sequences): aborted 2 of 4
+  launches without it.
 * A killed peer (its transfer fails, nothing is given up): exits 1 either way; its helper thread used to be
   left running.
 """
@@ -50,9 +50,9 @@ STOPPED = {
         1: "PeerFailedError: rank 1: stopped while waiting for header of activations of micro-batch 0 from stage 0 "
            "(rank 0), because rank 0 (stage 0) failed in train_batch: ValueError: simulated refused batch"},
     "engine": {
-        0: "ValueError: token pipeline: micro-batches of different lengths in one step",
+        0: "ValueError: token pipeline: a micro-batch of inputs has 1 sequences",
         1: "PeerFailedError: rank 1: stopped while waiting for activations of micro-batch 1 slice 0 from stage 0 "
-           "(rank 0), because rank 0 (stage 0) failed in train_batch: ValueError: token pipeline: micro-batches"},
+           "(rank 0), because rank 0 (stage 0) failed in train_batch: ValueError: token pipeline: a micro-batch"},
 }
 
 

@@ -185,7 +185,7 @@ def test_a_backward_before_its_later_slices_is_a_schedule_error_naming_the_rule_
     from ds_terapipe.runtime.execution.engine import TokenPipelineEngine
 
     # the parts of an engine the check reads: slice 2 of 3 done, slice 1 not yet, micro-batch 1 on chunk 0
-    engine = SimpleNamespace(_states={(0, 1): SimpleNamespace(backward_done={2})}, num_slices=3,
+    engine = SimpleNamespace(_states={(0, 1): SimpleNamespace(backward_done={2}, num_slices=3)}, num_slices=3,
                              running=SimpleNamespace(schedule=SimpleNamespace(name="custom")))
     with pytest.raises(ScheduleError) as err:
         TokenPipelineEngine._exec_backward_pass(engine, 0, microbatch=1, slice_index=0, chunk=0)

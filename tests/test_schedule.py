@@ -464,3 +464,31 @@ def test_defer_weights_needs_a_compute_only_schedule():
         defer_weights(add_communication(build_schedule("gpipe", 2, 1, 2)))
     with pytest.raises(TypeError):
         defer_weights("gpipe")
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "dualpipev"])
+def test_micro_batches_with_their_own_slice_counts_lower_and_replay(name: str) -> None:
+    """A step of micro-batches of different lengths runs the schedule of the largest slice count without the units
+    a micro-batch lacks: for every schedule, training (with and without W, vocabulary passes) and evaluation,
+    the lowered schedule holds exactly each micro-batch's units and replays without a deadlock."""
+    from ds_terapipe.planner.lowering import lower, slice_counts_of
+    from ds_terapipe.planner.schedule import replay
+
+    rng = random.Random(name)
+    v = get_schedule(name).virtual_stages
+    for p in (2, 3):
+        for m in (1, 2, 3, 5):
+            counts = [rng.randint(1, 4) for _ in range(m)]
+            for train, deferred, vocab in itertools.product((True, False), (False, True), (False, True)):
+                sched = lower(name, p, m, max(counts), train=train, deferred_weight_grads=deferred,
+                              virtual_stages=v, vocab_parallel=vocab, slice_counts=counts)
+                forwards = {(a.chunk, a.microbatch, a.slice) for stream in sched.stages for a in stream
+                            if a.kind.name == "FORWARD"}
+                assert forwards == {(c, b, i) for c in range(p * v) for b in range(m) for i in range(counts[b])}
+                replay(sched)
+    base = lower(name, 2, 2, 3, virtual_stages=v)
+    assert slice_counts_of(base, [3, 3]) is base
+    with pytest.raises(ValueError, match="between 1 and 3 slices"):
+        slice_counts_of(base, [4, 1])
+    with pytest.raises(ValueError, match="each of the 2"):
+        slice_counts_of(base, [1])

@@ -169,13 +169,12 @@ def suite_faults(extra: dict) -> list[dict]:
                                  loss_fn=raising_loss)
         results.append(until_error(lambda: engine.train_batch(iter(batches))))
     elif fault == "length":
-        # micro-batch 1 of a step is shorter than micro-batch 0: the reading stages name the cause, the middle
-        # stage (waiting for activations) stops within seconds too
-        STATUS["case"] = "length change"
+        # the data runs out after micro-batch 0 of a 2-micro-batch step: the reading stages see it before the
+        # step starts, and every rank (the middle stage too) stops there, together
+        STATUS["case"] = "short iterator"
         engine = pipeline_engine(cfg, gpt_layer_specs(cfg), {"seq_len": seq_len, "slices": 3, "schedule": "gpipe",
                                                              "granularity": 4, "p2p_timeout_s": FAULT_P2P_TIMEOUT_S})
-        mixed = [batches[0], make_batches(cfg, 1, batch, seq_len - 16, seed=22)[0]]
-        results.append(until_error(lambda: engine.train_batch(iter(mixed))))
+        results.append(until_error(lambda: engine.train_batch(iter(batches[:1]))))
     elif fault == "init":
         # a layer on the middle stage that raises in the sliced run of the init-time check, after the probe pass:
         # its peers wait for its verdict and stop within seconds, naming it

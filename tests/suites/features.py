@@ -348,24 +348,30 @@ def suite_features(extra: dict) -> list[dict]:
         robust[f"{label}_untouched"] = all(torch.equal(before[n], p) for n, p in engine.module.named_parameters())
     results.append(robust)
 
-    # a peer that goes silent mid-batch (its data hangs on micro-batch 1 until the waiting rank has failed, then
+    # a peer that goes silent mid-batch (its loss hangs on micro-batch 1 until the waiting rank has failed, then
     # fails): the waiting rank fails at p2p_timeout_s, naming the instruction it was stuck on. The silent rank
     # waits for the other's word in the store, not for a while: raising before the deadline would stop the other
-    # through the abort flag instead (tests/test_engine_faults.py), whatever the machine's speed.
+    # through the abort flag instead (tests/test_engine_faults.py), whatever the machine's speed. (Not its data:
+    # the step's micro-batches are all read before the step starts.)
     STATUS["case"] = "timeout"
-    engine = pipeline_engine(cfg, gpt_layer_specs(cfg), {"seq_len": seq_len, "slices": 2, "p2p_timeout_s": 3})
     from torch.distributed.distributed_c10d import _get_default_store
 
     store = _get_default_store()
+    calls = [0]
 
-    def failing_data():
-        yield batches[0]
-        store.wait(["features/timed_out"], datetime.timedelta(seconds=120))
-        raise RuntimeError("simulated data failure on the last stage")
+    def failing_loss(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
+        if calls[0] == 3:   # micro-batch 1's first slice (2 slices a micro-batch)
+            store.wait(["features/timed_out"], datetime.timedelta(seconds=120))
+            raise RuntimeError("simulated loss failure on the last stage")
+        return causal_lm_loss(outputs, labels)
 
+    engine = pipeline_engine(cfg, gpt_layer_specs(cfg), {"seq_len": seq_len, "slices": 2, "p2p_timeout_s": 3},
+                             loss_fn=failing_loss)
+    calls[0] = 0   # the init-time slice check computed losses too
     t0 = time.perf_counter()
     try:
-        engine.train_batch(failing_data() if RANK == 1 else iter(batches))
+        engine.train_batch(iter(batches))
         results.append({"case": "timeout", "raised": None})
     except Exception as err:  # noqa: BLE001
         seconds = time.perf_counter() - t0

@@ -149,6 +149,10 @@ class TokenPipelineEngine(PipelineEngine):
             length); ``slices``, ``slicing_plan`` and ``plan_source`` read it.
     """
 
+    #: Per micro-batch, the slicing of the running step (None before the first step: ``slices`` for all).
+    step_slices: Optional[tuple[tuple[int, ...], ...]] = None
+    _last_mixed: Optional[list[int]] = None
+
     @classmethod
     def build(cls, model: Any, ds_config: dict, terapipe: TeraPipeConfig, **kwargs: Any) -> "TokenPipelineEngine":
         """An engine built the way ``deepspeed.initialize`` builds its ``PipelineEngine`` (process group up;
@@ -335,9 +339,30 @@ class TokenPipelineEngine(PipelineEngine):
     def num_slices(self) -> int:
         return len(self.slices)
 
-    def slice_bounds(self, slice_index: int) -> tuple[int, int]:
-        start = sum(self.slices[:slice_index])
-        return start, start + self.slices[slice_index]
+    def slices_of(self, microbatch: int) -> tuple[int, ...]:
+        """The slicing micro-batch ``microbatch`` of the running step runs (each micro-batch its own length's
+        plan when their lengths differ; ``slices`` otherwise)."""
+        step = self.step_slices
+        return step[microbatch] if step is not None and microbatch < len(step) else self.slices
+
+    def seq_len_of(self, microbatch: int) -> int:
+        return sum(self.slices_of(microbatch))
+
+    def slice_bounds(self, slice_index: int, microbatch: Optional[int] = None) -> tuple[int, int]:
+        slices = self.slices if microbatch is None else self.slices_of(microbatch)
+        start = sum(slices[:slice_index])
+        return start, start + slices[slice_index]
+
+    @property
+    def uniform_step(self) -> bool:
+        """Whether every micro-batch of the running step runs ``slices`` (what the re-planner can measure)."""
+        return self.step_slices is None or all(s == self.slices for s in self.step_slices)
+
+    def _slice_counts(self, micro_batches: int) -> Optional[tuple[int, ...]]:
+        """Per micro-batch slice counts for the step's schedule, None when they are all ``num_slices``."""
+        if self.uniform_step or self.step_slices is None or len(self.step_slices) != micro_batches:
+            return None
+        return tuple(len(s) for s in self.step_slices)
 
     def _check_model_supports_slicing(self) -> None:
         if self.num_slices == 1:
@@ -375,66 +400,73 @@ class TokenPipelineEngine(PipelineEngine):
         with self._failing_fast("eval_batch"):
             if self._vocab is not None:
                 self._vocab.check_eval(*args, **kwargs)
+            count = kwargs.get("num_micro_batches") or (args[4] if len(args) > 4 else None) or self.micro_batches
             if self.repack_share is not None:
-                count = kwargs.get("num_micro_batches") or (args[4] if len(args) > 4 else None) or self.micro_batches
                 data_iter = self.repack_share.take(self, data_iter, count, "eval_batch")
-            return super().eval_batch(self._use_plan_for_next_batch(data_iter), *args, **kwargs)
+            return super().eval_batch(self._use_plan_for_next_batch(data_iter, count=count), *args, **kwargs)
 
-    def _use_plan_for_next_batch(self, iterator: Optional[Iterator], train: bool = False) -> Optional[Iterator]:
-        """Look at the next micro-batch's sequence length and switch to its plan (collective over all ranks).
+    def _use_plan_for_next_batch(self, iterator: Optional[Iterator], train: bool = False,
+                                 count: Optional[int] = None) -> Optional[Iterator]:
+        """Look at the sequence lengths of the step's micro-batches and switch to their plans (collective over
+        all ranks).
 
-        Stage 0 reads the length; all ranks gather everyone's, so a new length is planned once by all ranks
-        together, and a length that cannot be run fails on every rank at once instead of hanging the others.
-        With ``terapipe.plan_per_batch`` a training step's first stage peeks all its micro-batches and the step
-        runs the slicing planned for their documents (runtime/planning/batch_plan.py).
+        The first and last stages read ahead the ``count`` micro-batches the step will run (default: the
+        gradient accumulation steps) and all ranks gather everyone's lengths, so a new length is planned once by
+        all ranks together, a length that cannot be run fails on every rank at once instead of hanging the
+        others, and micro-batches of different lengths each run their own length's slicing (``step_slices``; the
+        schedule drops the units a shorter micro-batch does not have: planner/lowering.py). With
+        ``terapipe.plan_per_batch`` a training step's micro-batches of the first one's length run the slicing
+        planned for their documents (runtime/planning/batch_plan.py).
         Returns the iterator with the peeked micro-batches put back in front.
         """
-        local, batch, refused = _NOT_READING, None, None
+        count = count or self.micro_batches
+        local, batch, refused = [_NOT_READING] * count, None, None
         per_batch = train and self.batch_planner is not None
         peeked: list[Any] = []
         if self.is_first_stage() or self.is_last_stage():
-            wanted = self.micro_batches if per_batch and self.is_first_stage() else 1
-            for _ in range(wanted):
+            for _ in range(count):
                 try:
                     peeked.append(next(iterator))
                 except StopIteration:
                     break
-            if not peeked:
-                local = _EXHAUSTED
-            else:
-                batch = peeked[0]
-                first = _first_tensor(batch[0] if self.is_first_stage() else batch[1])
-                local = first.shape[1] if first is not None and first.dim() >= 2 else _NO_SEQ_DIM
-                refused = self._documents_problem(batch[0]) if self.is_first_stage() else None
-                if refused is not None:
-                    local = _BAD_DOCUMENTS
-                for item in reversed(peeked):   # put back last first: they come out in their order
-                    iterator = put_back(item, iterator)
-        lengths = torch.full((torch.distributed.get_world_size(), ), _UNSET, dtype=torch.int64, device=self.device)
-        lengths[self.global_rank] = local  # each rank fills its own slot; MAX merges them
+            local = [_EXHAUSTED] * count
+            for index, item in enumerate(peeked):
+                first = _first_tensor(item[0] if self.is_first_stage() else item[1])
+                local[index] = first.shape[1] if first is not None and first.dim() >= 2 else _NO_SEQ_DIM
+                problem = self._documents_problem(item[0]) if self.is_first_stage() else None
+                if problem is not None:
+                    refused, local[index] = refused or problem, _BAD_DOCUMENTS
+            batch = peeked[0] if peeked else None
+            for item in reversed(peeked):   # put back last first: they come out in their order
+                iterator = put_back(item, iterator)
+        world = torch.distributed.get_world_size()
+        lengths = torch.full((world, count), _UNSET, dtype=torch.int64, device=self.device)
+        lengths[self.global_rank] = torch.tensor(local, dtype=torch.int64)  # own row; MAX merges the rows
         work = torch.distributed.all_reduce(lengths, op=torch.distributed.ReduceOp.MAX, async_op=True)
         self.p2p.wait(work, "the sequence-length agreement at the start of a batch")
-        values = lengths.tolist()
+        rows = lengths.tolist()
+        values = [v for row in rows for v in row]
         # Every rank sees every pipeline's first and last stage, so every rank reaches the same verdict.
         if _EXHAUSTED in values:
-            raise mark_collective(StopIteration("token pipeline: a data iterator ran out at the start of a batch"))
+            raise mark_collective(StopIteration(f"token pipeline: a data iterator ran out at the start of a batch "
+                                                f"(it had fewer than the {count} micro-batches of the step)"))
         if _BAD_DOCUMENTS in values:   # the first stage's message on it, a pointer to it on the others
-            origin = values.index(_BAD_DOCUMENTS)
-            raise mark_collective(ValueError(refused if local == _BAD_DOCUMENTS else
+            origin = next(r for r, row in enumerate(rows) if _BAD_DOCUMENTS in row)
+            raise mark_collective(ValueError(refused if refused is not None else
                                              f"token pipeline: rank {origin} (a first stage) refused the position "
                                              "ids of the next batch; its error says why"))
         if _NO_SEQ_DIM in values:
             raise mark_collective(ValueError("token pipeline: batch inputs/labels must be (batch, seq_len, ...) "
                                              "tensors; a stage got a tensor without a sequence dimension"))
         replicas = range(self.grid.data_parallel_size)
-        stage0 = [values[self.grid.stage_to_global(0, data=d)] for d in replicas]
-        last = [values[self.grid.stage_to_global(self.placement[-1], data=d)] for d in replicas]
+        stage0 = [rows[self.grid.stage_to_global(0, data=d)] for d in replicas]
+        last = [rows[self.grid.stage_to_global(self.placement[-1], data=d)] for d in replicas]
         if stage0 != last:
             raise mark_collective(ValueError(f"token pipeline: first-stage inputs have lengths {stage0} but last-stage "
-                                             f"labels {last} (per data-parallel replica); both stages must read the "
-                                             "same batches"))
-        mine = values[self.grid.stage_to_global(0)]
-        for length in sorted(set(stage0)):
+                                             f"labels {last} (per data-parallel replica, per micro-batch); both "
+                                             "stages must read the same batches"))
+        mine = rows[self.grid.stage_to_global(0)]
+        for length in sorted({n for row in stage0 for n in row}):
             if length not in self.plans:
                 latest = next(reversed(self.plans.values()))  # carries the costs known so far
                 resolved = plan_for_length(self, latest, length)
@@ -442,16 +474,20 @@ class TokenPipelineEngine(PipelineEngine):
                 if self.global_rank == 0:
                     logger.info("terapipe: sequence length %d -> %d slice(s) %s", length, len(resolved.slices),
                                 list(resolved.slices))
-        self.plan = self.plans[mine]
+        self.plan = self.plans[mine[0]]
         if per_batch:
             context = None
-            if self.is_first_stage() and local > 0:
-                context = self.batch_planner.local_context([b[0] for b in peeked], local)
+            if self.is_first_stage():
+                context = self.batch_planner.local_context([b[0] for b in peeked], mine[0])
             self.plan = self.batch_planner.plan_step(self, self.plan, context)
+        self.step_slices = tuple(self.plan.slices if n == mine[0] else self.plans[n].slices for n in mine)
+        if len(set(mine)) > 1 and self.global_rank == 0 and mine != self._last_mixed:
+            logger.debug("terapipe: a step of micro-batches of lengths %s", mine)
+            self._last_mixed = mine
         first_input = batch[0] if self.is_first_stage() and batch is not None else None
         if self.terapipe.packed and isinstance(first_input, (tuple, list)):
             first_input = first_input[0]  # the ids: the check probes causality, documents aside
-        self._check_slicing_on_batch(set(stage0), first_input)
+        self._check_slicing_on_batch({row[0] for row in stage0}, first_input)
         return iterator
 
     def _check_slicing_on_batch(self, lengths: set[int], first_input: Any) -> None:
@@ -487,10 +523,13 @@ class TokenPipelineEngine(PipelineEngine):
                      vocab_embedding=self._vocab_embedding)
 
     def _train_schedule(self) -> TokenPipeSchedule:
+        counts = self._slice_counts(self.micro_batches)
         return TokenPipeSchedule(self.terapipe.schedule, self.micro_batches, self.num_stages, self.stage_id,
-                                 self.num_slices, train=True, deferred_weight_grads=self.terapipe.deferred_weight_grads,
+                                 max(counts) if counts else self.num_slices, train=True,
+                                 deferred_weight_grads=self.terapipe.deferred_weight_grads,
                                  virtual_stages=self.terapipe.virtual_stages, num_frozen_chunks=self._frozen_chunks(),
-                                 vocab_parallel=self.terapipe.vocab_parallel, vocab_embedding=self._vocab_embedding)
+                                 vocab_parallel=self.terapipe.vocab_parallel, vocab_embedding=self._vocab_embedding,
+                                 slice_counts=counts)
 
     # -- frozen layers (runtime/features/freeze.py) ----------------------------------------------------------------
     def _frozen_chunks(self) -> int:
@@ -524,9 +563,12 @@ class TokenPipelineEngine(PipelineEngine):
         self._global_grad_norm = clip_by_global_norm(self)
 
     def _inference_schedule(self, micro_batches: int) -> TokenPipeSchedule:
+        counts = self._slice_counts(micro_batches)
         return TokenPipeSchedule(self.terapipe.schedule, micro_batches, self.num_stages, self.stage_id,
-                                 self.num_slices, train=False, virtual_stages=self.terapipe.virtual_stages,
-                                 vocab_parallel=self.terapipe.vocab_parallel, vocab_embedding=self._vocab_embedding)
+                                 max(counts) if counts else self.num_slices, train=False,
+                                 virtual_stages=self.terapipe.virtual_stages,
+                                 vocab_parallel=self.terapipe.vocab_parallel, vocab_embedding=self._vocab_embedding,
+                                 slice_counts=counts)
 
     @property
     def _vocab_embedding(self) -> bool:
@@ -650,7 +692,7 @@ class TokenPipelineEngine(PipelineEngine):
         """The micro-batch's documents on a rank that learns them slice by slice (from received activations)."""
         docs = self.documents.get(microbatch)
         if docs is None:
-            docs = Documents.empty(self.micro_batch_size, self.seq_len, self.device)
+            docs = Documents.empty(self.micro_batch_size, self.seq_len_of(microbatch), self.device)
             self.documents[microbatch] = docs
         return docs
 
@@ -660,13 +702,12 @@ class TokenPipelineEngine(PipelineEngine):
             got = None if first is None else tuple(first.shape)
             raise ValueError(f"token pipeline: batch {what} must be (batch, seq_len, ...) tensors; got shape {got} in "
                              f"micro-batch {microbatch}")
-        if first.shape[1] != self.seq_len:
-            # The step's plan was chosen for its first micro-batch's length (read before the step started).
-            raise ValueError(f"token pipeline: micro-batches of different lengths in one step: micro-batch "
-                             f"{microbatch} has {what} of sequence length {first.shape[1]}, but the step's first "
-                             f"micro-batch had {self.seq_len}; all micro-batches of a step (gradient_accumulation_steps of "
-                             "them) must share one length: group batches by length, or pad "
-                             "or crop them to a common length")
+        if first.shape[1] != self.seq_len_of(microbatch):
+            # Every micro-batch's length was agreed before the step started (read ahead from the iterator).
+            raise ValueError(f"token pipeline: micro-batch {microbatch} has {what} of sequence length "
+                             f"{first.shape[1]}, but it had {self.seq_len_of(microbatch)} when the step started; "
+                             "the data iterator must yield the same batches when read again (no batch may change "
+                             "after it is yielded)")
         if first.shape[0] != self.micro_batch_size:
             # Stages exchange activation shapes once per slice length: a micro-batch of another size must stop here.
             raise ValueError(f"token pipeline: a micro-batch of {what} has {first.shape[0]} sequences, but "
@@ -680,7 +721,7 @@ class TokenPipelineEngine(PipelineEngine):
         """The (chunk, micro-batch)'s KV buffers, backward progress and weight-gradient stash."""
         state = self._states.get((chunk, microbatch))
         if state is None:
-            state = MicroBatchState(microbatch, self.seq_len, self.num_slices)
+            state = MicroBatchState(microbatch, self.seq_len_of(microbatch), len(self.slices_of(microbatch)))
             if self.terapipe.deferred_weight_grads and torch.is_grad_enabled():
                 state.weight_stash = self._stashes.setdefault((chunk, microbatch), WeightGradStash())
             self._states[(chunk, microbatch)] = state
@@ -711,18 +752,19 @@ class TokenPipelineEngine(PipelineEngine):
             self._forward_unit(buffer_id, microbatch, slice_index, chunk)
 
     def _forward_unit(self, buffer_id: int, microbatch: int, slice_index: int, chunk: int) -> None:
-        start, end = self.slice_bounds(slice_index)
+        start, end = self.slice_bounds(slice_index, microbatch)
+        seq_len, num_slices = self.seq_len_of(microbatch), len(self.slices_of(microbatch))
         loaded = self.loaded.get(microbatch, {})
         first, last = self.is_first_stage(), self.is_last_stage()
         if first:
-            self.pipe_buffers["inputs"][buffer_id] = cut_tokens(loaded["inputs"], start, end, self.seq_len)
+            self.pipe_buffers["inputs"][buffer_id] = cut_tokens(loaded["inputs"], start, end, seq_len)
         if last:
-            self.pipe_buffers["labels"][buffer_id] = cut_tokens(loaded["labels"], start, end, self.seq_len)
+            self.pipe_buffers["labels"][buffer_id] = cut_tokens(loaded["labels"], start, end, seq_len)
         ctx = SliceContext(microbatch, slice_index, start, end, self._state(chunk, microbatch),
                            documents=self.documents.get(microbatch))
-        with slice_scope(ctx), self._weighted_loss((end - start) / self.seq_len):
+        with slice_scope(ctx), self._weighted_loss((end - start) / seq_len):
             super()._exec_forward_pass(buffer_id)
-        last_slice = slice_index == self.num_slices - 1
+        last_slice = slice_index == num_slices - 1
         if last_slice:
             for key, used in (("inputs", first), ("labels", last)):
                 if used:
@@ -732,7 +774,7 @@ class TokenPipelineEngine(PipelineEngine):
         if last:
             self.unit_losses[buffer_id] = self.loss
             if self.eval_return_logits:
-                self._collect_logits(slice_index)
+                self._collect_logits(slice_index, num_slices)
         handed_on = self._is_local(chunk + 1)
         if handed_on:
             # The next chunk is on this rank: its input is this output, cut from the graph as a received one
@@ -752,23 +794,24 @@ class TokenPipelineEngine(PipelineEngine):
             if last_slice:
                 self._states.pop((chunk, microbatch), None)
 
-    def _collect_logits(self, slice_index: int) -> None:
+    def _collect_logits(self, slice_index: int, num_slices: int) -> None:
         if slice_index == 0:
             self._logits = []
         self._logits.append(self.outputs)
-        if slice_index == self.num_slices - 1:
+        if slice_index == num_slices - 1:
             self.outputs = torch.cat(self._logits, dim=1) if len(self._logits) > 1 else self._logits[0]
             self._logits = []
 
     def _exec_backward_pass(self, buffer_id: int, microbatch: int, slice_index: int, chunk: int) -> None:
         state = self._states[(chunk, microbatch)]
-        pending = [j for j in range(slice_index + 1, self.num_slices) if j not in state.backward_done]
+        num_slices = state.num_slices   # this micro-batch's
+        pending = [j for j in range(slice_index + 1, num_slices) if j not in state.backward_done]
         if pending:   # a schedule's order, not an internal state: checked under python -O too
             raise ScheduleError(
                 f"token pipeline: schedule {self.running.schedule.name!r} runs the backward of slice {slice_index} "
                 f"of micro-batch {microbatch} on chunk {chunk} before its later slices {pending}; a slice's "
                 "backward needs the gradient its later slices leave on its keys and values, so the backwards of a "
-                f"micro-batch run last slice first ({self.num_slices - 1} down to 0): fix the schedule's order "
+                f"micro-batch run last slice first ({num_slices - 1} down to 0): fix the schedule's order "
                 "(ds_terapipe.planner.schedule.validate(schedule) names every such action)",
                 violations=[f"{chunk}B{microbatch}.{slice_index} before {chunk}B{microbatch}.{j}" for j in pending])
         with self.on_chunk(chunk):
@@ -858,9 +901,9 @@ class TokenPipelineEngine(PipelineEngine):
     def _exec_send_activations(self, buffer_id: int, microbatch: int, slice_index: int, chunk: int) -> None:
         outputs = as_tuple(self.pipe_buffers["outputs"][buffer_id])
         if self.terapipe.packed:   # the slice's position ids travel with it: the next stage's documents
-            start, end = self.slice_bounds(slice_index)
+            start, end = self.slice_bounds(slice_index, microbatch)
             outputs = (*outputs, self.documents[microbatch].positions[:, start:end].contiguous())
-        key = (chunk, self.seq_len, self.slices[slice_index])
+        key = (chunk, self.seq_len_of(microbatch), self.slices_of(microbatch)[slice_index])
         self.p2p.send(outputs, self.placement[chunk + 1],
                        f"activations of micro-batch {microbatch} slice {slice_index}{self._chunk_note(chunk)}",
                        header=key not in self._shapes_sent)
@@ -869,7 +912,8 @@ class TokenPipelineEngine(PipelineEngine):
             self.pipe_buffers["outputs"][buffer_id] = None
 
     def _exec_recv_activations(self, buffer_id: int, microbatch: int, slice_index: int, chunk: int) -> None:
-        key = (chunk - 1, self.seq_len, self.slices[slice_index])  # the boundary into this chunk, as sent
+        # the boundary into this chunk, as sent
+        key = (chunk - 1, self.seq_len_of(microbatch), self.slices_of(microbatch)[slice_index])
         what = f"activations of micro-batch {microbatch} slice {slice_index}{self._chunk_note(chunk)}"
         source = self.placement[chunk - 1]
         if key in self._shapes_known:
@@ -879,7 +923,7 @@ class TokenPipelineEngine(PipelineEngine):
             self._shapes_known[key] = [(tuple(t.shape), t.dtype) for t in received]
         if self.terapipe.packed:   # the last tensor is the slice's position ids (see _exec_send_activations)
             received, positions = received[:-1], received[-1]
-            self._documents_of(microbatch).write(self.slice_bounds(slice_index)[0], positions)
+            self._documents_of(microbatch).write(self.slice_bounds(slice_index, microbatch)[0], positions)
         if torch.is_grad_enabled() and not self._chunk_frozen(chunk - 1):  # no gradient goes back into a frozen chunk
             for tensor in received:
                 tensor.requires_grad_(tensor.is_floating_point())

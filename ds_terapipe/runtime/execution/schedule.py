@@ -18,7 +18,7 @@ of a micro-batch, slice 0, or of one slice) becomes :class:`WeightGradPass` with
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Optional, Sequence
 
 from deepspeed.runtime.pipe import schedule as ds_schedule
 
@@ -67,6 +67,8 @@ class TokenPipeSchedule(ds_schedule.PipeSchedule):
             only and no gradient is sent to them.
         vocab_parallel: add the vocabulary passes ``VF``/``VB`` (:func:`~ds_terapipe.planner.vocab.add_vocab_passes`)
             as :class:`VocabForwardPass`/:class:`VocabBackwardPass`.
+        slice_counts: per micro-batch, its slices when micro-batches of the step differ in length (``num_slices``
+            is their largest; planner/lowering.py drops the units a micro-batch does not have).
         vocab_embedding: with ``vocab_parallel``, add the split input embedding's passes ``EF``/``EB`` too
             (:class:`VocabEmbedForwardPass`/:class:`VocabEmbedBackwardPass`); the first stage loads a micro-batch
             before its first ``EF``, which reads its token ids.
@@ -74,14 +76,15 @@ class TokenPipeSchedule(ds_schedule.PipeSchedule):
 
     def __init__(self, name: str, micro_batches: int, stages: int, stage_id: int, num_slices: int,
                  train: bool = True, deferred_weight_grads: bool = False, virtual_stages: int = 1,
-                 num_frozen_chunks: int = 0, vocab_parallel: bool = False, vocab_embedding: bool = False) -> None:
+                 num_frozen_chunks: int = 0, vocab_parallel: bool = False, vocab_embedding: bool = False,
+                 slice_counts: Optional[Sequence[int]] = None) -> None:
         super().__init__(micro_batches=micro_batches, stages=stages, stage_id=stage_id)
         self.num_slices = num_slices
         self.train = train
         self.schedule = lower(name, stages, micro_batches, num_slices, train=train,
                               deferred_weight_grads=deferred_weight_grads, virtual_stages=virtual_stages,
                               num_frozen_chunks=num_frozen_chunks, vocab_parallel=vocab_parallel,
-                              vocab_embedding=vocab_embedding)
+                              vocab_embedding=vocab_embedding, slice_counts=slice_counts)
         self.actions: tuple[Action, ...] = self.schedule.stages[stage_id]
         self.chunks: tuple[int, ...] = self.schedule.chunks_of(stage_id)
         self._local = {chunk: index for index, chunk in enumerate(self.chunks)}

@@ -298,7 +298,7 @@ class VocabParallel:
     def _forward(self, microbatch: int, slice_index: int, training: bool) -> None:
         engine, head = self.engine, self.head
         assert not engine.eval_return_logits, "refused by check_eval"
-        start, end = engine.slice_bounds(slice_index)
+        start, end = engine.slice_bounds(slice_index, microbatch)
         shape = (engine.micro_batch_size, end - start)
         what = f"the vocabulary forward of micro-batch {microbatch} slice {slice_index}"
         if self.is_last:
@@ -330,7 +330,7 @@ class VocabParallel:
         lse = top + torch.log(stats[0])
         counted = labels != -100
         # causal_lm_loss (sum / label positions) times the slice's share of the tokens, as _weighted_loss does
-        scale = (end - start) / engine.seq_len / labels.numel()
+        scale = (end - start) / engine.seq_len_of(microbatch) / labels.numel()
         loss = torch.where(counted, lse - stats[1], 0.0).sum() * scale
         if self.is_last:
             placeholder.copy_(loss)  # DeepSpeed's loss list holds it (detached, same storage)

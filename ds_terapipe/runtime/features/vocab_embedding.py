@@ -195,12 +195,12 @@ class VocabEmbedding:
 
     def forward_pass(self, microbatch: int, slice_index: int) -> None:
         engine = self.engine
-        start, end = engine.slice_bounds(slice_index)
+        start, end = engine.slice_bounds(slice_index, microbatch)
         shape = (engine.micro_batch_size, end - start)
         what = f"the vocabulary embedding of micro-batch {microbatch} slice {slice_index}"
         training = torch.is_grad_enabled()
         if self.is_first:
-            inputs = cut_tokens(engine.loaded[microbatch]["inputs"], start, end, engine.seq_len)
+            inputs = cut_tokens(engine.loaded[microbatch]["inputs"], start, end, engine.seq_len_of(microbatch))
             ids = inputs
             if not torch.is_tensor(ids) or ids.is_floating_point() or tuple(ids.shape) != shape:
                 got = tuple(ids.shape) if torch.is_tensor(ids) else type(ids).__name__

@@ -75,9 +75,10 @@ class Replanner:
         if self.steps <= self.warmup_steps:
             return
         plan = engine.plan
-        self.samples.extend(measured_sums(engine.last_timeline, plan.slices, plan.seq_len,
-                                          engine.running.schedule.weights_per_slice))
-        self.step_terms.append((engine.stage_id, dict(engine.last_step_terms)))
+        if engine.uniform_step:   # a step of micro-batches of other lengths times other slices: not this plan's
+            self.samples.extend(measured_sums(engine.last_timeline, plan.slices, plan.seq_len,
+                                              engine.running.schedule.weights_per_slice))
+            self.step_terms.append((engine.stage_id, dict(engine.last_step_terms)))
         if self.steps < self.warmup_steps + self.measure_steps:
             return
         engine.record_timeline = self._recording_was
