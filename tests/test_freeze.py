@@ -207,8 +207,7 @@ def test_auto_policy_freezes_front_to_back_the_same_on_every_rank_and_replans(fr
 def test_freeze_refusals_on_every_rank_before_training(freeze_results) -> None:
     expected = {"refuse too many": "freeze 9 layers but the model has 7",
                 "refuse all": "freezes every layer with parameters",
-                "refuse repack micro-batches": "gradient_accumulation_steps=3 must be divisible by the 2 pipeline",
-                "refuse repack zero 1": "DeepSpeed's DeepSpeedZeroOptimizer (bf16, fp16 or ZeRO stage 1"}
+                "refuse repack micro-batches": "gradient_accumulation_steps=3 must be divisible by the 2 pipeline"}
     for rank, cases in enumerate(freeze_results):
         got = {c["case"]: c for c in cases if c["case"].startswith("refuse")}
         assert sorted(got) == sorted(expected)

@@ -32,9 +32,12 @@ TWO_RANKS = [["bf16", 0, "1f1b", 1], ["bf16", 1, "gpipe", 1], ["fp32", 1, "1f1b"
              ["bf16", 0, "1f1b", 1, False, "llama"], ["fp32", 1, "gpipe", 1, True, "llama"],
              ["bf16", 1, "interleaved-1f1b", 2, True, "llama"],
              # the same matrix without freezing: the Llama in bf16, plain and with vocabulary parallelism
-             ["bf16", 0, "gpipe", 1, False, "llama", False], ["bf16", 1, "1f1b", 1, True, "llama", False]]
+             ["bf16", 0, "gpipe", 1, False, "llama", False], ["bf16", 1, "1f1b", 1, True, "llama", False],
+             # repacking after stage 0 froze: the master copies and optimizer state move to the new layout
+             ["bf16", 0, "1f1b", 1, False, "gpt", True, True], ["bf16", 1, "gpipe", 1, False, "gpt", True, True],
+             ["fp32", 1, "1f1b", 1, False, "gpt", True, True]]
 FOUR_RANKS = [["bf16", 1, "1f1b", 1], ["fp32", 1, "gpipe", 1], ["bf16", 0, "1f1b", 1], ["fp16", 1, "1f1b", 1],
-              ["bf16", 1, "1f1b", 1, True, "llama"]]
+              ["bf16", 1, "1f1b", 1, True, "llama"], ["bf16", 1, "1f1b", 1, False, "gpt", True, True]]
 
 
 def _check(results: list[dict], expected: int) -> None:
@@ -50,6 +53,9 @@ def _check(results: list[dict], expected: int) -> None:
             assert not any(case["moved"]), f"{where}: frozen parameters moved: {case['moved']}"
             assert not any(case["state_nonzero"]), f"{where}: frozen state not zero: {case['state_nonzero']}"
             assert case["frozen_layers"] == (None if "no-freeze" in case["case"] else 4), where
+            # a repack once stage 0 froze: 1 stage x every rank a replica, the others keep their layout
+            assert case["layout"] == ([1, len(results)] if case["case"].endswith("repack") else
+                                      [2, len(results) // 2]), (where, case["layout"])
     # stage 0 holds the frozen layers: something froze there (else the checks above pass vacuously)
     assert any(max(c["frozen_counts"]) > 0 for c in results[0]["results"])
 
@@ -86,3 +92,35 @@ def test_which_optimizers_freezing_can_hold_still() -> None:
     assert "fused FP16_Optimizer" in frozen_state_problem(wrappers["FP16_Optimizer"]())
     assert "does not know where Mystery keeps" in frozen_state_problem(wrappers["Mystery"]())
     assert "needs a torch optimizer" in frozen_state_problem(object())
+
+
+def test_which_optimizers_a_repack_can_move() -> None:
+    """The rule behind the repack's refusal at init (runtime/features/repack.py), without a process group: a torch
+    optimizer, and DeepSpeed's flat master copies in fp32 and bf16 (BF16_Optimizer, ZeRO 1) move; fp16 (its loss
+    scaler) and a wrapper whose masters the repack cannot locate are refused with the rule and the fix."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from ds_terapipe.runtime.features.repack import check_repack_supported
+
+    inner = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    bf16 = type("BF16_Optimizer", (), {})()
+    bf16.optimizer, bf16.bf16_groups = inner, []
+    zero = type("DeepSpeedZeroOptimizer", (), {})()
+    zero.optimizer, zero.single_partition_of_fp32_groups, zero.dtype = inner, [], torch.bfloat16
+    zero16 = type("DeepSpeedZeroOptimizer", (), {})()
+    zero16.optimizer, zero16.single_partition_of_fp32_groups, zero16.dtype = inner, [], torch.float16
+    fused16 = type("FP16_Optimizer", (), {})()
+    fused16.optimizer = inner
+
+    def problem(optimizer):
+        engine = SimpleNamespace(terapipe=SimpleNamespace(virtual_stages=1), optimizer=optimizer,
+                                 module=SimpleNamespace(rebuild_spec={"layers": []}), micro_batches=2, num_stages=2,
+                                 training_dataloader=None, config={})
+        return check_repack_supported(engine)
+
+    for ok in (inner, bf16, zero):
+        assert problem(ok) is None, type(ok).__name__
+    for refused in (zero16, fused16):
+        assert "repack works in fp32 and bf16 at ZeRO stage 0 or 1" in problem(refused), type(refused).__name__

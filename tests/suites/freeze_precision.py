@@ -51,7 +51,7 @@ def _specs(model: str) -> tuple[list, int]:
 
 
 def _engine(specs: list, vocab_size: int, precision: str, zero: int, schedule: str, v: int, micro: int, batch: int,
-            vocab: bool = False, freeze: bool = True) -> Any:
+            vocab: bool = False, freeze: bool = True, repack: bool = False) -> Any:
     chunks = {"virtual_stages": v, "schedule": schedule} if v > 1 else {}
     model = ds_terapipe.TokenPipelineModule(specs, num_stages=STAGES, loss_fn=causal_lm_loss,
                                             vocab_size=vocab_size, partition_method="uniform",
@@ -62,7 +62,8 @@ def _engine(specs: list, vocab_size: int, precision: str, zero: int, schedule: s
               "zero_optimization": {"stage": zero}, "zero_allow_untested_optimizer": True,
               "terapipe": {"enabled": True, "seq_len": 48, "slices": [8, 24, 16], "schedule": schedule,
                            "virtual_stages": v, "granularity": 8, "p2p_timeout_s": 60,
-                           **({"freeze": {"schedule": SCHEDULE}} if freeze else {}), "vocab_parallel": vocab},
+                           **({"freeze": {"schedule": SCHEDULE, "repack": repack}} if freeze else {}),
+                           "vocab_parallel": vocab},
               **PRECISIONS[precision]}
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     engine, _, _, _ = ds_terapipe.initialize(model=model, optimizer=opt, config=config)
@@ -103,7 +104,7 @@ def _vocab_update(engine: Any, update: dict[str, torch.Tensor], ref_update: dict
 
 
 def _case(precision: str, zero: int, schedule: str, v: int, vocab: bool = False, model: str = "gpt",
-          freeze: bool = True) -> dict[str, Any]:
+          freeze: bool = True, repack: bool = False) -> dict[str, Any]:
     dp = WORLD // STAGES
     micro, batch = 2, 2
     specs, vocab_size = _specs(model)
@@ -111,9 +112,13 @@ def _case(precision: str, zero: int, schedule: str, v: int, vocab: bool = False,
     _, initial, _ = build_spec_layers(_specs(model)[0])
     ref_start = {n: p.detach().clone() for n, p in initial.items()}
     ref = frozen_reference(_specs(model)[0], batches, STEPS, _frozen_at if freeze else (lambda step: 0))
-    engine = _engine(specs, vocab_size, precision, zero, schedule, v, micro, batch, vocab, freeze)
+    engine = _engine(specs, vocab_size, precision, zero, schedule, v, micro, batch, vocab, freeze, repack)
     data = iter(replica_batches(batches, engine.grid.data_parallel_id, micro, dp, STEPS))
     start = master_weights(engine)
+    if repack:   # after the repack a rank holds the other stage's weights too: their start from their first holder
+        every: list[Any] = [None] * WORLD
+        torch.distributed.all_gather_object(every, start)
+        start = {n: t for part in reversed(every) for n, t in part.items()} | start
     previous: Optional[tuple[dict, dict]] = None
     losses, moved, nonzero, frozen_counts = [], [], [], []
     for _ in range(STEPS):
@@ -123,10 +128,13 @@ def _case(precision: str, zero: int, schedule: str, v: int, vocab: bool = False,
         frozen = sorted(n for n, p in engine.module.named_parameters() if not p.requires_grad)
         frozen_counts.append(len(frozen))
         if previous is not None:
-            moved.append([n for n in frozen if not torch.equal(master[n], previous[0][n]) or
-                          not torch.equal(weights[n], previous[1][n])])
+            moved.append([n for n in frozen if n in previous[0] and (not torch.equal(master[n], previous[0][n]) or
+                          not torch.equal(weights[n], previous[1][n]))])
         nonzero.append(_state_nonzero(engine, frozen))
         previous = (master, weights)
+        if 0 not in engine.local_chunks:   # a stage without the embedding holds a stale, unused copy of wpe
+            for held in previous:
+                held.pop("tied_modules.embed.wpe.weight", None)
     update = deltas(master_weights(engine), start)
     ref_update = deltas(ref["params"], ref_start)
     update, ref_update = _vocab_update(engine, update, ref_update)
@@ -135,13 +143,14 @@ def _case(precision: str, zero: int, schedule: str, v: int, vocab: bool = False,
     return {"case": STATUS["case"], "optimizer": type(engine.optimizer).__name__, "losses": losses,
             "ref_losses": ref["losses"], "update_rel_err": err, "update_worst": worst, "compared": count,
             "moved": moved, "state_nonzero": nonzero, "frozen_counts": frozen_counts,
-            "frozen_layers": engine.freezer.num_frozen_layers if freeze else None, "stage": engine.stage_id}
+            "frozen_layers": engine.freezer.num_frozen_layers if freeze else None, "stage": engine.stage_id,
+            "layout": [engine.num_stages, engine.dp_world_size]}
 
 
 def _label(precision: str, zero: int, schedule: str, v: int, vocab: bool = False, model: str = "gpt",
-           freeze: bool = True) -> str:
+           freeze: bool = True, repack: bool = False) -> str:
     return (f"{precision} zero{zero} schedule={schedule} v={v} model={model}" + (" vocab_parallel" if vocab else "")
-            + ("" if freeze else " no-freeze"))
+            + ("" if freeze else " no-freeze") + (" repack" if repack else ""))
 
 
 @suite("freeze_precision")

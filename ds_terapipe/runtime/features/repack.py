@@ -120,11 +120,12 @@ def check_repack_supported(engine: "PipelineStage") -> Optional[str]:
     if cfg.virtual_stages != 1:
         return (f"terapipe.freeze.repack needs one chunk per rank, got virtual_stages={cfg.virtual_stages}; set "
                 "virtual_stages to 1 or repack to false")
-    if engine.optimizer is not None and not isinstance(engine.optimizer, torch.optim.Optimizer):
-        return (f"terapipe.freeze.repack regroups the optimizer over the new layout and moves its state parameter "
-                f"by parameter, which DeepSpeed's {type(engine.optimizer).__name__} (bf16, fp16 or ZeRO stage 1: "
-                "flat fp32 master copies) does not allow; train in fp32 at ZeRO stage 0 to repack, or set repack "
-                "to false (freezing itself works with it)")
+    if engine.optimizer is not None and not isinstance(engine.optimizer, torch.optim.Optimizer) and \
+            not _flat_masters(engine.optimizer):
+        return (f"terapipe.freeze.repack moves every parameter's master copy and optimizer state to the ranks that "
+                f"hold it after the repack; DeepSpeed's {type(engine.optimizer).__name__} keeps them where it cannot "
+                "be done (fp16 also carries a loss scaler): repack works in fp32 and bf16 at ZeRO stage 0 or 1; "
+                "use one of those, or set repack to false (freezing itself works with it)")
     if getattr(engine.module, "rebuild_spec", None) is None or engine.module.rebuild_spec["layers"] is None:
         return (f"terapipe.freeze.repack rebuilds the model over the new layout and needs a "
                 f"ds_terapipe.TokenPipelineModule, got {type(engine.module).__name__}; build the model as a "
@@ -140,6 +141,106 @@ def check_repack_supported(engine: "PipelineStage") -> Optional[str]:
     if not isinstance(engine.config, dict):
         return "terapipe.freeze.repack needs the DeepSpeed config as a dict or a JSON file path"
     return None
+
+
+# -- DeepSpeed's flat master copies ----------------------------------------------------------------------------------
+def _flat_masters(optimizer: Any) -> bool:
+    """Whether ``optimizer`` is one of DeepSpeed's whose fp32 master copies and state live in flat partitions that
+    a repack can read and write per parameter (``param._hp_mapping``): BF16_Optimizer, and ZeRO stage 1 in bf16 or
+    fp32. fp16 is left out: its loss scaler's state would have to move too."""
+    inner = getattr(optimizer, "optimizer", None)
+    if isinstance(optimizer, torch.optim.Optimizer) or not isinstance(inner, torch.optim.Optimizer):
+        return False
+    if hasattr(optimizer, "bf16_groups"):
+        return True
+    return hasattr(optimizer, "single_partition_of_fp32_groups") and getattr(optimizer, "dtype", None) != torch.float16
+
+
+def _flat_tensor(inner: torch.optim.Optimizer, group: int, key: Optional[str], create: bool = False
+                 ) -> Optional[torch.Tensor]:
+    """Group ``group``'s flat fp32 master partition (``key`` None) or that partition's optimizer state ``key``
+    (created as zeros when ``create``: a new optimizer that has not stepped yet has none)."""
+    flat = inner.param_groups[group]["params"][0]
+    if key is None:
+        return flat
+    state = inner.state.setdefault(flat, {}) if create else inner.state.get(flat, {})
+    if key not in state and create:
+        state[key] = torch.zeros_like(flat)
+    return state.get(key)
+
+
+def _state_keys(inner: torch.optim.Optimizer) -> tuple[list[str], dict[str, Any]]:
+    """The per-element state keys of the inner optimizer's flat partitions (momentum, Adam's moments) and its
+    scalar state (Adam's step), the same on every replica of a stage."""
+    keys: set[str] = set()
+    scalars: dict[str, Any] = {}
+    for flat_state in inner.state.values():
+        for key, value in flat_state.items():
+            if torch.is_tensor(value) and value.dim() > 0:
+                keys.add(key)
+            else:
+                scalars[key] = value.clone() if torch.is_tensor(value) else value
+    return sorted(keys), scalars
+
+
+def _read_masters(engine: "PipelineStage") -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
+    """Every parameter's whole fp32 master copy and per-element optimizer state, by name, gathered from the
+    partitions of its stage's replicas (collective over each stage's data-parallel group: every replica of a stage
+    reads its parameters in the same order), and the inner optimizer's scalar state."""
+    inner = engine.optimizer.optimizer
+    keys, scalars = _state_keys(inner)
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for name, param in engine.module.named_parameters():
+        if not hasattr(param, "_hp_mapping"):
+            continue
+        mapping = param._hp_mapping
+        values = {}
+        for key in [None, *keys]:
+            buf = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
+            if mapping is not None:
+                flat = _flat_tensor(inner, mapping.param_group_index, key)
+                if flat is not None:
+                    hp, lp = mapping.get_hp_fragment_address(), mapping.lp_fragment_address
+                    buf.narrow(0, lp.start, lp.numel).copy_(flat.detach().view(-1).narrow(0, hp.start, hp.numel))
+            dist.all_reduce(buf, group=param._dp_group)   # each element lives on exactly one replica
+            values["master" if key is None else key] = buf.view(param.shape)
+        out[name] = values
+    return out, scalars
+
+
+def _write_masters(optimizer: Any, params: Mapping[str, torch.nn.Parameter],
+                   states: Mapping[str, Mapping[str, Any]], scalars: Mapping[str, Any]) -> None:
+    """Into the new flat partitions: each parameter's fp32 master copy and optimizer state (this replica's
+    fragment of each), and the scalar state (the step) on every partition; then the low-precision weights from
+    their masters."""
+    inner = optimizer.optimizer
+    with torch.no_grad():
+        for name, values in states.items():
+            mapping = getattr(params[name], "_hp_mapping", None)
+            if mapping is None:
+                continue
+            hp, lp = mapping.get_hp_fragment_address(), mapping.lp_fragment_address
+            for key, value in values.items():
+                if not torch.is_tensor(value) or value.dim() == 0:
+                    continue
+                flat = _flat_tensor(inner, mapping.param_group_index, None if key == "master" else key, create=True)
+                flat.view(-1).narrow(0, hp.start, hp.numel).copy_(value.reshape(-1).narrow(0, lp.start, lp.numel))
+        for group in inner.param_groups:
+            state = inner.state.setdefault(group["params"][0], {})
+            for key, value in scalars.items():
+                state[key] = value.clone() if torch.is_tensor(value) else value
+        for lp_param in params.values():
+            mapping = getattr(lp_param, "_hp_mapping", None)
+            if mapping is not None:
+                mapping.update_lp()
+
+
+def _groups_by_param(optimizer: Any) -> dict[int, dict[str, Any]]:
+    """Each model parameter's param-group settings (a flat optimizer's groups list its partitions, not them)."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return {id(p): _hyper(g) for g in optimizer.param_groups for p in g["params"]}
+    groups = getattr(optimizer, "bf16_groups", None) or getattr(optimizer, "bit16_groups", None) or []
+    return {id(p): _hyper(optimizer.optimizer.param_groups[i]) for i, group in enumerate(groups) for p in group}
 
 
 # -- the data share ---------------------------------------------------------------------------------------------------
@@ -228,13 +329,14 @@ def _hyper(group: Mapping[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in group.items() if key != "params"}
 
 
-def _manifest(engine: "PipelineStage", new_module: Any) -> dict[str, Any]:
+def _manifest(engine: "PipelineStage", new_module: Any, old_state: Mapping[str, Mapping[str, Any]]
+              ) -> dict[str, Any]:
     """What this rank holds (old module: parameters, their optimizer state and group settings) and needs."""
-    groups = {id(p): _hyper(g) for g in engine.optimizer.param_groups for p in g["params"]}
+    groups = _groups_by_param(engine.optimizer)
     held = {}
     if engine.grid.data_parallel_id == 0:  # replicas hold copies: replica 0 of each stage sends
         for name, param in engine.module.named_parameters():
-            state = engine.optimizer.state.get(param, {})
+            state = old_state.get(name, {})
             held[name] = {"shape": tuple(param.shape), "dtype": str(param.dtype).replace("torch.", ""),
                           "hyper": groups.get(id(param)), "state": _state_spec(state, param)}
     return {"held": held, "needed": [name for name, _ in new_module.named_parameters()]}
@@ -358,15 +460,22 @@ def repack(engine: "PipelineStage", k: int) -> dict[str, Any]:
     got = (new_module.stage_id, new_module._grid.data_parallel_id)
     assert got == expected, (got, expected)
 
+    optimizer, scheduler = engine.optimizer, engine.lr_scheduler
+    flat = not isinstance(optimizer, torch.optim.Optimizer)   # DeepSpeed's flat master copies (_flat_masters)
+    scalars: dict[str, Any] = {}
+    if flat:
+        old_state, scalars = _read_masters(engine)
+    else:
+        old_state = {name: dict(optimizer.state.get(param, {})) for name, param in engine.module.named_parameters()}
     manifests: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(manifests, _manifest(engine, new_module))
+    dist.all_gather_object(manifests, _manifest(engine, new_module, old_state))
     owners = _owners(manifests)
     missing = sorted({n for m in manifests for n in m["needed"]} - set(owners))
     if missing:
         raise mark_collective(RuntimeError(f"terapipe: repack: no rank holds {missing[:5]}"))
-    optimizer, scheduler = engine.optimizer, engine.lr_scheduler
-    old_state = {name: dict(optimizer.state.get(param, {})) for name, param in engine.module.named_parameters()}
-    _regroup(optimizer, manifests, owners, new_module)
+    # the torch optimizer the run started with (inside DeepSpeed's, which is rebuilt over the new partitions)
+    torch_optimizer = optimizer.optimizer if flat else optimizer
+    _regroup(torch_optimizer, manifests, owners, new_module)
 
     plan = engine.plan
     preset = None
@@ -374,13 +483,16 @@ def repack(engine: "PipelineStage", k: int) -> dict[str, Any]:
         base = freezer.base_cost
         preset = ResolvedPlan(tuple(plan.slices), "repacked", None, merged_cost(base, old_stages, k),
                               merged_stage_meta(plan.stage_meta, k), None)
-    new = type(engine).build(new_module, _new_config(engine, k), engine.terapipe, args=None, optimizer=optimizer,
-                             lr_scheduler=scheduler, preset_plan=preset)
+    new = type(engine).build(new_module, _new_config(engine, k), engine.terapipe, args=None,
+                             optimizer=torch_optimizer, lr_scheduler=scheduler, preset_plan=preset)
     new_params = dict(new.module.named_parameters())
     states = _transfer(engine, manifests, owners, old_state, new_params)
-    for name, state in states.items():
-        if state and new_params[name].requires_grad:
-            optimizer.state[new_params[name]] = state
+    if flat:
+        _write_masters(new.optimizer, new_params, states, scalars)
+    else:
+        for name, state in states.items():
+            if state and new_params[name].requires_grad:
+                optimizer.state[new_params[name]] = state
     for counter in _COUNTERS:
         setattr(new, counter, getattr(engine, counter))
     new.repack_share = RepackShare(factor=k, index=expected[1] // old_replicas, old_replica=replica)
