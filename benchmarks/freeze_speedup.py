@@ -27,10 +27,8 @@ from the same weights on the same batch: freezing before the first step changes 
 ``--dtype bf16`` runs every variant, ``stock+freeze`` too, with ``"bf16": {"enabled": true}`` (ZeRO stage 0:
 DeepSpeed's ``BF16_Optimizer``) and writes ``benchmarks/results/freeze_speedup_bf16.json``; the variants slice
 differently (and stock not at all), which bf16 rounds differently, so their first-round losses are checked to
-agree within 2e-2 relative there (1e-5 in fp32). A variant refused at init or whose step fails in bf16
-(``token+repack``: a repack regroups the optimizer and moves its state parameter by parameter, which DeepSpeed's
-BF16_Optimizer with its flat master copies does not allow, so the engine refuses it) is left out, under ``failed``
-in the report, and the checks that need it are not met.
+agree within 2e-2 relative there (1e-5 in fp32). A variant refused at init or whose step fails in bf16 is left
+out, under ``failed`` in the report, and the checks that need it are not met.
 """
 from __future__ import annotations
 
