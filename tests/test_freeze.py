@@ -224,7 +224,9 @@ def test_a_resumed_run_freezes_the_same_layers_and_continues_identically(freeze_
         # and both runs went on with the same slicing (a freeze in that step may have re-planned both)
         assert case["profiled"] != case["saved_slices"] == case["loaded_slices"], (rank, case)
         assert case["slices"][0] == case["slices"][1], (rank, case)
-        assert case["sources"][1] == "checkpoint", (rank, case)
+        # the step after the load may freeze more and re-plan: then both runs switch alike (the resumed one
+        # re-plans from the checkpoint's costs, not from its own profile)
+        assert case["sources"][1] == "checkpoint" or case["sources"] == ["replanned", "replanned"], (rank, case)
         assert case["losses"][0] == case["losses"][1] and case["params_equal"], (rank, case)
 
 

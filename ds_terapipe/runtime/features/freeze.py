@@ -389,14 +389,19 @@ class Freezer:
 
     # -- checkpoints -----------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
+        # base_cost: the costs every later re-plan is made from (rank 0's); a resumed run that restores the
+        # checkpoint's slicing re-plans from them too, not from what its own start profiled (another host's speed,
+        # or a loaded one, would re-plan a later freeze differently and the runs would part)
         return {"num_frozen_layers": self.num_frozen_layers, "pending": self._pending,
-                "previous_norms": self._previous_norms, "repacked": self.repacked}
+                "previous_norms": self._previous_norms, "repacked": self.repacked, "base_cost": self._base_cost}
 
     def load_state_dict(self, engine: "PipelineStage", state: Mapping[str, Any], *,
                         keep_slices: bool = False) -> None:
         """Re-freeze what the checkpoint had frozen (every rank loads the same state); ``keep_slices``: the
         engine already runs the checkpoint's slicing (``planning.plan.restore_checkpoint_plan``)."""
         self._pending = state.get("pending")
+        if keep_slices and state.get("base_cost") is not None:   # the run's costs go with its slicing
+            self._base_cost = state["base_cost"]
         norms = state.get("previous_norms")
         self._previous_norms = None if norms is None else {int(k): float(v) for k, v in norms.items()}
         count = int(state.get("num_frozen_layers", 0))
