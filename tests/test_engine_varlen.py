@@ -46,7 +46,7 @@ MIXED_STEPS, MIXED_EVAL = [[64, 32, 16], [16, 64, 48]], [32, 64, 16]   # tests/s
 MIXED_CASES = [["gpipe", 3, False, None], ["1f1b", "auto", False, None], ["1f1b", 4, False, True],
                ["interleaved-1f1b", 2, False, None], ["dualpipev", 4, False, None], ["1f1b", 3, True, None],
                ["looped-bfs", 4, True, None], ["1f1b", 4, False, None, True],
-               ["interleaved-1f1b", 4, True, None, True]]
+               ["interleaved-1f1b", 4, True, None, True], ["1f1b", "auto", False, None, True, True]]
 
 
 @pytest.mark.timeout(600)
@@ -54,7 +54,7 @@ def test_micro_batches_of_different_lengths_in_one_step(tmp_path) -> None:
     """Each micro-batch of a step runs its own length's slicing (the schedule without the units a shorter one
     lacks): losses, the parameters after 2 steps and an evaluation equal the unsliced reference that averages
     the micro-batches' losses, on every schedule, with deferred weight gradients, vocabulary parallelism and
-    packed documents (position ids restarting per document)."""
+    packed documents (position ids restarting per document), also planned per batch."""
     results = launch("mixed", 2, tmp_path, timeout_s=540, extra={"cases": MIXED_CASES})
     errors = [r["error"] for r in results if "error" in r]
     assert not errors, errors[0]

@@ -37,14 +37,17 @@ def suite_mixed(extra: dict) -> list[dict]:
     packed_evals = [((x, packed_positions(rng, batch, x.shape[1])), y) for x, y in plain_evals]
     references = {False: _reference(cfg, plain, plain_evals), True: _reference(cfg, packed, packed_evals)}
 
-    def label(schedule: str, slices: Any, vocab: bool, deferred: Any, pack: bool = False) -> str:
-        return f"mixed {schedule} slices={slices} vocab={vocab} deferred={deferred}" + (" packed" if pack else "")
+    def label(schedule: str, slices: Any, vocab: bool, deferred: Any, pack: bool = False,
+              per_batch: bool = False) -> str:
+        return (f"mixed {schedule} slices={slices} vocab={vocab} deferred={deferred}" + (" packed" if pack else "")
+                + (" per-batch" if per_batch else ""))
 
-    def case(schedule: str, slices: Any, vocab: bool, deferred: Any, pack: bool = False) -> dict[str, Any]:
+    def case(schedule: str, slices: Any, vocab: bool, deferred: Any, pack: bool = False,
+             per_batch: bool = False) -> dict[str, Any]:
         batches, evals = (packed, packed_evals) if pack else (plain, plain_evals)
         ref_losses, ref_params, ref_eval = references[pack]
         tp = {"slices": slices, "seq_len": 64, "schedule": schedule, "vocab_parallel": vocab, "granularity": 8,
-              "packed": pack,
+              "packed": pack, "plan_per_batch": per_batch,
               "profile": {"slice_lengths": [8, 32, 64], "num_contexts": 2, "warmup": 0, "repeats": 1}}
         if deferred is not None:
             tp["deferred_weight_grads"] = deferred
