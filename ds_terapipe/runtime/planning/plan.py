@@ -90,8 +90,8 @@ def solve_slicing(engine: "PipelineStage", cost: PipelineCost, stage_meta: Any, 
                                  engine.module.activation_checkpoint_interval, cfg))
         limit = cfg.memory_limit_gb * 2**30
     plan = plan_slicing(cost, seq_len, num_microbatches=engine.micro_batches, micro_batch_size=engine.micro_batch_size,
-                        granularity=granularity or cfg.granularity, schedule=cfg.schedule, memory_limit_bytes=limit, memory=memory,
-                        max_slices=cfg.max_slices, deferred_weight_grads=cfg.deferred_weight_grads,
+                        granularity=granularity or cfg.granularity, schedule=cfg.schedule, memory_limit_bytes=limit,
+                        memory=memory, max_slices=cfg.max_slices, deferred_weight_grads=cfg.deferred_weight_grads,
                         virtual_stages=cfg.virtual_stages,
                         # nothing shorter than the profile timed: its fit is blind there
                         min_slice_len=min(cfg.profile.slice_lengths) if cfg.profile.slice_lengths else None)
