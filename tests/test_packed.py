@@ -4,8 +4,11 @@ One launch of 2 ranks (tests/suites/packed.py): rows packing documents of skewed
 ``((input_ids, position_ids), labels)``, mixed in each step with rows of one document and plain ``input_ids``,
 on gpipe, 1f1b, interleaved-1f1b, looped-bfs and dualpipev, slices cutting documents anywhere; against the reference
 GPT run unsliced under ``packed_documents``: losses, every first-step gradient and the parameters after 3 steps
-within 1e-5 (measured: 5e-7); in bf16 (1f1b) the fp32 master weights' change within bf16's tolerance. Then the refusals, each on every rank before the step: position ids that do not
-restart at 0, of another length, an attention mask in their place, and packed rows without ``terapipe.packed``.
+within 1e-5 (measured: 5e-7); in bf16 (1f1b) the fp32 master weights' change within bf16's tolerance; with
+``plan_per_batch`` (1f1b with rank 0's planner, gpipe and interleaved-1f1b with a stand-in that cuts wherever a
+row starts a document) every step runs the plan for its documents, the same on every rank, and stays exact.
+Then the refusals, each on every rank before the step: position ids that do not restart at 0, of another length,
+an attention mask in their place, and packed rows without ``terapipe.packed``.
 The attention and position rules themselves, and the Hugging Face layers against ``transformers``' packed
 forward, are tier a (tests/test_documents.py).
 """
