@@ -35,7 +35,7 @@ TWO_RANKS = [["bf16", 0, "1f1b", 1], ["bf16", 1, "gpipe", 1], ["fp32", 1, "1f1b"
              ["bf16", 0, "gpipe", 1, False, "llama", False], ["bf16", 1, "1f1b", 1, True, "llama", False],
              # repacking after stage 0 froze: the master copies and optimizer state move to the new layout
              ["bf16", 0, "1f1b", 1, False, "gpt", True, True], ["bf16", 1, "gpipe", 1, False, "gpt", True, True],
-             ["fp32", 1, "1f1b", 1, False, "gpt", True, True]]
+             ["fp32", 1, "1f1b", 1, False, "gpt", True, True], ["bf16", 1, "1f1b", 1, False, "llama", True, True]]
 FOUR_RANKS = [["bf16", 1, "1f1b", 1], ["fp32", 1, "gpipe", 1], ["bf16", 0, "1f1b", 1], ["fp16", 1, "1f1b", 1],
               ["bf16", 1, "1f1b", 1, True, "llama"], ["bf16", 1, "1f1b", 1, False, "gpt", True, True]]
 
