@@ -1,0 +1,128 @@
+"""Sharded data parallelism under a pipeline schedule: how often each chunk's parameters are gathered, what that
+costs, and what a rank holds (Breadth-First Pipeline Parallelism's argument, as numbers).
+
+With the model states of every chunk sharded over the ``dp`` data-parallel replicas (fully sharded data
+parallelism, ZeRO-3 per chunk), a rank must all-gather a chunk's parameters before it computes with them and may
+release them after. The policy this module costs is BFPP's: a rank gathers a chunk when its stream first needs it
+after working on another chunk, keeps it for the whole *run* of consecutive actions on that chunk, and releases it
+after; while it runs one chunk it prefetches the next run's (so at most two chunks are gathered at once). The
+gradients of a run are accumulated unsharded and reduce-scattered when the run ends.
+
+So the count of gathers per step is the number of runs in the rank's stream, which is where schedules differ:
+
+* ``looped-bfs`` runs every micro-batch of one chunk before the next chunk: 2 runs per chunk (its forwards, its
+  backwards), whatever the number of micro-batches m;
+* one chunk per rank (``gpipe``, ``1f1b``): one run, the whole step;
+* depth-first schedules with several chunks per rank (``interleaved-1f1b``, ``dualpipev``) switch chunks every few
+  units: runs (and gathers and reduce-scatters) grow with m.
+
+Time: a run's gather is prefetched during the previous run on that rank, so it shows only where it takes longer
+than that run (the first run's shows whole); each run's reduce-scatter overlaps the rank's next run the same way,
+the last one shows whole. The step is the simulated makespan plus the largest such exposed time over the ranks (a
+bound from one rank's view: a delayed rank can delay its peers further). Without sharding (ZeRO stage 1 and
+replicated parameters) the gradients are reduced once per step after the schedule, as DeepSpeed's pipeline does:
+a reduce-scatter and an all-gather of every chunk, after the makespan.
+
+Memory per rank (model states): sharded, ``states / dp`` plus two chunks' parameters and one chunk's unsharded
+gradients (the run in flight and the prefetched one); replicated, parameters and gradients whole and the optimizer
+state ``/ dp`` (ZeRO 1). Activations are the schedule's, the same either way, and left out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from .cost import PipelineCost
+from .schedule import ActionKind, Schedule
+from .simulate import simulate
+
+__all__ = ["ShardingEstimate", "chunk_runs", "estimate_sharding"]
+
+
+@dataclass(frozen=True)
+class ShardingEstimate:
+    """One schedule's step with (``sharded``) or without sharded data parallelism; times in ms, memory in bytes
+    per rank; counts are the largest over the ranks."""
+
+    schedule: str
+    sharded: bool
+    makespan_ms: float
+    exposed_ms: float
+    step_ms: float
+    gathers_per_step: int
+    reduce_scatters_per_step: int
+    memory_bytes: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def chunk_runs(schedule: Schedule, events: Sequence[Any]) -> list[list[tuple[int, float, float, bool]]]:
+    """Per rank, its maximal runs of consecutive compute actions on one chunk: ``(chunk, start_ms, end_ms,
+    computes gradients)``, in stream order (``events``: a simulation's timed compute actions)."""
+    runs: list[list[tuple[int, float, float, bool]]] = [[] for _ in range(schedule.num_ranks)]
+    for event in sorted(events, key=lambda e: (e.stage, e.start_ms)):
+        mine = runs[event.stage]
+        grads = event.action.kind in (ActionKind.BACKWARD, ActionKind.WEIGHT)
+        if mine and mine[-1][0] == event.action.chunk:
+            chunk, start, _, had = mine[-1]
+            mine[-1] = (chunk, start, event.end_ms, had or grads)
+        else:
+            mine.append((event.action.chunk, event.start_ms, event.end_ms, grads))
+    return runs
+
+
+def _collective_ms(num_bytes: float, dp: int, link_gbps: float, latency_ms: float) -> float:
+    """A ring all-gather or reduce-scatter of ``num_bytes`` (the whole tensor) over ``dp`` ranks."""
+    if dp <= 1:
+        return 0.0
+    return latency_ms * (dp - 1) + num_bytes * (dp - 1) / dp / (link_gbps / 8 * 1e9) * 1e3
+
+
+def estimate_sharding(schedule: Schedule, cost: PipelineCost, slices: Sequence[int], *,
+                      chunk_params: Sequence[float], dp: int, link_gbps: float, link_latency_ms: float = 0.01,
+                      sharded: bool = True, param_bytes: int = 2, grad_bytes: int = 2,
+                      optimizer_bytes: int = 12, micro_batch_size: int = 1) -> ShardingEstimate:
+    """The step of ``schedule`` (cost per chunk ``cost``, token ``slices``) on ``dp`` replicas, with its model
+    states sharded (``sharded``) or replicated under ZeRO 1.
+
+    ``chunk_params``: parameters per chunk; ``param_bytes``/``grad_bytes``: their precision (bf16: 2);
+    ``optimizer_bytes`` per parameter (fp32 master copy and Adam's two moments: 12); ``link_gbps`` and
+    ``link_latency_ms``: the data-parallel link, in Gbit/s and per ring step."""
+    if len(chunk_params) != schedule.num_chunks:
+        raise ValueError(f"chunk_params has {len(chunk_params)} entries but the schedule has {schedule.num_chunks} "
+                         "chunks; give the parameter count of every chunk")
+    if dp < 1:
+        raise ValueError(f"dp = {dp} must be >= 1 data-parallel replicas")
+    result = simulate(schedule, cost, list(slices), micro_batch_size=micro_batch_size)
+    runs = chunk_runs(schedule, result.events)
+    ranks = range(schedule.num_ranks)
+    held = [sum(chunk_params[c] for c in schedule.chunks_of(r)) for r in ranks]
+    gather = [_collective_ms(p * param_bytes, dp, link_gbps, link_latency_ms) for p in chunk_params]
+    reduce = [_collective_ms(p * grad_bytes, dp, link_gbps, link_latency_ms) for p in chunk_params]
+    if sharded:
+        exposed, gathers, scatters = [], [], []
+        for mine in runs:
+            total = 0.0
+            for j, (chunk, start, end, grads) in enumerate(mine):
+                window = mine[j - 1][2] - mine[j - 1][1] if j else 0.0   # prefetched during the previous run
+                total += max(0.0, gather[chunk] - window)
+                if grads:   # its gradients leave during the next run (the last run's after the schedule)
+                    following = mine[j + 1][2] - mine[j + 1][1] if j + 1 < len(mine) else 0.0
+                    total += max(0.0, reduce[chunk] - following)
+            exposed.append(total)
+            gathers.append(len(mine))
+            scatters.append(sum(1 for run in mine if run[3]))
+        biggest = max(chunk_params)
+        memory = max(h * (param_bytes + grad_bytes + optimizer_bytes) / dp for h in held) + \
+            biggest * (2 * param_bytes + grad_bytes)
+        gathers_step, scatters_step = max(gathers), max(scatters)
+    else:
+        exposed = [sum(reduce[c] + gather[c] for c in schedule.chunks_of(r)) for r in ranks]
+        memory = max(h * (param_bytes + grad_bytes + optimizer_bytes / dp) for h in held)
+        gathers_step = scatters_step = 0
+    worst = max(exposed)
+    return ShardingEstimate(schedule.name, sharded, float(result.makespan_ms), float(worst),
+                            float(result.makespan_ms + worst), int(gathers_step), int(scatters_step), float(memory))
+
