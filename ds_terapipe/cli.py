@@ -125,6 +125,10 @@ def _add_planning_args(p: argparse.ArgumentParser) -> None:
                         "is cut into K*V chunks placed as the schedule says, and a --cost file describes chunks")
     g.add_argument("--vocab", type=_positive_int, metavar="V",
                    help="replace the --model preset's vocabulary (e.g. 256000): the embedding and LM head grow")
+    g.add_argument("--sequence-parallel", type=_positive_int, default=1, metavar="N",
+                   help="N sequence-parallel ranks inside each stage split every slice's tokens (Ulysses; with "
+                        "--model): compute and activations / N, two all-to-alls per attention layer and direction "
+                        "over the device preset's link; N must divide the heads (planner/sequence.py)")
     b = p.add_argument_group("balanced stages (with --model)")
     b.add_argument("--balance", action="store_true",
                    help="choose layer boundaries and slicing together (embedding and head costed); print the "
@@ -199,7 +203,15 @@ def _load_cost(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
                              f"{num_layers} layers of {args.model} (a chunk needs a layer); use --stages x "
                              f"--virtual-stages <= {num_layers}")
         cost = analytic_pipeline_cost(args.model, args.device, args.stages * v, vocab=args.vocab)
-        return cost, {"kind": "analytic", "model": args.model, "device": args.device}
+        source = {"kind": "analytic", "model": args.model, "device": args.device}
+        if args.sequence_parallel > 1:
+            cost = _sequence_parallel(args, cost, v)
+            source["sequence_parallel"] = args.sequence_parallel
+        return cost, source
+
+    if args.sequence_parallel > 1:
+        raise UsageError(f"--sequence-parallel {args.sequence_parallel} needs --model NAME (the all-to-alls are "
+                         "costed from its layers and width); a --cost file holds one rank's times: drop one of them")
 
     if args.vocab is not None:
         raise UsageError(f"--vocab {args.vocab} changes a --model preset; a --cost file already holds its head's "
@@ -232,6 +244,24 @@ def _load_cost(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     return cost, {"kind": "measured", "file": str(Path(args.cost))}
 
 
+def _sequence_parallel(args: argparse.Namespace, cost: Any, virtual_stages: int) -> Any:
+    """The analytic cost with every chunk split over --sequence-parallel ranks; refused when N does not divide the
+    heads (a rank takes whole heads)."""
+    from .planner.presets import get_device_preset, split_layers
+    from .planner.sequence import sequence_parallel_cost
+
+    spec, n = MODEL_PRESETS[args.model], args.sequence_parallel
+    kv_heads = spec.num_kv_heads or spec.num_heads
+    if kv_heads % n or spec.hidden % n:
+        divisors = [d for d in range(1, kv_heads + 1) if kv_heads % d == 0 and spec.hidden % d == 0]
+        raise UsageError(f"--sequence-parallel {n} does not divide the {kv_heads} key/value heads of {args.model} "
+                         f"(each rank takes whole heads); use one of {divisors}")
+    device = get_device_preset(args.device)
+    return sequence_parallel_cost(cost, n, split_layers(spec.num_layers, args.stages * virtual_stages),
+                                  hidden=spec.hidden, link_gbps=device.link_gbps,
+                                  link_latency_ms=device.link_latency_ms, kv_fraction=kv_heads / spec.num_heads)
+
+
 def _virtual_stages(args: argparse.Namespace) -> int:
     """--virtual-stages, or the schedule's default; refused here (one line) when the schedule cannot place it."""
     from .planner.registry import get_schedule
@@ -255,7 +285,9 @@ def _memory_model(args: argparse.Namespace, num_stages: int) -> Any:
     if num_stages > num_layers:
         raise UsageError(f"--memory-gb needs --model {args.model} split over {num_stages} stages, but it has only "
                          f"{num_layers} layers; use a model with at least {num_stages} layers")
-    return preset_memory_model(args.model, num_stages)
+    memory = preset_memory_model(args.model, num_stages)
+    # a rank of a sequence-parallel stage stashes 1/N of every slice's tokens: the memory of a model 1/N as wide
+    return dataclasses.replace(memory, hidden=memory.hidden // args.sequence_parallel)
 
 
 def _granularity(args: argparse.Namespace) -> int:
@@ -300,9 +332,9 @@ def _check_memory(args: argparse.Namespace, memory: Any, num_stages: int, granul
                              split_batch=args.split_batch, virtual_stages=virtual_stages)
     if short is None:
         return
-    fixes = ["raise --memory-gb", "add --stages", *short.fixes(schedule="use --schedule {}",
-                                                               split_batch="add --split-batch",
-                                                               max_slices="raise --max-slices")]
+    fixes = ["raise --memory-gb", "add --stages", "raise --sequence-parallel",
+             *short.fixes(schedule="use --schedule {}", split_batch="add --split-batch",
+                          max_slices="raise --max-slices")]
     raise UsageError(f"--memory-gb {args.memory_gb:g} cannot be met: the smallest activation estimate of any "
                      f"allowed plan is {short.smallest_bytes / _GIB:.3g} GiB on the busiest stage; "
                      f"{', '.join(fixes[:-1])} or {fixes[-1]}")
@@ -377,7 +409,8 @@ def _layouts(args: argparse.Namespace) -> tuple[Any, Any, Any, dict[str, Any], f
     if args.cost is not None or args.model is None or args.device is None or args.stages is None:
         raise UsageError(f"{flag} needs per-layer costs: pass --model NAME --device NAME --stages K (a --cost file "
                          "has per-stage costs only)")
-    for other, given in (("--memory-gb", args.memory_gb), ("--split-batch", args.split_batch)):
+    for other, given in (("--memory-gb", args.memory_gb), ("--split-batch", args.split_batch),
+                         ("--sequence-parallel", args.sequence_parallel > 1)):
         if given:
             raise UsageError(f"{other} is not supported with {flag}; drop one of them")
     t0 = time.perf_counter()

@@ -405,3 +405,32 @@ def test_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
         main(["plan", "--help"])
     assert exc.value.code == 0
     assert "--seq-len" in capsys.readouterr().out
+
+
+def test_sequence_parallel_splits_the_work_and_the_memory(capsys: pytest.CaptureFixture[str]) -> None:
+    one = run_json(capsys, "plan", *SMALL, "--memory-gb", "1000")
+    two = run_json(capsys, "plan", *SMALL, "--memory-gb", "1000", "--sequence-parallel", "2")
+    assert two["cost"]["sequence_parallel"] == 2 and "sequence_parallel" not in one["cost"]
+    assert two["predicted_ms"] < one["predicted_ms"]   # half the compute per rank, plus the all-to-alls
+    assert two["memory_bytes"] == pytest.approx(one["memory_bytes"] / 2)   # GPipe, one micro-batch: the floor
+    floor_gib = one["memory_bytes"] / 2 ** 30
+    rc, _, err = run(capsys, "plan", *SMALL, "--memory-gb", f"{floor_gib * 0.9}")
+    assert rc == 2 and "raise --sequence-parallel" in err, err
+    fits = run_json(capsys, "plan", *SMALL, "--memory-gb", f"{floor_gib * 0.9}", "--sequence-parallel", "2")
+    assert fits["memory_bytes"] <= floor_gib * 0.9 * 2 ** 30
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--sequence-parallel", "3"], "--sequence-parallel 3 does not divide the 16 key/value heads"),
+    (["--sequence-parallel", "2", "--balance"], "--sequence-parallel is not supported with --balance"),
+])
+def test_sequence_parallel_refusals(capsys: pytest.CaptureFixture[str], extra: list[str], needle: str) -> None:
+    rc, out, err = run(capsys, "plan", *SMALL, *extra)
+    assert rc == 2 and out == "" and needle in err, err
+
+
+def test_sequence_parallel_needs_a_model(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    cost = write_json(tmp_path / "cost.json", {"points": linear_cost_points(512, 0.01)})
+    rc, _, err = run(capsys, "plan", "--cost", cost, "--stages", "2", "--seq-len", "512", "--granularity", "32",
+                     "--sequence-parallel", "2")
+    assert rc == 2 and "--sequence-parallel 2 needs --model NAME" in err, err
