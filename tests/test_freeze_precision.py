@@ -35,7 +35,8 @@ TWO_RANKS = [["bf16", 0, "1f1b", 1], ["bf16", 1, "gpipe", 1], ["fp32", 1, "1f1b"
              ["bf16", 0, "gpipe", 1, False, "llama", False], ["bf16", 1, "1f1b", 1, True, "llama", False],
              # repacking after stage 0 froze: the master copies and optimizer state move to the new layout
              ["bf16", 0, "1f1b", 1, False, "gpt", True, True], ["bf16", 1, "gpipe", 1, False, "gpt", True, True],
-             ["fp32", 1, "1f1b", 1, False, "gpt", True, True], ["bf16", 1, "1f1b", 1, False, "llama", True, True]]
+             ["fp32", 1, "1f1b", 1, False, "gpt", True, True], ["bf16", 1, "1f1b", 1, False, "llama", True, True],
+             ["fp16", 0, "1f1b", 1, False, "gpt", True, True], ["fp16", 1, "gpipe", 1, False, "gpt", True, True]]
 FOUR_RANKS = [["bf16", 1, "1f1b", 1], ["fp32", 1, "gpipe", 1], ["bf16", 0, "1f1b", 1], ["fp16", 1, "1f1b", 1],
               ["bf16", 1, "1f1b", 1, True, "llama"], ["bf16", 1, "1f1b", 1, False, "gpt", True, True]]
 
@@ -96,8 +97,9 @@ def test_which_optimizers_freezing_can_hold_still() -> None:
 
 def test_which_optimizers_a_repack_can_move() -> None:
     """The rule behind the repack's refusal at init (runtime/features/repack.py), without a process group: a torch
-    optimizer, and DeepSpeed's flat master copies in fp32 and bf16 (BF16_Optimizer, ZeRO 1) move; fp16 (its loss
-    scaler) and a wrapper whose masters the repack cannot locate are refused with the rule and the fix."""
+    optimizer, DeepSpeed's flat master copies (BF16_Optimizer, ZeRO 1 in any precision) and fp16's per-parameter
+    copies (FP16_UnfusedOptimizer) move; the fused FP16_Optimizer and a wrapper whose masters the repack cannot
+    locate are refused with the rule and the fix."""
     from types import SimpleNamespace
 
     import torch
@@ -113,6 +115,10 @@ def test_which_optimizers_a_repack_can_move() -> None:
     zero16.optimizer, zero16.single_partition_of_fp32_groups, zero16.dtype = inner, [], torch.float16
     fused16 = type("FP16_Optimizer", (), {})()
     fused16.optimizer = inner
+    unfused16 = type("FP16_UnfusedOptimizer", (), {})()
+    unfused16.optimizer, unfused16.fp16_groups, unfused16.fp32_groups = inner, [], []
+    unknown = type("SomeWrapper", (), {})()
+    unknown.optimizer = inner
 
     def problem(optimizer):
         engine = SimpleNamespace(terapipe=SimpleNamespace(virtual_stages=1), optimizer=optimizer,
@@ -120,7 +126,7 @@ def test_which_optimizers_a_repack_can_move() -> None:
                                  training_dataloader=None, config={})
         return check_repack_supported(engine)
 
-    for ok in (inner, bf16, zero):
+    for ok in (inner, bf16, zero, zero16, unfused16):
         assert problem(ok) is None, type(ok).__name__
-    for refused in (zero16, fused16):
-        assert "repack works in fp32 and bf16 at ZeRO stage 0 or 1" in problem(refused), type(refused).__name__
+    for refused in (fused16, unknown):
+        assert "repack works with a torch optimizer (fp32), BF16_Optimizer" in problem(refused), type(refused).__name__

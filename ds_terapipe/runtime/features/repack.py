@@ -23,7 +23,10 @@ nothing happens while ``f = 0``. With ``k = p / p'``:
 * state: every parameter and the optimizer state of every parameter still training move from their owner
   (the old stage's replica 0) to every rank that holds them now, as device tensors over p2p. The optimizer
   object and the learning-rate scheduler are the ones the run started with (their param groups now list the
-  new module's parameters), so references a script holds stay valid; step counters carry over.
+  new module's parameters), so references a script holds stay valid; step counters carry over. Under DeepSpeed's
+  master-copy optimizers (BF16_Optimizer, ZeRO 1, FP16_UnfusedOptimizer) the torch optimizer inside is the one
+  regrouped, each parameter's fp32 master copy and state move whole (gathered from the partitions of its stage's
+  replicas) and are written where the new DeepSpeed optimizer keeps them; fp16's loss scale carries over.
 * the engine: a new :class:`~ds_terapipe.runtime.execution.engine.TokenPipelineEngine` over the new topology
 (DeepSpeed's
   own process groups for it), whose state then replaces the old engine's in place: the object the script holds
@@ -123,9 +126,9 @@ def check_repack_supported(engine: "PipelineStage") -> Optional[str]:
     if engine.optimizer is not None and not isinstance(engine.optimizer, torch.optim.Optimizer) and \
             not _flat_masters(engine.optimizer):
         return (f"terapipe.freeze.repack moves every parameter's master copy and optimizer state to the ranks that "
-                f"hold it after the repack; DeepSpeed's {type(engine.optimizer).__name__} keeps them where it cannot "
-                "be done (fp16 also carries a loss scaler): repack works in fp32 and bf16 at ZeRO stage 0 or 1; "
-                "use one of those, or set repack to false (freezing itself works with it)")
+                f"hold it after the repack; DeepSpeed's {type(engine.optimizer).__name__} keeps them where the repack "
+                "cannot reach: repack works with a torch optimizer (fp32), BF16_Optimizer, ZeRO stage 1 and fp16's "
+                "FP16_UnfusedOptimizer; use one of those, or set repack to false (freezing itself works with it)")
     if getattr(engine.module, "rebuild_spec", None) is None or engine.module.rebuild_spec["layers"] is None:
         return (f"terapipe.freeze.repack rebuilds the model over the new layout and needs a "
                 f"ds_terapipe.TokenPipelineModule, got {type(engine.module).__name__}; build the model as a "
@@ -145,15 +148,23 @@ def check_repack_supported(engine: "PipelineStage") -> Optional[str]:
 
 # -- DeepSpeed's flat master copies ----------------------------------------------------------------------------------
 def _flat_masters(optimizer: Any) -> bool:
-    """Whether ``optimizer`` is one of DeepSpeed's whose fp32 master copies and state live in flat partitions that
-    a repack can read and write per parameter (``param._hp_mapping``): BF16_Optimizer, and ZeRO stage 1 in bf16 or
-    fp32. fp16 is left out: its loss scaler's state would have to move too."""
+    """Whether ``optimizer`` is one of DeepSpeed's whose fp32 master copies and state a repack can read and write
+    per parameter: in flat partitions (``param._hp_mapping``: BF16_Optimizer, ZeRO stage 1 in any precision), or
+    one fp32 copy per parameter (fp16's FP16_UnfusedOptimizer). The fused FP16_Optimizer is not (nor can freezing
+    hold its state still)."""
     inner = getattr(optimizer, "optimizer", None)
     if isinstance(optimizer, torch.optim.Optimizer) or not isinstance(inner, torch.optim.Optimizer):
         return False
-    if hasattr(optimizer, "bf16_groups"):
-        return True
-    return hasattr(optimizer, "single_partition_of_fp32_groups") and getattr(optimizer, "dtype", None) != torch.float16
+    return hasattr(optimizer, "bf16_groups") or hasattr(optimizer, "single_partition_of_fp32_groups") or \
+        _copies(optimizer) is not None
+
+
+def _copies(optimizer: Any) -> Optional[dict[int, torch.Tensor]]:
+    """fp16's FP16_UnfusedOptimizer: model parameter id -> its fp32 copy (the inner optimizer's parameter)."""
+    if type(optimizer).__name__ != "FP16_UnfusedOptimizer":
+        return None
+    return {id(p16): p32 for g16, g32 in zip(optimizer.fp16_groups, optimizer.fp32_groups)
+            for p16, p32 in zip(g16, g32)}
 
 
 def _flat_tensor(inner: torch.optim.Optimizer, group: int, key: Optional[str], create: bool = False
@@ -190,6 +201,15 @@ def _read_masters(engine: "PipelineStage") -> tuple[dict[str, dict[str, torch.Te
     inner = engine.optimizer.optimizer
     keys, scalars = _state_keys(inner)
     out: dict[str, dict[str, torch.Tensor]] = {}
+    copies = _copies(engine.optimizer)
+    if copies is not None:   # one fp32 copy per parameter, whole on every replica
+        for name, param in engine.module.named_parameters():
+            copy32 = copies.get(id(param))
+            if copy32 is not None:
+                state = inner.state.get(copy32, {})
+                out[name] = {"master": copy32.detach().clone(),
+                             **{k: state[k].detach().clone() for k in keys if k in state}}
+        return out, scalars
     for name, param in engine.module.named_parameters():
         if not hasattr(param, "_hp_mapping"):
             continue
@@ -214,6 +234,19 @@ def _write_masters(optimizer: Any, params: Mapping[str, torch.nn.Parameter],
     fragment of each), and the scalar state (the step) on every partition; then the low-precision weights from
     their masters."""
     inner = optimizer.optimizer
+    copies = _copies(optimizer)
+    if copies is not None:
+        with torch.no_grad():
+            for name, values in states.items():
+                copy32 = copies.get(id(params[name]))
+                if copy32 is None:
+                    continue
+                copy32.copy_(values["master"])
+                params[name].copy_(copy32)
+                state = inner.state.setdefault(copy32, {})
+                state.update({k: v.clone() for k, v in values.items() if k != "master" and torch.is_tensor(v)})
+                state.update({k: v.clone() if torch.is_tensor(v) else v for k, v in scalars.items()})
+        return
     with torch.no_grad():
         for name, values in states.items():
             mapping = getattr(params[name], "_hp_mapping", None)
@@ -236,10 +269,12 @@ def _write_masters(optimizer: Any, params: Mapping[str, torch.nn.Parameter],
 
 
 def _groups_by_param(optimizer: Any) -> dict[int, dict[str, Any]]:
-    """Each model parameter's param-group settings (a flat optimizer's groups list its partitions, not them)."""
+    """Each model parameter's param-group settings (a DeepSpeed optimizer's groups list its fp32 copies or
+    partitions, not them)."""
     if isinstance(optimizer, torch.optim.Optimizer):
         return {id(p): _hyper(g) for g in optimizer.param_groups for p in g["params"]}
-    groups = getattr(optimizer, "bf16_groups", None) or getattr(optimizer, "bit16_groups", None) or []
+    groups = getattr(optimizer, "bf16_groups", None) or getattr(optimizer, "bit16_groups", None) or \
+        getattr(optimizer, "fp16_groups", None) or []
     return {id(p): _hyper(optimizer.optimizer.param_groups[i]) for i, group in enumerate(groups) for p in group}
 
 
@@ -489,6 +524,9 @@ def repack(engine: "PipelineStage", k: int) -> dict[str, Any]:
     states = _transfer(engine, manifests, owners, old_state, new_params)
     if flat:
         _write_masters(new.optimizer, new_params, states, scalars)
+        for scaler in ("loss_scaler", "loss_scale_config"):   # fp16: the dynamic loss scale goes on as it was
+            if hasattr(optimizer, scaler) and hasattr(new.optimizer, scaler):
+                setattr(new.optimizer, scaler, getattr(optimizer, scaler))
     else:
         for name, state in states.items():
             if state and new_params[name].requires_grad:
