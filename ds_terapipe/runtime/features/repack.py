@@ -121,8 +121,10 @@ def check_repack_supported(engine: "PipelineStage") -> Optional[str]:
     """Why ``terapipe.freeze.repack`` cannot run with this engine (the same answer on every rank), or None."""
     cfg = engine.terapipe
     if cfg.virtual_stages != 1:
-        return (f"terapipe.freeze.repack needs one chunk per rank, got virtual_stages={cfg.virtual_stages}; set "
-                "virtual_stages to 1 or repack to false")
+        return (f"terapipe.freeze.repack needs one chunk per rank, got virtual_stages={cfg.virtual_stages}: with "
+                "several chunks a rank holds layers from far apart in the model (looped: chunks r, r+p, ...; "
+                "dualpipev: the first and the last), so a frozen prefix leaves no rank wholly frozen until nearly "
+                "every layer is; set virtual_stages to 1 or repack to false")
     if engine.optimizer is not None and not isinstance(engine.optimizer, torch.optim.Optimizer) and \
             not _flat_masters(engine.optimizer):
         return (f"terapipe.freeze.repack moves every parameter's master copy and optimizer state to the ranks that "
