@@ -120,8 +120,8 @@ def test_which_optimizers_a_repack_can_move() -> None:
     unknown = type("SomeWrapper", (), {})()
     unknown.optimizer = inner
 
-    def problem(optimizer):
-        engine = SimpleNamespace(terapipe=SimpleNamespace(virtual_stages=1), optimizer=optimizer,
+    def problem(optimizer, virtual_stages: int = 1):
+        engine = SimpleNamespace(terapipe=SimpleNamespace(virtual_stages=virtual_stages), optimizer=optimizer,
                                  module=SimpleNamespace(rebuild_spec={"layers": []}), micro_batches=2, num_stages=2,
                                  training_dataloader=None, config={})
         return check_repack_supported(engine)
@@ -130,3 +130,4 @@ def test_which_optimizers_a_repack_can_move() -> None:
         assert problem(ok) is None, type(ok).__name__
     for refused in (fused16, unknown):
         assert "repack works with a torch optimizer (fp32), BF16_Optimizer" in problem(refused), type(refused).__name__
+    assert "a frozen prefix leaves no rank wholly frozen" in problem(inner, virtual_stages=2)
