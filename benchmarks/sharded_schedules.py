@@ -19,6 +19,7 @@ from benchlib.tables import benchmark_parser, markdown_table, results_path, writ
 from ds_terapipe.planner.lowering import lower
 from ds_terapipe.planner.presets import analytic_pipeline_cost
 from ds_terapipe.planner.roofline import TransformerSpec
+from ds_terapipe.planner.sequence import block_params
 from ds_terapipe.planner.sharding import estimate_sharding
 
 NAME = "sharded_schedules"
@@ -38,7 +39,7 @@ def main() -> None:
         for name, v in SCHEDULES:
             chunks = RANKS * v
             cost = analytic_pipeline_cost(SPEC, "a100", chunks, lm_head=False)
-            chunk_params = [12 * SPEC.hidden ** 2 * SPEC.num_layers / chunks] * chunks
+            chunk_params = [block_params(SPEC) * SPEC.num_layers / chunks] * chunks
             schedule = lower(name, RANKS, m, len(SLICES), virtual_stages=v)
             for sharded in (False, True):
                 est = estimate_sharding(schedule, cost, SLICES, chunk_params=chunk_params, dp=DP,

@@ -15,6 +15,7 @@ from ds_terapipe.planner.presets import analytic_pipeline_cost
 from ds_terapipe.planner.registry import get_schedule
 from ds_terapipe.planner.roofline import TransformerSpec
 from ds_terapipe.planner.schedule import ActionKind
+from ds_terapipe.planner.sequence import block_params
 from ds_terapipe.planner.sharding import estimate_sharding
 
 P, DP, SLICES = 4, 8, [256, 256, 256, 256]
@@ -25,7 +26,7 @@ COMPUTE = (ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.WEIGHT)
 def _setup(name: str, m: int):
     v = get_schedule(name).virtual_stages
     cost = analytic_pipeline_cost(SPEC, "a100", P * v, lm_head=False)
-    chunk_params = [12 * SPEC.hidden ** 2 * SPEC.num_layers / (P * v)] * (P * v)
+    chunk_params = [block_params(SPEC) * SPEC.num_layers / (P * v)] * (P * v)
     return lower(name, P, m, len(SLICES), virtual_stages=v), cost, chunk_params
 
 

@@ -71,7 +71,10 @@ def _result(x: np.ndarray) -> Any:
     return x[()] if x.ndim == 0 else x
 
 
-def _comm_time_ms(latency_ms: float, gbps: float | None, num_bytes: np.ndarray) -> np.ndarray:
+def comm_time_ms(latency_ms: float, gbps: float | None, num_bytes: ArrayLike) -> np.ndarray:
+    """A transfer of ``num_bytes`` over a link of ``gbps`` Gbit/s after ``latency_ms`` (just the latency without
+    a bandwidth)."""
+    num_bytes = np.asarray(num_bytes, dtype=float)
     # gbps is in Gbit/s: bytes / (gbps * 1e9 / 8) seconds = bytes * 8 / (gbps * 1e6) milliseconds.
     if gbps is None:
         return np.full(num_bytes.shape, float(latency_ms))
@@ -298,7 +301,7 @@ class MeasuredCost(StageCost):
         if self.comm is None:
             return _result(np.zeros(s.shape))
         num_bytes = b * s * float(self.hidden or 0) * self.bytes_per_element
-        return _result(_comm_time_ms(self._latency_ms, self._gbps, num_bytes))
+        return _result(comm_time_ms(self._latency_ms, self._gbps, num_bytes))
 
     def weight_ms(self, tokens: ArrayLike, batch: ArrayLike = 1) -> Any:
         rate, fixed = self.weight_ms_per_token or 0.0, self.weight_ms_per_slice or 0.0
@@ -487,7 +490,7 @@ class AnalyticCost(StageCost):
     def comm_ms(self, slice_len: ArrayLike, batch: ArrayLike = 1) -> Any:
         s, b = np.broadcast_arrays(np.asarray(slice_len, float), np.asarray(batch, float))
         num_bytes = b * s * self.model.hidden * self.bytes_per_element
-        return _result(_comm_time_ms(self.device.link_latency_ms, self.device.link_gbps, num_bytes))
+        return _result(comm_time_ms(self.device.link_latency_ms, self.device.link_gbps, num_bytes))
 
     def cache_key(self) -> Hashable:
         return ("analytic", self.model, self.device, self.num_layers, self.bytes_per_element, self.lm_head,

@@ -23,7 +23,7 @@ from typing import Any, Hashable, Optional, Sequence
 
 import numpy as np
 
-from .cost import ArrayLike, PipelineCost, StageCost
+from .cost import ArrayLike, PipelineCost, StageCost, comm_time_ms
 from .roofline import DeviceSpec, TransformerSpec
 
 __all__ = ["LayoutEstimate", "SequenceParallelCost", "block_params", "plan_layouts", "sequence_parallel_cost"]
@@ -55,8 +55,7 @@ class SequenceParallelCost(StageCost):
         share = np.asarray(batch, float) * np.asarray(slice_len, float) / n * self.hidden   # values per tensor
         values = share * (2.0 + 2.0 * self.kv_fraction)   # queries and output, keys and values
         sent = values * self.bytes_per_element * (n - 1) / n
-        per_layer = 2 * self.latency * (n - 1) + sent / (self.link_gbps / 8 * 1e9) * 1e3
-        return self.layers * per_layer
+        return self.layers * comm_time_ms(2 * self.latency * (n - 1), self.link_gbps, sent)
 
     def forward_ms(self, slice_len: ArrayLike, context: ArrayLike, batch: ArrayLike = 1) -> Any:
         return np.asarray(self.chunk.forward_ms(slice_len, context, batch)) / self.degree + \
@@ -94,11 +93,8 @@ def sequence_parallel_cost(cost: PipelineCost, degree: int, layers: Sequence[int
 
 
 def block_params(spec: TransformerSpec) -> float:
-    """Parameters of one block (attention projections and the MLP; norms and biases left out)."""
-    kv = (spec.num_kv_heads or spec.num_heads) / spec.num_heads
-    ffn = spec.ffn_hidden or 4 * spec.hidden
-    mlp = (3 if spec.block == "llama" else 2) * spec.hidden * ffn
-    return (2 + 2 * kv) * spec.hidden ** 2 + mlp
+    """Parameters of one block: its Linears' weights (``TransformerSpec.linears``; norms and biases left out)."""
+    return float(sum(k * n for k, n in spec.linears))
 
 
 @dataclass(frozen=True)

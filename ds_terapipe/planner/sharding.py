@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from .cost import PipelineCost
+from .cost import PipelineCost, comm_time_ms
 from .schedule import ActionKind, Schedule
 from .simulate import simulate
 
@@ -74,10 +74,11 @@ def chunk_runs(schedule: Schedule, events: Sequence[Any]) -> list[list[tuple[int
 
 
 def _collective_ms(num_bytes: float, dp: int, link_gbps: float, latency_ms: float) -> float:
-    """A ring all-gather or reduce-scatter of ``num_bytes`` (the whole tensor) over ``dp`` ranks."""
+    """A ring all-gather or reduce-scatter of ``num_bytes`` (the whole tensor) over ``dp`` ranks: dp - 1 steps,
+    (dp - 1) / dp of the tensor through each rank's link."""
     if dp <= 1:
         return 0.0
-    return latency_ms * (dp - 1) + num_bytes * (dp - 1) / dp / (link_gbps / 8 * 1e9) * 1e3
+    return float(comm_time_ms(latency_ms * (dp - 1), link_gbps, num_bytes * (dp - 1) / dp))
 
 
 def estimate_sharding(schedule: Schedule, cost: PipelineCost, slices: Sequence[int], *,
