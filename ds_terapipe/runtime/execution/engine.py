@@ -72,7 +72,7 @@ from ..planning.slice_check import check_stage_slicing
 from ..slicing.context import MicroBatchState, SliceContext, cut_tokens, slice_scope
 from ..slicing.deferred import WeightGradAccumulator, WeightGradStash, enable_deferred_weight_grads
 from ..slicing.devices import synchronized_ms
-from ..slicing.documents import Documents, check_position_ids
+from ..slicing.documents import Documents, check_position_ids, positions_of
 from . import checkpoint as ckpt
 from .clip import clip_by_global_norm, clipping_problem
 from .collective import agree_or_raise, mark_collective
@@ -657,23 +657,18 @@ class TokenPipelineEngine(PipelineEngine):
 
     def _load_documents(self, inputs: Any, microbatch: int) -> Any:
         """Packed rows: ``(input_ids, position_ids)`` -> the ids, with the micro-batch's documents kept; plain
-        ids are one document per row."""
-        if isinstance(inputs, (tuple, list)) and len(inputs) == 2 and torch.is_tensor(inputs[1]):
-            ids, positions = inputs
-            check_position_ids(ids, positions, f"micro-batch {microbatch}")
-        elif torch.is_tensor(inputs) and inputs.dim() == 2 and not inputs.is_floating_point():
-            ids = inputs
-            positions = torch.arange(ids.shape[1]).expand(ids.shape[0], -1)
-        else:
+        ids are one document per row. The position ids were checked before the step (``_documents_problem``)."""
+        positions = positions_of(inputs)
+        if positions is None:
             got = type(inputs).__name__ if not torch.is_tensor(inputs) else f"a tensor {tuple(inputs.shape)}"
             raise ValueError(f"terapipe.packed: the inputs of micro-batch {microbatch} must be input_ids (batch, "
                              f"seq_len) or (input_ids, position_ids), got {got}; pass ((input_ids, position_ids), "
                              "labels) or set terapipe.packed to false")
         self.documents[microbatch] = Documents(positions.to(self.device, torch.int64).clone())
-        return ids
+        return inputs[0] if isinstance(inputs, (tuple, list)) else inputs
 
     def _documents_problem(self, inputs: Any) -> Optional[str]:
-        """Why the first micro-batch's position ids cannot be run (None if they can, or rows are not packed):
+        """Why a micro-batch's position ids cannot be run (None if they can, or rows are not packed):
         checked before the step, so every rank refuses together."""
         if not (isinstance(inputs, (tuple, list)) and len(inputs) == 2):
             return None

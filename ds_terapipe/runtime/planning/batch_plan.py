@@ -35,9 +35,10 @@ from ...planner.cost import PipelineCost
 from ...planner.documents import DocumentPlanner, document_context
 from ..execution.collective import mark_collective
 from ..execution.stage import PipelineStage
+from ..slicing.documents import positions_of
 from .plan import ResolvedPlan, solve_slicing
 
-__all__ = ["BatchPlanner", "PLAN_GRID", "positions_of"]
+__all__ = ["BatchPlanner", "PLAN_GRID"]
 
 #: The most cut points a per-batch plan is solved over.
 PLAN_GRID = 64
@@ -46,17 +47,6 @@ logger = logging.getLogger(__name__)
 
 # Slot 0 of the broadcast plan when rank 0 could not plan (its message follows in the log and the error).
 _FAILED = -1
-
-
-def positions_of(inputs: Any) -> Optional[torch.Tensor]:
-    """A micro-batch's (B, L) position ids: ``(ids, position_ids)`` for packed rows, ``arange`` for plain ids
-    (one document per row); None when the inputs are neither."""
-    if isinstance(inputs, (tuple, list)) and len(inputs) == 2 and torch.is_tensor(inputs[1]) and \
-            inputs[1].dim() == 2:
-        return inputs[1]
-    if torch.is_tensor(inputs) and inputs.dim() == 2 and not inputs.is_floating_point():
-        return torch.arange(inputs.shape[1]).expand(inputs.shape[0], -1)
-    return None
 
 
 class BatchPlanner:

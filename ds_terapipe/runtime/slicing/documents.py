@@ -30,7 +30,8 @@ import torch
 
 from .context import current_slice
 
-__all__ = ["Documents", "check_position_ids", "current_documents", "packed_documents", "slice_positions"]
+__all__ = ["Documents", "check_position_ids", "current_documents", "packed_documents", "positions_of",
+           "slice_positions"]
 
 
 def check_position_ids(ids: Any, positions: Any, where: str = "batch") -> None:
@@ -59,6 +60,17 @@ def check_position_ids(ids: Any, positions: Any, where: str = "batch") -> None:
         raise ValueError(f"token pipeline: {where}: position_ids must count up by 1 within a document and "
                          f"restart at 0 at the next one; row {row} goes {int(positions[row, col])} -> "
                          f"{int(positions[row, col + 1])} at token {col + 1}")
+
+
+def positions_of(inputs: Any) -> Optional[torch.Tensor]:
+    """A micro-batch's (B, L) position ids: ``(ids, position_ids)`` for packed rows, ``arange`` for plain ids
+    (one document per row); None when the inputs are neither."""
+    if isinstance(inputs, (tuple, list)) and len(inputs) == 2 and torch.is_tensor(inputs[1]) and \
+            inputs[1].dim() == 2:
+        return inputs[1]
+    if torch.is_tensor(inputs) and inputs.dim() == 2 and not inputs.is_floating_point():
+        return torch.arange(inputs.shape[1]).expand(inputs.shape[0], -1)
+    return None
 
 
 class Documents:
