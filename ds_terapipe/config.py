@@ -296,7 +296,7 @@ class TeraPipeConfig(DeepSpeedConfigModel):
     schedule's registered ``ScheduleSpec.deferred_weight_grads``."""
 
     vocab_parallel: bool = Field(False, description=(
-        "split the output layer (and a tied head's input embedding) by vocabulary rows over the pipeline ranks "
+        "split the output layer and the input embedding (tied or not) by vocabulary rows over the pipeline ranks "
         "([Vocabulary parallelism](vocab_parallel.md)); build the module with `vocab_parallel=True` "
         "(`**ds_terapipe.module_chunk_kwargs(terapipe)`); every schedule, the virtual-stage ones included (the "
         "passes follow the last chunk and chunk 0 to the ranks the placement puts them on); any precision, ZeRO "
@@ -304,8 +304,9 @@ class TeraPipeConfig(DeepSpeedConfigModel):
     """Split the output layer (and its gradient and optimizer state) by vocabulary rows over the pipeline ranks,
     so the last stage stops being the slowest (``runtime/features/vocab.py``). Per (micro-batch, slice) every rank
     joins two collectives (the last stage's hidden states and labels out, softmax statistics, the hidden-state gradient
-    back); the loss is exactly the unsharded cross entropy. A tied head's input embedding is split with it
-    (``runtime/features/vocab_embedding.py``: two more collectives per unit). Needs ``loss_fn=causal_lm_loss`` and
+    back); the loss is exactly the unsharded cross entropy. The input embedding is split too, sharing the head's
+    rows when tied, with rows of its own when not (``runtime/features/vocab_embedding.py``: two more collectives per
+    unit). Needs ``loss_fn=causal_lm_loss`` and
     an output layer as the last layer; any precision and ZeRO stage 0/1; works with every schedule, virtual stages included (the passes follow
     the last chunk and chunk 0 wherever the placement puts them); build the model with
     ``TokenPipelineModule(..., vocab_parallel=True)`` (and the same ``virtual_stages`` and ``schedule``)."""

@@ -120,10 +120,10 @@ def test_which_optimizers_a_repack_can_move() -> None:
     unknown = type("SomeWrapper", (), {})()
     unknown.optimizer = inner
 
-    def problem(optimizer, virtual_stages: int = 1):
+    def problem(optimizer, virtual_stages: int = 1, vocab_head=None):
         engine = SimpleNamespace(terapipe=SimpleNamespace(virtual_stages=virtual_stages), optimizer=optimizer,
-                                 module=SimpleNamespace(rebuild_spec={"layers": []}), micro_batches=2, num_stages=2,
-                                 training_dataloader=None, config={})
+                                 module=SimpleNamespace(rebuild_spec={"layers": []}, vocab_head=vocab_head),
+                                 micro_batches=2, num_stages=2, training_dataloader=None, config={})
         return check_repack_supported(engine)
 
     for ok in (inner, bf16, zero, zero16, unfused16):
@@ -131,3 +131,6 @@ def test_which_optimizers_a_repack_can_move() -> None:
     for refused in (fused16, unknown):
         assert "repack works with a torch optimizer (fp32), BF16_Optimizer" in problem(refused), type(refused).__name__
     assert "a frozen prefix leaves no rank wholly frozen" in problem(inner, virtual_stages=2)
+    # vocabulary parallelism: the shards would need splitting again over the new pipeline (its own reason, not the
+    # module-type one a model built with it would otherwise get)
+    assert "split them again over the new pipeline" in problem(inner, vocab_head=object())

@@ -317,9 +317,11 @@ def test_two_stage_engine_equals_transformers(tmp_path) -> None:
         covered = set().union(*(r["cases"][index]["covered"] for r in results))
         assert covered == set(case["all_params"]), (case["schedule"], set(case["all_params"]) ^ covered)
     # vocabulary parallelism on the Hugging Face head (untied lm_head, then tied to the input embedding): the
-    # shards hold the head on both ranks
+    # shards hold the head (and the input embedding's table) on both ranks
     assert [(c["vocab_parallel"], c["tied"]) for c in results[0]["cases"]] == \
         [(False, False), (False, False), (True, False), (True, True)]
     for index in (2, 3):
         assert all(any(n in ("lm_head.weight", "model.embed_tokens.weight") for n in r["cases"][index]["covered"])
                    for r in results), index
+    # the untied lm_head's input embedding is split too: both ranks hold rows of its table
+    assert all("model.embed_tokens.weight" in r["cases"][2]["covered"] for r in results)

@@ -73,13 +73,17 @@ def vocab_compare(engine: Any, named: dict[str, torch.Tensor], ref: dict[str, to
                   tied: bool) -> tuple[float, str, list[str], float]:
     """Worst relative error of this rank's tensors against the reference (the shard against its rows), the names
     covered, and the largest absolute value in the shard's padding rows (must stay 0)."""
-    head = engine.module.vocab_head
     worst, worst_name, covered, pad = 0.0, "", [], 0.0
     for name, value in named.items():
         if name == "tied_modules.embed.wpe.weight" and engine.stage_id != 0:
             continue
-        if name.startswith("vocab_head."):
-            ref_name = ("layers.0.wte.weight" if tied else "head.weight") if name.endswith("weight") else "head.bias"
+        if name.startswith(("vocab_head.", "vocab_embed.")):
+            if name.startswith("vocab_embed."):  # the untied input embedding's rows
+                head, ref_name = engine.module.vocab_embed, "layers.0.wte.weight"
+            else:
+                head = engine.module.vocab_head
+                ref_name = ("layers.0.wte.weight" if tied else "head.weight") if name.endswith("weight") else \
+                    "head.bias"
             rows = slice(head.offset, head.offset + head.num_valid)
             err = rel_err(value[:head.num_valid], ref[ref_name][rows]) if head.num_valid else 0.0
             pad = max(pad, float(value[head.num_valid:].abs().max()) if head.num_valid < head.rows else 0.0)

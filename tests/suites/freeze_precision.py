@@ -90,8 +90,8 @@ def _state_nonzero(engine: Any, names: list[str]) -> list[str]:
 
 def _vocab_update(engine: Any, update: dict[str, torch.Tensor], ref_update: dict[str, torch.Tensor]
                   ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """With vocabulary parallelism the tied table lives in the shards: each shard against its rows of the
-    reference's ``wte``, under the shard's name."""
+    """With vocabulary parallelism the head's table (and a split untied embedding's) lives in the shards: each
+    shard against its rows of the reference's, under the shard's name."""
     head = engine.module.vocab_head
     if head is None:
         return update, ref_update
@@ -100,6 +100,11 @@ def _vocab_update(engine: Any, update: dict[str, torch.Tensor], ref_update: dict
         f"{head.spec.index}.{head.spec.weight_name}"
     update = dict(update, **{"vocab_head.weight": update["vocab_head.weight"][:head.num_valid]})
     ref_update = dict(ref_update, **{"vocab_head.weight": ref_update[table][rows]})
+    split = head.embedding
+    if split is not None and not split.tied:   # the untied input embedding's rows, against its layer's table
+        embed = f"tied_modules.{split.key}.{split.name}" if split.key else f"{split.layer}.{split.name}"
+        update["vocab_embed.weight"] = update["vocab_embed.weight"][:head.num_valid]
+        ref_update["vocab_embed.weight"] = ref_update[embed][rows]
     return update, ref_update
 
 

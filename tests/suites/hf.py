@@ -46,6 +46,8 @@ def _head_name(config: transformers.LlamaConfig) -> str:
 
 
 def _pipe_name(name: str, config: transformers.LlamaConfig) -> str:
+    if name == "vocab_embed.weight":   # the untied input embedding's rows
+        return "model.embed_tokens.weight"
     return _head_name(config) if name == "vocab_head.weight" else hf_param_name(name, config)
 
 
@@ -61,17 +63,19 @@ def run_case(config: transformers.LlamaConfig, schedule: str, vocab_parallel: bo
     engine, _, _, _ = ds_terapipe.initialize(model=model, optimizer=optimizer, config=ds_config)
     head = engine.module.vocab_head
     rows = slice(head.offset, head.offset + head.num_valid) if head is not None else slice(None)
+    split = ("vocab_head.weight", "vocab_embed.weight")   # the shards (rows of a table) by parameter name
 
     # The reference: transformers' model with the pipeline's initial weights, gathered from both stages (with
-    # vocabulary parallelism, the output weight from the shards' rows, in rank order).
-    mine = {hf_param_name(n, config): p.detach().clone() for n, p in engine.module.named_parameters()
-            if n != "vocab_head.weight"}
-    shard = head.weight.detach()[:head.num_valid].clone() if head is not None else None
+    # vocabulary parallelism, the output weight, and an untied split embedding's table, from the shards' rows, in
+    # rank order).
+    named = dict(engine.module.named_parameters())
+    mine = {hf_param_name(n, config): p.detach().clone() for n, p in named.items() if n not in split}
+    shards = {n: named[n].detach()[:head.num_valid].clone() for n in split if n in named}
     parts: list = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(parts, (mine, shard))
+    torch.distributed.all_gather_object(parts, (mine, shards))
     weights = {k: v for part, _ in parts for k, v in part.items()}
-    if head is not None:
-        weights[_head_name(config)] = torch.cat([s for _, s in parts])
+    for name in shards:
+        weights[_pipe_name(name, config)] = torch.cat([s[name] for _, s in parts])
     reference = transformers.LlamaForCausalLM(config)
     reference.load_state_dict(weights, strict=False)
     assert not set(weights) ^ {n for n, _ in reference.named_parameters()}, "the gathered weights are the model's"
@@ -93,7 +97,7 @@ def run_case(config: transformers.LlamaConfig, schedule: str, vocab_parallel: bo
     worst, worst_name = 0.0, ""
     for name, grad in grads.items():
         ref = ref_grads[_pipe_name(name, config)]
-        if name == "vocab_head.weight":   # this rank's rows
+        if name in split:   # this rank's rows
             grad, ref = grad[:head.num_valid], ref[rows]
         err = float((grad - ref).norm() / max(float(ref.norm()), 1e-12))
         if err >= worst:

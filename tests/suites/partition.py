@@ -31,8 +31,9 @@ HEAD_COST_FACTOR = 8.0
 _measured_kinds = _partition._profile_kinds
 
 
-def _head_made_dearer(module: Any, settings: Any, device: Any, shard: Any = None, split: Any = None) -> dict:
-    profiled = _measured_kinds(module, settings, device, shard, split)
+def _head_made_dearer(module: Any, settings: Any, device: Any, shard: Any = None, split: Any = None,
+                      table: Any = None) -> dict:
+    profiled = _measured_kinds(module, settings, device, shard, split, table)
     if shard is None:   # with vocab_parallel the head is out of the layers (its share is costed apart)
         for point in profiled["kinds"][_partition.layer_kinds(module._layer_specs)[-1]]:
             point["forward_ms"] *= HEAD_COST_FACTOR

@@ -91,6 +91,7 @@ def suite_vocab_features(extra: dict) -> list[dict]:
         first.save_checkpoint(ckpt)
         saved = first.module.vocab_head
         saved_rows = (saved.offset, saved.num_valid, saved.weight.detach().clone())
+        saved_embed = None if tied else first.module.vocab_embed.weight.detach().clone()
         uninterrupted = float(first.train_batch(data))
         after = {n: p.detach().clone() for n, p in first.module.named_parameters()}
         again = vocab_engine(cfg, tied, plan, stages=WORLD, micro=2, batch=2)
@@ -105,33 +106,44 @@ def suite_vocab_features(extra: dict) -> list[dict]:
         head = one.module.vocab_head
         key = f"{head.spec.index}.{head.spec.weight_name}"
         split = {}
-        if tied:  # the input embedding was split: its table is in the shards, exported and loaded from there
-            tag_dir = Path(ckpt) / (Path(ckpt) / "latest").read_text().strip()
-            split["layer0_has_table"] = "wte.weight" in torch.load(tag_dir / "layer_00-model_states.pt",
-                                                                   weights_only=True)
-            split["export_embed_err"] = rel_err(merged["0.wte.weight"], merged[key])
-            STATUS["case"] = "vocab checkpoint into a model without vocab_parallel"
-            plain = ds_terapipe.TokenPipelineModule(vocab_layer_specs(cfg, tied), num_stages=WORLD,
-                                                    loss_fn=causal_lm_loss, vocab_size=cfg.vocab_size,
-                                                    partition_method="uniform")
-            plain_engine, _, _, _ = ds_terapipe.initialize(
-                model=plain, optimizer=torch.optim.SGD(plain.parameters(), lr=0.1),
-                config={"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "train_batch_size": 4,
-                        "terapipe": dict(plan, enabled=True, p2p_timeout_s=60)})
-            plain_engine.load_checkpoint(ckpt, load_optimizer_states=False)
-            table = plain.tied_modules["embed"].wte.weight.detach()
-            split["plain_table_err"] = rel_err(table, merged[key])
-            split["plain_layer_err"] = max(rel_err(p.detach(), merged[n]) for n, p in plain.state_dict().items()
-                                           if n in merged)
-            # and back: a checkpoint written without vocabulary parallelism loads into the split model
-            STATUS["case"] = "vocab: a checkpoint without vocab_parallel into the split model"
-            plain_ckpt = str(Path(extra["out"]) / "plain_ckpt")
-            plain_engine.save_checkpoint(plain_ckpt)
-            split_again = vocab_engine(cfg, tied, plan, stages=WORLD, micro=2, batch=2)
-            split_again.load_checkpoint(plain_ckpt, load_optimizer_states=False)
-            mine = split_again.module.vocab_head
-            split["from_plain_err"] = rel_err(mine.weight.detach()[:mine.num_valid],
-                                              merged[key][mine.offset:mine.offset + mine.num_valid])
+        rows = slice(saved_rows[0], saved_rows[0] + saved_rows[1])
+        # the input embedding was split: its table is in the shards, exported and loaded from there
+        tag_dir = Path(ckpt) / (Path(ckpt) / "latest").read_text().strip()
+        split["layer0_has_table"] = "wte.weight" in torch.load(tag_dir / "layer_00-model_states.pt",
+                                                               weights_only=True)
+        # tied: the head's table under layer 0 too; untied: the embedding's own rows, whole
+        split["export_embed_err"] = rel_err(merged["0.wte.weight"], merged[key]) if tied else \
+            rel_err(merged["0.wte.weight"][rows], saved_embed[:saved_rows[1]])
+        split["p1_embed_err"] = 0.0 if tied else rel_err(one.module.vocab_embed.weight.detach(),
+                                                         merged["0.wte.weight"])
+        STATUS["case"] = "vocab checkpoint into a model without vocab_parallel"
+        plain = ds_terapipe.TokenPipelineModule(vocab_layer_specs(cfg, tied), num_stages=WORLD,
+                                                loss_fn=causal_lm_loss, vocab_size=cfg.vocab_size,
+                                                partition_method="uniform")
+        plain_engine, _, _, _ = ds_terapipe.initialize(
+            model=plain, optimizer=torch.optim.SGD(plain.parameters(), lr=0.1),
+            config={"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "train_batch_size": 4,
+                    "terapipe": dict(plan, enabled=True, p2p_timeout_s=60)})
+        plain_engine.load_checkpoint(ckpt, load_optimizer_states=False)
+        holds = "embed" in plain.tied_modules   # untied: the embedding layer's stage only
+        split["plain_table_err"] = rel_err(plain.tied_modules["embed"].wte.weight.detach(),
+                                           merged["0.wte.weight"]) if holds else 0.0
+        split["plain_layer_err"] = max(rel_err(p.detach(), merged[n]) for n, p in plain.state_dict().items()
+                                       if n in merged)
+        # and back: a checkpoint written without vocabulary parallelism loads into the split model
+        STATUS["case"] = "vocab: a checkpoint without vocab_parallel into the split model"
+        plain_ckpt = str(Path(extra["out"]) / f"plain_ckpt_{tied}")
+        plain_engine.save_checkpoint(plain_ckpt)
+        split_again = vocab_engine(cfg, tied, plan, stages=WORLD, micro=2, batch=2)
+        split_again.load_checkpoint(plain_ckpt, load_optimizer_states=False)
+        mine = split_again.module.vocab_head
+        split["from_plain_err"] = rel_err(mine.weight.detach()[:mine.num_valid],
+                                          merged[key][mine.offset:mine.offset + mine.num_valid])
+        if not tied:
+            rows_again = split_again.module.vocab_embed
+            split["from_plain_err"] = max(split["from_plain_err"], rel_err(
+                rows_again.weight.detach()[:rows_again.num_valid],
+                merged["0.wte.weight"][rows_again.offset:rows_again.offset + rows_again.num_valid]))
         results.append({"case": f"vocab checkpoint at p=1 tied={tied}", **split,
                         "uninterrupted": uninterrupted, "resumed": resumed,
                         "resume_err": resume_err, "export_keys": sorted(merged),

@@ -123,9 +123,9 @@ def _check_chunk_shapes(module: Any, tag_dir: str, fills: dict[int, dict[str, to
             continue
         files = module.ckpt_layer_path_list(tag_dir, local_idx)
         idx = local_idx + module._local_start
-        if not files:
+        if not files and idx not in fills:
             return f"layer {idx} ({type(layer).__name__}) has no file in the checkpoint"
-        saved = {**torch.load(files[0], map_location="cpu", weights_only=True), **fills.get(idx, {})}
+        saved = {**(torch.load(files[0], map_location="cpu", weights_only=True) if files else {}), **fills.get(idx, {})}
         current = layer.state_dict()
         missing = sorted(set(current) - set(saved))
         if missing:

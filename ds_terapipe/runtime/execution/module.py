@@ -99,8 +99,11 @@ class TokenPipelineModule(PipelineModule):
                                             partition_settings=partition_settings, vocab_parallel=vocab_parallel)}
         super().__init__(layers, *args, **kwargs)
         self.vocab_head = None if head_spec is None else vocab.build_shard_head(self, head_spec)
-        if self.vocab_head is not None and self.vocab_head.embedding is not None:
-            install_split(self, self.vocab_head, self.vocab_head.embedding)
+        split = None if self.vocab_head is None else self.vocab_head.embedding
+        # an untied input embedding split too: its own rows on every rank (the tied one uses the head's)
+        self.vocab_embed = None if split is None or split.tied else vocab.build_embedding_shard(self, split)
+        if split is not None:
+            install_split(self, self.vocab_head if split.tied else self.vocab_embed, split)
 
     # -- inputs ---------------------------------------------------------------------------------------------
     def has_sampler(self) -> bool:
@@ -231,12 +234,18 @@ class TokenPipelineModule(PipelineModule):
     def load_state_dir(self, load_dir, *args, **kwargs) -> None:
         # Without vocabulary parallelism, from a checkpoint written with it: a tied input embedding split with
         # the head left its table in the shards; its layer file gets it back while it loads.
+        # An untied head split by it has no layer file at all: it loads from the shards alone.
         fills = vocab.layer_fills(load_dir) if self.vocab_head is None else {}
         for _ in self.each_chunk():
-            patched = []
+            patched, hidden = [], {}
             for local, layer in enumerate(self.forward_funcs):
                 extra = fills.get(local + self._local_start)
                 if extra and isinstance(layer, torch.nn.Module):
+                    if not self.ckpt_layer_path_list(load_dir, local):
+                        layer.load_state_dict(extra)
+                        hidden[local] = layer
+                        self.forward_funcs[local] = _loaded   # DeepSpeed's loop skips what has no state dict
+                        continue
                     original = layer.load_state_dict
                     layer.load_state_dict = functools.partial(_load_with, original, extra)
                     patched.append(layer)
@@ -245,12 +254,18 @@ class TokenPipelineModule(PipelineModule):
             finally:
                 for layer in patched:
                     del layer.load_state_dict
+                for local, layer in hidden.items():
+                    self.forward_funcs[local] = layer
         if self.vocab_head is not None:
             vocab.load_vocab_shard(self, load_dir)
 
     def compile(self, *args, **kwargs) -> None:
         for _ in self.each_chunk():
             super().compile(*args, **kwargs)
+
+
+def _loaded(*args: Any) -> None:
+    """Stands in for a layer while DeepSpeed loads the others (it was loaded from the vocabulary shards)."""
 
 
 def _load_with(load: Callable, extra: dict, state_dict: dict, *args: Any, **kwargs: Any) -> Any:

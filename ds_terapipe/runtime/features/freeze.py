@@ -110,6 +110,9 @@ class Freezer:
             problem = check_repack_supported(engine)
         # Every rank's parameter counts per layer and config: one gather, so every rank checks the same table.
         local = {idx: sum(p.numel() for p in self._layer_params(module, idx)) for idx in self._local_layers(module)}
+        rows_layer, rows = self._split_rows(module)
+        if rows_layer is not None:
+            local[rows_layer] = local.get(rows_layer, 0) + sum(p.numel() for p in rows)
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, (local, cfg.model_dump(), problem))
         if any(g[1] != gathered[0][1] for g in gathered):
@@ -171,6 +174,16 @@ class Freezer:
         layer = module._modules.get(str(idx))
         return list(layer.parameters()) if layer is not None else []
 
+    @staticmethod
+    def _split_rows(module: Any) -> tuple[Optional[int], list[torch.nn.Parameter]]:
+        """(its layer, this rank's rows) of an untied input embedding split over the pipeline by vocabulary
+        parallelism (runtime/features/vocab_embedding.py): every rank holds rows of that layer's table, so they
+        freeze with it on every rank, whichever stage holds the rest of the layer; (None, []) without one."""
+        table = getattr(module, "vocab_embed", None)
+        if table is None:
+            return None, []
+        return module.vocab_head.embedding.layer, list(table.parameters())
+
     # -- each step ------------------------------------------------------------------------------------------------
     def target(self, step: int) -> int:
         """The frozen layer count the policy asks for before the batch of optimizer step ``step``."""
@@ -230,20 +243,22 @@ class Freezer:
             if self._masters is None or self._masters.optimizer is not optimizer:
                 self._masters = FrozenMasters(optimizer)
             masters = self._masters
-        for idx in local:
-            if idx >= num_frozen_layers:
+        targets = [param for idx in local if idx < num_frozen_layers
+                   for param in self._layer_params(module, idx, keep_tied_with=num_frozen_layers)]
+        rows_layer, rows = self._split_rows(module)
+        if rows_layer is not None and rows_layer < num_frozen_layers:
+            targets += rows
+        for param in targets:
+            if param.requires_grad:
+                frozen_params += param.numel()
+            param.requires_grad_(False)
+            param.grad = None
+            if masters is not None:
+                held += masters.freeze(param)
                 continue
-            for param in self._layer_params(module, idx, keep_tied_with=num_frozen_layers):
-                if param.requires_grad:
-                    frozen_params += param.numel()
-                param.requires_grad_(False)
-                param.grad = None
-                if masters is not None:
-                    held += masters.freeze(param)
-                    continue
-                dropped = optimizer.state.pop(param, None)
-                if isinstance(dropped, dict):
-                    released += sum(t.numel() * t.element_size() for t in dropped.values() if torch.is_tensor(t))
+            dropped = optimizer.state.pop(param, None)
+            if isinstance(dropped, dict):
+                released += sum(t.numel() * t.element_size() for t in dropped.values() if torch.is_tensor(t))
         self._wrap_frozen_forwards(module, num_frozen_layers)
         self.num_frozen_layers = num_frozen_layers
         self.num_frozen_chunks = frozen_chunk_count(self.parts, num_frozen_layers)
@@ -310,18 +325,31 @@ class Freezer:
         if auto is None or step < auto.warmup_steps or (step - auto.warmup_steps) % auto.check_interval:
             return
         module = engine.module
-        local: dict[int, float] = {}
+
+        def squares(params: list[torch.nn.Parameter]) -> float:
+            grads = [g for g in (self.grads.read(p) for p in params) if g is not None]
+            return float(sum((g.float() ** 2).sum() for g in grads)) if grads else 0.0
+
+        # squared norms: a layer's on the stage that holds it; a split table's rows (key (layer, stage)) on every rank
+        local: dict[Any, float] = {}
         for idx in self._local_layers(module):
             if idx < self.num_frozen_layers or idx not in self.param_layers:
                 continue
-            grads = [g for g in (self.grads.read(p) for p in self._layer_params(module, idx)) if g is not None]
-            norm = float(torch.sqrt(sum((g.float() ** 2).sum() for g in grads))) if grads else 0.0
-            local[idx] = norm / self.grads.scale()  # fp16: the gradients carry the loss scale, which moves
+            local[idx] = squares(self._layer_params(module, idx))
+        rows_layer, rows = self._split_rows(module)
+        if rows_layer is not None and rows_layer >= self.num_frozen_layers:
+            local[(rows_layer, engine.stage_id)] = squares(rows)
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, local)
-        norms: dict[int, float] = {}
+        merged: dict[Any, float] = {}
         for table in gathered:
-            norms.update(table)  # replicas of a stage hold the same reduced gradients
+            merged.update(table)  # replicas of a stage hold the same reduced gradients
+        summed: dict[int, float] = {}
+        for key, value in merged.items():
+            layer = key[0] if isinstance(key, tuple) else key
+            summed[layer] = summed.get(layer, 0.0) + value
+        # fp16: the gradients carry the loss scale, which moves
+        norms = {layer: value ** 0.5 / self.grads.scale() for layer, value in summed.items()}
         previous, self._previous_norms = self._previous_norms, norms
         if previous is None:
             return

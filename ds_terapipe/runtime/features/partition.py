@@ -209,7 +209,7 @@ def _with_loss(run: Any, loss_fn: Any, labels: torch.Tensor) -> Any:
 
 
 def _profile_kinds(module: "torch.nn.Module", settings: PartitionSettings, device: torch.device,
-                   shard: Optional[Any] = None, split: Optional[Any] = None) -> dict:
+                   shard: Optional[Any] = None, split: Optional[Any] = None, table: Optional[Any] = None) -> dict:
     """This rank's points per layer kind (``{"kinds": {kind: points}}``), in the cost-file format. With vocabulary
     parallelism (``shard``: this rank's head shard, ``split``: the input embedding split with it, or None) the
     layers run as they will (the last one without the loss, the split embedding without its table) and
@@ -238,7 +238,7 @@ def _profile_kinds(module: "torch.nn.Module", settings: PartitionSettings, devic
             if kind not in runners:
                 prepare = None
                 if split is not None and index == split.layer:
-                    prepare = functools.partial(split_embedding_runner, split=split, head=shard)
+                    prepare = functools.partial(split_embedding_runner, split=split, table=table)
                 runners[kind] = _runner(spec, device, prepare)
                 inputs[kind] = x
             with torch.no_grad(), slice_scope(None):
@@ -252,7 +252,7 @@ def _profile_kinds(module: "torch.nn.Module", settings: PartitionSettings, devic
             return {"kinds": points, "params": has_params}
         if labels is None:
             labels = torch.randint(0, shard.vocab_size, (batch, seq_len), generator=gen)
-        run, params = share_runner(shard, labels.to(device), ids)
+        run, params = share_runner(shard, labels.to(device), ids, table)
         return {"kinds": points, "params": has_params, "share": profile(run, params, x), "hidden": int(x.shape[-1])}
 
 
@@ -317,15 +317,15 @@ def _cost_partition(module: "torch.nn.Module", num_chunks: int) -> tuple[tuple[i
     if decided is not None:
         return tuple(decided["parts"]), decided
     device = torch.device(get_accelerator().device_name(module.local_rank))
-    shard = split = links = None
+    shard = split = table = links = None
     if module.vocab_head_spec is not None:  # deterministic: raises alike on every rank, before any collective
         with torch.random.fork_rng(devices=[]):
-            shard, split = profiling_shard(module, module.vocab_head_spec, device)
+            shard, split, table = profiling_shard(module, module.vocab_head_spec, device)
         if num_ranks > 1:
             links = time_links(module, settings.micro_batch_size * settings.seq_len * shard.weight.shape[1],
                                shard.weight.dtype, device, warmup=settings.warmup, repeats=settings.repeats)
     try:
-        mine: Any = ("ok", {**_profile_kinds(module, settings, device, shard, split), "links": links})
+        mine: Any = ("ok", {**_profile_kinds(module, settings, device, shard, split, table), "links": links})
     except Exception as err:  # noqa: BLE001 - every rank learns of it below, none waits in the gather
         logger.exception("terapipe partition: profiling failed on rank %d", dist.get_rank())
         mine = ("error", f"rank {dist.get_rank()}: {type(err).__name__}: {err}")

@@ -131,6 +131,11 @@ def check_repack_supported(engine: "PipelineStage") -> Optional[str]:
                 f"hold it after the repack; DeepSpeed's {type(engine.optimizer).__name__} keeps them where the repack "
                 "cannot reach: repack works with a torch optimizer (fp32), BF16_Optimizer, ZeRO stage 1 and fp16's "
                 "FP16_UnfusedOptimizer; use one of those, or set repack to false (freezing itself works with it)")
+    if getattr(engine.module, "vocab_head", None) is not None:
+        return ("terapipe.freeze.repack rebuilds the model over fewer pipeline ranks, and with vocab_parallel every "
+                "rank holds rows of the output layer (and of the input embedding) with their optimizer state: a "
+                "repack would have to split them again over the new pipeline, which it does not do; set repack to "
+                "false (freezing itself works with vocab_parallel) or vocab_parallel to false")
     if getattr(engine.module, "rebuild_spec", None) is None or engine.module.rebuild_spec["layers"] is None:
         return (f"terapipe.freeze.repack rebuilds the model over the new layout and needs a "
                 f"ds_terapipe.TokenPipelineModule, got {type(engine.module).__name__}; build the model as a "

@@ -28,7 +28,8 @@ with one chunk per rank or the looped placement, rank 0 under ``dualpipev``'s V)
   are summed into one (V, H) gradient over the pipeline; the holder keeps all of it, each shard its rows, so
   both copies of every row take the same optimizer step. That is the fallback: where it can
   (``runtime/features/vocab_embedding.py``), the tied input embedding is split with the head, uses the same shard
-  (passes ``EF``/``EB``), no rank keeps the whole table and nothing is exchanged here.
+  (passes ``EF``/``EB``), no rank keeps the whole table and nothing is exchanged here. An untied input embedding
+  is split the same way with rows of its own (:func:`build_embedding_shard`: ``module.vocab_embed``).
 * Checkpoints: each pipeline rank writes its shard (``vocab_shard-RR-of-PP-model_states.pt``) next to
   DeepSpeed's layer files; loading concatenates all shards and keeps this rank's rows, so any p loads the
   weights (optimizer state: the same p only, as for layers). A checkpoint written without vocabulary
@@ -61,11 +62,12 @@ from ..execution.collective import mark_collective
 from ..execution.errors import CheckpointError
 from ..execution.stage import PipelineStage
 from ..slicing.context import current_slice
-from .vocab_embedding import VocabEmbedding, plan_embedding_split
-from .vocab_shard import HeadSpec, VocabShardHead, build_full, get_dotted
+from .vocab_embedding import EmbeddingSplit, VocabEmbedding, plan_embedding_split, split_owner
+from .vocab_shard import EmbeddingShard, HeadSpec, VocabShardHead, build_full, get_dotted
 
 
-__all__ = ["VocabParallel", "build_shard_head", "save_vocab_shard", "load_vocab_shard", "shard_file_name",
+__all__ = ["VocabParallel", "build_shard_head", "build_embedding_shard", "save_vocab_shard", "load_vocab_shard",
+           "shard_file_name",
            "merge_vocab_shards", "layer_fills"]
 
 logger = logging.getLogger(__name__)
@@ -86,7 +88,7 @@ def build_shard_head(module: Any, spec: HeadSpec) -> VocabShardHead:
                          f"ds_terapipe.models.gpt.causal_lm_loss as loss_fn (the sharded softmax computes exactly it), "
                          f"got {module.loss_fn!r}; pass loss_fn=causal_lm_loss or set vocab_parallel to false")
     full, weight, bias = build_full(spec)
-    split = plan_embedding_split(full, spec, module._layer_specs, module.stage_owner)
+    split = plan_embedding_split(full, spec, module._layer_specs, module.stage_owner, tuple(weight.shape))
     del full
     vocab = weight.shape[0]
     if vocab < p:
@@ -115,8 +117,28 @@ def build_shard_head(module: Any, spec: HeadSpec) -> VocabShardHead:
         for param in head.parameters():
             param.ds_pipe_replicated = True
     logger.info("terapipe: vocab parallel: stage %d holds %s%s", stage, head.extra_repr(),
-                "" if split is None else f"; the input embedding (layer {split.layer}) uses them too")
+                "" if split is None or not split.tied else f"; the input embedding (layer {split.layer}) uses them too")
     return head
+
+
+def build_embedding_shard(module: Any, split: EmbeddingSplit) -> EmbeddingShard:
+    """Every rank's rows of the untied input embedding (before ``install_split`` replaces it): the first stage,
+    which built the layer, broadcasts its table, each rank keeps its rows (the split model starts as the whole)."""
+    p, stage = module.num_stages, module.stage_id
+    source = module.placement[0]   # chunk 0's rank holds layer 0
+    head = module.vocab_head       # the split checked the table is (V, H) like the head; it travels in its dtype
+    if stage == source:
+        table = get_dotted(split_owner(module, split), split.path).weight.detach().to(head.weight).clone()
+    else:
+        table = torch.empty((head.vocab_size, head.weight.shape[1]), dtype=head.weight.dtype, device=head.weight.device)
+    if p > 1:
+        dist.broadcast(table, module._grid.stage_to_global(source), group=module._grid.get_pipe_parallel_group())
+    shard = EmbeddingShard(table[:0], table.shape[0], stage, p)
+    with torch.no_grad():
+        shard.weight = torch.nn.Parameter(shard.take_rows(table))
+    logger.info("terapipe: vocab parallel: stage %d holds %s of the input embedding (layer %d, %s)", stage,
+                shard.extra_repr(), split.layer, split.name)
+    return shard
 
 
 # -- checkpoints --------------------------------------------------------------------------------------------
@@ -126,11 +148,15 @@ def save_vocab_shard(module: Any, save_dir: str) -> None:
     if module._grid.data_parallel_id != 0:
         return
     os.makedirs(save_dir, exist_ok=True)
+    split = head.embedding
     state = {"weight": head.weight.detach().cpu(), "vocab_size": head.vocab_size, "layer": head.spec.index,
              "weight_name": head.spec.weight_name,
-             "embedding_layers": [] if head.embedding is None else [head.embedding.layer]}
+             "embedding_layers": [split.layer] if split is not None and split.tied else []}
     if head.bias is not None:
         state["bias"] = head.bias.detach().cpu()
+    if split is not None and not split.tied:   # the untied input embedding's rows: its table, under its own name
+        state["embedding"] = {"weight": module.vocab_embed.weight.detach().cpu(), "layer": split.layer,
+                              "name": split.name}
     torch.save(state, os.path.join(save_dir, shard_file_name(head.rank, head.num_shards)))
 
 
@@ -154,6 +180,9 @@ def merge_vocab_shards(tag_dir: str) -> Optional[dict[str, Any]]:
            "embedding_layers": list(parts[0].get("embedding_layers", []))}
     if "bias" in parts[0]:
         out["bias"] = torch.cat([s["bias"] for s in parts])[:vocab]
+    if "embedding" in parts[0]:
+        out["embedding"] = dict(parts[0]["embedding"],
+                                weight=torch.cat([s["embedding"]["weight"] for s in parts])[:vocab])
     return out
 
 
@@ -183,6 +212,28 @@ def load_vocab_shard(module: Any, load_dir: str) -> None:
         head.weight.copy_(head.take_rows(weight.to(head.weight.device)))
         if head.bias is not None and "bias" in merged:
             head.bias.copy_(head.take_rows(merged["bias"].to(head.bias.device)))
+    if getattr(module, "vocab_embed", None) is not None:
+        _load_embedding_shard(module, load_dir, merged)
+
+
+def _load_embedding_shard(module: Any, load_dir: str, merged: dict[str, Any]) -> None:
+    """The untied input embedding's rows: from the shards that hold its table, else from its layer file (a
+    checkpoint written without vocabulary parallelism, or with the embedding whole)."""
+    shard: EmbeddingShard = module.vocab_embed
+    split: EmbeddingSplit = module.vocab_head.embedding
+    table = merged.get("embedding", {}).get("weight")
+    if table is None:
+        layer_file = os.path.join(load_dir, f"layer_{split.layer:02d}-model_states.pt")
+        saved = torch.load(layer_file, map_location="cpu", weights_only=True) if os.path.exists(layer_file) else {}
+        if split.name not in saved:
+            raise CheckpointError(f"checkpoint {load_dir} has the input embedding's table ({split.name} of layer "
+                                  f"{split.layer}) neither in its vocabulary shards nor in its layer file; it was "
+                                  "written for another model")
+        table = saved[split.name]
+    if tuple(table.shape) != (shard.vocab_size, shard.weight.shape[1]):
+        raise CheckpointError(f"checkpoint {load_dir}: the input embedding is {tuple(table.shape)}, this model's "
+                              f"({shard.vocab_size}, {shard.weight.shape[1]}); build the model with its dimensions")
+    shard.fill_rows(table)
 
 
 def layer_fills(tag_dir: str) -> dict[int, dict[str, torch.Tensor]]:
@@ -198,6 +249,9 @@ def layer_fills(tag_dir: str) -> dict[int, dict[str, torch.Tensor]]:
     out = {merged["layer"]: head}
     for layer in merged["embedding_layers"]:
         out[layer] = {merged["weight_name"]: merged["weight"]}
+    if "embedding" in merged:
+        embedding = merged["embedding"]
+        out.setdefault(embedding["layer"], {})[embedding["name"]] = embedding["weight"]
     return out
 
 
@@ -231,8 +285,9 @@ class VocabParallel:
         self.grads = engine.grad_sink  # the shard's gradients, where (and in the scale) the optimizer reads them
         spec = self.head.spec
         # the split input embedding's passes EF/EB (runtime/features/vocab_embedding.py), else None
-        self.embedding = None if self.head.embedding is None else VocabEmbedding(engine, self.head,
-                                                                                  self.head.embedding)
+        split = self.head.embedding
+        self.embedding = None if split is None else VocabEmbedding(
+            engine, self.head if split.tied else engine.module.vocab_embed, split)
         if spec.tied_key is not None and self.embedding is None:
             module = engine.module
             self.tied_holders = tuple(sorted({module.stage_owner(i) for i, s in enumerate(module._layer_specs)

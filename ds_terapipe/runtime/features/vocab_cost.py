@@ -36,40 +36,46 @@ import torch.nn.functional as F
 
 from ..slicing.context import current_slice
 from ..slicing.devices import synchronize
-from .vocab_shard import HeadSpec, VocabShardHead, build_full
+from .vocab_shard import EmbeddingShard, HeadSpec, VocabRows, VocabShardHead, build_full
 from .vocab_embedding import EmbeddingSplit, SplitTokenEmbedding, plan_embedding_split
 
 __all__ = ["profiling_shard", "split_embedding_runner", "share_runner", "time_links"]
 
 
 def profiling_shard(module: "torch.nn.Module", spec: HeadSpec, device: torch.device
-                    ) -> tuple[VocabShardHead, Optional[EmbeddingSplit]]:
+                    ) -> tuple[VocabShardHead, Optional[EmbeddingSplit], VocabRows]:
     """This rank's shard of the output layer (its rows of the layer as built from the spec) and the embedding
     split the module will install, decided as at build with the input embedding assumed on the first stage
     (layer 0 always is; a later tied user is costed as split, and if it lands elsewhere it is not)."""
     full, weight, bias = build_full(spec)
-    split = plan_embedding_split(full, spec, module._layer_specs, lambda layer: 0)
+    split = plan_embedding_split(full, spec, module._layer_specs, lambda layer: 0, tuple(weight.shape))
     del full
     head = VocabShardHead(torch.zeros(0, weight.shape[1]), None, weight.shape[0], module.stage_id,
                           module.num_stages, spec)
     with torch.no_grad():
         head.weight = torch.nn.Parameter(head.take_rows(weight).to(device))
         head.bias = None if bias is None else torch.nn.Parameter(head.take_rows(bias).to(device))
-    return head, split
+    table: VocabRows = head
+    if split is not None and not split.tied:  # an untied table's rows: its values do not matter for timing
+        table = EmbeddingShard(torch.randn_like(head.weight) * 0.02, head.vocab_size, head.rank, head.num_shards)
+    return head, split, table
 
 
-def split_embedding_runner(layer: torch.nn.Module, split: EmbeddingSplit, head: VocabShardHead) -> None:
+def split_embedding_runner(layer: torch.nn.Module, split: EmbeddingSplit, table: VocabRows) -> None:
     """Give a profiling instance of the input embedding the split stand-in (in place), as ``install_split`` does."""
     parent_path, _, name = split.path.rpartition(".")
     parent = layer.get_submodule(parent_path) if parent_path else layer
-    setattr(parent, name, SplitTokenEmbedding(getattr(parent, name), head))
+    setattr(parent, name, SplitTokenEmbedding(getattr(parent, name), table))
 
 
-def share_runner(head: VocabShardHead, labels: torch.Tensor, ids: Optional[torch.Tensor]
+def share_runner(head: VocabShardHead, labels: torch.Tensor, ids: Optional[torch.Tensor],
+                 table: Optional[VocabRows] = None
                  ) -> tuple[Callable[[torch.Tensor], tuple[torch.Tensor, ...]], list[torch.nn.Parameter]]:
     """``hidden (B, T, H) -> outputs`` whose forward and backward do this rank's vocabulary work of one slice
-    (labels (B, S) and, for the split embedding, token ids (B, S) are cut to the running slice), and its
-    parameters. The arithmetic is VF's and VB's (by autograd here, by hand there: the same products)."""
+    (labels (B, S) and, for the split embedding, token ids (B, S) are cut to the running slice, looked up in
+    ``table``: the head's rows when tied, the untied embedding's own), and its parameters. The arithmetic is
+    VF's and VB's (by autograd here, by hand there: the same products)."""
+    table = head if table is None else table
     def run(hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx = current_slice()
         lab = labels if ctx is None else labels[:, ctx.start:ctx.end]
@@ -84,11 +90,12 @@ def share_runner(head: VocabShardHead, labels: torch.Tensor, ids: Optional[torch
         if ids is None:
             return (loss, )
         tok = ids if ctx is None else ids[:, ctx.start:ctx.end]
-        local = tok - head.offset
-        mask = (local >= 0) & (local < head.num_valid)
-        part = F.embedding(torch.where(mask, local, 0), head.weight).masked_fill(~mask.unsqueeze(-1), 0.0)
+        local = tok - table.offset
+        mask = (local >= 0) & (local < table.num_valid)
+        part = F.embedding(torch.where(mask, local, 0), table.weight).masked_fill(~mask.unsqueeze(-1), 0.0)
         return loss, part  # (), (B, T, H): EF's lookup; its backward is EB's row gradient
-    return run, list(head.parameters())
+    params = list(head.parameters()) + ([] if table is head or ids is None else list(table.parameters()))
+    return run, params
 
 
 def time_links(module: "torch.nn.Module", num_elements: int, dtype: torch.dtype, device: torch.device, *,

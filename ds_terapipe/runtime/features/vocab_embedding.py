@@ -1,10 +1,12 @@
-"""The input embedding under vocabulary parallelism: a tied head's embedding split with it, row for row.
+"""The input embedding under vocabulary parallelism: its table split by vocabulary rows like the head's.
 
 With a tied head (the output layer's weight is the input embedding's, ``TiedLayerSpec``), every pipeline rank
-already holds rows ``[r*R, (r+1)*R)`` of that weight as its head shard (``runtime/features/vocab.py``). This module
-makes
-the input embedding use the same shard, so no rank keeps the whole (V, H) table and no gradient of it is
-exchanged: each shard's gradient is its rows' head gradient plus its rows' embedding gradient, both local.
+already holds rows ``[r*R, (r+1)*R)`` of that weight as its head shard (``runtime/features/vocab.py``), and the
+input embedding uses the same shard: each shard's gradient is its rows' head gradient plus its rows' embedding
+gradient, both local, and no gradient of the table is exchanged. With an untied head the embedding's own table is
+split the same way (``module.vocab_embed``, an :class:`~.vocab_shard.EmbeddingShard` on every rank). Either way no
+rank keeps the whole (V, H) table, and the first stage no longer carries its weights, optimizer state and dense
+gradient alone.
 
 How data flows, per unit (micro-batch b, slice i), as two more collectives of the pipeline's ranks, placed in
 the schedule IR like ``VF``/``VB`` (``planner/vocab.py``; one order on every rank, ``replay`` proves it):
@@ -24,15 +26,18 @@ the schedule IR like ``VF``/``VB`` (``planner/vocab.py``; one order on every ran
 Outside the schedule (the slice check and profiling at engine init, the re-planner) the split embedding looks up
 this rank's rows alone (no collective, no gradient): same shapes and cost, which is all those need.
 
-When it applies (decided from the layer specs, the same on every rank): the head is a ``TiedLayerSpec`` whose
-key one other layer uses, on the first stage, and the tied weight is ``<path>.weight`` of an ``nn.Embedding``
-without ``max_norm``, ``scale_grad_by_freq`` or ``sparse``. Otherwise the input embedding stays whole on its
-holder and ``ReduceTiedGrads`` exchanges the (V, H) gradient (logged as a warning). An untied input embedding
-is not split (the issue's scope: it has its own weight, and no head shard to share).
+When it applies (decided from the layer specs, the same on every rank). Tied: the head is a ``TiedLayerSpec``
+whose key one other layer uses, on the first stage, and the tied weight is ``<path>.weight`` of an ``nn.Embedding``
+without ``max_norm``, ``scale_grad_by_freq`` or ``sparse``; otherwise the input embedding stays whole on its holder
+and ``ReduceTiedGrads`` exchanges the (V, H) gradient (logged as a warning). Untied: layer 0 looks its input up in
+one such ``nn.Embedding`` of the head's (V, H) shape (the one that receives the input tensor itself when the layer
+runs on the meta device: structure, not class names) and shares no weight with a later layer; otherwise it stays
+whole on the first stage (logged at info: correct, only unbalanced).
 
-Checkpoints: the first stage's layer file no longer holds the token table; the shard files do, and record the
-embedding's layer index, so ``export_state_dict`` returns the whole table under both layer indices and any p
-loads it. A checkpoint written without the split loads its rows from the embedding's layer file.
+Checkpoints: the first stage's layer file no longer holds the token table; the shards do (tied: the head's rows
+with the embedding's layer index; untied: the embedding's rows, its layer and name), so ``export_state_dict``
+returns the whole table under the embedding's layer index and any p loads it. A checkpoint written without the
+split loads its rows from the embedding's layer file.
 """
 
 from __future__ import annotations
@@ -47,35 +52,44 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from deepspeed.pipe import TiedLayerSpec
 
-from ..slicing.context import current_slice, cut_tokens
+from ..slicing.context import current_slice, cut_tokens, slice_scope
 from ..execution.stage import PipelineStage
-from .vocab_shard import HeadSpec, VocabShardHead, get_dotted
+from .vocab_shard import HeadSpec, VocabRows, get_dotted
 
 __all__ = ["EmbeddingSplit", "SplitTokenEmbedding", "VocabEmbedding", "plan_embedding_split", "install_split",
-           "lookup_rows"]
+           "lookup_rows", "split_owner"]
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class EmbeddingSplit:
-    """Where the tied input embedding is: its layer index, the tied key and the ``nn.Embedding``'s path inside
-    the tied module (``"wte"`` for ``wte.weight``)."""
+    """Where the split input embedding is: its layer index, the ``nn.Embedding``'s path inside the layer's module
+    (``"wte"``, ``"embed_tokens"``) and its state-dict name there (``"wte.weight"``); ``tied``: it shares the
+    head's rows (else its own :class:`~.vocab_shard.EmbeddingShard`); ``key``: the ``TiedLayerSpec`` key whose
+    module holds it (the head's key when tied; the layer's own when an untied embedding layer is a
+    ``TiedLayerSpec`` no other layer uses), None for a plain layer."""
 
-    key: str
+    key: Optional[str]
     layer: int
     path: str
     padding_idx: Optional[int]
+    tied: bool = True
+
+    @property
+    def name(self) -> str:
+        return f"{self.path}.weight"
 
 
-def plan_embedding_split(full: torch.nn.Module, spec: "HeadSpec", specs: list, stage_owner: Any
-                         ) -> Optional[EmbeddingSplit]:
-    """The split of the tied input embedding, or None where it stays whole (see the module docstring).
+def plan_embedding_split(full: torch.nn.Module, spec: "HeadSpec", specs: list, stage_owner: Any,
+                         shape: tuple[int, int]) -> Optional[EmbeddingSplit]:
+    """The split of the input embedding, or None where it stays whole (see the module docstring).
 
-    ``full`` is the tied module as built from the head's spec, ``specs`` the layers without the head,
-    ``stage_owner(layer)`` the stage of a layer. Depends on the specs only: every rank decides the same."""
+    ``full`` is the output layer as built from its spec, ``shape`` its weight's (V, H), ``specs`` the layers
+    without the head, ``stage_owner(layer)`` the stage of a layer. Depends on the specs only: every rank decides
+    the same."""
     if spec.tied_key is None:
-        return None
+        return _plan_untied(specs, shape)
     users = [i for i, s in enumerate(specs) if isinstance(s, TiedLayerSpec) and s.key == spec.tied_key]
     path, _, attr = spec.weight_name.rpartition(".")
     embedding = get_dotted(full, path) if path else None
@@ -98,7 +112,68 @@ def plan_embedding_split(full: torch.nn.Module, spec: "HeadSpec", specs: list, s
     return EmbeddingSplit(spec.tied_key, users[0], path, embedding.padding_idx)
 
 
-def lookup_rows(head: "VocabShardHead", ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _plan_untied(specs: list, shape: tuple[int, int]) -> Optional[EmbeddingSplit]:
+    """The untied input embedding's split: layer 0 looks its input up in one ``nn.Embedding`` of the head's
+    (V, H) shape (found by running the layer once on the meta device and seeing which embedding receives the
+    input tensor itself: structure, not class names), plain (no max_norm, scale_grad_by_freq, sparse)."""
+    if not specs:
+        return None
+    first, why, found = specs[0], None, None
+    key = first.key if isinstance(first, TiedLayerSpec) else None
+    others = [i for i, s in enumerate(specs) if i and key is not None and isinstance(s, TiedLayerSpec) and s.key == key]
+    if others:
+        why = f"layer 0 shares its weights with layers {others} (TiedLayerSpec {key!r})"
+    else:
+        found, why = _token_embedding(first)
+    if found is not None:
+        path, embedding = found
+        if (embedding.num_embeddings, embedding.embedding_dim) != tuple(shape):
+            why = (f"its token embedding {path!r} is {embedding.num_embeddings} x {embedding.embedding_dim}, the "
+                   f"output layer {shape[0]} x {shape[1]}")
+        elif embedding.max_norm is not None or embedding.scale_grad_by_freq or embedding.sparse:
+            why = f"its token embedding {path!r} uses max_norm, scale_grad_by_freq or sparse"
+        else:
+            return EmbeddingSplit(key, 0, path, embedding.padding_idx, tied=False)
+    logger.info("terapipe: vocab parallel: the untied input embedding stays whole on the first stage: %s", why)
+    return None
+
+
+def _token_embedding(layer: Any) -> tuple[Optional[tuple[str, torch.nn.Embedding]], str]:
+    """((path, module) of the ``nn.Embedding`` that ``layer`` (a LayerSpec or module) looks its input up in, or
+    None; why not). A spec is built and run on the meta device (no memory, no initialisation); a module given
+    as such runs on its own device without gradient, its RNG use undone."""
+    try:
+        if isinstance(layer, torch.nn.Module):
+            module = layer
+            device = next(iter(module.parameters()), torch.zeros(0)).device
+        else:
+            with torch.device("meta"):
+                module = layer.build()
+            device = torch.device("meta")
+        embeddings = {name: m for name, m in module.named_modules() if isinstance(m, torch.nn.Embedding)}
+        if not embeddings:
+            return None, "layer 0 has no nn.Embedding"
+        ids = torch.zeros((1, 2), dtype=torch.int64, device=device)
+        called: list[str] = []
+        hooks = [m.register_forward_pre_hook(
+            lambda _m, args, name=name: called.append(name) if args and args[0] is ids else None)
+            for name, m in embeddings.items()]
+        try:
+            fn = getattr(layer, "forward_fn", None)
+            with torch.no_grad(), torch.random.fork_rng(devices=[]), slice_scope(None):
+                fn(module, ids) if fn is not None else module(ids)
+        finally:
+            for hook in hooks:
+                hook.remove()
+    except Exception as err:  # noqa: BLE001 - a layer that cannot be probed keeps its embedding whole
+        return None, f"layer 0 could not be run on token ids to find its token embedding ({type(err).__name__}: {err})"
+    if len(called) != 1:
+        return None, (f"layer 0 looks its input up in {len(called)} nn.Embedding modules {called} (one token "
+                      "embedding is split)")
+    return (called[0], embeddings[called[0]]), ""
+
+
+def lookup_rows(head: "VocabRows", ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """This shard's part of the embedding of ``ids`` (B, T): (partial (B, T, H), zeros where another shard holds
     the token; row index into the shard (B, T); in-shard mask (B, T))."""
     local = ids.to(torch.int64) - head.offset
@@ -114,11 +189,11 @@ class SplitTokenEmbedding(torch.nn.Module):
     Holds no parameter (the rows are ``vocab_head``'s, on every rank); its state dict is empty, and a checkpoint
     written without the split (which has the table here) loads without complaint (the shard takes its rows)."""
 
-    def __init__(self, original: torch.nn.Embedding, head: "VocabShardHead") -> None:
+    def __init__(self, original: torch.nn.Embedding, head: "VocabRows") -> None:
         super().__init__()
         self.num_embeddings, self.embedding_dim = original.num_embeddings, original.embedding_dim
         self.padding_idx = original.padding_idx
-        self._head = (head, )  # a tuple: not a submodule, its parameters stay vocab_head's
+        self._head = (head, )  # a tuple: not a submodule, its parameters stay the shard's (vocab_head, vocab_embed)
         # (micro-batch, slice) -> (token ids (B, T), summed embedding (B, T, H), kept after use)
         self.pending: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, bool]] = {}
         self.live = False  # while the engine runs a schedule: every forward is a unit's, EF ran before it
@@ -138,40 +213,51 @@ class SplitTokenEmbedding(torch.nn.Module):
         want, embedded, keep = entry
         if not keep:
             del self.pending[key]
+        if not torch.is_grad_enabled():  # a frozen layer's use: nothing flows back into the rows (EB adds zeros)
+            embedded = embedded.detach()
         if tuple(ids.shape) != tuple(want.shape) or not torch.equal(ids.to(want.dtype), want):
             raise ValueError("terapipe.vocab_parallel: the tied input embedding is called with other token ids than "
                              "the batch's inputs of this slice (the first layer must look up the inputs it receives); "
-                             "make the embedding layer the first layer, taking the token ids (B, T), or use an "
-                             "untied head")
+                             "make the embedding layer the first layer, taking the token ids (B, T), or set "
+                             "terapipe.vocab_parallel to false")
         return embedded
 
     def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any, **kwargs: Any) -> None:
         """The table a checkpoint may hold here is loaded into the shards (``load_vocab_shard``), not here."""
 
 
-def install_split(module: Any, head: "VocabShardHead", split: EmbeddingSplit) -> None:
-    """Replace the tied module's token embedding with :class:`SplitTokenEmbedding` on the stage that holds it,
-    and take the tied key out of DeepSpeed's tied-weight exchange (its only other user, the head, is split)."""
-    if split.key in module.tied_modules:
-        tied = module.tied_modules[split.key]
+def split_owner(module: Any, split: EmbeddingSplit) -> Optional[torch.nn.Module]:
+    """The module that holds the split embedding on this rank (its layer's, or the tied key's), else None."""
+    if split.key is not None:
+        return module.tied_modules[split.key] if split.key in module.tied_modules else None
+    return module._modules.get(str(split.layer))
+
+
+def install_split(module: Any, table: "VocabRows", split: EmbeddingSplit) -> None:
+    """Replace the token embedding with :class:`SplitTokenEmbedding` (looking up in ``table``: the head's rows,
+    or the untied embedding's) on the stage that holds it, and take its tied key out of DeepSpeed's tied-weight
+    exchange (the head, its only other user, is split; an untied embedding's key has no other user)."""
+    owner = split_owner(module, split)
+    if owner is not None:
         parent_path, _, name = split.path.rpartition(".")
-        parent = get_dotted(tied, parent_path) if parent_path else tied
-        setattr(parent, name, SplitTokenEmbedding(getattr(parent, name), head))
-    module.tied_comms.pop(split.key, None)
+        parent = get_dotted(owner, parent_path) if parent_path else owner
+        setattr(parent, name, SplitTokenEmbedding(getattr(parent, name), table))
+    if split.key is not None:
+        module.tied_comms.pop(split.key, None)
 
 
 class VocabEmbedding:
     """The engine's side: the ``EF``/``EB`` passes (see the module docstring)."""
 
-    def __init__(self, engine: "PipelineStage", head: "VocabShardHead", split: EmbeddingSplit) -> None:
-        self.engine, self.head, self.split = engine, head, split
+    def __init__(self, engine: "PipelineStage", table: "VocabRows", split: EmbeddingSplit) -> None:
+        self.engine, self.table, self.split = engine, table, split
         self.group = engine.grid.get_pipe_parallel_group()
         first = engine.placement[0]  # the rank of chunk 0 (rank 0 in every placement)
         self.src = engine.grid.stage_to_global(first)
         self.is_first = engine.stage_id == first
         self.stub: Optional[SplitTokenEmbedding] = None
         if self.is_first:
-            self.stub = get_dotted(engine.module.tied_modules[split.key], split.path)
+            self.stub = get_dotted(split_owner(engine.module, split), split.path)
             assert isinstance(self.stub, SplitTokenEmbedding), "install_split ran at build"
         # (micro-batch, slice) -> (row index into the shard (B, T), counted mask (B, T)) until EB
         self._units: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -204,15 +290,15 @@ class VocabEmbedding:
             ids = inputs
             if not torch.is_tensor(ids) or ids.is_floating_point() or tuple(ids.shape) != shape:
                 got = tuple(ids.shape) if torch.is_tensor(ids) else type(ids).__name__
-                raise ValueError(f"terapipe.vocab_parallel with a tied head splits the input embedding: the batch's "
+                raise ValueError(f"terapipe.vocab_parallel splits the input embedding: the batch's "
                                  f"inputs must be token ids, an integer tensor (micro-batch, seq_len), got {got}; "
-                                 "pass the ids alone as inputs, or use an untied head")
+                                 "pass the ids alone as inputs, or set terapipe.vocab_parallel to false")
             ids = ids.to(torch.int64).contiguous()
         else:
             ids = torch.empty(shape, dtype=torch.int64, device=engine.device)
         self._wait([dist.broadcast(ids, self.src, group=self.group, async_op=True)], what)
         with torch.no_grad():
-            part, local, mask = lookup_rows(self.head, ids)
+            part, local, mask = lookup_rows(self.table, ids)
         self._wait([dist.reduce(part, self.src, group=self.group, async_op=True)], what)
         if training:
             counted = mask if self.split.padding_idx is None else mask & (ids != self.split.padding_idx)
@@ -221,18 +307,23 @@ class VocabEmbedding:
             self.stub.pending[(microbatch, slice_index)] = (ids, part.requires_grad_(training), training)
 
     def backward_pass(self, microbatch: int, slice_index: int) -> None:
-        engine, head = self.engine, self.head
+        engine, table = self.engine, self.table
         local, counted = self._units.pop((microbatch, slice_index))
+        if not table.weight.requires_grad:
+            # a frozen untied table (layer 0 frozen, on every rank alike): no gradient to hand out, no collective
+            if self.stub is not None:
+                self.stub.pending.pop((microbatch, slice_index), None)
+            return
         if self.stub is not None:
             _, embedded, _ = self.stub.pending.pop((microbatch, slice_index))
             grad = embedded.grad if embedded.grad is not None else torch.zeros_like(embedded)
-            grad = grad.to(head.weight.dtype).contiguous()
+            grad = grad.to(table.weight.dtype).contiguous()
         else:
-            grad = torch.empty((*local.shape, head.weight.shape[1]), dtype=head.weight.dtype, device=engine.device)
+            grad = torch.empty((*local.shape, table.weight.shape[1]), dtype=table.weight.dtype, device=engine.device)
         self._wait([dist.broadcast(grad, self.src, group=self.group, async_op=True)],
                    f"the vocabulary embedding backward of micro-batch {microbatch} slice {slice_index}")
         with torch.no_grad():
-            self.grads.index_add(head.weight, local[counted], grad[counted].float())
+            self.grads.index_add(table.weight, local[counted], grad[counted].float())
 
     def _wait(self, works: list, what: str) -> None:
         self.engine.p2p.wait_all(works, what)

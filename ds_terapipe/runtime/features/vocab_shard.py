@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
-__all__ = ["HeadSpec", "VocabShardHead", "build_full", "get_dotted", "split_output_layer"]
+__all__ = ["EmbeddingShard", "HeadSpec", "VocabRows", "VocabShardHead", "build_full", "get_dotted",
+           "split_output_layer"]
 
 _FIX_HEAD = ("make the last layer the output projection: an nn.Linear(hidden, vocab) (LayerSpec or module), or a "
              "TiedLayerSpec whose forward_fn computes x @ W.T with its tied weight; or set "
@@ -113,20 +114,18 @@ def build_full(spec: HeadSpec) -> tuple[torch.nn.Module, torch.Tensor, Optional[
     return module, weight.detach(), None if bias is None else bias.detach()
 
 
-class VocabShardHead(torch.nn.Module):
-    """This rank's rows of the output layer: ``weight`` (R, H), ``bias`` (R, ) or None; rows ``[offset,
-    offset + R)`` of the padded vocabulary, of which the first ``num_valid`` are real tokens."""
+class VocabRows(torch.nn.Module):
+    """One rank's rows of a (V, H) table split over the pipeline's p ranks: ``weight`` (R, H), rows ``[offset,
+    offset + R)`` of the vocabulary padded to ``R * p``, ``R = ceil(V / p)``; the first ``num_valid`` are real
+    tokens, the rest zero padding that nothing reads or updates."""
 
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], vocab_size: int, rank: int,
-                 num_shards: int, spec: HeadSpec) -> None:
+    def __init__(self, weight: torch.Tensor, vocab_size: int, rank: int, num_shards: int) -> None:
         super().__init__()
-        self.vocab_size, self.rank, self.num_shards, self.spec = vocab_size, rank, num_shards, spec
+        self.vocab_size, self.rank, self.num_shards = vocab_size, rank, num_shards
         self.rows = -(-vocab_size // num_shards)
         self.offset = rank * self.rows
         self.num_valid = max(0, min(self.rows, vocab_size - self.offset))
         self.weight = torch.nn.Parameter(weight)
-        self.bias = None if bias is None else torch.nn.Parameter(bias)
-        self.embedding: Optional[Any] = None  # vocab_embedding.EmbeddingSplit: the tied input embedding, when split
 
     def extra_repr(self) -> str:
         return (f"rows [{self.offset}, {self.offset + self.rows}) of vocab {self.vocab_size} (padded to "
@@ -137,3 +136,26 @@ class VocabShardHead(torch.nn.Module):
         out = full.new_zeros((self.rows, *full.shape[1:]))
         out[:self.num_valid] = full[self.offset:self.offset + self.num_valid]
         return out
+
+    def fill_rows(self, full: torch.Tensor) -> None:
+        """Take this shard's rows of the whole table ``full`` (V, H) (from any device)."""
+        with torch.no_grad():
+            self.weight.copy_(self.take_rows(full.to(self.weight.device)))
+
+
+class VocabShardHead(VocabRows):
+    """This rank's rows of the output layer: ``weight`` (R, H), ``bias`` (R, ) or None (see :class:`VocabRows`)."""
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], vocab_size: int, rank: int,
+                 num_shards: int, spec: HeadSpec) -> None:
+        super().__init__(weight, vocab_size, rank, num_shards)
+        self.spec = spec
+        self.bias = None if bias is None else torch.nn.Parameter(bias)
+        # vocab_embedding.EmbeddingSplit: the input embedding, when it is split (tied: it uses these rows)
+        self.embedding: Optional[Any] = None
+
+
+class EmbeddingShard(VocabRows):
+    """This rank's rows of an untied input embedding's table (the head's rows are another parameter): the table
+    the split input embedding (runtime/features/vocab_embedding.py) looks tokens up in when the head does not
+    share its weight."""

@@ -259,7 +259,7 @@ def _measure_vocab_share(engine: "PipelineStage", seq_len: int) -> dict[str, Any
     labels = torch.randint(0, head.vocab_size, (batch, seq_len), generator=gen).to(device)
     ids = labels.roll(1, dims=1) if head.embedding is not None else None
     hidden = torch.randn(batch, seq_len, hidden_size, generator=gen).to(device=device, dtype=dtype)
-    run, params = share_runner(head, labels, ids)
+    run, params = share_runner(head, labels, ids, engine.module.vocab_embed)
     points = profile_stage(run, params, hidden, seq_len, cfg.granularity, batch,
                            slice_lengths=cfg.profile.slice_lengths, num_contexts=1, warmup=cfg.profile.warmup,
                            repeats=cfg.profile.repeats)
