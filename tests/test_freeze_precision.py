@@ -36,9 +36,13 @@ TWO_RANKS = [["bf16", 0, "1f1b", 1], ["bf16", 1, "gpipe", 1], ["fp32", 1, "1f1b"
              # repacking after stage 0 froze: the master copies and optimizer state move to the new layout
              ["bf16", 0, "1f1b", 1, False, "gpt", True, True], ["bf16", 1, "gpipe", 1, False, "gpt", True, True],
              ["fp32", 1, "1f1b", 1, False, "gpt", True, True], ["bf16", 1, "1f1b", 1, False, "llama", True, True],
-             ["fp16", 0, "1f1b", 1, False, "gpt", True, True], ["fp16", 1, "gpipe", 1, False, "gpt", True, True]]
+             ["fp16", 0, "1f1b", 1, False, "gpt", True, True], ["fp16", 1, "gpipe", 1, False, "gpt", True, True],
+             # with two chunks per rank: once half the chunks froze (a rank's worth), 2 x 2 chunks -> 1 x 2 chunks
+             ["bf16", 1, "interleaved-1f1b", 2, False, "gpt", True, True],
+             ["fp32", 0, "dualpipev", 2, False, "llama", True, True]]
 FOUR_RANKS = [["bf16", 1, "1f1b", 1], ["fp32", 1, "gpipe", 1], ["bf16", 0, "1f1b", 1], ["fp16", 1, "1f1b", 1],
-              ["bf16", 1, "1f1b", 1, True, "llama"], ["bf16", 1, "1f1b", 1, False, "gpt", True, True]]
+              ["bf16", 1, "1f1b", 1, True, "llama"], ["bf16", 1, "1f1b", 1, False, "gpt", True, True],
+              ["bf16", 1, "looped-bfs", 2, False, "gpt", True, True]]
 
 
 def _check(results: list[dict], expected: int) -> None:
@@ -130,7 +134,20 @@ def test_which_optimizers_a_repack_can_move() -> None:
         assert problem(ok) is None, type(ok).__name__
     for refused in (fused16, unknown):
         assert "repack works with a torch optimizer (fp32), BF16_Optimizer" in problem(refused), type(refused).__name__
-    assert "a frozen prefix leaves no rank wholly frozen" in problem(inner, virtual_stages=2)
+    assert problem(inner, virtual_stages=2) is None   # several chunks per rank repack too
     # vocabulary parallelism: the shards would need splitting again over the new pipeline (its own reason, not the
     # module-type one a model built with it would otherwise get)
     assert "split them again over the new pipeline" in problem(inner, vocab_head=object())
+
+
+def test_the_repack_rule_counts_frozen_chunks_in_whole_ranks() -> None:
+    """The repack shrinks the pipeline by the frozen work in whole ranks' worth: with one chunk per rank the frozen
+    stages; with v chunks per rank floor(frozen chunks / v) (a frozen chunk 0 alone leaves every rank most of its
+    work)."""
+    from ds_terapipe.runtime.features.repack import repack_factor, repacked_rank
+
+    assert [repack_factor(4, f) for f in range(4)] == [1, 2, 2, 4]
+    assert [repack_factor(2, f, 2) for f in range(4)] == [1, 1, 2, 2]
+    assert [repack_factor(4, f, 2) for f in (1, 2, 3, 4, 6)] == [1, 2, 2, 2, 4]
+    # the rank that was stage s of replica r: the k old stages merged into one keep apart as replicas
+    assert [repacked_rank(s, 0, 1, 2) for s in range(4)] == [(0, 0), (0, 1), (1, 0), (1, 1)]

@@ -118,7 +118,9 @@ def _case(precision: str, zero: int, schedule: str, v: int, vocab: bool = False,
     ref_start = {n: p.detach().clone() for n, p in initial.items()}
     ref = frozen_reference(_specs(model)[0], batches, STEPS, _frozen_at if freeze else (lambda step: 0))
     engine = _engine(specs, vocab_size, precision, zero, schedule, v, micro, batch, vocab, freeze, repack)
-    data = iter(replica_batches(batches, engine.grid.data_parallel_id, micro, dp, STEPS))
+    # an iterator per step: after a repack every rank reads its former pipeline's stream, a rank that was a middle
+    # stage before (dualpipev's rank 1) included, which a persistent iterator would have left behind
+    stream = replica_batches(batches, engine.grid.data_parallel_id, micro, dp, STEPS)
     start = master_weights(engine)
     if repack:   # after the repack a rank holds the other stage's weights too: their start from their first holder
         every: list[Any] = [None] * WORLD
@@ -126,8 +128,8 @@ def _case(precision: str, zero: int, schedule: str, v: int, vocab: bool = False,
         start = {n: t for part in reversed(every) for n, t in part.items()} | start
     previous: Optional[tuple[dict, dict]] = None
     losses, moved, nonzero, frozen_counts = [], [], [], []
-    for _ in range(STEPS):
-        losses.append(float(engine.train_batch(data)))
+    for step in range(STEPS):
+        losses.append(float(engine.train_batch(iter(stream[step * micro:(step + 1) * micro]))))
         master = master_weights(engine)
         weights = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
         frozen = sorted(n for n, p in engine.module.named_parameters() if not p.requires_grad)

@@ -211,7 +211,7 @@ class Freezer:
 
         if not self.cfg.repack or self.repacked:
             return
-        k = repack_factor(engine.num_stages, self.num_frozen_chunks)
+        k = repack_factor(engine.num_stages, self.num_frozen_chunks, engine.num_chunks // engine.num_stages)
         if k > 1:
             repack(engine, k)
 

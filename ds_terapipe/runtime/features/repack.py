@@ -7,10 +7,12 @@ replicas. This module does it inside the running job: same processes, same ``dee
 
 The rule (decided after every freeze, on every rank from the same numbers): with ``f`` leading stages holding
 frozen layers only, the pipeline shrinks from ``p`` to ``p'``, the largest divisor of ``p`` with ``p' <= p - f``;
-nothing happens while ``f = 0``. With ``k = p / p'``:
+nothing happens while ``f = 0``. With ``v`` chunks per rank ``f`` is the frozen chunks in whole ranks' worth,
+``floor(frozen chunks / v)``: the work a repack can take off the pipeline. With ``k = p / p'``:
 
-* layout: new stage ``s'`` holds the layers of old stages ``[s'k, (s'+1)k)`` (boundaries ``parts[::k]``), so the
-  costs profiled at init merge exactly (a sum per stage) and nothing is profiled again. The rank that was old
+* layout: new chunk ``c'`` holds the layers of old chunks ``[c'k, (c'+1)k)`` (boundaries ``parts[::k]``; with one
+  chunk per rank, chunks are stages), placed by the same schedule over ``p'`` ranks, so the costs profiled at init
+  merge exactly (a sum per chunk) and nothing is profiled again. The rank that was old
   stage ``s`` of replica ``r`` becomes stage ``s // k`` of replica ``(s % k) * d + r`` (``d`` old replicas). The
   frozen prefix runs forward-only in front of the first trained layers on every replica: replicated, not cached,
   because each step brings new inputs (a cache pays off only for repeated data, and its memory grows with it).
@@ -57,8 +59,10 @@ logger = logging.getLogger(__name__)
 
 
 # -- pure parts ---------------------------------------------------------------------------------------------------
-def repack_factor(num_stages: int, num_frozen_stages: int) -> int:
-    """``k = p / p'`` for ``p'`` the largest divisor of ``p`` with ``p' <= p - f`` (1: stay as is)."""
+def repack_factor(num_stages: int, num_frozen_chunks: int, virtual_stages: int = 1) -> int:
+    """``k = p / p'`` for ``p'`` the largest divisor of ``p`` with ``p' <= p - f`` (1: stay as is), ``f`` the
+    frozen chunks in whole ranks' worth (``num_frozen_chunks // virtual_stages``: each rank holds ``v`` chunks)."""
+    num_frozen_stages = num_frozen_chunks // virtual_stages
     if num_frozen_stages <= 0:
         return 1
     for p2 in range(num_stages - num_frozen_stages, 0, -1):
@@ -119,12 +123,6 @@ def merged_stage_meta(meta: Optional[Sequence[Mapping[str, Any]]], k: int) -> Op
 
 def check_repack_supported(engine: "PipelineStage") -> Optional[str]:
     """Why ``terapipe.freeze.repack`` cannot run with this engine (the same answer on every rank), or None."""
-    cfg = engine.terapipe
-    if cfg.virtual_stages != 1:
-        return (f"terapipe.freeze.repack needs one chunk per rank, got virtual_stages={cfg.virtual_stages}: with "
-                "several chunks a rank holds layers from far apart in the model (looped: chunks r, r+p, ...; "
-                "dualpipev: the first and the last), so a frozen prefix leaves no rank wholly frozen until nearly "
-                "every layer is; set virtual_stages to 1 or repack to false")
     if engine.optimizer is not None and not isinstance(engine.optimizer, torch.optim.Optimizer) and \
             not _flat_masters(engine.optimizer):
         return (f"terapipe.freeze.repack moves every parameter's master copy and optimizer state to the ranks that "
@@ -523,7 +521,7 @@ def repack(engine: "PipelineStage", k: int) -> dict[str, Any]:
     preset = None
     if engine.terapipe.slicing.is_auto:
         base = freezer.base_cost
-        preset = ResolvedPlan(tuple(plan.slices), "repacked", None, merged_cost(base, old_stages, k),
+        preset = ResolvedPlan(tuple(plan.slices), "repacked", None, merged_cost(base, engine.num_chunks, k),
                               merged_stage_meta(plan.stage_meta, k), None)
     new = type(engine).build(new_module, _new_config(engine, k), engine.terapipe, args=None,
                              optimizer=torch_optimizer, lr_scheduler=scheduler, preset_plan=preset)
