@@ -108,6 +108,20 @@ def _vocab_update(engine: Any, update: dict[str, torch.Tensor], ref_update: dict
     return update, ref_update
 
 
+def _whole_rows(engine: Any, named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``named`` with vocabulary parallelism's row shards replaced by the whole tables (collective): a repack to
+    one stage gives that stage every row, so the tables before and after compare as wholes."""
+    head = engine.module.vocab_head
+    if head is None:
+        return named
+    rows: list[Any] = [None] * WORLD
+    torch.distributed.all_gather_object(rows, (engine.stage_id, head.num_valid, {
+        n: t for n, t in named.items() if n.startswith(("vocab_head.", "vocab_embed."))}))
+    first = {stage: (valid, part) for stage, valid, part in reversed(rows)}   # replica 0's, by stage
+    return {**named, **{name: torch.cat([first[s][1][name][:first[s][0]] for s in sorted(first)])
+                        for name in first[0][1]}}
+
+
 def _case(precision: str, zero: int, schedule: str, v: int, vocab: bool = False, model: str = "gpt",
           freeze: bool = True, repack: bool = False) -> dict[str, Any]:
     dp = WORLD // STAGES
@@ -126,12 +140,15 @@ def _case(precision: str, zero: int, schedule: str, v: int, vocab: bool = False,
         every: list[Any] = [None] * WORLD
         torch.distributed.all_gather_object(every, start)
         start = {n: t for part in reversed(every) for n, t in part.items()} | start
+        start = _whole_rows(engine, start)
     previous: Optional[tuple[dict, dict]] = None
     losses, moved, nonzero, frozen_counts = [], [], [], []
     for step in range(STEPS):
         losses.append(float(engine.train_batch(iter(stream[step * micro:(step + 1) * micro]))))
         master = master_weights(engine)
         weights = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+        if repack:   # rows split over the pipeline compare as whole tables across the repack
+            master, weights = _whole_rows(engine, master), _whole_rows(engine, weights)
         frozen = sorted(n for n, p in engine.module.named_parameters() if not p.requires_grad)
         frozen_counts.append(len(frozen))
         if previous is not None:

@@ -89,11 +89,12 @@ class TokenPipelineModule(PipelineModule):
         self.input_sampler = input_sampler
         head_spec = None
         if vocab_parallel:
+            given = list(layers)   # with the output layer: what a rebuild starts from
             layers, head_spec = split_output_layer(layers)
         # Read by the cost-based partition (runtime/features/partition.py): it times the head's shard, not the head.
         self.vocab_head_spec = head_spec
         # What a repack (runtime/features/repack.py) needs to build this model again over another topology.
-        self.rebuild_spec = {"layers": list(layers) if head_spec is None else None, "args": args,
+        self.rebuild_spec = {"layers": list(layers) if head_spec is None else given, "args": args,
                              "kwargs": dict(kwargs, vocab_size=vocab_size, input_sampler=input_sampler,
                                             virtual_stages=virtual_stages, schedule=schedule,
                                             partition_settings=partition_settings, vocab_parallel=vocab_parallel)}

@@ -29,6 +29,9 @@ nothing happens while ``f = 0``. With ``v`` chunks per rank ``f`` is the frozen 
   master-copy optimizers (BF16_Optimizer, ZeRO 1, FP16_UnfusedOptimizer) the torch optimizer inside is the one
   regrouped, each parameter's fp32 master copy and state move whole (gathered from the partitions of its stage's
   replicas) and are written where the new DeepSpeed optimizer keeps them; fp16's loss scale carries over.
+* vocabulary parallelism: the rows it splits over the pipeline (the head's, an untied input embedding's) are split
+  again over the new one: each such parameter and its per-element optimizer state are gathered whole from the old
+  pipeline's stages and cut into this rank's rows (:func:`_reshard_rows`).
 * the engine: a new :class:`~ds_terapipe.runtime.execution.engine.TokenPipelineEngine` over the new topology
 (DeepSpeed's
   own process groups for it), whose state then replaces the old engine's in place: the object the script holds
@@ -129,11 +132,6 @@ def check_repack_supported(engine: "PipelineStage") -> Optional[str]:
                 f"hold it after the repack; DeepSpeed's {type(engine.optimizer).__name__} keeps them where the repack "
                 "cannot reach: repack works with a torch optimizer (fp32), BF16_Optimizer, ZeRO stage 1 and fp16's "
                 "FP16_UnfusedOptimizer; use one of those, or set repack to false (freezing itself works with it)")
-    if getattr(engine.module, "vocab_head", None) is not None:
-        return ("terapipe.freeze.repack rebuilds the model over fewer pipeline ranks, and with vocab_parallel every "
-                "rank holds rows of the output layer (and of the input embedding) with their optimizer state: a "
-                "repack would have to split them again over the new pipeline, which it does not do; set repack to "
-                "false (freezing itself works with vocab_parallel) or vocab_parallel to false")
     if getattr(engine.module, "rebuild_spec", None) is None or engine.module.rebuild_spec["layers"] is None:
         return (f"terapipe.freeze.repack rebuilds the model over the new layout and needs a "
                 f"ds_terapipe.TokenPipelineModule, got {type(engine.module).__name__}; build the model as a "
@@ -402,6 +400,8 @@ def _transfer(engine: "PipelineStage", manifests: Sequence[Mapping[str, Any]], o
     states: dict[str, dict[str, Any]] = {}
     keep_alive: list[torch.Tensor] = []
     for name in sorted(owners):
+        if name in _ROWS:   # vocabulary rows: split again over the new pipeline (_reshard_rows), not moved whole
+            continue
         owner = owners[name]
         receivers = [r for r, m in enumerate(manifests) if name in m["needed"]]
         info = manifests[owner]["held"][name]
@@ -438,6 +438,47 @@ def _transfer(engine: "PipelineStage", manifests: Sequence[Mapping[str, Any]], o
             on_param = manifests[owners[name]]["held"][name]["state"][key][3]
             states[name][key] = buf.to(new_params[name].device if on_param else torch.device("cpu"))
     return states
+
+
+# the parameters vocabulary parallelism splits by rows over the pipeline (runtime/features/vocab.py)
+_ROWS = ("vocab_head.weight", "vocab_head.bias", "vocab_embed.weight")
+
+
+def _reshard_rows(engine: "PipelineStage", new_module: Any, old_state: Mapping[str, Mapping[str, Any]]
+                  ) -> dict[str, tuple[torch.Tensor, dict[str, Any]]]:
+    """Vocabulary parallelism's rows for the new pipeline: each row-split parameter (the head's rows, an untied
+    input embedding's) and its per-element optimizer state (the fp32 master copy too, under DeepSpeed's) gathered
+    whole from the old pipeline's ranks (replica 0 of each stage, in stage order) and cut into this rank's rows of
+    the new one. Collective over the world. Returns name -> (rows, state rows plus the scalar state)."""
+    if getattr(engine.module, "vocab_head", None) is None:
+        return {}
+    old_params = dict(engine.module.named_parameters())
+    new_params = dict(new_module.named_parameters())
+    sources = [engine.grid.stage_to_global(stage, data=0) for stage in range(engine.num_stages)]
+    out = {}
+    for name in _ROWS:
+        if name not in old_params:
+            continue
+        param = old_params[name]
+        state = old_state.get(name, {})
+        per_row = {key: value for key, value in state.items() if torch.is_tensor(value) and value.shape == param.shape}
+        scalars = {key: value for key, value in state.items() if key not in per_row}
+        keys: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(keys, sorted(per_row))
+        shard = new_module.vocab_embed if name.startswith("vocab_embed") else new_module.vocab_head
+        rows = {}
+        for key in ["param", *keys[sources[0]]]:
+            if key == "param":
+                local = param.detach()
+            else:   # a rank without the key (none: the same optimizer everywhere) would send zeros
+                local = per_row.get(key, torch.zeros_like(param, dtype=torch.float32))
+            local = local.to(engine.device).contiguous()
+            gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+            dist.all_gather(gathered, local)
+            full = torch.cat([gathered[rank] for rank in sources])[:shard.vocab_size]
+            rows[key] = shard.take_rows(full.to(new_params[name].device))
+        out[name] = (rows.pop("param"), {**rows, **scalars})
+    return out
 
 
 def _regroup(optimizer: torch.optim.Optimizer, manifests: Sequence[Mapping[str, Any]], owners: Mapping[str, int],
@@ -527,6 +568,10 @@ def repack(engine: "PipelineStage", k: int) -> dict[str, Any]:
                              optimizer=torch_optimizer, lr_scheduler=scheduler, preset_plan=preset)
     new_params = dict(new.module.named_parameters())
     states = _transfer(engine, manifests, owners, old_state, new_params)
+    for name, (rows, state) in _reshard_rows(engine, new.module, old_state).items():
+        with torch.no_grad():
+            new_params[name].copy_(rows)
+        states[name] = state
     if flat:
         _write_masters(new.optimizer, new_params, states, scalars)
         for scaler in ("loss_scaler", "loss_scale_config"):   # fp16: the dynamic loss scale goes on as it was
