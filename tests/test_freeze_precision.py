@@ -148,3 +148,15 @@ def test_the_repack_rule_counts_frozen_chunks_in_whole_ranks() -> None:
     assert [repack_factor(4, f, 2) for f in (1, 2, 3, 4, 6)] == [1, 2, 2, 2, 4]
     # the rank that was stage s of replica r: the k old stages merged into one keep apart as replicas
     assert [repacked_rank(s, 0, 1, 2) for s in range(4)] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+def test_the_auto_policy_norm_of_a_layer_sums_its_rows_over_the_pipeline() -> None:
+    """Under vocabulary parallelism an untied input embedding's table is rows on every stage: layer 0's norm is the
+    layer's own gradient with every stage's rows, each counted once however many replicas report it."""
+    from ds_terapipe.runtime.features.freeze import layer_norms
+
+    # 2 stages x 2 replicas: ranks 0, 1 are stage 0 (layer 0's position table, layer 1), ranks 2, 3 stage 1
+    stage0 = {0: 9.0, 1: 4.0, (0, 0): 16.0}
+    stage1 = {2: 1.0, (0, 1): 56.0}
+    norms = layer_norms([stage0, dict(stage0), stage1, dict(stage1)], scale=2.0)
+    assert norms == {0: 4.5, 1: 1.0, 2: 0.5}   # sqrt(9 + 16 + 56) / 2

@@ -54,6 +54,20 @@ __all__ = ["Freezer"]
 
 logger = logging.getLogger(__name__)
 
+def layer_norms(tables: list[Mapping[Any, float]], scale: float = 1.0) -> dict[int, float]:
+    """Each layer's gradient norm from every rank's squared norms: ``{layer: squares}`` from the stage that holds
+    it (replicas send the same reduced values: counted once), ``{(layer, stage): squares}`` for rows of a layer's
+    table split over the pipeline (each stage's rows counted once, summed into the layer's); divided by ``scale``."""
+    merged: dict[Any, float] = {}
+    for table in tables:
+        merged.update(table)
+    summed: dict[int, float] = {}
+    for key, value in merged.items():
+        layer = key[0] if isinstance(key, tuple) else key
+        summed[layer] = summed.get(layer, 0.0) + value
+    return {layer: value ** 0.5 / scale for layer, value in summed.items()}
+
+
 # -- the engine's part ------------------------------------------------------------------------------------------
 class _NoGradLayer:
     """A frozen layer's forward: run under ``torch.no_grad()``, so no graph is kept and no backward reaches it."""
@@ -341,15 +355,7 @@ class Freezer:
             local[(rows_layer, engine.stage_id)] = squares(rows)
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, local)
-        merged: dict[Any, float] = {}
-        for table in gathered:
-            merged.update(table)  # replicas of a stage hold the same reduced gradients
-        summed: dict[int, float] = {}
-        for key, value in merged.items():
-            layer = key[0] if isinstance(key, tuple) else key
-            summed[layer] = summed.get(layer, 0.0) + value
-        # fp16: the gradients carry the loss scale, which moves
-        norms = {layer: value ** 0.5 / self.grads.scale() for layer, value in summed.items()}
+        norms = layer_norms(gathered, self.grads.scale())   # fp16: the gradients carry the loss scale, which moves
         previous, self._previous_norms = self._previous_norms, norms
         if previous is None:
             return
