@@ -4,6 +4,7 @@ the last stage, with cost-based partitioning, and with vocabulary parallelism, s
     flock /tmp/bench.lock python benchmarks/vocab_parallel.py            # about 10 minutes on 2 cores
     python benchmarks/vocab_parallel.py --micro-batches 1 --steps 1      # a quick look
     flock /tmp/bench.lock python benchmarks/vocab_parallel.py --dtype bf16   # every variant in bf16
+    flock /tmp/bench.lock python benchmarks/vocab_parallel.py --untied       # an untied head (own input table)
 
 Two pipeline stages (2 local gloo processes, one thread each, pinned to one core each), the reference GPT
 (``ds_terapipe.models.gpt``: 4 blocks, hidden 256, 4 heads, vocab 65536, tied head), sequence 512, micro-batch size
@@ -36,6 +37,11 @@ only a tied copy (its only parameters ``ds_pipe_replicated``, e.g. the tied head
 BF16_Optimizer: the cost-based partition gives every stage a layer with parameters of its own under bf16, and the
 token engine refuses such a layout at init; a stock variant (DeepSpeed's partition methods know nothing of it) with
 one is left out, under ``skipped`` in the report.
+
+``--untied`` gives the model an untied head (``nn.Linear(hidden, vocab)`` without bias after the final norm; the
+input embedding keeps its own table): the first stage then holds a second V x H table, which vocabulary
+parallelism splits too (``module.vocab_embed``). Writes ``benchmarks/results/vocab_parallel_untied.json`` (with
+``--dtype bf16``: ``vocab_parallel_untied_bf16.json``).
 """
 from __future__ import annotations
 
@@ -66,12 +72,30 @@ VOCAB_PASSES = {"VocabForwardPass", "VocabBackwardPass", "VocabEmbedForwardPass"
 BUSY = set(KINDS) | {"OptimizerStep"}
 
 
-def _engine(variant: str, cfg: Any, seq_len: int, micro: int, slices: int, dtype: str) -> Any:
+def _specs(cfg: Any, untied: bool) -> list:
+    """The GPT's layer specs; ``untied``: its head a bias-free ``nn.Linear(hidden, vocab)`` of its own, seeded
+    (every variant starts from the same weights, whichever rank builds it)."""
+    import torch
+    from deepspeed.pipe import LayerSpec
+
+    from ds_terapipe.models.gpt import gpt_layer_specs
+
+    class SeededHead(torch.nn.Linear):
+        def __init__(self) -> None:
+            super().__init__(cfg.hidden, cfg.vocab_size, bias=False)
+            with torch.no_grad():
+                self.weight.normal_(0.0, 0.02, generator=torch.Generator().manual_seed(cfg.seed + 1))
+
+    specs = gpt_layer_specs(cfg)
+    return specs[:-1] + [LayerSpec(SeededHead)] if untied else specs
+
+
+def _engine(variant: str, cfg: Any, seq_len: int, micro: int, slices: int, dtype: str, untied: bool = False) -> Any:
     import deepspeed
     import torch
 
     import ds_terapipe
-    from ds_terapipe.models.gpt import causal_lm_loss, gpt_layer_specs
+    from ds_terapipe.models.gpt import causal_lm_loss
 
     config: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": micro,
                               "train_batch_size": micro, "steps_per_print": 10**9, "gradient_clipping": 0.0}
@@ -86,7 +110,7 @@ def _engine(variant: str, cfg: Any, seq_len: int, micro: int, slices: int, dtype
         if variant in (COST_BASED, COST_VOCAB):
             kwargs = ds_terapipe.partition_kwargs(config)
         kwargs.update(ds_terapipe.module_chunk_kwargs(ds_terapipe.parse_terapipe_config(config)))
-    model = ds_terapipe.TokenPipelineModule(gpt_layer_specs(cfg), num_stages=NUM_STAGES, loss_fn=causal_lm_loss,
+    model = ds_terapipe.TokenPipelineModule(_specs(cfg, untied), num_stages=NUM_STAGES, loss_fn=causal_lm_loss,
                                             vocab_size=cfg.vocab_size, **kwargs)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     init = deepspeed.initialize if variant in STOCK else ds_terapipe.initialize
@@ -179,7 +203,7 @@ def worker_main(out_dir: Path, opts: dict) -> None:
         engines, recorders, waits, grads, info = {}, {}, {}, {}, {}
         for name in opts["variants"]:
             t0 = time.perf_counter()
-            engine = _engine(name, cfg, seq_len, micro, opts["slices"], opts["dtype"])
+            engine = _engine(name, cfg, seq_len, micro, opts["slices"], opts["dtype"], opts.get("untied", False))
             if opts["dtype"] != "fp32" and name in STOCK:   # the token engine refuses such a layout itself
                 stuck: list[Any] = [None] * NUM_STAGES
                 dist.all_gather_object(stuck, _norm_over_nothing(engine))
@@ -333,6 +357,7 @@ def main() -> int:
                     help="run every variant in this precision (bf16: DeepSpeed's bf16 section, ZeRO stage 0)")
     ap.add_argument("--json", metavar="PATH", help=f"report path (default {results_path(NAME).relative_to(ROOT)}; "
                                                    f"bf16: {results_path(NAME + '_bf16').relative_to(ROOT)})")
+    ap.add_argument("--untied", action="store_true", help="an untied head: the input embedding keeps its own table")
     ap.add_argument("--timeout", type=float, default=3000.0)
     args = ap.parse_args()
     variants = [v.strip() for v in args.variants.split(",")]
@@ -341,7 +366,8 @@ def main() -> int:
         ap.error(f"--variants: unknown {unknown}; choose from {VARIANTS}")
     opts = {"micro_batches": [int(x) for x in args.micro_batches.split(",")], "seq_len": args.seq_len,
             "vocab": args.vocab, "slices": args.slices, "steps": args.steps, "max_rounds": args.max_rounds,
-            "quiet_wait": args.quiet_wait, "foreign_max": 0.2, "variants": variants, "dtype": args.dtype}
+            "quiet_wait": args.quiet_wait, "foreign_max": 0.2, "variants": variants, "dtype": args.dtype,
+            "untied": args.untied}
     out_dir = Path(tempfile.mkdtemp(prefix="vocab_parallel-"))
     started = time.perf_counter()
     load_before = os.getloadavg()
@@ -351,8 +377,8 @@ def main() -> int:
     print("\n" + "\n".join(lines))
     for check in checks:
         print(f"m={check['m']}: vocab parallel {check['vp_speedup']:.2f}x over the head on the last stage (floor 1.3), "
-              f"imbalance {check['vp_imbalance']:.2f} (floor 1.10), last stage params+optimizer -"
-              f"{check['last_stage_param_opt_fall_mib']:.0f} MiB (floor {check['fall_floor_mib']:.0f}), losses agree "
+              f"imbalance {check['vp_imbalance']:.2f} (floor 1.10), last stage params+optimizer "
+              f"{-check['last_stage_param_opt_fall_mib']:+.0f} MiB (floor -{check['fall_floor_mib']:.0f}), losses agree "
               f"to {check['max_loss_diff']:.1e}")
         if "losses" in check["met"]:
             print(f"  [{'met ' if check['met']['losses'] else 'MISS'}] {check['loss_target']}: "
@@ -366,7 +392,8 @@ def main() -> int:
               "wall_s": time.perf_counter() - started}
     if args.dtype != "fp32":
         report["skipped"] = skipped
-    write_ranks_report(report, NAME if args.dtype == "fp32" else f"{NAME}_{args.dtype}", args.json, ranks)
+    name = NAME + ("_untied" if args.untied else "") + ("" if args.dtype == "fp32" else f"_{args.dtype}")
+    write_ranks_report(report, name, args.json, ranks)
     return 0
 
 

@@ -141,7 +141,7 @@ def _plan_untied(specs: list, shape: tuple[int, int]) -> Optional[EmbeddingSplit
 def _token_embedding(layer: Any) -> tuple[Optional[tuple[str, torch.nn.Embedding]], str]:
     """((path, module) of the ``nn.Embedding`` that ``layer`` (a LayerSpec or module) looks its input up in, or
     None; why not). A spec is built and run on the meta device (no memory, no initialisation); a module given
-    as such runs on its own device without gradient, its RNG use undone."""
+    as such runs once in eval mode on its own device, without gradient."""
     try:
         if isinstance(layer, torch.nn.Module):
             module = layer
@@ -158,11 +158,14 @@ def _token_embedding(layer: Any) -> tuple[Optional[tuple[str, torch.nn.Embedding
         hooks = [m.register_forward_pre_hook(
             lambda _m, args, name=name: called.append(name) if args and args[0] is ids else None)
             for name, m in embeddings.items()]
+        training = module.training
+        module.eval()   # no dropout: the probe draws nothing from any device's random stream
         try:
             fn = getattr(layer, "forward_fn", None)
             with torch.no_grad(), torch.random.fork_rng(devices=[]), slice_scope(None):
                 fn(module, ids) if fn is not None else module(ids)
         finally:
+            module.train(training)
             for hook in hooks:
                 hook.remove()
     except Exception as err:  # noqa: BLE001 - a layer that cannot be probed keeps its embedding whole
