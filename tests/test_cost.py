@@ -444,3 +444,25 @@ def test_a_cost_with_a_vocab_share_round_trips_and_folds_into_the_chunks():
     bad = dict(pc.to_dict(), vocab={**pc.to_dict()["vocab"], "gbsp": 1.0})
     with pytest.raises(ValueError, match="cost.vocab has unknown key 'gbsp'"):
         PipelineCost.from_dict(bad)
+
+
+def test_cost_views_keep_the_chunks_deferred_weight_gradient_work() -> None:
+    """A view of a chunk's cost (the vocabulary share added, contexts read per document, tokens split over
+    sequence ranks) keeps the chunk's W work: with deferred weight gradients the planner and simulator would
+    otherwise plan a W of zero cost under vocabulary parallelism or packed rows."""
+    import pickle
+
+    from ds_terapipe.planner.cost import MeasuredCost, VocabShareCost, WithVocabShare
+    from ds_terapipe.planner.documents import WithinDocuments
+    from ds_terapipe.planner.sequence import SequenceParallelCost
+
+    points = [{"batch": 1, "slice": s, "context": c, "forward_ms": 1.0 + 0.01 * s + 0.001 * c,
+               "backward_ms": 2.0 + 0.02 * s} for s in (8, 16, 32) for c in (0, 16, 32)]
+    chunk = MeasuredCost(points, weight_ms_per_token=0.5, weight_ms_per_slice=1.0)
+    share = VocabShareCost(MeasuredCost(points), 2, 64, link_latency_ms=0.01, link_gbps=10.0)
+    views = [WithVocabShare(chunk, share), WithinDocuments(chunk, np.zeros(4), 8)]
+    for view in views + [copy.deepcopy(v) for v in views] + [pickle.loads(pickle.dumps(v)) for v in views]:
+        assert float(view.weight_ms(16)) == float(chunk.weight_ms(16)) == 9.0, type(view).__name__
+        assert view.weight_ms_per_token == 0.5   # and the chunk's attributes
+    split = SequenceParallelCost(chunk, 2, layers=1, hidden=64, link_gbps=100.0)
+    assert float(split.weight_ms(16)) == 4.5   # each sequence rank's token share

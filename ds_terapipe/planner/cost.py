@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "StageCost",
+    "ChunkCostView",
     "MeasuredCost",
     "TransformerSpec",
     "DeviceSpec",
@@ -604,18 +605,45 @@ class VocabShareCost(StageCost):
                 self.bytes_per_element, self.head_is_shard, self.split_embedding)
 
 
-class WithVocabShare(StageCost):
+class ChunkCostView(StageCost):
+    """A chunk's cost seen through one change (the vocabulary passes' share added, contexts read per document,
+    tokens split over sequence ranks): every term a view does not redefine is the chunk's own, the deferred
+    weight-gradient work (``weight_ms``) and attributes such as ``deferred_weight_grads`` included."""
+
+    def __init__(self, chunk: StageCost) -> None:
+        self.chunk = chunk
+
+    def __getattr__(self, name: str) -> Any:
+        chunk = self.__dict__.get("chunk")   # absent while copy or pickle rebuilds the object
+        if chunk is None or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(chunk, name)
+
+    def forward_ms(self, slice_len: ArrayLike, context: ArrayLike, batch: ArrayLike = 1) -> Any:
+        return self.chunk.forward_ms(slice_len, context, batch)
+
+    def backward_ms(self, slice_len: ArrayLike, context: ArrayLike, batch: ArrayLike = 1) -> Any:
+        return self.chunk.backward_ms(slice_len, context, batch)
+
+    def comm_ms(self, slice_len: ArrayLike, batch: ArrayLike = 1) -> Any:
+        return self.chunk.comm_ms(slice_len, batch)
+
+    def weight_ms(self, tokens: ArrayLike, batch: ArrayLike = 1) -> Any:
+        return self.chunk.weight_ms(tokens, batch)
+
+    def covers(self, slice_len: ArrayLike, context: ArrayLike, batch: ArrayLike | None = None) -> bool:
+        return self.chunk.covers(slice_len, context, batch)
+
+
+class WithVocabShare(ChunkCostView):
     """A chunk's cost with ``weight`` of every rank's vocabulary passes added to its forward and backward: how
     the slicer sees vocabulary parallelism (each rank runs VF + EF and VB + EB once per slice, whatever its
-    chunk count, so with v chunks per rank each chunk carries 1/v). Everything else is the chunk's own."""
+    chunk count, so with v chunks per rank each chunk carries 1/v). Everything else is the chunk's own (the passes
+    have no deferred weight-gradient work: their gradients are computed by hand in VB)."""
 
     def __init__(self, chunk: StageCost, share: VocabShareCost, weight: float = 1.0) -> None:
-        self.chunk, self.share, self.weight = chunk, share, float(weight)
-
-    def __getattr__(self, name: str) -> Any:   # weight-gradient terms, deferral flags: the chunk's
-        if name in ("chunk", "share", "weight"):
-            raise AttributeError(name)
-        return getattr(self.chunk, name)
+        super().__init__(chunk)
+        self.share, self.weight = share, float(weight)
 
     def forward_ms(self, slice_len: ArrayLike, context: ArrayLike, batch: ArrayLike = 1) -> Any:
         return np.asarray(self.chunk.forward_ms(slice_len, context, batch)) + \
@@ -624,9 +652,6 @@ class WithVocabShare(StageCost):
     def backward_ms(self, slice_len: ArrayLike, context: ArrayLike, batch: ArrayLike = 1) -> Any:
         return np.asarray(self.chunk.backward_ms(slice_len, context, batch)) + \
             self.weight * np.asarray(self.share.backward_ms(slice_len, context, batch))
-
-    def comm_ms(self, slice_len: ArrayLike, batch: ArrayLike = 1) -> Any:
-        return self.chunk.comm_ms(slice_len, batch)
 
     def covers(self, slice_len: ArrayLike, context: ArrayLike, batch: ArrayLike | None = None) -> bool:
         return self.chunk.covers(slice_len, context, batch) and self.share.covers(slice_len, context, batch)

@@ -28,7 +28,7 @@ from typing import Any, Callable, Hashable, Sequence
 
 import numpy as np
 
-from .cost import ArrayLike, PipelineCost, StageCost
+from .cost import ArrayLike, ChunkCostView, PipelineCost, StageCost
 
 __all__ = ["DocumentPlanner", "WithinDocuments", "document_context", "within_documents"]
 
@@ -49,20 +49,16 @@ def document_context(positions: Sequence[Any], granularity: int) -> np.ndarray:
     return np.mean(per_batch, axis=0, dtype=float)
 
 
-class WithinDocuments(StageCost):
+class WithinDocuments(ChunkCostView):
     """A chunk's cost where the context a caller passes is a slice's *start* (a multiple of ``granularity``),
     read as the document context at that start (``context[start // granularity]``). Everything else is the
     chunk's own."""
 
     def __init__(self, chunk: StageCost, context: np.ndarray, granularity: int) -> None:
-        self.chunk, self.granularity = chunk, int(granularity)
+        super().__init__(chunk)
+        self.granularity = int(granularity)
         self.context = np.asarray(context, dtype=float)
         self._key = (self.granularity, self.context.tobytes())
-
-    def __getattr__(self, name: str) -> Any:   # weight-gradient terms, deferral flags: the chunk's
-        if name in ("chunk", "context", "granularity", "_key"):
-            raise AttributeError(name)
-        return getattr(self.chunk, name)
 
     def _at(self, start: ArrayLike) -> np.ndarray:
         index = np.asarray(start) // self.granularity
@@ -73,9 +69,6 @@ class WithinDocuments(StageCost):
 
     def backward_ms(self, slice_len: ArrayLike, context: ArrayLike, batch: ArrayLike = 1) -> Any:
         return self.chunk.backward_ms(slice_len, self._at(context), batch)
-
-    def comm_ms(self, slice_len: ArrayLike, batch: ArrayLike = 1) -> Any:
-        return self.chunk.comm_ms(slice_len, batch)
 
     def covers(self, slice_len: ArrayLike, context: ArrayLike, batch: ArrayLike | None = None) -> bool:
         return self.chunk.covers(slice_len, self._at(context), batch)

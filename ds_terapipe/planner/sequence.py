@@ -23,13 +23,13 @@ from typing import Any, Hashable, Optional, Sequence
 
 import numpy as np
 
-from .cost import ArrayLike, PipelineCost, StageCost, comm_time_ms
+from .cost import ArrayLike, ChunkCostView, PipelineCost, StageCost, comm_time_ms
 from .roofline import DeviceSpec, TransformerSpec
 
 __all__ = ["LayoutEstimate", "SequenceParallelCost", "block_params", "plan_layouts", "sequence_parallel_cost"]
 
 
-class SequenceParallelCost(StageCost):
+class SequenceParallelCost(ChunkCostView):
     """A chunk's cost when its ``degree`` sequence-parallel ranks split every slice's tokens (see the module
     docstring); ``layers`` attention layers in the chunk, ``kv_fraction`` = kv heads / heads."""
 
@@ -37,15 +37,10 @@ class SequenceParallelCost(StageCost):
                  link_latency_ms: float = 0.005, kv_fraction: float = 1.0, bytes_per_element: int = 2) -> None:
         if degree < 1:
             raise ValueError(f"sequence-parallel degree {degree} must be >= 1")
-        self.chunk, self.degree, self.layers, self.hidden = chunk, int(degree), int(layers), int(hidden)
+        super().__init__(chunk)
+        self.degree, self.layers, self.hidden = int(degree), int(layers), int(hidden)
         self.link_gbps, self.latency = float(link_gbps), float(link_latency_ms)
         self.kv_fraction, self.bytes_per_element = float(kv_fraction), int(bytes_per_element)
-
-    def __getattr__(self, name: str) -> Any:   # deferral flags and the like: the chunk's
-        if name in ("chunk", "degree", "layers", "hidden", "link_gbps", "latency", "kv_fraction",
-                    "bytes_per_element"):
-            raise AttributeError(name)
-        return getattr(self.chunk, name)
 
     def all_to_all_ms(self, slice_len: ArrayLike, batch: ArrayLike = 1) -> Any:
         """The all-to-alls of one direction (forward or backward) of a slice, over every attention layer."""
