@@ -66,23 +66,12 @@ def corpus_documents(max_mb: float = 8.0) -> tuple[np.ndarray, np.ndarray]:
 
 
 def packed_rows(tokens: np.ndarray, starts: np.ndarray, seq_len: int, count: int, seed: int) -> list[tuple]:
-    """``count`` micro-batches of one row: ``((ids, position_ids), labels)``."""
-    import torch
+    """``count`` micro-batches of one row: ``((ids, position_ids), labels)`` (``ds_terapipe.packed_rows``)."""
+    import ds_terapipe
 
     rng = np.random.default_rng(seed)
-    offsets = np.arange(seq_len + 1)
-    out = []
-    for _ in range(count):
-        begin = int(rng.integers(0, len(tokens) - seq_len - 1))
-        index = begin + offsets
-        doc = np.searchsorted(starts, index, side="right")
-        first = np.maximum(starts[doc - 1], begin)
-        ids = torch.from_numpy(tokens[index][None, :])
-        positions = torch.from_numpy((index - first)[None, :])
-        labels = ids[:, 1:].clone()
-        labels[torch.from_numpy(doc[None, 1:] != doc[None, :-1])] = -100
-        out.append(((ids[:, :-1].contiguous(), positions[:, :-1].contiguous()), labels))
-    return out
+    return [ds_terapipe.packed_rows(tokens, starts, [int(rng.integers(0, len(tokens) - seq_len - 1))], seq_len)
+            for _ in range(count)]
 
 
 def _stock_specs(cfg: Any) -> list:

@@ -34,6 +34,7 @@ _LAZY = {
     "token_offset": ".runtime.slicing.context",
     "slice_positions": ".runtime.slicing.documents",
     "packed_documents": ".runtime.slicing.documents",
+    "packed_rows": ".runtime.slicing.documents",
     "SliceContext": ".runtime.slicing.context",
     "P2PTimeoutError": ".runtime.execution.p2p",
     "PeerFailedError": ".runtime.execution.p2p",

@@ -178,17 +178,9 @@ class PackedBatches(Batches):
 
     def iterator(self, step: int, count: int):
         rng = np.random.default_rng([self.seed, self.dp_rank, step])
-        offsets = np.arange(self.seq_len + 1)
         for _ in range(count):
             begins = rng.integers(0, len(self.tokens) - self.seq_len - 1, self.batch)
-            index = begins[:, None] + offsets                                  # (B, L + 1) corpus positions
-            doc = np.searchsorted(self.starts, index, side="right")           # document of each token
-            first = np.maximum(self.starts[doc - 1], begins[:, None])         # where it starts in the window
-            ids = torch.from_numpy(self.tokens[index])
-            positions = torch.from_numpy(index - first)
-            labels = ids[:, 1:].clone()
-            labels[torch.from_numpy(doc[:, 1:] != doc[:, :-1])] = -100       # no prediction across documents
-            yield (ids[:, :-1].contiguous(), positions[:, :-1].contiguous()), labels
+            yield ds_terapipe.packed_rows(self.tokens, self.starts, begins, self.seq_len)
 
 
 def start(args: argparse.Namespace, name: str) -> tuple[dict, Any, int, int]:

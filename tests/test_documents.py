@@ -210,3 +210,23 @@ def test_hugging_face_llama_sliced_packed_equals_transformers_packed_forward() -
     for name, param in named.items():
         ref = ref_grads[hf_param_name(name, cfg)].grad
         assert torch.allclose(param.grad, ref, atol=1e-5, rtol=1e-4), name
+
+
+def test_packed_rows_follow_the_convention_and_predict_within_documents() -> None:
+    """ds_terapipe.packed_rows: the position ids the engine accepts (check_position_ids), restarting where a
+    document starts inside a window, and -100 exactly where the next token is another document's."""
+    import numpy as np
+
+    from ds_terapipe import packed_rows
+    from ds_terapipe.runtime.slicing.documents import check_position_ids
+
+    tokens, starts = np.arange(100) % 50, np.array([0, 10, 37, 60])
+    (ids, positions), labels = packed_rows(tokens, starts, [5, 30, 61], 12)
+    check_position_ids(ids, positions, "packed_rows")
+    assert ids.dtype == torch.int64 and ids.shape == positions.shape == labels.shape == (3, 12)
+    assert positions.tolist() == [[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6], [0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4],
+                                  list(range(12))]
+    assert ids[0].tolist() == list(range(5, 17))
+    # labels: the next token, -100 before each document start (positions 10 and 37 of the corpus)
+    assert labels.tolist() == [[6, 7, 8, 9, -100, 11, 12, 13, 14, 15, 16, 17],
+                               [31, 32, 33, 34, 35, 36, -100, 38, 39, 40, 41, 42], list(range(12, 24))]

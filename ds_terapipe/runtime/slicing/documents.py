@@ -30,7 +30,7 @@ import torch
 
 from .context import current_slice
 
-__all__ = ["Documents", "check_position_ids", "current_documents", "packed_documents", "positions_of",
+__all__ = ["Documents", "check_position_ids", "current_documents", "packed_documents", "packed_rows", "positions_of",
            "slice_positions"]
 
 
@@ -165,3 +165,27 @@ def slice_positions(tokens: int, device: torch.device) -> torch.Tensor:
     if docs is not None:
         return docs.positions[:, start:start + tokens].to(device)
     return torch.arange(start, start + tokens, device=device)
+
+
+def packed_rows(tokens: Any, starts: Any, begins: Any, seq_len: int
+                ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Windows of a corpus of concatenated documents as packed rows in the convention above:
+    ``((input_ids, position_ids), labels)``, each (len(begins), seq_len).
+
+    ``tokens``: the corpus (N,) integers; ``starts``: each document's first index into it, ascending, from 0;
+    ``begins``: where each row's window starts (``begin + seq_len < N``). The position ids restart at 0 where a
+    document starts inside the window (the window's first document starts at 0 too); the labels are the next
+    tokens, -100 where the next token belongs to another document, so no prediction crosses a boundary and the loss
+    counts each token's prediction within its document once."""
+    import numpy as np
+
+    tokens, starts = np.asarray(tokens), np.asarray(starts)
+    begins = np.asarray(begins, dtype=np.int64).reshape(-1, 1)
+    index = begins + np.arange(seq_len + 1)                          # (B, L + 1) corpus positions
+    doc = np.searchsorted(starts, index, side="right")               # each token's document
+    first = np.maximum(starts[doc - 1], begins)                      # where that document starts in the window
+    ids = torch.from_numpy(tokens[index].astype(np.int64))
+    positions = torch.from_numpy(index - first)
+    labels = ids[:, 1:].clone()
+    labels[torch.from_numpy(doc[:, 1:] != doc[:, :-1])] = -100
+    return (ids[:, :-1].contiguous(), positions[:, :-1].contiguous()), labels
