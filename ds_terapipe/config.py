@@ -333,6 +333,17 @@ class TeraPipeConfig(DeepSpeedConfigModel):
     the measured costs (memoised by layout) and broadcasts the slices. Needs ``packed`` and ``slices: "auto"``;
     not with ``replan`` or ``freeze``, which install plans of their own."""
 
+    sequence_parallel: int = Field(1, ge=1, description=(
+        "sequence-parallel ranks per stage (Ulysses inside the token pipeline): every slice's tokens split N ways, "
+        "all-to-alls around attention; the launcher's world is stages x N x data-parallel replicas; build the "
+        "module with `sequence_parallel=N` (`**ds_terapipe.module_chunk_kwargs(terapipe)`); slice lengths "
+        "multiples of N, heads and KV heads divisible by N ([Sequence parallelism](sequence_parallel.md))"))
+    """Sequence-parallel ranks per pipeline stage (``runtime/slicing/sequence.py``): each slice's tokens split
+    ``N`` ways over the stage's sequence group, position-wise layers on the rank's share, two all-to-alls around
+    :func:`~ds_terapipe.sliced_causal_attention` (the whole slice for 1/N of the heads, KV carry per head
+    subset), gradients summed over the group. Fixed slicings in fp32 only (not yet with ``slices: "auto"``,
+    ``replan``, ``freeze``, ``vocab_parallel``, ``packed``, bf16 or fp16)."""
+
     max_slices: Optional[int] = Field(None, ge=1, description='upper bound on the number of slices `"auto"` may choose')
 
     memory_limit_gb: Optional[float] = Field(None, gt=0, description=(
@@ -420,6 +431,23 @@ class TeraPipeConfig(DeepSpeedConfigModel):
                 raise ValueError(f"terapipe.plan_per_batch plans each step's slicing for its packed documents from "
                                  f"the measured costs, and needs {', '.join(needs)} (re-planning and freezing "
                                  "install plans of their own); set those, or plan_per_batch to false")
+        if self.sequence_parallel > 1:
+            n = self.sequence_parallel
+            unsupported = [name for name, on in (('slices: "auto"', self.slices == "auto"),
+                                                 ("replan", self.replan.enabled), ("freeze", self.freeze is not None),
+                                                 ("vocab_parallel", self.vocab_parallel), ("packed", self.packed))
+                           if on]
+            if unsupported:
+                raise ValueError(f"terapipe.sequence_parallel={n} does not run with {', '.join(unsupported)} yet (the "
+                                 "profiler, the planners, the vocabulary passes and the document masks see whole "
+                                 "slices); use a fixed slicing (a list or a count) without them, or "
+                                 "sequence_parallel 1")
+            odd = [t for t in self.slices if t % n] if isinstance(self.slices, list) else []
+            if odd or (isinstance(self.slices, int) and self.granularity % n):
+                raise ValueError(f"terapipe.sequence_parallel={n} splits every slice's tokens {n} ways: slice "
+                                 f"lengths must be multiples of {n}, got "
+                                 f"{f'slices {self.slices}' if odd else f'granularity {self.granularity}'}; use "
+                                 f"lengths (or a granularity) divisible by {n}")
         if self.deferred_weight_grads is None:
             self.deferred_weight_grads = spec.deferred_weight_grads
         if self.virtual_stages is None:

@@ -176,6 +176,17 @@ INTERNALS: tuple[Internal, ...] = (
        "the mark of a parameter copy that norms skip (tied weights off their first rank, a tied head's shards)"),
     _i("deepspeed.runtime.fp16.unfused_optimizer", "FP16_UnfusedOptimizer", "attr", "execution/clip.py",
        "its norm counts a weight tied across ranks once per rank: refused with clipping"),
+    # -- sequence parallelism (runtime/slicing/sequence.py): the sequence ranks are the topology's model axis ---------
+    _i("deepspeed.runtime.pipe.topology", "PipeModelDataParallelTopology", "attr", "execution/module.py",
+       "the pipe x model x data grid whose model axis holds a stage's sequence ranks", ("num_pp", "num_mp", "num_dp")),
+    _i(_GRID, "get_slice_parallel_group", "attr", f"{_E}, execution/module.py", "a stage's sequence group"),
+    _i(_GRID, "get_slice_parallel_world_size", "attr", _E, "the sequence-parallel degree the module was built with"),
+    _i(_GRID, "stage_to_global", "attr", "execution/module.py", "the first sequence rank (model=0) of a stage",
+       ("stage_id", )),
+    _i(_ENGINE, "_aggregate_total_loss", "attr", f"{_E} (overridden)",
+       "the sequence ranks' losses summed before DeepSpeed averages over the replicas"),
+    _i(_ENGINE, "_reduce_outputs", "attr", f"{_E} (overridden)", "eval_batch's loss, summed over the sequence ranks",
+       ("outputs", "reduce", "reduce_dp", "micro_batches")),
     # -- fp16 without ZeRO: the loss scale DeepSpeed's backward leaves out
     # (TokenPipelineEngine._loss_scale_deepspeed_leaves_out)
     _i("deepspeed.runtime.base_optimizer", "ZeROOptimizer", "attr", f"{_E} BackwardPass",

@@ -50,6 +50,7 @@ from typing import Any, Iterator, Optional
 
 import deepspeed
 import torch
+import torch.distributed as dist
 from deepspeed.runtime.base_optimizer import ZeROOptimizer
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.pipe import schedule as ds_schedule
@@ -73,6 +74,7 @@ from ..slicing.context import MicroBatchState, SliceContext, cut_tokens, slice_s
 from ..slicing.deferred import WeightGradAccumulator, WeightGradStash, enable_deferred_weight_grads
 from ..slicing.devices import synchronized_ms
 from ..slicing.documents import Documents, check_position_ids, positions_of
+from ..slicing.sequence import SequenceShare
 from . import checkpoint as ckpt
 from .clip import clip_by_global_norm, clipping_problem
 from .collective import agree_or_raise, mark_collective
@@ -158,6 +160,13 @@ class TokenPipelineEngine(PipelineEngine):
         """An engine built the way ``deepspeed.initialize`` builds its ``PipelineEngine`` (process group up;
         collective): what ``ds_terapipe.initialize`` runs, and how a repack builds the engine of its new layout."""
         pipe_mpu = model.mpu()
+        if terapipe.sequence_parallel > 1:
+            # the sequence ranks are DeepSpeed's model axis, whose activation partitioning (Megatron's tensor
+            # parallelism) does not apply: every sequence rank sends its own share
+            pipeline = dict(ds_config.get("pipeline") or {})
+            pipeline.setdefault("pipe_partitioned", False)
+            pipeline.setdefault("grad_partitioned", False)
+            ds_config = dict(ds_config, pipeline=pipeline)
         config_class = DeepSpeedConfig(ds_config, pipe_mpu)
         stage = config_class.zero_optimization_stage
         if stage >= 2:
@@ -195,6 +204,8 @@ class TokenPipelineEngine(PipelineEngine):
         self.loaded: dict[int, Any] = {}
         # Packed rows (terapipe.packed): each micro-batch's documents on this rank (runtime/slicing/documents.py)
         self.documents: dict[int, Documents] = {}
+        # sequence parallelism (runtime/slicing/sequence.py): this rank's share of every slice, else None
+        self.sequence = self._sequence_share()
         self.unit_losses: dict[int, torch.Tensor] = {}
         self._unit_grads: dict[int, Any] = {}
         self._logits: list[torch.Tensor] = []
@@ -751,13 +762,15 @@ class TokenPipelineEngine(PipelineEngine):
         seq_len, num_slices = self.seq_len_of(microbatch), len(self.slices_of(microbatch))
         loaded = self.loaded.get(microbatch, {})
         first, last = self.is_first_stage(), self.is_last_stage()
+        # this rank's tokens of the slice: all of them, or its share under sequence parallelism
+        lo, hi = (start, end) if self.sequence is None else self.sequence.bounds(start, end)
         if first:
-            self.pipe_buffers["inputs"][buffer_id] = cut_tokens(loaded["inputs"], start, end, seq_len)
+            self.pipe_buffers["inputs"][buffer_id] = cut_tokens(loaded["inputs"], lo, hi, seq_len)
         if last:
-            self.pipe_buffers["labels"][buffer_id] = cut_tokens(loaded["labels"], start, end, seq_len)
+            self.pipe_buffers["labels"][buffer_id] = cut_tokens(loaded["labels"], lo, hi, seq_len)
         ctx = SliceContext(microbatch, slice_index, start, end, self._state(chunk, microbatch),
-                           documents=self.documents.get(microbatch))
-        with slice_scope(ctx), self._weighted_loss((end - start) / seq_len):
+                           documents=self.documents.get(microbatch), sequence=self.sequence)
+        with slice_scope(ctx), self._weighted_loss((hi - lo) / seq_len):
             super()._exec_forward_pass(buffer_id)
         last_slice = slice_index == num_slices - 1
         if last_slice:
@@ -954,9 +967,61 @@ class TokenPipelineEngine(PipelineEngine):
 
     def _exec_reduce_grads(self) -> None:
         self._hand_over_weight_grads()
+        self._reduce_sequence_grads()
         if self._dp_reduce_is_identity():
             return
         super()._exec_reduce_grads()
+
+    # -- sequence parallelism ----------------------------------------------------------------------------------
+    def _sequence_share(self) -> Optional[SequenceShare]:
+        """This rank's :class:`SequenceShare` under ``terapipe.sequence_parallel`` (None without), after checking
+        the module was built for it (which made its parameters equal on the sequence ranks)."""
+        degree = self.terapipe.sequence_parallel
+        built = getattr(self.module, "sequence_parallel", 1)
+        if degree != built or self.grid.get_slice_parallel_world_size() != degree:
+            raise ValueError(f"terapipe.sequence_parallel={degree} but the model was built with "
+                             f"sequence_parallel={built} (its topology has {self.grid.get_slice_parallel_world_size()} "
+                             "ranks on its model axis); build it as ds_terapipe.TokenPipelineModule(..., "
+                             f"sequence_parallel={degree}) (or **ds_terapipe.module_chunk_kwargs(terapipe))")
+        if degree == 1:
+            return None
+        unsupported = [name for name, on in (("bf16", self.bfloat16_enabled()), ("fp16", self.fp16_enabled()))
+                       if on]
+        if unsupported:
+            raise ValueError(f"terapipe.sequence_parallel={degree} does not run with {', '.join(unsupported)} yet "
+                             "(the sequence ranks' gradients are summed in .grad, where DeepSpeed's half-precision "
+                             "optimizers do not keep them, or keep them scaled); use fp32, or sequence_parallel 1")
+        return SequenceShare(self.grid.get_slice_parallel_group(), self.grid.get_slice_parallel_rank(), degree)
+
+    def _reduce_sequence_grads(self) -> None:
+        """Sum the weight gradients over the stage's sequence ranks: each computed its tokens' share of them
+        (replicated parameters, as DeepSpeed's Ulysses sums them); before clipping and the data-parallel mean."""
+        if self.sequence is None:
+            return
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        if grads:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            self.p2p.wait(dist.all_reduce(flat, group=self.sequence.group, async_op=True),
+                          "the sequence-parallel gradient sum")
+            offset = 0
+            for grad in grads:
+                grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+                offset += grad.numel()
+
+    def _aggregate_total_loss(self) -> Any:
+        if self.sequence is not None and self.is_last_stage() and self.total_loss is not None:
+            # each sequence rank's loss is its tokens' share of the micro-batches' losses
+            self.p2p.wait(dist.all_reduce(self.total_loss, group=self.sequence.group, async_op=True),
+                          "the sequence-parallel loss sum")
+        return super()._aggregate_total_loss()
+
+    def _reduce_outputs(self, outputs: Any, *args: Any, **kwargs: Any) -> Any:
+        reduced = super()._reduce_outputs(outputs, *args, **kwargs)
+        if self.sequence is not None and torch.is_tensor(reduced):   # eval: the shares' losses summed
+            reduced = reduced.clone()
+            self.p2p.wait(dist.all_reduce(reduced, group=self.sequence.group, async_op=True),
+                          "the sequence-parallel evaluation loss sum")
+        return reduced
 
     def _dp_reduce_is_identity(self) -> bool:
         """Whether DeepSpeed's data-parallel reduction would leave every gradient as it is (skipped then).

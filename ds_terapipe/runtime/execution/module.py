@@ -23,6 +23,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
+import torch.distributed as dist
 from deepspeed.pipe import PipelineModule
 
 from ...planner.registry import get_schedule
@@ -71,7 +72,7 @@ class TokenPipelineModule(PipelineModule):
     def __init__(self, layers, *args, vocab_size: Optional[int] = None,
                  input_sampler: Optional[InputSampler] = None, virtual_stages: int = 1,
                  schedule: Optional[str] = None, partition_settings: Optional[Any] = None,
-                 vocab_parallel: bool = False, **kwargs) -> None:
+                 vocab_parallel: bool = False, sequence_parallel: int = 1, **kwargs) -> None:
         if vocab_size is not None and input_sampler is not None:
             raise ValueError("TokenPipelineModule: pass vocab_size or input_sampler, not both")
         if vocab_size is not None and vocab_size < 1:
@@ -81,12 +82,15 @@ class TokenPipelineModule(PipelineModule):
                              "pipeline rank; the config's terapipe.virtual_stages)")
         if schedule is not None:
             get_schedule(schedule)  # an unknown name fails here, listing the valid ones
+        if sequence_parallel != 1:
+            kwargs = _sequence_topology(sequence_parallel, kwargs)
         # Read by _partition_layers, which PipelineModule.__init__ calls before returning.
         self.virtual_stages = virtual_stages
         self.chunk_schedule = schedule
         self.partition_settings = partition_settings   # and the sampler: partition_method="terapipe" profiles
         self.vocab_size = vocab_size
         self.input_sampler = input_sampler
+        self.sequence_parallel = sequence_parallel   # the engine checks it against terapipe.sequence_parallel
         head_spec = None
         if vocab_parallel:
             given = list(layers)   # with the output layer: what a rebuild starts from
@@ -97,8 +101,15 @@ class TokenPipelineModule(PipelineModule):
         self.rebuild_spec = {"layers": list(layers) if head_spec is None else given, "args": args,
                              "kwargs": dict(kwargs, vocab_size=vocab_size, input_sampler=input_sampler,
                                             virtual_stages=virtual_stages, schedule=schedule,
-                                            partition_settings=partition_settings, vocab_parallel=vocab_parallel)}
+                                            partition_settings=partition_settings, vocab_parallel=vocab_parallel,
+                                            sequence_parallel=sequence_parallel)}
         super().__init__(layers, *args, **kwargs)
+        if sequence_parallel != 1:   # replicated over the sequence ranks: start them equal (from the first)
+            group = self._grid.get_slice_parallel_group()
+            source = self._grid.stage_to_global(self.stage_id, model=0)
+            with torch.no_grad():
+                for param in self.parameters():
+                    dist.broadcast(param.data, source, group=group)
         self.vocab_head = None if head_spec is None else vocab.build_shard_head(self, head_spec)
         split = None if self.vocab_head is None else self.vocab_head.embedding
         # an untied input embedding split too: its own rows on every rank (the tied one uses the head's)
@@ -265,6 +276,26 @@ class TokenPipelineModule(PipelineModule):
             super().compile(*args, **kwargs)
 
 
+def _sequence_topology(degree: int, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` with DeepSpeed's topology for ``num_stages`` x ``degree`` sequence ranks x the data-parallel
+    replicas the world leaves: the sequence ranks are its model axis, so DeepSpeed's grid gives each stage its
+    group (``get_slice_parallel_group``) and pipes the activations between ranks of one sequence index."""
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+    if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
+        raise ValueError(f"TokenPipelineModule: sequence_parallel={degree!r} must be an int >= 1")
+    stages = kwargs.pop("num_stages", None)
+    if stages is None or kwargs.get("topology") is not None:
+        raise ValueError("TokenPipelineModule(sequence_parallel=N) builds the topology from num_stages: pass "
+                         "num_stages, not topology")
+    world = dist.get_world_size()
+    if world % (stages * degree):
+        raise ValueError(f"TokenPipelineModule: {world} processes are not a multiple of {stages} stages x "
+                         f"{degree} sequence-parallel ranks; launch stages x sequence_parallel x replicas processes")
+    return dict(kwargs, topology=PipeModelDataParallelTopology(num_pp=stages, num_mp=degree,
+                                                               num_dp=world // (stages * degree)))
+
+
 def _loaded(*args: Any) -> None:
     """Stands in for a layer while DeepSpeed loads the others (it was loaded from the vocabulary shards)."""
 
@@ -285,8 +316,8 @@ def chunk_layout(module: torch.nn.Module) -> tuple[tuple[int, ...], tuple[int, .
 
 def module_chunk_kwargs(terapipe: Optional[Any]) -> dict[str, Any]:
     """The :class:`TokenPipelineModule` keywords a parsed ``"terapipe"`` section asks for: ``virtual_stages`` and
-    ``schedule`` when it places several chunks per rank, ``vocab_parallel`` when on, else none (one chunk per rank,
-    or stock DeepSpeed)::
+    ``schedule`` when it places several chunks per rank, ``vocab_parallel`` when on, ``sequence_parallel`` when
+    above 1, else none (one chunk per rank, or stock DeepSpeed)::
 
         terapipe = ds_terapipe.parse_terapipe_config(ds_config)
         model = TokenPipelineModule(layers, num_stages=2, ..., **ds_terapipe.module_chunk_kwargs(terapipe))
@@ -296,4 +327,6 @@ def module_chunk_kwargs(terapipe: Optional[Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"vocab_parallel": True} if terapipe.vocab_parallel else {}
     if terapipe.virtual_stages != 1:
         out.update(virtual_stages=terapipe.virtual_stages, schedule=terapipe.schedule)
+    if terapipe.sequence_parallel != 1:
+        out["sequence_parallel"] = terapipe.sequence_parallel
     return out

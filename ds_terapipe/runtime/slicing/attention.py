@@ -25,9 +25,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .context import KVBuffers, current_slice
+from .context import KVBuffers, SliceContext, current_slice
 from .devices import prefix_causal_bias
 from .documents import current_documents, slice_positions
+from .sequence import gather_heads, scatter_heads
 
 __all__ = ["CausalSelfAttention", "sliced_causal_attention"]
 
@@ -96,8 +97,17 @@ def sliced_causal_attention(q: torch.Tensor,
     Returns:
         (B, nh, T, hs), equal to rows ``[start, end)`` of unsliced causal attention over the whole sequence.
     """
-    gqa = _gqa_kwargs(q, k, v)
     ctx = current_slice()
+    share = None if ctx is None else ctx.sequence
+    if share is not None and share.degree > 1:   # this rank's tokens, all heads -> the whole slice, its heads
+        q, k, v = gather_heads(q, share, "q"), gather_heads(k, share, "k/v"), gather_heads(v, share, "k/v")
+        return scatter_heads(_sliced(q, k, v, ctx, cache_key, dropout_p, scale), share)
+    return _sliced(q, k, v, ctx, cache_key, dropout_p, scale)
+
+
+def _sliced(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: "SliceContext | None", cache_key: Hashable,
+            dropout_p: float, scale: "float | None") -> torch.Tensor:
+    gqa = _gqa_kwargs(q, k, v)
     docs = current_documents()
     if ctx is None or ctx.num_slices == 1:
         if docs is not None:  # packed rows: causal within each document

@@ -104,6 +104,9 @@ class SliceContext:
     state: MicroBatchState
     # Packed rows: the micro-batch's documents (runtime/slicing/documents.py Documents), else None.
     documents: Any = None
+    # Sequence parallelism: this rank's SequenceShare (runtime/slicing/sequence.py), else None. The layers then
+    # run on its share of [start, end); attention gathers the whole slice for its heads.
+    sequence: Any = None
     # Attention calls so far in this slice's forward, per cache key (see kv_buffers).
     kv_calls: dict[Hashable, int] = field(default_factory=dict, repr=False)
 
@@ -130,6 +133,12 @@ class SliceContext:
     def length(self) -> int:
         return self.end - self.start
 
+    @property
+    def position_start(self) -> int:
+        """Global position of this rank's first token: ``start``, or its share's start under sequence
+        parallelism."""
+        return self.start if self.sequence is None else self.sequence.bounds(self.start, self.end)[0]
+
 
 _local = threading.local()
 
@@ -140,12 +149,13 @@ def current_slice() -> SliceContext | None:
 
 
 def token_offset() -> int:
-    """Global position of the first token of the running slice (0 outside a token pipeline).
+    """Global position of the first token of the running slice (0 outside a token pipeline; under sequence
+    parallelism the first token of this rank's share).
 
     Position embeddings (learned or rotary) add this to ``arange(T)``.
     """
     ctx = current_slice()
-    return 0 if ctx is None else ctx.start
+    return 0 if ctx is None else ctx.position_start
 
 
 @contextmanager

@@ -161,7 +161,7 @@ def slice_positions(tokens: int, device: torch.device) -> torch.Tensor:
     else (T,) ``token_offset() + arange(T)``."""
     ctx = current_slice()
     docs = current_documents()
-    start = 0 if ctx is None else ctx.start
+    start = 0 if ctx is None else ctx.position_start
     if docs is not None:
         return docs.positions[:, start:start + tokens].to(device)
     return torch.arange(start, start + tokens, device=device)

@@ -1,0 +1,194 @@
+"""Suite ``sequence``, asserted on by tests/test_sequence_parallel.py: sequence parallelism inside the token pipeline
+(terapipe.sequence_parallel) against the unsliced single-process reference: 2 stages x 2 sequence ranks (x the
+replicas the world leaves), the reference GPT and a Hugging Face Llama with grouped-query attention, gpipe and 1f1b,
+m in {1, 3}, unequal slices; loss, every first-step gradient and the parameters after 3 SGD + momentum steps on
+every rank; a checkpoint resumed at the same layout; the refusals. ``extra``: ``cases`` ([model, schedule, micro,
+slices, zero stage, clipping]), ``features`` (the checkpoint and refusal cases).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+import ds_terapipe
+from ds_terapipe.models.gpt import GPTConfig, causal_lm_loss, gpt_layer_specs
+from tests.suites import suite
+from tests.suites.common import (CLIP, ENGINE_REF, STATUS, WORLD, first_step_grads, frozen_reference, make_batches,
+                                 named_compare, rel_err, replica_batches, run_cases, train_steps)
+
+STAGES, DEGREE = 2, 2
+SEQ_LEN, BATCH, STEPS = 48, 2, 3
+UNEQUAL = [16, 24, 8]
+
+
+def _model(name: str) -> tuple[list, int]:
+    """(layer specs, vocabulary) of ``name``: the reference GPT (learned positions, 4 heads) or a Hugging Face Llama
+    (rotary positions, 4 query heads over 2 key/value heads: one KV head per sequence rank)."""
+    if name == "gpt":
+        cfg = GPTConfig(num_layers=4, hidden=32, num_heads=4, vocab_size=64, max_seq_len=64, seed=11)
+        return gpt_layer_specs(cfg), cfg.vocab_size
+    import transformers
+
+    from ds_terapipe.models.hf import causal_lm_specs
+
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
+                                      max_position_embeddings=64)
+    return causal_lm_specs(config, seed=5), config.vocab_size
+
+
+def _engine(specs: list, vocab: int, schedule: str, micro: int, slices: Any, zero: int, clip: float,
+            degree: int = DEGREE, extra: Optional[dict] = None) -> Any:
+    dp = WORLD // (STAGES * degree)
+    terapipe = {"enabled": True, "seq_len": SEQ_LEN, "slices": slices, "schedule": schedule, "p2p_timeout_s": 60,
+                "sequence_parallel": degree, **(extra or {})}
+    model = ds_terapipe.TokenPipelineModule(specs, num_stages=STAGES, loss_fn=causal_lm_loss, vocab_size=vocab,
+                                            partition_method="uniform",
+                                            **ds_terapipe.module_chunk_kwargs(
+                                                ds_terapipe.parse_terapipe_config({"terapipe": terapipe})))
+    config = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": micro,
+              "train_batch_size": BATCH * micro * dp, "steps_per_print": 10**9, "gradient_clipping": clip,
+              "zero_optimization": {"stage": zero}, "zero_allow_untested_optimizer": True, "terapipe": terapipe}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    engine, _, _, _ = ds_terapipe.initialize(model=model, optimizer=opt, config=config)
+    ENGINE_REF["engine"] = engine
+    return engine
+
+
+def _case(model: str, schedule: str, micro: int, slices: Any, zero: int = 0, clip: bool = False) -> dict[str, Any]:
+    specs, vocab = _model(model)
+    dp = WORLD // (STAGES * DEGREE)
+    batches = make_batches(GPTConfig(vocab_size=vocab), STEPS * micro * dp, BATCH, SEQ_LEN, seed=77 + micro)
+    ref = frozen_reference(_model(model)[0], batches, STEPS, lambda step: 0, max_norm=CLIP if clip else 0.0)
+    engine = _engine(specs, vocab, schedule, micro, slices, zero, CLIP if clip else 0.0)
+    data = iter(replica_batches(batches, engine.grid.data_parallel_id, micro, dp, STEPS))
+    with first_step_grads(engine) as grads:
+        losses, _ = train_steps(engine, data, STEPS)
+    params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    has_embed = 0 in engine.local_chunks
+    g_err, g_name, g_count = named_compare(grads, ref["grads"][0], has_embed) if zero == 0 else (0.0, "", 0)
+    p_err, p_name, p_count = named_compare(params, ref["params"], has_embed)
+    kv = _kv_heads(engine, batches[:micro])
+    return {"case": STATUS["case"], "stage": engine.stage_id, "sequence_rank": engine.sequence.rank,
+            "losses": losses, "ref_losses": ref["losses"], "grad_rel_err": g_err, "grad_worst": g_name,
+            "param_rel_err": p_err, "param_worst": p_name, "compared": [g_count, p_count],
+            "layout": [engine.num_stages, DEGREE, dp], "kv_heads": kv}
+
+
+def _kv_heads(engine: Any, batches: list[tuple]) -> list[int]:
+    """The key/value head counts of this rank's KV carry, seen in its attention calls during an evaluation (each
+    sequence rank keeps 1/N of them)."""
+    from ds_terapipe.runtime.slicing import context
+
+    seen: set[int] = set()
+    original = context.MicroBatchState.buffers
+
+    def spy(self: Any, key: Any, like_k: torch.Tensor, like_v: torch.Tensor) -> Any:
+        seen.add(int(like_k.shape[1]))
+        return original(self, key, like_k, like_v)
+
+    context.MicroBatchState.buffers = spy
+    try:
+        engine.eval_batch(iter(batches))
+    finally:
+        context.MicroBatchState.buffers = original
+    return sorted(seen)
+
+
+def _label(model: str, schedule: str, micro: int, slices: Any, zero: int = 0, clip: bool = False) -> str:
+    return (f"sequence model={model} schedule={schedule} m={micro} slices={slices}" +
+            (f" zero{zero}" if zero else "") + (" clip" if clip else ""))
+
+
+def _checkpoint(out: Path) -> dict[str, Any]:
+    """A run saved after 2 steps and resumed in a new engine at the same layout trains the third step exactly."""
+    STATUS["case"] = "sequence checkpoint"
+    specs, vocab = _model("gpt")
+    dp = WORLD // (STAGES * DEGREE)
+    batches = make_batches(GPTConfig(vocab_size=vocab), 3 * 2 * dp, BATCH, SEQ_LEN, seed=5)
+    stream = replica_batches(batches, 0, 2, 1, 3 * dp)
+    first = _engine(specs, vocab, "1f1b", 2, UNEQUAL, 0, 0.0)
+    data = iter(stream)
+    for _ in range(2):
+        first.train_batch(data)
+    first.save_checkpoint(str(out))
+    uninterrupted = float(first.train_batch(data))
+    after = {n: p.detach().clone() for n, p in first.module.named_parameters()}
+    again = _engine(specs, vocab, "1f1b", 2, UNEQUAL, 0, 0.0)
+    again.load_checkpoint(str(out))
+    resumed = float(again.train_batch(iter(stream[4:])))
+    err = max(rel_err(p.detach(), after[n]) for n, p in again.module.named_parameters())
+    return {"case": STATUS["case"], "uninterrupted": uninterrupted, "resumed": resumed, "resume_err": err}
+
+
+def _refusals() -> dict[str, Any]:
+    STATUS["case"] = "sequence refusals"
+    specs, vocab = _model("gpt")
+    out: dict[str, Any] = {}
+    for name, kwargs in (("odd_slice", {"slices": [15, 33]}), ("auto", {"slices": "auto"}),
+                         ("vocab", {"slices": 2, "extra": {"vocab_parallel": True}})):
+        try:
+            _engine(specs, vocab, "1f1b", 2, kwargs["slices"], 0, 0.0, extra=kwargs.get("extra"))
+            out[name] = None
+        except ValueError as err:
+            out[name] = str(err)
+    try:   # a module built without the sequence ranks under a config with them
+        model = ds_terapipe.TokenPipelineModule(specs, num_stages=WORLD, loss_fn=causal_lm_loss, vocab_size=vocab,
+                                                partition_method="uniform")
+        ds_terapipe.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config={
+            "train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": 2, "train_batch_size": 4,
+            "terapipe": {"enabled": True, "seq_len": SEQ_LEN, "slices": 2, "sequence_parallel": DEGREE}})
+        out["module"] = None
+    except ValueError as err:
+        out["module"] = str(err)
+    return {"case": STATUS["case"], **out}
+
+
+def _memory(degree: int) -> dict[str, Any]:
+    """This rank's activation memory (bytes of the tensors autograd saves for backward, parameters and the KV carry
+    left out, each storage once) and KV-carry memory over one gpipe step of one micro-batch, where every forward
+    runs before any backward (so the sums are the peaks); at ``degree`` sequence ranks, the same plan."""
+    from ds_terapipe.runtime.slicing import context
+
+    STATUS["case"] = f"sequence memory degree={degree}"
+    specs, vocab = _model("gpt")
+    engine = _engine(specs, vocab, "gpipe", 1, UNEQUAL, 0, 0.0, degree=degree)
+    params = {p.untyped_storage().data_ptr() for p in engine.module.parameters()}
+    kv: dict[int, int] = {}
+    saved: dict[int, int] = {}
+    original = context.MicroBatchState.buffers
+
+    def spy(self: Any, key: Any, like_k: torch.Tensor, like_v: torch.Tensor) -> Any:
+        bufs = original(self, key, like_k, like_v)
+        for t in (bufs.k, bufs.v):
+            kv[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return bufs
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    batches = make_batches(GPTConfig(vocab_size=vocab), 1, BATCH, SEQ_LEN, seed=3)
+    context.MicroBatchState.buffers = spy
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            engine.train_batch(iter(batches))
+    finally:
+        context.MicroBatchState.buffers = original
+    return {"case": STATUS["case"], "stage": engine.stage_id,
+            "activation_bytes": sum(n for ptr, n in saved.items() if ptr not in kv), "kv_bytes": sum(kv.values())}
+
+
+@suite("sequence")
+def suite_sequence(extra: dict) -> list[dict]:
+    results = run_cases([tuple(c) for c in extra.get("cases", [])], _label, _case)
+    if extra.get("features"):
+        results.append(_checkpoint(Path(extra["out"]) / "sequence_ckpt"))
+        results.append(_refusals())
+        results += [_memory(1), _memory(DEGREE)]
+    return results
