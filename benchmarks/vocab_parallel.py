@@ -357,7 +357,8 @@ def main() -> int:
                     help="run every variant in this precision (bf16: DeepSpeed's bf16 section, ZeRO stage 0)")
     ap.add_argument("--json", metavar="PATH", help=f"report path (default {results_path(NAME).relative_to(ROOT)}; "
                                                    f"bf16: {results_path(NAME + '_bf16').relative_to(ROOT)})")
-    ap.add_argument("--untied", action="store_true", help="an untied head: the input embedding keeps its own table")
+    ap.add_argument("--untied", action="store_true",
+                    help="an untied head: the input embedding keeps its own table")
     ap.add_argument("--timeout", type=float, default=3000.0)
     args = ap.parse_args()
     variants = [v.strip() for v in args.variants.split(",")]
