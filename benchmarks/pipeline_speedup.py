@@ -57,7 +57,7 @@ from benchlib.alternate import alternate, median, median_index, paired_ratios, r
 from benchlib.launch import launch_workers, pin_and_single_thread, run_as_worker
 from benchlib.meters import ActivationMeter, CpuMeter, HeapMeter, InstructionRecorder, compute_events, step_summary
 from benchlib.peers import PEER_VARIANTS, build_peer, peer_applies
-from benchlib.tables import (ROOT, benchmark_parser, fmt, machine_info, markdown_table,
+from benchlib.tables import (ROOT, benchmark_parser, chosen_variants, fmt, machine_info, markdown_table,
                             print_checks, results_path, write_report)
 
 NAME = "pipeline_speedup"   # its report: benchmarks/results/pipeline_speedup.json
@@ -601,10 +601,7 @@ def main() -> int:
         args.seq_len, args.layers, args.hidden, args.heads = 256, 4, 256, 4
         args.micro_batches = "1,2" if args.micro_batches == "1,2,4" else args.micro_batches
         args.warmup, args.steps = 1, 3
-    variants = args.variants.split(",")
-    unknown = [v for v in variants if v not in KNOWN_VARIANTS]
-    if unknown:
-        ap.error(f"--variants: unknown {unknown}; valid: {', '.join(KNOWN_VARIANTS)}")
+    variants = chosen_variants(ap, args.variants, KNOWN_VARIANTS)
     extra: dict[str, dict] = {}
     for item in args.extra_variant:
         name, _, text = item.partition("=")

@@ -34,7 +34,8 @@ from typing import Any
 
 from benchlib.alternate import alternate, median
 from benchlib.launch import launch_workers, pin_and_single_thread, run_as_worker
-from benchlib.tables import benchmark_parser, machine_info, markdown_table, results_path, write_report
+from benchlib.tables import (benchmark_parser, chosen_variants, machine_info, markdown_table, results_path,
+                             write_report)
 
 NAME = "sequence_parallel"
 WORLD = 4
@@ -258,10 +259,7 @@ def main() -> int:
     ap.add_argument("--json", metavar="PATH", help="report path (default benchmarks/results/sequence_parallel.json)")
     ap.add_argument("--timeout", type=float, default=3000.0)
     args = ap.parse_args()
-    variants = [v.strip() for v in args.variants.split(",")]
-    unknown = [v for v in variants if v not in VARIANTS]
-    if unknown:
-        ap.error(f"--variants: unknown {unknown}; choose from {VARIANTS}")
+    variants = chosen_variants(ap, args.variants, VARIANTS)
     if args.seq_len % (8 * WORLD):
         ap.error(f"--seq-len must be a multiple of {8 * WORLD} (4 slices of a multiple of 8, split 2 or 4 ways)")
     opts = {"seq_len": args.seq_len, "micro": args.micro, "rounds": args.rounds, "variants": variants}

@@ -56,7 +56,8 @@ from typing import Any
 from benchlib.alternate import alternate, median, rounds_in_use
 from benchlib.launch import launch_workers, pin_and_single_thread, run_as_worker
 from benchlib.meters import KINDS, CpuMeter, InstructionRecorder
-from benchlib.tables import ROOT, benchmark_parser, markdown_table, results_path, write_ranks_report
+from benchlib.tables import (ROOT, benchmark_parser, chosen_variants, markdown_table, results_path,
+                             write_ranks_report)
 
 NAME = "vocab_parallel"
 DTYPES = ("fp32", "bf16")
@@ -361,10 +362,7 @@ def main() -> int:
                     help="an untied head: the input embedding keeps its own table")
     ap.add_argument("--timeout", type=float, default=3000.0)
     args = ap.parse_args()
-    variants = [v.strip() for v in args.variants.split(",")]
-    unknown = [v for v in variants if v not in VARIANTS]
-    if unknown:
-        ap.error(f"--variants: unknown {unknown}; choose from {VARIANTS}")
+    variants = chosen_variants(ap, args.variants, VARIANTS)
     opts = {"micro_batches": [int(x) for x in args.micro_batches.split(",")], "seq_len": args.seq_len,
             "vocab": args.vocab, "slices": args.slices, "steps": args.steps, "max_rounds": args.max_rounds,
             "quiet_wait": args.quiet_wait, "foreign_max": 0.2, "variants": variants, "dtype": args.dtype,
@@ -379,8 +377,8 @@ def main() -> int:
     for check in checks:
         print(f"m={check['m']}: vocab parallel {check['vp_speedup']:.2f}x over the head on the last stage (floor 1.3), "
               f"imbalance {check['vp_imbalance']:.2f} (floor 1.10), last stage params+optimizer "
-              f"{-check['last_stage_param_opt_fall_mib']:+.0f} MiB (floor -{check['fall_floor_mib']:.0f}), losses agree "
-              f"to {check['max_loss_diff']:.1e}")
+              f"{-check['last_stage_param_opt_fall_mib']:+.0f} MiB (floor -{check['fall_floor_mib']:.0f}), "
+              f"losses agree to {check['max_loss_diff']:.1e}")
         if "losses" in check["met"]:
             print(f"  [{'met ' if check['met']['losses'] else 'MISS'}] {check['loss_target']}: "
                   f"{check['max_loss_rel_diff']:.1e}")

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["ROOT", "RESULTS_DIR", "fmt", "git_commit", "machine_info", "markdown_table", "print_checks",
-           "results_path", "write_report"]
+           "results_path", "write_report", "chosen_variants"]
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS_DIR = ROOT / "benchmarks" / "results"
@@ -129,3 +129,12 @@ def benchmark_parser(doc: str) -> argparse.ArgumentParser:
     """A benchmark script's argument parser: its docstring's first line as the description."""
     return argparse.ArgumentParser(description=doc.splitlines()[0],
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def chosen_variants(ap: argparse.ArgumentParser, text: str, known: Sequence[str]) -> list[str]:
+    """``--variants``' comma-separated names, each one of ``known`` (else the parser's error, listing them)."""
+    variants = [v.strip() for v in text.split(",")]
+    unknown = [v for v in variants if v not in known]
+    if unknown:
+        ap.error(f"--variants: unknown {unknown}; choose from {', '.join(known)}")
+    return variants
