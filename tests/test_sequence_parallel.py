@@ -44,6 +44,7 @@ def test_sequence_parallel_equals_the_reference(tmp_path) -> None:
             assert case["kv_heads"] == ([2] if "gpt" in case["case"] else [1]), (where, case["kv_heads"])
         ck = cases[len(CASES)]
         assert ck["resumed"] == ck["uninterrupted"] and ck["resume_err"] == 0.0, ck
+        assert ck["eval_loss"] == pytest.approx(ck["first_train_loss"], rel=1e-6), ck
         ref = cases[len(CASES) + 1]
         assert "slice lengths must be multiples of 2" in ref["odd_slice"], ref
         assert 'does not run with slices: "auto" yet' in ref["auto"], ref

@@ -104,16 +104,17 @@ def _label(model: str, schedule: str, micro: int, slices: Any, zero: int = 0, cl
 
 
 def _checkpoint(out: Path) -> dict[str, Any]:
-    """A run saved after 2 steps and resumed in a new engine at the same layout trains the third step exactly."""
+    """A run saved after 2 steps and resumed in a new engine at the same layout trains the third step exactly;
+    eval_batch before training reports the first step's loss."""
     STATUS["case"] = "sequence checkpoint"
     specs, vocab = _model("gpt")
     dp = WORLD // (STAGES * DEGREE)
     batches = make_batches(GPTConfig(vocab_size=vocab), 3 * 2 * dp, BATCH, SEQ_LEN, seed=5)
     stream = replica_batches(batches, 0, 2, 1, 3 * dp)
     first = _engine(specs, vocab, "1f1b", 2, UNEQUAL, 0, 0.0)
+    evaluated = float(first.eval_batch(iter(stream[:2])))   # the sequence ranks' shares summed, as in training
     data = iter(stream)
-    for _ in range(2):
-        first.train_batch(data)
+    trained = [float(first.train_batch(data)) for _ in range(2)]
     first.save_checkpoint(str(out))
     uninterrupted = float(first.train_batch(data))
     after = {n: p.detach().clone() for n, p in first.module.named_parameters()}
@@ -121,7 +122,8 @@ def _checkpoint(out: Path) -> dict[str, Any]:
     again.load_checkpoint(str(out))
     resumed = float(again.train_batch(iter(stream[4:])))
     err = max(rel_err(p.detach(), after[n]) for n, p in again.module.named_parameters())
-    return {"case": STATUS["case"], "uninterrupted": uninterrupted, "resumed": resumed, "resume_err": err}
+    return {"case": STATUS["case"], "uninterrupted": uninterrupted, "resumed": resumed, "resume_err": err,
+            "eval_loss": evaluated, "first_train_loss": trained[0]}
 
 
 def _refusals() -> dict[str, Any]:
