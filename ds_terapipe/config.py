@@ -341,8 +341,8 @@ class TeraPipeConfig(DeepSpeedConfigModel):
     """Sequence-parallel ranks per pipeline stage (``runtime/slicing/sequence.py``): each slice's tokens split
     ``N`` ways over the stage's sequence group, position-wise layers on the rank's share, two all-to-alls around
     :func:`~ds_terapipe.sliced_causal_attention` (the whole slice for 1/N of the heads, KV carry per head
-    subset), gradients summed over the group. Fixed slicings in fp32 only (not yet with ``slices: "auto"``,
-    ``replan``, ``freeze``, ``vocab_parallel``, ``packed``, bf16 or fp16)."""
+    subset), gradients summed over the group. Fixed slicings; fp32, fp16, and bf16 at ZeRO stage 1 (not yet with
+    ``slices: "auto"``, ``replan``, ``freeze``, ``vocab_parallel``, ``packed``; bf16 at ZeRO 0 refused)."""
 
     max_slices: Optional[int] = Field(None, ge=1, description='upper bound on the number of slices `"auto"` may choose')
 

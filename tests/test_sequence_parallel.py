@@ -4,8 +4,10 @@ unsliced reference.
 One launch of 4 processes: 2 stages x 2 sequence ranks, the reference GPT (learned positions) and a Hugging Face
 Llama (rotary positions, grouped-query attention: 4 query heads over 2 KV heads, one KV head per sequence rank),
 gpipe and 1f1b, m in {1, 3}, unequal and equal slices, gradient clipping; loss, every first-step gradient and the
-parameters after 3 SGD + momentum steps on every rank, fp32 rel err <= 1e-5; a checkpoint resumed at the same layout;
-the refusals (tests/suites/sequence.py).
+parameters after 3 SGD + momentum steps on every rank, fp32 rel err <= 1e-5; bf16 at ZeRO 1, fp16 at ZeRO 0 and 1 and
+fp32 at ZeRO 1 against the fp32 reference (the master weights' change within the precision's rounding); a checkpoint
+resumed at the same layout; eval_batch's loss; the refusals; activation and KV memory at degree 1 and 2
+(tests/suites/sequence.py).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import pytest
 
 from tests.dist_harness import launch
+from tests.precision import check_precision_case
 
 pytestmark = pytest.mark.multiproc
 
@@ -20,16 +23,24 @@ TOL = 1e-5
 UNEQUAL = [16, 24, 8]
 CASES = [["gpt", "gpipe", 1, UNEQUAL], ["gpt", "1f1b", 3, UNEQUAL], ["gpt", "1f1b", 3, 2],
          ["llama", "gpipe", 3, UNEQUAL], ["llama", "1f1b", 1, UNEQUAL], ["gpt", "1f1b", 2, UNEQUAL, 0, True]]
+# [precision, ZeRO stage, model, schedule]: the master weights' change against the fp32 reference's
+PRECISION_CASES = [["bf16", 1, "llama", "gpipe"], ["bf16", 1, "gpt", "1f1b"], ["fp16", 0, "gpt", "gpipe"],
+                   ["fp16", 1, "llama", "1f1b"], ["fp32", 1, "gpt", "1f1b"]]
 
 
 @pytest.mark.timeout(900)
 def test_sequence_parallel_equals_the_reference(tmp_path) -> None:
-    results = launch("sequence", 4, tmp_path, timeout_s=840, extra={"cases": CASES, "features": True})
+    results = launch("sequence", 4, tmp_path, timeout_s=840,
+                     extra={"cases": CASES, "precision_cases": PRECISION_CASES, "features": True})
     errors = [c for r in results for c in r["results"] if "error" in c]
     assert not errors, errors[0]
     for rank, r in enumerate(results):
         cases = r["results"]
-        assert len(cases) == len(CASES) + 4
+        assert len(cases) == len(CASES) + len(PRECISION_CASES) + 4
+        for case in cases[len(CASES):len(CASES) + len(PRECISION_CASES)]:
+            check_precision_case(case, rank)
+            assert case["compared"] > 0, case
+        cases = cases[:len(CASES)] + cases[len(CASES) + len(PRECISION_CASES):]
         for case in cases[:len(CASES)]:
             where = f"{case['case']}, rank {rank}"
             # stage = rank // 2 (DeepSpeed's topology: pipe outermost), sequence rank = rank % 2
@@ -50,6 +61,7 @@ def test_sequence_parallel_equals_the_reference(tmp_path) -> None:
         assert 'does not run with slices: "auto" yet' in ref["auto"], ref
         assert "does not run with vocab_parallel yet" in ref["vocab"], ref
         assert "but the model was built with sequence_parallel=1" in ref["module"], ref
+        assert "use bf16 with zero_optimization.stage 1" in ref["bf16_zero0"], ref
         # the same plan at sequence degree 1 (2 replicas) and 2: activations and KV carry per rank at most 0.55x
         one, two = cases[len(CASES) + 2:]
         assert one["stage"] == two["stage"] == rank // 2

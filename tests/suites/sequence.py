@@ -16,8 +16,9 @@ import torch
 import ds_terapipe
 from ds_terapipe.models.gpt import GPTConfig, causal_lm_loss, gpt_layer_specs
 from tests.suites import suite
-from tests.suites.common import (CLIP, ENGINE_REF, STATUS, WORLD, first_step_grads, frozen_reference, make_batches,
-                                 named_compare, rel_err, replica_batches, run_cases, train_steps)
+from tests.suites.common import (CLIP, ENGINE_REF, STATUS, WORLD, allow_fp16_on_cpu, build_spec_layers, deltas,
+                                 first_step_grads, frozen_reference, make_batches, master_weights, named_compare,
+                                 rel_err, replica_batches, run_cases, train_steps)
 
 STAGES, DEGREE = 2, 2
 SEQ_LEN, BATCH, STEPS = 48, 2, 3
@@ -41,7 +42,7 @@ def _model(name: str) -> tuple[list, int]:
 
 
 def _engine(specs: list, vocab: int, schedule: str, micro: int, slices: Any, zero: int, clip: float,
-            degree: int = DEGREE, extra: Optional[dict] = None) -> Any:
+            degree: int = DEGREE, extra: Optional[dict] = None, precision: Optional[dict] = None) -> Any:
     dp = WORLD // (STAGES * degree)
     terapipe = {"enabled": True, "seq_len": SEQ_LEN, "slices": slices, "schedule": schedule, "p2p_timeout_s": 60,
                 "sequence_parallel": degree, **(extra or {})}
@@ -51,7 +52,8 @@ def _engine(specs: list, vocab: int, schedule: str, micro: int, slices: Any, zer
                                                 ds_terapipe.parse_terapipe_config({"terapipe": terapipe})))
     config = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": micro,
               "train_batch_size": BATCH * micro * dp, "steps_per_print": 10**9, "gradient_clipping": clip,
-              "zero_optimization": {"stage": zero}, "zero_allow_untested_optimizer": True, "terapipe": terapipe}
+              "zero_optimization": {"stage": zero}, "zero_allow_untested_optimizer": True, "terapipe": terapipe,
+              **(precision or {})}
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     engine, _, _, _ = ds_terapipe.initialize(model=model, optimizer=opt, config=config)
     ENGINE_REF["engine"] = engine
@@ -76,6 +78,34 @@ def _case(model: str, schedule: str, micro: int, slices: Any, zero: int = 0, cli
             "losses": losses, "ref_losses": ref["losses"], "grad_rel_err": g_err, "grad_worst": g_name,
             "param_rel_err": p_err, "param_worst": p_name, "compared": [g_count, p_count],
             "layout": [engine.num_stages, DEGREE, dp], "kv_heads": kv}
+
+
+# bf16, and fp16 with a static scale (no overflow can skip a step and leave the reference behind)
+PRECISIONS = {"fp32": {}, "bf16": {"bf16": {"enabled": True}},
+              "fp16": {"fp16": {"enabled": True, "loss_scale": 1024.0}}}
+
+
+def _precision_case(precision: str, zero: int, model: str, schedule: str) -> dict[str, Any]:
+    """Half precision against the fp32 reference: the change of the fp32 master weights over the steps (half
+    precision cannot show an update below its rounding) and the losses; the sequence ranks' gradient sum reaches
+    each optimizer's own buffers (bf16: its fp32 master gradients; fp16: .grad, loss-scaled)."""
+    specs, vocab = _model(model)
+    micro = 2
+    batches = make_batches(GPTConfig(vocab_size=vocab), STEPS * micro, BATCH, SEQ_LEN, seed=91)
+    _, initial, _ = build_spec_layers(_model(model)[0])
+    ref_start = {n: p.detach().clone() for n, p in initial.items()}
+    ref = frozen_reference(_model(model)[0], batches, STEPS, lambda step: 0)
+    engine = _engine(specs, vocab, schedule, micro, UNEQUAL, zero, 0.0, precision=PRECISIONS[precision])
+    start = master_weights(engine)
+    losses = [float(engine.train_batch(iter(batches[s * micro:(s + 1) * micro]))) for s in range(STEPS)]
+    update = deltas(master_weights(engine), start)
+    err, worst, count = named_compare(update, deltas(ref["params"], ref_start), 0 in engine.local_chunks)
+    return {"case": STATUS["case"], "optimizer": type(engine.optimizer).__name__, "losses": losses,
+            "ref_losses": ref["losses"], "update_rel_err": err, "update_worst": worst, "compared": count}
+
+
+def _precision_label(precision: str, zero: int, model: str, schedule: str) -> str:
+    return f"{precision} zero{zero} sequence model={model} schedule={schedule}"
 
 
 def _kv_heads(engine: Any, batches: list[tuple]) -> list[int]:
@@ -131,9 +161,11 @@ def _refusals() -> dict[str, Any]:
     specs, vocab = _model("gpt")
     out: dict[str, Any] = {}
     for name, kwargs in (("odd_slice", {"slices": [15, 33]}), ("auto", {"slices": "auto"}),
-                         ("vocab", {"slices": 2, "extra": {"vocab_parallel": True}})):
+                         ("vocab", {"slices": 2, "extra": {"vocab_parallel": True}}),
+                         ("bf16_zero0", {"slices": 2, "precision": PRECISIONS["bf16"]})):
         try:
-            _engine(specs, vocab, "1f1b", 2, kwargs["slices"], 0, 0.0, extra=kwargs.get("extra"))
+            _engine(specs, vocab, "1f1b", 2, kwargs["slices"], 0, 0.0, extra=kwargs.get("extra"),
+                    precision=kwargs.get("precision"))
             out[name] = None
         except ValueError as err:
             out[name] = str(err)
@@ -188,7 +220,9 @@ def _memory(degree: int) -> dict[str, Any]:
 
 @suite("sequence")
 def suite_sequence(extra: dict) -> list[dict]:
+    allow_fp16_on_cpu()
     results = run_cases([tuple(c) for c in extra.get("cases", [])], _label, _case)
+    results += run_cases([tuple(c) for c in extra.get("precision_cases", [])], _precision_label, _precision_case)
     if extra.get("features"):
         results.append(_checkpoint(Path(extra["out"]) / "sequence_ckpt"))
         results.append(_refusals())

@@ -985,12 +985,11 @@ class TokenPipelineEngine(PipelineEngine):
                              f"sequence_parallel={degree}) (or **ds_terapipe.module_chunk_kwargs(terapipe))")
         if degree == 1:
             return None
-        unsupported = [name for name, on in (("bf16", self.bfloat16_enabled()), ("fp16", self.fp16_enabled()))
-                       if on]
-        if unsupported:
-            raise ValueError(f"terapipe.sequence_parallel={degree} does not run with {', '.join(unsupported)} yet "
-                             "(the sequence ranks' gradients are summed in .grad, where DeepSpeed's half-precision "
-                             "optimizers do not keep them, or keep them scaled); use fp32, or sequence_parallel 1")
+        if self.using_bf16_optimizer:
+            raise ValueError(f"terapipe.sequence_parallel={degree} with bf16 at ZeRO stage 0: DeepSpeed's "
+                             "BF16_Optimizer takes its gradient norm as if the sequence ranks were tensor-parallel "
+                             "ranks (only the first counts a replicated parameter; the others have none and its "
+                             "norm fails); use bf16 with zero_optimization.stage 1, or fp16/fp32")
         return SequenceShare(self.grid.get_slice_parallel_group(), self.grid.get_slice_parallel_rank(), degree)
 
     def _reduce_sequence_grads(self) -> None:
@@ -998,9 +997,11 @@ class TokenPipelineEngine(PipelineEngine):
         (replicated parameters, as DeepSpeed's Ulysses sums them); before clipping and the data-parallel mean."""
         if self.sequence is None:
             return
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        # where each optimizer keeps them (bf16: its fp32 master gradients; fp16: .grad, loss-scaled, which a sum
+        # keeps), zeros where a parameter has none yet, so every sequence rank sends the same layout
+        grads = [self.grad_sink.buffer(p) for p in self.module.parameters() if p.requires_grad]
         if grads:
-            flat = torch.cat([g.reshape(-1) for g in grads])
+            flat = torch.cat([g.reshape(-1).float() for g in grads])
             self.p2p.wait(dist.all_reduce(flat, group=self.sequence.group, async_op=True),
                           "the sequence-parallel gradient sum")
             offset = 0
