@@ -69,3 +69,20 @@ def test_sequence_parallel_equals_the_reference(tmp_path) -> None:
         act = two["activation_bytes"] / one["activation_bytes"]
         total = (two["activation_bytes"] + two["kv_bytes"]) / (one["activation_bytes"] + one["kv_bytes"])
         assert act <= 0.55 and total <= 0.55, (rank, act, total, one, two)
+
+
+@pytest.mark.timeout(900)
+def test_sequence_parallel_with_data_parallel_replicas(tmp_path) -> None:
+    """8 processes: 2 stages x 2 sequence ranks x 2 replicas (DeepSpeed's data axis), fp32 at ZeRO 0 and 1: the
+    sequence sum of the gradients comes before the data-parallel mean; equal to the reference over the global
+    batch on every rank."""
+    results = launch("sequence", 8, tmp_path, timeout_s=840,
+                     extra={"cases": [["gpt", "1f1b", 2, UNEQUAL], ["gpt", "gpipe", 1, UNEQUAL, 1]]})
+    for rank, r in enumerate(results):
+        for case in r["results"]:
+            where = f"{case['case']}, rank {rank}"
+            assert "error" not in case, (where, case.get("error"), case.get("traceback"))
+            assert case["layout"] == [2, 2, 2], where
+            for got, want in zip(case["losses"], case["ref_losses"]):
+                assert abs(got - want) <= TOL * abs(want), f"{where}: losses {case['losses']} {case['ref_losses']}"
+            assert case["grad_rel_err"] <= TOL and case["param_rel_err"] <= TOL, (where, case)
