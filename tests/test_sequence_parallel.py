@@ -3,7 +3,7 @@ unsliced reference.
 
 One launch of 4 processes: 2 stages x 2 sequence ranks, the reference GPT (learned positions) and a Hugging Face
 Llama (rotary positions, grouped-query attention: 4 query heads over 2 KV heads, one KV head per sequence rank),
-gpipe and 1f1b, m in {1, 3}, unequal and equal slices, gradient clipping; loss, every first-step gradient and the
+gpipe and 1f1b, m in {1, 3}, unequal and equal slices, gradient clipping, interleaved-1f1b and dualpipev; loss, every first-step gradient and the
 parameters after 3 SGD + momentum steps on every rank, fp32 rel err <= 1e-5; bf16 at ZeRO 1, fp16 at ZeRO 0 and 1 and
 fp32 at ZeRO 1 against the fp32 reference (the master weights' change within the precision's rounding); a checkpoint
 resumed at the same layout; eval_batch's loss; the refusals; activation and KV memory at degree 1 and 2
@@ -22,7 +22,9 @@ pytestmark = pytest.mark.multiproc
 TOL = 1e-5
 UNEQUAL = [16, 24, 8]
 CASES = [["gpt", "gpipe", 1, UNEQUAL], ["gpt", "1f1b", 3, UNEQUAL], ["gpt", "1f1b", 3, 2],
-         ["llama", "gpipe", 3, UNEQUAL], ["llama", "1f1b", 1, UNEQUAL], ["gpt", "1f1b", 2, UNEQUAL, 0, True]]
+         ["llama", "gpipe", 3, UNEQUAL], ["llama", "1f1b", 1, UNEQUAL], ["gpt", "1f1b", 2, UNEQUAL, 0, True],
+         # two chunks per rank: the sequence split is inside every unit, whatever the placement
+         ["gpt", "interleaved-1f1b", 2, UNEQUAL], ["llama", "dualpipev", 2, UNEQUAL]]
 # [precision, ZeRO stage, model, schedule]: the master weights' change against the fp32 reference's
 PRECISION_CASES = [["bf16", 1, "llama", "gpipe"], ["bf16", 1, "gpt", "1f1b"], ["fp16", 0, "gpt", "gpipe"],
                    ["fp16", 1, "llama", "1f1b"], ["fp32", 1, "gpt", "1f1b"]]
