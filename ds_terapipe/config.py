@@ -341,8 +341,9 @@ class TeraPipeConfig(DeepSpeedConfigModel):
     """Sequence-parallel ranks per pipeline stage (``runtime/slicing/sequence.py``): each slice's tokens split
     ``N`` ways over the stage's sequence group, position-wise layers on the rank's share, two all-to-alls around
     :func:`~ds_terapipe.sliced_causal_attention` (the whole slice for 1/N of the heads, KV carry per head
-    subset), gradients summed over the group. Fixed slicings; fp32, fp16, and bf16 at ZeRO stage 1 (not yet with
-    ``slices: "auto"``, ``replan``, ``freeze``, ``vocab_parallel``, ``packed``; bf16 at ZeRO 0 refused)."""
+    subset), gradients summed over the group; ``slices: "auto"`` profiles each rank's share with its all-to-alls.
+    fp32, fp16, and bf16 at ZeRO stage 1 (not yet with ``replan``, ``freeze``, ``vocab_parallel``, ``packed``; bf16
+    at ZeRO 0 refused)."""
 
     max_slices: Optional[int] = Field(None, ge=1, description='upper bound on the number of slices `"auto"` may choose')
 
@@ -433,17 +434,15 @@ class TeraPipeConfig(DeepSpeedConfigModel):
                                  "install plans of their own); set those, or plan_per_batch to false")
         if self.sequence_parallel > 1:
             n = self.sequence_parallel
-            unsupported = [name for name, on in (('slices: "auto"', self.slices == "auto"),
-                                                 ("replan", self.replan.enabled), ("freeze", self.freeze is not None),
+            unsupported = [name for name, on in (("replan", self.replan.enabled), ("freeze", self.freeze is not None),
                                                  ("vocab_parallel", self.vocab_parallel), ("packed", self.packed))
                            if on]
             if unsupported:
                 raise ValueError(f"terapipe.sequence_parallel={n} does not run with {', '.join(unsupported)} yet (the "
-                                 "profiler, the planners, the vocabulary passes and the document masks see whole "
-                                 "slices); use a fixed slicing (a list or a count) without them, or "
-                                 "sequence_parallel 1")
+                                 "re-planner's and the freezer's costs, the vocabulary passes and the document masks "
+                                 "see whole slices); turn them off, or use sequence_parallel 1")
             odd = [t for t in self.slices if t % n] if isinstance(self.slices, list) else []
-            if odd or (isinstance(self.slices, int) and self.granularity % n):
+            if odd or (not isinstance(self.slices, list) and self.granularity % n):
                 raise ValueError(f"terapipe.sequence_parallel={n} splits every slice's tokens {n} ways: slice "
                                  f"lengths must be multiples of {n}, got "
                                  f"{f'slices {self.slices}' if odd else f'granularity {self.granularity}'}; use "

@@ -44,8 +44,11 @@ def _model(name: str) -> tuple[list, int]:
 def _engine(specs: list, vocab: int, schedule: str, micro: int, slices: Any, zero: int, clip: float,
             degree: int = DEGREE, extra: Optional[dict] = None, precision: Optional[dict] = None) -> Any:
     dp = WORLD // (STAGES * degree)
+    # slices "auto": profiled at init (each rank's share with its all-to-alls), on a small grid
+    auto = {"granularity": 8, "profile": {"slice_lengths": [8, 24, 48], "num_contexts": 2, "warmup": 0,
+                                          "repeats": 1}} if slices == "auto" else {}
     terapipe = {"enabled": True, "seq_len": SEQ_LEN, "slices": slices, "schedule": schedule, "p2p_timeout_s": 60,
-                "sequence_parallel": degree, **(extra or {})}
+                "sequence_parallel": degree, **auto, **(extra or {})}
     model = ds_terapipe.TokenPipelineModule(specs, num_stages=STAGES, loss_fn=causal_lm_loss, vocab_size=vocab,
                                             partition_method="uniform",
                                             **ds_terapipe.module_chunk_kwargs(
@@ -75,7 +78,7 @@ def _case(model: str, schedule: str, micro: int, slices: Any, zero: int = 0, cli
     p_err, p_name, p_count = named_compare(params, ref["params"], has_embed)
     kv = _kv_heads(engine, batches[:micro])
     return {"case": STATUS["case"], "stage": engine.stage_id, "sequence_rank": engine.sequence.rank,
-            "losses": losses, "ref_losses": ref["losses"], "grad_rel_err": g_err, "grad_worst": g_name,
+            "slices": list(engine.slices), "source": engine.plan_source, "losses": losses, "ref_losses": ref["losses"], "grad_rel_err": g_err, "grad_worst": g_name,
             "param_rel_err": p_err, "param_worst": p_name, "compared": [g_count, p_count],
             "layout": [engine.num_stages, DEGREE, dp], "kv_heads": kv}
 
@@ -160,7 +163,8 @@ def _refusals() -> dict[str, Any]:
     STATUS["case"] = "sequence refusals"
     specs, vocab = _model("gpt")
     out: dict[str, Any] = {}
-    for name, kwargs in (("odd_slice", {"slices": [15, 33]}), ("auto", {"slices": "auto"}),
+    for name, kwargs in (("odd_slice", {"slices": [15, 33]}), ("replan", {"slices": "auto",
+                                                                      "extra": {"replan": {"enabled": True}}}),
                          ("vocab", {"slices": 2, "extra": {"vocab_parallel": True}}),
                          ("bf16_zero0", {"slices": 2, "precision": PRECISIONS["bf16"]})):
         try:

@@ -34,6 +34,7 @@ class PipelineStage(Protocol):
     micro_batches: int
     micro_batch_size: int
     dp_world_size: int
+    sequence: Any                    # runtime.slicing.sequence.SequenceShare under sequence parallelism, else None
     seq_len: int
     slices: tuple[int, ...]
     global_steps: int

@@ -62,7 +62,8 @@ def cache_entry(engine: "PipelineStage", fingerprints: tuple, seq_len: int) -> C
         "version": PLAN_CACHE_VERSION, "model": fingerprints, "num_stages": engine.num_stages,
         "dp": engine.dp_world_size, "micro_batch_size": engine.micro_batch_size,
         "micro_batches": engine.micro_batches, "seq_len": seq_len, "granularity": cfg.granularity,
-        "schedule": cfg.schedule, "virtual_stages": cfg.virtual_stages, "max_slices": cfg.max_slices, "memory_limit_gb": cfg.memory_limit_gb,
+        "schedule": cfg.schedule, "virtual_stages": cfg.virtual_stages, "sequence_parallel": cfg.sequence_parallel,
+        "max_slices": cfg.max_slices, "memory_limit_gb": cfg.memory_limit_gb,
         "deferred_weight_grads": cfg.deferred_weight_grads,
         "activation_checkpoint_interval": engine.module.activation_checkpoint_interval,  # profiled with recompute
         # re-timing a hit (recheck_cached) shapes no cached plan: not part of the key

@@ -76,7 +76,7 @@ def _backward(out: list[torch.Tensor], params: list[torch.nn.Parameter], leaves:
 def profile_stage(run: Callable[[Any], Any], params: list[torch.nn.Parameter], stage_input: Any, seq_len: int,
                   granularity: int, batch: int, *, slice_lengths: Optional[list[int]] = None, num_contexts: int = 3,
                   warmup: int = 1, repeats: int = 3, deferred: bool = False, burst: Optional[int] = None,
-                  clock: Callable[[], float] = time.perf_counter) -> list[dict]:
+                  clock: Callable[[], float] = time.perf_counter, sequence: Any = None) -> list[dict]:
     """Time forward and backward of this stage's layers for slices of length s after a prefix of c tokens.
 
     Backward uses ``torch.autograd.grad``, so parameter ``.grad`` (and DeepSpeed's gradient hooks) are never
@@ -84,7 +84,10 @@ def profile_stage(run: Callable[[Any], Any], params: list[torch.nn.Parameter], s
     input-gradient part the runtime runs per slice, and each point also gets ``weight_ms``: that slice's
     deferred weight-gradient work, timed after its backward (:func:`weight_cost` fits it; not a cost-file key).
     ``clock`` (seconds) is a parameter so tests can drive the timing. Returns points in the planner's cost-file
-    format.
+    format. ``sequence`` (this rank's SequenceShare under sequence parallelism): each slice runs as the engine runs
+    it, this rank's share of its tokens with the all-to-alls around attention (every rank of the sequence group
+    profiles the same grid in the same order, so their collectives pair), and a point is a rank's time for the
+    whole slice.
 
     ``burst``: how many copies of a point run back to back between two device syncs (each with its own prefix
     and KV buffers), the time divided by that count. Why: on an accelerator the runtime issues a stage's slices
@@ -121,15 +124,17 @@ def profile_stage(run: Callable[[Any], Any], params: list[torch.nn.Parameter], s
                 state = MicroBatchState(0, seq_len, 2)
                 state.weight_stash = WeightGradStash() if deferred else None
                 if context > 0:
-                    with torch.no_grad(), slice_scope(SliceContext(0, 0, 0, context, state)):
-                        run(cut_tokens(stage_input, 0, context, seq_len))
+                    lo, hi = (0, context) if sequence is None else sequence.bounds(0, context)
+                    with torch.no_grad(), slice_scope(SliceContext(0, 0, 0, context, state, sequence=sequence)):
+                        run(cut_tokens(stage_input, lo, hi, seq_len))
                 states.append(state)
-            units = [_slice_leaves(stage_input, context, context + length, seq_len) for _ in states]
+            lo, hi = (context, context + length) if sequence is None else sequence.bounds(context, context + length)
+            units = [_slice_leaves(stage_input, lo, hi, seq_len) for _ in states]
             synchronize()
             t0 = clock()
             outs = []
             for state, (inputs, _) in zip(states, units):
-                with slice_scope(SliceContext(0, 1, context, context + length, state)):
+                with slice_scope(SliceContext(0, 1, context, context + length, state, sequence=sequence)):
                     outs.append(_differentiable(run(inputs)))
             synchronize()
             t1 = clock()
@@ -204,7 +209,8 @@ def measure_costs(engine: "PipelineStage", stage_input: Optional[dict[int, Any]]
             points = profile_stage(engine.module, params, chunk_input, seq_len, cfg.granularity,
                                    engine.micro_batch_size, slice_lengths=cfg.profile.slice_lengths,
                                    num_contexts=cfg.profile.num_contexts, warmup=cfg.profile.warmup,
-                                   repeats=cfg.profile.repeats, deferred=cfg.deferred_weight_grads)
+                                   repeats=cfg.profile.repeats, deferred=cfg.deferred_weight_grads,
+                                   sequence=engine.sequence)
             weight = {}
             if cfg.deferred_weight_grads:
                 per_slice, per_token = weight_cost(points, engine.micro_batch_size)
@@ -222,7 +228,7 @@ def measure_costs(engine: "PipelineStage", stage_input: Optional[dict[int, Any]]
     # whose profiling raised stops its peers within seconds, naming it.
     engine.barrier("profiling")
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, {"dp": engine.grid.data_parallel_id, "stage": engine.stage_id, "chunks": mine,
+    dist.all_gather_object(gathered, {"dp": _first_replica_id(engine), "stage": engine.stage_id, "chunks": mine,
                                       "terms": terms, "share": share})
     if dist.get_rank() != 0:
         return None
@@ -289,6 +295,13 @@ def median_points(per_rank: list[list[dict]]) -> list[dict]:
                  backward_ms=statistics.median(p["backward_ms"] for p in same)) for same in zip(*per_rank)]
 
 
+def _first_replica_id(engine: "PipelineStage") -> int:
+    """0 on the ranks whose measurements stand for their stage (data-parallel replica 0 and, under sequence
+    parallelism, sequence rank 0: the others measured the same chunks), else 1."""
+    sequence_rank = 0 if engine.sequence is None else engine.sequence.rank
+    return 0 if engine.grid.data_parallel_id == 0 and sequence_rank == 0 else 1
+
+
 def median_link(per_rank: list[Optional[dict]]) -> dict[str, float]:
     """The pipeline group's link (``time_links``: latency per hop, Gbit/s) as the ranks' medians; one rank (no
     link measured) gets a link its collectives never use."""
@@ -316,10 +329,11 @@ def recheck_costs(engine: "PipelineStage", stage_input: dict[int, Any], seq_len:
         with engine.on_chunk(chunk):
             mine.append((chunk, profile_stage(engine.module, params, stage_input[chunk], seq_len, cfg.granularity,
                                               engine.micro_batch_size, slice_lengths=[slice_len], num_contexts=2,
-                                              warmup=1, repeats=2, deferred=cfg.deferred_weight_grads)))
+                                              warmup=1, repeats=2, deferred=cfg.deferred_weight_grads,
+                                              sequence=engine.sequence)))
     engine.barrier("re-timing the cached costs")
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (engine.grid.data_parallel_id, mine))
+    dist.all_gather_object(gathered, (_first_replica_id(engine), mine))
     if dist.get_rank() != 0:
         return None
     samples = [(chunk, kind, p["slice"], p["context"], 1, p[key])
