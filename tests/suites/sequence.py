@@ -173,6 +173,21 @@ def _refusals() -> dict[str, Any]:
             out[name] = None
         except ValueError as err:
             out[name] = str(err)
+    # rank 0's assembly of the profiled costs fails (after the others left the gather): every rank raises its
+    # error, none waits in the plan's broadcast
+    from ds_terapipe.runtime.planning import profile
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise ValueError("assembling the costs failed (planted)")
+
+    original, profile._assemble = profile._assemble, broken
+    try:
+        _engine(specs, vocab, "1f1b", 2, "auto", 0, 0.0)
+        out["assembly"] = None
+    except ValueError as err:
+        out["assembly"] = str(err)
+    finally:
+        profile._assemble = original
     try:   # a module built without the sequence ranks under a config with them
         model = ds_terapipe.TokenPipelineModule(specs, num_stages=WORLD, loss_fn=causal_lm_loss, vocab_size=vocab,
                                                 partition_method="uniform")

@@ -142,10 +142,14 @@ def _auto_plan(engine: "PipelineStage", known: Optional[ResolvedPlan], stage_inp
             f"terapipe: no measured costs to plan seq_len={seq_len}: the plan cache entry for terapipe.seq_len "
             "holds a plan but not the costs it was made from; delete the plan cache directory "
             "(terapipe.plan_cache) so the next start profiles again"))
-    measured = measure_costs(engine, stage_input, seq_len)  # gathered on rank 0 (None elsewhere)
+    # gathered on rank 0 (None elsewhere); an error of rank 0's assembly of the gathered costs comes back as the
+    # value and is raised inside the decision below, so every rank learns of it instead of waiting in its broadcast
+    measured = measure_costs(engine, stage_input, seq_len, errors_to_caller=True)
 
     def from_measured() -> dict:
         nonlocal cost, stage_meta
+        if isinstance(measured, Exception):
+            raise measured
         assert measured is not None
         cost, stage_meta = measured.cost.to_dict(), measured.stage_meta
         logger.info("terapipe: profiled %d chunk(s) in %.1fs", engine.num_chunks, measured.seconds)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional, Union
 
 import numpy as np
 import torch
@@ -183,7 +183,8 @@ def weight_cost(points: list[dict], batch: int) -> tuple[float, float]:
 
 
 def measure_costs(engine: "PipelineStage", stage_input: Optional[dict[int, Any]] = None,
-                  seq_len: Optional[int] = None) -> Optional[MeasuredCosts]:
+                  seq_len: Optional[int] = None, *, errors_to_caller: bool = False
+                  ) -> Union[MeasuredCosts, Exception, None]:
     """Profile every chunk's layers now and gather the costs (collective: every rank calls it).
 
     Engine init calls it for ``slices: "auto"``. Called again later it tells how far the costs a plan was made
@@ -194,7 +195,9 @@ def measure_costs(engine: "PipelineStage", stage_input: Optional[dict[int, Any]]
 
     With one chunk per rank the cost model's stages are the ranks; with virtual stages they are the chunks, in
     chunk order (what the planner simulates). Returns ``(PipelineCost, stage_meta, seconds)`` as
-    :class:`MeasuredCosts` on global rank 0, None elsewhere.
+    :class:`MeasuredCosts` on global rank 0, None elsewhere. With ``errors_to_caller``, an error of rank 0's
+    assembly of the gathered costs (after every rank has left) is returned instead of raised, for the caller to
+    hand to every rank (a decision broadcast from rank 0) rather than leave them waiting.
     """
     cfg = engine.terapipe
     seq_len = cfg.seq_len if seq_len is None else seq_len
@@ -232,6 +235,16 @@ def measure_costs(engine: "PipelineStage", stage_input: Optional[dict[int, Any]]
                                       "terms": terms, "share": share})
     if dist.get_rank() != 0:
         return None
+    try:
+        return _assemble(engine, gathered, profile_s)
+    except Exception as err:  # noqa: BLE001 - see errors_to_caller
+        if not errors_to_caller:
+            raise
+        return err
+
+
+def _assemble(engine: "PipelineStage", gathered: list[Any], profile_s: float) -> MeasuredCosts:
+    """Rank 0: the gathered measurements as one cost model (the first replica and sequence rank of each stage)."""
     chunks = sorted((c for g in gathered if g["dp"] == 0 for c in g["chunks"]), key=lambda c: c["chunk"])
     ranks = sorted((g for g in gathered if g["dp"] == 0), key=lambda g: g["stage"])
     stage_meta = [{k: c[k] for k in ("layers", "hidden", "bytes")} for c in chunks]
