@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from ..slicing.context import current_slice
 from ..slicing.devices import synchronize
 from .vocab_shard import EmbeddingShard, HeadSpec, VocabRows, VocabShardHead, build_full
-from .vocab_embedding import EmbeddingSplit, SplitTokenEmbedding, plan_embedding_split
+from .vocab_embedding import EmbeddingSplit, SplitTokenEmbedding, lookup_rows, plan_embedding_split
 
 __all__ = ["profiling_shard", "split_embedding_runner", "share_runner", "time_links"]
 
@@ -89,10 +89,7 @@ def share_runner(head: VocabShardHead, labels: torch.Tensor, ids: Optional[torch
         loss = (torch.logsumexp(logits, dim=-1) - torch.where(in_shard, target, 0.0)).sum()
         if ids is None:
             return (loss, )
-        tok = ids if ctx is None else ids[:, ctx.start:ctx.end]
-        local = tok - table.offset
-        mask = (local >= 0) & (local < table.num_valid)
-        part = F.embedding(torch.where(mask, local, 0), table.weight).masked_fill(~mask.unsqueeze(-1), 0.0)
+        part = lookup_rows(table, ids if ctx is None else ids[:, ctx.start:ctx.end])[0]
         return loss, part  # (), (B, T, H): EF's lookup; its backward is EB's row gradient
     params = list(head.parameters()) + ([] if table is head or ids is None else list(table.parameters()))
     return run, params

@@ -103,13 +103,19 @@ def plan_embedding_split(full: torch.nn.Module, spec: "HeadSpec", specs: list, s
     elif attr != "weight" or not isinstance(embedding, torch.nn.Embedding):
         why = (f"the tied weight {spec.weight_name!r} is not the weight of an nn.Embedding submodule of the tied "
                "module")
-    elif embedding.max_norm is not None or embedding.scale_grad_by_freq or embedding.sparse:
+    elif not _plain(embedding):
         why = "its nn.Embedding uses max_norm, scale_grad_by_freq or sparse"
     if why is not None:
         logger.warning("terapipe: vocab parallel: the input embedding stays whole on its stage (its gradient is "
                        "exchanged in ReduceTiedGrads): %s", why)
         return None
     return EmbeddingSplit(spec.tied_key, users[0], path, embedding.padding_idx)
+
+
+def _plain(embedding: torch.nn.Embedding) -> bool:
+    """Whether a lookup of its rows is all it does (EF looks rows up, EB adds their gradient): no renormalising
+    (``max_norm``), no frequency scaling, dense gradients."""
+    return embedding.max_norm is None and not embedding.scale_grad_by_freq and not embedding.sparse
 
 
 def _plan_untied(specs: list, shape: tuple[int, int]) -> Optional[EmbeddingSplit]:
@@ -130,7 +136,7 @@ def _plan_untied(specs: list, shape: tuple[int, int]) -> Optional[EmbeddingSplit
         if (embedding.num_embeddings, embedding.embedding_dim) != tuple(shape):
             why = (f"its token embedding {path!r} is {embedding.num_embeddings} x {embedding.embedding_dim}, the "
                    f"output layer {shape[0]} x {shape[1]}")
-        elif embedding.max_norm is not None or embedding.scale_grad_by_freq or embedding.sparse:
+        elif not _plain(embedding):
             why = f"its token embedding {path!r} uses max_norm, scale_grad_by_freq or sparse"
         else:
             return EmbeddingSplit(key, 0, path, embedding.padding_idx, tied=False)
