@@ -64,3 +64,50 @@ def run_variant(stage: torch.nn.Module, x0: torch.Tensor, n: int, variant: str) 
     if per_slice:
         return {"F": ms[:n], "B": ms[n:2 * n][::-1], "W": ms[2 * n]}   # B per slice in token order
     return {"F": ms[0], "B": ms[1], "W": ms[2]}
+
+
+def _micro_batch(stage: torch.nn.Module, x0: torch.Tensor, n: int) -> None:
+    """One not-deferred micro-batch in n slices (F in order, B later slices first), with no device sync."""
+    from ds_terapipe.runtime.slicing.context import MicroBatchState, SliceContext, slice_scope
+    seq_len = x0.shape[1]
+    state = MicroBatchState(0, seq_len, n)
+    outs = []
+    for i, (a, b) in enumerate(bounds(seq_len, n)):
+        x = x0[:, a:b].detach().requires_grad_()
+        with slice_scope(SliceContext(0, i, a, b, state)):
+            outs.append(stage(x))
+    for y in reversed(outs):
+        y.backward(torch.full_like(y, 1e-3))
+
+
+def graphed_ms(stage: torch.nn.Module, x0: torch.Tensor, n: int, replays: int = 5) -> float:
+    """The not-deferred micro-batch in n slices captured as one CUDA graph: median milliseconds of a replay.
+
+    What a stage would cost with no host in the way (no kernel launches from Python): the ceiling of capturing a
+    slice's kernels. Warmed up on a side stream, as graph capture requires; the gradients live in the graph's pool.
+    """
+    from ds_terapipe.runtime.slicing.devices import synchronize
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            for p in stage.parameters():
+                p.grad = None
+            _micro_batch(stage, x0, n)
+    torch.cuda.current_stream().wait_stream(side)
+    for p in stage.parameters():
+        p.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _micro_batch(stage, x0, n)
+    took = []
+    for _ in range(replays + 1):
+        synchronize()
+        start = time.perf_counter()
+        graph.replay()
+        synchronize()
+        took.append((time.perf_counter() - start) * 1e3)
+    del graph
+    for p in stage.parameters():
+        p.grad = None
+    return sorted(took[1:])[len(took[1:]) // 2]

@@ -199,6 +199,13 @@ INTERNALS: tuple[Internal, ...] = (
     _i(_BF16, "clear_lp_grads", "attr", f"{_E} WeightGradPass", "as DeepSpeed's backward does"),
     _i(_BF16, "update_hp_grads", "attr", f"{_E} WeightGradPass", "moves deferred grads to the fp32 masters",
        ("clear_lp_grads", )),
+    # -- bf16 gradients as views of flat buffers (execution/bf16_grads.py): the fp32 move is one add per group --
+    _i(_BF16, "fp32_groups_gradients_flat", "instance", "execution/bf16_grads.py",
+       "the flat fp32 master gradients the flat bf16 gradients are laid out as and added to"),
+    _i(_BF16, "immediate_grad_update", "instance", "execution/bf16_grads.py",
+       "gradients moved by hooks instead: update_hp_grads is then a no-op"),
+    _i(_BF16, "update_hp_grads", "calls", "execution/bf16_grads.py",
+       "replaced on the instance, so the optimizer's backward must call it through self"),
     # -- gradients computed by hand (the vocabulary passes), put where each optimizer reads them (grad_sink.py)
     _i(_BF16, "bf16_groups", "instance", "execution/grad_sink.py", "which master gradient belongs to a parameter"),
     _i(_BF16, "fp32_groups_gradients", "instance", "execution/grad_sink.py",

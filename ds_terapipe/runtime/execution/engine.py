@@ -76,6 +76,7 @@ from ..slicing.devices import synchronized_ms
 from ..slicing.documents import Documents, check_position_ids, positions_of
 from ..slicing.sequence import SequenceShare
 from . import checkpoint as ckpt
+from .bf16_grads import FlatBf16Grads
 from .clip import clip_by_global_norm, clipping_problem
 from .collective import agree_or_raise, mark_collective
 from .ds_internals import check_deepspeed_internals
@@ -601,6 +602,10 @@ class TokenPipelineEngine(PipelineEngine):
         self._weight_grads = WeightGradAccumulator()
         self._logits = []
         self._trail.clear()
+        if pipe_schedule.train and self.using_bf16_optimizer \
+                and not self._config.bfloat16_config.immediate_grad_update:
+            # bf16 gradients as views of flat buffers: the fp32 move after each backward is one add per group
+            FlatBf16Grads.attach(self.optimizer).begin_step()
         timeline: list[TimedAction] = []
         terms: dict[str, float] = defaultdict(float)
         start = synchronized_ms() if self.record_timeline else 0.0
