@@ -66,6 +66,12 @@ def _inner_optimizer(optimizer: Any) -> Optional[torch.optim.Optimizer]:
 #: At most this many elements are copied to time a per-element cost (optimizer, accumulation, all-reduce); a
 #: larger stage is timed on a prefix of its tensors and scaled by elements, so init never needs much memory.
 MAX_TIMED_ELEMENTS = 1 << 24
+#: The accumulation into ``.grad`` is timed on up to this many: its two sample sizes (this and half of it) must
+#: both overflow an accelerator's L2 cache (50 MB on an H100), or the slope between them is the step from cached
+#: to uncached bandwidth rather than the cost per element (a 16 M-element sample of a 175B-shaped layer's bf16
+#: gradients, 8 M at half, put its accumulation at 5.3 ms against 3.4 ms in the real backward). Up to 256 MB of
+#: bf16 (512 MB of fp32) buffers while timing.
+ACCUMULATE_TIMED_ELEMENTS = 1 << 26
 
 
 def _sample(tensors: list[torch.Tensor], limit: int) -> tuple[list[torch.Tensor], float]:
@@ -165,7 +171,7 @@ def time_optimizer_step(optimizer: Any, clip_norm: float = 0.0, *, warmup: int =
 
 
 def time_grad_accumulation(params: list[torch.nn.Parameter], *, warmup: int = 1, repeats: int = 3,
-                           limit: int = MAX_TIMED_ELEMENTS) -> float:
+                           limit: int = ACCUMULATE_TIMED_ELEMENTS) -> float:
     """Milliseconds to add one backward's gradients into ``.grad`` for ``params`` (what every slice's backward
     does beyond the profiled ``torch.autograd.grad``), on buffers of their shapes (prefixes beyond ``limit``,
     :func:`_scaled_ms`).
