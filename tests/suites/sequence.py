@@ -88,17 +88,19 @@ PRECISIONS = {"fp32": {}, "bf16": {"bf16": {"enabled": True}},
               "fp16": {"fp16": {"enabled": True, "loss_scale": 1024.0}}}
 
 
-def _precision_case(precision: str, zero: int, model: str, schedule: str) -> dict[str, Any]:
+def _precision_case(precision: str, zero: int, model: str, schedule: str, clip: bool = False) -> dict[str, Any]:
     """Half precision against the fp32 reference: the change of the fp32 master weights over the steps (half
     precision cannot show an update below its rounding) and the losses; the sequence ranks' gradient sum reaches
-    each optimizer's own buffers (bf16: its fp32 master gradients; fp16: .grad, loss-scaled)."""
+    each optimizer's own buffers (bf16: its fp32 master gradients; fp16: .grad, loss-scaled). ``clip``: clipped
+    by the global norm, which the optimizer computes (bf16 at ZeRO 0: DeepSpeed's, over its model axis)."""
     specs, vocab = _model(model)
     micro = 2
     batches = make_batches(GPTConfig(vocab_size=vocab), STEPS * micro, BATCH, SEQ_LEN, seed=91)
     _, initial, _ = build_spec_layers(_model(model)[0])
     ref_start = {n: p.detach().clone() for n, p in initial.items()}
-    ref = frozen_reference(_model(model)[0], batches, STEPS, lambda step: 0)
-    engine = _engine(specs, vocab, schedule, micro, UNEQUAL, zero, 0.0, precision=PRECISIONS[precision])
+    ref = frozen_reference(_model(model)[0], batches, STEPS, lambda step: 0, max_norm=CLIP if clip else 0.0)
+    engine = _engine(specs, vocab, schedule, micro, UNEQUAL, zero, CLIP if clip else 0.0,
+                     precision=PRECISIONS[precision])
     start = master_weights(engine)
     losses = [float(engine.train_batch(iter(batches[s * micro:(s + 1) * micro]))) for s in range(STEPS)]
     update = deltas(master_weights(engine), start)
@@ -107,8 +109,8 @@ def _precision_case(precision: str, zero: int, model: str, schedule: str) -> dic
             "ref_losses": ref["losses"], "update_rel_err": err, "update_worst": worst, "compared": count}
 
 
-def _precision_label(precision: str, zero: int, model: str, schedule: str) -> str:
-    return f"{precision} zero{zero} sequence model={model} schedule={schedule}"
+def _precision_label(precision: str, zero: int, model: str, schedule: str, clip: bool = False) -> str:
+    return f"{precision} zero{zero} sequence model={model} schedule={schedule}" + (" clip" if clip else "")
 
 
 def _kv_heads(engine: Any, batches: list[tuple]) -> list[int]:
@@ -136,25 +138,28 @@ def _label(model: str, schedule: str, micro: int, slices: Any, zero: int = 0, cl
             (f" zero{zero}" if zero else "") + (" clip" if clip else ""))
 
 
-def _checkpoint(out: Path) -> dict[str, Any]:
-    """A run saved after 2 steps and resumed in a new engine at the same layout trains the third step exactly;
-    eval_batch before training reports the first step's loss."""
-    STATUS["case"] = "sequence checkpoint"
+def _checkpoint(out: Path, precision: str = "fp32") -> dict[str, Any]:
+    """A run saved after 2 steps and resumed in a new engine at the same layout trains the third step exactly
+    (bf16 at ZeRO 0: the engine loads DeepSpeed's BF16_Optimizer from each rank's file, the fp32 masters
+    included); eval_batch before training reports the first step's loss."""
+    STATUS["case"] = f"sequence checkpoint {precision}"
     specs, vocab = _model("gpt")
     dp = WORLD // (STAGES * DEGREE)
     batches = make_batches(GPTConfig(vocab_size=vocab), 3 * 2 * dp, BATCH, SEQ_LEN, seed=5)
     stream = replica_batches(batches, 0, 2, 1, 3 * dp)
-    first = _engine(specs, vocab, "1f1b", 2, UNEQUAL, 0, 0.0)
+    first = _engine(specs, vocab, "1f1b", 2, UNEQUAL, 0, 0.0, precision=PRECISIONS[precision])
     evaluated = float(first.eval_batch(iter(stream[:2])))   # the sequence ranks' shares summed, as in training
     data = iter(stream)
     trained = [float(first.train_batch(data)) for _ in range(2)]
     first.save_checkpoint(str(out))
     uninterrupted = float(first.train_batch(data))
     after = {n: p.detach().clone() for n, p in first.module.named_parameters()}
-    again = _engine(specs, vocab, "1f1b", 2, UNEQUAL, 0, 0.0)
+    masters = master_weights(first)
+    again = _engine(specs, vocab, "1f1b", 2, UNEQUAL, 0, 0.0, precision=PRECISIONS[precision])
     again.load_checkpoint(str(out))
     resumed = float(again.train_batch(iter(stream[4:])))
     err = max(rel_err(p.detach(), after[n]) for n, p in again.module.named_parameters())
+    err = max(err, max(rel_err(p, masters[n]) for n, p in master_weights(again).items()))
     return {"case": STATUS["case"], "uninterrupted": uninterrupted, "resumed": resumed, "resume_err": err,
             "eval_loss": evaluated, "first_train_loss": trained[0]}
 
@@ -165,8 +170,7 @@ def _refusals() -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, kwargs in (("odd_slice", {"slices": [15, 33]}), ("replan", {"slices": "auto",
                                                                       "extra": {"replan": {"enabled": True}}}),
-                         ("vocab", {"slices": 2, "extra": {"vocab_parallel": True}}),
-                         ("bf16_zero0", {"slices": 2, "precision": PRECISIONS["bf16"]})):
+                         ("vocab", {"slices": 2, "extra": {"vocab_parallel": True}})):
         try:
             _engine(specs, vocab, "1f1b", 2, kwargs["slices"], 0, 0.0, extra=kwargs.get("extra"),
                     precision=kwargs.get("precision"))
@@ -244,6 +248,7 @@ def suite_sequence(extra: dict) -> list[dict]:
     results += run_cases([tuple(c) for c in extra.get("precision_cases", [])], _precision_label, _precision_case)
     if extra.get("features"):
         results.append(_checkpoint(Path(extra["out"]) / "sequence_ckpt"))
+        results.append(_checkpoint(Path(extra["out"]) / "sequence_ckpt_bf16", "bf16"))
         results.append(_refusals())
         results += [_memory(1), _memory(DEGREE)]
     return results

@@ -112,3 +112,28 @@ class FlatBf16Grads:
             return
         for flat in self.flats:
             flat.zero_()
+
+
+def count_norm_once_per_sequence_group(optimizer: Any) -> None:
+    """Let ``BF16_Optimizer``'s gradient norm run on sequence-parallel ranks (on this instance).
+
+    Why: DeepSpeed sees the sequence ranks as its model axis, that is as tensor-parallel ranks, so for the norm
+    only model rank 0 lists a replicated parameter's gradient (the others would count it again) and the squares
+    are summed over the model-parallel group (the stages and the sequence ranks). That is the right norm here:
+    the engine has summed each gradient over the sequence ranks before the step, so they all hold the same one.
+    But on the other sequence ranks the list is empty, and DeepSpeed's norm stacks an empty list and fails. They
+    get one zero instead, which adds nothing to the sum.
+    """
+    listed = type(optimizer).get_grads_for_norm.__get__(optimizer)
+
+    def get_grads_for_norm(for_clipping: bool = False) -> Any:
+        grads = listed(for_clipping=for_clipping)
+        if for_clipping:
+            return grads
+        dense, experts = grads
+        if not dense:
+            flat = optimizer.fp32_groups_gradients_flat[0]
+            dense = [torch.zeros(1, dtype=flat.dtype, device=flat.device)]
+        return dense, experts
+
+    optimizer.get_grads_for_norm = get_grads_for_norm

@@ -76,7 +76,7 @@ from ..slicing.devices import synchronized_ms
 from ..slicing.documents import Documents, check_position_ids, positions_of
 from ..slicing.sequence import SequenceShare
 from . import checkpoint as ckpt
-from .bf16_grads import FlatBf16Grads
+from .bf16_grads import FlatBf16Grads, count_norm_once_per_sequence_group
 from .clip import clip_by_global_norm, clipping_problem
 from .collective import agree_or_raise, mark_collective
 from .ds_internals import check_deepspeed_internals
@@ -990,11 +990,8 @@ class TokenPipelineEngine(PipelineEngine):
                              f"sequence_parallel={degree}) (or **ds_terapipe.module_chunk_kwargs(terapipe))")
         if degree == 1:
             return None
-        if self.using_bf16_optimizer:
-            raise ValueError(f"terapipe.sequence_parallel={degree} with bf16 at ZeRO stage 0: DeepSpeed's "
-                             "BF16_Optimizer takes its gradient norm as if the sequence ranks were tensor-parallel "
-                             "ranks (only the first counts a replicated parameter; the others have none and its "
-                             "norm fails); use bf16 with zero_optimization.stage 1, or fp16/fp32")
+        if self.using_bf16_optimizer:   # its norm treats the sequence ranks as tensor-parallel ones
+            count_norm_once_per_sequence_group(self.optimizer)
         return SequenceShare(self.grid.get_slice_parallel_group(), self.grid.get_slice_parallel_rank(), degree)
 
     def _reduce_sequence_grads(self) -> None:
