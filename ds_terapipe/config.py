@@ -435,12 +435,12 @@ class TeraPipeConfig(DeepSpeedConfigModel):
         if self.sequence_parallel > 1:
             n = self.sequence_parallel
             unsupported = [name for name, on in (("replan", self.replan.enabled), ("freeze", self.freeze is not None),
-                                                 ("vocab_parallel", self.vocab_parallel), ("packed", self.packed))
-                           if on]
+                                                 ("vocab_parallel", self.vocab_parallel),
+                                                 ("plan_per_batch", self.plan_per_batch)) if on]
             if unsupported:
                 raise ValueError(f"terapipe.sequence_parallel={n} does not run with {', '.join(unsupported)} yet (the "
-                                 "re-planner's and the freezer's costs, the vocabulary passes and the document masks "
-                                 "see whole slices); turn them off, or use sequence_parallel 1")
+                                 "re-planner's, the freezer's and the per-batch planner's costs and the vocabulary "
+                                 "passes see whole slices); turn them off, or use sequence_parallel 1")
             odd = [t for t in self.slices if t % n] if isinstance(self.slices, list) else []
             if odd or (not isinstance(self.slices, list) and self.granularity % n):
                 raise ValueError(f"terapipe.sequence_parallel={n} splits every slice's tokens {n} ways: slice "

@@ -3,9 +3,11 @@ unsliced reference.
 
 One launch of 4 processes: 2 stages x 2 sequence ranks, the reference GPT (learned positions) and a Hugging Face
 Llama (rotary positions, grouped-query attention: 4 query heads over 2 KV heads, one KV head per sequence rank),
-gpipe and 1f1b, m in {1, 3}, unequal and equal slices, gradient clipping, interleaved-1f1b and dualpipev; loss, every first-step gradient and the
-parameters after 3 SGD + momentum steps on every rank, fp32 rel err <= 1e-5; bf16 at ZeRO 0 (also clipped) and 1,
-fp16 at ZeRO 0 and 1 and fp32 at ZeRO 1 against the fp32 reference (the master weights' change within the precision's rounding); a checkpoint
+gpipe and 1f1b, m in {1, 3}, unequal and equal slices, gradient clipping, interleaved-1f1b and dualpipev; loss,
+every first-step gradient and the parameters after 3 SGD + momentum steps on every rank, fp32 rel err <= 1e-5;
+bf16 at ZeRO 0 (also clipped) and 1, fp16 at ZeRO 0 and 1 and fp32 at ZeRO 1 against the fp32 reference (the
+master weights' change within the precision's rounding); packed rows (document masks; gpipe, 1f1b,
+interleaved-1f1b; fp32 and bf16) against the reference under the same masks; checkpoints (fp32, bf16 at ZeRO 0)
 resumed at the same layout; eval_batch's loss; the refusals; activation and KV memory at degree 1 and 2
 (tests/suites/sequence.py).
 """
@@ -15,7 +17,7 @@ from __future__ import annotations
 import pytest
 
 from tests.dist_harness import launch
-from tests.precision import check_precision_case
+from tests.precision import LOSS_TOL, UPDATE_TOL, check_precision_case
 
 pytestmark = pytest.mark.multiproc
 
@@ -32,21 +34,37 @@ CASES = [["gpt", "gpipe", 1, UNEQUAL], ["gpt", "1f1b", 3, UNEQUAL], ["gpt", "1f1
 PRECISION_CASES = [["bf16", 1, "llama", "gpipe"], ["bf16", 1, "gpt", "1f1b"], ["fp16", 0, "gpt", "gpipe"],
                    ["fp16", 1, "llama", "1f1b"], ["fp32", 1, "gpt", "1f1b"], ["bf16", 0, "llama", "gpipe"],
                    ["bf16", 0, "gpt", "1f1b", True]]
+# packed rows (tests/suites/packed.py: documents of skewed lengths, mixed with plain rows, against the reference under
+# the same document mask) at sequence degree 2: [schedule, virtual stages, slices, precision, degree]
+PACKED_CASES = [["gpipe", 1, [8, 24, 16], "fp32", 2], ["1f1b", 1, 3, "fp32", 2],
+                ["interleaved-1f1b", 2, [16, 16, 16], "fp32", 2], ["1f1b", 1, [8, 24, 16], "bf16", 2]]
 
 
 @pytest.mark.timeout(900)
 def test_sequence_parallel_equals_the_reference(tmp_path) -> None:
     results = launch("sequence", 4, tmp_path, timeout_s=840,
-                     extra={"cases": CASES, "precision_cases": PRECISION_CASES, "features": True})
+                     extra={"cases": CASES, "precision_cases": PRECISION_CASES, "packed_cases": PACKED_CASES,
+                            "features": True})
     errors = [c for r in results for c in r["results"] if "error" in c]
     assert not errors, errors[0]
     for rank, r in enumerate(results):
         cases = r["results"]
-        assert len(cases) == len(CASES) + len(PRECISION_CASES) + 5
+        assert len(cases) == len(CASES) + len(PRECISION_CASES) + len(PACKED_CASES) + 5
         for case in cases[len(CASES):len(CASES) + len(PRECISION_CASES)]:
             check_precision_case(case, rank)
             assert case["compared"] > 0, case
-        cases = cases[:len(CASES)] + cases[len(CASES) + len(PRECISION_CASES):]
+        packed = cases[len(CASES) + len(PRECISION_CASES):len(CASES) + len(PRECISION_CASES) + len(PACKED_CASES)]
+        for case in packed:
+            where = f"{case['case']}, rank {rank}"
+            for got, want in zip(case["losses"], case["ref_losses"]):
+                assert abs(got - want) <= LOSS_TOL * abs(want), f"{where}: {case['losses']} {case['ref_losses']}"
+            if "bf16" in case["case"]:
+                assert case["update_rel_err"] <= UPDATE_TOL["bf16"], (where, case["update_worst"])
+            else:
+                assert case["grad_rel_err"] <= TOL and case["param_rel_err"] <= TOL, (where, case["grad_worst"],
+                                                                                   case["param_worst"])
+            assert case["covered"], where
+        cases = cases[:len(CASES)] + cases[len(CASES) + len(PRECISION_CASES) + len(PACKED_CASES):]
         for case in cases[:len(CASES)]:
             where = f"{case['case']}, rank {rank}"
             # stage = rank // 2 (DeepSpeed's topology: pipe outermost), sequence rank = rank % 2

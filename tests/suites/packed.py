@@ -93,15 +93,17 @@ def document_cuts(context: Any, granularity: int = 8) -> tuple[int, ...]:
 
 
 def _engine(cfg: GPTConfig, schedule: str, v: int, slices: Any, packed: bool = True, bf16: bool = False,
-            per_batch: bool = False) -> Any:
+            per_batch: bool = False, degree: int = 1) -> Any:
     chunks = {"virtual_stages": v, "schedule": schedule} if v > 1 else {}
     model = ds_terapipe.TokenPipelineModule(gpt_layer_specs(cfg), num_stages=STAGES, loss_fn=causal_lm_loss,
-                                            vocab_size=cfg.vocab_size, partition_method="uniform", **chunks)
-    dp = WORLD // STAGES
+                                            vocab_size=cfg.vocab_size, partition_method="uniform",
+                                            sequence_parallel=degree, **chunks)
+    dp = WORLD // (STAGES * degree)
     config = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": MICRO,
               "train_batch_size": BATCH * MICRO * dp, "steps_per_print": 10**9, "gradient_clipping": 0.0,
               "terapipe": {"enabled": True, "seq_len": SEQ_LEN, "slices": slices, "schedule": schedule,
                            "virtual_stages": v, "granularity": 8, "p2p_timeout_s": 60, "packed": packed,
+                           "sequence_parallel": degree,
                            **({"plan_per_batch": True, "profile": QUICK_PROFILE} if per_batch else {})},
               **({"bf16": {"enabled": True}} if bf16 else {})}
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -110,13 +112,13 @@ def _engine(cfg: GPTConfig, schedule: str, v: int, slices: Any, packed: bool = T
     return engine
 
 
-def _case(schedule: str, v: int, slices: Any, precision: str = "fp32") -> dict[str, Any]:
-    dp = WORLD // STAGES
+def _case(schedule: str, v: int, slices: Any, precision: str = "fp32", degree: int = 1) -> dict[str, Any]:
+    dp = WORLD // (STAGES * degree)
     cfg = GPTConfig(num_layers=2, hidden=32, num_heads=4, vocab_size=64, max_seq_len=64, seed=13)
     batches = packed_batches(cfg, STEPS * MICRO * dp, seed=41)
     ref_losses, ref_grads, ref_params = packed_reference(cfg, batches)
     per_batch = precision.startswith("per-batch")
-    engine = _engine(cfg, schedule, v, slices, bf16=precision == "bf16", per_batch=per_batch)
+    engine = _engine(cfg, schedule, v, slices, bf16=precision == "bf16", per_batch=per_batch, degree=degree)
     data = iter(replica_batches(batches, engine.grid.data_parallel_id, MICRO, dp, STEPS))
     if per_batch:
         return _per_batch_case(engine, data, precision.endswith("cuts"), ref_losses, ref_grads, ref_params)
@@ -162,8 +164,9 @@ def _per_batch_case(engine: Any, data: Any, cuts: bool, ref_losses: list, ref_gr
             "planning_ms": planner.planning_ms}
 
 
-def _label(schedule: str, v: int, slices: Any, precision: str = "fp32") -> str:
-    return f"packed schedule={schedule} v={v} slices={slices} {precision}"
+def _label(schedule: str, v: int, slices: Any, precision: str = "fp32", degree: int = 1) -> str:
+    return f"packed schedule={schedule} v={v} slices={slices} {precision}" + (f" sequence={degree}" if degree > 1
+                                                                               else "")
 
 
 def _refusal(kind: str) -> dict[str, Any]:

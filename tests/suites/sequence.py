@@ -15,6 +15,7 @@ import torch
 
 import ds_terapipe
 from ds_terapipe.models.gpt import GPTConfig, causal_lm_loss, gpt_layer_specs
+from tests.suites import packed as packed_suite
 from tests.suites import suite
 from tests.suites.common import (CLIP, ENGINE_REF, STATUS, WORLD, allow_fp16_on_cpu, build_spec_layers, deltas,
                                  first_step_grads, frozen_reference, make_batches, master_weights, named_compare,
@@ -246,6 +247,8 @@ def suite_sequence(extra: dict) -> list[dict]:
     allow_fp16_on_cpu()
     results = run_cases([tuple(c) for c in extra.get("cases", [])], _label, _case)
     results += run_cases([tuple(c) for c in extra.get("precision_cases", [])], _precision_label, _precision_case)
+    # packed rows (tests/suites/packed.py's cases, at sequence degree 2): [schedule, v, slices, precision, 2]
+    results += run_cases([tuple(c) for c in extra.get("packed_cases", [])], packed_suite._label, packed_suite._case)
     if extra.get("features"):
         results.append(_checkpoint(Path(extra["out"]) / "sequence_ckpt"))
         results.append(_checkpoint(Path(extra["out"]) / "sequence_ckpt_bf16", "bf16"))
