@@ -435,7 +435,6 @@ class TeraPipeConfig(DeepSpeedConfigModel):
         if self.sequence_parallel > 1:
             n = self.sequence_parallel
             unsupported = [name for name, on in (("replan", self.replan.enabled), ("freeze", self.freeze is not None),
-                                                 ("vocab_parallel", self.vocab_parallel),
                                                  ("plan_per_batch", self.plan_per_batch)) if on]
             if unsupported:
                 raise ValueError(f"terapipe.sequence_parallel={n} does not run with {', '.join(unsupported)} yet (the "

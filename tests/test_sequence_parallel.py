@@ -28,7 +28,9 @@ CASES = [["gpt", "gpipe", 1, UNEQUAL], ["gpt", "1f1b", 3, UNEQUAL], ["gpt", "1f1
          # two chunks per rank: the sequence split is inside every unit, whatever the placement
          ["gpt", "interleaved-1f1b", 2, UNEQUAL], ["llama", "dualpipev", 2, UNEQUAL],
          # slices "auto": each rank profiles its share of every slice with the all-to-alls, one plan for all
-         ["gpt", "1f1b", 2, "auto"]]
+         ["gpt", "1f1b", 2, "auto"],
+         # vocabulary parallelism: each sequence rank's share through VF/VB (and EF/EB: GPT tied, Llama untied)
+         ["gpt", "1f1b", 2, UNEQUAL, 0, False, True], ["llama", "gpipe", 1, UNEQUAL, 0, True, True]]
 # [precision, ZeRO stage, model, schedule]: the master weights' change against the fp32 reference's
 # (+ clipped by the global norm: bf16 at ZeRO 0 takes DeepSpeed's norm over its model axis, the sequence ranks)
 PRECISION_CASES = [["bf16", 1, "llama", "gpipe"], ["bf16", 1, "gpt", "1f1b"], ["fp16", 0, "gpt", "gpipe"],
@@ -49,7 +51,7 @@ def test_sequence_parallel_equals_the_reference(tmp_path) -> None:
     assert not errors, errors[0]
     for rank, r in enumerate(results):
         cases = r["results"]
-        assert len(cases) == len(CASES) + len(PRECISION_CASES) + len(PACKED_CASES) + 5
+        assert len(cases) == len(CASES) + len(PRECISION_CASES) + len(PACKED_CASES) + 6
         for case in cases[len(CASES):len(CASES) + len(PRECISION_CASES)]:
             check_precision_case(case, rank)
             assert case["compared"] > 0, case
@@ -83,17 +85,17 @@ def test_sequence_parallel_equals_the_reference(tmp_path) -> None:
             # slice (a plan may choose it) keeps no KV carry
             want = ([2] if "gpt" in case["case"] else [1]) if len(case["slices"]) > 1 else []
             assert case["kv_heads"] == want, (where, case["kv_heads"])
-        for ck in cases[len(CASES):len(CASES) + 2]:   # fp32, and bf16 at ZeRO 0
+        for ck in cases[len(CASES):len(CASES) + 3]:   # fp32, bf16 at ZeRO 0, fp32 with vocab_parallel
             assert ck["resumed"] == ck["uninterrupted"] and ck["resume_err"] == 0.0, ck
             assert ck["eval_loss"] == pytest.approx(ck["first_train_loss"], rel=1e-6), ck
-        ref = cases[len(CASES) + 2]
+        ref = cases[len(CASES) + 3]
         assert "slice lengths must be multiples of 2" in ref["odd_slice"], ref
         assert "does not run with replan yet" in ref["replan"], ref
-        assert "does not run with vocab_parallel yet" in ref["vocab"], ref
+        assert "does not run with plan_per_batch yet" in ref["per_batch"], ref
         assert "but the model was built with sequence_parallel=1" in ref["module"], ref
         assert "assembling the costs failed (planted)" in ref["assembly"], ref
         # the same plan at sequence degree 1 (2 replicas) and 2: activations and KV carry per rank at most 0.55x
-        one, two = cases[len(CASES) + 3:]
+        one, two = cases[len(CASES) + 4:]
         assert one["stage"] == two["stage"] == rank // 2
         assert two["kv_bytes"] == one["kv_bytes"] / 2, (one, two)
         act = two["activation_bytes"] / one["activation_bytes"]

@@ -64,19 +64,53 @@ def _engine(specs: list, vocab: int, schedule: str, micro: int, slices: Any, zer
     return engine
 
 
-def _case(model: str, schedule: str, micro: int, slices: Any, zero: int = 0, clip: bool = False) -> dict[str, Any]:
+def _reference_names(engine: Any) -> dict[str, tuple[str, Any]]:
+    """Under vocabulary parallelism: each row-split parameter's name -> (its table's name in the reference, the
+    shard holding this rank's rows), so a shard is compared with the reference's rows."""
+    module = engine.module
+    head = getattr(module, "vocab_head", None)
+    if head is None:
+        return {}
+    spec = head.spec
+    table = f"tied_modules.{spec.tied_key}.{spec.weight_name}" if spec.tied_key else f"{spec.index}.{spec.weight_name}"
+    names = {"vocab_head.weight": (table, head)}
+    split = head.embedding
+    if split is not None and not split.tied:
+        owner = f"tied_modules.{split.key}" if split.key is not None else str(split.layer)
+        names["vocab_embed.weight"] = (f"{owner}.{split.name}", module.vocab_embed)
+    return names
+
+
+def _rows_compare(engine: Any, named: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], has_embed: bool
+                  ) -> tuple[float, str, int]:
+    """:func:`named_compare`, the row shards of vocabulary parallelism against the reference's rows."""
+    split = _reference_names(engine)
+    worst, worst_name, count = named_compare({n: t for n, t in named.items() if n not in split}, ref, has_embed)
+    for name, (table, shard) in split.items():
+        if name in named and shard.num_valid:
+            rows = slice(shard.offset, shard.offset + shard.num_valid)
+            err = rel_err(named[name][:shard.num_valid], ref[table][rows])
+            count += 1
+            if err >= worst:
+                worst, worst_name = err, f"{name} (rows {rows.start}:{rows.stop} of {table})"
+    return worst, worst_name, count
+
+
+def _case(model: str, schedule: str, micro: int, slices: Any, zero: int = 0, clip: bool = False,
+          vocab_parallel: bool = False) -> dict[str, Any]:
     specs, vocab = _model(model)
     dp = WORLD // (STAGES * DEGREE)
     batches = make_batches(GPTConfig(vocab_size=vocab), STEPS * micro * dp, BATCH, SEQ_LEN, seed=77 + micro)
     ref = frozen_reference(_model(model)[0], batches, STEPS, lambda step: 0, max_norm=CLIP if clip else 0.0)
-    engine = _engine(specs, vocab, schedule, micro, slices, zero, CLIP if clip else 0.0)
+    engine = _engine(specs, vocab, schedule, micro, slices, zero, CLIP if clip else 0.0,
+                     extra={"vocab_parallel": True} if vocab_parallel else None)
     data = iter(replica_batches(batches, engine.grid.data_parallel_id, micro, dp, STEPS))
     with first_step_grads(engine) as grads:
         losses, _ = train_steps(engine, data, STEPS)
     params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     has_embed = 0 in engine.local_chunks
-    g_err, g_name, g_count = named_compare(grads, ref["grads"][0], has_embed) if zero == 0 else (0.0, "", 0)
-    p_err, p_name, p_count = named_compare(params, ref["params"], has_embed)
+    g_err, g_name, g_count = _rows_compare(engine, grads, ref["grads"][0], has_embed) if zero == 0 else (0.0, "", 0)
+    p_err, p_name, p_count = _rows_compare(engine, params, ref["params"], has_embed)
     kv = _kv_heads(engine, batches[:micro])
     return {"case": STATUS["case"], "stage": engine.stage_id, "sequence_rank": engine.sequence.rank,
             "slices": list(engine.slices), "source": engine.plan_source, "losses": losses, "ref_losses": ref["losses"], "grad_rel_err": g_err, "grad_worst": g_name,
@@ -134,21 +168,23 @@ def _kv_heads(engine: Any, batches: list[tuple]) -> list[int]:
     return sorted(seen)
 
 
-def _label(model: str, schedule: str, micro: int, slices: Any, zero: int = 0, clip: bool = False) -> str:
+def _label(model: str, schedule: str, micro: int, slices: Any, zero: int = 0, clip: bool = False,
+           vocab_parallel: bool = False) -> str:
     return (f"sequence model={model} schedule={schedule} m={micro} slices={slices}" +
-            (f" zero{zero}" if zero else "") + (" clip" if clip else ""))
+            (f" zero{zero}" if zero else "") + (" clip" if clip else "") + (" vocab_parallel" if vocab_parallel else ""))
 
 
-def _checkpoint(out: Path, precision: str = "fp32") -> dict[str, Any]:
+def _checkpoint(out: Path, precision: str = "fp32", vocab_parallel: bool = False) -> dict[str, Any]:
     """A run saved after 2 steps and resumed in a new engine at the same layout trains the third step exactly
     (bf16 at ZeRO 0: the engine loads DeepSpeed's BF16_Optimizer from each rank's file, the fp32 masters
     included); eval_batch before training reports the first step's loss."""
-    STATUS["case"] = f"sequence checkpoint {precision}"
+    STATUS["case"] = f"sequence checkpoint {precision}" + (" vocab_parallel" if vocab_parallel else "")
+    extra = {"vocab_parallel": True} if vocab_parallel else None
     specs, vocab = _model("gpt")
     dp = WORLD // (STAGES * DEGREE)
     batches = make_batches(GPTConfig(vocab_size=vocab), 3 * 2 * dp, BATCH, SEQ_LEN, seed=5)
     stream = replica_batches(batches, 0, 2, 1, 3 * dp)
-    first = _engine(specs, vocab, "1f1b", 2, UNEQUAL, 0, 0.0, precision=PRECISIONS[precision])
+    first = _engine(specs, vocab, "1f1b", 2, UNEQUAL, 0, 0.0, precision=PRECISIONS[precision], extra=extra)
     evaluated = float(first.eval_batch(iter(stream[:2])))   # the sequence ranks' shares summed, as in training
     data = iter(stream)
     trained = [float(first.train_batch(data)) for _ in range(2)]
@@ -156,7 +192,7 @@ def _checkpoint(out: Path, precision: str = "fp32") -> dict[str, Any]:
     uninterrupted = float(first.train_batch(data))
     after = {n: p.detach().clone() for n, p in first.module.named_parameters()}
     masters = master_weights(first)
-    again = _engine(specs, vocab, "1f1b", 2, UNEQUAL, 0, 0.0, precision=PRECISIONS[precision])
+    again = _engine(specs, vocab, "1f1b", 2, UNEQUAL, 0, 0.0, precision=PRECISIONS[precision], extra=extra)
     again.load_checkpoint(str(out))
     resumed = float(again.train_batch(iter(stream[4:])))
     err = max(rel_err(p.detach(), after[n]) for n, p in again.module.named_parameters())
@@ -171,7 +207,7 @@ def _refusals() -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, kwargs in (("odd_slice", {"slices": [15, 33]}), ("replan", {"slices": "auto",
                                                                       "extra": {"replan": {"enabled": True}}}),
-                         ("vocab", {"slices": 2, "extra": {"vocab_parallel": True}})):
+                         ("per_batch", {"slices": "auto", "extra": {"packed": True, "plan_per_batch": True}})):
         try:
             _engine(specs, vocab, "1f1b", 2, kwargs["slices"], 0, 0.0, extra=kwargs.get("extra"),
                     precision=kwargs.get("precision"))
@@ -252,6 +288,7 @@ def suite_sequence(extra: dict) -> list[dict]:
     if extra.get("features"):
         results.append(_checkpoint(Path(extra["out"]) / "sequence_ckpt"))
         results.append(_checkpoint(Path(extra["out"]) / "sequence_ckpt_bf16", "bf16"))
+        results.append(_checkpoint(Path(extra["out"]) / "sequence_ckpt_vocab", vocab_parallel=True))
         results.append(_refusals())
         results += [_memory(1), _memory(DEGREE)]
     return results

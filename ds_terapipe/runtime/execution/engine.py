@@ -365,6 +365,11 @@ class TokenPipelineEngine(PipelineEngine):
         start = sum(slices[:slice_index])
         return start, start + slices[slice_index]
 
+    def token_bounds(self, slice_index: int, microbatch: Optional[int] = None) -> tuple[int, int]:
+        """This rank's tokens of the slice: all of them, or its share under sequence parallelism."""
+        start, end = self.slice_bounds(slice_index, microbatch)
+        return (start, end) if self.sequence is None else self.sequence.bounds(start, end)
+
     @property
     def uniform_step(self) -> bool:
         """Whether every micro-batch of the running step runs ``slices`` (what the re-planner can measure)."""
@@ -767,8 +772,7 @@ class TokenPipelineEngine(PipelineEngine):
         seq_len, num_slices = self.seq_len_of(microbatch), len(self.slices_of(microbatch))
         loaded = self.loaded.get(microbatch, {})
         first, last = self.is_first_stage(), self.is_last_stage()
-        # this rank's tokens of the slice: all of them, or its share under sequence parallelism
-        lo, hi = (start, end) if self.sequence is None else self.sequence.bounds(start, end)
+        lo, hi = self.token_bounds(slice_index, microbatch)
         if first:
             self.pipe_buffers["inputs"][buffer_id] = cut_tokens(loaded["inputs"], lo, hi, seq_len)
         if last:

@@ -143,9 +143,10 @@ def build_embedding_shard(module: Any, split: EmbeddingSplit) -> EmbeddingShard:
 
 # -- checkpoints --------------------------------------------------------------------------------------------
 def save_vocab_shard(module: Any, save_dir: str) -> None:
-    """Write this pipeline rank's shard (data-parallel rank 0 only, as DeepSpeed writes layers)."""
+    """Write this pipeline rank's shard (data-parallel rank 0 only, as DeepSpeed writes layers; under sequence
+    parallelism the first sequence rank only: the others hold the same rows under the same file name)."""
     head: VocabShardHead = module.vocab_head
-    if module._grid.data_parallel_id != 0:
+    if module._grid.data_parallel_id != 0 or module._grid.get_slice_parallel_rank() != 0:
         return
     os.makedirs(save_dir, exist_ok=True)
     split = head.embedding
@@ -353,7 +354,7 @@ class VocabParallel:
     def _forward(self, microbatch: int, slice_index: int, training: bool) -> None:
         engine, head = self.engine, self.head
         assert not engine.eval_return_logits, "refused by check_eval"
-        start, end = engine.slice_bounds(slice_index, microbatch)
+        start, end = engine.token_bounds(slice_index, microbatch)   # this rank's share under sequence parallelism
         shape = (engine.micro_batch_size, end - start)
         what = f"the vocabulary forward of micro-batch {microbatch} slice {slice_index}"
         if self.is_last:

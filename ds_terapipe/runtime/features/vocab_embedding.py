@@ -290,7 +290,7 @@ class VocabEmbedding:
 
     def forward_pass(self, microbatch: int, slice_index: int) -> None:
         engine = self.engine
-        start, end = engine.slice_bounds(slice_index, microbatch)
+        start, end = engine.token_bounds(slice_index, microbatch)   # this rank's share under sequence parallelism
         shape = (engine.micro_batch_size, end - start)
         what = f"the vocabulary embedding of micro-batch {microbatch} slice {slice_index}"
         training = torch.is_grad_enabled()
