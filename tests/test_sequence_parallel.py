@@ -30,7 +30,10 @@ CASES = [["gpt", "gpipe", 1, UNEQUAL], ["gpt", "1f1b", 3, UNEQUAL], ["gpt", "1f1
          # slices "auto": each rank profiles its share of every slice with the all-to-alls, one plan for all
          ["gpt", "1f1b", 2, "auto"],
          # vocabulary parallelism: each sequence rank's share through VF/VB (and EF/EB: GPT tied, Llama untied)
-         ["gpt", "1f1b", 2, UNEQUAL, 0, False, True], ["llama", "gpipe", 1, UNEQUAL, 0, True, True]]
+         ["gpt", "1f1b", 2, UNEQUAL, 0, False, True], ["llama", "gpipe", 1, UNEQUAL, 0, True, True],
+         # freezing by schedule (with slices "auto": re-planned after each freeze), and with vocabulary parallelism
+         ["gpt", "1f1b", 2, "auto", 0, False, False, [[1, 2], [2, 4]]],
+         ["llama", "gpipe", 2, UNEQUAL, 0, False, True, [[1, 3]]]]
 # [precision, ZeRO stage, model, schedule]: the master weights' change against the fp32 reference's
 # (+ clipped by the global norm: bf16 at ZeRO 0 takes DeepSpeed's norm over its model axis, the sequence ranks)
 PRECISION_CASES = [["bf16", 1, "llama", "gpipe"], ["bf16", 1, "gpt", "1f1b"], ["fp16", 0, "gpt", "gpipe"],

@@ -96,14 +96,20 @@ def _rows_compare(engine: Any, named: dict[str, torch.Tensor], ref: dict[str, to
     return worst, worst_name, count
 
 
+def _frozen_at(freeze: Optional[list]) -> Any:
+    """The reference's count of frozen front layers at each step, from a ``freeze.schedule``."""
+    return lambda step: max([count for at, count in (freeze or []) if at <= step], default=0)
+
+
 def _case(model: str, schedule: str, micro: int, slices: Any, zero: int = 0, clip: bool = False,
-          vocab_parallel: bool = False) -> dict[str, Any]:
+          vocab_parallel: bool = False, freeze: Optional[list] = None) -> dict[str, Any]:
     specs, vocab = _model(model)
     dp = WORLD // (STAGES * DEGREE)
     batches = make_batches(GPTConfig(vocab_size=vocab), STEPS * micro * dp, BATCH, SEQ_LEN, seed=77 + micro)
-    ref = frozen_reference(_model(model)[0], batches, STEPS, lambda step: 0, max_norm=CLIP if clip else 0.0)
-    engine = _engine(specs, vocab, schedule, micro, slices, zero, CLIP if clip else 0.0,
-                     extra={"vocab_parallel": True} if vocab_parallel else None)
+    ref = frozen_reference(_model(model)[0], batches, STEPS, _frozen_at(freeze), max_norm=CLIP if clip else 0.0)
+    extra = {**({"vocab_parallel": True} if vocab_parallel else {}),
+             **({"freeze": {"schedule": freeze}} if freeze else {})}
+    engine = _engine(specs, vocab, schedule, micro, slices, zero, CLIP if clip else 0.0, extra=extra or None)
     data = iter(replica_batches(batches, engine.grid.data_parallel_id, micro, dp, STEPS))
     with first_step_grads(engine) as grads:
         losses, _ = train_steps(engine, data, STEPS)
@@ -169,9 +175,10 @@ def _kv_heads(engine: Any, batches: list[tuple]) -> list[int]:
 
 
 def _label(model: str, schedule: str, micro: int, slices: Any, zero: int = 0, clip: bool = False,
-           vocab_parallel: bool = False) -> str:
+           vocab_parallel: bool = False, freeze: Optional[list] = None) -> str:
     return (f"sequence model={model} schedule={schedule} m={micro} slices={slices}" +
-            (f" zero{zero}" if zero else "") + (" clip" if clip else "") + (" vocab_parallel" if vocab_parallel else ""))
+            (f" zero{zero}" if zero else "") + (" clip" if clip else "") + (" vocab_parallel" if vocab_parallel else "")
+            + (f" freeze={freeze}" if freeze else ""))
 
 
 def _checkpoint(out: Path, precision: str = "fp32", vocab_parallel: bool = False) -> dict[str, Any]:
