@@ -434,15 +434,14 @@ class TeraPipeConfig(DeepSpeedConfigModel):
                                  "install plans of their own); set those, or plan_per_batch to false")
         if self.sequence_parallel > 1:
             n = self.sequence_parallel
-            unsupported = [name for name, on in (("replan", self.replan.enabled),
-                                                 ("plan_per_batch", self.plan_per_batch)) if on]
+            unsupported = ["plan_per_batch"] if self.plan_per_batch else []
             if self.freeze is not None and (self.freeze.auto is not None or self.freeze.repack):
                 unsupported.append("freeze.auto" if self.freeze.auto is not None else "freeze.repack")
             if unsupported:
                 raise ValueError(f"terapipe.sequence_parallel={n} does not run with {', '.join(unsupported)} yet (the "
-                                 "re-planner's and the per-batch planner's costs see whole slices; the freezer's "
-                                 "gradient-norm policy and its repack are not built for a stage of several sequence "
-                                 "ranks); turn them off (freeze.schedule runs), or use sequence_parallel 1")
+                                 "per-batch planner's costs see whole slices; the freezer's gradient-norm policy "
+                                 "and its repack are not built for a stage of several sequence ranks); turn them off "
+                                 "(freeze.schedule runs), or use sequence_parallel 1")
             odd = [t for t in self.slices if t % n] if isinstance(self.slices, list) else []
             if odd or (not isinstance(self.slices, list) and self.granularity % n):
                 raise ValueError(f"terapipe.sequence_parallel={n} splits every slice's tokens {n} ways: slice "
