@@ -434,14 +434,13 @@ class TeraPipeConfig(DeepSpeedConfigModel):
                                  "install plans of their own); set those, or plan_per_batch to false")
         if self.sequence_parallel > 1:
             n = self.sequence_parallel
-            unsupported = ["plan_per_batch"] if self.plan_per_batch else []
-            if self.freeze is not None and (self.freeze.auto is not None or self.freeze.repack):
-                unsupported.append("freeze.auto" if self.freeze.auto is not None else "freeze.repack")
+            unsupported = []
+            if self.freeze is not None and self.freeze.repack:
+                unsupported.append("freeze.repack")
             if unsupported:
-                raise ValueError(f"terapipe.sequence_parallel={n} does not run with {', '.join(unsupported)} yet (the "
-                                 "per-batch planner's costs see whole slices; the freezer's gradient-norm policy "
-                                 "and its repack are not built for a stage of several sequence ranks); turn them off "
-                                 "(freeze.schedule runs), or use sequence_parallel 1")
+                raise ValueError(f"terapipe.sequence_parallel={n} does not run with {', '.join(unsupported)} yet (a "
+                                 "repack rebuilds the pipeline with one rank per stage); freeze without repack, or "
+                                 "use sequence_parallel 1")
             odd = [t for t in self.slices if t % n] if isinstance(self.slices, list) else []
             if odd or (not isinstance(self.slices, list) and self.granularity % n):
                 raise ValueError(f"terapipe.sequence_parallel={n} splits every slice's tokens {n} ways: slice "

@@ -7,9 +7,10 @@ gpipe and 1f1b, m in {1, 3}, unequal and equal slices, gradient clipping, interl
 every first-step gradient and the parameters after 3 SGD + momentum steps on every rank, fp32 rel err <= 1e-5;
 bf16 at ZeRO 0 (also clipped) and 1, fp16 at ZeRO 0 and 1 and fp32 at ZeRO 1 against the fp32 reference (the
 master weights' change within the precision's rounding); packed rows (document masks; gpipe, 1f1b,
-interleaved-1f1b; fp32 and bf16) against the reference under the same masks; checkpoints (fp32, bf16 at ZeRO 0)
-resumed at the same layout; eval_batch's loss; the refusals; activation and KV memory at degree 1 and 2
-(tests/suites/sequence.py).
+interleaved-1f1b; fp32 and bf16; a plan per batch) against the reference under the same masks; vocabulary
+parallelism (row shards against the reference's rows); freezing by schedule and by gradient norms; the re-planner
+switching plans; checkpoints (fp32, bf16 at ZeRO 0, vocabulary-parallel) resumed at the same layout; eval_batch's
+loss; the refusals; activation and KV memory at degree 1 and 2 (tests/suites/sequence.py).
 """
 
 from __future__ import annotations
@@ -41,8 +42,10 @@ PRECISION_CASES = [["bf16", 1, "llama", "gpipe"], ["bf16", 1, "gpt", "1f1b"], ["
                    ["bf16", 0, "gpt", "1f1b", True]]
 # packed rows (tests/suites/packed.py: documents of skewed lengths, mixed with plain rows, against the reference under
 # the same document mask) at sequence degree 2: [schedule, virtual stages, slices, precision, degree]
+# (+ a plan per batch: rank 0's planner from the shares' profiled costs, or a stand-in cutting at document starts)
 PACKED_CASES = [["gpipe", 1, [8, 24, 16], "fp32", 2], ["1f1b", 1, 3, "fp32", 2],
-                ["interleaved-1f1b", 2, [16, 16, 16], "fp32", 2], ["1f1b", 1, [8, 24, 16], "bf16", 2]]
+                ["interleaved-1f1b", 2, [16, 16, 16], "fp32", 2], ["1f1b", 1, [8, 24, 16], "bf16", 2],
+                ["1f1b", 1, "auto", "per-batch", 2], ["interleaved-1f1b", 2, "auto", "per-batch cuts", 2]]
 
 
 @pytest.mark.timeout(900)
@@ -54,7 +57,7 @@ def test_sequence_parallel_equals_the_reference(tmp_path) -> None:
     assert not errors, errors[0]
     for rank, r in enumerate(results):
         cases = r["results"]
-        assert len(cases) == len(CASES) + len(PRECISION_CASES) + len(PACKED_CASES) + 7
+        assert len(cases) == len(CASES) + len(PRECISION_CASES) + len(PACKED_CASES) + 8
         for case in cases[len(CASES):len(CASES) + len(PRECISION_CASES)]:
             check_precision_case(case, rank)
             assert case["compared"] > 0, case
@@ -69,6 +72,12 @@ def test_sequence_parallel_equals_the_reference(tmp_path) -> None:
                 assert case["grad_rel_err"] <= TOL and case["param_rel_err"] <= TOL, (where, case["grad_worst"],
                                                                                    case["param_worst"])
             assert case["covered"], where
+            if "per-batch" in case["case"]:   # every step ran the plan made for its documents, the same on all ranks
+                assert case["sources"] == ["documents"] * 3, (where, case["sources"])
+                assert all(sum(s) == 48 and all(t % 2 == 0 for t in s) for s in case["slicings"]), where
+                assert case["slicings"] == results[0]["results"][cases.index(case)]["slicings"], where
+                if "cuts" in case["case"]:
+                    assert len({tuple(s) for s in case["slicings"]}) > 1, (where, case["slicings"])
         cases = cases[:len(CASES)] + cases[len(CASES) + len(PRECISION_CASES) + len(PACKED_CASES):]
         for case in cases[:len(CASES)]:
             where = f"{case['case']}, rank {rank}"
@@ -97,13 +106,19 @@ def test_sequence_parallel_equals_the_reference(tmp_path) -> None:
         for got, want in zip(rp["losses"], rp["ref_losses"]):
             assert abs(got - want) <= TOL * abs(want), rp
         assert rp["param_rel_err"] <= TOL and rp["compared"] > 0, rp
-        ref = cases[len(CASES) + 4]
+        fa = cases[len(CASES) + 4]   # frozen by gradient norms: the same layers at the same steps on every rank
+        assert fa["decided"] and fa["decided"] == results[0]["results"][
+            len(CASES) + 4 + len(PRECISION_CASES) + len(PACKED_CASES)]["decided"], fa
+        for got, want in zip(fa["losses"], fa["ref_losses"]):
+            assert abs(got - want) <= TOL * abs(want), fa
+        assert fa["param_rel_err"] <= TOL and fa["compared"] > 0, fa
+        ref = cases[len(CASES) + 5]
         assert "slice lengths must be multiples of 2" in ref["odd_slice"], ref
-        assert "does not run with plan_per_batch yet" in ref["per_batch"], ref
+        assert "does not run with freeze.repack yet" in ref["repack"], ref
         assert "but the model was built with sequence_parallel=1" in ref["module"], ref
         assert "assembling the costs failed (planted)" in ref["assembly"], ref
         # the same plan at sequence degree 1 (2 replicas) and 2: activations and KV carry per rank at most 0.55x
-        one, two = cases[len(CASES) + 5:]
+        one, two = cases[len(CASES) + 6:]
         assert one["stage"] == two["stage"] == rank // 2
         assert two["kv_bytes"] == one["kv_bytes"] / 2, (one, two)
         act = two["activation_bytes"] / one["activation_bytes"]

@@ -233,12 +233,32 @@ def _replan() -> dict[str, Any]:
             "best": decision["best"]["slices"]}
 
 
+def _freeze_auto() -> dict[str, Any]:
+    """Freezing by the gradient-norm policy with sequence ranks: every rank freezes the same layers at the same
+    step (the norms are taken after the sequence sum), and the run equals the reference frozen where it froze."""
+    STATUS["case"] = "sequence freeze auto"
+    specs, vocab = _model("gpt")
+    dp, steps = WORLD // (STAGES * DEGREE), 5
+    batches = make_batches(GPTConfig(vocab_size=vocab), steps * 2 * dp, BATCH, SEQ_LEN, seed=83)
+    engine = _engine(specs, vocab, "1f1b", 2, UNEQUAL, 0, 0.0, extra={
+        "freeze": {"auto": {"check_interval": 1, "tolerance": 100.0, "aggressiveness": 0.34}}})
+    data = iter(replica_batches(batches, engine.grid.data_parallel_id, 2, dp, steps))
+    losses = [float(engine.train_batch(data)) for _ in range(steps)]
+    decided = [(e["step"], e["layers"][1]) for e in engine.freezer.events]
+    ref = frozen_reference(_model("gpt")[0], batches, steps,
+                           lambda step: max([n for s, n in decided if s <= step] + [0]))
+    params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    p_err, p_name, p_count = named_compare(params, ref["params"], 0 in engine.local_chunks)
+    return {"case": STATUS["case"], "decided": decided, "losses": losses, "ref_losses": ref["losses"],
+            "param_rel_err": p_err, "param_worst": p_name, "compared": p_count}
+
+
 def _refusals() -> dict[str, Any]:
     STATUS["case"] = "sequence refusals"
     specs, vocab = _model("gpt")
     out: dict[str, Any] = {}
     for name, kwargs in (("odd_slice", {"slices": [15, 33]}),
-                         ("per_batch", {"slices": "auto", "extra": {"packed": True, "plan_per_batch": True}})):
+                         ("repack", {"slices": 2, "extra": {"freeze": {"schedule": [[1, 1]], "repack": True}}})):
         try:
             _engine(specs, vocab, "1f1b", 2, kwargs["slices"], 0, 0.0, extra=kwargs.get("extra"),
                     precision=kwargs.get("precision"))
@@ -321,6 +341,7 @@ def suite_sequence(extra: dict) -> list[dict]:
         results.append(_checkpoint(Path(extra["out"]) / "sequence_ckpt_bf16", "bf16"))
         results.append(_checkpoint(Path(extra["out"]) / "sequence_ckpt_vocab", vocab_parallel=True))
         results.append(_replan())
+        results.append(_freeze_auto())
         results.append(_refusals())
         results += [_memory(1), _memory(DEGREE)]
     return results
