@@ -208,6 +208,36 @@ def _checkpoint(out: Path, precision: str = "fp32", vocab_parallel: bool = False
             "eval_loss": evaluated, "first_train_loss": trained[0]}
 
 
+def _other_degree(out: Path) -> dict[str, Any]:
+    """A checkpoint written at sequence degree 2 (1 replica) resumes at degree 1 (2 replicas), and one written at
+    degree 1 resumes at degree 2: the same parameters, and the next step's loss equals the uninterrupted run's (the
+    same global batch: one micro-batch per replica where the sequence-parallel run has two)."""
+    STATUS["case"] = "sequence checkpoint at another degree"
+    specs, vocab = _model("gpt")
+    batches = make_batches(GPTConfig(vocab_size=vocab), 3 * 2, BATCH, SEQ_LEN, seed=5)
+    out_of: dict[str, Any] = {"case": STATUS["case"]}
+    for name, (written, resumed) in (("2to1", (2, 1)), ("1to2", (1, 2))):
+        engines = []
+        for degree in (written, resumed):
+            micro = 2 // (WORLD // (STAGES * degree))   # micro-batches per replica for a global batch of two
+            engines.append((_engine(specs, vocab, "1f1b", micro, UNEQUAL, 0, 0.0, degree=degree), micro))
+
+        def steps(engine: Any, micro: int, first: int, count: int) -> list[float]:
+            replica = engine.grid.data_parallel_id
+            return [float(engine.train_batch(iter(batches[2 * s + replica * micro:2 * s + (replica + 1) * micro])))
+                    for s in range(first, first + count)]
+
+        (first, micro), (again, again_micro) = engines
+        steps(first, micro, 0, 2)
+        first.save_checkpoint(str(out / name))
+        uninterrupted = steps(first, micro, 2, 1)[0]
+        after = {n: p.detach().clone() for n, p in first.module.named_parameters()}
+        again.load_checkpoint(str(out / name))
+        out_of[name] = {"uninterrupted": uninterrupted, "resumed": steps(again, again_micro, 2, 1)[0],
+                        "resume_err": max(rel_err(p.detach(), after[n]) for n, p in again.module.named_parameters())}
+    return out_of
+
+
 def _replan() -> dict[str, Any]:
     """Online re-planning with sequence ranks: started from a plan of six 8-token slices, the refit after one
     measured step switches (gain threshold 0) on every rank alike, and training stays exact across the switch."""
@@ -340,6 +370,7 @@ def suite_sequence(extra: dict) -> list[dict]:
         results.append(_checkpoint(Path(extra["out"]) / "sequence_ckpt"))
         results.append(_checkpoint(Path(extra["out"]) / "sequence_ckpt_bf16", "bf16"))
         results.append(_checkpoint(Path(extra["out"]) / "sequence_ckpt_vocab", vocab_parallel=True))
+        results.append(_other_degree(Path(extra["out"]) / "sequence_ckpt_degree"))
         results.append(_replan())
         results.append(_freeze_auto())
         results.append(_refusals())

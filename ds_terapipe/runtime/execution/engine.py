@@ -1111,6 +1111,7 @@ class TokenPipelineEngine(PipelineEngine):
             self.barrier("saving a checkpoint")
             if self.global_rank == 0:
                 ckpt.write_manifest(tag_dir, {"num_stages": self.num_stages, "dp": self.dp_world_size,
+                                              "sequence_parallel": self.terapipe.sequence_parallel,
                                               "virtual_stages": self.terapipe.virtual_stages,
                                               "placement": list(self.placement),
                                               "repacked": self.freezer.repacked if self.freezer else None,
@@ -1198,11 +1199,13 @@ class TokenPipelineEngine(PipelineEngine):
         if own_bf16:
             dp_group = self.optimizer.dp_process_group
             dp_rank, dp_size = torch.distributed.get_rank(group=dp_group), torch.distributed.get_world_size(dp_group)
-            bf16_file = None if not load_optimizer_states else ckpt.bf16_optimizer_file(
-                tag_dir, dp_rank=dp_rank, dp_world_size=dp_size, mp_rank=self.checkpoint_mp_rank,
-                saved_dp_world_size=manifest.get("dp"))
-        result = super().load_checkpoint(load_dir, tag=tag,
-                                         load_optimizer_states=load_optimizer_states and not own_bf16, **kwargs)
+            with self._saved_mp_rank(manifest.get("sequence_parallel", 1)):
+                bf16_file = None if not load_optimizer_states else ckpt.bf16_optimizer_file(
+                    tag_dir, dp_rank=dp_rank, dp_world_size=dp_size, mp_rank=self.checkpoint_mp_rank,
+                    saved_dp_world_size=manifest.get("dp"))
+        with self._saved_mp_rank(manifest.get("sequence_parallel", 1)):
+            result = super().load_checkpoint(load_dir, tag=tag,
+                                             load_optimizer_states=load_optimizer_states and not own_bf16, **kwargs)
         if result[0] is not None and own_bf16:
             ckpt.load_bf16_optimizer_state(self.optimizer, bf16_file, dp_rank=dp_rank, dp_world_size=dp_size,
                                            load_from_fp32_weights=self.zero_load_from_fp32_weights())
@@ -1211,6 +1214,22 @@ class TokenPipelineEngine(PipelineEngine):
             if refresh is not None:
                 refresh()
         return result, manifest
+
+    @contextmanager
+    def _saved_mp_rank(self, saved_degree: int) -> Iterator[None]:
+        """While loading: DeepSpeed's per-rank file names (``mp_rank_XX``: the rank among the stages x sequence
+        ranks of one replica, stage-major) as the checkpoint wrote them. At the same sequence degree each rank reads
+        its own; at another, the first sequence rank's copy of its stage (every sequence rank's state is the same)."""
+        own = self.checkpoint_mp_rank, self.mp_world_size
+        if saved_degree != self.terapipe.sequence_parallel:
+            # DeepSpeed picks its file from all ``mp_rank_*`` ones by this rank and their count (more files than
+            # model ranks would be merged as tensor-parallel pieces): both as the checkpoint's layout had them
+            self.checkpoint_mp_rank = self.stage_id * saved_degree
+            self.mp_world_size = self.num_stages * saved_degree
+        try:
+            yield
+        finally:
+            self.checkpoint_mp_rank, self.mp_world_size = own
 
     def barrier(self, what: str) -> None:
         """An all-reduce of one number that waits with the p2p deadline and watches the abort flag."""

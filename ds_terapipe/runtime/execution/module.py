@@ -243,6 +243,17 @@ class TokenPipelineModule(PipelineModule):
         if self.vocab_head is not None:
             vocab.save_vocab_shard(self, save_dir)
 
+    def ckpt_layer_path_list(self, ckpt_dir, local_layer_idx) -> list:
+        """A layer's checkpoint files as DeepSpeed's loader should see them: one per sequence rank of this run.
+
+        Why: the model axis of this module's topology holds sequence ranks, and each writes a whole copy of its
+        stage's layers (``model_00``, ``model_01``, ...). DeepSpeed's loader takes more files than model ranks for
+        tensor-parallel pieces to merge (and fewer for one to split); here they are copies, so a checkpoint written
+        at another sequence degree hands every rank the first copy."""
+        files = super().ckpt_layer_path_list(ckpt_dir, local_layer_idx)
+        ranks = self._grid.get_slice_parallel_world_size()
+        return files if len(files) in (0, ranks) else [files[0]] * ranks
+
     def load_state_dir(self, load_dir, *args, **kwargs) -> None:
         # Without vocabulary parallelism, from a checkpoint written with it: a tied input embedding split with
         # the head left its table in the shards; its layer file gets it back while it loads.
