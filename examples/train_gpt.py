@@ -227,9 +227,13 @@ def train(engine: Any, args: argparse.Namespace, tokens: np.ndarray, seq_len: in
         train_data = Batches(tokens[:split], seq_len, micro, args.seed, dp_rank)
         held_out = Batches(tokens[split:], seq_len, micro, args.seed + 1, dp_rank)
     plan = engine.plan_summary() if hasattr(engine, "plan_summary") else {"slices": [seq_len]}
+    # the world is stages x sequence ranks (terapipe.sequence_parallel) x data-parallel replicas
+    sequence = getattr(getattr(engine, "terapipe", None), "sequence_parallel", 1)
+    replicas = world // (stages * sequence)
     if rank == 0:
-        print(f"{header}, world {world} = {stages} stage(s) x {world // stages} replica(s), micro-batch {micro} x "
-              f"{gas}, seq_len {seq_len}", flush=True)
+        ranks = f"{stages} stage(s) x " + (f"{sequence} sequence rank(s) x " if sequence > 1 else "")
+        print(f"{header}, world {world} = {ranks}{replicas} replica(s), micro-batch {micro} x {gas}, seq_len "
+              f"{seq_len}", flush=True)
         print(f"plan: {json.dumps(plan)}", flush=True)
 
     start_step = 0
@@ -241,7 +245,7 @@ def train(engine: Any, args: argparse.Namespace, tokens: np.ndarray, seq_len: in
         if rank == 0:
             print(f"resumed from {path} at step {start_step}", flush=True)
 
-    tokens_per_step = micro * gas * (world // stages) * seq_len
+    tokens_per_step = micro * gas * replicas * seq_len
     # With slices "auto" the planner's predicted step (forwards, backwards, W, transfers, and what follows the
     # schedule: tied and data-parallel gradient reduction, optimizer step, end-of-step sync), next to the measured.
     def planned() -> str:  # the plan in use: it changes when layers freeze (re-planned) or the run repacks

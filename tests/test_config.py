@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from ds_terapipe.config import parse_terapipe_config
@@ -100,3 +103,10 @@ def test_slices_are_decoded_once_into_a_policy() -> None:
     assert fixed.kind == "fixed" and fixed.fixed_for(48) == (5, 27, 16)
     with pytest.raises(ValueError, match=r"fixed list for seq_len 48, but a batch has sequence length 64"):
         fixed.fixed_for(64)
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).resolve().parents[1] / "ds_configs").glob("*.json")),
+                         ids=lambda p: p.name)
+def test_every_shipped_config_parses(path: Path) -> None:
+    cfg = parse_terapipe_config(json.loads(path.read_text()))
+    assert cfg.enabled, path.name

@@ -102,6 +102,8 @@ INTERNALS: tuple[Internal, ...] = (
     _i(_ENGINE, "_exec_optimizer_step", "attr", f"{_E} OptimizerStep",
        "the deferred weight gradients reach .grad (if no reduction came first); the auto freeze policy reads the "
        "reduced gradients right before the step (runtime/features/freeze.py)"),
+    _i(_MODULE, "_synchronize_tied_weights", "attr", "execution/module.py",
+       "overridden to broadcast the tied weights under no_grad"),
     _i(_MODULE, "get_tied_weights_and_groups", "attr", "features/freeze.py",
        "the tied weights DeepSpeed all-reduces, to give each a gradient"),
     _i(_ENGINE, "_train_schedule", "attr", f"{_E} (overridden)", "returns the token schedule for training"),

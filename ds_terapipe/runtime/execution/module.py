@@ -282,6 +282,14 @@ class TokenPipelineModule(PipelineModule):
         if self.vocab_head is not None:
             vocab.load_vocab_shard(self, load_dir)
 
+    def _synchronize_tied_weights(self) -> None:
+        """DeepSpeed's broadcast of the tied weights, without autograd recording it: done with grad on (at build,
+        on leaf parameters), torch keeps the in-place broadcast in the graph and warns at the first backward that
+        c10d's broadcast has no autograd kernel ("may lead to silently incorrect behavior"); the gradients were
+        right, and now no such node exists."""
+        with torch.no_grad():
+            super()._synchronize_tied_weights()
+
     def compile(self, *args, **kwargs) -> None:
         for _ in self.each_chunk():
             super().compile(*args, **kwargs)
