@@ -14,6 +14,8 @@ of the two buffers (the same fp32 sums: a bf16 value widens to fp32 exactly) and
 sets ``.grad`` to None after each step). Autograd accumulates into a ``.grad`` that exists in place, so the
 views stay. Should anything replace a ``.grad`` with another tensor during the step, that group is no longer
 intact and the optimizer's own per-parameter loop runs instead: never a missed gradient, only the old speed.
+Memory: the flat buffers stay allocated between steps, where DeepSpeed's ``zero_grad`` would let autograd's
+``.grad`` tensors go until the next backward; the same bytes, held through the forwards before the first backward.
 """
 
 from __future__ import annotations
