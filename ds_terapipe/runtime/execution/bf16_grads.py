@@ -21,6 +21,7 @@ Memory: the flat buffers stay allocated between steps, where DeepSpeed's ``zero_
 from __future__ import annotations
 
 import logging
+import operator
 from typing import Any
 
 import torch
@@ -50,6 +51,7 @@ class FlatBf16Grads:
             self.views.append(views)
         self.lengths = [sum(p.numel() for p in group) for group in self.params]
         self.installed: list[list[bool]] = [[False] * len(group) for group in self.params]
+        self.expected: list[list[Any]] = [[None] * len(group) for group in self.params]   # view or None, per param
         cls = type(optimizer)
         self._update_each = cls.update_hp_grads.__get__(optimizer)
         self._clear_each = cls.clear_lp_grads.__get__(optimizer)
@@ -77,14 +79,15 @@ class FlatBf16Grads:
             hp_grads = self.optimizer.fp32_groups_gradients[i]
             for j, (lp, view) in enumerate(zip(group, views)):
                 installed[j] = lp.requires_grad
+                self.expected[i][j] = view if installed[j] else None
                 if installed[j]:
                     lp.grad = view
                     lp._hp_grad = hp_grads[j]   # as the optimizer links it when it first adds a gradient
 
     def _intact(self, i: int) -> bool:
-        """Whether group ``i``'s gradients are exactly its views (and nothing else holds one)."""
-        return all((lp.grad is view) if on else (lp.grad is None)
-                   for lp, view, on in zip(self.params[i], self.views[i], self.installed[i]))
+        """Whether group ``i``'s gradients are exactly its views (and nothing else holds one): identities compared
+        in C (``map(operator.is_)``), since this runs twice per backward."""
+        return all(map(operator.is_, [lp.grad for lp in self.params[i]], self.expected[i]))
 
     @torch.no_grad()
     def update_hp_grads(self, clear_lp_grads: bool = False) -> None:
