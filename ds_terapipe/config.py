@@ -434,13 +434,6 @@ class TeraPipeConfig(DeepSpeedConfigModel):
                                  "install plans of their own); set those, or plan_per_batch to false")
         if self.sequence_parallel > 1:
             n = self.sequence_parallel
-            unsupported = []
-            if self.freeze is not None and self.freeze.repack:
-                unsupported.append("freeze.repack")
-            if unsupported:
-                raise ValueError(f"terapipe.sequence_parallel={n} does not run with {', '.join(unsupported)} yet (a "
-                                 "repack rebuilds the pipeline with one rank per stage); freeze without repack, or "
-                                 "use sequence_parallel 1")
             odd = [t for t in self.slices if t % n] if isinstance(self.slices, list) else []
             if odd or (not isinstance(self.slices, list) and self.granularity % n):
                 raise ValueError(f"terapipe.sequence_parallel={n} splits every slice's tokens {n} ways: slice "

@@ -51,8 +51,6 @@ def test_equal_slices(seq_len: int, granularity: int, n: int, expected: list[int
     ({"seq_len": 64, "plan_per_batch": True, "packed": True, "slices": 4}, 'needs slices: "auto"'),
     ({"seq_len": 64, "plan_per_batch": True, "packed": True, "replan": {"enabled": True}}, "needs no replan"),
     ({"seq_len": 64, "plan_per_batch": True, "packed": True, "freeze": {"schedule": [[1, 1]]}}, "needs no freeze"),
-    ({"seq_len": 64, "sequence_parallel": 2, "freeze": {"schedule": [[1, 1]], "repack": True}},
-     "does not run with freeze.repack yet"),
     ({"seq_len": 64, "sequence_parallel": 2, "slices": [15, 49]}, "slice lengths must be multiples of 2"),
 ])
 def test_errors_name_key_value_and_fix(section: dict, needle: str) -> None:

@@ -283,12 +283,33 @@ def _freeze_auto() -> dict[str, Any]:
             "param_rel_err": p_err, "param_worst": p_name, "compared": p_count}
 
 
+def _repack() -> dict[str, Any]:
+    """Freezing with a repack under sequence parallelism: once the first stage is frozen whole, 2 stages x 2
+    sequence ranks become 1 stage x 2 sequence ranks x 2 replicas in the running job, and training stays equal to
+    the reference frozen at the same step."""
+    STATUS["case"] = "sequence freeze repack"
+    specs, vocab = _model("gpt")
+    freeze = [[1, 4]]   # the embedding and three blocks: the first stage's layers
+    batches = make_batches(GPTConfig(vocab_size=vocab), STEPS * 2, BATCH, SEQ_LEN, seed=87)
+    ref = frozen_reference(_model("gpt")[0], batches, STEPS, _frozen_at(freeze))
+    engine = _engine(specs, vocab, "1f1b", 2, UNEQUAL, 0, 0.0,
+                     extra={"freeze": {"schedule": freeze, "repack": True}})
+    data = iter(batches)
+    losses, layouts = [], []
+    for _ in range(STEPS):
+        losses.append(float(engine.train_batch(data)))
+        layouts.append([engine.num_stages, engine.sequence.degree if engine.sequence else 1, engine.dp_world_size])
+    params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    p_err, p_name, p_count = named_compare(params, ref["params"], 0 in engine.local_chunks)
+    return {"case": STATUS["case"], "losses": losses, "ref_losses": ref["losses"], "layouts": layouts,
+            "param_rel_err": p_err, "param_worst": p_name, "compared": p_count}
+
+
 def _refusals() -> dict[str, Any]:
     STATUS["case"] = "sequence refusals"
     specs, vocab = _model("gpt")
     out: dict[str, Any] = {}
-    for name, kwargs in (("odd_slice", {"slices": [15, 33]}),
-                         ("repack", {"slices": 2, "extra": {"freeze": {"schedule": [[1, 1]], "repack": True}}})):
+    for name, kwargs in (("odd_slice", {"slices": [15, 33]}), ):
         try:
             _engine(specs, vocab, "1f1b", 2, kwargs["slices"], 0, 0.0, extra=kwargs.get("extra"),
                     precision=kwargs.get("precision"))
@@ -373,6 +394,7 @@ def suite_sequence(extra: dict) -> list[dict]:
         results.append(_other_degree(Path(extra["out"]) / "sequence_ckpt_degree"))
         results.append(_replan())
         results.append(_freeze_auto())
+        results.append(_repack())
         results.append(_refusals())
         results += [_memory(1), _memory(DEGREE)]
     return results

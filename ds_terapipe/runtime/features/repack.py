@@ -534,8 +534,12 @@ def repack(engine: "PipelineStage", k: int) -> dict[str, Any]:
     spec = engine.module.rebuild_spec
     kwargs = dict(spec["kwargs"])
     kwargs.pop("num_stages", None)
-    kwargs.update(topology=PipeDataParallelTopology(num_pp=new_stages, num_dp=new_replicas),
-                  partition_method="parts:" + ",".join(str(b) for b in new_parts))
+    if kwargs.get("sequence_parallel", 1) != 1:   # the module builds stages x sequence ranks x replicas itself
+        kwargs.pop("topology", None)
+        kwargs.update(num_stages=new_stages)
+    else:
+        kwargs.update(topology=PipeDataParallelTopology(num_pp=new_stages, num_dp=new_replicas))
+    kwargs.update(partition_method="parts:" + ",".join(str(b) for b in new_parts))
     new_module = type(engine.module)(spec["layers"], *spec["args"], **kwargs)
     expected = repacked_rank(stage, replica, old_replicas, k)
     got = (new_module.stage_id, new_module._grid.data_parallel_id)
