@@ -285,8 +285,8 @@ class TokenPipelineModule(PipelineModule):
     def _synchronize_tied_weights(self) -> None:
         """DeepSpeed's broadcast of the tied weights, without autograd recording it: done with grad on (at build,
         on leaf parameters), torch keeps the in-place broadcast in the graph and warns at the first backward that
-        c10d's broadcast has no autograd kernel ("may lead to silently incorrect behavior"); the gradients were
-        right, and now no such node exists."""
+        c10d's broadcast has no autograd kernel ("may lead to silently incorrect behavior"), though the gradients
+        are right; under no_grad no such node is made."""
         with torch.no_grad():
             super()._synchronize_tied_weights()
 
