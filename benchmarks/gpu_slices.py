@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -37,6 +36,7 @@ from typing import Any
 
 import torch
 
+from benchlib.launch import pin_one_core
 from benchlib.slices import VARIANTS, bounds, graphed_ms, run_variant
 from benchlib.tables import machine_info, markdown_table, results_path, write_report
 
@@ -255,10 +255,8 @@ def main() -> None:
         args.device = get_accelerator().device_name()
     device = torch.device(args.device)
     on_cpu = device.type == "cpu"
-    if on_cpu:   # one pinned core, as the other CPU benchmarks: a shared host's load then moves fewer samples
-        torch.set_num_threads(1)
-        if hasattr(os, "sched_setaffinity"):
-            os.sched_setaffinity(0, {max(os.sched_getaffinity(0))})
+    if on_cpu:   # one pinned core, as the other CPU benchmarks
+        pin_one_core()
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[
         args.dtype or ("fp32" if on_cpu else "bf16")]
     known = {**SHAPES, **SMALL_SHAPES}

@@ -32,6 +32,7 @@ from typing import Any, Callable
 
 import torch
 
+from benchlib.launch import pin_one_core
 from benchlib.tables import machine_info, markdown_table, results_path, write_report
 
 NAME = "host_overhead"
@@ -63,9 +64,8 @@ class Clock:
 
 def _init_single_process() -> None:
     import deepspeed
-    from ds_terapipe.runtime.execution.local_launch import free_port
-    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1"),
-                       ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port()))):
+    from ds_terapipe.runtime.execution.local_launch import free_port, rank_env
+    for key, value in rank_env(0, 1, free_port(), threads=None).items():   # what a launcher would give rank 0
         os.environ.setdefault(key, value)
     deepspeed.init_distributed(verbose=False)
 
@@ -165,9 +165,7 @@ def main() -> None:
     accel = get_accelerator()
     on_cpu = accel.device_name() == "cpu"
     if on_cpu:
-        torch.set_num_threads(1)
-        if hasattr(os, "sched_setaffinity"):
-            os.sched_setaffinity(0, {args.core if args.core is not None else max(os.sched_getaffinity(0))})
+        pin_one_core(args.core)
     _init_single_process()
     counts = [int(c) for c in args.slices.split(",")]
     variants = [(n, d, True) for n in counts for d in ((False, True) if n > 1 else (False,))]

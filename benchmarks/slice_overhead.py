@@ -21,11 +21,11 @@ speedup over an unsliced 2-stage pipeline this overhead leaves with n equal slic
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 
 import torch
 
+from benchlib.launch import pin_one_core
 from benchlib.slices import run_variant
 from benchlib.tables import machine_info, markdown_table, results_path, write_report
 
@@ -74,9 +74,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
-    torch.set_num_threads(1)
-    if hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, {args.core if args.core is not None else max(os.sched_getaffinity(0))})
+    pin_one_core(args.core)
     if args.device is None:
         from deepspeed.accelerator import get_accelerator
         args.device = get_accelerator().device_name()

@@ -76,6 +76,16 @@ def worker_args(argv: list[str] | None = None) -> tuple[Path, dict] | None:
     return None
 
 
+def pin_one_core(core: int | None = None) -> None:
+    """This process on one thread of torch compute and one CPU core (``core``, default the last usable one), as
+    the single-process CPU benchmarks run: a shared host's load then moves fewer samples."""
+    import torch
+
+    torch.set_num_threads(1)
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {core if core is not None else max(os.sched_getaffinity(0))})
+
+
 def pin_and_single_thread(rank: int, bind_cores: bool) -> None:
     """One thread of torch compute per process and, with ``bind_cores``, the process on core ``rank`` (mod the
     usable cores), like the deepspeed launcher's ``--bind_cores_to_rank``. Call before importing torch elsewhere:
