@@ -50,8 +50,8 @@ class FlatBf16Grads:
             self.flats.append(flat)
             self.views.append(views)
         self.lengths = [sum(p.numel() for p in group) for group in self.params]
-        self.installed: list[list[bool]] = [[False] * len(group) for group in self.params]
-        self.expected: list[list[Any]] = [[None] * len(group) for group in self.params]   # view or None, per param
+        # per parameter, what its .grad must be for the group to be intact: its view, or None (not trained)
+        self.expected: list[list[Any]] = [[None] * len(group) for group in self.params]
         cls = type(optimizer)
         self._update_each = cls.update_hp_grads.__get__(optimizer)
         self._clear_each = cls.clear_lp_grads.__get__(optimizer)
@@ -74,13 +74,12 @@ class FlatBf16Grads:
 
     def begin_step(self) -> None:
         """Make every trainable parameter's ``.grad`` its zeroed view (before the step's first backward)."""
-        for i, (flat, group, views, installed) in enumerate(zip(self.flats, self.params, self.views, self.installed)):
+        for i, (flat, group, views) in enumerate(zip(self.flats, self.params, self.views)):
             flat.zero_()
             hp_grads = self.optimizer.fp32_groups_gradients[i]
             for j, (lp, view) in enumerate(zip(group, views)):
-                installed[j] = lp.requires_grad
-                self.expected[i][j] = view if installed[j] else None
-                if installed[j]:
+                self.expected[i][j] = view if lp.requires_grad else None
+                if lp.requires_grad:
                     lp.grad = view
                     lp._hp_grad = hp_grads[j]   # as the optimizer links it when it first adds a gradient
 
@@ -103,8 +102,8 @@ class FlatBf16Grads:
             n = self.lengths[i]
             opt.fp32_groups_gradients_flat[i].narrow(0, 0, n).add_(flat.narrow(0, 0, n))
             flags = opt.fp32_groups_has_gradients[i]
-            for j, on in enumerate(self.installed[i]):
-                if on:
+            for j, view in enumerate(self.expected[i]):
+                if view is not None:
                     flags[j] = True
             if clear_lp_grads:
                 flat.zero_()

@@ -1196,14 +1196,14 @@ class TokenPipelineEngine(PipelineEngine):
         no_zero = not self.zero_optimization() and not kwargs.get("load_module_only")
         own_bf16 = no_zero and self.using_bf16_optimizer
         load_optimizer_states = kwargs.pop("load_optimizer_states", True)
-        if own_bf16:
-            dp_group = self.optimizer.dp_process_group
-            dp_rank, dp_size = torch.distributed.get_rank(group=dp_group), torch.distributed.get_world_size(dp_group)
-            with self._saved_mp_rank(manifest.get("sequence_parallel", 1)):
+        with self._saved_mp_rank(manifest.get("sequence_parallel", 1)):
+            if own_bf16:
+                dp_group = self.optimizer.dp_process_group
+                dp_rank = torch.distributed.get_rank(group=dp_group)
+                dp_size = torch.distributed.get_world_size(dp_group)
                 bf16_file = None if not load_optimizer_states else ckpt.bf16_optimizer_file(
                     tag_dir, dp_rank=dp_rank, dp_world_size=dp_size, mp_rank=self.checkpoint_mp_rank,
                     saved_dp_world_size=manifest.get("dp"))
-        with self._saved_mp_rank(manifest.get("sequence_parallel", 1)):
             result = super().load_checkpoint(load_dir, tag=tag,
                                              load_optimizer_states=load_optimizer_states and not own_bf16, **kwargs)
         if result[0] is not None and own_bf16:

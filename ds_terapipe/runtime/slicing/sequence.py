@@ -86,7 +86,7 @@ def gather_heads(x: torch.Tensor, share: SequenceShare, what: str = "q/k/v") -> 
     n = share.degree
     b, h, t, d = x.shape
     parts = x.reshape(b, n, h // n, t, d).transpose(0, 1)                  # (N, B, h/N, t, hs): to rank i
-    got = _AllToAll.apply(parts.contiguous(), share.group)                 # (N, B, h/N, t, hs): from rank i
+    got = _AllToAll.apply(parts, share.group)   # dense in _exchange; (N, B, h/N, t, hs): from rank i
     return got.permute(1, 2, 0, 3, 4).reshape(b, h // n, n * t, d)
 
 
@@ -96,5 +96,5 @@ def scatter_heads(x: torch.Tensor, share: SequenceShare) -> torch.Tensor:
     n = share.degree
     b, hn, tt, d = x.shape
     parts = x.reshape(b, hn, n, tt // n, d).permute(2, 0, 1, 3, 4)       # (N, B, h/N, t, hs): rank i's tokens
-    got = _AllToAll.apply(parts.contiguous(), share.group)                 # (N, B, h/N, t, hs): head subset i
+    got = _AllToAll.apply(parts, share.group)   # dense in _exchange; (N, B, h/N, t, hs): head subset i
     return got.transpose(0, 1).reshape(b, n * hn, tt // n, d)
