@@ -85,3 +85,111 @@ def test_free_links_cost_nothing_and_one_replica_has_nothing_to_gather() -> None
             assert alone.exposed_ms == 0.0
     with pytest.raises(ValueError, match="chunk_params has 3 entries"):
         estimate_sharding(schedule, cost, SLICES, chunk_params=[1.0] * 3, dp=DP, link_gbps=200)
+
+
+# -- the sharding actions in the IR (planner/sharding.add_shard_actions, verify.shard_violations) ----------------
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "dualpipev"])
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_shard_actions_bracket_every_run_and_replay(name: str, prefetch: bool) -> None:
+    """Released after each run (BFPP's policy): one gather per run, one reduce-scatter per run with gradients."""
+    from ds_terapipe.planner.schedule import replay, validate
+    from ds_terapipe.planner.sharding import shard_counts
+
+    v = get_schedule(name).virtual_stages
+    for m in (2, 5):
+        plain = lower(name, 3, m, 3, virtual_stages=v)
+        sharded = lower(name, 3, m, 3, virtual_stages=v, shard_params=True, shard_prefetch=prefetch)
+        validate(sharded)
+        replay(sharded)
+        # the same compute and p2p, in the same order: sharding only adds its own actions
+        assert [[a for a in st if not a.is_shard] for st in sharded.stages] == [list(st) for st in plain.stages]
+        for rank, (gathers, scatters) in enumerate(shard_counts(sharded)):
+            assert gathers == _switches(plain)[rank]
+            backward_runs = _backward_runs(plain.stages[rank])
+            assert scatters == backward_runs, (name, m, rank)
+        if prefetch:   # at most two chunks gathered at a time; without prefetch one
+            assert _most_gathered(sharded) <= 2
+        else:
+            assert _most_gathered(sharded) == 1
+
+
+def _backward_runs(stream) -> int:
+    runs, last = [], None
+    for a in stream:
+        if a.kind in COMPUTE:
+            if a.chunk != last:
+                runs.append(False)
+                last = a.chunk
+            runs[-1] = runs[-1] or a.kind is not ActionKind.FORWARD
+    return sum(runs)
+
+
+def _most_gathered(schedule) -> int:
+    most = 0
+    for stream in schedule.stages:
+        live: set[int] = set()
+        for a in stream:
+            if a.kind is ActionKind.GATHER:
+                live.add(a.chunk)
+                most = max(most, len(live))
+            elif a.kind in (ActionKind.RELEASE, ActionKind.REDUCE_SCATTER):
+                live.discard(a.chunk)
+    return most
+
+
+def test_the_validator_refuses_broken_sharding() -> None:
+    from ds_terapipe.planner.schedule import Action, ScheduleError, validate
+
+    good = lower("looped-bfs", 2, 2, 2, virtual_stages=2, shard_params=True, shard_prefetch=False)
+    stream = list(good.stages[0])
+
+    def broken(edit) -> str:
+        streams = [list(s) for s in good.stages]
+        streams[0] = edit(list(stream))
+        with pytest.raises(ScheduleError) as err:
+            validate(good.with_streams("broken", streams))
+        return str(err.value)
+
+    first_rs = next(i for i, a in enumerate(stream) if a.kind is ActionKind.REDUCE_SCATTER)
+    rs = stream[first_rs]
+    assert "it needs RS" in broken(lambda s: s[:first_rs] + [Action(rs.chunk, ActionKind.RELEASE, 0, 0)]
+                                   + s[first_rs + 1:])
+    assert "not gathered" in broken(lambda s: [a for a in s if a.kind is not ActionKind.GATHER])
+    assert "still gathered" in broken(lambda s: [a for a in s if a.kind is not ActionKind.REDUCE_SCATTER
+                                                 and a.kind is not ActionKind.RELEASE])
+    first_ag = next(i for i, a in enumerate(stream) if a.kind is ActionKind.GATHER)
+    assert "gathered already" in broken(lambda s: s[:first_ag + 1] + [s[first_ag]] + s[first_ag + 1:])
+    first_rl = next(i for i, a in enumerate(stream) if a.kind is ActionKind.RELEASE)
+    rl = stream[first_rl]
+    assert "needs RL" in broken(lambda s: s[:first_rl] + [Action(rl.chunk, ActionKind.REDUCE_SCATTER, 0, 0)]
+                                + s[first_rl + 1:])
+    # the short form reads back
+    assert Action.parse("2AG0.0") == Action(2, ActionKind.GATHER, 0, 0) and str(rs) == f"{rs.chunk}RS0.0"
+
+
+def test_the_estimate_counts_the_actions_the_runtime_executes() -> None:
+    from ds_terapipe.planner.sharding import add_shard_actions, shard_counts
+
+    for name in ("looped-bfs", "interleaved-1f1b"):
+        schedule, cost, params = _setup(name, 4)
+        est = estimate_sharding(schedule, cost, SLICES, chunk_params=params, dp=DP, link_gbps=200)
+        counts = shard_counts(add_shard_actions(schedule))
+        assert est.gathers_per_step == max(g for g, _ in counts)
+        assert est.reduce_scatters_per_step == max(r for _, r in counts)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "dualpipev"])
+def test_released_after_the_step_each_chunk_is_gathered_once(name: str) -> None:
+    from ds_terapipe.planner.schedule import replay, validate
+    from ds_terapipe.planner.sharding import shard_counts
+
+    v = get_schedule(name).virtual_stages
+    for m in (2, 5):
+        for prefetch in (True, False):
+            sharded = lower(name, 3, m, 3, virtual_stages=v, shard_params=True, shard_prefetch=prefetch,
+                            shard_release="step")
+            validate(sharded)
+            replay(sharded)
+            assert shard_counts(sharded) == [(v, v)] * 3, (name, m, prefetch)
+    with pytest.raises(ValueError, match="release='epoch'"):
+        lower(name, 3, 2, 3, virtual_stages=v, shard_params=True, shard_release="epoch")

@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 
 from .freeze import freeze_lowered
 from .schedule import ActionKind, Schedule, add_communication, build_schedule
+from .sharding import add_shard_actions
 from .vocab import add_vocab_passes
 
 __all__ = ["forward_only", "lower", "slice_counts_of"]
@@ -47,7 +48,8 @@ def slice_counts_of(schedule: Schedule, counts: Sequence[int]) -> Schedule:
 def lower(name: str, num_ranks: int, micro_batches: int, num_slices: int, *, train: bool = True,
           deferred_weight_grads: bool = False, virtual_stages: int = 1, num_frozen_chunks: int = 0,
           vocab_parallel: bool = False, vocab_embedding: bool = False,
-          slice_counts: Optional[Sequence[int]] = None) -> Schedule:
+          slice_counts: Optional[Sequence[int]] = None, shard_params: bool = False,
+          shard_prefetch: bool = True, shard_release: str = "run") -> Schedule:
     """The executed schedule (compute, p2p and vocabulary collectives) of one training or evaluation batch.
 
     Args:
@@ -59,6 +61,9 @@ def lower(name: str, num_ranks: int, micro_batches: int, num_slices: int, *, tra
         vocab_parallel, vocab_embedding: add ``VF``/``VB`` (and ``EF``/``EB`` for a split input embedding).
         slice_counts: per micro-batch, its slices (``num_slices`` is then their largest): micro-batches of
             different lengths in one step (:func:`slice_counts_of`).
+        shard_params: add sharded data parallelism's ``AG``/``RS``/``RL`` around each rank's runs of one chunk
+            (:func:`~ds_terapipe.planner.sharding.add_shard_actions`; ``shard_prefetch``: gather one run ahead;
+            ``shard_release``: free a chunk after each run, or after its last of the step).
     """
     plan = build_schedule(name, num_ranks, micro_batches, num_slices, deferred_weight_grads and train,
                           virtual_stages=virtual_stages)
@@ -67,4 +72,6 @@ def lower(name: str, num_ranks: int, micro_batches: int, num_slices: int, *, tra
     schedule = freeze_lowered(plan, num_frozen_chunks) if train else add_communication(forward_only(plan))
     if vocab_parallel:
         schedule = add_vocab_passes(schedule, embedding=vocab_embedding)
+    if shard_params:
+        schedule = add_shard_actions(schedule, prefetch=shard_prefetch, release=shard_release)
     return schedule

@@ -71,6 +71,14 @@ class ActionKind(str, enum.Enum):
     every rank, each looks up its shard's rows, the partial embeddings are summed to the first stage."""
     VOCAB_EMBED_B = "EB"
     """Its backward: the embedding-output gradient reaches every rank, each adds its rows' weight gradient."""
+    GATHER = "AG"
+    """Sharded data parallelism (``planner/sharding.py``): all-gather the chunk's parameters over the rank's
+    data-parallel replicas, which run the identical stream (a collective of the replicas, not of the pipeline).
+    Written with micro-batch and slice 0: it belongs to a run of the chunk's actions, not to a unit."""
+    RELEASE = "RL"
+    """Free the chunk's gathered parameters after a run that computed no gradient (forwards only)."""
+    REDUCE_SCATTER = "RS"
+    """Reduce-scatter the gradients the run accumulated into each replica's shard, then free the parameters."""
 
     def __str__(self) -> str:  # str-mixin enums print their qualified name otherwise
         return self.value
@@ -86,9 +94,12 @@ EF, EB = ActionKind.VOCAB_EMBED_F, ActionKind.VOCAB_EMBED_B
 # Collectives among all ranks of a pipeline: not p2p (no peer), not per-chunk compute.
 _COLLECTIVES = frozenset({VF, VB, EF, EB})
 # Stage offset of the peer of each comm kind: activations flow to s+1, gradients to s-1.
+# Sharded data parallelism's actions: collectives of the data-parallel replicas, no pipeline peer.
+AG, RL, RS = ActionKind.GATHER, ActionKind.RELEASE, ActionKind.REDUCE_SCATTER
+_SHARD = frozenset({AG, RL, RS})
 _PEER_OFFSET = {SEND_F: +1, RECV_B: +1, RECV_F: -1, SEND_B: -1}
 # ASCII digits only, so that parse accepts exactly what str writes.
-_ACTION_RE = re.compile(r"([0-9]+)(SEND_F|RECV_F|SEND_B|RECV_B|VF|VB|EF|EB|F|B|W)([0-9]+)\.([0-9]+)")
+_ACTION_RE = re.compile(r"([0-9]+)(SEND_F|RECV_F|SEND_B|RECV_B|VF|VB|EF|EB|AG|RL|RS|F|B|W)([0-9]+)\.([0-9]+)")
 
 
 class ScheduleError(ValueError):
@@ -177,6 +188,11 @@ class Action:
     def is_collective(self) -> bool:
         """A collective of every rank of the pipeline (vocabulary parallelism): ``VF``, ``VB``, ``EF``, ``EB``."""
         return self.kind in _COLLECTIVES
+
+    @property
+    def is_shard(self) -> bool:
+        """A data-parallel gather, release or reduce-scatter of the chunk's sharded states: ``AG``, ``RL``, ``RS``."""
+        return self.kind in _SHARD
 
     @property
     def unit(self) -> tuple[int, int]:

@@ -8,6 +8,10 @@ after working on another chunk, keeps it for the whole *run* of consecutive acti
 after; while it runs one chunk it prefetches the next run's (so at most two chunks are gathered at once). The
 gradients of a run are accumulated unsharded and reduce-scattered when the run ends.
 
+:func:`add_shard_actions` writes this policy into a lowered schedule as actions (``AG`` gathers a chunk, ``RS``
+reduce-scatters a run's gradients and frees the chunk, ``RL`` frees it after a run without gradients), so the
+runtime executes exactly what is costed here and ``validate`` checks it (``verify.shard_violations``).
+
 So the count of gathers per step is the number of runs in the rank's stream, which is where schedules differ:
 
 * ``looped-bfs`` runs every micro-batch of one chunk before the next chunk: 2 runs per chunk (its forwards, its
@@ -34,10 +38,11 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from .cost import PipelineCost, comm_time_ms
-from .schedule import ActionKind, Schedule
+from .schedule import Action, ActionKind, Schedule, add_communication
 from .simulate import simulate
 
-__all__ = ["ShardingEstimate", "chunk_runs", "estimate_sharding"]
+__all__ = ["RELEASE_POLICIES", "ShardingEstimate", "add_shard_actions", "chunk_runs", "estimate_sharding",
+           "shard_counts"]
 
 
 @dataclass(frozen=True)
@@ -73,6 +78,69 @@ def chunk_runs(schedule: Schedule, events: Sequence[Any]) -> list[list[tuple[int
     return runs
 
 
+RELEASE_POLICIES = ("run", "step")
+
+
+def add_shard_actions(schedule: Schedule, prefetch: bool = True, release: str = "run") -> Schedule:
+    """``schedule`` (lowered: p2p and collectives in place) with each rank's runs bracketed by sharding actions.
+
+    A *run* is a maximal sequence of a rank's compute actions on one chunk (messages in between do not end it).
+    ``AG(c)`` comes before the run's first compute action, or with ``prefetch`` right after the first compute
+    action of the rank's previous run (its all-gather then overlaps that run: at most two chunks gathered); the
+    run ends, right after its last compute action, with ``RS(c)`` when it computed a gradient (B or W) and
+    ``RL(c)`` when it did not. Written with micro-batch and slice 0. A schedule that has them already is
+    returned unchanged.
+
+    ``release="step"`` keeps a chunk whole from its first run to its last of the step instead (one gather and one
+    reduce-scatter per chunk and step, every chunk of the rank whole at once: what torch's pipelining does with
+    FSDP2): fewer collectives for more memory."""
+    if release not in RELEASE_POLICIES:
+        raise ValueError(f"release={release!r}: use one of {RELEASE_POLICIES}")
+    if any(a.is_shard for st in schedule.stages for a in st):
+        return schedule
+    lowered = add_communication(schedule)
+    streams = []
+    for stream in lowered.stages:
+        compute = [p for p, a in enumerate(stream) if a.is_compute]
+        runs: list[list[int]] = []   # positions of each run's compute actions
+        for p in compute:
+            same = (lambda q: stream[q].chunk == stream[p].chunk)
+            if release == "step":   # a chunk's actions of the whole step are one "run"
+                mine = next((run for run in runs if same(run[0])), None)
+                if mine is not None:
+                    mine.append(p)
+                    continue
+            elif runs and same(runs[-1][-1]):
+                runs[-1].append(p)
+                continue
+            runs.append([p])
+        before: dict[int, list[Action]] = {}
+        after: dict[int, list[Action]] = {}
+        for j, run in enumerate(runs):
+            chunk = stream[run[0]].chunk
+            gather = Action(chunk, ActionKind.GATHER, 0, 0)
+            if prefetch and j > 0:
+                after.setdefault(runs[j - 1][0], []).append(gather)
+            else:
+                before.setdefault(run[0], []).append(gather)
+            grads = any(stream[p].kind is not ActionKind.FORWARD for p in run)
+            end = ActionKind.REDUCE_SCATTER if grads else ActionKind.RELEASE
+            after.setdefault(run[-1], []).insert(0, Action(chunk, end, 0, 0))
+        out: list[Action] = []
+        for p, a in enumerate(stream):
+            out += before.get(p, [])
+            out.append(a)
+            out += after.get(p, [])
+        streams.append(out)
+    return lowered.with_streams(f"{lowered.name}-sharded", streams)
+
+
+def shard_counts(schedule: Schedule) -> list[tuple[int, int]]:
+    """Per rank, (gathers, reduce-scatters) per step of a schedule with sharding actions."""
+    return [(sum(a.kind is ActionKind.GATHER for a in st), sum(a.kind is ActionKind.REDUCE_SCATTER for a in st))
+            for st in schedule.stages]
+
+
 def _collective_ms(num_bytes: float, dp: int, link_gbps: float, latency_ms: float) -> float:
     """A ring all-gather or reduce-scatter of ``num_bytes`` (the whole tensor) over ``dp`` ranks: dp - 1 steps,
     (dp - 1) / dp of the tensor through each rank's link."""
@@ -103,7 +171,7 @@ def estimate_sharding(schedule: Schedule, cost: PipelineCost, slices: Sequence[i
     gather = [_collective_ms(p * param_bytes, dp, link_gbps, link_latency_ms) for p in chunk_params]
     reduce = [_collective_ms(p * grad_bytes, dp, link_gbps, link_latency_ms) for p in chunk_params]
     if sharded:
-        exposed, gathers, scatters = [], [], []
+        exposed = []
         for mine in runs:
             total = 0.0
             for j, (chunk, start, end, grads) in enumerate(mine):
@@ -113,8 +181,8 @@ def estimate_sharding(schedule: Schedule, cost: PipelineCost, slices: Sequence[i
                     following = mine[j + 1][2] - mine[j + 1][1] if j + 1 < len(mine) else 0.0
                     total += max(0.0, reduce[chunk] - following)
             exposed.append(total)
-            gathers.append(len(mine))
-            scatters.append(sum(1 for run in mine if run[3]))
+        counts = shard_counts(add_shard_actions(schedule))   # what the runtime executes, counted
+        gathers, scatters = [g for g, _ in counts], [r for _, r in counts]
         biggest = max(chunk_params)
         memory = max(h * (param_bytes + grad_bytes + optimizer_bytes) / dp for h in held) + \
             biggest * (2 * param_bytes + grad_bytes)

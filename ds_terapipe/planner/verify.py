@@ -15,14 +15,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from .schedule import (
-    _COLLECTIVES, _COMPUTE, _PEER_OFFSET, _RECVS, _SENDS, B, F, RECV_B, RECV_F, SEND_B, SEND_F, W, Action, ActionKind,
-    EB, EF, VB, VF, DeadlockError, PairingError, Schedule, ScheduleError, _message_of, add_communication, format_grid,
+    _COLLECTIVES, _COMPUTE, _PEER_OFFSET, _RECVS, _SENDS, _SHARD, AG, RL, RS, B, F, RECV_B, RECV_F, SEND_B, SEND_F,
+    W, Action, ActionKind, EB, EF, VB, VF, DeadlockError, PairingError, Schedule, ScheduleError, _message_of,
+    add_communication, format_grid,
 )
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ReplayResult", "collective_chunk", "collective_violations", "match_messages", "replay", "validate",
-           "vocab_anchor_violations"]
+__all__ = ["ReplayResult", "collective_chunk", "collective_violations", "match_messages", "replay",
+           "shard_violations", "validate", "vocab_anchor_violations"]
 
 # Messages list at most this many violations; the exception keeps all of them.
 _MAX_LISTED = 50
@@ -72,8 +73,8 @@ def validate(schedule: Schedule) -> None:
     for s, stream in enumerate(schedule.stages):
         for p, a in enumerate(stream):
             c = a.chunk
-            if a.kind in _COLLECTIVES:
-                continue  # checked by collective_order below
+            if a.kind in _COLLECTIVES or a.kind in _SHARD:
+                continue  # checked by collective_violations / shard_violations below
             if a.microbatch >= m or a.slice >= n:
                 out.append(f"{where(c)} position {p}: {a} is outside {m} micro-batches x {n} slices")
                 continue
@@ -94,7 +95,7 @@ def validate(schedule: Schedule) -> None:
     for c in range(C):
         here = pos[c]
         kinds = [k for k in ActionKind
-                 if k not in _COLLECTIVES and needs[k](c) and (k in _COMPUTE or schedule.has_comm)]
+                 if k not in _COLLECTIVES and k not in _SHARD and needs[k](c) and (k in _COMPUTE or schedule.has_comm)]
         down = pos[c - 1] if c > 0 and not remote(c, c - 1) else None      # local hand-off from chunk c-1
         up = pos[c + 1] if c + 1 < C and not remote(c, c + 1) else None    # local gradient from chunk c+1
         for b in range(m):
@@ -122,8 +123,45 @@ def validate(schedule: Schedule) -> None:
                     if first is not None and then is not None and first > then:
                         out.append(f"{where(c)}: {Action(c, k2, b, i2)} at position {then} runs before "
                                    f"{Action(c1, k1, b, i1)} at position {first}, which it needs")
-    out += collective_violations(schedule) + vocab_anchor_violations(schedule)
+    out += collective_violations(schedule) + vocab_anchor_violations(schedule) + shard_violations(schedule)
     _raise_if(out, ScheduleError, f"schedule {schedule.name!r} is invalid")
+
+
+def shard_violations(schedule: Schedule) -> list[str]:
+    """Sharded data parallelism's actions (``AG``/``RL``/``RS``), per rank: a chunk computes only between its
+    ``AG`` and the ``RL``/``RS`` that ends the run; a run that computed a gradient ends with ``RS`` (else its
+    gradients never reach the shards) and one that computed none with ``RL``; nothing is gathered twice, released
+    ungathered, or left gathered at the end. A schedule without them has nothing to check."""
+    if not any(a.kind in _SHARD for st in schedule.stages for a in st):
+        return []
+    out: list[str] = []
+    for r, stream in enumerate(schedule.stages):
+        gathered: dict[int, bool] = {}   # chunk -> whether its run so far computed a gradient
+        for p, a in enumerate(stream):
+            c = a.chunk
+            if a.kind is AG:
+                if c in gathered:
+                    out.append(f"rank {r} position {p}: {a} gathers chunk {c}, which is gathered already")
+                gathered[c] = False
+            elif a.kind is RL or a.kind is RS:
+                if c not in gathered:
+                    out.append(f"rank {r} position {p}: {a} ends a run of chunk {c}, which is not gathered")
+                    continue
+                grads = gathered.pop(c)
+                if grads and a.kind is RL:
+                    out.append(f"rank {r} position {p}: {a} releases chunk {c} after a run that computed gradients; "
+                               "it needs RS, or they never reach the shards")
+                elif not grads and a.kind is RS:
+                    out.append(f"rank {r} position {p}: {a} reduce-scatters chunk {c} after a run that computed no "
+                               "gradient; it needs RL")
+            elif a.kind in _COMPUTE:
+                if c not in gathered:
+                    out.append(f"rank {r} position {p}: {a} computes on chunk {c}, whose parameters are not gathered")
+                else:
+                    gathered[c] = gathered[c] or a.kind is not F
+        for c in sorted(gathered):
+            out.append(f"rank {r}: chunk {c} is still gathered at the end of the step (no RL/RS after its last run)")
+    return out
 
 
 def collective_violations(schedule: Schedule) -> list[str]:
@@ -182,7 +220,7 @@ def match_messages(schedule: Schedule) -> tuple[dict[tuple[int, int], tuple[int,
     for r, stream in enumerate(schedule.stages):
         for p, a in enumerate(stream):
             kind = a.kind
-            if kind is F or kind is B or kind is W or kind in _COLLECTIVES:
+            if kind is F or kind is B or kind is W or kind in _COLLECTIVES or kind in _SHARD:
                 continue
             peer = a.chunk + _PEER_OFFSET[kind]
             if not 0 <= peer < C:
