@@ -345,6 +345,27 @@ class TeraPipeConfig(DeepSpeedConfigModel):
     fp32, fp16, and bf16 at ZeRO stage 1 (not yet with ``replan``, ``freeze``, ``vocab_parallel``, ``packed``; bf16
     at ZeRO 0 refused)."""
 
+    shard_params: bool = Field(False, description=(
+        "shard each chunk's parameters, gradients and optimizer state over the data-parallel replicas (torch's "
+        "FSDP2 per chunk): a chunk is all-gathered when the schedule starts a run of its actions and freed after "
+        "it, its gradients reduce-scattered once per run, so `looped-bfs` gathers twice per chunk and step "
+        "whatever the micro-batch count ([Sharded data parallelism](sharding.md)); ZeRO stage 0, fp32 or bf16, "
+        "a torch optimizer; not with `vocab_parallel`, `freeze`, `sequence_parallel` or `deferred_weight_grads`"))
+    """Fully sharded data parallelism per chunk (``runtime/features/sharding.py``): the schedule's ``AG``/``RS``/``RL``
+    actions (``planner/sharding.py``) gather a chunk before a run of its actions and reduce-scatter the run's
+    gradients after it. Weights tied across pipeline ranks stay replicated (their gradients all-reduced)."""
+
+    shard_prefetch: bool = Field(True, description=(
+        "with `shard_params`: start the all-gather of a rank's next run when its current run starts (overlapped, "
+        "two chunks gathered at a time); off: gather when the run starts (one chunk at a time)"))
+
+    shard_release: Literal["run", "step"] = Field("run", description=(
+        "with `shard_params`: `\"run\"` frees a chunk after each run of the schedule on it (Breadth-First Pipeline "
+        "Parallelism's policy: least memory; `looped-bfs` gathers a chunk for its forwards and again for its "
+        "backwards); `\"step\"` keeps it whole from its first run to its last of the step (one gather and one "
+        "reduce-scatter per chunk and step, every chunk of the rank whole at once, as torch's pipelining keeps "
+        "FSDP2 modules)"))
+
     max_slices: Optional[int] = Field(None, ge=1, description='upper bound on the number of slices `"auto"` may choose')
 
     memory_limit_gb: Optional[float] = Field(None, gt=0, description=(
@@ -417,6 +438,15 @@ class TeraPipeConfig(DeepSpeedConfigModel):
                 raise ValueError(f"terapipe.slices={value}: a list needs at least one slice, every count >= 1")
         return value
 
+    def _check_sharding(self) -> None:
+        clash = [name for name, on in (("vocab_parallel", self.vocab_parallel), ("freeze", self.freeze is not None),
+                                       ("sequence_parallel", self.sequence_parallel > 1),
+                                       ("deferred_weight_grads", bool(self.deferred_weight_grads))) if on]
+        if clash:
+            raise ValueError(f"terapipe.shard_params shards each chunk's states over the data-parallel replicas and "
+                             f"is not supported with {', '.join(clash)} (their gradients bypass the per-chunk "
+                             "reduce-scatter); turn those off, or shard_params off")
+
     @model_validator(mode="after")
     def _check_consistency(self) -> "TeraPipeConfig":
         spec = get_schedule(self.schedule)
@@ -440,8 +470,10 @@ class TeraPipeConfig(DeepSpeedConfigModel):
                                  f"lengths must be multiples of {n}, got "
                                  f"{f'slices {self.slices}' if odd else f'granularity {self.granularity}'}; use "
                                  f"lengths (or a granularity) divisible by {n}")
+        if self.shard_params:
+            self._check_sharding()
         if self.deferred_weight_grads is None:
-            self.deferred_weight_grads = spec.deferred_weight_grads
+            self.deferred_weight_grads = spec.deferred_weight_grads and not self.shard_params
         if self.virtual_stages is None:
             self.virtual_stages = spec.virtual_stages
         try:

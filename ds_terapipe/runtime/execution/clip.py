@@ -66,32 +66,55 @@ def counted_in_norm(param: torch.Tensor, tensor_rank: int = 0) -> bool:
 
 
 def clip_grad_norm_over(params: Iterable[torch.Tensor], max_norm: float, group: Any, device: torch.device,
-                        tensor_rank: int = 0) -> torch.Tensor:
+                        tensor_rank: int = 0, shard_group: Any = None) -> torch.Tensor:
     """Clip the gradients of ``params`` in place by the 2-norm of all counted gradients of every rank of
     ``group`` (collective: every rank of the group calls it, with or without gradients). Returns the norm, a
-    float32 tensor on ``device`` (no host synchronisation)."""
+    float32 tensor on ``device`` (no host synchronisation).
+
+    ``shard_group``: the data-parallel group over which sharded parameters (DTensors, ``terapipe.shard_params``)
+    are split: their local shards' squares are summed over it first (each replica holds a different part), then
+    added to the whole tensors' squares."""
     params = [p for p in params if p.grad is not None]
     counted = [p.grad.detach() for p in params if counted_in_norm(p, tensor_rank)]
-    if counted:  # per-tensor norms first, as torch's clip_grad_norm_ takes them
-        norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32).to(device) for g in counted])
-        squares = norms.square().sum()
-    else:  # a rank with nothing to count (all its layers frozen, say) still joins the sum
-        squares = torch.zeros((), dtype=torch.float32, device=device)
+    sharded = [_local(g) for g in counted if _local(g) is not g]
+    whole = [g for g in counted if _local(g) is g]
+    squares = _squares(whole, device)
+    if shard_group is not None:
+        part = _squares(sharded, device)
+        dist.all_reduce(part, op=dist.ReduceOp.SUM, group=shard_group)
+        squares = squares + part
     dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=group)
     norm = squares.sqrt()
     coef = torch.clamp(max_norm / (norm + EPS), max=1.0)
     for p in params:
-        p.grad.detach().mul_(coef.to(device=p.grad.device, dtype=p.grad.dtype))
+        grad = _local(p.grad.detach())
+        grad.mul_(coef.to(device=grad.device, dtype=grad.dtype))
     return norm
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    """A sharded gradient's local shard (a DTensor's), else the gradient itself."""
+    to_local = getattr(grad, "to_local", None)
+    return to_local() if to_local is not None else grad
+
+
+def _squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    if grads:  # per-tensor norms first, as torch's clip_grad_norm_ takes them
+        norms = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32).to(device) for g in grads])
+        return norms.square().sum()
+    # a rank with nothing to count (all its layers frozen, say) still joins the sum
+    return torch.zeros((), dtype=torch.float32, device=device)
 
 
 def clip_by_global_norm(engine: "PipelineStage") -> torch.Tensor:
     """The engine's fp32 clipping (no ZeRO, no fp16/bf16 optimizer): all its parameters by the whole model's
     norm, summed over its pipeline (with tensor parallelism: pipeline x tensor). Returns the norm."""
     grid = engine.grid
+    sharded = getattr(engine, "sharded", None)
     return clip_grad_norm_over(engine.module.parameters(), engine.gradient_clipping(),
                                grid.get_model_parallel_group(), engine.device,
-                               tensor_rank=grid.get_slice_parallel_rank())
+                               tensor_rank=grid.get_slice_parallel_rank(),
+                               shard_group=sharded.group if sharded is not None else None)
 
 
 def weights_tied_across_ranks(module: Any) -> dict[str, list[int]]:

@@ -178,6 +178,17 @@ INTERNALS: tuple[Internal, ...] = (
        "the mark of a parameter copy that norms skip (tied weights off their first rank, a tied head's shards)"),
     _i("deepspeed.runtime.fp16.unfused_optimizer", "FP16_UnfusedOptimizer", "attr", "execution/clip.py",
        "its norm counts a weight tied across ranks once per rank: refused with clipping"),
+    # -- sharded data parallelism (runtime/features/sharding.py) ---------------------------------------------------
+    _i(_ENGINE, "module_state_dict", "attr", f"{_E} (overridden)",
+       "a sharded layer's state_dict gives whole tensors while DeepSpeed writes the layer files"),
+    _i(_ENGINE, "load_module_state_dict", "attr", f"{_E} (overridden)",
+       "a sharded layer's load_state_dict keeps its shard of the whole tensors DeepSpeed reads"),
+    _i(f"{_DS_ENGINE}._save_checkpoint", "module_state_dict", "calls", f"{_E} module_state_dict",
+       "DeepSpeed's save must write the layers through the overridable module_state_dict"),
+    _i(f"{_DS_ENGINE}._load_checkpoint", "load_module_state_dict", "calls", f"{_E} load_module_state_dict",
+       "DeepSpeed's load must read the layers through the overridable load_module_state_dict"),
+    _i(_MODULE, "tied_comms", "instance", "execution/module.py",
+       "the tied weights and their groups, broadcast shard-wise when sharded"),
     # -- sequence parallelism (runtime/slicing/sequence.py): the sequence ranks are the topology's model axis ---------
     _i("deepspeed.runtime.pipe.topology", "PipeModelDataParallelTopology", "attr", "execution/module.py",
        "the pipe x model x data grid whose model axis holds a stage's sequence ranks", ("num_pp", "num_mp", "num_dp")),

@@ -65,6 +65,7 @@ from ...trace import events_to_chrome_trace
 from ..features.freeze import Freezer
 from ..features.partition import check_replicated_only
 from ..features.recompute import install_sliced_checkpointing
+from ..features.sharding import ShardedChunks, sharding_problem
 from ..features.vocab import VocabParallel
 from ..planning.batch_plan import BatchPlanner
 from ..planning.plan import ResolvedPlan, plan_for_length, resolve_plan, restore_checkpoint_plan
@@ -168,6 +169,16 @@ class TokenPipelineEngine(PipelineEngine):
             pipeline.setdefault("pipe_partitioned", False)
             pipeline.setdefault("grad_partitioned", False)
             ds_config = dict(ds_config, pipeline=pipeline)
+        bf16_shards = False
+        if terapipe.shard_params:
+            problem = sharding_problem(DeepSpeedConfig(ds_config, pipe_mpu))
+            if problem:
+                raise ValueError(problem)
+            if (ds_config.get("bf16") or {}).get("enabled"):
+                # bf16 compute over fp32 shards is FSDP2's mixed precision: DeepSpeed builds an fp32 engine (its
+                # bf16 optimizer keeps flat fp32 copies of whole parameters, which shards replace)
+                ds_config = dict(ds_config, bf16=dict(ds_config["bf16"], enabled=False))
+                bf16_shards = True
         config_class = DeepSpeedConfig(ds_config, pipe_mpu)
         stage = config_class.zero_optimization_stage
         if stage >= 2:
@@ -175,13 +186,16 @@ class TokenPipelineEngine(PipelineEngine):
                              "(DeepSpeed partitions gradients across a pipeline it does not own); use stage 0 or 1")
         deepspeed.set_optimizer_flags(config_class, model)
         engine = cls(model=model, mpu=pipe_mpu, config=ds_config, config_class=config_class, terapipe_config=terapipe,
-                     **kwargs)
+                     bf16_shards=bf16_shards, **kwargs)
         engine._configure_python_gc()
         return engine
 
     def __init__(self, *args, terapipe_config: TeraPipeConfig, preset_plan: Optional[ResolvedPlan] = None,
-                 **kwargs) -> None:
+                 bf16_shards: bool = False, **kwargs) -> None:
         self.terapipe = terapipe_config
+        # terapipe.shard_params (runtime/features/sharding.py): the chunks' FSDP2 shards, made last in init
+        self.sharded: Optional[ShardedChunks] = None
+        self.terapipe_bf16 = bf16_shards  # bf16 compute over fp32 shards (DeepSpeed's engine itself is fp32)
         self.preset_plan = preset_plan  # a repack's plan for the layers it moved (runtime/features/repack.py)
         self.repack_share: Any = None   # after a repack: this replica's share of each step's micro-batches
         self._chunk: Any = _INIT
@@ -249,6 +263,9 @@ class TokenPipelineEngine(PipelineEngine):
             self.freezer = Freezer(self) if self.terapipe.freeze is not None else None
             # Packed rows planned per step (terapipe.plan_per_batch: runtime/planning/batch_plan.py)
             self.batch_planner = BatchPlanner(self) if self.terapipe.plan_per_batch else None
+            if self.terapipe.shard_params:   # last: profiling and the slice check ran on whole parameters
+                self.sharded = ShardedChunks(self)
+                self.sharded.wrap_optimizer_state()
 
     def _check_chunk_layout(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The module's chunk placement, refused (on every rank: same config, same model) unless it is the one
@@ -295,6 +312,8 @@ class TokenPipelineEngine(PipelineEngine):
         self._chunk = chunk
         if len(self.local_chunks) > 1:
             self.module.activate_chunk(self.local_chunks.index(chunk))
+        if self.sharded is not None:
+            self.sharded.ready(chunk)
         try:
             yield
         finally:
@@ -516,7 +535,8 @@ class TokenPipelineEngine(PipelineEngine):
             return
         if all(len(self.plans[length].slices) == 1 for length in lengths):
             return
-        check_stage_slicing(self, self.plan.seq_len, self.plan.slices, first_input, on_batch=True)
+        with self.sharded.whole() if self.sharded is not None else nullcontext():   # runs the layers unscheduled
+            check_stage_slicing(self, self.plan.seq_len, self.plan.slices, first_input, on_batch=True)
         self._checked_on_batch |= lengths
 
     def install_plan(self, plan: ResolvedPlan) -> None:
@@ -537,7 +557,7 @@ class TokenPipelineEngine(PipelineEngine):
         return lower(cfg.schedule, self.num_stages, self.micro_batches, num_slices, train=train,
                      deferred_weight_grads=cfg.deferred_weight_grads, virtual_stages=cfg.virtual_stages,
                      num_frozen_chunks=frozen, vocab_parallel=cfg.vocab_parallel,
-                     vocab_embedding=self._vocab_embedding)
+                     vocab_embedding=self._vocab_embedding, **self._shard_kwargs)
 
     def _train_schedule(self) -> TokenPipeSchedule:
         counts = self._slice_counts(self.micro_batches)
@@ -546,7 +566,13 @@ class TokenPipelineEngine(PipelineEngine):
                                  deferred_weight_grads=self.terapipe.deferred_weight_grads,
                                  virtual_stages=self.terapipe.virtual_stages, num_frozen_chunks=self._frozen_chunks(),
                                  vocab_parallel=self.terapipe.vocab_parallel, vocab_embedding=self._vocab_embedding,
-                                 slice_counts=counts)
+                                 slice_counts=counts, **self._shard_kwargs)
+
+    @property
+    def _shard_kwargs(self) -> dict[str, Any]:
+        cfg = self.terapipe
+        return {"shard_params": cfg.shard_params, "shard_prefetch": cfg.shard_prefetch,
+                "shard_release": cfg.shard_release}
 
     # -- frozen layers (runtime/features/freeze.py) ----------------------------------------------------------------
     def _frozen_chunks(self) -> int:
@@ -585,7 +611,7 @@ class TokenPipelineEngine(PipelineEngine):
                                  max(counts) if counts else self.num_slices, train=False,
                                  virtual_stages=self.terapipe.virtual_stages,
                                  vocab_parallel=self.terapipe.vocab_parallel, vocab_embedding=self._vocab_embedding,
-                                 slice_counts=counts)
+                                 slice_counts=counts, **self._shard_kwargs)
 
     @property
     def _vocab_embedding(self) -> bool:
@@ -611,6 +637,8 @@ class TokenPipelineEngine(PipelineEngine):
                 and not self._config.bfloat16_config.immediate_grad_update:
             # bf16 gradients as views of flat buffers: the fp32 move after each backward is one add per group
             FlatBf16Grads.attach(self.optimizer).begin_step()
+        if pipe_schedule.train and self.sharded is not None:
+            self.sharded.begin_step()
         timeline: list[TimedAction] = []
         terms: dict[str, float] = defaultdict(float)
         start = synchronized_ms() if self.record_timeline else 0.0
@@ -976,6 +1004,9 @@ class TokenPipelineEngine(PipelineEngine):
 
     def _exec_reduce_grads(self) -> None:
         self._hand_over_weight_grads()
+        if self.sharded is not None:   # the shards' gradients were reduce-scattered by the schedule's RS actions
+            self.sharded.finish_step()
+            return
         self._reduce_sequence_grads()
         if self._dp_reduce_is_identity():
             return
@@ -1063,8 +1094,21 @@ class TokenPipelineEngine(PipelineEngine):
             return False
         return not (self.gradient_average and self.postscale_gradients() and self.gradient_predivide_factor() != 1.0)
 
+    # -- sharded data parallelism (runtime/features/sharding.py) ----------------------------------------------
+    def _exec_shard_gather(self, buffer_id: int, microbatch: int, slice_index: int, chunk: int) -> None:
+        self.sharded.gather(chunk)
+
+    def _exec_shard_release(self, buffer_id: int, microbatch: int, slice_index: int, chunk: int) -> None:
+        self.sharded.release(chunk)
+
+    def _exec_shard_reduce_scatter(self, buffer_id: int, microbatch: int, slice_index: int, chunk: int) -> None:
+        self.sharded.reduce_scatter(chunk)
+
     def _exec_reduce_tied_grads(self) -> None:
         self._hand_over_weight_grads()
+        if self.sharded is not None:
+            self.sharded.reduce_tied_grads()
+            return
         if getattr(self, "freezer", None) is not None:   # a zero gradient where only frozen layers use the weight
             self.freezer.fill_tied_grads(self)
         super()._exec_reduce_tied_grads()
@@ -1089,6 +1133,14 @@ class TokenPipelineEngine(PipelineEngine):
         ds_schedule.ReduceGrads: _exec_reduce_grads,
         ds_schedule.OptimizerStep: _exec_optimizer_step,
     }  # and every action kind's instruction, from DISPATCH (below the class)
+
+    def module_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        with self.sharded.whole_layer_state() if self.sharded is not None else nullcontext():
+            return super().module_state_dict(*args, **kwargs)
+
+    def load_module_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        with self.sharded.loading_whole_layers() if self.sharded is not None else nullcontext():
+            return super().load_module_state_dict(*args, **kwargs)
 
     def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: Optional[dict] = None,
                         save_latest: bool = True, **kwargs: Any) -> Any:

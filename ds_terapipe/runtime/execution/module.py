@@ -286,9 +286,17 @@ class TokenPipelineModule(PipelineModule):
         """DeepSpeed's broadcast of the tied weights, without autograd recording it: done with grad on (at build,
         on leaf parameters), torch keeps the in-place broadcast in the graph and warns at the first backward that
         c10d's broadcast has no autograd kernel ("may lead to silently incorrect behavior"), though the gradients
-        are right; under no_grad no such node is made."""
+        are right; under no_grad no such node is made. Sharded weights broadcast their local shards."""
         with torch.no_grad():
-            super()._synchronize_tied_weights()
+            if not any(hasattr(w, "to_local") for w, _ in self.get_tied_weights_and_groups()):
+                super()._synchronize_tied_weights()
+                return
+            # sharded (terapipe.shard_params): every copy holds the same rows of the weight, broadcast shard-wise
+            for key, comm in self.tied_comms.items():
+                for attr_name in comm["weight_attr"]:
+                    weight = self._recursive_getattr(comm["module"], attr_name)
+                    dist.broadcast(weight.to_local() if hasattr(weight, "to_local") else weight,
+                                   src=min(comm["ranks"]), group=comm["group"])
 
     def compile(self, *args, **kwargs) -> None:
         for _ in self.each_chunk():

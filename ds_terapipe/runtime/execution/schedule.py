@@ -25,8 +25,8 @@ from deepspeed.runtime.pipe import schedule as ds_schedule
 from ...planner.lowering import lower
 from ...planner.schedule import Action, ActionKind, ScheduleError
 
-__all__ = ["DISPATCH", "Dispatch", "TokenPipeSchedule", "VocabBackwardPass", "VocabEmbedBackwardPass",
-           "VocabEmbedForwardPass", "VocabForwardPass", "WeightGradPass"]
+__all__ = ["DISPATCH", "Dispatch", "ShardGather", "ShardReduceScatter", "ShardRelease", "TokenPipeSchedule",
+           "VocabBackwardPass", "VocabEmbedBackwardPass", "VocabEmbedForwardPass", "VocabForwardPass", "WeightGradPass"]
 
 
 class WeightGradPass(ds_schedule.PipeInstruction):
@@ -50,6 +50,19 @@ class VocabEmbedBackwardPass(ds_schedule.PipeInstruction):
     """``EB``: its backward: each rank adds its rows' gradient from the embedding-output gradient."""
 
 
+class ShardGather(ds_schedule.PipeInstruction):
+    """``AG``: all-gather a chunk's sharded parameters over the data-parallel replicas
+    (``runtime/features/sharding.py``)."""
+
+
+class ShardRelease(ds_schedule.PipeInstruction):
+    """``RL``: free a chunk's gathered parameters after a forward-only run."""
+
+
+class ShardReduceScatter(ds_schedule.PipeInstruction):
+    """``RS``: reduce-scatter the run's gradients into the shards and free the gathered parameters."""
+
+
 class TokenPipeSchedule(ds_schedule.PipeSchedule):
     """One stage's view of a token-level schedule, as DeepSpeed instructions.
 
@@ -69,6 +82,8 @@ class TokenPipeSchedule(ds_schedule.PipeSchedule):
             as :class:`VocabForwardPass`/:class:`VocabBackwardPass`.
         slice_counts: per micro-batch, its slices when micro-batches of the step differ in length (``num_slices``
             is their largest; planner/lowering.py drops the units a micro-batch does not have).
+        shard_params, shard_prefetch, shard_release: add the sharding actions ``AG``/``RS``/``RL`` (:class:`ShardGather`, ...)
+            around each run of one chunk (``planner/sharding.py``).
         vocab_embedding: with ``vocab_parallel``, add the split input embedding's passes ``EF``/``EB`` too
             (:class:`VocabEmbedForwardPass`/:class:`VocabEmbedBackwardPass`); the first stage loads a micro-batch
             before its first ``EF``, which reads its token ids.
@@ -77,14 +92,17 @@ class TokenPipeSchedule(ds_schedule.PipeSchedule):
     def __init__(self, name: str, micro_batches: int, stages: int, stage_id: int, num_slices: int,
                  train: bool = True, deferred_weight_grads: bool = False, virtual_stages: int = 1,
                  num_frozen_chunks: int = 0, vocab_parallel: bool = False, vocab_embedding: bool = False,
-                 slice_counts: Optional[Sequence[int]] = None) -> None:
+                 slice_counts: Optional[Sequence[int]] = None, shard_params: bool = False,
+                 shard_prefetch: bool = True, shard_release: str = "run") -> None:
         super().__init__(micro_batches=micro_batches, stages=stages, stage_id=stage_id)
         self.num_slices = num_slices
         self.train = train
         self.schedule = lower(name, stages, micro_batches, num_slices, train=train,
                               deferred_weight_grads=deferred_weight_grads, virtual_stages=virtual_stages,
                               num_frozen_chunks=num_frozen_chunks, vocab_parallel=vocab_parallel,
-                              vocab_embedding=vocab_embedding, slice_counts=slice_counts)
+                              vocab_embedding=vocab_embedding, slice_counts=slice_counts,
+                              shard_params=shard_params, shard_prefetch=shard_prefetch,
+                              shard_release=shard_release)
         self.actions: tuple[Action, ...] = self.schedule.stages[stage_id]
         self.chunks: tuple[int, ...] = self.schedule.chunks_of(stage_id)
         self._local = {chunk: index for index, chunk in enumerate(self.chunks)}
@@ -148,4 +166,7 @@ DISPATCH: dict[ActionKind, Dispatch] = {
     ActionKind.VOCAB_B: Dispatch(VocabBackwardPass, "_exec_vocab_backward"),
     ActionKind.VOCAB_EMBED_F: Dispatch(VocabEmbedForwardPass, "_exec_vocab_embed_forward"),
     ActionKind.VOCAB_EMBED_B: Dispatch(VocabEmbedBackwardPass, "_exec_vocab_embed_backward"),
+    ActionKind.GATHER: Dispatch(ShardGather, "_exec_shard_gather"),
+    ActionKind.RELEASE: Dispatch(ShardRelease, "_exec_shard_release"),
+    ActionKind.REDUCE_SCATTER: Dispatch(ShardReduceScatter, "_exec_shard_reduce_scatter"),
 }
