@@ -13,6 +13,10 @@ all of them in one run:
   own copy (identical: layers initialise from their index) and their gradients are all-reduced before the
   optimizer step, as DeepSpeed does for tied layers. The loss is scaled by 1/m (``scale_grads``), as DeepSpeed's
   gradient accumulation does.
+* ``TorchPipelineEngine("torch-loopedbfs-fsdp2", ..., dp=N)`` (benchmarks/sharded_training.py builds it directly):
+  the same ``ScheduleLoopedBFS`` on N data-parallel replicas with FSDP2 as torchtitan arranges it: each block
+  ``fully_shard``-ed, then each stage module, over the stage's data-parallel group, not resharded after forward (the pipeline's gathers stay per step); its schedule's ``perform_reduce_grad``
+  reduce-scatters once per stage and step. The tied copies' gradients are summed on their local shards.
 
 Peers expose no instruction map, so the per-instruction recorder sees nothing: their rows have step time and
 memory, not the busy-time bound (efficiency) the token rows have.
@@ -58,6 +62,7 @@ def _build_chunk(specs: list, start: int, stop: int) -> Any:
             self.layers = nn.ModuleList()
             self.calls: list[Callable[[Any], Any]] = []
             self.tied: list[Any] = []   # parameters a TiedLayerSpec shares with another chunk
+            self.tied_paths: list[str] = []   # and their attribute paths from the chunk
             for spec in specs[start:stop]:
                 layer = spec.build()
                 self.layers.append(layer)
@@ -65,7 +70,9 @@ def _build_chunk(specs: list, start: int, stop: int) -> Any:
                 self.calls.append((lambda x, l=layer, f=fn: f(l, x)) if fn is not None else layer)
                 if getattr(spec, "key", None) is not None:   # DeepSpeed keeps a list of attribute paths
                     attrs = spec.tied_weight_attr
-                    self.tied += [attrgetter(a)(layer) for a in ([attrs] if isinstance(attrs, str) else attrs)]
+                    attrs = [attrs] if isinstance(attrs, str) else attrs
+                    self.tied += [attrgetter(a)(layer) for a in attrs]
+                    self.tied_paths += [f"layers.{len(self.layers) - 1}.{a}" for a in attrs]
 
         def forward(self, x: Any) -> Any:
             for call in self.calls:
@@ -81,13 +88,19 @@ class TorchPipelineEngine:
     _INSTRUCTION_MAP: dict = {}   # nothing for InstructionRecorder to wrap
 
     def __init__(self, schedule: str, specs: list, loss_fn: Callable, micro_batches: int, num_ranks: int,
-                 virtual_stages: int = 2, type_name: str = "GPTBlock", lr: float = 1e-5) -> None:
+                 virtual_stages: int = 2, type_name: str = "GPTBlock", lr: float = 1e-5, dp: int = 1,
+                 optimizer: Callable[..., Any] | None = None) -> None:
         import torch
         import torch.distributed as dist
         import torch.nn as nn
         from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B, ScheduleLoopedBFS
 
-        self.stage_id = dist.get_rank()
+        # DeepSpeed's rank order (pipe-major): rank = stage * dp + replica; every rank creates every group
+        rank = dist.get_rank()
+        self.stage_id, replica = divmod(rank, dp)
+        pipes = [dist.new_group([s * dp + d for s in range(num_ranks)]) for d in range(dp)] if dp > 1 else [None]
+        replicas = [dist.new_group([s * dp + d for d in range(dp)]) for s in range(num_ranks)] if dp > 1 else [None]
+        pipe_group = pipes[replica]
         self.micro_batches = micro_batches
         num_chunks = num_ranks * virtual_stages
         bounds = chunk_layers(specs, num_chunks, type_name)
@@ -100,16 +113,34 @@ class TorchPipelineEngine:
         self.module = nn.ModuleList(chunks)
         self.module.forward_funcs = [layer for chunk in chunks for layer in chunk.layers]
         device = self.device
-        stages = [PipelineStage(chunk, c, num_chunks, device) for c, chunk in zip(self.local_chunks, chunks)]
-        cls = {"torch-interleaved": ScheduleInterleaved1F1B, "torch-loopedbfs": ScheduleLoopedBFS}[schedule]
+        if schedule.endswith("-fsdp2"):
+            from torch.distributed.device_mesh import DeviceMesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = DeviceMesh.from_group(replicas[self.stage_id], device_type=device.type)
+            for chunk in chunks:
+                for layer in chunk.layers:
+                    if type(layer).__name__ == type_name:
+                        fully_shard(layer, mesh=mesh, reshard_after_forward=False)
+                fully_shard(chunk, mesh=mesh, reshard_after_forward=False)
+            for chunk in chunks:   # the tied copies' parameters are now the shards that replaced them
+                chunk.tied = _tied_of(chunk)
+        stages = [PipelineStage(chunk, c, num_chunks, device, group=pipe_group)
+                  for c, chunk in zip(self.local_chunks, chunks)]
+        cls = {"torch-interleaved": ScheduleInterleaved1F1B, "torch-loopedbfs": ScheduleLoopedBFS,
+               "torch-loopedbfs-fsdp2": ScheduleLoopedBFS}[schedule]
         self.schedule = cls(stages, n_microbatches=micro_batches, loss_fn=loss_fn, scale_grads=True)
         self.first = 0 in self.local_chunks
         self.last = num_chunks - 1 in self.local_chunks
         # tied layers (DeepSpeed TiedLayerSpec): the first and last chunk's copies, their gradients summed
         self.tied = [p for chunk in chunks for p in chunk.tied]
         holders = sorted({0, (num_chunks - 1) % num_ranks})
-        self.tied_group = dist.new_group(holders) if len(holders) > 1 else None   # every rank calls new_group
-        self.optimizer = torch.optim.SGD(self.module.parameters(), lr=lr)
+        tied_groups = [dist.new_group([h * dp + d for h in holders]) if len(holders) > 1 else None
+                       for d in range(dp)]   # every rank calls new_group
+        self.tied_group = tied_groups[replica]
+        self.replica_group = replicas[self.stage_id]
+        self.dp = dp
+        self.optimizer = (optimizer or (lambda params: torch.optim.SGD(params, lr=lr)))(self.module.parameters())
 
     def train_batch(self, data_iter: Any) -> Any:
         import torch
@@ -122,10 +153,20 @@ class TorchPipelineEngine:
         args = (inputs,) if self.first else ()
         self.schedule.step(*args, target=labels if self.last else None, losses=losses if self.last else None)
         for p in self.tied:
-            dist.all_reduce(p.grad, group=self.tied_group)
+            grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            dist.all_reduce(grad, group=self.tied_group)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return torch.stack(losses).mean().detach() if losses else torch.zeros(())
+        loss = torch.stack(losses).mean().detach() if losses else torch.zeros(())
+        if self.dp > 1 and losses:   # the replicas' mean, as DeepSpeed's engines report it
+            dist.all_reduce(loss, group=self.replica_group)
+            loss /= self.dp
+        return loss
+
+
+def _tied_of(chunk: Any) -> list:
+    """The tied weights of ``chunk`` after ``fully_shard`` replaced its parameters (looked up by the same paths)."""
+    return [attrgetter(path)(chunk) for path in chunk.tied_paths]
 
 
 def build_peer(variant: str, specs: list, loss_fn: Callable, micro_batches: int, num_ranks: int,
