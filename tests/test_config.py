@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ds_terapipe.config import parse_terapipe_config
+from ds_terapipe.config import TeraPipeConfig, parse_terapipe_config
 
 
 def parse(**section):
@@ -108,3 +108,27 @@ def test_slices_are_decoded_once_into_a_policy() -> None:
 def test_every_shipped_config_parses(path: Path) -> None:
     cfg = parse_terapipe_config(json.loads(path.read_text()))
     assert cfg.enabled, path.name
+
+
+def test_shard_params_refuses_what_would_bypass_its_reduce_scatter() -> None:
+    from types import SimpleNamespace
+
+    from ds_terapipe.runtime.features.sharding import sharding_problem
+
+    base = {"enabled": True, "seq_len": 64, "shard_params": True}
+    for clash, value in (("vocab_parallel", True), ("sequence_parallel", 2), ("deferred_weight_grads", True),
+                         ("freeze", {"schedule": [[1, 1]]})):
+        with pytest.raises(ValueError, match=f"shard_params .*not supported with {clash}"):
+            TeraPipeConfig(**base, **{clash: value})
+    # gpipe defers weight gradients by default; sharded, it does not
+    assert TeraPipeConfig(**base, schedule="gpipe").deferred_weight_grads is False
+    assert TeraPipeConfig(**base).shard_release == "run"
+    with pytest.raises(ValueError, match="shard_release"):
+        TeraPipeConfig(**base, shard_release="epoch")
+
+    def ds(stage: int = 0, fp16: bool = False) -> SimpleNamespace:
+        return SimpleNamespace(zero_optimization_stage=stage, float16_config=SimpleNamespace(enabled=fp16))
+
+    assert sharding_problem(ds()) is None
+    assert "zero_optimization.stage=1" in sharding_problem(ds(stage=1))
+    assert "fp16" in sharding_problem(ds(fp16=True))
