@@ -10,7 +10,9 @@ Nothing runs on a device: every row is the event simulator under the analytic A1
 a step), bf16 parameters and gradients, fp32 master copy and Adam moments (12 bytes a parameter), a data-parallel
 link of 200 Gbit/s per rank. ``planner/sharding.py`` costs the gathers and reduce-scatters (BFPP's policy: a chunk
 gathered once per run of consecutive actions on it, prefetched during the previous run) and states what a rank
-holds. Columns: the step, the gathers per step and rank, the model states per rank.
+holds; "sharded, per step" keeps each chunk whole from its first run to its last (``release="step"``: one gather and
+one reduce-scatter per chunk and step, the rank's chunks whole at once). Columns: the step, the gathers per step and
+rank, the model states per rank.
 """
 from __future__ import annotations
 
@@ -41,13 +43,14 @@ def main() -> None:
             cost = analytic_pipeline_cost(SPEC, "a100", chunks, lm_head=False)
             chunk_params = [block_params(SPEC) * SPEC.num_layers / chunks] * chunks
             schedule = lower(name, RANKS, m, len(SLICES), virtual_stages=v)
-            for sharded in (False, True):
+            for sharded, release in ((False, "run"), (True, "run"), (True, "step")):
                 est = estimate_sharding(schedule, cost, SLICES, chunk_params=chunk_params, dp=DP,
-                                        link_gbps=LINK_GBPS, sharded=sharded)
+                                        link_gbps=LINK_GBPS, sharded=sharded, release=release)
                 tokens = m * DP * sum(SLICES) / (est.step_ms / 1e3)
                 out.append({"schedule": name, "virtual_stages": v, "micro_batches": m, **est.to_dict(),
                             "tokens_per_s": tokens})
-                rows.append([str(m), name, str(v), "sharded" if sharded else "ZeRO 1", f"{est.step_ms / 1e3:.2f}",
+                mode = ("sharded, per step" if release == "step" else "sharded") if sharded else "ZeRO 1"
+                rows.append([str(m), name, str(v), mode, f"{est.step_ms / 1e3:.2f}",
                              f"{est.exposed_ms / 1e3:.2f}", f"{tokens:,.0f}", str(est.gathers_per_step),
                              f"{est.memory_bytes / 2**30:.1f}"])
     header = ["m", "schedule", "v", "data parallelism", "step s", "exposed comm s", "tokens/s (64 ranks)",
@@ -55,11 +58,12 @@ def main() -> None:
     print("\n".join(markdown_table(header, rows)))
     best = {}
     for r in out:
-        key = (r["micro_batches"], r["sharded"])
+        key = (r["micro_batches"], r["sharded"], r["release"])
         if key not in best or r["step_ms"] < best[key]["step_ms"]:
             best[key] = r
-    for (m, sharded), r in sorted(best.items()):
-        print(f"m={m} {'sharded' if sharded else 'ZeRO 1'}: fastest {r['schedule']} v={r['virtual_stages']} "
+    for (m, sharded, release), r in sorted(best.items()):
+        mode = (f"sharded (release per {release})" if sharded else "ZeRO 1")
+        print(f"m={m} {mode}: fastest {r['schedule']} v={r['virtual_stages']} "
               f"{r['step_ms'] / 1e3:.2f} s, {r['memory_bytes'] / 2**30:.1f} GiB per rank")
     path = write_report({"name": NAME, "model": repr(SPEC), "ranks": RANKS, "dp": DP, "slices": SLICES,
                          "link_gbps": LINK_GBPS, "rows": out}, args.json)

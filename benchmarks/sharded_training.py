@@ -1,7 +1,8 @@
 """Sharded data parallelism measured: the token pipeline's looped-bfs with its model states sharded over the replicas,
 against the same schedule under ZeRO 1 and against torch pipelining's ScheduleLoopedBFS with FSDP2, side by side.
 
-    python benchmarks/sharded_training.py           # ~10 min; report: benchmarks/results/sharded_training.json
+    python benchmarks/sharded_training.py           # ~6 min; report: benchmarks/results/sharded_training.json
+    python benchmarks/sharded_training.py --slices 1 --json benchmarks/results/sharded_training_1slice.json
     python benchmarks/sharded_training.py --quick   # a smaller model, fewer rounds: a smoke run
 
 Four processes, 2 pipeline stages x 2 data-parallel replicas, one thread each; the machine has two cores, so each
@@ -9,8 +10,8 @@ stage gets one and its two replicas share it (``--pin stage``: a stage's idle ti
 idle core, as on devices). The reference GPT (``--layers`` blocks of ``--hidden``, ``--seq-len`` tokens, micro-batch 1), m micro-batches per
 replica, AdamW in every variant. Variants, all from the same weights on the same batches:
 
-* ``token/zero1``: ``looped-bfs``, 2 chunks per rank, ``--slices`` fixed slices (default 1, so that the sharding
-  machinery is what differs from torch's), ZeRO stage 1 (the optimizer state partitioned,
+* ``token/zero1``: ``looped-bfs``, 2 chunks per rank, ``--slices`` fixed slices (default 2; with 1 the sharding
+  machinery is all that differs from torch's pipeline), ZeRO stage 1 (the optimizer state partitioned,
   parameters and gradients whole on every replica);
 * ``token/sharded``: the same with ``terapipe.shard_params`` (each chunk's parameters, gradients and optimizer state
   sharded; gathered per run of the schedule, the next run's gather started early);
@@ -43,7 +44,7 @@ from typing import Any
 from benchlib.alternate import alternate, median, paired_ratios, rounds_in_use
 from benchlib.launch import launch_workers, pin_and_single_thread, run_as_worker
 from benchlib.meters import CpuMeter
-from benchlib.tables import benchmark_parser, markdown_table, print_checks, write_ranks_report
+from benchlib.tables import benchmark_parser, chosen_variants, markdown_table, print_checks, write_ranks_report
 
 NAME = "sharded_training"
 STAGES, DP = 2, 2
@@ -246,10 +247,11 @@ def main() -> int:
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--seq-len", type=int, default=512)
-    ap.add_argument("--slices", type=int, default=1,
-                    help="token slices per micro-batch of both token variants (1: the sharding alone is compared)")
+    ap.add_argument("--slices", type=int, default=2,
+                    help="token slices per micro-batch of the token variants (1: the sharding alone differs from torch)")
     ap.add_argument("--micro-batches", type=int, default=4)
     ap.add_argument("--steps", type=int, default=7, help="timed clean rounds")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of: {', '.join(VARIANTS)}")
     ap.add_argument("--pin", choices=["stage", "rank"], default="stage",
                     help="core per pipeline stage (its replicas share it), or cores round-robin by rank")
     ap.add_argument("--json", default=None, help="where to write the report (default: benchmarks/results/)")
@@ -258,7 +260,7 @@ def main() -> int:
     opts = {"layers": args.layers, "hidden": args.hidden, "heads": args.heads, "vocab": args.vocab,
             "seq_len": args.seq_len, "slices": args.slices, "micro_batches": args.micro_batches,
             "steps": args.steps, "warmup": 1, "pin": args.pin, "max_rounds": 3 * args.steps, "quiet_wait": 20.0,
-            "foreign_max": 0.5, "variants": VARIANTS}
+            "foreign_max": 0.5, "variants": chosen_variants(ap, args.variants, VARIANTS)}
     if args.quick:
         opts.update(layers=4, hidden=128, heads=4, vocab=256, seq_len=128, steps=3, max_rounds=6, quiet_wait=2.0)
     started = time.time()

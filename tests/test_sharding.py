@@ -193,3 +193,17 @@ def test_released_after_the_step_each_chunk_is_gathered_once(name: str) -> None:
             assert shard_counts(sharded) == [(v, v)] * 3, (name, m, prefetch)
     with pytest.raises(ValueError, match="release='epoch'"):
         lower(name, 3, 2, 3, virtual_stages=v, shard_params=True, shard_release="epoch")
+
+
+def test_released_after_the_step_fewer_collectives_more_memory() -> None:
+    for name in ("looped-bfs", "interleaved-1f1b"):
+        schedule, cost, params = _setup(name, 8)
+        v = get_schedule(name).virtual_stages
+        per_run = estimate_sharding(schedule, cost, SLICES, chunk_params=params, dp=DP, link_gbps=200)
+        per_step = estimate_sharding(schedule, cost, SLICES, chunk_params=params, dp=DP, link_gbps=200,
+                                     release="step")
+        assert per_step.gathers_per_step == per_step.reduce_scatters_per_step == v
+        assert per_step.gathers_per_step < per_run.gathers_per_step
+        assert per_step.memory_bytes > per_run.memory_bytes and per_step.release == "step"
+    # depth-first over chunks: one gather per chunk instead of one per switch is far cheaper
+    assert per_step.step_ms < per_run.step_ms

@@ -27,8 +27,8 @@ bound from one rank's view: a delayed rank can delay its peers further). Without
 replicated parameters) the gradients are reduced once per step after the schedule, as DeepSpeed's pipeline does:
 a reduce-scatter and an all-gather of every chunk, after the makespan.
 
-Memory per rank (model states): sharded, ``states / dp`` plus two chunks' parameters and one chunk's unsharded
-gradients (the run in flight and the prefetched one); replicated, parameters and gradients whole and the optimizer
+Memory per rank (model states): sharded, ``states / dp`` plus two chunks' parameters (one where a rank holds one
+chunk) and one chunk's unsharded gradients (the run in flight and the prefetched one); replicated, parameters and gradients whole and the optimizer
 state ``/ dp`` (ZeRO 1). Activations are the schedule's, the same either way, and left out.
 """
 
@@ -58,6 +58,7 @@ class ShardingEstimate:
     gathers_per_step: int
     reduce_scatters_per_step: int
     memory_bytes: float
+    release: str = "run"
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -141,6 +142,16 @@ def shard_counts(schedule: Schedule) -> list[tuple[int, int]]:
             for st in schedule.stages]
 
 
+def _spans_by_chunk(runs: list[tuple[int, float, float, bool]]) -> list[tuple[int, float, float, bool]]:
+    """One rank's runs merged per chunk, in order of first appearance: (chunk, its first run's start, its last run's
+    end, any run computed gradients), what ``release="step"`` gathers once and reduce-scatters once."""
+    spans: dict[int, tuple[int, float, float, bool]] = {}
+    for chunk, start, end, grads in runs:
+        first = spans.get(chunk)
+        spans[chunk] = (chunk, start, end, grads) if first is None else (chunk, first[1], end, first[3] or grads)
+    return list(spans.values())
+
+
 def _collective_ms(num_bytes: float, dp: int, link_gbps: float, latency_ms: float) -> float:
     """A ring all-gather or reduce-scatter of ``num_bytes`` (the whole tensor) over ``dp`` ranks: dp - 1 steps,
     (dp - 1) / dp of the tensor through each rank's link."""
@@ -152,13 +163,15 @@ def _collective_ms(num_bytes: float, dp: int, link_gbps: float, latency_ms: floa
 def estimate_sharding(schedule: Schedule, cost: PipelineCost, slices: Sequence[int], *,
                       chunk_params: Sequence[float], dp: int, link_gbps: float, link_latency_ms: float = 0.01,
                       sharded: bool = True, param_bytes: int = 2, grad_bytes: int = 2,
-                      optimizer_bytes: int = 12, micro_batch_size: int = 1) -> ShardingEstimate:
+                      optimizer_bytes: int = 12, micro_batch_size: int = 1, release: str = "run") -> ShardingEstimate:
     """The step of ``schedule`` (cost per chunk ``cost``, token ``slices``) on ``dp`` replicas, with its model
     states sharded (``sharded``) or replicated under ZeRO 1.
 
     ``chunk_params``: parameters per chunk; ``param_bytes``/``grad_bytes``: their precision (bf16: 2);
     ``optimizer_bytes`` per parameter (fp32 master copy and Adam's two moments: 12); ``link_gbps`` and
-    ``link_latency_ms``: the data-parallel link, in Gbit/s and per ring step."""
+    ``link_latency_ms``: the data-parallel link, in Gbit/s and per ring step; ``release``: as
+    :func:`add_shard_actions` (``"step"``: a chunk's runs of the step are one span, gathered once, its gradients
+    whole until its one reduce-scatter, every chunk of the rank whole at once)."""
     if len(chunk_params) != schedule.num_chunks:
         raise ValueError(f"chunk_params has {len(chunk_params)} entries but the schedule has {schedule.num_chunks} "
                          "chunks; give the parameter count of every chunk")
@@ -171,6 +184,8 @@ def estimate_sharding(schedule: Schedule, cost: PipelineCost, slices: Sequence[i
     gather = [_collective_ms(p * param_bytes, dp, link_gbps, link_latency_ms) for p in chunk_params]
     reduce = [_collective_ms(p * grad_bytes, dp, link_gbps, link_latency_ms) for p in chunk_params]
     if sharded:
+        if release == "step":
+            runs = [_spans_by_chunk(mine) for mine in runs]
         exposed = []
         for mine in runs:
             total = 0.0
@@ -181,11 +196,16 @@ def estimate_sharding(schedule: Schedule, cost: PipelineCost, slices: Sequence[i
                     following = mine[j + 1][2] - mine[j + 1][1] if j + 1 < len(mine) else 0.0
                     total += max(0.0, reduce[chunk] - following)
             exposed.append(total)
-        counts = shard_counts(add_shard_actions(schedule))   # what the runtime executes, counted
+        counts = shard_counts(add_shard_actions(schedule, release=release))   # what the runtime executes, counted
         gathers, scatters = [g for g, _ in counts], [r for _, r in counts]
         biggest = max(chunk_params)
-        memory = max(h * (param_bytes + grad_bytes + optimizer_bytes) / dp for h in held) + \
-            biggest * (2 * param_bytes + grad_bytes)
+        if release == "step":   # the rank's chunks whole, with their whole gradients, all step
+            memory = max(h * (param_bytes + grad_bytes + optimizer_bytes) / dp + h * (param_bytes + grad_bytes)
+                         for h in held)
+        else:   # the run in flight and the prefetched one (one where the rank has one chunk), one's gradients
+            memory = max(h * (param_bytes + grad_bytes + optimizer_bytes) / dp
+                         + biggest * (min(2, len(schedule.chunks_of(r))) * param_bytes + grad_bytes)
+                         for r, h in zip(ranks, held))
         gathers_step, scatters_step = max(gathers), max(scatters)
     else:
         exposed = [sum(reduce[c] + gather[c] for c in schedule.chunks_of(r)) for r in ranks]
@@ -193,5 +213,6 @@ def estimate_sharding(schedule: Schedule, cost: PipelineCost, slices: Sequence[i
         gathers_step = scatters_step = 0
     worst = max(exposed)
     return ShardingEstimate(schedule.name, sharded, float(result.makespan_ms), float(worst),
-                            float(result.makespan_ms + worst), int(gathers_step), int(scatters_step), float(memory))
+                            float(result.makespan_ms + worst), int(gathers_step), int(scatters_step), float(memory),
+                            release if sharded else "run")
 
