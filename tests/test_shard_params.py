@@ -1,7 +1,7 @@
 """Tier b: sharded data parallelism per chunk (terapipe.shard_params) equals the single-process unsliced reference.
 
 One launch of 4 processes (2 stages x 2 replicas) runs tests/suites/sharded.py: ``looped-bfs``,
-``interleaved-1f1b``, ``1f1b`` and ``dualpipev`` in fp32 (loss, every first-step gradient and the parameters after
+``interleaved-1f1b``, ``1f1b``, ``gpipe`` and ``dualpipev`` in fp32 (loss, every first-step gradient and the parameters after
 3 SGD + momentum steps, rel err <= 1e-5; clipped by the global norm in two cases, the norms against
 ``clip_grad_norm_``'s) and bf16 (bf16 compute over fp32 shards: the master weights' change within bf16 rounding of
 the reference's); the AG and RS actions executed per step against the lowered schedule's count at m in {2, 4, 8}
@@ -21,6 +21,7 @@ pytestmark = pytest.mark.multiproc
 TOL = 1e-5
 # [schedule, virtual stages, micro-batches, precision, clipped, prefetch, sampler, release]
 CASES = [["looped-bfs", 2, 4, "fp32"], ["interleaved-1f1b", 2, 4, "fp32"], ["1f1b", 1, 4, "fp32", True],
+         ["gpipe", 1, 2, "fp32"],
          ["dualpipev", 2, 4, "fp32", True], ["looped-bfs", 2, 4, "bf16"], ["interleaved-1f1b", 2, 2, "bf16", True],
          ["1f1b", 1, 2, "bf16"],
          # one chunk gathered at a time; a module without an input sampler (the slice check on the first batch)
