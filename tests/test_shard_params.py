@@ -19,7 +19,7 @@ from tests.precision import LOSS_TOL, UPDATE_TOL
 pytestmark = pytest.mark.multiproc
 
 TOL = 1e-5
-# [schedule, virtual stages, micro-batches, precision, clipped, prefetch, sampler, release]
+# [schedule, virtual stages, micro-batches, precision, clipped, prefetch, sampler, release, more terapipe keys]
 CASES = [["looped-bfs", 2, 4, "fp32"], ["interleaved-1f1b", 2, 4, "fp32"], ["1f1b", 1, 4, "fp32", True],
          ["gpipe", 1, 2, "fp32"],
          ["dualpipev", 2, 4, "fp32", True], ["looped-bfs", 2, 4, "bf16"], ["interleaved-1f1b", 2, 2, "bf16", True],
@@ -28,7 +28,10 @@ CASES = [["looped-bfs", 2, 4, "fp32"], ["interleaved-1f1b", 2, 4, "fp32"], ["1f1
          ["interleaved-1f1b", 2, 2, "fp32", False, False, False],
          # chunks whole from their first run to their last (one gather and one reduce-scatter per chunk and step)
          ["interleaved-1f1b", 2, 4, "fp32", True, True, True, "step"], ["looped-bfs", 2, 2, "bf16", False, True, True,
-                                                                          "step"]]
+                                                                          "step"],
+         # slices "auto" (profiled on whole layers at init) and re-planned from the sharded steps' timelines
+         ["looped-bfs", 2, 2, "fp32", False, True, True, "run",
+          {"slices": "auto", "replan": {"enabled": True, "warmup_steps": 1, "measure_steps": 1, "min_gain": 0.0}}]]
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +66,8 @@ def test_every_schedule_equals_the_reference_sharded(runs) -> None:
             assert case["gathers"] == case["planned"][0] and case["reduce_scatters"] == case["planned"][1], where
             if len(spec) > 7 and spec[7] == "step":   # once per chunk of the rank
                 assert case["gathers"] == case["reduce_scatters"] == 2, where
+            if len(spec) > 8 and "replan" in spec[8]:   # the re-planner decided from the sharded steps
+                assert case["plan_source"] in ("profiled", "replanned") and case["replanned"], where
 
 
 def test_gathers_per_step_are_the_schedules(runs) -> None:

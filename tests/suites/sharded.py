@@ -39,7 +39,8 @@ def _engine(schedule: str, v: int, m: int, *, precision: str = "fp32", clipping:
     model = ds_terapipe.TokenPipelineModule(gpt_layer_specs(CFG), num_stages=STAGES, loss_fn=causal_lm_loss,
                                             vocab_size=CFG.vocab_size if sampler else None,
                                             partition_method="uniform", **chunks)
-    terapipe = {"enabled": True, "seq_len": SEQ_LEN, "slices": list(slices), "schedule": schedule,
+    terapipe = {"enabled": True, "seq_len": SEQ_LEN, "slices": slices if isinstance(slices, str) else list(slices),
+                "schedule": schedule,
                 "granularity": 2, "p2p_timeout_s": 60, "shard_params": shard, "shard_prefetch": prefetch,
                 **(extra_terapipe or {})}
     if v != 1:
@@ -67,11 +68,13 @@ def _batches(m: int, dp: int, seed: int) -> tuple[list[tuple], Any]:
 
 
 def _equivalence(schedule: str, v: int, m: int, precision: str, clipping: bool = False, prefetch: bool = True,
-                 sampler: bool = True, release: str = "run") -> dict:
+                 sampler: bool = True, release: str = "run", extra: Optional[dict] = None) -> dict:
     """One schedule sharded against the reference: fp32 every gradient and parameter, bf16 the master weights'
     change (the fp32 shards); ``eval_batch`` on the first step's batch before training. ``sampler=False``: a
     module that cannot sample an input (the slice check runs on the first batch, the layers gathered whole);
-    ``release="step"``: chunks kept whole from their first run to their last of the step."""
+    ``release="step"``: chunks kept whole from their first run to their last of the step; ``extra``: more keys of
+    the ``"terapipe"`` section (``slices: "auto"`` profiles the whole layers at init; ``replan`` refits from the
+    sharded steps)."""
     dp = WORLD // STAGES
     batches, for_rank = _batches(m, dp, seed=300 + m)
     max_norm = CLIP if clipping else 0.0
@@ -79,7 +82,7 @@ def _equivalence(schedule: str, v: int, m: int, precision: str, clipping: bool =
     ref_losses, ref_grads, ref_params = reference_step(CFG, batches, STEPS, lr=LR, momentum=MOMENTUM,
                                                        max_norm=max_norm, norms=ref_norms)
     engine = _engine(schedule, v, m, precision=precision, clipping=max_norm, prefetch=prefetch, sampler=sampler,
-                     extra_terapipe={"shard_release": release})
+                     extra_terapipe={"shard_release": release, **(extra or {})})
     before = _whole(dict(engine.module.named_parameters()))
     mine = for_rank(engine.grid.data_parallel_id)
     eval_loss = float(engine.eval_batch(iter(mine[:m])))
@@ -93,7 +96,9 @@ def _equivalence(schedule: str, v: int, m: int, precision: str, clipping: bool =
            "eval_loss": eval_loss,
            "norms": norms, "ref_norms": ref_norms, "gathers": engine.sharded.gathers,
            "reduce_scatters": engine.sharded.reduce_scatters, "planned": list(counts),
-           "sharded": sum(hasattr(p, "full_tensor") for p in engine.module.parameters())}
+           "sharded": sum(hasattr(p, "full_tensor") for p in engine.module.parameters()),
+           "slices": list(engine.slices), "plan_source": engine.plan_source,
+           "replanned": engine.replanner is not None and engine.replanner.done}
     if precision == "fp32":
         out["grad_rel_err"], out["grad_worst"], out["covered"] = compare(grads, ref_grads, engine.stage_id)
         out["param_rel_err"], out["param_worst"], _ = compare(params, ref_params, engine.stage_id)
@@ -222,7 +227,7 @@ def suite_sharded(extra: dict) -> list[dict]:
     cases = [lambda c=c: _equivalence(*c) for c in extra.get("cases", [])]
     labels = [f"{c[3]} {c[0]} v={c[1]} m={c[2]}{' clip' if len(c) > 4 and c[4] else ''}"
               f"{' no-prefetch' if len(c) > 5 and not c[5] else ''}{' no-sampler' if len(c) > 6 and not c[6] else ''}"
-              f"{' release=' + c[7] if len(c) > 7 else ''}"
+              f"{' release=' + c[7] if len(c) > 7 else ''}{' ' + str(c[8]) if len(c) > 8 else ''}"
               for c in extra.get("cases", [])]
     results = run_cases(list(zip(labels, cases)), label=lambda name, fn: name, run=lambda name, fn: fn())
     if extra.get("gathers"):
