@@ -1,8 +1,8 @@
 """Tier b: sharded data parallelism per chunk (terapipe.shard_params) equals the single-process unsliced reference.
 
 One launch of 4 processes (2 stages x 2 replicas) runs tests/suites/sharded.py: ``looped-bfs``,
-``interleaved-1f1b``, ``1f1b``, ``gpipe`` and ``dualpipev`` in fp32 (loss, every first-step gradient and the parameters after
-3 SGD + momentum steps, rel err <= 1e-5; clipped by the global norm in two cases, the norms against
+``interleaved-1f1b``, ``1f1b``, ``gpipe`` and ``dualpipev`` in fp32 (loss, every first-step gradient and the
+parameters after 3 SGD + momentum steps, rel err <= 1e-5; clipped by the global norm in two cases, the norms against
 ``clip_grad_norm_``'s) and bf16 (bf16 compute over fp32 shards: the master weights' change within bf16 rounding of
 the reference's); the AG and RS actions executed per step against the lowered schedule's count at m in {2, 4, 8}
 (``looped-bfs``: the same at every m); the model states per rank against the replicated run's; a checkpoint saved
