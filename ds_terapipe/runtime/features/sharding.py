@@ -34,6 +34,8 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from ...planner.sharding import shard_counts
+
 __all__ = ["ShardedChunks", "check_fsdp_internals", "sharding_problem"]
 
 logger = logging.getLogger(__name__)
@@ -166,9 +168,11 @@ class ShardedChunks:
         self._refs: dict[str, int] = {}      # unit -> chunks of this rank gathered that use it
         self._grads: set[str] = set()        # gathered units whose runs computed gradients
         self.begin_step()
-        logger.info("terapipe: stage %d shards %s (%d parameters) over %d data-parallel replicas (FSDP2%s)",
-                    engine.stage_id, ", ".join(self.units) or "nothing", sum(self.numel.values()), self.dp,
-                    ", bf16 compute" if engine.terapipe_bf16 else "")
+        gathers, scatters = shard_counts(engine._train_schedule().schedule)[engine.stage_id]
+        logger.info("terapipe: stage %d shards %s (%d parameters) over %d data-parallel replicas (FSDP2%s); a "
+                    "training step gathers %d time(s) and reduce-scatters %d", engine.stage_id,
+                    ", ".join(self.units) or "nothing", sum(self.numel.values()), self.dp,
+                    ", bf16 compute" if engine.terapipe_bf16 else "", gathers, scatters)
 
     # -- the schedule's actions -------------------------------------------------------------------------------
     def begin_step(self) -> None:
