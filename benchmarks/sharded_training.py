@@ -7,8 +7,9 @@ against the same schedule under ZeRO 1 and against torch pipelining's ScheduleLo
 
 Four processes, 2 pipeline stages x 2 data-parallel replicas, one thread each; the machine has two cores, so each
 stage gets one and its two replicas share it (``--pin stage``: a stage's idle time in the pipeline's bubbles is an
-idle core, as on devices). The reference GPT (``--layers`` blocks of ``--hidden``, ``--seq-len`` tokens, micro-batch 1), m micro-batches per
-replica, AdamW in every variant. Variants, all from the same weights on the same batches:
+idle core, as on devices). The reference GPT (``--layers`` blocks of ``--hidden``, ``--seq-len`` tokens,
+micro-batch 1), m micro-batches per replica, AdamW in every variant. Variants, all from the same weights on the same
+batches:
 
 * ``token/zero1``: ``looped-bfs``, 2 chunks per rank, ``--slices`` fixed slices (default 2; with 1 the sharding
   machinery is all that differs from torch's pipeline), ZeRO stage 1 (the optimizer state partitioned,
@@ -68,7 +69,8 @@ def _token_engine(variant: str, m: int, cfg: Any, opts: dict) -> Any:
               "zero_optimization": {"stage": 0 if sharded else 1}, "zero_allow_untested_optimizer": True}
     model = ds_terapipe.TokenPipelineModule(gpt_layer_specs(cfg), num_stages=STAGES, loss_fn=causal_lm_loss,
                                             vocab_size=cfg.vocab_size, partition_method="type:GPTBlock",
-                                            **ds_terapipe.module_chunk_kwargs(ds_terapipe.parse_terapipe_config(config)))
+                                            **ds_terapipe.module_chunk_kwargs(
+                                                ds_terapipe.parse_terapipe_config(config)))
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     engine, _, _, _ = ds_terapipe.initialize(model=model, optimizer=opt, config=config)
     return engine
@@ -248,7 +250,7 @@ def main() -> int:
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--slices", type=int, default=2,
-                    help="token slices per micro-batch of the token variants (1: the sharding alone differs from torch)")
+                    help="token slices per micro-batch of the token variants (1: only the sharding differs from torch)")
     ap.add_argument("--micro-batches", type=int, default=4)
     ap.add_argument("--steps", type=int, default=7, help="timed clean rounds")
     ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of: {', '.join(VARIANTS)}")

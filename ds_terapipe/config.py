@@ -348,12 +348,13 @@ class TeraPipeConfig(DeepSpeedConfigModel):
     shard_params: bool = Field(False, description=(
         "shard each chunk's parameters, gradients and optimizer state over the data-parallel replicas (torch's "
         "FSDP2 per chunk): a chunk is all-gathered when the schedule starts a run of its actions and freed after "
-        "it, its gradients reduce-scattered once per run, so `looped-bfs` gathers twice per chunk and step "
-        "whatever the micro-batch count ([Sharded data parallelism](sharding.md)); ZeRO stage 0, fp32 or bf16, "
+        "it, its gradients reduce-scattered once per run, so `looped-bfs` gathers at most twice per chunk and "
+        "step whatever the micro-batch count ([Sharded data parallelism](sharding.md)); ZeRO stage 0, fp32 or bf16, "
         "a torch optimizer; not with `vocab_parallel`, `freeze`, `sequence_parallel` or `deferred_weight_grads`"))
     """Fully sharded data parallelism per chunk (``runtime/features/sharding.py``): the schedule's ``AG``/``RS``/``RL``
     actions (``planner/sharding.py``) gather a chunk before a run of its actions and reduce-scatter the run's
-    gradients after it. Weights tied across pipeline ranks stay replicated (their gradients all-reduced)."""
+    gradients after it. A weight tied across layers is a sharded group of its own, gathered with the chunks that use
+    it."""
 
     shard_prefetch: bool = Field(True, description=(
         "with `shard_params`: start the all-gather of a rank's next run when its current run starts (overlapped, "

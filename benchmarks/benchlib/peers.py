@@ -15,8 +15,9 @@ all of them in one run:
   gradient accumulation does.
 * ``TorchPipelineEngine("torch-loopedbfs-fsdp2", ..., dp=N)`` (benchmarks/sharded_training.py builds it directly):
   the same ``ScheduleLoopedBFS`` on N data-parallel replicas with FSDP2 as torchtitan arranges it: each block
-  ``fully_shard``-ed, then each stage module, over the stage's data-parallel group, not resharded after forward (the pipeline's gathers stay per step); its schedule's ``perform_reduce_grad``
-  reduce-scatters once per stage and step. The tied copies' gradients are summed on their local shards.
+  ``fully_shard``-ed, then each stage module, over the stage's data-parallel group, not resharded after forward
+  (the pipeline's gathers stay per step); its schedule's ``perform_reduce_grad`` reduce-scatters once per stage and
+  step. The tied copies' gradients are summed on their local shards.
 
 Peers expose no instruction map, so the per-instruction recorder sees nothing: their rows have step time and
 memory, not the busy-time bound (efficiency) the token rows have.

@@ -28,8 +28,9 @@ replicated parameters) the gradients are reduced once per step after the schedul
 a reduce-scatter and an all-gather of every chunk, after the makespan.
 
 Memory per rank (model states): sharded, ``states / dp`` plus two chunks' parameters (one where a rank holds one
-chunk) and one chunk's unsharded gradients (the run in flight and the prefetched one); replicated, parameters and gradients whole and the optimizer
-state ``/ dp`` (ZeRO 1). Activations are the schedule's, the same either way, and left out.
+chunk) and one chunk's unsharded gradients (the run in flight and the prefetched one); with ``release="step"`` the
+rank's chunks whole with their gradients; replicated, parameters and gradients whole and the optimizer state ``/ dp``
+(ZeRO 1). Activations are the schedule's, the same either way, and left out.
 """
 
 from __future__ import annotations

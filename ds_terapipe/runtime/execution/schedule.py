@@ -82,8 +82,8 @@ class TokenPipeSchedule(ds_schedule.PipeSchedule):
             as :class:`VocabForwardPass`/:class:`VocabBackwardPass`.
         slice_counts: per micro-batch, its slices when micro-batches of the step differ in length (``num_slices``
             is their largest; planner/lowering.py drops the units a micro-batch does not have).
-        shard_params, shard_prefetch, shard_release: add the sharding actions ``AG``/``RS``/``RL`` (:class:`ShardGather`, ...)
-            around each run of one chunk (``planner/sharding.py``).
+        shard_params, shard_prefetch, shard_release: add the sharding actions ``AG``/``RS``/``RL``
+            (:class:`ShardGather`, ...) around each run of one chunk (``planner/sharding.py``).
         vocab_embedding: with ``vocab_parallel``, add the split input embedding's passes ``EF``/``EB`` too
             (:class:`VocabEmbedForwardPass`/:class:`VocabEmbedBackwardPass`); the first stage loads a micro-batch
             before its first ``EF``, which reads its token ids.
