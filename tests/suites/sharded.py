@@ -91,7 +91,7 @@ def _equivalence(schedule: str, v: int, m: int, precision: str, clipping: bool =
         losses, norms = train_steps(engine, data, STEPS)
     grads = _whole(grads)
     params = _whole(dict(engine.module.named_parameters()))
-    counts = shard_counts(engine._train_schedule().schedule)[engine.stage_id]
+    counts = shard_counts(engine.lowered_schedule(engine.num_slices))[engine.stage_id]
     out = {"case": STATUS["case"], "stage": engine.stage_id, "losses": losses, "ref_losses": ref_losses,
            "eval_loss": eval_loss,
            "norms": norms, "ref_norms": ref_norms, "gathers": engine.sharded.gathers,
@@ -125,7 +125,7 @@ def _gathers(schedule: str, v: int) -> dict:
         _, for_rank = _batches(m, WORLD // STAGES, seed=7)
         engine.train_batch(iter(for_rank(engine.grid.data_parallel_id)))
         executed.append([engine.sharded.gathers, engine.sharded.reduce_scatters])
-        planned.append(list(shard_counts(engine._train_schedule().schedule)[engine.stage_id]))
+        planned.append(list(shard_counts(engine.lowered_schedule(engine.num_slices))[engine.stage_id]))
         ENGINE_REF.pop("engine", None)
     return {"case": f"gathers {schedule}", "executed": executed, "planned": planned}
 

@@ -168,7 +168,7 @@ class ShardedChunks:
         self._refs: dict[str, int] = {}      # unit -> chunks of this rank gathered that use it
         self._grads: set[str] = set()        # gathered units whose runs computed gradients
         self.begin_step()
-        gathers, scatters = shard_counts(engine._train_schedule().schedule)[engine.stage_id]
+        gathers, scatters = shard_counts(engine.lowered_schedule(engine.num_slices))[engine.stage_id]
         logger.info("terapipe: stage %d shards %s (%d parameters) over %d data-parallel replicas (FSDP2%s); a "
                     "training step gathers %d time(s) and reduce-scatters %d", engine.stage_id,
                     ", ".join(self.units) or "nothing", sum(self.numel.values()), self.dp,
