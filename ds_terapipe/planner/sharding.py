@@ -103,19 +103,18 @@ def add_shard_actions(schedule: Schedule, prefetch: bool = True, release: str = 
     lowered = add_communication(schedule)
     streams = []
     for stream in lowered.stages:
-        compute = [p for p, a in enumerate(stream) if a.is_compute]
         runs: list[list[int]] = []   # positions of each run's compute actions
-        for p in compute:
-            same = (lambda q: stream[q].chunk == stream[p].chunk)
-            if release == "step":   # a chunk's actions of the whole step are one "run"
-                mine = next((run for run in runs if same(run[0])), None)
-                if mine is not None:
-                    mine.append(p)
-                    continue
-            elif runs and same(runs[-1][-1]):
-                runs[-1].append(p)
+        latest: dict[int, list[int]] = {}   # chunk -> its latest run
+        for p, a in enumerate(stream):
+            if not a.is_compute:
                 continue
-            runs.append([p])
+            mine = latest.get(a.chunk)
+            # per run: only the run in progress continues; per step, a chunk's actions of the step are one run
+            if mine is not None and (release == "step" or mine is runs[-1]):
+                mine.append(p)
+            else:
+                runs.append([p])
+                latest[a.chunk] = runs[-1]
         before: dict[int, list[Action]] = {}
         after: dict[int, list[Action]] = {}
         for j, run in enumerate(runs):

@@ -47,6 +47,7 @@ import torch.distributed as dist
 from deepspeed.pipe import TiedLayerSpec
 from deepspeed.runtime.constants import PIPE_REPLICATED
 from deepspeed.runtime.utils import is_model_parallel_parameter
+from ..features.sharding import is_sharded, local_shard
 from .stage import PipelineStage
 
 
@@ -76,8 +77,8 @@ def clip_grad_norm_over(params: Iterable[torch.Tensor], max_norm: float, group: 
     added to the whole tensors' squares."""
     params = [p for p in params if p.grad is not None]
     counted = [p.grad.detach() for p in params if counted_in_norm(p, tensor_rank)]
-    sharded = [_local(g) for g in counted if _local(g) is not g]
-    whole = [g for g in counted if _local(g) is g]
+    sharded = [local_shard(g) for g in counted if is_sharded(g)]
+    whole = [g for g in counted if not is_sharded(g)]
     squares = _squares(whole, device)
     if shard_group is not None:
         part = _squares(sharded, device)
@@ -87,15 +88,9 @@ def clip_grad_norm_over(params: Iterable[torch.Tensor], max_norm: float, group: 
     norm = squares.sqrt()
     coef = torch.clamp(max_norm / (norm + EPS), max=1.0)
     for p in params:
-        grad = _local(p.grad.detach())
+        grad = local_shard(p.grad.detach())
         grad.mul_(coef.to(device=grad.device, dtype=grad.dtype))
     return norm
-
-
-def _local(grad: torch.Tensor) -> torch.Tensor:
-    """A sharded gradient's local shard (a DTensor's), else the gradient itself."""
-    to_local = getattr(grad, "to_local", None)
-    return to_local() if to_local is not None else grad
 
 
 def _squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:

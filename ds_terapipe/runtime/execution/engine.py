@@ -169,17 +169,15 @@ class TokenPipelineEngine(PipelineEngine):
             pipeline.setdefault("pipe_partitioned", False)
             pipeline.setdefault("grad_partitioned", False)
             ds_config = dict(ds_config, pipeline=pipeline)
-        bf16_shards = False
-        if terapipe.shard_params:
-            problem = sharding_problem(DeepSpeedConfig(ds_config, pipe_mpu))
-            if problem:
-                raise ValueError(problem)
-            if (ds_config.get("bf16") or {}).get("enabled"):
-                # bf16 compute over fp32 shards is FSDP2's mixed precision: DeepSpeed builds an fp32 engine (its
-                # bf16 optimizer keeps flat fp32 copies of whole parameters, which shards replace)
-                ds_config = dict(ds_config, bf16=dict(ds_config["bf16"], enabled=False))
-                bf16_shards = True
+        bf16_shards = bool(terapipe.shard_params and (ds_config.get("bf16") or {}).get("enabled"))
+        if bf16_shards:
+            # bf16 compute over fp32 shards is FSDP2's mixed precision: DeepSpeed builds an fp32 engine (its bf16
+            # optimizer keeps flat fp32 copies of whole parameters, which shards replace)
+            ds_config = dict(ds_config, bf16=dict(ds_config["bf16"], enabled=False))
         config_class = DeepSpeedConfig(ds_config, pipe_mpu)
+        problem = sharding_problem(config_class) if terapipe.shard_params else None
+        if problem:
+            raise ValueError(problem)
         stage = config_class.zero_optimization_stage
         if stage >= 2:
             raise ValueError(f"terapipe: zero_optimization.stage={stage} is not supported with pipeline parallelism "

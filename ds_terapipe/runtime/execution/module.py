@@ -29,6 +29,7 @@ from deepspeed.pipe import PipelineModule
 from ...planner.registry import get_schedule
 from ...planner.schedule import chunks_on, looped_placement
 from ..features import vocab
+from ..features.sharding import local_shard
 from ..features.vocab_shard import split_output_layer
 from ..features.vocab_embedding import install_split
 from ..features.partition import custom_parts
@@ -286,17 +287,13 @@ class TokenPipelineModule(PipelineModule):
         """DeepSpeed's broadcast of the tied weights, without autograd recording it: done with grad on (at build,
         on leaf parameters), torch keeps the in-place broadcast in the graph and warns at the first backward that
         c10d's broadcast has no autograd kernel ("may lead to silently incorrect behavior"), though the gradients
-        are right; under no_grad no such node is made. Sharded weights broadcast their local shards."""
+        are right; under no_grad no such node is made. DeepSpeed's loop, shard by shard where the weights are sharded
+        (``terapipe.shard_params``: every copy holds the same rows of the weight)."""
         with torch.no_grad():
-            if not any(hasattr(w, "to_local") for w, _ in self.get_tied_weights_and_groups()):
-                super()._synchronize_tied_weights()
-                return
-            # sharded (terapipe.shard_params): every copy holds the same rows of the weight, broadcast shard-wise
-            for key, comm in self.tied_comms.items():
+            for comm in self.tied_comms.values():
                 for attr_name in comm["weight_attr"]:
                     weight = self._recursive_getattr(comm["module"], attr_name)
-                    dist.broadcast(weight.to_local() if hasattr(weight, "to_local") else weight,
-                                   src=min(comm["ranks"]), group=comm["group"])
+                    dist.broadcast(local_shard(weight), src=min(comm["ranks"]), group=comm["group"])
 
     def compile(self, *args, **kwargs) -> None:
         for _ in self.each_chunk():

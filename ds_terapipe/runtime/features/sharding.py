@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from ...planner.sharding import shard_counts
 
-__all__ = ["ShardedChunks", "check_fsdp_internals", "sharding_problem"]
+__all__ = ["ShardedChunks", "check_fsdp_internals", "is_sharded", "local_shard", "sharding_problem"]
 
 logger = logging.getLogger(__name__)
 
@@ -282,11 +282,11 @@ class ShardedChunks:
         (each copy holds the same rows of it)."""
         for weight, group in self.engine.module.get_tied_weights_and_groups():
             if weight.grad is not None:
-                dist.all_reduce(_local(weight.grad), group=group)
+                dist.all_reduce(local_shard(weight.grad), group=group)
 
     # -- what a rank holds ------------------------------------------------------------------------------------
     def replicated_params(self) -> list[torch.nn.Parameter]:
-        return [p for p in self.engine.module.parameters() if not _is_dtensor(p)]
+        return [p for p in self.engine.module.parameters() if not is_sharded(p)]
 
     def memory(self) -> dict[str, float]:
         """Bytes of model states on this rank: sharded now (``params``, ``grads``, ``optimizer``: local shards and
@@ -297,15 +297,14 @@ class ShardedChunks:
         out = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "replicated_params": 0.0, "replicated_grads": 0.0,
                "replicated_optimizer": 0.0}
         for p in self.engine.module.parameters():
-            local, whole = _local(p), p
-            out["params"] += local.numel() * local.element_size()
-            out["replicated_params"] += whole.numel() * whole.element_size()
+            out["params"] += local_shard(p).numel() * p.element_size()
+            out["replicated_params"] += p.numel() * p.element_size()
             if p.grad is not None:
-                out["grads"] += _local(p.grad).numel() * p.grad.element_size()
+                out["grads"] += local_shard(p.grad).numel() * p.grad.element_size()
                 out["replicated_grads"] += p.grad.numel() * p.grad.element_size()
             for value in self.engine.optimizer.state.get(p, {}).values():
                 if torch.is_tensor(value) and value.dim() > 0:
-                    out["optimizer"] += _local(value).numel() * value.element_size()
+                    out["optimizer"] += local_shard(value).numel() * value.element_size()
                     out["replicated_optimizer"] += value.numel() * value.element_size()
         size = 2 if self.engine.terapipe_bf16 else 4
         out["gathered_peak"] = float(self.peak_gathered * size)
@@ -366,25 +365,28 @@ class ShardedChunks:
         optimizer.load_state_dict = load_state_dict
 
 
-def _is_dtensor(t: Any) -> bool:
+def is_sharded(t: Any) -> bool:
+    """Whether ``t`` is a sharded tensor (a DTensor: a ``shard_params`` parameter, its gradient or state)."""
     from torch.distributed.tensor import DTensor
 
     return isinstance(t, DTensor)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if _is_dtensor(t) else t
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of ``t`` when it is sharded (a view: in-place changes reach it), else ``t``: what
+    collectives and in-place updates that act shard by shard take."""
+    return t.to_local() if is_sharded(t) else t
 
 
 def _whole(value: Any) -> Any:
-    return value.full_tensor() if _is_dtensor(value) else value
+    return value.full_tensor() if is_sharded(value) else value
 
 
 def _shard_like(value: Any, param: torch.Tensor) -> Any:
     """``value`` (a whole tensor of ``param``'s shape) as ``param``'s shard of it; anything else as it is."""
     from torch.distributed.tensor import distribute_tensor
 
-    if not _is_dtensor(param) or not torch.is_tensor(value) or value.shape != param.shape:
+    if not is_sharded(param) or not torch.is_tensor(value) or value.shape != param.shape:
         return value
     return distribute_tensor(value.to(param.device_mesh.device_type), param.device_mesh, param.placements,
                              src_data_rank=None)
@@ -404,8 +406,8 @@ def _load_whole(layer: torch.nn.Module, state: dict, strict: bool) -> Any:
             if name not in own:
                 continue
             target = own[name]
-            if _is_dtensor(target):
-                _local(target).copy_(_local(_shard_like(value, target)))
+            if is_sharded(target):
+                local_shard(target).copy_(local_shard(_shard_like(value, target)))
             else:
                 target.copy_(value)
     return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
