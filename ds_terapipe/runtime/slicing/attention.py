@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .blocks import block_attention, fused_ok, prefix_blocks
 from .context import KVBuffers, SliceContext, current_slice
 from .devices import prefix_causal_bias
 from .documents import current_documents, slice_positions
@@ -109,8 +110,12 @@ def _sliced(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: "SliceContex
             dropout_p: float, scale: "float | None") -> torch.Tensor:
     gqa = _gqa_kwargs(q, k, v)
     docs = current_documents()
+    fused = fused_ok(q, k, v, dropout_p)  # CPU: exact blocks on the flash kernel instead of a dense mask
     if ctx is None or ctx.num_slices == 1:
         if docs is not None:  # packed rows: causal within each document
+            blocks = docs.blocks(0, q.shape[2]) if fused else None
+            if blocks is not None:
+                return block_attention(q, k, v, blocks, scale)
             mask = docs.mask(0, q.shape[2], q.dtype)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, **gqa)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, scale=scale, **gqa)
@@ -126,12 +131,17 @@ def _sliced(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: "SliceContex
     values = _PrefixKV.apply(v, bufs, "v", ctx.start)
     if docs is not None:  # packed rows: the prefix's keys of the query's own document only
         first = docs.first_visible(ctx.start)  # keys of documents that ended before the slice: skipped
+        blocks = docs.blocks(ctx.start, ctx.end, first) if fused else None
+        if blocks is not None:
+            return block_attention(q, keys[:, :, first:], values[:, :, first:], blocks, scale)
         mask = docs.mask(ctx.start, ctx.end, q.dtype, first)
         return F.scaled_dot_product_attention(q, keys[:, :, first:], values[:, :, first:], attn_mask=mask,
                                               dropout_p=dropout_p, scale=scale, **gqa)
     if ctx.start == 0:
         return F.scaled_dot_product_attention(q, keys, values, is_causal=True, dropout_p=dropout_p, scale=scale, **gqa)
     mask = prefix_causal_bias(ctx.start, ctx.end, q.device)  # lazy on an accelerator: fused kernels stay eligible
+    if mask is None and fused:  # CPU: a full block over the prefix and a causal one over the slice, merged
+        return block_attention(q, keys, values, prefix_blocks(q.shape[0], ctx.start, ctx.length), scale)
     if mask is None:
         mask = _prefix_causal_mask(ctx.start, ctx.end, q.dtype, q.device)
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, dropout_p=dropout_p, scale=scale, **gqa)

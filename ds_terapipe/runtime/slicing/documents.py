@@ -28,6 +28,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from .blocks import MAX_BLOCKS, Block
 from .context import current_slice
 
 __all__ = ["Documents", "check_position_ids", "current_documents", "packed_documents", "packed_rows", "positions_of",
@@ -82,6 +83,7 @@ class Documents:
         # (an embedding saves its indices), and a rewrite would invalidate that view.
         self.filled = positions.shape[1] if filled is None else filled
         self._masks: dict[tuple, torch.Tensor] = {}
+        self._blocks: dict[tuple, Optional[list[Block]]] = {}
         self._first: dict[int, int] = {}
 
     @classmethod
@@ -114,6 +116,33 @@ class Documents:
             first = int((start - self.positions[:, start]).min().clamp(min=0))
             self._first = {start: first}
         return first
+
+    def blocks(self, start: int, end: int, first_key: int = 0) -> Optional[list[Block]]:
+        """The slice ``[start, end)`` as exact attention blocks over keys ``[first_key, end)`` (key indices from
+        ``first_key``): per document of the slice one causal block, plus a full block over the earlier part of
+        the document the slice starts in (:mod:`~ds_terapipe.runtime.slicing.blocks`). Rows with the same
+        documents share blocks. None when the slice holds more than ``MAX_BLOCKS`` blocks: the dense mask is
+        cheaper then. Cached like :meth:`mask`."""
+        key = (start, end, first_key)
+        if key in self._blocks:
+            return self._blocks[key]
+        pos = self.positions[:, start:end].cpu()                                       # (B, T)
+        rows: list[tuple[tuple[int, int, int], ...]] = []
+        for row in pos:
+            cuts = (row == 0).nonzero().flatten().tolist()
+            bounds = ([] if cuts[:1] == [0] else [0]) + cuts + [end - start]
+            first = start - int(row[0]) - first_key                                    # the first document's start
+            rows.append(tuple((q0, q1, first if i == 0 else start + q0 - first_key)
+                              for i, (q0, q1) in enumerate(zip(bounds, bounds[1:]))))
+        out: list[Block] = []
+        row0 = 0
+        for r in range(1, len(rows) + 1):                                              # runs of equal rows
+            if r == len(rows) or rows[r] != rows[row0]:
+                out += [Block(row0, r, q0, q1, p0, start + q0 - first_key) for q0, q1, p0 in rows[row0]]
+                row0 = r
+        result = out if len(out) <= MAX_BLOCKS else None
+        self._blocks = {key: result}  # one slice at a time, as the masks
+        return result
 
     def mask(self, start: int, end: int, dtype: torch.dtype, first_key: int = 0) -> torch.Tensor:
         """(B, 1, end - start, end - first_key) additive mask: query ``start + r`` sees key ``first_key + j`` iff

@@ -1,0 +1,150 @@
+"""Tier a, one process: exact block attention on CPU (runtime/slicing/blocks.py).
+
+The blocks (a full block over the prefix, a causal block over the slice's own keys, merged by log-sum-exp; per
+document for packed rows) must equal SDPA under the dense mask they replace: outputs and the gradients of
+queries, keys and values, in fp64, fp32 and bf16, with grouped-query heads, rows of different documents, and a
+slice that starts inside a document. Sliced attention on CPU must take them (and save no (T, end) mask), and
+keep the dense mask where they do not apply.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ds_terapipe.runtime.slicing import blocks as blocks_mod
+from ds_terapipe.runtime.slicing.attention import CausalSelfAttention
+from ds_terapipe.runtime.slicing.blocks import MAX_BLOCKS, Block, block_attention, fused_ok, prefix_blocks
+from ds_terapipe.runtime.slicing.context import MicroBatchState, SliceContext, slice_scope
+from ds_terapipe.runtime.slicing.documents import Documents
+
+TOL = {torch.float64: 1e-9, torch.float32: 2e-5, torch.bfloat16: 4e-2}
+
+
+def _positions(doc_starts: list[list[int]], length: int) -> torch.Tensor:
+    """(B, length) position ids restarting at 0 at each row's document starts."""
+    pos = torch.zeros(len(doc_starts), length, dtype=torch.long)
+    for row, starts in enumerate(doc_starts):
+        bounds = [*starts, length]
+        for a, b in zip(bounds, bounds[1:]):
+            pos[row, a:b] = torch.arange(b - a)
+    return pos
+
+
+def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    mask = torch.zeros(visible.shape, dtype=q.dtype).masked_fill(~visible, float("-inf"))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
+
+
+def _compare(q, k, v, blocks, visible, dtype) -> None:
+    grad = torch.randn(q.shape[0], q.shape[2], q.shape[1], q.shape[3], dtype=dtype).transpose(1, 2)  # as a model's
+    ref_in = [t.detach().requires_grad_() for t in (q, k, v)]
+    ref = _dense(*ref_in, visible)
+    ref_grads = torch.autograd.grad(ref, ref_in, grad)
+    got_in = [t.detach().requires_grad_() for t in (q, k, v)]
+    got = block_attention(*got_in, blocks, None)
+    got_grads = torch.autograd.grad(got, got_in, grad)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), (got, *got_grads), (ref, *ref_grads)):
+        err = float((a.detach().double() - b.double()).abs().max() / b.double().abs().max())
+        assert err < TOL[dtype], f"{name}: rel err {err:.2e} (dtype {dtype})"
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+@pytest.mark.parametrize("layout", ["prefix", "documents", "same documents", "slice starts a document"])
+def test_blocks_equal_sdpa_under_the_dense_mask(dtype: torch.dtype, kv_heads: int, layout: str) -> None:
+    torch.manual_seed(kv_heads)
+    batch, heads, head_dim, tokens, start = 2, 4, 16, 24, 40
+    end = start + tokens
+    q = torch.randn(batch, heads, tokens, head_dim, dtype=dtype)
+    k = torch.randn(batch, kv_heads, end, head_dim, dtype=dtype)
+    v = torch.randn(batch, kv_heads, end, head_dim, dtype=dtype)
+    if layout == "prefix":
+        visible = torch.ones(tokens, end, dtype=torch.bool).tril(diagonal=start)
+        _compare(q, k, v, prefix_blocks(batch, start, tokens), visible, dtype)
+        return
+    starts = {"documents": [[0, 30, 50, 58], [0, 45, 52]], "same documents": [[0, 30, 50, 58]] * 2,
+              "slice starts a document": [[0, 40, 47], [0, 12, 40]]}[layout]
+    docs = Documents(_positions(starts, end))
+    first = docs.first_visible(start)
+    blocks = docs.blocks(start, end, first)
+    assert blocks is not None
+    if layout == "same documents":
+        assert all((b.row0, b.row1) == (0, batch) for b in blocks), "rows with the same documents share blocks"
+        assert first == 30 and blocks[0] == Block(0, batch, 0, 10, 0, 10)
+    ids = docs.ids(end)
+    visible = (ids[:, start:, None] == ids[:, None, first:]) & \
+        torch.ones(tokens, end, dtype=torch.bool).tril(diagonal=start)[:, first:]
+    _compare(q, k[:, :, first:], v[:, :, first:], blocks, visible.unsqueeze(1), dtype)
+
+
+def test_sliced_attention_on_cpu_runs_blocks_and_saves_no_mask(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every slice after the first goes through the blocks (two kernel calls), and nothing of shape (T, end) is
+    saved for backward: the dense mask the blocks replace is gone."""
+    calls = []
+    real = blocks_mod._FWD
+    monkeypatch.setattr(blocks_mod, "_FWD", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    torch.manual_seed(0)
+    attn = CausalSelfAttention(24, 4)
+    x = torch.randn(1, 30, 24)
+    saved: list[tuple[int, ...]] = []
+    state = MicroBatchState(0, 30, 3)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+        for i, start in enumerate((0, 10, 20)):
+            with slice_scope(SliceContext(0, i, start, start + 10, state)):
+                attn(x[:, start:start + 10])
+    assert len(calls) == 4, f"expected two block kernels for each of the two later slices, got {len(calls)}"
+    assert not [s for s in saved if s[-2:] in ((10, 20), (10, 30))], f"a (T, end) mask was saved: {saved}"
+
+
+def test_many_tiny_documents_keep_the_dense_mask() -> None:
+    """Over MAX_BLOCKS blocks in a slice, one dense kernel call is cheaper: Documents.blocks says None."""
+    length = 4 * (MAX_BLOCKS + 1)
+    docs = Documents(_positions([list(range(0, length, 4))], length))
+    assert docs.blocks(0, length) is None
+    assert docs.blocks(0, 4 * MAX_BLOCKS) is not None
+
+
+def test_blocks_apply_where_sdpa_would_take_its_cpu_flash_kernel() -> None:
+    q = torch.randn(1, 2, 8, 16)
+    assert fused_ok(q, q, q, 0.0)
+    assert not fused_ok(q, q, q, 0.1), "dropout: the dense path"
+    assert not fused_ok(q, q.double(), q, 0.0), "mixed dtypes: the dense path"
+    assert not fused_ok(q.transpose(-1, -2), q, q, 0.0), "no unit stride on the head dimension"
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    with sdpa_kernel(SDPBackend.MATH):
+        assert not fused_ok(q, q, q, 0.0), "flash switched off: the dense path"
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not fused_ok(q, q, q, 0.0), "autocast: SDPA's own casts"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_blocks_and_dense_mask_agree_through_a_sliced_layer(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same sliced forward/backward with the blocks and with the dense mask (fp64): equal."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    attn = CausalSelfAttention(32, 4, rotary=True).double()
+    length = rng.randint(20, 60)
+    cuts = sorted(rng.sample(range(1, length), 3))
+    bounds = [0, *cuts, length]
+    x = torch.randn(2, length, 32, dtype=torch.double)
+
+    def run() -> list[torch.Tensor]:
+        """Forward slice by slice, backward later slices first (as a stage runs them)."""
+        attn.zero_grad()
+        state, outs = MicroBatchState(0, length, len(bounds) - 1), []
+        for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+            with slice_scope(SliceContext(0, i, a, b, state)):
+                outs.append(attn(x[:, a:b]))
+        for out in reversed(outs):
+            out.pow(2).sum().backward()
+        return [torch.cat(outs, 1).detach()] + [p.grad.clone() for p in attn.parameters()]
+
+    fused = run()
+    monkeypatch.setattr(blocks_mod, "_FWD", None)
+    dense = run()
+    for a, b in zip(fused, dense):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
