@@ -15,16 +15,22 @@ positions), sequence L, micro-batch size 1, 2 micro-batches per step, SGD. Varia
 * ``pipeline (4 stages)``: the same without recomputation.
 * ``DeepSpeed Ulysses (4 ranks)``: no pipeline; ``deepspeed.initialize(mesh_param=(1, 4))`` and DeepSpeed's
   ``deepspeed.sequence.layer.DistributedAttention`` around each block's attention (the same weights), each rank
-  holding L/4 tokens of each sequence, its positions offset to its share.
+  holding L/4 tokens of each sequence, its positions offset to its share, the gradients summed over the four
+  ranks by DeepSpeed's reduction given the sequence group through an ``mpu`` (:class:`_SequenceDataParallel`).
+
+No gradient clipping anywhere (DeepSpeed's default clips at 1.0). Checked: every variant's loss after every step
+equals the first variant's (rel 1e-5): the same model, batches and weights, so the same training.
 
 Per variant: the median step time (slowest rank) and tokens/s over alternated rounds (``benchlib/alternate.py``),
-and per rank the peak bytes of the tensors autograd holds for backward at once (parameters left out: packed minus
-unpacked, so recomputed activations count while they live), the token pipeline's KV carry (as allocated: a
-recomputed forward allocates its own) and the parameters held (gradients and SGD state scale with them). Writes
+and per rank, measured in the warm-up step (``benchlib.meters.ActivationMeter``; the timed steps run without
+hooks): the peak bytes of the storages autograd holds for backward (each once however many views of it are
+saved, while any is alive; parameters and the KV carry left out), the token pipeline's KV carry at its peak, the
+peak of the two together, and the parameters held (gradients and SGD state scale with them). Writes
 ``benchmarks/results/sequence_parallel.json`` unless ``--json PATH``.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import tempfile
@@ -34,47 +40,15 @@ from typing import Any
 
 from benchlib.alternate import alternate, median
 from benchlib.launch import launch_workers, pin_and_single_thread, run_as_worker
-from benchlib.tables import (benchmark_parser, chosen_variants, machine_info, markdown_table, results_path,
-                             write_report)
+from benchlib.meters import ActivationMeter
+from benchlib.tables import (benchmark_parser, chosen_variants, machine_info, markdown_table, print_checks,
+                             results_path, write_report)
 
 NAME = "sequence_parallel"
 WORLD = 4
 PIPE_SEQ, PIPE_AC, PIPE, ULYSSES = ("pipeline x sequence (2 x 2)", "pipeline (4 stages) + checkpointing",
                                     "pipeline (4 stages)", "DeepSpeed Ulysses (4 ranks)")
 VARIANTS = [PIPE_SEQ, PIPE_AC, PIPE, ULYSSES]
-
-
-class SavedBytes:
-    """Peak bytes of the tensors autograd holds for backward at once (packed minus unpacked), parameters left
-    out: a saved-tensors hook over a step."""
-
-    def __init__(self, params: set[int]) -> None:
-        self.params, self.live, self.peak = params, 0, 0
-
-    def pack(self, t: Any) -> Any:
-        size = 0 if t.untyped_storage().data_ptr() in self.params else t.numel() * t.element_size()
-        self.live += size
-        self.peak = max(self.peak, self.live)
-        return (t, size)
-
-    def unpack(self, packed: Any) -> Any:
-        t, size = packed
-        self.live -= size
-        return t
-
-
-def _kv_spy() -> tuple[Any, list[int]]:
-    from ds_terapipe.runtime.slicing import context
-
-    original, sizes = context.MicroBatchState.buffers, []
-
-    def spy(self: Any, key: Any, like_k: Any, like_v: Any) -> Any:
-        bufs = original(self, key, like_k, like_v)
-        sizes.append(2 * bufs.k.numel() * bufs.k.element_size())
-        return bufs
-
-    context.MicroBatchState.buffers = spy
-    return (lambda: setattr(context.MicroBatchState, "buffers", original)), sizes
 
 
 def _pipeline(name: str, cfg: Any, opts: dict) -> Any:
@@ -92,7 +66,8 @@ def _pipeline(name: str, cfg: Any, opts: dict) -> Any:
                                             **kwargs, **ds_terapipe.module_chunk_kwargs(
                                                 ds_terapipe.parse_terapipe_config({"terapipe": terapipe})))
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": opts["micro"],
-              "train_batch_size": opts["micro"], "steps_per_print": 10**9, "terapipe": terapipe}
+              "train_batch_size": opts["micro"], "steps_per_print": 10**9, "gradient_clipping": 0.0,
+              "terapipe": terapipe}
     engine, _, _, _ = ds_terapipe.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1e-3),
                                              config=config)
     return engine
@@ -123,6 +98,30 @@ class _UlyssesAttention:
         return self.attn.proj(y.reshape(batch, tokens, channels))
 
 
+class _SequenceDataParallel:
+    """The one thing DeepSpeed asks of a model-parallel unit (``mpu``) to reduce gradients over the sequence
+    ranks. Without an mpu, DeepSpeed 0.19.8 takes the data-parallel group (one rank here) for the reduction and
+    divides by its size over the sequence degree (1/4): every rank would step on 4x its own partial gradient,
+    never summed over the others (checked against the unsliced reference). With it, the reduction sums over
+    all four ranks, as Megatron-DeepSpeed's mpu makes it do."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+
+    def get_sequence_data_parallel_group(self) -> Any:
+        return self.group
+
+    def get_sequence_data_parallel_world_size(self) -> int:
+        import torch.distributed as dist
+
+        return dist.get_world_size(self.group)
+
+    def get_sequence_data_parallel_rank(self) -> int:
+        import torch.distributed as dist
+
+        return dist.get_rank(self.group)
+
+
 def _ulysses(cfg: Any, opts: dict) -> Any:
     import deepspeed
     import torch
@@ -132,13 +131,15 @@ def _ulysses(cfg: Any, opts: dict) -> Any:
 
     model = GPTReference(cfg)
     groups.mpu = None   # DeepSpeed keeps the last engine's grid process-wide; this engine has none
-    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
-              "sequence_parallel_size": WORLD}
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": opts["micro"],
+              "train_batch_size": opts["micro"], "steps_per_print": 10**9, "sequence_parallel_size": WORLD,
+              "gradient_clipping": 0.0}
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1e-3),
                                            config=config, mesh_param=(1, WORLD))
     group = groups._get_sequence_parallel_group()
     for block in model.layers[1:-1]:
         block.attn.forward = _UlyssesAttention(block.attn, group)
+    engine.sequence_mpu = _SequenceDataParallel(group)   # set as DeepSpeed's mpu around each step
     return engine
 
 
@@ -148,19 +149,22 @@ def _ulysses_step(engine: Any, batches: list, seq_len: int) -> float:
     import torch.nn.functional as F
     from types import SimpleNamespace
 
+    from deepspeed.utils import groups
     from ds_terapipe.runtime.slicing.context import slice_scope
 
     rank, share = dist.get_rank(), seq_len // WORLD
     lo, hi = rank * share, (rank + 1) * share
     total = torch.zeros(())
+    previous, groups.mpu = groups.mpu, engine.sequence_mpu   # the pipeline engines install their own grids
     for ids, labels in batches:
         # positions of this rank's share: the embedding reads them from a slice context (no pipeline runs here)
         with slice_scope(SimpleNamespace(position_start=lo, documents=None, sequence=None)):
             logits = engine(ids[:, lo:hi])
         loss = F.cross_entropy(logits.flatten(0, 1), labels[:, lo:hi].flatten(), reduction="sum") / labels.numel()
-        engine.backward(loss / len(batches))
+        engine.backward(loss)   # DeepSpeed divides by its gradient_accumulation_steps (the micro-batches)
         total += loss.detach() / len(batches)
-        engine.step()   # DeepSpeed steps at the accumulation boundary
+        engine.step()           # one optimizer step, at the accumulation boundary
+    groups.mpu = previous
     dist.all_reduce(total)
     return float(total)
 
@@ -187,7 +191,6 @@ def worker_main(out_dir: Path, opts: dict) -> None:
     for name in sorted(opts["variants"], key=lambda n: n != ULYSSES):   # Ulysses first: see _ulysses
         if name == ULYSSES:
             engine = _ulysses(cfg, opts)
-            engine.gradient_accumulation_steps = lambda: 1
         else:
             engine = _pipeline(name, cfg, opts)
         engines[name] = engine
@@ -197,24 +200,21 @@ def worker_main(out_dir: Path, opts: dict) -> None:
 
     def run_step(name: str, rnd: Any) -> dict:
         engine = engines[name]
-        params = {p.untyped_storage().data_ptr() for p in engine.module.parameters()}
-        saved = SavedBytes(params)
-        restore, kv = _kv_spy()
+        meter = ActivationMeter(engine) if rnd is None else contextlib.nullcontext()   # memory: the warm-up
         torch.distributed.barrier()
         t0 = time.perf_counter()
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
-                if name == ULYSSES:
-                    loss = _ulysses_step(engine, batches, seq_len)
-                else:
-                    loss = float(engine.train_batch(iter(batches)))
-        finally:
-            restore()
+        with meter:
+            if name == ULYSSES:
+                loss = _ulysses_step(engine, batches, seq_len)
+            else:
+                loss = float(engine.train_batch(iter(batches)))
         step_ms = (time.perf_counter() - t0) * 1e3
         slowest = torch.tensor([step_ms])
         torch.distributed.all_reduce(slowest, op=torch.distributed.ReduceOp.MAX)
-        memory[name] = {"saved_peak_bytes": saved.peak, "kv_bytes": sum(kv),
-                        "param_bytes": sum(p.numel() * p.element_size() for p in engine.module.parameters())}
+        if rnd is None:
+            memory[name] = {"saved_peak_bytes": meter.peak_saved, "kv_bytes": meter.peak_kv,
+                            "total_peak_bytes": meter.peak_total,
+                            "param_bytes": sum(p.numel() * p.element_size() for p in engine.module.parameters())}
         losses[name].append(loss)
         if rnd is not None:
             times[name].append(float(slowest))
@@ -238,14 +238,26 @@ def analyse(ranks: list[dict], opts: dict) -> tuple[list[str], list[dict]]:
                      "saved_peak_mib": [m["saved_peak_bytes"] / 2**20 for m in mem],
                      "kv_mib": [m["kv_bytes"] / 2**20 for m in mem],
                      "param_mib": [m["param_bytes"] / 2**20 for m in mem],
-                     "max_rank_mib": max((m["saved_peak_bytes"] + m["kv_bytes"]) / 2**20 for m in mem)})
+                     "max_rank_mib": max(m["total_peak_bytes"] / 2**20 for m in mem)})
     lines = markdown_table(
         ["variant", "step s", "tokens/s", "activations held for backward MiB per rank",
-         "KV carry allocated MiB per rank", "largest rank MiB", "parameters MiB per rank"],
+         "KV carry MiB per rank", "largest rank's peak of both MiB", "parameters MiB per rank"],
         [[r["variant"], f"{r['step_ms'] / 1e3:.2f}", f"{r['tokens_per_s']:.0f}",
           " / ".join(f"{x:.0f}" for x in r["saved_peak_mib"]), " / ".join(f"{x:.0f}" for x in r["kv_mib"]),
           f"{r['max_rank_mib']:.0f}", " / ".join(f"{x:.1f}" for x in r["param_mib"])] for r in rows])
     return lines, rows
+
+
+def loss_checks(losses: dict[str, list[float]]) -> list[dict]:
+    """Every variant trains the same model on the same batches from the same weights: its loss after each step
+    equals the first variant's (rel 1e-5), so no variant is timed doing something else."""
+    names = list(losses)
+    checks = []
+    for name in names[1:]:
+        worst = max(abs(a - b) / abs(b) for a, b in zip(losses[name], losses[names[0]]))
+        checks.append({"target": f"{name}: losses equal {names[0]}'s every step (rel <= 1e-5)", "value": worst,
+                       "met": worst <= 1e-5})
+    return checks
 
 
 def main() -> int:
@@ -268,7 +280,9 @@ def main() -> int:
     ranks = launch_workers(Path(__file__), WORLD, out_dir, opts, timeout_s=args.timeout)
     lines, rows = analyse(ranks, opts)
     print("\n" + "\n".join(lines))
-    report = {"name": NAME, "options": opts, "table": lines, "rows": rows, "ranks": ranks,
+    checks = loss_checks(ranks[0]["losses"])
+    print_checks(checks)
+    report = {"name": NAME, "options": opts, "table": lines, "rows": rows, "checks": checks, "ranks": ranks,
               "wall_s": time.perf_counter() - started}
     machine = machine_info(torch=ranks[0]["torch"], deepspeed=ranks[0]["deepspeed"], threads_per_rank=1,
                            cores_pinned=False, processes=WORLD)
