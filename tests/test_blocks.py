@@ -48,7 +48,7 @@ def _compare(q, k, v, blocks, visible, dtype) -> None:
     got = block_attention(*got_in, blocks, None)
     got_grads = torch.autograd.grad(got, got_in, grad)
     for name, a, b in zip(("out", "dq", "dk", "dv"), (got, *got_grads), (ref, *ref_grads)):
-        err = float((a.detach().double() - b.double()).abs().max() / b.double().abs().max())
+        err = float((a.detach().double() - b.detach().double()).abs().max() / b.detach().double().abs().max())
         assert err < TOL[dtype], f"{name}: rel err {err:.2e} (dtype {dtype})"
 
 
