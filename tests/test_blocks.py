@@ -81,12 +81,16 @@ def test_blocks_equal_sdpa_under_the_dense_mask(dtype: torch.dtype, kv_heads: in
     _compare(q, k[:, :, first:], v[:, :, first:], blocks, visible.unsqueeze(1), dtype)
 
 
-def test_sliced_attention_on_cpu_runs_blocks_and_saves_no_mask(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("min_tokens", [0, 11])
+def test_sliced_attention_on_cpu_runs_blocks_and_saves_no_mask(min_tokens: int, monkeypatch: pytest.MonkeyPatch
+                                                               ) -> None:
     """Every slice after the first goes through the blocks (two kernel calls), and nothing of shape (T, end) is
-    saved for backward: the dense mask the blocks replace is gone."""
+    saved for backward: the dense mask the blocks replace is gone. Slices shorter than MIN_PREFIX_TOKENS keep the
+    mask (where it is cheaper)."""
     calls = []
     real = blocks_mod._FWD
     monkeypatch.setattr(blocks_mod, "_FWD", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    monkeypatch.setattr(blocks_mod, "MIN_PREFIX_TOKENS", min_tokens)
     torch.manual_seed(0)
     attn = CausalSelfAttention(24, 4)
     x = torch.randn(1, 30, 24)
@@ -96,8 +100,12 @@ def test_sliced_attention_on_cpu_runs_blocks_and_saves_no_mask(monkeypatch: pyte
         for i, start in enumerate((0, 10, 20)):
             with slice_scope(SliceContext(0, i, start, start + 10, state)):
                 attn(x[:, start:start + 10])
+    masks = [s for s in saved if s[-2:] in ((10, 20), (10, 30))]
+    if min_tokens > 10:   # slices of 10 tokens: the dense mask
+        assert not calls and masks, (calls, saved)
+        return
     assert len(calls) == 4, f"expected two block kernels for each of the two later slices, got {len(calls)}"
-    assert not [s for s in saved if s[-2:] in ((10, 20), (10, 30))], f"a (T, end) mask was saved: {saved}"
+    assert not masks, f"a (T, end) mask was saved: {saved}"
 
 
 def test_many_tiny_documents_keep_the_dense_mask() -> None:
@@ -124,6 +132,7 @@ def test_blocks_apply_where_sdpa_would_take_its_cpu_flash_kernel() -> None:
 @pytest.mark.parametrize("seed", range(4))
 def test_blocks_and_dense_mask_agree_through_a_sliced_layer(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """The same sliced forward/backward with the blocks and with the dense mask (fp64): equal."""
+    monkeypatch.setattr(blocks_mod, "MIN_PREFIX_TOKENS", 0)
     rng = random.Random(seed)
     torch.manual_seed(seed)
     attn = CausalSelfAttention(32, 4, rotary=True).double()

@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import blocks as blocks_mod
 from .blocks import block_attention, fused_ok, prefix_blocks
 from .context import KVBuffers, SliceContext, current_slice
 from .devices import prefix_causal_bias
@@ -140,7 +141,7 @@ def _sliced(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: "SliceContex
     if ctx.start == 0:
         return F.scaled_dot_product_attention(q, keys, values, is_causal=True, dropout_p=dropout_p, scale=scale, **gqa)
     mask = prefix_causal_bias(ctx.start, ctx.end, q.device)  # lazy on an accelerator: fused kernels stay eligible
-    if mask is None and fused:  # CPU: a full block over the prefix and a causal one over the slice, merged
+    if mask is None and fused and ctx.length >= blocks_mod.MIN_PREFIX_TOKENS:  # CPU: full prefix + causal own
         return block_attention(q, keys, values, prefix_blocks(q.shape[0], ctx.start, ctx.length), scale)
     if mask is None:
         mask = _prefix_causal_mask(ctx.start, ctx.end, q.dtype, q.device)
