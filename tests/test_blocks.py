@@ -17,7 +17,8 @@ import torch.nn.functional as F
 
 from ds_terapipe.runtime.slicing import blocks as blocks_mod
 from ds_terapipe.runtime.slicing.attention import CausalSelfAttention
-from ds_terapipe.runtime.slicing.blocks import MAX_BLOCKS, Block, block_attention, fused_ok, prefix_blocks
+from ds_terapipe.runtime.slicing.blocks import (MAX_BLOCKS, Block, block_attention, fused_ok, prefix_blocks,
+                                                sdpa_blocks)
 from ds_terapipe.runtime.slicing.context import MicroBatchState, SliceContext, slice_scope
 from ds_terapipe.runtime.slicing.documents import Documents
 
@@ -39,23 +40,24 @@ def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Ten
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
 
 
-def _compare(q, k, v, blocks, visible, dtype) -> None:
+def _compare(q, k, v, blocks, visible, dtype, run=block_attention) -> None:
     grad = torch.randn(q.shape[0], q.shape[2], q.shape[1], q.shape[3], dtype=dtype).transpose(1, 2)  # as a model's
     ref_in = [t.detach().requires_grad_() for t in (q, k, v)]
     ref = _dense(*ref_in, visible)
     ref_grads = torch.autograd.grad(ref, ref_in, grad)
     got_in = [t.detach().requires_grad_() for t in (q, k, v)]
-    got = block_attention(*got_in, blocks, None)
+    got = run(*got_in, blocks, None)
     got_grads = torch.autograd.grad(got, got_in, grad)
     for name, a, b in zip(("out", "dq", "dk", "dv"), (got, *got_grads), (ref, *ref_grads)):
         err = float((a.detach().double() - b.detach().double()).abs().max() / b.detach().double().abs().max())
         assert err < TOL[dtype], f"{name}: rel err {err:.2e} (dtype {dtype})"
 
 
+@pytest.mark.parametrize("run", [block_attention, sdpa_blocks], ids=["merged (CPU)", "per-block SDPA (accelerator)"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kv_heads", [4, 2, 1])
 @pytest.mark.parametrize("layout", ["prefix", "documents", "same documents", "slice starts a document"])
-def test_blocks_equal_sdpa_under_the_dense_mask(dtype: torch.dtype, kv_heads: int, layout: str) -> None:
+def test_blocks_equal_sdpa_under_the_dense_mask(dtype: torch.dtype, kv_heads: int, layout: str, run) -> None:
     torch.manual_seed(kv_heads)
     batch, heads, head_dim, tokens, start = 2, 4, 16, 24, 40
     end = start + tokens
@@ -64,7 +66,7 @@ def test_blocks_equal_sdpa_under_the_dense_mask(dtype: torch.dtype, kv_heads: in
     v = torch.randn(batch, kv_heads, end, head_dim, dtype=dtype)
     if layout == "prefix":
         visible = torch.ones(tokens, end, dtype=torch.bool).tril(diagonal=start)
-        _compare(q, k, v, prefix_blocks(batch, start, tokens), visible, dtype)
+        _compare(q, k, v, prefix_blocks(batch, start, tokens), visible, dtype, run)
         return
     starts = {"documents": [[0, 30, 50, 58], [0, 45, 52]], "same documents": [[0, 30, 50, 58]] * 2,
               "slice starts a document": [[0, 40, 47], [0, 12, 40]]}[layout]
@@ -78,7 +80,7 @@ def test_blocks_equal_sdpa_under_the_dense_mask(dtype: torch.dtype, kv_heads: in
     ids = docs.ids(end)
     visible = (ids[:, start:, None] == ids[:, None, first:]) & \
         torch.ones(tokens, end, dtype=torch.bool).tril(diagonal=start)[:, first:]
-    _compare(q, k[:, :, first:], v[:, :, first:], blocks, visible.unsqueeze(1), dtype)
+    _compare(q, k[:, :, first:], v[:, :, first:], blocks, visible.unsqueeze(1), dtype, run)
 
 
 @pytest.mark.parametrize("min_tokens", [0, 11])
@@ -156,4 +158,41 @@ def test_blocks_and_dense_mask_agree_through_a_sliced_layer(seed: int, monkeypat
     monkeypatch.setattr(blocks_mod, "_FWD", None)
     dense = run()
     for a, b in zip(fused, dense):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_packed_rows_on_an_accelerator_take_one_sdpa_call_per_document(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The accelerator's path for packed rows, run on CPU: every slice goes through sdpa_blocks (one SDPA call per
+    block, a lazy lower-right causal bias or is_causal, never a dense mask), and the sliced result equals the
+    unsliced one under the dense mask (fp64)."""
+    calls = []
+    real = blocks_mod.sdpa_blocks
+    monkeypatch.setattr(blocks_mod, "on_accelerator", lambda q: True)
+    monkeypatch.setattr(blocks_mod, "_FWD", None)   # as on an accelerator: no CPU flash blocks
+    import ds_terapipe.runtime.slicing.attention as attention
+    monkeypatch.setattr(attention, "sdpa_blocks", lambda *a, **kw: calls.append(len(a[3])) or real(*a, **kw))
+    torch.manual_seed(0)
+    attn = CausalSelfAttention(16, 4, rotary=True).double()
+    length, bounds = 30, [0, 7, 22, 30]
+    positions = _positions([[0, 5, 12, 25], [0, 18]], length)
+    x = torch.randn(2, length, 16, dtype=torch.double)
+    weight = torch.randn(2, length, 16, dtype=torch.double)
+
+    def sliced() -> list[torch.Tensor]:
+        attn.zero_grad()
+        state, outs, docs = MicroBatchState(0, length, 3), [], Documents(positions)
+        for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+            with slice_scope(SliceContext(0, i, a, b, state, documents=docs)):
+                outs.append(attn(x[:, a:b]))
+        for (a, b), out in reversed(list(zip(zip(bounds, bounds[1:]), outs))):
+            (out * weight[:, a:b]).sum().backward()
+        return [torch.cat(outs, 1).detach()] + [p.grad.clone() for p in attn.parameters()]
+
+    got = sliced()
+    assert calls == [3, 4, 3], f"blocks per slice (rows with different documents): {calls}"
+    monkeypatch.setattr(blocks_mod, "on_accelerator", lambda q: False)   # the dense mask, as before the blocks
+    calls.clear()
+    want = sliced()
+    assert not calls
+    for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)

@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import blocks as blocks_mod
-from .blocks import block_attention, fused_ok, prefix_blocks
+from .blocks import block_attention, fused_ok, prefix_blocks, sdpa_blocks
 from .context import KVBuffers, SliceContext, current_slice
 from .devices import prefix_causal_bias
 from .documents import current_documents, slice_positions
@@ -114,7 +114,10 @@ def _sliced(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: "SliceContex
     fused = fused_ok(q, k, v, dropout_p)  # CPU: exact blocks on the flash kernel instead of a dense mask
     if ctx is None or ctx.num_slices == 1:
         if docs is not None:  # packed rows: causal within each document
-            blocks = docs.blocks(0, q.shape[2]) if fused else None
+            accel = blocks_mod.on_accelerator(q)
+            blocks = docs.blocks(0, q.shape[2]) if fused or accel else None
+            if blocks is not None and accel:
+                return sdpa_blocks(q, k, v, blocks, scale, dropout_p)
             if blocks is not None:
                 return block_attention(q, k, v, blocks, scale)
             mask = docs.mask(0, q.shape[2], q.dtype)
@@ -132,7 +135,10 @@ def _sliced(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: "SliceContex
     values = _PrefixKV.apply(v, bufs, "v", ctx.start)
     if docs is not None:  # packed rows: the prefix's keys of the query's own document only
         first = docs.first_visible(ctx.start)  # keys of documents that ended before the slice: skipped
-        blocks = docs.blocks(ctx.start, ctx.end, first) if fused else None
+        accel = blocks_mod.on_accelerator(q)
+        blocks = docs.blocks(ctx.start, ctx.end, first) if fused or accel else None
+        if blocks is not None and accel:  # one fused SDPA call per document
+            return sdpa_blocks(q, keys[:, :, first:], values[:, :, first:], blocks, scale, dropout_p)
         if blocks is not None:
             return block_attention(q, keys[:, :, first:], values[:, :, first:], blocks, scale)
         mask = docs.mask(ctx.start, ctx.end, q.dtype, first)

@@ -23,10 +23,13 @@ document cost model charges. Rows with different documents run row by row; a sli
 documents (over :data:`MAX_BLOCKS` blocks) keeps the dense mask, where one kernel call beats many.
 
 Slices of one-document rows shorter than :data:`MIN_PREFIX_TOKENS` keep the dense mask, which is cheaper there.
-Only the CPU runs this (an accelerator takes SDPA's own lower-right causal bias and its fused kernels), and
-only where SDPA itself would pick the flash kernel: no dropout, equal dtypes, unit stride on the head
-dimension, flash not switched off, no autocast. The two ``aten`` ops it calls are private to torch;
-:func:`fused_ok` checks they exist, and everything else falls back to the masked SDPA call.
+The merged blocks run on the CPU only (a slice of one-document rows on an accelerator takes SDPA's own
+lower-right causal bias and its fused kernels), and only where SDPA itself would pick the flash kernel: no
+dropout, equal dtypes, unit stride on the head dimension, flash not switched off, no autocast. The two ``aten``
+ops they call are private to torch; :func:`fused_ok` checks they exist, and everything else falls back to the
+masked SDPA call. Packed rows on an accelerator need no merge: each block's queries see one contiguous key
+range causally aligned to the lower right, so :func:`sdpa_blocks` makes one public SDPA call per block with
+torch's lazy ``causal_lower_right`` bias, which the fused kernels take, and never a dense mask.
 """
 
 from __future__ import annotations
@@ -34,8 +37,15 @@ from __future__ import annotations
 from typing import NamedTuple, Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 
-__all__ = ["Block", "MAX_BLOCKS", "MIN_PREFIX_TOKENS", "block_attention", "fused_ok", "prefix_blocks"]
+try:  # torch >= 2.3
+    from torch.nn.attention.bias import causal_lower_right
+except ImportError:  # pragma: no cover - older torch: the dense mask everywhere
+    causal_lower_right = None
+
+__all__ = ["Block", "MAX_BLOCKS", "MIN_PREFIX_TOKENS", "block_attention", "fused_ok", "on_accelerator",
+           "prefix_blocks", "sdpa_blocks"]
 
 #: Above this many blocks in one slice (all rows together), the dense mask's single kernel call is cheaper.
 MAX_BLOCKS = 32
@@ -89,6 +99,33 @@ def block_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, b
     """Attention of ``q`` (B, nh, T, hs) over ``keys``/``values`` (B, nkv, E, hs) as ``blocks`` say: every query
     lies in exactly one block; keys no block names get zero gradient. nkv may divide nh (grouped-query)."""
     return _BlockAttention.apply(q, keys, values, tuple(blocks), scale)
+
+
+def on_accelerator(q: torch.Tensor) -> bool:
+    """Whether packed rows take :func:`sdpa_blocks` (an accelerator: SDPA's fused kernels take each block)."""
+    return q.device.type != "cpu" and causal_lower_right is not None
+
+
+def sdpa_blocks(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocks: Sequence[Block],
+                scale: Optional[float], dropout_p: float = 0.0) -> torch.Tensor:
+    """The same blocks for an accelerator, through public SDPA and no merge: a block's queries see the keys
+    ``[p0, k0 + n)`` causally aligned to the lower right (their document's earlier part fully, their own keys
+    causally), which is one SDPA call with torch's lazy ``causal_lower_right`` bias (``is_causal=True`` when the
+    block has no prefix), a form the fused flash / memory-efficient kernels take. Each query lies in one block,
+    so dropout per call is dropout over its row. Autograd runs through SDPA's own backward."""
+    gqa = {"enable_gqa": True} if keys.shape[1] != q.shape[1] else {}
+    batch, heads, tokens, _ = q.shape
+    out = q.new_empty(batch, tokens, heads, values.shape[-1]).transpose(1, 2)   # (B, nh, T, hs), as SDPA's
+    for b in blocks:
+        rows, n, t = slice(b.row0, b.row1), b.q1 - b.q0, b.k0 + b.q1 - b.q0
+        qb, kb, vb = q[rows, :, b.q0:b.q1], keys[rows, :, b.p0:t], values[rows, :, b.p0:t]
+        if b.p0 < b.k0:
+            o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=causal_lower_right(n, t - b.p0),
+                                               dropout_p=dropout_p, scale=scale, **gqa)
+        else:
+            o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, dropout_p=dropout_p, scale=scale, **gqa)
+        out[rows, :, b.q0:b.q1] = o
+    return out
 
 
 def _merge(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor
