@@ -1,4 +1,5 @@
-"""Tier c: checks that need CUDA (skipped without a GPU; CI has none). fp16/bf16 sliced attention on device."""
+"""Tier c: checks that need CUDA (skipped without a GPU; CI has none). fp16/bf16 sliced attention on device, and
+packed rows through the flash kernel per document."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import pytest
 import torch
 
 from ds_terapipe.runtime.slicing.attention import CausalSelfAttention
+from ds_terapipe.runtime.slicing.blocks import sdpa_blocks
 from ds_terapipe.runtime.slicing.context import MicroBatchState, SliceContext, slice_scope
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -34,3 +36,36 @@ def test_sliced_attention_on_cuda(dtype: torch.dtype) -> None:
         y.float().square().sum().backward()
         grad[:, lo:lo + length] = piece.grad
     assert (grad.float() - ref_grad.float()).abs().max() <= 5e-2 * ref_grad.float().abs().max()
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_packed_rows_on_cuda_run_the_flash_kernel_per_document(kv_heads: int) -> None:
+    """sdpa_blocks on CUDA in bf16, with SDPA restricted to its flash kernel (a block it could not take would
+    raise), against SDPA under the dense document mask: outputs and q/k/v gradients."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from ds_terapipe.runtime.slicing.documents import Documents
+
+    torch.manual_seed(0)
+    batch, heads, head_dim, tokens, start = 2, 4, 64, 256, 768
+    end = start + tokens
+    positions = torch.zeros(batch, end, dtype=torch.long)
+    for row, starts in enumerate([[0, 500, 900, 1000], [0, 800]]):
+        bounds = [*starts, end]
+        for a, b in zip(bounds, bounds[1:]):
+            positions[row, a:b] = torch.arange(b - a)
+    docs = Documents(positions.cuda())
+    first = docs.first_visible(start)
+    blocks = docs.blocks(start, end, first)
+    opts = dict(device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(batch, heads, tokens, head_dim, **opts, requires_grad=True)
+    k = torch.randn(batch, kv_heads, end - first, head_dim, **opts, requires_grad=True)
+    v = torch.randn(batch, kv_heads, end - first, head_dim, **opts, requires_grad=True)
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        out = sdpa_blocks(q, k, v, blocks, None)
+    grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+    mask = docs.mask(start, end, torch.bfloat16, first)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=kv_heads != heads)
+    ref_grads = torch.autograd.grad(ref.float().square().sum(), (q, k, v))
+    for a, b in zip((out, *grads), (ref, *ref_grads)):
+        assert (a.float() - b.float()).abs().max() <= 3e-2 * b.float().abs().max()
