@@ -1,4 +1,4 @@
-"""Exact block attention on CPU: a slice's attention as fused causal and full blocks, merged by log-sum-exp.
+"""Exact block attention: a slice's attention as fused causal and full blocks instead of a dense mask.
 
 A slice's queries ``[start, end)`` see keys ``[0, end)`` causally aligned to the lower right. SDPA on a CPU has
 one fused (flash) kernel, and it knows only two masks: none, and causal aligned to the upper left. Given the
