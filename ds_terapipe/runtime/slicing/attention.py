@@ -29,7 +29,7 @@ from . import blocks as blocks_mod
 from .blocks import block_attention, fused_ok, prefix_blocks, sdpa_blocks
 from .context import KVBuffers, SliceContext, current_slice
 from .devices import prefix_causal_bias
-from .documents import current_documents, slice_positions
+from .documents import Documents, current_documents, slice_positions
 from .sequence import gather_heads, scatter_heads
 
 __all__ = ["CausalSelfAttention", "sliced_causal_attention"]
@@ -114,14 +114,7 @@ def _sliced(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: "SliceContex
     fused = fused_ok(q, k, v, dropout_p)  # CPU: exact blocks on the flash kernel instead of a dense mask
     if ctx is None or ctx.num_slices == 1:
         if docs is not None:  # packed rows: causal within each document
-            accel = blocks_mod.on_accelerator(q)
-            blocks = docs.blocks(0, q.shape[2]) if fused or accel else None
-            if blocks is not None and accel:
-                return sdpa_blocks(q, k, v, blocks, scale, dropout_p)
-            if blocks is not None:
-                return block_attention(q, k, v, blocks, scale)
-            mask = docs.mask(0, q.shape[2], q.dtype)
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, **gqa)
+            return _within_documents(q, k, v, docs, 0, q.shape[2], 0, fused, dropout_p, scale, gqa)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, scale=scale, **gqa)
     if k.shape[2] != ctx.length or q.shape[2] != ctx.length:
         raise ValueError(f"sliced_causal_attention: q/k/v have {q.shape[2]}/{k.shape[2]} tokens but the running "
@@ -135,15 +128,8 @@ def _sliced(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: "SliceContex
     values = _PrefixKV.apply(v, bufs, "v", ctx.start)
     if docs is not None:  # packed rows: the prefix's keys of the query's own document only
         first = docs.first_visible(ctx.start)  # keys of documents that ended before the slice: skipped
-        accel = blocks_mod.on_accelerator(q)
-        blocks = docs.blocks(ctx.start, ctx.end, first) if fused or accel else None
-        if blocks is not None and accel:  # one fused SDPA call per document
-            return sdpa_blocks(q, keys[:, :, first:], values[:, :, first:], blocks, scale, dropout_p)
-        if blocks is not None:
-            return block_attention(q, keys[:, :, first:], values[:, :, first:], blocks, scale)
-        mask = docs.mask(ctx.start, ctx.end, q.dtype, first)
-        return F.scaled_dot_product_attention(q, keys[:, :, first:], values[:, :, first:], attn_mask=mask,
-                                              dropout_p=dropout_p, scale=scale, **gqa)
+        return _within_documents(q, keys[:, :, first:], values[:, :, first:], docs, ctx.start, ctx.end, first, fused,
+                                 dropout_p, scale, gqa)
     if ctx.start == 0:
         return F.scaled_dot_product_attention(q, keys, values, is_causal=True, dropout_p=dropout_p, scale=scale, **gqa)
     mask = prefix_causal_bias(ctx.start, ctx.end, q.device)  # lazy on an accelerator: fused kernels stay eligible
@@ -151,6 +137,22 @@ def _sliced(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: "SliceContex
         return block_attention(q, keys, values, prefix_blocks(q.shape[0], ctx.start, ctx.length), scale)
     if mask is None:
         mask = _prefix_causal_mask(ctx.start, ctx.end, q.dtype, q.device)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, dropout_p=dropout_p, scale=scale, **gqa)
+
+
+def _within_documents(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, docs: "Documents", start: int,
+                      end: int, first: int, fused: bool, dropout_p: float, scale: "float | None",
+                      gqa: dict[str, bool]) -> torch.Tensor:
+    """Queries ``[start, end)`` of packed rows over ``keys``/``values`` ``[first, end)``, each within its document:
+    per-document blocks (one SDPA call each on an accelerator, merged fused kernels on a CPU), or the dense mask
+    where they do not apply."""
+    accel = blocks_mod.on_accelerator(q)
+    blocks = docs.blocks(start, end, first) if fused or accel else None
+    if blocks is not None and accel:   # one fused SDPA call per document
+        return sdpa_blocks(q, keys, values, blocks, scale, dropout_p)
+    if blocks is not None:
+        return block_attention(q, keys, values, blocks, scale)
+    mask = docs.mask(start, end, q.dtype, first)
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, dropout_p=dropout_p, scale=scale, **gqa)
 
 

@@ -78,6 +78,15 @@ class Block(NamedTuple):
     p0: int
     k0: int
 
+    @property
+    def rows(self) -> slice:
+        return slice(self.row0, self.row1)
+
+    @property
+    def k1(self) -> int:
+        """The end of the block's own keys: ``k0`` plus its query count."""
+        return self.k0 + self.q1 - self.q0
+
 
 def fused_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> bool:
     """Whether the fused CPU blocks apply: where SDPA itself would take its CPU flash kernel."""
@@ -117,14 +126,13 @@ def sdpa_blocks(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block
     batch, heads, tokens, _ = q.shape
     out = q.new_empty(batch, tokens, heads, values.shape[-1]).transpose(1, 2)   # (B, nh, T, hs), as SDPA's
     for b in blocks:
-        rows, n, t = slice(b.row0, b.row1), b.q1 - b.q0, b.k0 + b.q1 - b.q0
-        qb, kb, vb = q[rows, :, b.q0:b.q1], keys[rows, :, b.p0:t], values[rows, :, b.p0:t]
+        qb, kb, vb = q[b.rows, :, b.q0:b.q1], keys[b.rows, :, b.p0:b.k1], values[b.rows, :, b.p0:b.k1]
         if b.p0 < b.k0:
-            o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=causal_lower_right(n, t - b.p0),
+            o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=causal_lower_right(b.q1 - b.q0, b.k1 - b.p0),
                                                dropout_p=dropout_p, scale=scale, **gqa)
         else:
             o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, dropout_p=dropout_p, scale=scale, **gqa)
-        out[rows, :, b.q0:b.q1] = o
+        out[b.rows, :, b.q0:b.q1] = o
     return out
 
 
@@ -145,9 +153,9 @@ class _BlockAttention(torch.autograd.Function):
         out = q.new_empty(batch, tokens, heads, values.shape[-1]).transpose(1, 2)
         lse = q.new_empty(q.shape[:3], dtype=_lse_dtype(q))                  # (B, nh, T)
         for b in blocks:
-            rows, t = slice(b.row0, b.row1), b.k0 + b.q1 - b.q0
+            rows = b.rows
             qb = q[rows, :, b.q0:b.q1]
-            o, l = _FWD(qb, keys[rows, :, b.k0:t], values[rows, :, b.k0:t], 0.0, True, scale=scale)
+            o, l = _FWD(qb, keys[rows, :, b.k0:b.k1], values[rows, :, b.k0:b.k1], 0.0, True, scale=scale)
             if b.p0 < b.k0:
                 o1, l1 = _FWD(qb, keys[rows, :, b.p0:b.k0], values[rows, :, b.p0:b.k0], 0.0, False, scale=scale)
                 o, l = _merge(o1, l1, o, l)
@@ -166,13 +174,12 @@ class _BlockAttention(torch.autograd.Function):
         dk = torch.zeros_like(keys, memory_format=torch.contiguous_format)
         dv = torch.zeros_like(values, memory_format=torch.contiguous_format)
         for b in ctx.blocks:
-            rows, qs, t = slice(b.row0, b.row1), slice(b.q0, b.q1), b.k0 + b.q1 - b.q0
+            rows, qs, own = b.rows, slice(b.q0, b.q1), slice(b.k0, b.k1)
             g, qb, ob = grad[rows, :, qs], q[rows, :, qs], out[rows, :, qs]
             lb = lse[rows, :, qs]
-            gq, gk, gv = _BWD(g, qb, keys[rows, :, b.k0:t], values[rows, :, b.k0:t], ob, lb, 0.0, True,
-                              scale=scale)
-            dk[rows, :, b.k0:t] += gk
-            dv[rows, :, b.k0:t] += gv
+            gq, gk, gv = _BWD(g, qb, keys[rows, :, own], values[rows, :, own], ob, lb, 0.0, True, scale=scale)
+            dk[rows, :, own] += gk
+            dv[rows, :, own] += gv
             if b.p0 < b.k0:
                 gq1, gk1, gv1 = _BWD(g, qb, keys[rows, :, b.p0:b.k0], values[rows, :, b.p0:b.k0], ob, lb, 0.0,
                                      False, scale=scale)
