@@ -1035,14 +1035,22 @@ class TokenPipelineEngine(PipelineEngine):
         # where each optimizer keeps them (bf16: its fp32 master gradients; fp16: .grad, loss-scaled, which a sum
         # keeps), zeros where a parameter has none yet, so every sequence rank sends the same layout
         grads = [self.grad_sink.buffer(p) for p in self.module.parameters() if p.requires_grad]
-        if grads:
-            flat = torch.cat([g.reshape(-1).float() for g in grads])
-            self.p2p.wait(dist.all_reduce(flat, group=self.sequence.group, async_op=True),
-                          "the sequence-parallel gradient sum")
-            offset = 0
-            for grad in grads:
-                grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
-                offset += grad.numel()
+        self.sum_gradients_over(grads, self.sequence.group, "the sequence-parallel gradient sum")
+
+    def sum_gradients_over(self, grads: list[torch.Tensor], group: Any, what: str, divide: int = 1) -> None:
+        """Sum ``grads`` in place over ``group`` (then divide by ``divide``) as one fp32 buffer, one all-reduce
+        waited with the p2p deadline and abort flag (``what`` names it in a failure). Collective: every rank of
+        the group passes the same layout."""
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1).float() for g in grads])
+        self.p2p.wait(dist.all_reduce(flat, group=group, async_op=True), what)
+        if divide != 1:
+            flat.div_(divide)
+        offset = 0
+        for grad in grads:
+            grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
 
     def _aggregate_total_loss(self) -> Any:
         if self.sequence is not None and self.is_last_stage() and self.total_loss is not None:

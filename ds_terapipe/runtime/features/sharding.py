@@ -70,6 +70,14 @@ def check_fsdp_internals() -> None:
                            "shard_params off")
 
 
+def _param_groups(unit: torch.nn.Module) -> list[Any]:
+    """A fully_shard module's parameter groups (FSDP2's ``FSDPParamGroup``, driven through ``post_backward`` and
+    ``finalize_backward``)."""
+    from torch.distributed.fsdp import fully_shard
+
+    return fully_shard.state(unit)._fsdp_param_groups
+
+
 class _Chunk(torch.nn.Module):
     """The layers of one chunk, as the one module FSDP2 shards them under. Never called: the pipeline module runs
     the layers, and the schedule's actions gather and free them."""
@@ -219,8 +227,6 @@ class ShardedChunks:
         self._end_run(chunk, grads=False)
 
     def _end_run(self, chunk: int, grads: bool) -> None:
-        from torch.distributed.fsdp import fully_shard
-
         self.ready(chunk)
         for unit in self.uses.get(chunk, []):
             if grads:
@@ -231,7 +237,7 @@ class ShardedChunks:
             del self._refs[unit]
             if unit in self._grads:
                 self._grads.discard(unit)
-                for group in fully_shard.state(self.units[unit])._fsdp_param_groups:
+                for group in _param_groups(self.units[unit]):
                     group.post_backward()
             else:
                 self.units[unit].reshard()
@@ -257,25 +263,17 @@ class ShardedChunks:
     def finish_step(self) -> None:
         """After the schedule, before the optimizer: wait for the reduce-scatters (their streams), check every unit
         was released, and all-reduce the gradients of parameters in no unit (whole on every replica)."""
-        from torch.distributed.fsdp import fully_shard
-
         left = sorted(self._refs)
         if left:
             raise RuntimeError(f"terapipe.shard_params: {', '.join(left)} still gathered after the schedule; this is "
                                "a bug in the schedule's sharding actions, please report it")
         for box in self.units.values():
-            for group in fully_shard.state(box)._fsdp_param_groups:
+            for group in _param_groups(box):
                 group.finalize_backward()
         if self.dp > 1:
             grads = [p.grad for p in self.replicated_params() if p.grad is not None]
-            if grads:
-                flat = torch.cat([g.reshape(-1) for g in grads])
-                dist.all_reduce(flat, group=self.group)
-                flat.div_(self.dp)
-                offset = 0
-                for grad in grads:
-                    grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
-                    offset += grad.numel()
+            self.engine.sum_gradients_over(grads, self.group, "the data-parallel mean of the replicated gradients",
+                                           divide=self.dp)
 
     def reduce_tied_grads(self) -> None:
         """DeepSpeed's sum of a tied weight's gradients over the pipeline ranks that hold it, on the local shards
