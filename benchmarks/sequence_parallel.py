@@ -21,9 +21,12 @@ positions), sequence L, micro-batch size 1, 2 micro-batches per step, SGD. Varia
 No gradient clipping anywhere (DeepSpeed's default clips at 1.0). Checked: every variant's loss after every step
 equals the first variant's (rel 1e-5): the same model, batches and weights, so the same training.
 
-Per variant: the median step time (slowest rank) and tokens/s over alternated rounds (``benchlib/alternate.py``),
-and per rank, measured in the warm-up step (``benchlib.meters.ActivationMeter``; the timed steps run without
-hooks): the peak bytes of the storages autograd holds for backward (each once however many views of it are
+Per variant: the median step time (slowest rank) and tokens/s over alternated rounds (``benchlib/alternate.py``);
+the CPU seconds the four processes spent in a step (``time.process_time``: every thread of a process, gloo's
+included), summed and the busiest rank's: with four processes on two cores the step can be no shorter than the
+sum over two, so this column says how much of a difference in step time is a difference in work; and per
+rank, measured in the warm-up step (``benchlib.meters.ActivationMeter``; the timed steps run without hooks): the
+peak bytes of the storages autograd holds for backward (each once however many views of it are
 saved, while any is alive; parameters and the KV carry left out), the token pipeline's KV carry at its peak, the
 peak of the two together, and the parameters held (gradients and SGD state scale with them). Writes
 ``benchmarks/results/sequence_parallel.json`` unless ``--json PATH``.
@@ -197,20 +200,23 @@ def worker_main(out_dir: Path, opts: dict) -> None:
     memory: dict[str, dict] = {}
     losses: dict[str, list] = {name: [] for name in engines}
     times: dict[str, list] = {name: [] for name in engines}   # the slowest rank's, per timed round
+    cpu: dict[str, list] = {name: [] for name in engines}     # per timed round: every rank's CPU seconds
 
     def run_step(name: str, rnd: Any) -> dict:
         engine = engines[name]
         meter = ActivationMeter(engine) if rnd is None else contextlib.nullcontext()   # memory: the warm-up
         torch.distributed.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         with meter:
             if name == ULYSSES:
                 loss = _ulysses_step(engine, batches, seq_len)
             else:
                 loss = float(engine.train_batch(iter(batches)))
-        step_ms = (time.perf_counter() - t0) * 1e3
+        step_ms, cpu_s = (time.perf_counter() - t0) * 1e3, time.process_time() - c0
         slowest = torch.tensor([step_ms])
         torch.distributed.all_reduce(slowest, op=torch.distributed.ReduceOp.MAX)
+        every = [torch.zeros(1, dtype=torch.float64) for _ in range(WORLD)]
+        torch.distributed.all_gather(every, torch.tensor([cpu_s], dtype=torch.float64))
         if rnd is None:
             memory[name] = {"saved_peak_bytes": meter.peak_saved, "kv_bytes": meter.peak_kv,
                             "total_peak_bytes": meter.peak_total,
@@ -218,11 +224,12 @@ def worker_main(out_dir: Path, opts: dict) -> None:
         losses[name].append(loss)
         if rnd is not None:
             times[name].append(float(slowest))
+            cpu[name].append([float(x) for x in every])
         return {"step_ms": float(slowest), "foreign_cores": float("nan")}
 
     rounds = alternate(list(engines), run_step, warmup=1, steps=opts["rounds"], max_rounds=opts["rounds"],
                        quiet_wait=0.0, foreign_max=1e9, cpu=None, rank=rank, label=f"L={seq_len}")
-    per_rank = {"rank": rank, "rounds": rounds, "memory": memory, "losses": losses, "times": times,
+    per_rank = {"rank": rank, "rounds": rounds, "memory": memory, "losses": losses, "times": times, "cpu_s": cpu,
                 "torch": torch.__version__, "deepspeed": deepspeed.__version__}
     (out_dir / f"rank{rank}.json").write_text(json.dumps(per_rank))
 
@@ -234,15 +241,19 @@ def analyse(ranks: list[dict], opts: dict) -> tuple[list[str], list[dict]]:
         times = ranks[0]["times"][name]
         step_ms = median(times) if times else float("nan")
         mem = [r["memory"][name] for r in ranks]
+        cpu = ranks[0]["cpu_s"][name]
         rows.append({"variant": name, "step_ms": step_ms, "tokens_per_s": tokens / step_ms * 1e3,
+                     "cpu_s": median([sum(c) for c in cpu]) if cpu else float("nan"),
+                     "busiest_cpu_s": median([max(c) for c in cpu]) if cpu else float("nan"),
                      "saved_peak_mib": [m["saved_peak_bytes"] / 2**20 for m in mem],
                      "kv_mib": [m["kv_bytes"] / 2**20 for m in mem],
                      "param_mib": [m["param_bytes"] / 2**20 for m in mem],
                      "max_rank_mib": max(m["total_peak_bytes"] / 2**20 for m in mem)})
     lines = markdown_table(
-        ["variant", "step s", "tokens/s", "activations held for backward MiB per rank",
+        ["variant", "step s", "tokens/s", "CPU s (all ranks / busiest)", "activations held for backward MiB per rank",
          "KV carry MiB per rank", "largest rank's peak of both MiB", "parameters MiB per rank"],
         [[r["variant"], f"{r['step_ms'] / 1e3:.2f}", f"{r['tokens_per_s']:.0f}",
+          f"{r['cpu_s']:.1f} / {r['busiest_cpu_s']:.1f}",
           " / ".join(f"{x:.0f}" for x in r["saved_peak_mib"]), " / ".join(f"{x:.0f}" for x in r["kv_mib"]),
           f"{r['max_rank_mib']:.0f}", " / ".join(f"{x:.1f}" for x in r["param_mib"])] for r in rows])
     return lines, rows
