@@ -1,14 +1,16 @@
-"""Suite ``sharded``, asserted on by tests/test_sharded.py: sharded data parallelism per chunk (terapipe.shard_params),
-2 stages x 2 replicas, against the single-process unsliced reference: loss, every first-step gradient and the
-parameters after 3 SGD + momentum steps (fp32), or the fp32 master weights' change (bf16), for ``looped-bfs``,
-``interleaved-1f1b`` and ``1f1b``; the gathers and reduce-scatters each step executed against the lowered schedule's
-count; the model states per rank against the replicated figure; a checkpoint saved sharded and resumed at the same
-layout. With ``extra["resume"]`` (a checkpoint directory), on 2 ranks: the checkpoint written by 2 replicas resumed
+"""Suite ``sharded``, asserted on by tests/test_shard_params.py: sharded data parallelism per chunk
+(terapipe.shard_params), 2 stages x 2 replicas, against the single-process unsliced reference: loss, every
+first-step gradient and the parameters after 3 SGD + momentum steps (fp32), or the fp32 master weights' change
+(bf16), for ``looped-bfs``, ``interleaved-1f1b`` and ``1f1b``; the gathers and reduce-scatters each step executed
+against the lowered schedule's count; the model states per rank against the replicated figure; a checkpoint saved
+sharded and resumed at the same layout, and loaded by a ZeRO-1 run (and that run's by a sharded one) as weights
+only. With ``extra["resume"]`` (a checkpoint directory), on 2 ranks: the checkpoint written by 2 replicas resumed
 by one, its last step against the reference's.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Optional
 
 import torch
@@ -220,6 +222,62 @@ def _resume_one_replica(tmp: str, m_saved: int = 2) -> dict:
             "params": {n: t.tolist() for n, t in params.items()}}
 
 
+class _Warnings(logging.Handler):
+    """The ``ds_terapipe`` logger's warnings while in use (a library installs no handler; a test may)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+    def __enter__(self) -> "_Warnings":
+        logging.getLogger("ds_terapipe").addHandler(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        logging.getLogger("ds_terapipe").removeHandler(self)
+
+
+def _across_formats(tmp: str) -> dict:
+    """The sharded checkpoint ("two", from ``_checkpoint``) loaded by a ZeRO-1 run of the same layout, and a
+    checkpoint of that run loaded by a sharded one: the optimizer formats differ, so each load takes the weights and
+    the step count, starts the optimizer state fresh and says so, and the run trains on."""
+    STATUS["case"] = "checkpoint across optimizer formats"
+    m = 2
+    _, for_rank = _batches(m, WORLD // STAGES, seed=11)
+    out: dict[str, Any] = {"case": STATUS["case"]}
+    with _Warnings() as seen:
+        sharded = _engine("looped-bfs", 2, m)
+        sharded.optimizer = _adam_like(sharded)
+        sharded.load_checkpoint(tmp, tag="two")          # the same format: the reference for the weights
+        want = _whole(dict(sharded.module.named_parameters()))
+        ENGINE_REF.pop("engine", None)
+        out["same_format_warnings"] = sum("optimizer state starts fresh" in w for w in seen.messages)
+        zero = _engine("looped-bfs", 2, m, shard=False, zero_stage=1)
+        zero.load_checkpoint(tmp, tag="two")
+        got = _whole(dict(zero.module.named_parameters()))
+        out["zero_from_sharded"] = max(float((got[n] - want[n]).abs().max()) for n in want)
+        out["zero_steps"] = zero.global_steps
+        out["zero_fresh_state"] = not zero.optimizer.optimizer.state
+        out["zero_loss"] = float(zero.train_batch(iter(for_rank(zero.grid.data_parallel_id)[2 * m:])))
+        zero.save_checkpoint(tmp, tag="zero1")
+        want = _whole(dict(zero.module.named_parameters()))
+        ENGINE_REF.pop("engine", None)
+        sharded = _engine("looped-bfs", 2, m)
+        sharded.optimizer = _adam_like(sharded)
+        sharded.load_checkpoint(tmp, tag="zero1")
+        got = _whole(dict(sharded.module.named_parameters()))
+        out["sharded_from_zero"] = max(float((got[n] - want[n]).abs().max()) for n in want)
+        out["sharded_steps"] = sharded.global_steps
+        out["sharded_fresh_state"] = not sharded.optimizer.state
+        out["sharded_loss"] = float(sharded.train_batch(iter(for_rank(sharded.grid.data_parallel_id)[:m])))
+        ENGINE_REF.pop("engine", None)
+    out["warnings"] = [w for w in seen.messages if "optimizer state starts fresh" in w]
+    return out
+
+
 @suite("sharded")
 def suite_sharded(extra: dict) -> list[dict]:
     if extra.get("resume"):
@@ -237,4 +295,6 @@ def suite_sharded(extra: dict) -> list[dict]:
         results.append(_memory())
     if extra.get("checkpoint"):
         results.append(_checkpoint(extra["checkpoint"]))
+        results += run_cases([("across", extra["checkpoint"])], label=lambda name, tmp: "checkpoint across optimizer "
+                             "formats", run=lambda name, tmp: _across_formats(tmp))
     return results

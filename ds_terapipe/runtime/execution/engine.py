@@ -1172,6 +1172,7 @@ class TokenPipelineEngine(PipelineEngine):
                                               "sequence_parallel": self.terapipe.sequence_parallel,
                                               "virtual_stages": self.terapipe.virtual_stages,
                                               "placement": list(self.placement),
+                                              "optimizer_format": self.optimizer_format(),
                                               "repacked": self.freezer.repacked if self.freezer else None,
                                               "plan": self.plan_summary(), "terapipe": self.terapipe.model_dump(),
                                               # every sequence length's slicing, for a resumed run to run again
@@ -1249,6 +1250,16 @@ class TokenPipelineEngine(PipelineEngine):
                                tag_dir, written[0], written[1], list(written[2]), self.num_stages,
                                self.terapipe.virtual_stages, list(self.placement))
             kwargs.update(load_optimizer_states=False, load_lr_scheduler_states=False, load_module_only=True)
+        saved_format = manifest.get("optimizer_format")
+        if saved_format is not None and saved_format != self.optimizer_format() \
+                and kwargs.get("load_optimizer_states", True) and not kwargs.get("load_module_only"):
+            if self.global_rank == 0:
+                logger.warning("terapipe: checkpoint %s holds its optimizer state as %s, this run keeps it as %s: "
+                               "loading the weights, the step count and the lr scheduler; the optimizer state starts "
+                               "fresh (resume with the checkpoint's zero_optimization.stage, precision and "
+                               "shard_params to keep it)", tag_dir, _OPTIMIZER_FORMATS[saved_format],
+                               _OPTIMIZER_FORMATS[self.optimizer_format()])
+            kwargs["load_optimizer_states"] = False
         # without ZeRO, DeepSpeed cannot load the bf16 optimizer, and loading weights only leaves the fp32 master
         # weights of the bf16/fp16 optimizers at their initial values (runtime/execution/checkpoint.py)
         no_zero = not self.zero_optimization() and not kwargs.get("load_module_only")
@@ -1272,6 +1283,18 @@ class TokenPipelineEngine(PipelineEngine):
             if refresh is not None:
                 refresh()
         return result, manifest
+
+    def optimizer_format(self) -> str:
+        """How this run's checkpoints hold the optimizer state (a key of ``_OPTIMIZER_FORMATS``). Runs that agree
+        load each other's state; across formats a load takes the weights only (DeepSpeed itself would fail
+        looking for files the other format does not write, or hand one optimizer the other's state dict)."""
+        if self.zero_optimization():
+            return "zero"
+        if self.terapipe.shard_params:
+            return "sharded"
+        if self.using_bf16_optimizer:
+            return "bf16"
+        return "fp16" if self.fp16_enabled() else "fp32"
 
     @contextmanager
     def _saved_mp_rank(self, saved_degree: int) -> Iterator[None]:
@@ -1303,6 +1326,16 @@ class TokenPipelineEngine(PipelineEngine):
         if self.slicing_plan is not None:
             summary["planner"] = self.slicing_plan.to_dict()
         return summary
+
+
+# optimizer_format's values, as a warning names them
+_OPTIMIZER_FORMATS = {
+    "zero": "ZeRO's partitioned files (zero_optimization.stage 1 or 2)",
+    "sharded": "whole tensors of the shard_params optimizer",
+    "bf16": "DeepSpeed's bf16 optimizer files per data-parallel rank (bf16, stage 0)",
+    "fp16": "DeepSpeed's fp16 optimizer state (fp16, stage 0)",
+    "fp32": "the torch optimizer's state dict (fp32, stage 0)",
+}
 
 
 # The actions' instructions and their handlers, from the one table of runtime/execution/schedule.py.
