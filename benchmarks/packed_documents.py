@@ -24,7 +24,10 @@ Two stages, one process per stage pinned to its own core with one torch thread, 
 
 Every round runs one ``train_batch`` of every variant (order rotated per round). Reported: median step, tokens/s,
 paired speedups, the slicings used, and rank 0's planning time per step (memo hits included) as a share of the
-step. Checked: the variants' first-round losses agree (the same weights, rows and document mask: 1e-5).
+step. Beside each measured step, the planner's prediction for the slicing that variant ran on that round's rows
+(measured costs read at the rows' document contexts, the 1f1b step simulated), and from it the per-batch plan's
+gain over the best fixed plan as the model sees it: what planning per batch can win on these rows. Checked: the
+variants' first-round losses agree (the same weights, rows and document mask: 1e-5).
 """
 from __future__ import annotations
 
@@ -157,6 +160,20 @@ def _mean_docs_slices(engine: Any, tokens: np.ndarray, starts: np.ndarray, opts:
     return list(solve_slicing(engine, cost, base.stage_meta, seq_len).slices)
 
 
+def _predicted_ms(engine: Any, batches: list, slices: list[int], opts: dict, m: int) -> float:
+    """Rank 0: the planner's prediction for running ``slices`` on these rows: the engine's measured costs read at
+    the rows' document contexts (:func:`within_documents`), the step simulated under the 1f1b schedule."""
+    from ds_terapipe.planner.cost import PipelineCost
+    from ds_terapipe.planner.documents import document_context, within_documents
+    from ds_terapipe.planner.schedule import build_schedule
+    from ds_terapipe.planner.simulate import simulate
+
+    seq_len, g = opts["seq_len"], engine.terapipe.granularity
+    cost = within_documents(PipelineCost.from_dict(engine.plans[seq_len].cost, num_stages=engine.num_chunks),
+                            document_context([b[0][1].numpy() for b in batches], g), g)
+    return simulate(build_schedule("1f1b", NUM_STAGES, m, len(slices)), cost, list(slices)).makespan_ms
+
+
 def worker_main(out_dir: Path, opts: dict) -> None:
     rank = int(os.environ["RANK"])
     pin_and_single_thread(rank, True)
@@ -185,6 +202,7 @@ def worker_main(out_dir: Path, opts: dict) -> None:
     times: dict[str, list[float]] = {}
     losses: dict[str, list[float]] = {}
     used: dict[str, list[list[int]]] = {}
+    predicted: dict[str, list[float]] = {}   # rank 0: the planner's step time for the slicing each variant ran
     for m in opts["ms"]:
         order = list(VARIANTS)
         for rnd in range(opts["warmup"] + opts["steps"]):
@@ -201,11 +219,15 @@ def worker_main(out_dir: Path, opts: dict) -> None:
                 used.setdefault(key, []).append(list(getattr(engine, "slices", [seq_len])))
                 if rnd >= opts["warmup"]:
                     times.setdefault(key, []).append(ms)
+                    if rank == 0 and variant != "stock":
+                        predicted.setdefault(key, []).append(
+                            _predicted_ms(engines[(m, "token fixed")], batches, used[key][-1], opts, m))
                 if rank == 0:
                     print(f"[rank 0] m={m} round {rnd} {variant}: {ms:.0f} ms, slices {used[key][-1]}", flush=True)
     planning = {f"m={m}": engines[(m, "token per-batch")].batch_planner.planning_ms for m in opts["ms"]}
     (out_dir / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "times": times, "losses": losses,
-                                                          "slices": used, "planning_ms": planning}))
+                                                          "slices": used, "planning_ms": planning,
+                                                          "predicted_ms": predicted}))
 
 
 def main() -> int:
@@ -242,11 +264,16 @@ def main() -> int:
         paired = {(a, b): median([x / y for x, y in zip(step[a], step[b])]) for a in keys for b in keys}
         planning = ranks[0]["planning_ms"][f"m={m}"][args.warmup:]
         share = median([p / s for p, s in zip(planning, step[f"m={m} token per-batch"])])
+        pred = ranks[0]["predicted_ms"]
         for k in keys:
             distinct = {tuple(s) for s in ranks[0]["slices"][k]}
-            rows.append([str(m), k.split(" ", 1)[1], f"{med[k]:.0f}", f"{m * args.seq_len / med[k] * 1e3:,.0f}",
+            rows.append([str(m), k.split(" ", 1)[1], f"{med[k]:.0f}", f"{median(pred[k]):.0f}" if k in pred else "-",
+                         f"{m * args.seq_len / med[k] * 1e3:,.0f}",
                          f"{paired[(f'm={m} stock', k)]:.2f}x", f"{paired[(f'm={m} token fixed', k)]:.2f}x",
                          f"{len(distinct)}: {min(len(s) for s in distinct)}-{max(len(s) for s in distinct)} slices"])
+        # the same comparison by the planner's own model: the ceiling any slicing could reach on these rows
+        predicted_gain = min(median([x / y for x, y in zip(pred[f"m={m} {fixed}"], pred[f"m={m} token per-batch"])])
+                             for fixed in ("token fixed", "token fixed (mean docs)"))
         first = [ranks[0]["losses"][k][0] for k in keys]
         agree = max(abs(x - first[0]) / abs(first[0]) for x in first)
         best_fixed = min(paired[(f"m={m} token fixed", f"m={m} token per-batch")],
@@ -258,10 +285,15 @@ def main() -> int:
                     "met": best_fixed >= 1.05},
                    {"target": f"m={m}: planning <= 2% of the step", "value": share, "met": share <= 0.02},
                    {"target": f"m={m}: first-round losses agree (rel <= 1e-5)", "value": agree, "met": agree <= 1e-5}]
-        per_m[m] = {"step_ms": step, "median_ms": med, "planning_ms": planning, "planning_share": share}
-    table = markdown_table(["m", "variant", "step ms", "tokens/s", "vs stock", "vs token fixed", "slicings used"],
-                           rows)
+        per_m[m] = {"step_ms": step, "median_ms": med, "planning_ms": planning, "planning_share": share,
+                    "predicted_ms": {k: pred[k] for k in keys if k in pred},
+                    "predicted_gain_over_best_fixed": predicted_gain}
+    table = markdown_table(["m", "variant", "step ms", "predicted ms", "tokens/s", "vs stock", "vs token fixed",
+                            "slicings used"], rows)
     print("\n".join(table))
+    for m in args.ms:
+        print(f"m={m}: per-batch over the best fixed plan as the planner predicts it (same rows, same slicings): "
+              f"{per_m[m]['predicted_gain_over_best_fixed']:.3f}x")
     print_checks(checks)
     docs = {"count": int(len(lengths)), **{f"p{q}": float(np.percentile(lengths, q)) for q in (10, 50, 90, 99)}}
     print(f"documents: {docs}")
