@@ -35,10 +35,44 @@ def test_a_small_shape_is_measured_with_every_variant_and_predicted(tmp_path) ->
     assert report["commit"] and report["machine"]["device"] == "cpu"
 
 
+def test_the_steady_profile_is_measured_on_request_and_predicts_beside_the_profile(tmp_path) -> None:
+    out = tmp_path / "gpu_slices.json"
+    _run("--shapes", "tiny-gpt", "--slices", "1,2", "--rounds", "1", "--steady", "--json", str(out))
+    report = json.loads(out.read_text())
+    rec = report["shapes"]["tiny-gpt"]
+    assert "error" not in rec, rec
+    for key in ("profile", "profile_deferred"):
+        assert [(p["slice"], p["context"]) for p in rec[key + "_steady"]] == [(p["slice"], p["context"])
+                                                                             for p in rec[key]]
+        assert all(p["forward_ms"] > 0 and p["backward_ms"] > 0 for p in rec[key + "_steady"])
+    steady = [c for c in report["checks"] if c["what"] == "steady-profile-predicted micro-batch"]
+    assert {(c["n"], c["variant"]) for c in steady} == {(n, v) for n in (1, 2) for v in ("unsynced", "fused")}
+
+
+def test_steady_points_take_the_burst_start_out() -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from gpu_slices import steady_points
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    # a burst of k copies costs start + k * per_copy, reported per copy: 3 copies -> (1 + 3 * 2) / 3, 6 -> (1 + 12) / 6
+    short = [{"batch": 1, "slice": 64, "context": 0, "forward_ms": 7 / 3, "backward_ms": 10 / 3, "weight_ms": 4 / 3}]
+    long = [{"batch": 1, "slice": 64, "context": 0, "forward_ms": 13 / 6, "backward_ms": 19 / 6, "weight_ms": 7 / 6}]
+    got = steady_points(short, long)[0]
+    assert (got["slice"], got["context"], got["batch"]) == (64, 0, 1)
+    assert abs(got["forward_ms"] - 2.0) < 1e-12 and abs(got["backward_ms"] - 3.0) < 1e-12
+    assert abs(got["weight_ms"] - 1.0) < 1e-12
+    # noise that makes the difference fall under half the long burst's mean is held there
+    noisy = steady_points(short, [dict(long[0], forward_ms=1.0)])[0]
+    assert noisy["forward_ms"] == 0.5
+
+
 def test_the_committed_report_reprints_with_the_current_predictions() -> None:
     text = _run("--report", str(ROOT / "benchmarks" / "results" / "gpu_slices.json"))
     for shape in ("trainer-gpt-8x1024", "llama8b-x2", "gpt3-13b-x2", "llama70b-x1", "gpt3-175b-x1"):
         assert f"{shape}:" in text, shape
     # the h100 preset's column is filled on a report from an H100 (a missing preset would print "-")
     row = next(line for line in text.splitlines() if line.startswith("| 8 |") and "|" in line)
-    assert row.split("|")[6].strip() != "-", row
+    assert row.split("|")[7].strip() != "-", row
+    # a report measured without the steady profile prints "-" in its column
+    assert row.split("|")[6].strip() == "-", row
