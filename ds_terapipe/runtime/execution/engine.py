@@ -1250,16 +1250,16 @@ class TokenPipelineEngine(PipelineEngine):
                                tag_dir, written[0], written[1], list(written[2]), self.num_stages,
                                self.terapipe.virtual_stages, list(self.placement))
             kwargs.update(load_optimizer_states=False, load_lr_scheduler_states=False, load_module_only=True)
-        saved_format = manifest.get("optimizer_format")
-        if saved_format is not None and saved_format != self.optimizer_format() \
-                and kwargs.get("load_optimizer_states", True) and not kwargs.get("load_module_only"):
-            if self.global_rank == 0:
-                logger.warning("terapipe: checkpoint %s holds its optimizer state as %s, this run keeps it as %s: "
-                               "loading the weights, the step count and the lr scheduler; the optimizer state starts "
-                               "fresh (resume with the checkpoint's zero_optimization.stage, precision and "
-                               "shard_params to keep it)", tag_dir, _OPTIMIZER_FORMATS[saved_format],
-                               _OPTIMIZER_FORMATS[self.optimizer_format()])
-            kwargs["load_optimizer_states"] = False
+        saved_format, own_format = manifest.get("optimizer_format"), self.optimizer_format()
+        if saved_format not in (None, own_format) and kwargs.get("load_optimizer_states", True) \
+                and not kwargs.get("load_module_only"):
+            # every rank reaches this verdict (the same manifest and config everywhere): no agreement needed
+            saved, own = _OPTIMIZER_FORMATS.get(saved_format, saved_format), _OPTIMIZER_FORMATS[own_format]
+            raise mark_collective(ckpt.CheckpointError(
+                f"checkpoint {tag_dir} holds its optimizer state as {saved}, this run keeps it as {own}: resume with "
+                "the checkpoint's zero_optimization.stage, bf16/fp16 and terapipe.shard_params, or load the weights, "
+                "step count and lr scheduler with a fresh optimizer: "
+                "load_checkpoint(..., load_optimizer_states=False)"))
         # without ZeRO, DeepSpeed cannot load the bf16 optimizer, and loading weights only leaves the fp32 master
         # weights of the bf16/fp16 optimizers at their initial values (runtime/execution/checkpoint.py)
         no_zero = not self.zero_optimization() and not kwargs.get("load_module_only")
@@ -1286,8 +1286,9 @@ class TokenPipelineEngine(PipelineEngine):
 
     def optimizer_format(self) -> str:
         """How this run's checkpoints hold the optimizer state (a key of ``_OPTIMIZER_FORMATS``). Runs that agree
-        load each other's state; across formats a load takes the weights only (DeepSpeed itself would fail
-        looking for files the other format does not write, or hand one optimizer the other's state dict)."""
+        load each other's state; across formats a load that asks for the optimizer state is refused before anything
+        is read (DeepSpeed would fail looking for files the other format does not write, or hand one optimizer the
+        other's state dict), and one with ``load_optimizer_states=False`` takes the rest."""
         if self.zero_optimization():
             return "zero"
         if self.terapipe.shard_params:
