@@ -24,6 +24,9 @@ from tests.dist_harness import launch
 
 OPTIMIZERS = {"bf16 zero0": "BF16_Optimizer", "bf16 zero1": "DeepSpeedZeroOptimizer",
               "fp16 zero0": "FP16_UnfusedOptimizer", "fp16 zero1": "DeepSpeedZeroOptimizer"}
+#: how each case's checkpoint holds the optimizer state (``optimizer_format``), and the other ZeRO stage's way
+FORMATS = {"bf16 zero0": ("bf16", "zero"), "bf16 zero1": ("zero", "bf16"), "fp16 zero0": ("fp16", "zero"),
+           "fp16 zero1": ("zero", "fp16")}
 
 
 def _check(results: list[dict], world: int) -> None:
@@ -37,6 +40,11 @@ def _check(results: list[dict], world: int) -> None:
             where = f"{name}, rank {rank} of {world}"
             assert "error" not in case, f"{where}: {case.get('error')}\n{case.get('traceback')}"
             assert case["optimizer"] == OPTIMIZERS[name], (where, case["optimizer"])
+            # the same precision at the other ZeRO stage keeps the state another way: refused with the fix
+            other, refusal = case["other_stage"]
+            assert (case["format"], other) == FORMATS[name], (where, case["format"], other)
+            assert "holds its optimizer state as" in refusal and "load_optimizer_states=False" in refusal, (
+                where, refusal)
             # the checkpoint is worth testing: the weights moved before it was written
             assert case["loaded_vs_initial"][0] > 0.0, (where, case["loaded_vs_initial"])
             for key in ("losses", "scales", "lrs"):

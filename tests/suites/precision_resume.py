@@ -1,16 +1,16 @@
-"""Suite ``precision_resume``, asserted on by tests/test_precision_resume.py: for bf16 and fp16 at ZeRO 0 and 1 on
-2 stages (x the replicas the world size leaves), train 2 steps, save, train 3 more (the uninterrupted run); then a
+"""Suite ``precision_resume``, asserted on by tests/test_precision_resume.py: for bf16 and fp16 at ZeRO 0 and 1 on 2
+stages (x the replicas the world size leaves), train 2 steps, save, train 3 more (the uninterrupted run); then a
 fresh engine loads the checkpoint and trains the same 3 steps. Each case records both runs' losses, loss scales,
 learning rates and final fp32 master weights, so the test can require them equal bit for bit; a third engine loads
 weights only (``load_optimizer_states=False``) and records how far its fp32 master weights are from the loaded
-weights. SGD with momentum and a warm-up learning rate make the optimizer and scheduler state matter; a dynamic
-fp16 loss scale with a short window makes the loss scaler's state matter. Case names are "<precision>
-zero<stage>", precision one of fp32, bf16, fp16 (``extra["cases"]``; the default leaves fp32 out, which other
-suites resume).
+weights; a fourth, at the other ZeRO stage, asks for the optimizer state and records its refusal. SGD with momentum
+and a warm-up learning rate make the optimizer and scheduler state matter; a dynamic fp16 loss scale with a short
+window makes the loss scaler's state matter. Case names are "<precision> zero<stage>", precision one of fp32, bf16,
+fp16 (``extra["cases"]``; the default leaves fp32 out, which other suites resume).
 
-DeepSpeed's CPU accelerator reports fp16 only where oneDNN has fp16 kernels; with ``extra["force_fp16"]`` the
-suite lets DeepSpeed build its fp16 optimizers anyway (torch runs fp16 on any CPU, slowly), since what is tested
-here is their checkpoint state, not fp16 speed.
+DeepSpeed's CPU accelerator reports fp16 only where oneDNN has fp16 kernels; with ``extra["force_fp16"]`` the suite
+lets DeepSpeed build its fp16 optimizers anyway (torch runs fp16 on any CPU, slowly), since what is tested here is
+their checkpoint state, not fp16 speed.
 """
 
 from __future__ import annotations
@@ -95,7 +95,16 @@ def _case(cfg: GPTConfig, precision: str, zero_stage: int, ckpt: Path) -> dict[s
     weights_only.load_checkpoint(str(ckpt), load_optimizer_states=False)
     loaded = {n: p.detach().clone() for n, p in weights_only.module.named_parameters()}
     ENGINE_REF.pop("engine", None)
-    return {"case": STATUS["case"], "optimizer": optimizer, "before": before, "uninterrupted": uninterrupted,
+    # the other ZeRO stage keeps its optimizer state another way: asked for it, every rank refuses the load
+    other = _engine(cfg, precision, 1 - zero_stage, micro=micro, batch=batch, seq_len=seq_len)
+    try:
+        other.load_checkpoint(str(ckpt))
+        refusal = "not refused"
+    except ds_terapipe.CheckpointError as err:
+        refusal = str(err)
+    ENGINE_REF.pop("engine", None)
+    return {"case": STATUS["case"], "optimizer": optimizer, "format": first.optimizer_format(),
+            "other_stage": [other.optimizer_format(), refusal], "before": before, "uninterrupted": uninterrupted,
             "resumed": resumed, "master_max_diff": _max_diff(master, master_weights(again)),
             "weights_only_master_vs_weights": _max_diff(master_weights(weights_only), loaded),
             "loaded_vs_initial": _max_diff(loaded, initial),
