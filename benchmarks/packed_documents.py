@@ -271,7 +271,7 @@ def main() -> int:
                          f"{m * args.seq_len / med[k] * 1e3:,.0f}",
                          f"{paired[(f'm={m} stock', k)]:.2f}x", f"{paired[(f'm={m} token fixed', k)]:.2f}x",
                          f"{len(distinct)}: {min(len(s) for s in distinct)}-{max(len(s) for s in distinct)} slices"])
-        # the same comparison by the planner's own model: the ceiling any slicing could reach on these rows
+        # the same comparison by the planner's own model: what planning per batch wins on these rows by its account
         predicted_gain = min(median([x / y for x, y in zip(pred[f"m={m} {fixed}"], pred[f"m={m} token per-batch"])])
                              for fixed in ("token fixed", "token fixed (mean docs)"))
         first = [ranks[0]["losses"][k][0] for k in keys]
