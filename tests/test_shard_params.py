@@ -131,8 +131,8 @@ def test_a_checkpoint_crosses_between_sharded_and_zero_runs_only_without_the_opt
     for rank, r in enumerate(four):
         case = next(c for c in r["results"] if c["case"] == "checkpoint across optimizer formats")
         assert "error" not in case, (rank, case.get("error"), case.get("traceback"))
-        for key, saved, own in (("zero_refusal", "whole tensors of the shard_params", "ZeRO's partitioned"),
-                                ("sharded_refusal", "ZeRO's partitioned", "whole tensors of the shard_params")):
+        for key, saved, own in (("zero_refusal", "the torch optimizer's state dict", "ZeRO's partitioned"),
+                                ("sharded_refusal", "ZeRO's partitioned", "the torch optimizer's state dict")):
             assert f"holds its optimizer state as {saved}" in case[key], (rank, case[key])
             assert f"this run keeps it as {own}" in case[key] and "load_optimizer_states=False" in case[key], rank
         assert case["flag_after_refusal"] is None, (rank, case["flag_after_refusal"])
@@ -140,3 +140,17 @@ def test_a_checkpoint_crosses_between_sharded_and_zero_runs_only_without_the_opt
         assert case["zero_steps"] == 2 and case["sharded_steps"] == 3, (rank, case)
         assert case["zero_fresh_state"] and case["sharded_fresh_state"], (rank, case)
         assert case["zero_loss"] > 0 and case["sharded_loss"] > 0, (rank, case)
+
+
+def test_a_checkpoint_moves_between_sharded_and_plain_fp32_runs_with_the_optimizer_state(runs) -> None:
+    """Both keep the torch optimizer's state as whole tensors: a run without shard_params resumes the sharded
+    checkpoint, and a sharded run that run's checkpoint, each with Adam's state: step 3 as the sharded resume's."""
+    four, _ = runs
+    for rank, r in enumerate(four):
+        case = next(c for c in r["results"] if c["case"] == "checkpoint between sharded and plain runs")
+        assert "error" not in case, (rank, case.get("error"), case.get("traceback"))
+        for name in ("plain", "sharded"):
+            got = case[name]
+            assert got["steps"] == 2, (rank, name, got)
+            assert abs(got["loss"] - got["ref_loss"]) <= 1e-6 * abs(got["ref_loss"]), (rank, name, got)
+            assert got["param_rel_err"] <= 1e-6, (rank, name, got)

@@ -270,6 +270,34 @@ def _across_formats(tmp: str) -> dict:
     return out
 
 
+def _plain_and_sharded(tmp: str) -> dict:
+    """The sharded checkpoint ("two", from ``_checkpoint``) resumed by a run without ``shard_params`` (fp32, ZeRO 0),
+    and that run's own checkpoint of the same state resumed by a sharded one: both keep the torch optimizer's state
+    as whole tensors, so each resumes with it: step 3's loss and parameters as a sharded run resumed from "two"
+    (the reference)."""
+    STATUS["case"] = "checkpoint between sharded and plain runs"
+    m = 2
+    _, for_rank = _batches(m, WORLD // STAGES, seed=11)
+    out: dict[str, Any] = {"case": STATUS["case"]}
+    runs = {}
+    for name, shard, tag in (("reference", True, "two"), ("plain", False, "two"), ("sharded", True, "plain")):
+        engine = _engine("looped-bfs", 2, m, shard=shard)
+        engine.optimizer = _adam_like(engine)
+        engine.load_checkpoint(tmp, tag=tag)
+        if name == "plain":
+            engine.save_checkpoint(tmp, tag="plain")   # the same state, as the run without sharding writes it
+        steps = engine.global_steps
+        loss = float(engine.train_batch(iter(for_rank(engine.grid.data_parallel_id)[2 * m:])))
+        runs[name] = (loss, steps, _whole(dict(engine.module.named_parameters())))
+        ENGINE_REF.pop("engine", None)
+    ref_loss, _, ref = runs["reference"]
+    for name in ("plain", "sharded"):
+        loss, steps, params = runs[name]
+        out[name] = {"loss": loss, "ref_loss": ref_loss, "steps": steps,
+                     "param_rel_err": max(float((params[n] - ref[n]).norm() / ref[n].norm()) for n in ref)}
+    return out
+
+
 @suite("sharded")
 def suite_sharded(extra: dict) -> list[dict]:
     if extra.get("resume"):
@@ -287,6 +315,7 @@ def suite_sharded(extra: dict) -> list[dict]:
         results.append(_memory())
     if extra.get("checkpoint"):
         results.append(_checkpoint(extra["checkpoint"]))
-        results += run_cases([("across", extra["checkpoint"])], label=lambda name, tmp: "checkpoint across optimizer "
-                             "formats", run=lambda name, tmp: _across_formats(tmp))
+        checks = [("checkpoint across optimizer formats", _across_formats),
+                  ("checkpoint between sharded and plain runs", _plain_and_sharded)]
+        results += run_cases(checks, label=lambda name, fn: name, run=lambda name, fn: fn(extra["checkpoint"]))
     return results

@@ -1291,11 +1291,11 @@ class TokenPipelineEngine(PipelineEngine):
         other's state dict), and one with ``load_optimizer_states=False`` takes the rest."""
         if self.zero_optimization():
             return "zero"
-        if self.terapipe.shard_params:
-            return "sharded"
+        if self.terapipe.shard_params:   # the torch optimizer over fp32 shards, saved and loaded as whole tensors
+            return "torch"
         if self.using_bf16_optimizer:
             return "bf16"
-        return "fp16" if self.fp16_enabled() else "fp32"
+        return "fp16" if self.fp16_enabled() else "torch"
 
     @contextmanager
     def _saved_mp_rank(self, saved_degree: int) -> Iterator[None]:
@@ -1332,10 +1332,9 @@ class TokenPipelineEngine(PipelineEngine):
 # optimizer_format's values, as a warning names them
 _OPTIMIZER_FORMATS = {
     "zero": "ZeRO's partitioned files (zero_optimization.stage 1 or 2)",
-    "sharded": "whole tensors of the shard_params optimizer",
+    "torch": "the torch optimizer's state dict of whole tensors (fp32 at stage 0, or shard_params)",
     "bf16": "DeepSpeed's bf16 optimizer files per data-parallel rank (bf16, stage 0)",
     "fp16": "DeepSpeed's fp16 optimizer state (fp16, stage 0)",
-    "fp32": "the torch optimizer's state dict (fp32, stage 0)",
 }
 
 
