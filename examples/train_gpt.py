@@ -61,6 +61,10 @@ def training_parser(doc: str) -> argparse.ArgumentParser:
     parser.add_argument("--save-dir", default=None, help="checkpoint directory")
     parser.add_argument("--save-every", type=int, default=50)
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --save-dir")
+    parser.add_argument("--resume-weights-only", action="store_true",
+                        help="--resume with the checkpoint's weights, step count and lr scheduler and a fresh "
+                             "optimizer: after changing zero_optimization.stage, bf16/fp16 or terapipe.shard_params, "
+                             "which keep the optimizer state another way")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--metrics", default=None, help="append one JSON line per step (step, loss) to this file")
     parser.add_argument("--bind-cores", action="store_true",
@@ -81,6 +85,7 @@ def parse_training_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
     args = parser.parse_args()
     if args.deepspeed_config is None:
         parser.error("--deepspeed_config is required (e.g. ds_configs/cpu_2stage.json)")
+    args.resume = args.resume or args.resume_weights_only
     if args.resume and not args.save_dir:
         parser.error("--resume needs --save-dir (where the checkpoints are)")
     return args
@@ -238,7 +243,7 @@ def train(engine: Any, args: argparse.Namespace, tokens: np.ndarray, seq_len: in
 
     start_step = 0
     if args.resume:
-        path, client = engine.load_checkpoint(args.save_dir)
+        path, client = engine.load_checkpoint(args.save_dir, load_optimizer_states=not args.resume_weights_only)
         if path is None:
             raise SystemExit(f"{name}: --resume but no checkpoint found in {args.save_dir}")
         start_step = int(client.get("step", 0))

@@ -1,7 +1,8 @@
 """Tier b, end to end: examples/train_gpt.py in fresh processes, as a user runs it.
 
 * Resume is exact: 6 steps uninterrupted == 3 steps + checkpoint + new processes + --resume + 3 steps, to the
-  last bit of every loss (with virtual stages: dualpipev, two chunks per rank, the loss on rank 0).
+  last bit of every loss (with virtual stages: dualpipev, two chunks per rank, the loss on rank 0). The same
+  checkpoint in bf16 (another optimizer format): --resume refused on both ranks, --resume-weights-only goes on.
 * A rank killed mid-run: the survivor exits with an error (no hang), and --resume continues from the last
   checkpoint, losing at most the checkpoint interval.
 * Freezing with a repack (``--freeze 2:3 --repack``: stage 0 frozen, then 1 stage x 2 replicas): a rank killed
@@ -28,9 +29,9 @@ CONFIG = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
                        "p2p_timeout_s": 20}}
 
 
-def trainer(tmp: Path, name: str, *extra: str, terapipe: dict | None = None) -> list[str]:
+def trainer(tmp: Path, name: str, *extra: str, terapipe: dict | None = None, ds: dict | None = None) -> list[str]:
     config = tmp / "ds_config.json"
-    config.write_text(json.dumps(dict(CONFIG, terapipe=dict(CONFIG["terapipe"], **(terapipe or {})))))
+    config.write_text(json.dumps(dict(CONFIG, **(ds or {}), terapipe=dict(CONFIG["terapipe"], **(terapipe or {})))))
     return [sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--deepspeed_config", str(config),
             "--layers", "2", "--hidden", "32", "--heads", "4", "--log-every", "1", "--eval-every", "0",
             "--max-corpus-mb", "0.3", "--metrics", str(tmp / f"{name}.jsonl"), *extra]
@@ -62,6 +63,20 @@ def test_resume_in_fresh_processes_is_bit_identical(tmp_path) -> None:
     assert [first[s] for s in (1, 2, 3)] == [full[s] for s in (1, 2, 3)]
     assert [second[s] for s in (4, 5, 6)] == [full[s] for s in (4, 5, 6)]  # exact float equality
     assert full[6] < full[1]
+    # the same checkpoint in bf16: its optimizer keeps the state another way, so --resume is refused on both ranks
+    # with the fix, and --resume-weights-only continues from the last one (step 6) with a fresh optimizer
+    bf16 = {"bf16": {"enabled": True}}
+    codes, texts = run_ranks(trainer(tmp_path, "bf16", "--steps", "8", "--save-dir", ckpt, "--resume",
+                                     terapipe=v_shape, ds=bf16), 2, tmp_path / "bf16", timeout_s=240)
+    assert codes[0] != 0 and codes[1] != 0, codes
+    for text in texts:
+        assert "holds its optimizer state as the torch optimizer's" in text and "DeepSpeed's bf16 optimizer" in text, (
+            text[-3000:])
+    codes, texts = run_ranks(trainer(tmp_path, "bf16_weights", "--steps", "8", "--save-dir", ckpt,
+                                     "--resume-weights-only", terapipe=v_shape, ds=bf16),
+                             2, tmp_path / "bf16_weights", timeout_s=240)
+    check(codes, texts)
+    assert "at step 6" in texts[0] and sorted(losses(tmp_path, "bf16_weights")) == [7, 8], texts[0][-3000:]
 
 
 @pytest.mark.timeout(600)
