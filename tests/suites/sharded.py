@@ -3,9 +3,10 @@
 first-step gradient and the parameters after 3 SGD + momentum steps (fp32), or the fp32 master weights' change
 (bf16), for ``looped-bfs``, ``interleaved-1f1b`` and ``1f1b``; the gathers and reduce-scatters each step executed
 against the lowered schedule's count; the model states per rank against the replicated figure; a checkpoint saved
-sharded and resumed at the same layout, and across optimizer formats with a ZeRO-1 run (refused with the
-optimizer state, weights and step count without it). With ``extra["resume"]`` (a checkpoint directory), on 2
-ranks: the checkpoint written by 2 replicas resumed by one, its last step against the reference's.
+sharded and resumed at the same layout, by a run without sharding (optimizer state included) and back, and across
+optimizer formats with a ZeRO-1 run (refused with the optimizer state, weights and step count without it). With
+``extra["resume"]`` (a checkpoint directory), on 2 ranks: the checkpoint written by 2 replicas resumed by one, its
+last step against the reference's.
 """
 
 from __future__ import annotations

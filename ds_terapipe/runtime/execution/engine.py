@@ -1329,7 +1329,7 @@ class TokenPipelineEngine(PipelineEngine):
         return summary
 
 
-# optimizer_format's values, as a warning names them
+# optimizer_format's values, as a refused load names them
 _OPTIMIZER_FORMATS = {
     "zero": "ZeRO's partitioned files (zero_optimization.stage 1 or 2)",
     "torch": "the torch optimizer's state dict of whole tensors (fp32 at stage 0, or shard_params)",
