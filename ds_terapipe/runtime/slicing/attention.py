@@ -111,16 +111,17 @@ def _sliced(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: "SliceContex
             dropout_p: float, scale: "float | None") -> torch.Tensor:
     gqa = _gqa_kwargs(q, k, v)
     docs = current_documents()
-    fused = fused_ok(q, k, v, dropout_p)  # CPU: exact blocks on the flash kernel instead of a dense mask
     if ctx is None or ctx.num_slices == 1:
         if docs is not None:  # packed rows: causal within each document
-            return _within_documents(q, k, v, docs, 0, q.shape[2], 0, fused, dropout_p, scale, gqa)
+            return _within_documents(q, k, v, docs, 0, q.shape[2], 0, fused_ok(q, k, v, dropout_p), dropout_p,
+                                     scale, gqa)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, scale=scale, **gqa)
     if k.shape[2] != ctx.length or q.shape[2] != ctx.length:
         raise ValueError(f"sliced_causal_attention: q/k/v have {q.shape[2]}/{k.shape[2]} tokens but the running "
                          f"slice has {ctx.length} (tokens [{ctx.start}, {ctx.end})); pass (B, heads, T, head_dim) "
                          "tensors of the slice, not of the whole sequence")
     bufs = ctx.kv_buffers(cache_key, k, v)
+    fused = fused_ok(q, k, v, dropout_p)  # CPU: exact blocks on the flash kernel instead of a dense mask
     # SDPA saves q for backward; q is usually a view of a fused qkv projection whose k/v parts now live in the
     # cache, so give q its own storage (same (B, nh, T, hs) strides as before) and let that projection go.
     q = q.transpose(1, 2).contiguous().transpose(1, 2)
