@@ -145,32 +145,39 @@ def _build(variant: str, cfg: Any, opts: dict, m: int, slices: list[int] | None 
     return engine
 
 
+def _document_cost(engine: Any, context: np.ndarray) -> Any:
+    """Rank 0: the engine's measured costs for its row length, read at a document ``context``
+    (:func:`~ds_terapipe.planner.documents.document_context`)."""
+    from ds_terapipe.planner.cost import PipelineCost
+    from ds_terapipe.planner.documents import within_documents
+
+    cost = PipelineCost.from_dict(engine.plans[engine.seq_len].cost, num_stages=engine.num_chunks)
+    return within_documents(cost, context, engine.terapipe.granularity)
+
+
+def _rows_context(engine: Any, batches: list) -> np.ndarray:
+    from ds_terapipe.planner.documents import document_context
+
+    return document_context([b[0][1].numpy() for b in batches], engine.terapipe.granularity)
+
+
 def _mean_docs_slices(engine: Any, tokens: np.ndarray, starts: np.ndarray, opts: dict, m: int) -> list[int]:
     """Rank 0: the plan for the corpus's mean document context (64 sample steps), from the engine's costs."""
-    from ds_terapipe.planner.cost import PipelineCost
-    from ds_terapipe.planner.documents import document_context, within_documents
     from ds_terapipe.runtime.planning.plan import solve_slicing
 
-    seq_len, g = opts["seq_len"], engine.terapipe.granularity
-    samples = [document_context([b[0][1].numpy() for b in packed_rows(tokens, starts, seq_len, m, 10_000 + i)], g)
-               for i in range(64)]
-    base = engine.plans[seq_len]
-    cost = within_documents(PipelineCost.from_dict(base.cost, num_stages=engine.num_chunks), np.mean(samples, axis=0),
-                            g)
-    return list(solve_slicing(engine, cost, base.stage_meta, seq_len).slices)
+    seq_len = opts["seq_len"]
+    samples = [_rows_context(engine, packed_rows(tokens, starts, seq_len, m, 10_000 + i)) for i in range(64)]
+    cost = _document_cost(engine, np.mean(samples, axis=0))
+    return list(solve_slicing(engine, cost, engine.plans[seq_len].stage_meta, seq_len).slices)
 
 
-def _predicted_ms(engine: Any, batches: list, slices: list[int], opts: dict, m: int) -> float:
+def _predicted_ms(engine: Any, batches: list, slices: list[int], m: int) -> float:
     """Rank 0: the planner's prediction for running ``slices`` on these rows: the engine's measured costs read at
-    the rows' document contexts (:func:`within_documents`), the step simulated under the 1f1b schedule."""
-    from ds_terapipe.planner.cost import PipelineCost
-    from ds_terapipe.planner.documents import document_context, within_documents
+    the rows' document contexts, the step simulated under the 1f1b schedule."""
     from ds_terapipe.planner.schedule import build_schedule
     from ds_terapipe.planner.simulate import simulate
 
-    seq_len, g = opts["seq_len"], engine.terapipe.granularity
-    cost = within_documents(PipelineCost.from_dict(engine.plans[seq_len].cost, num_stages=engine.num_chunks),
-                            document_context([b[0][1].numpy() for b in batches], g), g)
+    cost = _document_cost(engine, _rows_context(engine, batches))
     return simulate(build_schedule("1f1b", NUM_STAGES, m, len(slices)), cost, list(slices)).makespan_ms
 
 
@@ -221,7 +228,7 @@ def worker_main(out_dir: Path, opts: dict) -> None:
                     times.setdefault(key, []).append(ms)
                     if rank == 0 and variant != "stock":
                         predicted.setdefault(key, []).append(
-                            _predicted_ms(engines[(m, "token fixed")], batches, used[key][-1], opts, m))
+                            _predicted_ms(engines[(m, "token fixed")], batches, used[key][-1], m))
                 if rank == 0:
                     print(f"[rank 0] m={m} round {rnd} {variant}: {ms:.0f} ms, slices {used[key][-1]}", flush=True)
     planning = {f"m={m}": engines[(m, "token per-batch")].batch_planner.planning_ms for m in opts["ms"]}
