@@ -9,8 +9,9 @@ for m in {1, 2, 4, 8}. Every step of every variant alternates round by round (``
 phase of the shared host hits all alike; rows report medians over the rounds. Variants:
 
 * peers: stock DeepSpeed 1F1B (``TrainSchedule``, the baseline), DeepSpeed's ``DualPipeV`` (m >= 4 only: its
-  engine needs 2 micro-batches per rank), torch.distributed.pipelining's ``ScheduleInterleaved1F1B`` and
-  ``ScheduleLoopedBFS`` with 2 stages per rank (``benchlib/peers.py``);
+  engine needs 2 micro-batches per rank), torch.distributed.pipelining's ``ScheduleInterleaved1F1B``,
+  ``ScheduleLoopedBFS`` and its zero-bubble schedules ``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``
+  and ``ScheduleDualPipeV`` (m >= 4 only), all with 2 stages per rank (``benchlib/peers.py``);
 * token pipeline: ``1f1b`` (v = 1) and each schedule with virtual stages (v = 2), all with ``slices: "auto"``.
 
 Columns: step ms; speedup over stock 1F1B (median of per-round ratios); over the best peer at that m (ratio of

@@ -130,3 +130,17 @@ def test_instruction_recorder_sees_the_token_schedules_microbatch_slice_and_chun
     got = [(k, c, mb, sl) for _, k, mb, sl, _, _, c in compute_events(rec.records, 1, 0.0, rec.chunks)]
     assert got == expected
     assert {(c, sl) for _, c, _, sl in got} == {(1, 0), (1, 1), (3, 0), (3, 1)}
+
+
+def test_peer_chunk_placement_is_torch_pipelinings_own() -> None:
+    """The torch peers build each rank's chunks by ``chunk_rank``; torch's schedules route activations by their
+    own stage-to-rank map. A disagreement would run a chunk on a rank torch sends nothing to (a hang)."""
+    from torch.distributed.pipelining.schedules import generate_stage_to_rank_mapping
+
+    from benchmarks.benchlib.peers import chunk_rank
+    for ranks in (1, 2, 3, 4):
+        v_shape = generate_stage_to_rank_mapping(ranks, 2 * ranks, style="v")
+        assert {c: chunk_rank(c, ranks, True) for c in range(2 * ranks)} == v_shape
+        for chunks in (ranks, 2 * ranks, 3 * ranks):
+            looped = generate_stage_to_rank_mapping(ranks, chunks, style="loop")
+            assert {c: chunk_rank(c, ranks, False) for c in range(chunks)} == looped

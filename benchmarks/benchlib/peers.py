@@ -6,13 +6,20 @@ all of them in one run:
 
 * ``ds-dualpipev``: DeepSpeed 0.19.8's own DualPipeV (``DualPipeVModule`` + ``deepspeed.initialize``), two chunks
   per rank in a V. Its engine needs at least 2 micro-batches per rank (m >= 2p), so it is absent below that.
-* ``torch-interleaved`` / ``torch-loopedbfs``: ``torch.distributed.pipelining``'s ``ScheduleInterleaved1F1B`` and
-  ``ScheduleLoopedBFS``, two stages per rank, looped placement (chunk c on rank c mod p), built from the same
-  ``LayerSpec`` list and cut where DeepSpeed's ``partition_method`` would cut p*v chunks. torch pipelining knows
-  nothing of tied weights: the embedding and the head (chunks 0 and p*v-1, on different ranks) each build their
-  own copy (identical: layers initialise from their index) and their gradients are all-reduced before the
-  optimizer step, as DeepSpeed does for tied layers. The loss is scaled by 1/m (``scale_grads``), as DeepSpeed's
-  gradient accumulation does.
+* ``torch-interleaved`` / ``torch-loopedbfs`` / ``torch-zb-interleaved``: ``torch.distributed.pipelining``'s
+  ``ScheduleInterleaved1F1B``, ``ScheduleLoopedBFS`` and ``ScheduleInterleavedZeroBubble`` (ZB1P: backwards split
+  into input and weight gradients, the weight halves filling the bubbles), two stages per rank, looped placement
+  (chunk c on rank c mod p), built from the same ``LayerSpec`` list and cut where DeepSpeed's ``partition_method``
+  would cut p*v chunks.
+* ``torch-zbv`` / ``torch-dualpipev``: its ``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV``, two stages per rank
+  in a V (rank r holds chunks r and 2p-1-r), weight gradients split off as above. ``torch-dualpipev`` needs
+  m >= 2p (torch's rule), so it is absent below that.
+
+torch pipelining knows nothing of tied weights: the embedding and the head (chunks 0 and p*v-1) each build their
+own copy (identical: layers initialise from their index) and their gradients are summed before the optimizer
+step, as DeepSpeed does for tied layers: all-reduced between two ranks (looped placement), added on the one rank
+that holds both (V placement). The loss is scaled by 1/m (``scale_grads``), as DeepSpeed's gradient
+accumulation does.
 * ``TorchPipelineEngine("torch-loopedbfs-fsdp2", ..., dp=N)`` (benchmarks/sharded_training.py builds it directly):
   the same ``ScheduleLoopedBFS`` on N data-parallel replicas with FSDP2 as torchtitan arranges it: each block
   ``fully_shard``-ed, then each stage module, over the stage's data-parallel group, not resharded after forward
@@ -34,12 +41,33 @@ PEER_VARIANTS: dict[str, str] = {
     "ds-dualpipev": "DeepSpeed DualPipeV (DualPipeVModule, v=2, V placement)",
     "torch-interleaved": "torch.distributed.pipelining ScheduleInterleaved1F1B (v=2, looped)",
     "torch-loopedbfs": "torch.distributed.pipelining ScheduleLoopedBFS (v=2, looped)",
+    "torch-zb-interleaved": "torch.distributed.pipelining ScheduleInterleavedZeroBubble (v=2, looped)",
+    "torch-zbv": "torch.distributed.pipelining ScheduleZBVZeroBubble (v=2, V placement)",
+    "torch-dualpipev": "torch.distributed.pipelining ScheduleDualPipeV (v=2, V placement)",
+}
+
+#: torch's schedules by variant, and whether they place chunks in a V (rank r: chunks r and 2p-1-r)
+_TORCH_SCHEDULES: dict[str, tuple[str, bool]] = {
+    "torch-interleaved": ("ScheduleInterleaved1F1B", False),
+    "torch-loopedbfs": ("ScheduleLoopedBFS", False),
+    "torch-loopedbfs-fsdp2": ("ScheduleLoopedBFS", False),
+    "torch-zb-interleaved": ("ScheduleInterleavedZeroBubble", False),
+    "torch-zbv": ("ScheduleZBVZeroBubble", True),
+    "torch-dualpipev": ("ScheduleDualPipeV", True),
 }
 
 
 def peer_applies(variant: str, m: int, num_ranks: int) -> bool:
-    """Whether a peer can run m micro-batches on ``num_ranks`` ranks (DeepSpeed's DualPipeV needs m >= 2p)."""
-    return not (variant == "ds-dualpipev" and m < 2 * num_ranks)
+    """Whether a peer can run m micro-batches on ``num_ranks`` ranks (DeepSpeed's and torch's DualPipeV need
+    m >= 2p)."""
+    return not (variant in ("ds-dualpipev", "torch-dualpipev") and m < 2 * num_ranks)
+
+
+def chunk_rank(chunk: int, num_ranks: int, v_shape: bool) -> int:
+    """The pipeline rank holding ``chunk`` of ``2 * num_ranks`` (V) or any number (looped) chunks."""
+    if not v_shape:
+        return chunk % num_ranks
+    return chunk if chunk < num_ranks else 2 * num_ranks - 1 - chunk
 
 
 def chunk_layers(specs: list, num_chunks: int, type_name: str) -> list[tuple[int, int]]:
@@ -94,7 +122,8 @@ class TorchPipelineEngine:
         import torch
         import torch.distributed as dist
         import torch.nn as nn
-        from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B, ScheduleLoopedBFS
+        import torch.distributed.pipelining as pipelining
+        from torch.distributed.pipelining import PipelineStage
 
         # DeepSpeed's rank order (pipe-major): rank = stage * dp + replica; every rank creates every group
         rank = dist.get_rank()
@@ -105,7 +134,10 @@ class TorchPipelineEngine:
         self.micro_batches = micro_batches
         num_chunks = num_ranks * virtual_stages
         bounds = chunk_layers(specs, num_chunks, type_name)
-        self.local_chunks = [c for c in range(num_chunks) if c % num_ranks == self.stage_id]
+        cls_name, v_shape = _TORCH_SCHEDULES[schedule]
+        if v_shape and virtual_stages != 2:
+            raise ValueError(f"{schedule} places exactly 2 stages per rank in a V, not {virtual_stages}")
+        self.local_chunks = sorted(c for c in range(num_chunks) if chunk_rank(c, num_ranks, v_shape) == self.stage_id)
         # the accelerator's device, as DeepSpeed's engines use: gloo takes CPU tensors, NCCL only device ones
         from deepspeed.accelerator import get_accelerator
 
@@ -128,18 +160,20 @@ class TorchPipelineEngine:
                 chunk.tied = _tied_of(chunk)
         stages = [PipelineStage(chunk, c, num_chunks, device, group=pipe_group)
                   for c, chunk in zip(self.local_chunks, chunks)]
-        cls = {"torch-interleaved": ScheduleInterleaved1F1B, "torch-loopedbfs": ScheduleLoopedBFS,
-               "torch-loopedbfs-fsdp2": ScheduleLoopedBFS}[schedule]
+        cls = getattr(pipelining, cls_name)
         self.schedule = cls(stages, n_microbatches=micro_batches, loss_fn=loss_fn, scale_grads=True)
         self.first = 0 in self.local_chunks
         self.last = num_chunks - 1 in self.local_chunks
         # tied layers (DeepSpeed TiedLayerSpec): the first and last chunk's copies, their gradients summed
         self.tied = [p for chunk in chunks for p in chunk.tied]
-        holders = sorted({0, (num_chunks - 1) % num_ranks})
+        holders = sorted({0, chunk_rank(num_chunks - 1, num_ranks, v_shape)})
+        # one rank holds both copies (V placement): [first chunk's, last chunk's] pairs, added locally
+        self.local_tied = [(chunks[0].tied, chunks[-1].tied)] if len(holders) == 1 and self.first else []
         tied_groups = [dist.new_group([h * dp + d for h in holders]) if len(holders) > 1 else None
                        for d in range(dp)]   # every rank calls new_group
         self.tied_group = tied_groups[replica]
-        self.replica_group = replicas[self.stage_id]
+        self.replica_group = replicas[self.stage_id] if dp > 1 else None
+        self.pipe_group = pipe_group
         self.dp = dp
         self.optimizer = (optimizer or (lambda params: torch.optim.SGD(params, lr=lr)))(self.module.parameters())
 
@@ -153,13 +187,21 @@ class TorchPipelineEngine:
         losses: list = []
         args = (inputs,) if self.first else ()
         self.schedule.step(*args, target=labels if self.last else None, losses=losses if self.last else None)
-        for p in self.tied:
-            grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-            dist.all_reduce(grad, group=self.tied_group)
+        for firsts, lasts in self.local_tied:
+            for a, b in zip(firsts, lasts):
+                total = a.grad + b.grad
+                a.grad.copy_(total)
+                b.grad.copy_(total)
+        if self.tied_group is not None:
+            for p in self.tied:
+                grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                dist.all_reduce(grad, group=self.tied_group)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        loss = torch.stack(losses).mean().detach() if losses else torch.zeros(())
-        if self.dp > 1 and losses:   # the replicas' mean, as DeepSpeed's engines report it
+        loss = torch.stack(losses).mean().detach() if losses else torch.zeros((), device=self.device)
+        # every rank of the pipeline reports it, as DeepSpeed's engines do (in a V the last chunk is on rank 0)
+        dist.all_reduce(loss, group=self.pipe_group)
+        if self.dp > 1:   # the replicas' mean, as DeepSpeed's engines report it
             dist.all_reduce(loss, group=self.replica_group)
             loss /= self.dp
         return loss
@@ -182,6 +224,6 @@ def build_peer(variant: str, specs: list, loss_fn: Callable, micro_batches: int,
         opt = torch.optim.SGD(model.parameters(), lr=1e-5)
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=base_config)
         return engine
-    if variant in ("torch-interleaved", "torch-loopedbfs"):
+    if variant in _TORCH_SCHEDULES:
         return TorchPipelineEngine(variant, specs, loss_fn, micro_batches, num_ranks, type_name=type_name)
     raise ValueError(f"unknown peer {variant!r}; known: {', '.join(PEER_VARIANTS)}")
