@@ -159,15 +159,17 @@ def _ulysses_step(engine: Any, batches: list, seq_len: int) -> float:
     lo, hi = rank * share, (rank + 1) * share
     total = torch.zeros(())
     previous, groups.mpu = groups.mpu, engine.sequence_mpu   # the pipeline engines install their own grids
-    for ids, labels in batches:
-        # positions of this rank's share: the embedding reads them from a slice context (no pipeline runs here)
-        with slice_scope(SimpleNamespace(position_start=lo, documents=None, sequence=None)):
-            logits = engine(ids[:, lo:hi])
-        loss = F.cross_entropy(logits.flatten(0, 1), labels[:, lo:hi].flatten(), reduction="sum") / labels.numel()
-        engine.backward(loss)   # DeepSpeed divides by its gradient_accumulation_steps (the micro-batches)
-        total += loss.detach() / len(batches)
-        engine.step()           # one optimizer step, at the accumulation boundary
-    groups.mpu = previous
+    try:
+        for ids, labels in batches:
+            # positions of this rank's share: the embedding reads them from a slice context (no pipeline runs here)
+            with slice_scope(SimpleNamespace(position_start=lo, documents=None, sequence=None)):
+                logits = engine(ids[:, lo:hi])
+            loss = F.cross_entropy(logits.flatten(0, 1), labels[:, lo:hi].flatten(), reduction="sum") / labels.numel()
+            engine.backward(loss)   # DeepSpeed divides by its gradient_accumulation_steps (the micro-batches)
+            total += loss.detach() / len(batches)
+            engine.step()           # one optimizer step, at the accumulation boundary
+    finally:
+        groups.mpu = previous
     dist.all_reduce(total)
     return float(total)
 

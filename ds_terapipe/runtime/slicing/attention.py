@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import blocks as blocks_mod
-from .blocks import block_attention, fused_ok, prefix_blocks, sdpa_blocks
+from .blocks import block_attention, fused_ok, gqa_kwargs, prefix_blocks, sdpa_blocks
 from .context import KVBuffers, SliceContext, current_slice
 from .devices import prefix_causal_bias
 from .documents import Documents, current_documents, slice_positions
@@ -109,7 +109,7 @@ def sliced_causal_attention(q: torch.Tensor,
 
 def _sliced(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: "SliceContext | None", cache_key: Hashable,
             dropout_p: float, scale: "float | None") -> torch.Tensor:
-    gqa = _gqa_kwargs(q, k, v)
+    gqa = gqa_kwargs(q, k, v)
     docs = current_documents()
     if ctx is None or ctx.num_slices == 1:
         if docs is not None:  # packed rows: causal within each document
@@ -155,18 +155,6 @@ def _within_documents(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
         return block_attention(q, keys, values, blocks, scale)
     mask = docs.mask(start, end, q.dtype, first)
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, dropout_p=dropout_p, scale=scale, **gqa)
-
-
-def _gqa_kwargs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, bool]:
-    """``enable_gqa=True`` for SDPA when k/v have fewer heads than q (nothing otherwise, so equal-head calls stay
-    exactly what they were); the cache keeps the k/v heads, never repeated copies."""
-    num_heads, num_kv = q.shape[1], k.shape[1]
-    if num_kv == num_heads:
-        return {}
-    if v.shape[1] != num_kv or num_heads % num_kv:
-        raise ValueError(f"sliced_causal_attention: q has {num_heads} heads but k/v have {num_kv}/{v.shape[1]}; "
-                         "grouped-query attention needs k and v with the same number of heads, dividing q's")
-    return {"enable_gqa": True}
 
 
 class CausalSelfAttention(nn.Module):

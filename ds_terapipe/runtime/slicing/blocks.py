@@ -44,7 +44,7 @@ try:  # torch >= 2.3
 except ImportError:  # pragma: no cover - older torch: the dense mask everywhere
     causal_lower_right = None
 
-__all__ = ["Block", "MAX_BLOCKS", "MIN_PREFIX_TOKENS", "block_attention", "fused_ok", "on_accelerator",
+__all__ = ["Block", "MAX_BLOCKS", "MIN_PREFIX_TOKENS", "block_attention", "fused_ok", "gqa_kwargs", "on_accelerator",
            "prefix_blocks", "sdpa_blocks"]
 
 #: Above this many blocks in one slice (all rows together), the dense mask's single kernel call is cheaper.
@@ -115,6 +115,18 @@ def on_accelerator(q: torch.Tensor) -> bool:
     return q.device.type != "cpu" and causal_lower_right is not None
 
 
+def gqa_kwargs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, bool]:
+    """``enable_gqa=True`` for SDPA when k/v have fewer heads than q (nothing otherwise, so equal-head calls stay
+    exactly what they were); the cache keeps the k/v heads, never repeated copies."""
+    num_heads, num_kv = q.shape[1], k.shape[1]
+    if num_kv == num_heads:
+        return {}
+    if v.shape[1] != num_kv or num_heads % num_kv:
+        raise ValueError(f"sliced_causal_attention: q has {num_heads} heads but k/v have {num_kv}/{v.shape[1]}; "
+                         "grouped-query attention needs k and v with the same number of heads, dividing q's")
+    return {"enable_gqa": True}
+
+
 def sdpa_blocks(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocks: Sequence[Block],
                 scale: Optional[float], dropout_p: float = 0.0) -> torch.Tensor:
     """The same blocks for an accelerator, through public SDPA and no merge: a block's queries see the keys
@@ -122,7 +134,7 @@ def sdpa_blocks(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block
     causally), which is one SDPA call with torch's lazy ``causal_lower_right`` bias (``is_causal=True`` when the
     block has no prefix), a form the fused flash / memory-efficient kernels take. Each query lies in one block,
     so dropout per call is dropout over its row. Autograd runs through SDPA's own backward."""
-    gqa = {"enable_gqa": True} if keys.shape[1] != q.shape[1] else {}
+    gqa = gqa_kwargs(q, keys, values)
     batch, heads, tokens, _ = q.shape
     out = q.new_empty(batch, tokens, heads, values.shape[-1]).transpose(1, 2)   # (B, nh, T, hs), as SDPA's
     for b in blocks:
