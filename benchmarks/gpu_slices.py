@@ -15,7 +15,9 @@ backwards later slices first). Four variants, alternated round by round, medians
 * ``fused``: deferred weight gradients, no per-slice sync (as the runtime runs): F, B, then one W pass over the
   micro-batch's slices, one GEMM per Linear (gpipe's W per micro-batch);
 * ``per-slice W``: the same, W computed slice by slice (a W per slice, as 1f1b places it): a GEMM per slice;
-* ``unsynced``: not deferred, no per-slice sync (the micro-batch as the runtime runs it without deferral).
+* ``unsynced``: not deferred, no per-slice sync, autograd adding each weight gradient into ``.grad``;
+* ``in-gemm``: the same with each Linear's weight gradient added into ``.grad`` inside its GEMM (``addmm_``), as
+  the runtime runs a backward that is not deferred where nothing hooks the accumulation.
 
 Beside each: what the engine's own profile predicts (``profile_stage`` points fitted as ``slices: "auto"``
 fits them, plus the measured accumulation into ``.grad`` per backward); on an accelerator (or with
@@ -87,12 +89,14 @@ def measure_shape(shape: dict[str, Any], counts: list[int], rounds: int, device:
                   dtype: torch.dtype, steady: bool | None = None) -> dict[str, Any]:
     """Profile points (as the engine's profile takes them), accumulation terms, and the four variants' medians.
     ``steady`` (default: on an accelerator): also the points of :func:`steady_points`."""
-    from ds_terapipe.runtime.slicing.deferred import enable_deferred_weight_grads
+    from ds_terapipe.runtime.slicing.deferred import (enable_deferred_weight_grads, enable_fused_grad_accumulation,
+                                                      fused_weights)
     from ds_terapipe.runtime.planning.profile import profile_stage
     from ds_terapipe.runtime.planning.step_profile import time_grad_accumulation
     started = time.perf_counter()
     stage = build_stage(shape).to(device, dtype)
     enable_deferred_weight_grads(stage)   # defers only under a slice context with a stash (fused, per-slice W)
+    enable_fused_grad_accumulation(stage)  # adds in the GEMMs only where the state asks (in-gemm)
     built_s = time.perf_counter() - started
     seq_len, batch = shape["seq_len"], shape["batch"]
     x0 = torch.randn(batch, seq_len, shape["hidden"], device=device, dtype=dtype)
@@ -109,6 +113,8 @@ def measure_shape(shape: dict[str, Any], counts: list[int], rounds: int, device:
     out["profile"] = profile_stage(stage, params, x0, seq_len, granularity, batch, burst=burst, **grid)
     out["profile_deferred"] = profile_stage(stage, params, x0, seq_len, granularity, batch, deferred=True,
                                             burst=burst, **grid)
+    out["profile_in_gemm"] = profile_stage(stage, params, x0, seq_len, granularity, batch, burst=burst,
+                                           fused=fused_weights(stage), **grid)
     if steady:   # bursts of twice the copies: the cost of the extra copies, without the burst's start
         out["profile_steady"] = steady_points(out["profile"], profile_stage(
             stage, params, x0, seq_len, granularity, batch, burst=2 * PROFILE_BURST, **grid))
@@ -176,9 +182,13 @@ def profile_prediction(rec: dict[str, Any], n: int, variant: str, steady: bool =
     seq_len, batch = shape["seq_len"], shape["batch"]
     cuts = bounds(seq_len, n)
     deferred = variant in ("fused", "per-slice W")
-    points = rec[("profile_deferred" if deferred else "profile") + ("_steady" if steady else "")]
+    if variant == "in-gemm":   # the Linears' weights add into .grad inside the profiled backward
+        points = rec["profile_in_gemm"]
+    else:
+        points = rec[("profile_deferred" if deferred else "profile") + ("_steady" if steady else "")]
     cost = MeasuredCost([{k: v for k, v in p.items() if k != "weight_ms"} for p in points])
-    acc = rec["accumulate_ms"]["not_linear"] + (0.0 if deferred else rec["accumulate_ms"]["linear"])
+    acc = rec["accumulate_ms"]["not_linear"] + (0.0 if deferred or variant == "in-gemm" else
+                                                rec["accumulate_ms"]["linear"])
     f = [float(cost.forward_ms(b - a, a, batch)) for a, b in cuts]
     bw = [float(cost.backward_ms(b - a, a, batch)) + (acc if i < n - 1 else 0.0) for i, (a, b) in enumerate(cuts)]
     w = 0.0
@@ -237,13 +247,20 @@ def render(report: dict[str, Any]) -> tuple[list[str], list[dict[str, Any]]]:
             steady = {v: profile_prediction(rec, n, v, steady=True)["total_ms"] if "profile_steady" in rec else None
                       for v in ("unsynced", "fused")}
             preset = {v: preset_prediction(rec, device, n, v) for v in ("unsynced", "fused")}
+            gemm = rows.get((n, "in-gemm"))   # (reports before the variant existed have none)
+            gemm_pred = profile_prediction(rec, n, "in-gemm")["total_ms"] if "profile_in_gemm" in rec else None
             table.append([str(n), f"{statistics.median(sl['F']):.2f}", f"{statistics.median(sl['B']):.2f}",
                           f"{un['total_ms']:.1f}", f"{pred['unsynced']:.1f}", _ms(steady["unsynced"]),
-                          _ms(preset["unsynced"]),
+                          _ms(preset["unsynced"]), _ms(gemm and gemm["total_ms"]), _ms(gemm_pred),
                           f"{fu['F']:.1f} / {fu['B']:.1f} / {fu['W']:.1f}", f"{fu['total_ms']:.1f}",
                           f"{pred['fused']:.1f}", _ms(steady["fused"]), _ms(preset["fused"]),
                           f"{ps['W']:.1f}", "-" if not w1 else f"{fu['W'] / w1:.2f}",
                           "-" if not w1 else f"{ps['W'] / w1:.2f}"])
+            if gemm is not None and gemm_pred is not None:
+                checks.append({"shape": name, "n": n, "variant": "in-gemm", "what": "profile-predicted micro-batch",
+                               "measured_ms": gemm["total_ms"], "predicted_ms": gemm_pred,
+                               "rel_err": gemm_pred / gemm["total_ms"] - 1, "vs_unsynced": gemm["total_ms"] /
+                               un["total_ms"]})
             for variant, measured in (("unsynced", un["total_ms"]), ("fused", fu["total_ms"])):
                 err = pred[variant] / measured - 1
                 checks.append({"shape": name, "n": n, "variant": variant, "what": "profile-predicted micro-batch",
@@ -260,7 +277,8 @@ def render(report: dict[str, Any]) -> tuple[list[str], list[dict[str, Any]]]:
                 f"n = {n}: {v:.1f} (eager {rows[(int(n), 'unsynced')]['total_ms']:.1f})" if isinstance(v, float)
                 else f"n = {n}: {v}" for n, v in rec["graphed"].items())]
         lines += markdown_table(
-            ["n", "F/slice", "B/slice", "not deferred", "profile", "steady", "preset", "deferred F / B / W",
+            ["n", "F/slice", "B/slice", "not deferred", "profile", "steady", "preset", "in GEMM", "profile",
+             "deferred F / B / W",
              "deferred", "profile", "steady", "preset", "W per slice", "W(n)/W(1)", "per-slice W(n)/W(1)"], table)
     return lines, checks
 

@@ -10,11 +10,13 @@ Why: at one micro-batch a token pipeline's speedup over an unsliced pipeline is 
 planner sees ``t(n)`` through its profile and picks n accordingly; this script shows the factor on its own, so
 the gap between ``benchmarks/pipeline_speedup.py`` and the bubble-free bound can be split into bubble and
 per-slice overhead. One process, one core (pinned), the stage's blocks run slice by slice exactly as a stage
-runs them (slice context, KV buffers, backwards later slices first), with and without deferred weight
-gradients (one W per micro-batch, gpipe's default), variants alternated round by round; medians.
+runs them (slice context, KV buffers, backwards later slices first), with the weight gradients in the backward
+(added into ``.grad`` by autograd, or inside their GEMMs as the engine does where nothing hooks the accumulation)
+and deferred (one W per micro-batch, gpipe's default), variants alternated round by round; medians.
 
 Columns: ``F``, ``B`` (input gradients; with the weight gradients too when not deferred), ``W`` (the deferred
-pass), ``total``, ``x t(1)`` (total over the unsliced total of the same mode), and ``ceiling``: the m = 1
+pass), ``total``, ``x t(1)`` (total over the unsliced total of the same mode), ``x autograd`` (over the same n with
+autograd's accumulation), and ``ceiling``: the m = 1
 speedup over an unsliced 2-stage pipeline this overhead leaves with n equal slices,
 ``2 n / (n + 1) x t(1) / t(n)``. On an accelerator every time is taken after a device synchronise.
 """
@@ -36,25 +38,31 @@ def _blocks(args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
     from ds_terapipe.models.gpt import GPTBlock, GPTConfig
     cfg = GPTConfig(num_layers=2 * args.layers, hidden=args.hidden, num_heads=args.heads, vocab_size=256,
                     max_seq_len=args.seq_len)
-    from ds_terapipe.runtime.slicing.deferred import enable_deferred_weight_grads
+    from ds_terapipe.runtime.slicing.deferred import enable_deferred_weight_grads, enable_fused_grad_accumulation
     blocks = torch.nn.Sequential(*[GPTBlock(cfg, i) for i in range(args.layers)]).to(device)
-    enable_deferred_weight_grads(blocks)  # defers only under a slice context with a stash (the "on" rows)
+    enable_deferred_weight_grads(blocks)  # defers only under a slice context with a stash (the "deferred" rows)
+    enable_fused_grad_accumulation(blocks)  # adds in the GEMMs only where the state asks (the "in GEMM" rows)
     return blocks
 
 
-def _run(blocks: torch.nn.Module, x0: torch.Tensor, n: int, deferred: bool) -> tuple[float, float, float]:
-    """One micro-batch through the blocks in n equal slices: (F, B, W) milliseconds, device-synchronised
-    (deferred: one W pass over the micro-batch, as gpipe runs it)."""
-    took = run_variant(blocks, x0, n, "fused" if deferred else "unsynced")
+#: how the weight gradients are computed: in the backward, autograd adding each into ``.grad``; in the backward,
+#: added into ``.grad`` inside the GEMM (the engine's way without deferral where nothing hooks the accumulation);
+#: deferred to one W pass over the micro-batch (gpipe's)
+MODES = {"autograd": "unsynced", "in GEMM": "in-gemm", "deferred": "fused"}
+
+
+def _run(blocks: torch.nn.Module, x0: torch.Tensor, n: int, mode: str) -> tuple[float, float, float]:
+    """One micro-batch through the blocks in n equal slices: (F, B, W) milliseconds, device-synchronised."""
+    took = run_variant(blocks, x0, n, MODES[mode])
     return took["F"], took["B"], took["W"]
 
 
 def _op_profile(blocks: torch.nn.Module, x0: torch.Tensor, n: int, top: int) -> dict[str, float]:
     """Self time per op (ms) of one deferred micro-batch in n slices, CPU side."""
     from torch.profiler import ProfilerActivity, profile
-    _run(blocks, x0, n, True)
+    _run(blocks, x0, n, "deferred")
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        _run(blocks, x0, n, True)
+        _run(blocks, x0, n, "deferred")
     ops = {e.key: e.self_cpu_time_total / 1e3 for e in prof.key_averages()}
     return dict(sorted(ops.items(), key=lambda kv: -kv[1])[:top])
 
@@ -82,8 +90,8 @@ def main() -> None:
     counts = sorted({1, *(int(s) for s in args.slices.split(","))})
     blocks = _blocks(args, device)
     x0 = torch.randn(args.batch, args.seq_len, args.hidden, device=device)
-    variants = [(n, d) for d in (False, True) for n in counts]
-    samples: dict[tuple[int, bool], list[tuple[float, float, float]]] = {v: [] for v in variants}
+    variants = [(n, mode) for mode in MODES for n in counts]
+    samples: dict[tuple[int, str], list[tuple[float, float, float]]] = {v: [] for v in variants}
     for rnd in range(args.rounds + 1):
         for v in variants:
             took = _run(blocks, x0, *v)
@@ -91,20 +99,22 @@ def main() -> None:
                 samples[v].append(took)
 
     rows, table = [], []
-    for n, deferred in variants:
-        f, b, w = (statistics.median(s[k] for s in samples[(n, deferred)]) for k in range(3))
-        base = sum(statistics.median(s[k] for s in samples[(1, deferred)]) for k in range(3))
+    for n, mode in variants:
+        f, b, w = (statistics.median(s[k] for s in samples[(n, mode)]) for k in range(3))
+        base = sum(statistics.median(s[k] for s in samples[(1, mode)]) for k in range(3))
+        autograd = sum(statistics.median(s[k] for s in samples[(n, "autograd")]) for k in range(3))
         total = f + b + w
         ceiling = 2 * n / (n + 1) * base / total
-        rows.append({"slices": n, "slice_len": args.seq_len // n, "deferred": deferred, "forward_ms": f,
-                     "backward_ms": b, "weight_ms": w, "total_ms": total, "vs_unsliced": total / base,
-                     "m1_2stage_ceiling": ceiling})
-        table.append([str(n), str(args.seq_len // n), "on" if deferred else "off", f"{f:.0f}", f"{b:.0f}",
-                      f"{w:.0f}" if deferred else "-", f"{total:.0f}", f"{total / base:.3f}", f"{ceiling:.2f}x"])
+        rows.append({"slices": n, "slice_len": args.seq_len // n, "deferred": mode == "deferred",
+                     "weight_grads": mode, "forward_ms": f, "backward_ms": b, "weight_ms": w, "total_ms": total,
+                     "vs_unsliced": total / base, "vs_autograd": total / autograd, "m1_2stage_ceiling": ceiling})
+        table.append([str(n), str(args.seq_len // n), mode, f"{f:.0f}", f"{b:.0f}",
+                      f"{w:.0f}" if mode == "deferred" else "-", f"{total:.0f}", f"{total / base:.3f}",
+                      f"{total / autograd:.3f}", f"{ceiling:.2f}x"])
     print(f"GPT {args.layers} blocks x hidden {args.hidden}, {args.heads} heads, {args.batch} x {args.seq_len} tokens, "
           f"{args.device}, 1 thread; medians of {args.rounds} rounds")
-    print("\n".join(markdown_table(["n", "slice", "deferred W", "F ms", "B ms", "W ms", "total ms", "x t(1)",
-                                    "m=1 ceiling, 2 stages"], table)))
+    print("\n".join(markdown_table(["n", "slice", "weight gradients", "F ms", "B ms", "W ms", "total ms", "x t(1)",
+                                    "x autograd", "m=1 ceiling, 2 stages"], table)))
     report = {"rows": rows, "options": vars(args)}
     if args.profile:
         top = {str(n): _op_profile(blocks, x0, n, 12) for n in (1, counts[-1])}

@@ -26,12 +26,16 @@ def test_a_small_shape_is_measured_with_every_variant_and_predicted(tmp_path) ->
     rec = report["shapes"]["tiny-gpt"]
     assert "error" not in rec, rec
     variants = {(r["n"], r["variant"]) for r in rec["rows"]}
-    assert variants == {(n, v) for n in (1, 2) for v in ("sliced", "fused", "per-slice W", "unsynced")}
+    assert variants == {(n, v) for n in (1, 2) for v in ("sliced", "fused", "per-slice W", "unsynced", "in-gemm")}
     sliced = next(r for r in rec["rows"] if r["variant"] == "sliced" and r["n"] == 2)
     assert len(sliced["F"]) == len(sliced["B"]) == 2   # per slice
     assert rec["profile"] and all("weight_ms" in p for p in rec["profile_deferred"])
+    assert [(p["slice"], p["context"]) for p in rec["profile_in_gemm"]] == [(p["slice"], p["context"])
+                                                                            for p in rec["profile"]]
     kinds = {c["what"] for c in report["checks"]}
     assert kinds == {"profile-predicted micro-batch", "W(n)/W(1)"}, kinds
+    predicted = {(c["n"], c["variant"]) for c in report["checks"] if c["what"] == "profile-predicted micro-batch"}
+    assert predicted == {(n, v) for n in (1, 2) for v in ("unsynced", "fused", "in-gemm")}, predicted
     assert report["commit"] and report["machine"]["device"] == "cpu"
 
 

@@ -300,3 +300,78 @@ def test_a_w_over_several_slices_is_one_gemm_per_linear_summed_in_token_order() 
         per_slice = [stash.compute(slice_index=i)[1][0] for i in range(4)]
     assert count.gemms == 4
     assert torch.allclose(sum(per_slice), grads[0])
+
+
+# -- the weight gradients added into .grad inside the GEMM (enable_fused_grad_accumulation) -----------------------
+
+def _fused_run(model: nn.Module, xs: list[torch.Tensor], slices: list[int], fuse: bool) -> dict:
+    """Micro-batches ``xs`` one after another in ``slices``, backwards later slices first, all into ``.grad``
+    (as a step of the engine does): the summed gradients."""
+    model.zero_grad(set_to_none=True)
+    for mb, x in enumerate(xs):
+        state = MicroBatchState(mb, x.shape[1], len(slices))
+        state.fuse_grad_accumulation = fuse
+        outs, bounds, start = [], [], 0
+        for i, length in enumerate(slices):
+            with slice_scope(SliceContext(mb, i, start, start + length, state)):
+                outs.append(model(x[:, start:start + length].detach().requires_grad_()))
+            bounds.append((start, start + length))
+            start += length
+        grad = torch.linspace(0.5, 1.5, x.numel(), dtype=x.dtype).view_as(x)   # the same for any slicing
+        for y, (lo, hi) in reversed(list(zip(outs, bounds))):
+            y.backward(grad[:, lo:hi])
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        self.names.append(func.__name__.split(".")[0])
+        return func(*args, **(kwargs or {}))
+
+
+def test_fused_accumulation_equals_autograds_and_adds_in_the_gemm() -> None:
+    from ds_terapipe.runtime.slicing.deferred import enable_fused_grad_accumulation, fused_weights
+    model = _blocks()
+    gen = torch.Generator().manual_seed(4)
+    xs = [torch.randn(2, 40, 32, dtype=torch.float64, generator=gen) for _ in range(2)]
+    ref = _fused_run(model, xs, [40], fuse=False)
+    assert enable_fused_grad_accumulation(model) == 8 and len(fused_weights(model)) == 8
+    for slices in ([40], [8, 24, 8], [16, 8, 8, 8]):
+        got = _fused_run(model, xs, slices, fuse=True)
+        for name, g in ref.items():
+            assert torch.allclose(got[name], g, rtol=1e-10, atol=1e-12), name
+    # where it is used: from the second backward on, one addmm_ per Linear weight and no mm + add for it
+    with _Ops() as ops:
+        _fused_run(model, xs[:1], [20, 20], fuse=True)
+    assert ops.names.count("addmm_") == 8, ops.names   # the first slice's backward; the second has no .grad yet
+    with _Ops() as plain:
+        _fused_run(model, xs[:1], [20, 20], fuse=False)
+    assert plain.names.count("addmm_") == 0 and plain.names.count("mm") > ops.names.count("mm")
+
+
+def test_fused_accumulation_keeps_hooked_and_frozen_weights_on_autograd() -> None:
+    from ds_terapipe.runtime.slicing.deferred import enable_fused_grad_accumulation, fused_weights
+    model = _blocks()
+    enable_fused_grad_accumulation(model)
+    fc = model[0].fc_in
+    calls = []
+    fc.weight.register_post_accumulate_grad_hook(lambda p: calls.append(p.grad.clone()))
+    model[1].fc_out.weight.requires_grad_(False)
+    assert len(fused_weights(model)) == 7
+    x = torch.randn(2, 40, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    with _Ops() as ops:
+        got = _fused_run(model, [x], [20, 20], fuse=True)
+    assert len(calls) == 2, "the hooked weight's accumulations must run through autograd (its hook each time)"
+    assert torch.allclose(calls[-1], got["0.fc_in.weight"])
+    assert ops.names.count("addmm_") == 6   # the 8 Linears less the hooked and the frozen one
+    assert model[1].fc_out.weight.grad is None and "1.fc_out.weight" not in got
+    # outside a state that asks for it, and without a slice context, the wrapped Linear is plain autograd
+    with _Ops() as off:
+        _fused_run(model, [x], [20, 20], fuse=False)
+    with _Ops() as bare:
+        model(x).sum().backward()
+    assert off.names.count("addmm_") == 0 and bare.names.count("addmm_") == 0

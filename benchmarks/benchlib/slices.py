@@ -9,8 +9,10 @@ import torch
 
 #: ``sliced``: weight gradients in the backward, a device sync after every slice (per-slice times);
 #: ``fused``: deferred weight gradients, one W pass over the micro-batch (one GEMM per Linear);
-#: ``per-slice W``: deferred, W computed slice by slice; ``unsynced``: not deferred, no per-slice sync
-VARIANTS = ("sliced", "fused", "per-slice W", "unsynced")
+#: ``per-slice W``: deferred, W computed slice by slice; ``unsynced``: not deferred, no per-slice sync;
+#: ``in-gemm``: as ``unsynced``, each Linear's weight gradient added into ``.grad`` inside its GEMM (the engine's
+#: way where nothing hooks the accumulation; needs ``enable_fused_grad_accumulation`` on the stage)
+VARIANTS = ("sliced", "fused", "per-slice W", "unsynced", "in-gemm")
 
 
 def bounds(seq_len: int, n: int) -> list[tuple[int, int]]:
@@ -27,6 +29,7 @@ def run_variant(stage: torch.nn.Module, x0: torch.Tensor, n: int, variant: str) 
     per_slice = variant == "sliced"
     state = MicroBatchState(0, seq_len, n)
     state.weight_stash = WeightGradStash() if deferred else None
+    state.fuse_grad_accumulation = variant == "in-gemm"
     for p in stage.parameters():
         p.grad = None
     marks: list[float] = []   # host times after device syncs: per slice for ``sliced``, per phase otherwise

@@ -2,7 +2,9 @@
 schedules (gpipe, 1f1b, each also with deferred weight gradients) x micro-batches, each trained 3 steps against the
 single-process unsliced reference (loss, every gradient, parameters after the steps) and against stock DeepSpeed's
 pipeline on the same batches. ``extra``: ``dp``, ``slicings``, ``schedules``, ``micro_batches``, ``zero_stage``
-(ZeRO 1: parameters are the check), ``clip`` (one gradient-clipping case).
+(ZeRO 1: parameters are the check), ``clip`` (one gradient-clipping case). Each case records whether the engine
+added the Linears' weight gradients into ``.grad`` inside their GEMMs (``fused``: at ZeRO 0, not under ZeRO 1's
+accumulation hooks).
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ def suite_equivalence(extra: dict) -> list[dict]:
                     "stock_param_rel_err": compare(stock["params"], ref_params, stock["stage"])[0],
                     "grad_rel_err": grad_err, "grad_worst": grad_name, "param_rel_err": param_err,
                     "param_worst": param_name, "stock_grad_rel_err": stock_err, "covered": covered,
-                    "seconds": time.perf_counter() - t0,
+                    "fused": run["engine"].fused_grad_accumulation, "seconds": time.perf_counter() - t0,
                 })
     if extra.get("clip"):
         # gradient clipping by the norm of the whole model's gradient over the global batch

@@ -72,7 +72,8 @@ from ..planning.plan import ResolvedPlan, plan_for_length, resolve_plan, restore
 from ..planning.replan import Replanner
 from ..planning.slice_check import check_stage_slicing
 from ..slicing.context import MicroBatchState, SliceContext, cut_tokens, slice_scope
-from ..slicing.deferred import WeightGradAccumulator, WeightGradStash, enable_deferred_weight_grads
+from ..slicing.deferred import (WeightGradAccumulator, WeightGradStash, enable_deferred_weight_grads,
+                                enable_fused_grad_accumulation, fused_weights)
 from ..slicing.devices import synchronized_ms
 from ..slicing.documents import Documents, check_position_ids, positions_of
 from ..slicing.sequence import SequenceShare
@@ -248,6 +249,7 @@ class TokenPipelineEngine(PipelineEngine):
                 count = enable_deferred_weight_grads(self.module)
                 logger.info("terapipe: stage %d defers the weight gradients of %d nn.Linear module(s)",
                             self.stage_id, count)
+            self.fused_grad_accumulation = self._fuse_grad_accumulation()   # before profiling too: it times it
             install_sliced_checkpointing(self.module, self.terapipe)  # before profiling: it times the recompute
             self.plan: ResolvedPlan = resolve_plan(self)
             # One plan per sequence length seen, planned once (variable-length training), in the order resolved.
@@ -766,6 +768,7 @@ class TokenPipelineEngine(PipelineEngine):
             state = MicroBatchState(microbatch, self.seq_len_of(microbatch), len(self.slices_of(microbatch)))
             if self.terapipe.deferred_weight_grads and torch.is_grad_enabled():
                 state.weight_stash = self._stashes.setdefault((chunk, microbatch), WeightGradStash())
+            state.fuse_grad_accumulation = self.fused_grad_accumulation and torch.is_grad_enabled()
             self._states[(chunk, microbatch)] = state
         return state
 
@@ -1090,6 +1093,31 @@ class TokenPipelineEngine(PipelineEngine):
         wire = self.communication_data_type
         return self._dp_identity_by_config and all(p.dtype == wire for p in self.module.parameters()
                                                    if p.requires_grad)
+
+    def _fuse_grad_accumulation(self) -> bool:
+        """Whether the stage's ``nn.Linear`` weight gradients are added into ``.grad`` inside their GEMM during
+        training (``terapipe.fuse_grad_accumulation``; ``runtime/slicing/deferred.py``): on unless the config turns
+        it off or something must see every accumulation through autograd: DeepSpeed's ZeRO and bf16 optimizers
+        when they hook it (their ``_grad_acc_hooks``: ZeRO with contiguous gradients or overlapped reduction, bf16
+        with ``immediate_grad_update``), and FSDP2 under ``shard_params``, which owns the gradients."""
+        why = None
+        if not self.terapipe.fuse_grad_accumulation:
+            why = "terapipe.fuse_grad_accumulation is false"
+        elif self.terapipe.shard_params:
+            why = "shard_params reduce-scatters the gradients through FSDP2"
+        elif getattr(self.optimizer, "_grad_acc_hooks", None):
+            why = f"{type(self.optimizer).__name__} hooks every accumulation into .grad"
+        if why is not None:
+            logger.info("terapipe: stage %d accumulates weight gradients through autograd (%s)", self.stage_id, why)
+            return False
+        count = enable_fused_grad_accumulation(self.module)
+        logger.info("terapipe: stage %d adds the weight gradients of %d nn.Linear module(s) into .grad inside their "
+                    "GEMMs", self.stage_id, count)
+        return True
+
+    def fused_weights(self) -> list[torch.nn.Parameter]:
+        """The weights whose gradients training adds into ``.grad`` inside their GEMMs (none when it does not)."""
+        return fused_weights(self.module) if self.fused_grad_accumulation else []
 
     def _dp_reduce_identity_by_config(self) -> bool:
         """The configuration's part of :meth:`_dp_reduce_is_identity`, decided once at init (it cannot change

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Callable, NamedTuple, Optional, Union
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -76,7 +77,8 @@ def _backward(out: list[torch.Tensor], params: list[torch.nn.Parameter], leaves:
 def profile_stage(run: Callable[[Any], Any], params: list[torch.nn.Parameter], stage_input: Any, seq_len: int,
                   granularity: int, batch: int, *, slice_lengths: Optional[list[int]] = None, num_contexts: int = 3,
                   warmup: int = 1, repeats: int = 3, deferred: bool = False, burst: Optional[int] = None,
-                  clock: Callable[[], float] = time.perf_counter, sequence: Any = None) -> list[dict]:
+                  clock: Callable[[], float] = time.perf_counter, sequence: Any = None,
+                  fused: Sequence[torch.nn.Parameter] = ()) -> list[dict]:
     """Time forward and backward of this stage's layers for slices of length s after a prefix of c tokens.
 
     Backward uses ``torch.autograd.grad``, so parameter ``.grad`` (and DeepSpeed's gradient hooks) are never
@@ -96,7 +98,34 @@ def profile_stage(run: Callable[[Any], Any], params: list[torch.nn.Parameter], s
     slice is a large share (measured on one H100: a Llama-70B-shaped layer's 512-token forward 4.2 ms alone
     against 3.0 ms in a run of 16 slices, and the plan that summed such points over-predicted the sliced
     micro-batch by 20-50%). Default: 3 on an accelerator, 1 on a CPU, where nothing runs asynchronously.
+
+    ``fused`` (the engine's :meth:`fused_weights`): the weights whose gradients training adds into ``.grad``
+    inside their GEMMs. The backward is then timed that way, adding into stand-in ``.grad`` tensors that replace
+    theirs while the profile runs (the real ones are put back untouched), so its points include those
+    accumulations; the step profile's per-backward accumulation term leaves these weights out.
     """
+    with _stand_in_grads(fused):
+        return _profile_points(run, params, stage_input, seq_len, granularity, batch, slice_lengths, num_contexts,
+                               warmup, repeats, deferred, burst, clock, sequence, bool(fused))
+
+
+@contextmanager
+def _stand_in_grads(weights: Sequence[torch.nn.Parameter]) -> Iterator[None]:
+    """Zeroed ``.grad`` stand-ins for ``weights`` while the profile adds into them; their own put back after."""
+    own = [w.grad for w in weights]
+    try:
+        for w in weights:
+            w.grad = torch.zeros_like(w)
+        yield
+    finally:
+        for w, grad in zip(weights, own):
+            w.grad = grad
+
+
+def _profile_points(run: Callable[[Any], Any], params: list[torch.nn.Parameter], stage_input: Any, seq_len: int,
+                    granularity: int, batch: int, slice_lengths: Optional[list[int]], num_contexts: int,
+                    warmup: int, repeats: int, deferred: bool, burst: Optional[int], clock: Callable[[], float],
+                    sequence: Any, fuse: bool) -> list[dict]:
     lengths = slice_lengths or _default_lengths(seq_len, granularity)
     grid = []
     for length in lengths:
@@ -123,6 +152,7 @@ def profile_stage(run: Callable[[Any], Any], params: list[torch.nn.Parameter], s
             for _ in range(burst):
                 state = MicroBatchState(0, seq_len, 2)
                 state.weight_stash = WeightGradStash() if deferred else None
+                state.fuse_grad_accumulation = fuse
                 if context > 0:
                     lo, hi = (0, context) if sequence is None else sequence.bounds(0, context)
                     with torch.no_grad(), slice_scope(SliceContext(0, 0, 0, context, state, sequence=sequence)):
@@ -213,7 +243,7 @@ def measure_costs(engine: "PipelineStage", stage_input: Optional[dict[int, Any]]
                                    engine.micro_batch_size, slice_lengths=cfg.profile.slice_lengths,
                                    num_contexts=cfg.profile.num_contexts, warmup=cfg.profile.warmup,
                                    repeats=cfg.profile.repeats, deferred=cfg.deferred_weight_grads,
-                                   sequence=engine.sequence)
+                                   sequence=engine.sequence, fused=engine.fused_weights())
             weight = {}
             if cfg.deferred_weight_grads:
                 per_slice, per_token = weight_cost(points, engine.micro_batch_size)
@@ -343,7 +373,7 @@ def recheck_costs(engine: "PipelineStage", stage_input: dict[int, Any], seq_len:
             mine.append((chunk, profile_stage(engine.module, params, stage_input[chunk], seq_len, cfg.granularity,
                                               engine.micro_batch_size, slice_lengths=[slice_len], num_contexts=2,
                                               warmup=1, repeats=2, deferred=cfg.deferred_weight_grads,
-                                              sequence=engine.sequence)))
+                                              sequence=engine.sequence, fused=engine.fused_weights())))
     engine.barrier("re-timing the cached costs")
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (_first_replica_id(engine), mine))

@@ -81,6 +81,9 @@ class MicroBatchState:
     backward_done: set[int] = field(default_factory=set)
     # With deferred weight gradients: the micro-batch's WeightGradStash (runtime/slicing/deferred.py), else None.
     weight_stash: Any = None
+    # Linears marked by enable_fused_grad_accumulation add their weight gradients into .grad inside the GEMM
+    # (runtime/slicing/deferred.py): the engine sets it for training, the profile while it times that backward.
+    fuse_grad_accumulation: bool = False
 
     def buffers(self, key: Hashable, like_k: torch.Tensor, like_v: torch.Tensor) -> KVBuffers:
         bufs = self.kv.get(key)

@@ -36,7 +36,8 @@ import torch.nn.functional as F
 
 from .context import current_slice
 
-__all__ = ["WeightGradAccumulator", "WeightGradStash", "enable_deferred_weight_grads"]
+__all__ = ["WeightGradAccumulator", "WeightGradStash", "enable_deferred_weight_grads",
+           "enable_fused_grad_accumulation", "fused_weights"]
 
 
 class WeightGradStash:
@@ -208,28 +209,97 @@ class _DeferredLinear(torch.autograd.Function):
         return grad_in, None, None, None, None, None
 
 
-def _deferring_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+class _AccumulatingLinear(torch.autograd.Function):
+    """``F.linear`` whose backward adds the weight gradient into the weight's ``.grad`` inside the GEMM
+    (``addmm_``) when ``.grad`` already holds earlier slices' sum, instead of a fresh gradient that autograd then
+    adds in (see :func:`enable_fused_grad_accumulation`). The first backward of a step, with ``.grad`` still None,
+    returns the gradient to autograd as usual."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.weight, ctx.has_bias = weight, bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+        x, weight = ctx.saved_tensors
+        param, ctx.weight = ctx.weight, None
+        grad_in = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
+        g = grad_out.reshape(-1, grad_out.shape[-1])   # (tokens, out)
+        grad_w = grad_b = None
+        if ctx.needs_input_grad[1]:
+            into = param.grad
+            if _accumulates_in_place(param, into):
+                into.addmm_(g.t(), x.reshape(-1, x.shape[-1]))
+            else:
+                grad_w = g.t().mm(x.reshape(-1, x.shape[-1]))
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = g.sum(0)
+        return grad_in, grad_w, grad_b
+
+
+def _accumulates_in_place(param: torch.Tensor, grad: Optional[torch.Tensor]) -> bool:
+    """Whether ``param``'s weight gradient may be added into ``grad`` directly: a plain dense tensor of its shape
+    and dtype, and no hook that autograd's accumulation would run (``register_post_accumulate_grad_hook``)."""
+    return (grad is not None and type(grad) is torch.Tensor and grad.layout == torch.strided
+            and grad.dtype == param.dtype and grad.shape == param.shape and not grad.requires_grad
+            and getattr(param, "_post_accumulate_grad_hooks", None) is None)
+
+
+def _token_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     ctx = current_slice()
-    stash = ctx.state.weight_stash if ctx is not None else None
-    # Deferral needs a backward that reaches this layer through its input; otherwise (no grad mode, an input
-    # that needs no gradient, frozen weights) ordinary autograd is exact and costs nothing extra.
-    if stash is None or not torch.is_grad_enabled() or not x.requires_grad or not (
-            self.weight.requires_grad or (self.bias is not None and self.bias.requires_grad)):
+    if ctx is None or not torch.is_grad_enabled():
         return F.linear(x, self.weight, self.bias)
-    bias = self.bias.detach() if self.bias is not None else None
-    return _DeferredLinear.apply(x, self.weight.detach(), bias, self, stash, ctx.slice_index)
+    wants = self.weight.requires_grad or (self.bias is not None and self.bias.requires_grad)
+    stash = ctx.state.weight_stash if getattr(self, "_terapipe_deferred", False) else None
+    # Deferral needs a backward that reaches this layer through its input; otherwise (an input that needs no
+    # gradient, frozen weights) ordinary autograd is exact and costs nothing extra.
+    if stash is not None and x.requires_grad and wants:
+        bias = self.bias.detach() if self.bias is not None else None
+        return _DeferredLinear.apply(x, self.weight.detach(), bias, self, stash, ctx.slice_index)
+    if ctx.state.fuse_grad_accumulation and self.weight.requires_grad and getattr(self, "_terapipe_fused", False) \
+            and not torch.is_autocast_enabled(x.device.type):   # autocast: its casts, autograd's backward
+        return _AccumulatingLinear.apply(x, self.weight, self.bias)
+    return F.linear(x, self.weight, self.bias)
+
+
+def _wrap_linears(module: nn.Module, mark: str) -> int:
+    """Route the forward of every plain ``nn.Linear`` in ``module`` through :func:`_token_linear_forward` and set
+    ``mark`` on it; returns how many got the mark. Subclasses that override ``forward`` (quantised or fused
+    Linears) are left alone: their backward is theirs."""
+    count = 0
+    for sub in module.modules():
+        if isinstance(sub, nn.Linear) and type(sub).forward is nn.Linear.forward and not getattr(sub, mark, False):
+            sub.forward = MethodType(_token_linear_forward, sub)
+            setattr(sub, mark, True)
+            count += 1
+    return count
 
 
 def enable_deferred_weight_grads(module: nn.Module) -> int:
-    """Wrap the forward of every plain ``nn.Linear`` in ``module``; returns how many were wrapped.
+    """Defer the weight gradients of every plain ``nn.Linear`` in ``module`` (under a slice context with a stash);
+    returns how many were wrapped."""
+    return _wrap_linears(module, "_terapipe_deferred")
 
-    Subclasses that override ``forward`` (quantised or fused Linears) are left alone: their backward is theirs.
-    """
-    count = 0
-    for sub in module.modules():
-        if isinstance(sub, nn.Linear) and type(sub).forward is nn.Linear.forward and \
-                not getattr(sub, "_terapipe_deferred", False):
-            sub.forward = MethodType(_deferring_forward, sub)
-            sub._terapipe_deferred = True
-            count += 1
-    return count
+
+def enable_fused_grad_accumulation(module: nn.Module) -> int:
+    """Let every plain ``nn.Linear`` in ``module`` add its weight gradient into ``.grad`` inside the GEMM, under a
+    slice context whose micro-batch state asks for it (``MicroBatchState.fuse_grad_accumulation``, set by the
+    engine for training); returns how many were wrapped.
+
+    Why: a backward that is not deferred runs once per slice, and from the second on autograd adds each fresh
+    weight gradient into ``.grad``, one more pass over a weight-sized tensor per Linear and slice (on one H100 a
+    GPT-3-175B-shaped layer's backward took 7.5 ms into ``.grad`` against 4.1 ms without the accumulation, for a
+    256-token slice). ``addmm_`` into ``.grad`` computes the same sum in the GEMM: the gradient is never written
+    out on its own and read back. The sum is the same up to the order of the additions (fp32: within rounding).
+    The hooks autograd runs after accumulating are skipped for these additions, so the engine turns this on only
+    where none are registered (not under DeepSpeed's ZeRO optimizer, which hooks every accumulation), and a
+    parameter with a ``register_post_accumulate_grad_hook`` keeps the ordinary path."""
+    return _wrap_linears(module, "_terapipe_fused")
+
+
+def fused_weights(module: nn.Module) -> list[nn.Parameter]:
+    """The weights of ``module``'s Linears that :func:`enable_fused_grad_accumulation` marked and that train."""
+    return [m.weight for m in module.modules()
+            if isinstance(m, nn.Linear) and getattr(m, "_terapipe_fused", False) and m.weight.requires_grad]
