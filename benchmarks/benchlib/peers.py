@@ -14,17 +14,17 @@ all of them in one run:
 * ``torch-zbv`` / ``torch-dualpipev``: its ``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV``, two stages per rank
   in a V (rank r holds chunks r and 2p-1-r), weight gradients split off as above. ``torch-dualpipev`` needs
   m >= 2p (torch's rule), so it is absent below that.
+* ``TorchPipelineEngine("torch-loopedbfs-fsdp2", ..., dp=N)`` (benchmarks/sharded_training.py builds it directly):
+  the same ``ScheduleLoopedBFS`` on N data-parallel replicas with FSDP2 as torchtitan arranges it: each block
+  ``fully_shard``-ed, then each stage module, over the stage's data-parallel group, not resharded after forward
+  (the pipeline's gathers stay per step); its schedule's ``perform_reduce_grad`` reduce-scatters once per stage and
+  step. The tied copies' gradients are summed on their local shards.
 
 torch pipelining knows nothing of tied weights: the embedding and the head (chunks 0 and p*v-1) each build their
 own copy (identical: layers initialise from their index) and their gradients are summed before the optimizer
 step, as DeepSpeed does for tied layers: all-reduced between two ranks (looped placement), added on the one rank
 that holds both (V placement). The loss is scaled by 1/m (``scale_grads``), as DeepSpeed's gradient
 accumulation does.
-* ``TorchPipelineEngine("torch-loopedbfs-fsdp2", ..., dp=N)`` (benchmarks/sharded_training.py builds it directly):
-  the same ``ScheduleLoopedBFS`` on N data-parallel replicas with FSDP2 as torchtitan arranges it: each block
-  ``fully_shard``-ed, then each stage module, over the stage's data-parallel group, not resharded after forward
-  (the pipeline's gathers stay per step); its schedule's ``perform_reduce_grad`` reduce-scatters once per stage and
-  step. The tied copies' gradients are summed on their local shards.
 
 Peers expose no instruction map, so the per-instruction recorder sees nothing: their rows have step time and
 memory, not the busy-time bound (efficiency) the token rows have.
@@ -35,7 +35,7 @@ from __future__ import annotations
 from operator import attrgetter
 from typing import Any, Callable
 
-__all__ = ["PEER_VARIANTS", "TorchPipelineEngine", "build_peer", "peer_applies"]
+__all__ = ["PEER_VARIANTS", "TorchPipelineEngine", "build_peer", "chunk_rank", "peer_applies"]
 
 PEER_VARIANTS: dict[str, str] = {
     "ds-dualpipev": "DeepSpeed DualPipeV (DualPipeVModule, v=2, V placement)",

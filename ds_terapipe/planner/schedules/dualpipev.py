@@ -11,7 +11,11 @@ else a deferred weight-gradient pass ``W`` of an earlier backward. Backwards com
 gradients travel back as fast as forwards came, and the W passes fill the gaps where a rank waits for them:
 DualPipeV's zero-bubble idea, with (micro-batch, slice) units in place of micro-batches. The cap, 2p + 2n
 chunk-units on every rank, is about DualPipeV's 2p micro-batches in flight plus the slices the last chunk
-forwards before a micro-batch's first backward (caps of 2p + n or 2(p - r) + 2n idle more; measured).
+forwards before a micro-batch's first backward (caps of 2p + n or 2(p - r) + 2n idle more; measured). The cap
+counts units forwarded and not yet backwarded; a backwarded unit still holds its Linears' inputs and output
+gradients until its W, and W passes run only where a rank has nothing else ready, so with m >= 2 most of them
+wait for the end of the step and every unit's W inputs are held at once (measured at m = 8, 2 ranks, GPT 8 x
+512: about 1 GiB a rank, torch's DualPipeV 0.4 GiB).
 
 Closed form (equal unit costs f = b = w, no communication): each rank works 2·m·n units of f + b + w. Rank
 p-1 cannot start before its first input crossed p-1 chunks, (p-1)f, so the makespan is at least
@@ -84,7 +88,7 @@ DUALPIPEV = register_schedule(ScheduleSpec(
     weights_per_slice=True,
     dp_exact=False,
     bubble=BubbleFormula(_bubble, "(p-1)/(6·m·n+p-1) with W: f=b=w, m >= 2, m·n >= 2p"),
-    memory_text="2p+2n chunk-units",
+    memory_text="2p+2n chunk-units in flight, plus the W inputs of backwarded units (up to all 2·m·n)",
     placement=placement_v,
     placement_text="V: chunks r and 2p-1-r on rank r (v = 2)",
     virtual_stages=2,
