@@ -364,6 +364,20 @@ def test_dualpipev_closed_form():
         assert res.bubble_fraction >= bubble(p, N, 2) - 1e-12, (p, m, n)
 
 
+def test_dualpipev_bounds_the_units_waiting_for_their_w():
+    """A backwarded unit holds its Linears' inputs and output gradients until its W; W's run in the waits and, once
+    the cap's worth are pending, before the next forward. So units holding activations or W inputs stay under
+    twice the in-flight cap at any m (W's that only filled idle time left every unit's inputs alive at m >= 2)."""
+    for p, m, n in itertools.product(range(2, 6), (1, 2, 4, 8, 16), (1, 2, 4)):
+        sched = build_schedule("dualpipev", p, m, n, deferred_weight_grads=True)
+        for r, stream in enumerate(sched.stages):
+            held = peak = 0
+            for a in stream:
+                held += (a.kind is F) - (a.kind is W)
+                peak = max(peak, held)
+            assert peak < 2 * dualpipev_cap(r, p, n), (p, m, n, r, peak)
+
+
 def test_deferred_w_fills_the_dualpipev_bubble():
     """The same order without W actions (backwards do the weight gradients) idles more."""
     p, m, n = 4, 4, 2

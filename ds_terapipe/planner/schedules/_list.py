@@ -36,12 +36,15 @@ def backward_units(num_microbatches: int, num_slices: int) -> list[int]:
 def list_schedule(name: str, num_ranks: int, num_microbatches: int, num_slices: int, virtual_stages: int,
                   placement: tuple[int, ...], forward_queues: Sequence[Sequence[Sequence[tuple[int, int]]]],
                   backward_queues: Sequence[Sequence[Sequence[tuple[int, int]]]], caps: Sequence[int],
-                  weights: bool = False, forward_first: bool = False) -> Schedule:
+                  weights: bool = False, forward_first: bool = False,
+                  weight_caps: Sequence[int] | None = None) -> Schedule:
     """Dry-run the queues (``(chunk, unit)`` pairs, units in forward numbering) and return the streams.
 
     ``forward_queues[r]`` / ``backward_queues[r]``: rank r's queues in priority order; every chunk's forwards
     must appear in forward order and its backwards in backward order. ``weights``: one ``W`` per (chunk, unit),
-    run when the rank has nothing else ready and after its last backward otherwise. ``forward_first``: a ready
+    run when the rank has nothing else ready and after its last backward otherwise; with ``weight_caps``, also
+    before a forward once rank r has ``weight_caps[r]`` W's pending (each holds its unit's Linear inputs and
+    output gradients: the cap bounds that memory as ``caps`` bounds the activations). ``forward_first``: a ready
     forward under the cap goes before a ready backward (1F1B with the cap as its warm-up: the rank fills up to
     the cap, then alternates as backwards free room); otherwise backwards go first.
     """
@@ -80,20 +83,25 @@ def list_schedule(name: str, num_ranks: int, num_microbatches: int, num_slices: 
                 return True
         return False
 
+    def run_w(r: int) -> bool:
+        if not wq[r]:
+            return False
+        c, u = wq[r].popleft()
+        streams[r].append(_make(c, W, u // n, u % n))
+        left_w[r] -= 1
+        return True
+
     def step(r: int, capped: bool) -> bool:
         may_forward = not capped or in_flight[r] < caps[r]
         if forward_first and may_forward and take(r, fq[r], f_ready, fin_f, F):
             return True
         if take(r, bq[r], b_ready, fin_b, B):
             return True
+        if weight_caps is not None and len(wq[r]) >= weight_caps[r] and run_w(r):
+            return True   # the W inputs held are at their cap: a W before another forward adds more
         if not forward_first and may_forward and take(r, fq[r], f_ready, fin_f, F):
             return True
-        if wq[r]:
-            c, u = wq[r].popleft()
-            streams[r].append(_make(c, W, u // n, u % n))
-            left_w[r] -= 1
-            return True
-        return False
+        return run_w(r)
 
     busy = [r for r in range(num_ranks) if left[r] or left_w[r]]
     while busy:

@@ -13,9 +13,11 @@ DualPipeV's zero-bubble idea, with (micro-batch, slice) units in place of micro-
 chunk-units on every rank, is about DualPipeV's 2p micro-batches in flight plus the slices the last chunk
 forwards before a micro-batch's first backward (caps of 2p + n or 2(p - r) + 2n idle more; measured). The cap
 counts units forwarded and not yet backwarded; a backwarded unit still holds its Linears' inputs and output
-gradients until its W, and W passes run only where a rank has nothing else ready, so with m >= 2 most of them
-wait for the end of the step and every unit's W inputs are held at once (measured at m = 8, 2 ranks, GPT 8 x
-512: about 1 GiB a rank, torch's DualPipeV 0.4 GiB).
+gradients until its W. W passes fill the waits, and once as many W's are pending as the cap allows in flight a W
+runs before the next forward: without that bound, with m >= 2, most W's waited for the end of the step and every
+unit's W inputs were held at once (measured at m = 8, 2 ranks, GPT 8 x 512: about 1 GiB a rank where torch's
+DualPipeV holds 0.4). Units holding activations or W inputs stay under twice the cap (tested), and the closed
+form below still holds.
 
 Closed form (equal unit costs f = b = w, no communication): each rank works 2·m·n units of f + b + w. Rank
 p-1 cannot start before its first input crossed p-1 chunks, (p-1)f, so the makespan is at least
@@ -58,7 +60,7 @@ def _dualpipev(num_ranks: int, num_microbatches: int, num_slices: int) -> Schedu
     bwd = [[[(r, u) for u in back], [(2 * p - 1 - r, u) for u in back]] for r in range(p)]
     caps = [dualpipev_cap(r, p, num_slices) for r in range(p)]
     return list_schedule("dualpipev", p, num_microbatches, num_slices, 2, v_placement(p), fwd, bwd, caps,
-                         weights=True)
+                         weights=True, weight_caps=caps)
 
 
 def build_dualpipev(num_stages: int, num_microbatches: int, num_slices: int, virtual_stages: int = 2) -> Schedule:
@@ -88,7 +90,7 @@ DUALPIPEV = register_schedule(ScheduleSpec(
     weights_per_slice=True,
     dp_exact=False,
     bubble=BubbleFormula(_bubble, "(p-1)/(6·m·n+p-1) with W: f=b=w, m >= 2, m·n >= 2p"),
-    memory_text="2p+2n chunk-units in flight, plus the W inputs of backwarded units (up to all 2·m·n)",
+    memory_text="2p+2n chunk-units in flight, and up to as many holding W inputs",
     placement=placement_v,
     placement_text="V: chunks r and 2p-1-r on rank r (v = 2)",
     virtual_stages=2,
