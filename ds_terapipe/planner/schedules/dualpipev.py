@@ -90,7 +90,7 @@ DUALPIPEV = register_schedule(ScheduleSpec(
     weights_per_slice=True,
     dp_exact=False,
     bubble=BubbleFormula(_bubble, "(p-1)/(6·m·n+p-1) with W: f=b=w, m >= 2, m·n >= 2p"),
-    memory_text="2p+2n chunk-units in flight, and up to as many holding W inputs",
+    memory_text="2p+2n chunk-units in flight; under twice that with the units holding W inputs",
     placement=placement_v,
     placement_text="V: chunks r and 2p-1-r on rank r (v = 2)",
     virtual_stages=2,
