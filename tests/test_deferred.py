@@ -375,3 +375,42 @@ def test_fused_accumulation_keeps_hooked_and_frozen_weights_on_autograd() -> Non
     with _Ops() as bare:
         model(x).sum().backward()
     assert off.names.count("addmm_") == 0 and bare.names.count("addmm_") == 0
+
+
+def test_the_profile_adds_into_stand_ins_and_leaves_the_real_grads_alone() -> None:
+    """The profile times the in-GEMM backward into stand-in ``.grad`` tensors (not deferred) and makes none where the
+    W passes take the Linears' gradients (deferred): either way the real ``.grad`` comes back the same tensor, with
+    the same values, and no stand-in is left on a weight that had none."""
+    from ds_terapipe.runtime.planning.profile import profile_stage
+    from ds_terapipe.runtime.slicing.deferred import enable_fused_grad_accumulation, fused_weights
+    model = _blocks()
+    enable_deferred_weight_grads(model)
+    enable_fused_grad_accumulation(model)
+    weights = fused_weights(model)
+    for w in weights[:4]:
+        w.grad = torch.full_like(w, 0.25)
+    kept = [(w.grad, None if w.grad is None else w.grad.clone()) for w in weights]
+    x = torch.randn(1, 32, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    made = []
+    real_zeros_like = torch.zeros_like
+
+    def counting(t, *a, **k):  # noqa: ANN001, ANN002, ANN003
+        if any(t is w for w in weights):
+            made.append(t)
+        return real_zeros_like(t, *a, **k)
+
+    torch.zeros_like = counting
+    try:
+        for deferred in (False, True):
+            made.clear()
+            with _Ops() as ops:
+                profile_stage(model, list(model.parameters()), x, 32, 8, 1, slice_lengths=[16], num_contexts=2,
+                              warmup=0, repeats=1, deferred=deferred, fused=weights)
+            assert len(made) == (0 if deferred else len(weights)), deferred
+            if not deferred:   # timed as training runs it: added into the stand-ins inside the GEMMs
+                assert ops.names.count("addmm_") > 0
+            for w, (grad, values) in zip(weights, kept):
+                assert w.grad is grad
+                assert grad is None or torch.equal(grad, values)
+    finally:
+        torch.zeros_like = real_zeros_like

@@ -102,11 +102,14 @@ def profile_stage(run: Callable[[Any], Any], params: list[torch.nn.Parameter], s
     ``fused`` (the engine's :meth:`fused_weights`): the weights whose gradients training adds into ``.grad``
     inside their GEMMs. The backward is then timed that way, adding into stand-in ``.grad`` tensors that replace
     theirs while the profile runs (the real ones are put back untouched), so its points include those
-    accumulations; the step profile's per-backward accumulation term leaves these weights out.
+    accumulations; the step profile's per-backward accumulation term leaves these weights out. With ``deferred``
+    the Linears' weight gradients go to the W passes instead, so no stand-ins are made (they would be a whole set
+    of weight-sized tensors at init for nothing) and nothing is added in place.
     """
-    with _stand_in_grads(fused):
+    fuse = bool(fused) and not deferred
+    with _stand_in_grads(fused if fuse else ()):
         return _profile_points(run, params, stage_input, seq_len, granularity, batch, slice_lengths, num_contexts,
-                               warmup, repeats, deferred, burst, clock, sequence, bool(fused))
+                               warmup, repeats, deferred, burst, clock, sequence, fuse)
 
 
 @contextmanager
