@@ -1,6 +1,6 @@
 """Token schedules with virtual stages against the peers that have them, side by side in one run (2 CPU ranks).
 
-    python benchmarks/virtual_stages.py                  # ~45 min; report: benchmarks/results/virtual_stages.json
+    python benchmarks/virtual_stages.py                  # ~50 min; report: benchmarks/results/virtual_stages.json
     python benchmarks/virtual_stages.py --quick          # small model, m in {1, 4}: a smoke run of a few minutes
     python benchmarks/virtual_stages.py --plots docs/img --timeline 1,token/dualpipev
 
@@ -41,6 +41,7 @@ TOKEN: dict[str, dict] = {
     "token/interleaved-1f1b": {"slices": "auto", "schedule": "interleaved-1f1b", "virtual_stages": 2},
     "token/looped-bfs": {"slices": "auto", "schedule": "looped-bfs", "virtual_stages": 2},
     "token/dualpipev": {"slices": "auto", "schedule": "dualpipev", "virtual_stages": 2},
+    "token/zbv": {"slices": "auto", "schedule": "zbv", "virtual_stages": 2},
 }
 
 

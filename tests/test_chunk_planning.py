@@ -17,7 +17,7 @@ from ds_terapipe.planner.slicing import MemoryModel, SlicingPlan, _Simulated, me
 from ds_terapipe.trace import events_to_chrome_trace, load_chrome_trace
 from tests.test_cli import linear_cost_points
 
-CHUNKED = {"interleaved-1f1b": (2, 3), "looped-bfs": (2, 4), "dualpipev": (2,)}
+CHUNKED = {"interleaved-1f1b": (2, 3), "looped-bfs": (2, 4), "dualpipev": (2,), "zbv": (2,)}
 SMALL = ["--model", "gpt3-1b", "--device", "a100", "--stages", "4", "--seq-len", "512", "--granularity", "32"]
 
 
@@ -75,13 +75,13 @@ def test_memory_estimates_per_rank_with_chunks():
     inter = memory.peak_bytes(schedule="interleaved-1f1b", virtual_stages=2, **args)
     assert inter < gpipe
     # The estimate never grows with the slice count (a memory cap becomes a minimum slice count).
-    for name, v in (("interleaved-1f1b", 2), ("interleaved-1f1b", 4), ("dualpipev", 2)):
+    for name, v in (("interleaved-1f1b", 2), ("interleaved-1f1b", 4), ("dualpipev", 2), ("zbv", 2)):
         values = [MemoryModel.live_subbatches(name, 0, 4, 4 * n, n, v) for n in range(1, 33)]
         assert all(b <= a + 1e-12 for a, b in zip(values, values[1:])), (name, v)
     # Suggestions name only schedules that run the same chunks per rank.
     short = memory_shortfall(memory, 1.0, schedule="interleaved-1f1b", num_stages=4, num_microbatches=4,
                              micro_batch_size=1, seq_len=512, granularity=32, virtual_stages=2)
-    assert short is not None and short.lower_schedule in (None, "dualpipev")
+    assert short is not None and short.lower_schedule in (None, "dualpipev", "zbv")
 
 
 def test_slicing_plan_keeps_virtual_stages_and_reads_old_dicts():
@@ -176,5 +176,5 @@ def test_engine_schedule_takes_the_chunks_its_schedule_places():
         with pytest.raises(ValueError, match="virtual_stages = 1"):
             TokenPipeSchedule(name, 2, 2, 0, 2)   # one chunk per rank is not this schedule's placement
         assert {a.chunk for a in TokenPipeSchedule(name, 2, 2, 0, 2, virtual_stages=2).actions} == \
-            ({0, 2} if name != "dualpipev" else {0, 3})
+            ({0, 2} if name not in ("dualpipev", "zbv") else {0, 3})
     assert TokenPipeSchedule("1f1b", 2, 2, 0, 2).actions   # one chunk per rank: as before

@@ -72,7 +72,7 @@ def test_a_list_of_slices_is_taken_as_given_whatever_the_granularity() -> None:
 
 
 @pytest.mark.parametrize("name,default", [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("looped-bfs", 2),
-                                          ("dualpipev", 2)])
+                                          ("dualpipev", 2), ("zbv", 2)])
 def test_virtual_stages_default_to_the_schedules_own(name: str, default: int) -> None:
     assert parse(schedule=name).virtual_stages == default
 
@@ -80,6 +80,7 @@ def test_virtual_stages_default_to_the_schedules_own(name: str, default: int) ->
 @pytest.mark.parametrize("name,v,rule", [("1f1b", 2, "places one chunk per rank"),
                                          ("gpipe", 3, "places one chunk per rank"),
                                          ("dualpipev", 3, "dualpipev places exactly two chunks per rank"),
+                                         ("zbv", 1, "zbv places exactly two chunks per rank"),
                                          ("interleaved-1f1b", 1, "needs virtual_stages >= 2"),
                                          ("looped-bfs", 1, "needs virtual_stages >= 2")])
 def test_virtual_stages_a_schedule_cannot_place_are_refused_at_parse_time(name: str, v: int, rule: str) -> None:

@@ -1,8 +1,8 @@
 """Tier b: virtual stages (several chunks per rank) equal the single-process unsliced reference.
 
-interleaved-1f1b, looped-bfs and dualpipev with v = 2 chunks per rank, on p = 2 and 3 ranks, slices {1, unequal,
-4}, micro-batches {2, 4}, with and without deferred weight gradients (dualpipev also against DeepSpeed's own
-DualPipeV where that runs, m >= 2p); 2 ranks x 2 replicas with ZeRO 1; then
+interleaved-1f1b, looped-bfs, dualpipev and zbv with v = 2 chunks per rank, on p = 2 and 3 ranks, slices {1,
+unequal, 4}, micro-batches {2, 4}, with and without deferred weight gradients (the two V schedules also against
+DeepSpeed's own DualPipeV where that runs, m >= 2p); 2 ranks x 2 replicas with ZeRO 1; then
 "auto" slices profiled per chunk, eval_batch, variable lengths, timelines, checkpoints across layouts and the
 refusals (tests/suites/virtual.py and tests/suites/virtual_features.py). Tolerance: fp32 relative error
 <= 1e-5 for the loss, every gradient and every parameter after 3 SGD+momentum steps.
@@ -19,7 +19,7 @@ from tests.results import cases_per_rank
 pytestmark = pytest.mark.multiproc
 
 TOL = 1e-5
-SCHEDULES = ["interleaved-1f1b", "looped-bfs", "dualpipev"]
+SCHEDULES = ["interleaved-1f1b", "looped-bfs", "dualpipev", "zbv"]
 
 
 def _check(results: list[dict], expected_cases: int, placement: list[int]) -> None:
@@ -40,7 +40,7 @@ def _check(results: list[dict], expected_cases: int, placement: list[int]) -> No
                 assert case["stock_dualpipev_rel_err"] <= TOL, f"{where}: differs from stock DeepSpeed's DualPipeV"
                 assert case["stock_loss"] == pytest.approx(case["ref_loss"], rel=TOL), where
             if case["dp"] == 1:
-                expected = placement if "dualpipev" not in case["case"] else None
+                expected = placement if not any(v in case["case"] for v in ("dualpipev", "zbv")) else None
                 if expected is not None:
                     assert case["placement"] == expected, where
                 assert all(case["placement"][c] == rank for c in case["chunks"]), where
@@ -56,10 +56,11 @@ def test_virtual_stage_schedules_equal_the_reference(world: int, tmp_path) -> No
     _check(results, expected_cases=2 * 3 * len(schedules), placement=[c % world for c in range(2 * world)])
     cases = results[0]["results"]
     assert {tuple(c["slices"]) for c in cases} == {(48, ), (8, 24, 16), (12, 12, 12, 12)}
-    v_shape = next(c for c in cases if "dualpipev" in c["case"])
-    assert v_shape["placement"] == list(range(world)) + list(reversed(range(world)))
-    # compared with DeepSpeed's DualPipeV wherever it runs (m >= 2p)
-    assert any(c["stock_dualpipev_rel_err"] is not None for c in cases) == (world == 2)
+    for name in ("dualpipev", "zbv"):
+        v_shape = [c for c in cases if f"schedule={name} " in c["case"]]
+        assert v_shape and v_shape[0]["placement"] == list(range(world)) + list(reversed(range(world)))
+        # compared with DeepSpeed's DualPipeV wherever it runs (m >= 2p)
+        assert any(c["stock_dualpipev_rel_err"] is not None for c in v_shape) == (world == 2), name
 
 
 @pytest.mark.timeout(900)

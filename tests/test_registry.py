@@ -28,7 +28,7 @@ from tests.test_simulate import FakeCost, FakeStage
 F, B = ActionKind.FORWARD, ActionKind.BACKWARD
 SMALL = ["--model", "gpt3-1b", "--device", "a100", "--stages", "4", "--seq-len", "512", "--granularity", "32"]
 README = Path(__file__).resolve().parent.parent / "README.md"
-BUILTIN = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "dualpipev")
+BUILTIN = ("gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "dualpipev", "zbv")
 VALID = ", ".join(BUILTIN)
 
 

@@ -143,7 +143,7 @@ def test_golden_instruction_streams() -> None:
 
 
 @pytest.mark.parametrize("name,v", [("interleaved-1f1b", 2), ("interleaved-1f1b", 3), ("looped-bfs", 2),
-                                    ("dualpipev", 2)])
+                                    ("dualpipev", 2), ("zbv", 2)])
 @pytest.mark.parametrize("stages,micro,slices", [(2, 1, 1), (2, 2, 3), (3, 4, 2), (4, 8, 1)])
 def test_virtual_stage_instructions(name: str, v: int, stages: int, micro: int, slices: int) -> None:
     """Several chunks per rank: every instruction names its chunk; each (chunk, unit) has its own buffer; a

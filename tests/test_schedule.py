@@ -34,10 +34,12 @@ def with_stream(schedule: Schedule, stage: int, stream: list[Action]) -> Schedul
                     schedule.num_slices, tuple(streams))
 
 
-def peak_in_flight(stream) -> int:
+def peak_in_flight(stream, until: ActionKind = ActionKind.BACKWARD) -> int:
+    """Most units a stage holds at once: forwarded and not yet through ``until`` (their B; their W: also the
+    units holding W inputs)."""
     live = peak = 0
     for a in stream:
-        live += (a.kind is F) - (a.kind is B)
+        live += (a.kind is F) - (a.kind is until)
         peak = max(peak, live)
     return peak
 
@@ -466,7 +468,7 @@ def test_defer_weights_needs_a_compute_only_schedule():
         defer_weights("gpipe")
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "dualpipev"])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "dualpipev", "zbv"])
 def test_micro_batches_with_their_own_slice_counts_lower_and_replay(name: str) -> None:
     """A step of micro-batches of different lengths runs the schedule of the largest slice count without the units
     a micro-batch lacks: for every schedule, training (with and without W, vocabulary passes) and evaluation,

@@ -39,7 +39,7 @@ def _switches(schedule) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "dualpipev"])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "dualpipev", "zbv"])
 def test_gathers_are_the_runs_of_each_rank_stream(name: str) -> None:
     counts = {}
     for m in (2, 4, 8):
@@ -88,7 +88,7 @@ def test_free_links_cost_nothing_and_one_replica_has_nothing_to_gather() -> None
 
 
 # -- the sharding actions in the IR (planner/sharding.add_shard_actions, verify.shard_violations) ----------------
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "dualpipev"])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "dualpipev", "zbv"])
 @pytest.mark.parametrize("prefetch", [True, False])
 def test_shard_actions_bracket_every_run_and_replay(name: str, prefetch: bool) -> None:
     """Released after each run (BFPP's policy): one gather per run, one reduce-scatter per run with gradients."""
@@ -178,7 +178,7 @@ def test_the_estimate_counts_the_actions_the_runtime_executes() -> None:
         assert est.reduce_scatters_per_step == max(r for _, r in counts)
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "dualpipev"])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "dualpipev", "zbv"])
 def test_released_after_the_step_each_chunk_is_gathered_once(name: str) -> None:
     from ds_terapipe.planner.schedule import replay, validate
     from ds_terapipe.planner.sharding import shard_counts

@@ -369,7 +369,7 @@ def collective_reference(lowered: Schedule, cost, slices: list[int], batch: int 
 
 
 @pytest.mark.parametrize("name,v", [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("looped-bfs", 2),
-                                    ("dualpipev", 2)])
+                                    ("dualpipev", 2), ("zbv", 2)])
 @pytest.mark.parametrize("embedding", [False, True])
 def test_vocabulary_collectives_are_costed_and_synchronise_every_rank(name, v, embedding):
     """Each VF/VB/EF/EB costs its pass and starts on every rank at once, when the last rank arrives: the

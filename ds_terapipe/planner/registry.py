@@ -32,12 +32,12 @@ __all__ = [
 
 #: Modules under ``planner/schedules`` that register the built-in schedules, in the order names are listed
 #: (config errors, ``--schedule`` choices, the docs table). Adding a built-in schedule = one module + one entry.
-_BUILTIN_MODULES = ("gpipe", "one_f_one_b", "interleaved", "looped_bfs", "dualpipev")
+_BUILTIN_MODULES = ("gpipe", "one_f_one_b", "interleaved", "looped_bfs", "dualpipev", "zbv")
 
 Builder = Callable[..., Any]  # returns a planner.schedule.Schedule (which imports this module)
 """(num_stages, num_microbatches, num_slices) -> a compute-only Schedule named after its spec; a schedule with
 virtual stages also takes ``virtual_stages`` as a fourth argument (passed only when it is not 1). Sizes are
-pipeline ranks, micro-batches and slices; the builder may place ``W`` actions itself (``dualpipev``)."""
+pipeline ranks, micro-batches and slices; the builder may place ``W`` actions itself (``dualpipev``, ``zbv``)."""
 
 Placement = Callable[[int, int], "tuple[int, ...]"]
 """(num_ranks, virtual_stages) -> the rank of each chunk, chunk-indexed; ValueError if the schedule cannot place

@@ -1,8 +1,8 @@
 """Suite ``virtual``, asserted on by tests/test_engine_virtual.py: virtual stages, p = world / dp ranks x v chunks
-each, schedules (interleaved-1f1b, looped-bfs, dualpipev) x slicings x micro-batches trained 3 steps against the
-single-process unsliced reference (loss, every gradient, parameters), and dualpipev against DeepSpeed's own
-DualPipeV where it runs (m >= 2p, one replica). ``extra``: ``dp``, ``virtual_stages``, ``layers``,
-``micro_batches``, ``slicings``, ``schedules``, ``zero_stage``.
+each, schedules (interleaved-1f1b, looped-bfs, dualpipev, zbv) x slicings x micro-batches trained 3 steps against
+the single-process unsliced reference (loss, every gradient, parameters), and the two V schedules against
+DeepSpeed's own DualPipeV where it runs (m >= 2p, one replica: the same placement and chunk boundaries).
+``extra``: ``dp``, ``virtual_stages``, ``layers``, ``micro_batches``, ``slicings``, ``schedules``, ``zero_stage``.
 """
 
 from __future__ import annotations
@@ -10,6 +10,9 @@ from __future__ import annotations
 from ds_terapipe.models.gpt import GPTConfig
 from tests.suites import suite
 from tests.suites.common import STATUS, WORLD, compare, make_batches, reference_step, rel_err, run_pipeline
+
+
+V_SHAPED = ("dualpipev", "zbv")
 
 
 @suite("virtual")
@@ -31,13 +34,13 @@ def suite_virtual(extra: dict) -> list[dict]:
 
         ref_losses, ref_grads, ref_params = reference_step(cfg, batches, steps, lr=0.1, momentum=0.9)
         stock = None
-        if m >= 2 * stages and dp == 1 and "dualpipev" in extra.get("schedules", ["dualpipev"]):
+        if m >= 2 * stages and dp == 1 and {"dualpipev", "zbv"} & set(extra.get("schedules", V_SHAPED)):
             STATUS["case"] = f"stock dualpipev m={m}"  # DeepSpeed's DualPipeV needs m >= 2p
             stock = run_pipeline(cfg, stages=stages, micro_batches=m, batch=batch, seq_len=seq_len,
                                  batches_for_rank=for_rank, num_steps=steps, lr=0.1, momentum=0.9, terapipe=None,
                                  stock_dualpipev=True)
         for slices in extra.get("slicings", [1, [8, 24, 16], 4]):
-            for sched in extra.get("schedules", ["interleaved-1f1b", "looped-bfs", "dualpipev"]):
+            for sched in extra.get("schedules", ["interleaved-1f1b", "looped-bfs", *V_SHAPED]):
                 STATUS["case"] = f"v={v} slices={slices} schedule={sched} m={m}"
                 run = run_pipeline(cfg, stages=stages, micro_batches=m, batch=batch, seq_len=seq_len,
                                    batches_for_rank=for_rank, num_steps=steps, lr=0.1, momentum=0.9,
@@ -50,7 +53,7 @@ def suite_virtual(extra: dict) -> list[dict]:
                                                        ref_grads if grads_ok else ref_params, run["stage"])
                 param_err, param_name, _ = compare(run["params"], ref_params, run["stage"])
                 engine = run["engine"]
-                if stock is not None and sched == "dualpipev":
+                if stock is not None and sched in V_SHAPED:
                     # the same V placement and chunk boundaries: every gradient and parameter name matches
                     stock_err = max(max(rel_err(g, stock["grads"][n]) for n, g in run["grads"].items()),
                                     max(rel_err(p, stock["params"][n]) for n, p in run["params"].items()))

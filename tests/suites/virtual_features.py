@@ -51,7 +51,7 @@ def suite_virtual_features(extra: dict) -> list[dict]:
     prof = {"slice_lengths": [8, 32, 64], "num_contexts": 2, "warmup": 0, "repeats": 1}
     cache = str(Path(extra["out"]) / "virtual_plan_cache")   # the replan case below starts from one of these
     results: list[dict] = []
-    for sched in ("interleaved-1f1b", "looped-bfs", "dualpipev"):
+    for sched in ("interleaved-1f1b", "looped-bfs", "dualpipev", "zbv"):
         STATUS["case"] = f"auto {sched}"
         engine = _chunked_engine(cfg, {"seq_len": seq_len, "slices": "auto", "granularity": 8, "schedule": sched,
                                        "profile": prof, "plan_cache": cache})

@@ -29,21 +29,28 @@ slice to go round the V). The tests check both against the simulator.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 from ..registry import BubbleFormula, ScheduleSpec, register_schedule
 from ..schedule import Schedule, _no_gc, check_sizes, v_placement
 from ._list import backward_units, list_schedule
 
-__all__ = ["build_dualpipev", "dualpipev_cap", "placement_v"]
+__all__ = ["build_dualpipev", "dualpipev_cap", "placement_v", "v_bubble", "v_placement_of"]
 
 
-def placement_v(num_ranks: int, virtual_stages: int) -> tuple[int, ...]:
-    """Chunks r and 2p-1-r on rank r; refuses virtual_stages != 2 (a V has two legs)."""
-    if virtual_stages != 2 or isinstance(virtual_stages, bool):
-        raise ValueError(f"virtual_stages = {virtual_stages!r}: dualpipev places exactly two chunks per rank "
-                         "(chunks r and 2p-1-r, a V); use virtual_stages = 2, or interleaved-1f1b / looped-bfs "
-                         "for other chunk counts")
-    return v_placement(num_ranks)
+def v_placement_of(name: str) -> Callable[[int, int], tuple[int, ...]]:
+    """The placement of a V schedule called ``name``: chunks r and 2p-1-r on rank r; refuses virtual_stages != 2
+    (a V has two legs), naming the schedule."""
+    def placement(num_ranks: int, virtual_stages: int) -> tuple[int, ...]:
+        if virtual_stages != 2 or isinstance(virtual_stages, bool):
+            raise ValueError(f"virtual_stages = {virtual_stages!r}: {name} places exactly two chunks per rank "
+                             "(chunks r and 2p-1-r, a V); use virtual_stages = 2, or interleaved-1f1b / looped-bfs "
+                             "for other chunk counts")
+        return v_placement(num_ranks)
+    return placement
+
+
+placement_v = v_placement_of("dualpipev")
 
 
 def dualpipev_cap(rank: int, num_ranks: int, num_slices: int) -> int:
@@ -75,8 +82,9 @@ def _in_flight(stage: int, num_stages: int, num_units: int, num_slices: int, vir
     return min(float(num_units), cap / (2 * num_slices))
 
 
-def _bubble(p: int, num_units: int, v: int = 2) -> float:
-    """f = b = w: rank p-1's fill over its 2·m·n units of three passes each (module docstring)."""
+def v_bubble(p: int, num_units: int, v: int = 2) -> float:
+    """f = b = w: rank p-1's fill over its 2·m·n units of three passes each (module docstring); a lower bound
+    for any V order, which ``zbv`` shares."""
     return (p - 1) / (3 * v * num_units + p - 1)
 
 
@@ -89,7 +97,7 @@ DUALPIPEV = register_schedule(ScheduleSpec(
     deferred_weight_grads=True,
     weights_per_slice=True,
     dp_exact=False,
-    bubble=BubbleFormula(_bubble, "(p-1)/(6·m·n+p-1) with W: f=b=w, m >= 2, m·n >= 2p"),
+    bubble=BubbleFormula(v_bubble, "(p-1)/(6·m·n+p-1) with W: f=b=w, m >= 2, m·n >= 2p"),
     memory_text="2p+2n chunk-units in flight; under twice that with the units holding W inputs",
     placement=placement_v,
     placement_text="V: chunks r and 2p-1-r on rank r (v = 2)",
