@@ -271,11 +271,12 @@ class TeraPipeConfig(DeepSpeedConfigModel):
     (TeraPipe). ``1f1b``: token-level 1F1B, bounded memory."""
 
     virtual_stages: Optional[int] = Field(None, ge=1, description=(
-        "chunks per pipeline rank for `interleaved-1f1b`, `looped-bfs` (v >= 2) and `dualpipev` (v = 2); build the "
-        "module with `**ds_terapipe.module_chunk_kwargs(terapipe)` ([Schedules](schedules.md)); `gpipe` and `1f1b` "
-        "take 1"), json_schema_extra={"doc_default": "the schedule's: 1, or 2 for the last three"})
+        "chunks per pipeline rank for `interleaved-1f1b`, `looped-bfs` (v >= 2), `dualpipev` and `zbv` (v = 2); build "
+        "the module with `**ds_terapipe.module_chunk_kwargs(terapipe)` ([Schedules](schedules.md)); `gpipe` and "
+        "`1f1b` take 1"), json_schema_extra={"doc_default": "the schedule's: 1, or 2 for the last four"})
     """Chunks per pipeline rank: the model is cut into ``pipeline stages x virtual_stages`` chunks, placed by the
-    schedule (``interleaved-1f1b``, ``looped-bfs``: chunk c on rank c mod p; ``dualpipev``: chunks r and 2p-1-r).
+    schedule (``interleaved-1f1b``, ``looped-bfs``: chunk c on rank c mod p; ``dualpipev``, ``zbv``: chunks r and
+    2p-1-r).
     Build the model with the same value: ``TokenPipelineModule(..., virtual_stages=v, schedule=name)``. Default
     (None): the schedule's own, 1 for ``gpipe`` and ``1f1b``, 2 for the others."""
 

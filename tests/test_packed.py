@@ -2,9 +2,9 @@
 
 One launch of 2 ranks (tests/suites/packed.py): rows packing documents of skewed lengths as
 ``((input_ids, position_ids), labels)``, mixed in each step with rows of one document and plain ``input_ids``,
-on gpipe, 1f1b, interleaved-1f1b, looped-bfs and dualpipev, slices cutting documents anywhere; against the reference
-GPT run unsliced under ``packed_documents``: losses, every first-step gradient and the parameters after 3 steps
-within 1e-5 (measured: 5e-7); in bf16 (1f1b) the fp32 master weights' change within bf16's tolerance; with
+on gpipe, 1f1b, interleaved-1f1b, looped-bfs, dualpipev and zbv, slices cutting documents anywhere; against the
+reference GPT run unsliced under ``packed_documents``: losses, every first-step gradient and the parameters after 3
+steps within 1e-5 (measured: 5e-7); in bf16 (1f1b) the fp32 master weights' change within bf16's tolerance; with
 ``plan_per_batch`` (1f1b with rank 0's planner, gpipe and interleaved-1f1b with a stand-in that cuts wherever a
 row starts a document) every step runs the plan for its documents, the same on every rank, and stays exact.
 Then the refusals, each on every rank before the step: position ids that do not restart at 0, of another length,
@@ -25,7 +25,8 @@ pytestmark = pytest.mark.multiproc
 TOL = 1e-5
 SEQ_LEN, GRANULARITY = 48, 8   # tests/suites/packed.py
 CASES = [["gpipe", 1, [8, 24, 16]], ["1f1b", 1, 3], ["interleaved-1f1b", 2, [16, 16, 16]],
-         ["looped-bfs", 2, [8, 40]], ["dualpipev", 2, [24, 24]], ["1f1b", 1, [8, 24, 16], "bf16"],
+         ["looped-bfs", 2, [8, 40]], ["dualpipev", 2, [24, 24]], ["zbv", 2, [8, 24, 16]],
+         ["1f1b", 1, [8, 24, 16], "bf16"],
          ["1f1b", 1, "auto", "per-batch"], ["gpipe", 1, "auto", "per-batch cuts"],
          ["interleaved-1f1b", 2, "auto", "per-batch cuts"]]
 REFUSALS = {"no restart": "must start each row at 0", "length": "differ in shape",

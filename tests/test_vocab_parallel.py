@@ -61,7 +61,7 @@ VIRTUAL_CASES = {
     2: [["interleaved-1f1b", 64, True, 1, 2], ["interleaved-1f1b", 63, False, UNEQUAL, 2],
         ["looped-bfs", 63, True, UNEQUAL, 2], ["looped-bfs+W", 64, False, 1, 2],
         ["dualpipev", 64, True, UNEQUAL, 2], ["dualpipev", 63, False, 1, 2], ["dualpipev", 63, True, 1, 2],
-        ["interleaved-1f1b", 64, True, "auto", 2], ["dualpipev", 63, False, "auto", 2]],
+        ["interleaved-1f1b", 64, True, "auto", 2], ["dualpipev", 63, False, "auto", 2], ["zbv", 64, True, UNEQUAL, 2]],
     3: [["interleaved-1f1b", 64, True, UNEQUAL, 4], ["dualpipev", 63, False, UNEQUAL, 4],
         ["looped-bfs", 64, False, 1, 4]],
 }
@@ -82,7 +82,7 @@ def test_vocab_parallel_grid(world: int, tmp_path) -> None:
         for rank, r in enumerate(results):
             case = r["results"][index]
             assert name in case["case"] and len(case["chunks"]) == 2, case["case"]
-            want = [rank, 2 * world - 1 - rank] if name == "dualpipev" else [rank, rank + world]
+            want = [rank, 2 * world - 1 - rank] if name in ("dualpipev", "zbv") else [rank, rank + world]
             assert case["chunks"] == want, (case["case"], case["chunks"])
             if "slices=auto" in case["case"]:
                 # profiled with the vocabulary passes: rank 0's cost holds every rank's share and the links, the

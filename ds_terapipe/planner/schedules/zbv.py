@@ -8,8 +8,8 @@ when a forward, a backward and a W cost the same and drifts when they do not: a 
 backwards early runs forwards in pairs, the next rank waits for them, and the waits add up. Measured on CPU (GPT
 8 x 512, L = 1024) a chunk's B costs 1.25 F and its W 0.7 F; with those costs the simulator puts ``dualpipev`` at
 a 7.9% bubble at p = 2, m = 8, one slice, and this order at 2.6%. ZB-V avoids the drift by construction: after
-its warm-up every rank repeats the same four-step round, F and B of its down chunk, then F and B of its up chunk,
-each B followed by its W, so every rank does the same work per round whatever the ratios are.
+its warm-up every rank repeats the same round, F and B of its down chunk, then F and B of its up chunk, each B
+followed by its W, so every rank does the same work per round whatever the ratios are.
 
 Order on rank r (units (micro-batch, slice) in place of ZB-V's micro-batches; forwards in unit order, backwards
 micro-batch by micro-batch, later slices first):
