@@ -9,9 +9,9 @@ Each launch is what a user types: ``deepspeed --num_gpus 2 examples/train_gpt.py
 2 stages, each process pinned to its own core). Variants: ``stock`` (``terapipe.enabled: false``: DeepSpeed's
 PipelineEngine, 1F1B ``TrainSchedule``), ``gpipe`` and ``1f1b`` (``slices: "auto"``, planned at init; a plan cache
 shared by the rounds, so only the first launch of a variant profiles); with ``--variants`` any other
-registered schedule, at its default chunks per rank (``interleaved-1f1b``, ``looped-bfs`` and ``dualpipev``: two,
-so the trainer cuts the 8 blocks into 4 chunks of 2), and any schedule with ``+replan`` (``gpipe+replan``): the same
-with ``terapipe.replan`` on at its defaults (refit after 5 warm-up and 3 measured steps, inside ``--warmup``,
+registered schedule, at its default chunks per rank (``interleaved-1f1b``, ``looped-bfs``, ``dualpipev``, ``zbv``:
+two, so the trainer cuts the 8 blocks into 4 chunks of 2), and any schedule with ``+replan`` (``gpipe+replan``): the
+same with ``terapipe.replan`` on at its defaults (refit after 5 warm-up and 3 measured steps, inside ``--warmup``,
 which is then 8 by default; the printed plan is the refit model's from then on). A round launches every variant once
 per m,
 the order rotated per round; each launch trains ``--warmup`` + ``--steps`` steps and the trainer's per-step ms of

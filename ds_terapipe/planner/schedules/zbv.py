@@ -6,8 +6,9 @@ Placement is the V of ``dualpipev``: rank r holds chunk r on the way down and ch
 Why a second V schedule: ``dualpipev`` merges its queues by a unit-time dry run (``_list.py``), which is exact
 when a forward, a backward and a W cost the same and drifts when they do not: a rank that finishes its
 backwards early runs forwards in pairs, the next rank waits for them, and the waits add up. Measured on CPU (GPT
-8 x 512, L = 1024) a chunk's B costs 1.25 F and its W 0.7 F; with those costs the simulator puts ``dualpipev`` at
-a 7.9% bubble at p = 2, m = 8, one slice, and this order at 2.6%. ZB-V avoids the drift by construction: after
+8 x 512, L = 1024; ``benchmarks/results/virtual_stages.json``, the V schedules' per-rank forward, backward and W
+times) a chunk's B costs about 1.25 F and its W 0.7 F; with those costs the simulator puts ``dualpipev`` at an 8%
+bubble at p = 2, m = 8, one slice, and this order at 2.6%. ZB-V avoids the drift by construction: after
 its warm-up every rank repeats the same round, F and B of its down chunk, then F and B of its up chunk, each B
 followed by its W, so every rank does the same work per round whatever the ratios are.
 
@@ -19,17 +20,19 @@ micro-batch by micro-batch, later slices first):
    counts);
 2. steady state: F + B + W on the down chunk, F + B + W on the up chunk, until every unit is forwarded;
 3. cool-down: r pairs of backwards with their W put off, then the remaining backwards (the down chunk's with
-   their W), then the W's put off, up chunk first: the backwards travel to rank 0 without waiting for W's.
+   their W), then the W's put off, down chunk first (the stream stays on the chunk it ended on: one chunk switch
+   fewer, one gather fewer under sharded data parallelism): the backwards travel to rank 0 without waiting for W's.
 
-Memory: every rank peaks at 2p + 2(n - 1) chunk-units in flight, the units holding W inputs included (a W runs
-right after its B outside the cool-down): p micro-batches of a whole rank, as 1F1B's first rank (tested).
+Memory: a rank holds at most 2p + 2(n - 1) chunk-units in flight, the units holding W inputs included (a W runs
+right after its B outside the cool-down), and reaches it once m·n >= 2p + n - 2: p + n - 1 slices of a whole rank,
+as token-level 1F1B's first rank (tested).
 
 Closed form (equal unit costs f = b = w, no communication): rank p-1 waits (p-1)f for its first input and then
 works 2·m·n units of f + b + w, so the makespan is at least (p-1)f + 6·m·n·f, a bubble of (p-1)/(6·m·n + p - 1):
 attained with one slice once m >= 2(p - 1); with n slices the makespan is min(n - 1, p - 1) f longer (the n - 1
-extra warm-up forwards delay the first backwards), where ``dualpipev`` attains the bound. With unequal costs it
-stays near the bound where ``dualpipev`` drifts. With m = 1 there is no steady state and ``dualpipev`` fills
-better. The tests check these against the simulator.
+extra warm-up forwards delay the first backwards), where ``dualpipev`` attains the bound. With the CPU's unequal
+costs it is the shorter of the two from m = 4 on (simulated for p 2..4, n 1, 2, 4); at m = 1 and 2 there is
+little or no steady state and neither order wins everywhere. The tests check these against the simulator.
 """
 from __future__ import annotations
 
@@ -46,7 +49,7 @@ placement_zbv = v_placement_of("zbv")
 
 
 def zbv_cap(rank: int, num_ranks: int, num_slices: int) -> int:
-    """Chunk-units every rank holds at its peak (activations, and W inputs with them): 2p + 2(n - 1)."""
+    """Most chunk-units a rank holds (activations, and W inputs with them): 2p + 2(n - 1)."""
     return 2 * num_ranks + 2 * (num_slices - 1)
 
 
@@ -97,7 +100,7 @@ def _rank_stream(r: int, p: int, m: int, n: int, back: list[int]) -> tuple[Actio
     while backwarded[down] < N or backwarded[up] < N:
         backward(down)
         backward(up, weights_now=False)
-    for c in (up, down):
+    for c in (down, up):
         out.extend(_make(c, W, u // n, u % n) for u in put_off[c])
     return tuple(out)
 
@@ -107,8 +110,8 @@ def _rank_stream(r: int, p: int, m: int, n: int, back: list[int]) -> tuple[Actio
 def _zbv(num_ranks: int, num_microbatches: int, num_slices: int) -> Schedule:
     back = backward_units(num_microbatches, num_slices)
     streams = tuple(_rank_stream(r, num_ranks, num_microbatches, num_slices, back) for r in range(num_ranks))
-    return _trusted("zbv", num_ranks, num_microbatches, num_slices, streams, False, True, num_slices > 1, 2,
-                    v_placement(num_ranks))
+    return _trusted("zbv", num_ranks, num_microbatches, num_slices, streams, has_comm=False, defers_weights=True,
+                    weights_per_slice=num_slices > 1, virtual_stages=2, placement=v_placement(num_ranks))
 
 
 def build_zbv(num_stages: int, num_microbatches: int, num_slices: int, virtual_stages: int = 2) -> Schedule:
@@ -126,7 +129,7 @@ ZBV = register_schedule(ScheduleSpec(
     name="zbv",
     builder=build_zbv,
     description="token-level ZB-V (zero-bubble V): V placement, every rank repeats F, B and W of each chunk in "
-                "turn, so unequal F/B/W times do not open bubbles; 1F1B's memory; for m >= 2 micro-batches",
+                "turn, so unequal F/B/W times open fewer bubbles than dualpipev's merge; 1F1B's memory; for m >= 4",
     live_subbatches=_in_flight,
     deferred_weight_grads=True,
     weights_per_slice=True,
