@@ -6,6 +6,7 @@
         --schedule 1f1b --trace timeline.json --plot timeline.png
     ds-terapipe plan --model gpt3-175b --device v100 --stages 48 --seq-len 2048 --schedule interleaved-1f1b \
         --virtual-stages 2
+    ds-terapipe compare --model gpt3-13b --device a100 --stages 8 --seq-len 2048 --microbatches 8
     ds-terapipe presets
     ds-terapipe schedules
 
@@ -15,7 +16,9 @@ slices, the predicted step time with and without slicing, the speedup and the bu
 event simulator (``planner.simulate``) on the planned slicing or on ``--slices``, and can write a Chrome trace
 (open in https://ui.perfetto.dev) and a PNG timeline. ``--stages K`` is the pipeline ranks; schedules with
 virtual stages (``--virtual-stages V``) cut the model into K*V chunks, placed as the schedule says, and the
-timelines keep one row per rank with the actions naming their chunks. ``schedules`` prints the table of registered schedules
+timelines keep one row per rank with the actions naming their chunks. ``compare`` plans every registered schedule
+at its default chunks per rank for the same model, pipeline and batch and ranks them by predicted step time:
+which schedule to write in the config. ``schedules`` prints the table of registered schedules
 (``planner.registry``), the same table README shows.
 
 Only the planner is imported (numpy and the standard library; matplotlib only for ``--plot``), never torch or
@@ -102,7 +105,9 @@ def _preset_name(presets: dict[str, Any]) -> Any:
     return parse
 
 
-def _add_planning_args(p: argparse.ArgumentParser) -> None:
+def _add_planning_args(p: argparse.ArgumentParser, schedule: bool = True) -> None:
+    """The pipeline, cost and search arguments; ``schedule``: also ``--schedule`` / ``--virtual-stages`` (compare
+    plans every schedule at its own chunks per rank, so it has neither)."""
     g = p.add_argument_group("pipeline and cost model")
     g.add_argument("--model", type=_preset_name(MODEL_PRESETS), choices=list(MODEL_PRESETS),
                    help="model preset for the analytic cost (see 'ds-terapipe presets')")
@@ -118,11 +123,13 @@ def _add_planning_args(p: argparse.ArgumentParser) -> None:
                    help="sequences per micro-batch (default 1)")
     g.add_argument("--microbatches", type=_positive_int, default=1, metavar="M",
                    help="micro-batches per step and pipeline (default 1)")
-    g.add_argument("--schedule", choices=schedule_names(), default="gpipe",
-                   help="pipeline schedule (default gpipe; see 'ds-terapipe schedules')")
-    g.add_argument("--virtual-stages", type=_positive_int, default=None, metavar="V",
-                   help="chunks per rank (default: the schedule's, 1 for gpipe/1f1b, 2 for the others); the model "
-                        "is cut into K*V chunks placed as the schedule says, and a --cost file describes chunks")
+    if schedule:
+        g.add_argument("--schedule", choices=schedule_names(), default="gpipe",
+                       help="pipeline schedule (default gpipe; see 'ds-terapipe schedules')")
+        g.add_argument("--virtual-stages", type=_positive_int, default=None, metavar="V",
+                       help="chunks per rank (default: the schedule's, 1 for gpipe/1f1b, 2 for the others); the "
+                            "model is cut into K*V chunks placed as the schedule says, and a --cost file describes "
+                            "chunks")
     g.add_argument("--vocab", type=_positive_int, metavar="V",
                    help="replace the --model preset's vocabulary (e.g. 256000): the embedding and LM head grow")
     g.add_argument("--sequence-parallel", type=_positive_int, default=1, metavar="N",
@@ -152,7 +159,7 @@ def _add_planning_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description="Plan and simulate token-level (TeraPipe) pipeline slicing.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{plan,simulate,presets,schedules}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{plan,simulate,compare,presets,schedules}")
     plan = sub.add_parser("plan", help="find the fastest slicing and its predicted speedup",
                           description="Find the fastest slicing of sequences for a pipeline and print it with the "
                                       "predicted step time, with and without slicing.")
@@ -167,6 +174,14 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--trace", metavar="OUT.json", help="write a Chrome trace (Perfetto, chrome://tracing)")
     sim.add_argument("--plot", metavar="OUT.png", help="write a PNG timeline (needs matplotlib)")
     sim.set_defaults(func=_cmd_simulate)
+    cmp = sub.add_parser("compare", help="plan every schedule for the same pipeline and rank them",
+                         description="Plan every registered schedule at its default chunks per rank for the same "
+                                     "model, pipeline and batch, and print them fastest first: predicted step, "
+                                     "speedup over its own unsliced run, bubble and (with --model) activation "
+                                     "memory. Schedules the cost, the sizes or --memory-gb rule out are listed "
+                                     "with why.")
+    _add_planning_args(cmp, schedule=False)
+    cmp.set_defaults(func=_cmd_compare, schedule=None, virtual_stages=None)
     pre = sub.add_parser("presets", help="list model and device presets",
                          description="List the model and device presets of the analytic cost model.")
     pre.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -275,8 +290,10 @@ def _virtual_stages(args: argparse.Namespace) -> int:
     return v
 
 
-def _memory_model(args: argparse.Namespace, num_stages: int) -> Any:
-    if args.memory_gb is None:
+def _memory_model(args: argparse.Namespace, num_stages: int, estimate: bool = False) -> Any:
+    """The activation-memory model for --memory-gb (None without it), or, with ``estimate``, for reporting the
+    estimate whenever --model names the layers (None without --model)."""
+    if args.memory_gb is None and not (estimate and args.model is not None):
         return None
     if args.model is None:
         raise UsageError(f"--memory-gb {args.memory_gb:g} needs --model NAME to estimate activation memory (a cost "
@@ -299,7 +316,7 @@ def _granularity(args: argparse.Namespace) -> int:
     return g
 
 
-def _plan(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any], float]:
+def _plan(args: argparse.Namespace, estimate_memory: bool = False) -> tuple[Any, Any, dict[str, Any], float]:
     """(cost, SlicingPlan, cost description, seconds spent building the cost and solving)."""
     from .planner.slicing import plan_slicing
 
@@ -308,12 +325,12 @@ def _plan(args: argparse.Namespace) -> tuple[Any, Any, dict[str, Any], float]:
     cost, source = _load_cost(args)
     v = _virtual_stages(args)
     num_ranks = cost.num_chunks // v
-    memory = _memory_model(args, num_ranks)
-    if memory is not None:
+    memory = _memory_model(args, num_ranks, estimate_memory)
+    if args.memory_gb is not None:
         _check_memory(args, memory, num_ranks, granularity, v)
     plan = plan_slicing(cost, args.seq_len, num_microbatches=args.microbatches, micro_batch_size=args.micro_batch,
                         granularity=granularity, schedule=args.schedule,
-                        memory_limit_bytes=None if memory is None else args.memory_gb * _GIB,
+                        memory_limit_bytes=None if args.memory_gb is None else args.memory_gb * _GIB,
                         split_batch=args.split_batch, max_slices=args.max_slices, memory=memory,
                         virtual_stages=v, deferred_weight_grads=cost.has_weight_terms)
     return cost, plan, source, time.perf_counter() - t0
@@ -438,6 +455,81 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         lines = _plan_lines(plan, source, seconds)
         print("\n".join(lines[:-1] + ([] if layouts is None else ["partition:"] + layouts.report_lines())
                         + lines[-1:]))
+    return 0
+
+
+def _cost_file_chunks(args: argparse.Namespace) -> int | None:
+    """How many chunks a --cost file times (its "stages" list, its "num_stages", else one shared "points" list
+    for each of the --stages ranks); None without a file or when the file cannot be read (``_plan`` says why)."""
+    from .planner.cost import CostFileError, read_cost_json
+
+    if args.cost is None:
+        return None
+    try:
+        obj = read_cost_json(args.cost)
+    except CostFileError:
+        return None
+    if not isinstance(obj, dict):
+        return None
+    if isinstance(obj.get("stages"), list):
+        return len(obj["stages"])
+    if isinstance(obj.get("num_stages"), int):
+        return obj["num_stages"]
+    return args.stages
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    """Every schedule planned for the same pipeline, fastest first; the ones that cannot run listed with why.
+
+    Each schedule runs at its default chunks per rank (``ScheduleSpec.virtual_stages``), so the analytic cost is
+    built per schedule (K or K x 2 chunks); a --cost file fixes the chunk count, and the schedules whose chunks
+    per rank do not fit it are listed as refused (with the reason) rather than silently planned on another model.
+    A --memory-gb cap refuses the schedules that cannot meet it the same way."""
+    from .planner.registry import get_schedule
+
+    if args.balance or args.vocab_parallel:
+        flag = "--vocab-parallel" if args.vocab_parallel else "--balance"
+        raise UsageError(f"{flag} is not supported by compare (each schedule would get its own layer boundaries); "
+                         f"compare without it, then 'ds-terapipe plan {flag} --schedule NAME' for the one you pick")
+    chunks = _cost_file_chunks(args)
+    rows, refused, source = [], [], None
+    for name in schedule_names():
+        v = get_schedule(name).virtual_stages
+        one = argparse.Namespace(**{**vars(args), "schedule": name, "virtual_stages": None})
+        try:
+            if chunks is not None and (chunks % v or (args.stages is not None and args.stages * v != chunks)):
+                raise UsageError(f"--cost {args.cost} times {chunks} chunks, not {args.stages or 'K'} ranks x {v}: "
+                                 f"profile {v} chunk(s) per rank to compare {name}")
+            _, plan, source, seconds = _plan(one, estimate_memory=True)
+        except (UsageError, ValueError) as exc:
+            refused.append({"schedule": name, "virtual_stages": v, "reason": _one_line(exc)})
+            continue
+        rows.append({**plan.to_dict(), "plan_seconds": seconds})
+    if not rows:
+        raise UsageError("no schedule can be planned for these arguments: "
+                         + "; ".join(f"{r['schedule']}: {r['reason']}" for r in refused))
+    rows.sort(key=lambda r: r["predicted_ms"])
+    if args.json:
+        _print_json({"cost": source, "plans": rows, "refused": refused})
+        return 0
+    first = rows[0]
+    lines = [f"pipeline:    {_describe(source, first['num_stages'])}, seq_len {first['seq_len']}, "
+             f"{first['num_microbatches']} micro-batch(es) of {first['micro_batch_size']}",
+             "",
+             f"{'schedule':<17} {'v':>2} {'slices':>6} {'step ms':>9} {'unsliced':>9} {'speedup':>8} "
+             f"{'bubble':>7} {'memory GiB':>10}"]
+    for r in rows:
+        memory = "-" if r.get("memory_bytes") is None else f"{r['memory_bytes'] / _GIB:.3g}"
+        lines.append(f"{r['schedule']:<17} {r['virtual_stages']:>2} {len(r['slices']):>6} "
+                     f"{r['predicted_ms']:>9.4g} {r['unsliced_ms']:>9.4g} {r['speedup']:>7.2f}x "
+                     f"{100 * r['bubble_fraction']:>6.1f}% {memory:>10}")
+    lines += [f"{r['schedule']:<17} {r['virtual_stages']:>2} refused: {r['reason']}" for r in refused]
+    lines += ["", f"fastest: {first['schedule']} ({100 * (rows[1]['predicted_ms'] / first['predicted_ms'] - 1):.1f}% "
+              f"ahead of {rows[1]['schedule']})" if len(rows) > 1 else f"fastest: {first['schedule']}",
+              f"             config: \"schedule\": \"{first['schedule']}\", \"virtual_stages\": "
+              f"{first['virtual_stages']}, \"slices\": \"auto\"  (planned here: --slices "
+              f"{','.join(map(str, first['slices']))})"]
+    print("\n".join(lines))
     return 0
 
 

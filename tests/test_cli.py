@@ -288,6 +288,48 @@ def test_simulate_writes_png(tmp_path: Path, capsys: pytest.CaptureFixture[str])
 # --------------------------------------------------------------------------------------------------------------
 # presets
 
+def test_compare_ranks_every_schedule_as_plan_plans_it(capsys: pytest.CaptureFixture[str]) -> None:
+    """Each row is exactly what ``plan --schedule NAME`` gives (its own chunks per rank), fastest first, with the
+    memory estimate under --model; the text names the fastest and its config."""
+    from ds_terapipe.planner.registry import get_schedule, schedule_names
+
+    got = run_json(capsys, "compare", *SMALL, "--microbatches", "4")
+    plans, refused = got["plans"], got["refused"]
+    assert sorted(p["schedule"] for p in plans) == sorted(schedule_names()) and refused == []
+    assert [p["predicted_ms"] for p in plans] == sorted(p["predicted_ms"] for p in plans)
+    for p in plans:
+        alone = run_json(capsys, "plan", *SMALL, "--microbatches", "4", "--schedule", p["schedule"])
+        assert p["virtual_stages"] == get_schedule(p["schedule"]).virtual_stages == alone["virtual_stages"]
+        assert (p["slices"], p["predicted_ms"]) == (alone["slices"], alone["predicted_ms"]), p["schedule"]
+        assert p["memory_bytes"] is not None and p["memory_bytes"] > 0
+    rc, out, err = run(capsys, "compare", *SMALL, "--microbatches", "4")
+    assert rc == 0, err
+    assert f"fastest: {plans[0]['schedule']} " in out and f'"schedule": "{plans[0]["schedule"]}"' in out
+    rows = [line.split()[0] for line in out.splitlines()[3:3 + len(plans)]]
+    assert rows == [p["schedule"] for p in plans]
+
+
+def test_compare_lists_what_a_cap_or_a_cost_file_rules_out(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A --memory-gb cap that only some schedules meet, and a cost file of 4 stages (one chunk per rank on 4
+    ranks): the others are listed as refused with the planner's reason, never planned on another model."""
+    from ds_terapipe.planner.registry import schedule_names
+
+    got = run_json(capsys, "compare", *SMALL, "--microbatches", "8", "--memory-gb", "0.4")
+    planned = {p["schedule"] for p in got["plans"]}
+    refused = {r["schedule"]: r["reason"] for r in got["refused"]}
+    assert planned and refused and planned | set(refused) == set(schedule_names())
+    assert all("--memory-gb 0.4 cannot be met" in reason for reason in refused.values())
+    assert all(p["memory_bytes"] <= 0.4 * 2 ** 30 for p in got["plans"])
+    cost = write_json(tmp_path / "cost.json", {"points": linear_cost_points(512, 0.01)})
+    by_file = run_json(capsys, "compare", "--cost", cost, "--stages", "4", "--seq-len", "512",
+                       "--granularity", "32", "--microbatches", "2")
+    assert {p["schedule"] for p in by_file["plans"]} == {"gpipe", "1f1b"}   # v = 1: the file's 4 stages
+    assert {r["schedule"] for r in by_file["refused"]} == set(schedule_names()) - {"gpipe", "1f1b"}
+    assert all("profile 2 chunk(s) per rank" in r["reason"] for r in by_file["refused"])
+    rc, _, err = run(capsys, "compare", *SMALL, "--balance")
+    assert rc == 2 and "--balance is not supported by compare" in err
+
+
 def test_presets(capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, err = run(capsys, "presets")
     assert rc == 0, err
