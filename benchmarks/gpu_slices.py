@@ -90,7 +90,7 @@ def measure_shape(shape: dict[str, Any], counts: list[int], rounds: int, device:
     """Profile points (as the engine's profile takes them), accumulation terms, and the four variants' medians.
     ``steady`` (default: on an accelerator): also the points of :func:`steady_points`."""
     from ds_terapipe.runtime.slicing.deferred import (enable_deferred_weight_grads, enable_fused_grad_accumulation,
-                                                      fused_weights)
+                                                      fused_parameters)
     from ds_terapipe.runtime.planning.profile import profile_stage
     from ds_terapipe.runtime.planning.step_profile import time_grad_accumulation
     started = time.perf_counter()
@@ -114,7 +114,7 @@ def measure_shape(shape: dict[str, Any], counts: list[int], rounds: int, device:
     out["profile_deferred"] = profile_stage(stage, params, x0, seq_len, granularity, batch, deferred=True,
                                             burst=burst, **grid)
     out["profile_in_gemm"] = profile_stage(stage, params, x0, seq_len, granularity, batch, burst=burst,
-                                           fused=fused_weights(stage), **grid)
+                                           fused=fused_parameters(stage), **grid)
     if steady:   # bursts of twice the copies: the cost of the extra copies, without the burst's start
         out["profile_steady"] = steady_points(out["profile"], profile_stage(
             stage, params, x0, seq_len, granularity, batch, burst=2 * PROFILE_BURST, **grid))

@@ -14,6 +14,10 @@ the engine (one stage, world size 1, one pinned core on a CPU) and splits each s
 * ``optimizer``: the optimizer step (clipping, DeepSpeed's update),
 * ``engine``: the rest, the engine's own work; ``per action`` divides it by the step's F, B and W actions.
 
+One more step per variant runs under a counting dispatch mode: the ATen calls that launch a kernel on a device
+(views, reshapes and allocations left out) per slice in the layers (forward, backward and W), and per action in
+the engine. On a GPU bound by launching kernels, that count is what a slice costs.
+
 With a narrow model (the default hidden 64) the layers' arithmetic is small, so the numbers are what a
 launch-bound device sees of the host. Variants (slice counts, deferral) alternate step by step; medians.
 """
@@ -31,6 +35,7 @@ from collections import defaultdict
 from typing import Any, Callable
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchlib.launch import pin_one_core
 from benchlib.tables import machine_info, markdown_table, results_path, write_report
@@ -39,18 +44,21 @@ NAME = "host_overhead"
 
 
 class Clock:
-    """Wall time spent inside wrapped calls, by bucket; nested calls count once (the outermost)."""
+    """Wall time spent inside wrapped calls, by bucket; nested calls count once (the outermost). ``bucket`` names
+    the one running now ("engine" outside every wrapped call), for :class:`KernelCount`."""
 
     def __init__(self, sync: Callable[[], None]) -> None:
         self.sync = sync
         self.ms: dict[str, float] = defaultdict(float)
         self.depth = 0
+        self.bucket = "engine"
 
     def wrap(self, fn: Callable, bucket: str) -> Callable:
         def timed(*args: Any, **kwargs: Any) -> Any:
             if self.depth:
                 return fn(*args, **kwargs)
             self.depth += 1
+            self.bucket = bucket
             self.sync()
             start = time.perf_counter()
             try:
@@ -59,7 +67,31 @@ class Clock:
                 self.sync()
                 self.ms[bucket] += (time.perf_counter() - start) * 1e3
                 self.depth -= 1
+                self.bucket = "engine"
         return timed
+
+
+#: ATen calls that launch no kernel on a device: views, shape queries, allocations without a fill.
+NO_KERNEL = frozenset({
+    "view", "_unsafe_view", "_reshape_alias", "reshape", "transpose", "t", "permute", "expand", "unsqueeze",
+    "squeeze", "split", "split_with_sizes", "chunk", "unbind", "slice", "select", "narrow", "as_strided", "alias",
+    "detach", "view_as", "lift_fresh", "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
+    "size", "stride", "sym_size", "sym_stride", "is_same_size", "_has_compatible_shallow_copy_type",
+    "_is_mkldnn_fp16_supported"})
+
+
+class KernelCount(TorchDispatchMode):
+    """ATen calls that launch a kernel, by the clock's running bucket."""
+
+    def __init__(self, clock: Clock) -> None:
+        super().__init__()
+        self.clock = clock
+        self.counts: dict[str, int] = defaultdict(int)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        if func.overloadpacket.__name__ not in NO_KERNEL:
+            self.counts[self.clock.bucket] += 1
+        return func(*args, **(kwargs or {}))
 
 
 def _init_single_process() -> None:
@@ -191,6 +223,11 @@ def main() -> None:
                 total = (time.perf_counter() - start) * 1e3
                 if step >= 2:
                     samples[key].append({"step": total, **clock.ms})
+        kernels: dict[tuple[int, bool, bool], dict[str, int]] = {}
+        for key, engine in engines.items():   # one more step each, counted (the dispatch mode slows it down)
+            with contextlib.nullcontext() if key[2] else per_parameter_bf16_grads(), KernelCount(clock) as count:
+                engine.train_batch(batches(args, gen))
+            kernels[key] = dict(count.counts)
         profile_text = None
         if args.profile:
             engine = engines[variants[-1]]
@@ -209,21 +246,27 @@ def main() -> None:
         engine_ms = statistics.median(r["step"] - r.get("layers", 0.0) - r.get("optimizer", 0.0) for r in runs)
         actions = args.micro_batches * n * (3 if deferred else 2) if args.schedule != "gpipe" or not deferred \
             else args.micro_batches * (2 * n + 1)
-        row = {"slices": n, "deferred": deferred, "flat_bf16_grads": flat, "step_ms": med["step"], "layers_ms": med["layers"],
-               "optimizer_ms": med["optimizer"], "engine_ms": engine_ms, "actions": actions,
-               "engine_ms_per_action": engine_ms / actions}
+        counted = kernels[(n, deferred, flat)]
+        row = {"slices": n, "deferred": deferred, "flat_bf16_grads": flat, "step_ms": med["step"],
+               "layers_ms": med["layers"], "optimizer_ms": med["optimizer"], "engine_ms": engine_ms, "actions": actions,
+               "engine_ms_per_action": engine_ms / actions,
+               "layer_kernels_per_slice": counted.get("layers", 0) / (args.micro_batches * n),
+               "engine_kernels_per_action": counted.get("engine", 0) / actions}
         if base is None:
             base = row
         row["step_vs_1"] = row["step_ms"] / base["step_ms"]
         rows.append(row)
-        table.append([n, "on" if deferred else "off", "flat" if flat else "per parameter", f"{row['step_ms']:.1f}", f"{row['layers_ms']:.1f}",
+        table.append([n, "on" if deferred else "off", "flat" if flat else "per parameter", f"{row['step_ms']:.1f}",
+                      f"{row['layers_ms']:.1f}",
                       f"{row['optimizer_ms']:.1f}", f"{engine_ms:.1f}", actions,
-                      f"{row['engine_ms_per_action']:.3f}", f"{row['step_vs_1']:.2f}"])
+                      f"{row['engine_ms_per_action']:.3f}", f"{row['layer_kernels_per_slice']:.0f}",
+                      f"{row['engine_kernels_per_action']:.1f}", f"{row['step_vs_1']:.2f}"])
     print(f"\n{NAME}: GPT {args.layers} x {args.hidden}, L = {args.seq_len}, batch {args.batch}, "
           f"{args.micro_batches} micro-batches, {args.schedule}, {args.dtype}, ZeRO {args.zero}, "
           f"{accel.device_name()}; medians of {args.steps} steps (ms)")
     for line in markdown_table(["slices", "deferred W", "bf16 grads", "step", "layers", "optimizer", "engine", "actions",
-                                "engine / action", "step / 1 slice"], table):
+                                "engine / action", "layer kernels / slice", "engine kernels / action",
+                                "step / 1 slice"], table):
         print(line)
     if profile_text:
         print(profile_text)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from ds_terapipe.runtime.slicing.attention import CausalSelfAttention, sliced_causal_attention
 from ds_terapipe.runtime.slicing.context import MicroBatchState, SliceContext, slice_scope
 from ds_terapipe.runtime.planning.slice_check import check_slicing_equivalence
+from tests.aten_calls import AtenCalls
 
 
 def random_slices(seq_len: int, rng: random.Random) -> list[int]:
@@ -74,6 +75,84 @@ def test_sliced_forward_backward_equals_unsliced(rotary: bool, seed: int) -> Non
     assert torch.allclose(grad_x, ref_x, atol=1e-10), slices
     for p, ref in zip(model.parameters(), ref_params):
         assert torch.allclose(p.grad, ref, atol=1e-10), slices
+
+
+def test_the_cache_gradient_is_one_add_per_slice_and_no_copy_for_the_projection() -> None:
+    """A slice's backward adds its key (and value) gradient into the cache's gradient buffer with one kernel and
+    hands its own rows back as they lie: no second add, and (on a CPU, whose flash kernel lays its gradient out as
+    (B, T, nh, hs)) no copy before the fused projection's backward. On a device bound by launching kernels every
+    kernel counts; a GPT block has 2 per slice fewer than adding the two parts apart."""
+    torch.manual_seed(0)
+    model = CausalSelfAttention(32, 4).requires_grad_(False)   # no AccumulateGrad adds in the count
+    x = torch.randn(2, 24, 32)
+    units = run_slices(model, x, [8, 8, 8])
+    counts = []
+    for piece, y, start, length in reversed(units):
+        with AtenCalls() as ops:
+            y.backward(torch.ones_like(y))
+        counts.append((ops.names.count("add_"), ops.names.count("add"), ops.names.count("clone"),
+                       ops.names.count("copy_")))
+    # the last slice's backward copies its gradient into the new buffer (one clone per k/v); the others add
+    assert counts == [(0, 0, 2, 0), (2, 0, 0, 0), (2, 0, 0, 0)], counts
+    ref = x.clone().requires_grad_()
+    model(ref).backward(torch.ones_like(ref))
+    got = torch.cat([u[0].grad for u in units], dim=1)
+    assert torch.allclose(got, ref.grad, atol=1e-6)
+
+
+def test_the_device_presets_count_the_gpt_blocks_backward_kernels_as_it_runs() -> None:
+    """The analytic GPU cost (``planner/roofline.py`` ``BLOCKS``) prices a GPT block's backward by its kernels
+    besides the GEMMs, the attention kernel and the gradients' accumulation: the count must be the block's own.
+    A slice with a prefix, the block's parameters frozen (their gradients are priced apart)."""
+    from ds_terapipe.models.gpt import GPTBlock, GPTConfig
+    from ds_terapipe.planner.roofline import BLOCKS
+    block = GPTBlock(GPTConfig(num_layers=1, hidden=32, num_heads=4, max_seq_len=64), 0).requires_grad_(False)
+    x = torch.randn(1, 16, 32)
+    state = MicroBatchState(0, 16, 3)
+    with torch.no_grad(), slice_scope(SliceContext(0, 0, 0, 8, state)):
+        block(x[:, :8])
+    piece, last = x[:, 8:12].clone().requires_grad_(), x[:, 12:].clone().requires_grad_()
+    with slice_scope(SliceContext(0, 1, 8, 12, state)):
+        y = block(piece)
+    with slice_scope(SliceContext(0, 2, 12, 16, state)):
+        block(last).sum().backward()   # the later slice first: it makes the cache's gradient buffers
+    grad = torch.ones_like(y)
+    with AtenCalls() as ops:
+        y.backward(grad)
+    gemm_attention = {"mm", "addmm", "bmm", "_scaled_dot_product_flash_attention_for_cpu_backward"}
+    views = {"view", "_unsafe_view", "_reshape_alias", "reshape", "transpose", "t", "permute", "expand", "split",
+             "split_with_sizes", "slice", "select", "unsqueeze", "squeeze", "as_strided", "alias", "detach",
+             "empty", "empty_like", "empty_strided"}
+    small = [name for name in ops.names if name not in gemm_attention | views]
+    assert len(small) == BLOCKS["gpt"].input_grad, small
+
+
+def test_a_leaf_key_gets_a_gradient_of_its_own() -> None:
+    """Keys that are leaves get a copy: autograd would keep the buffer's view as their ``.grad``, and the buffer
+    with it."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 12, 8, requires_grad=True) for _ in range(3))
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    ref.backward(torch.ones_like(ref))
+    want = [t.grad.clone() for t in (q, k, v)]
+    state = MicroBatchState(0, 12, 2)
+    pieces, outs = [], []
+    for i, (lo, hi) in enumerate(((0, 4), (4, 12))):
+        # laid out as a fused projection's views are, (B, T, nh, hs) in memory: the layout of the buffer's rows
+        leaves = [t.detach()[:, :, lo:hi].transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
+                  for t in (q, k, v)]
+        with slice_scope(SliceContext(0, i, lo, hi, state)):
+            outs.append(sliced_causal_attention(*leaves, cache_key="a"))
+        pieces.append(leaves)
+    for y in reversed(outs):
+        y.backward(torch.ones_like(y))
+    buffers = next(iter(state.kv.values()))
+    for which, got in zip("qkv", zip(*pieces)):
+        grad = torch.cat([t.grad for t in got], dim=2)
+        assert torch.allclose(grad, want["qkv".index(which)], atol=1e-5), which
+        for t in got:
+            assert t.grad.untyped_storage().data_ptr() not in (buffers.grad_k.untyped_storage().data_ptr(),
+                                                               buffers.grad_v.untyped_storage().data_ptr()), which
 
 
 class ConstantKeyAttention(nn.Module):

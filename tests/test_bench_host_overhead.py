@@ -25,6 +25,12 @@ def test_the_engine_time_per_action_is_measured_for_every_variant(tmp_path) -> N
         assert r["layers_ms"] > 0 and r["optimizer_ms"] > 0, r   # the wrapped calls were reached
         assert abs(r["layers_ms"] + r["optimizer_ms"] + r["engine_ms"] - r["step_ms"]) < 0.05 * r["step_ms"], r
     assert {r["actions"] for r in rows if r["slices"] == 2} == {2 * 2 * 2, 2 * 2 * 3}   # F, B (+ W) per slice
+    # kernels counted in the layers and in the engine; a slice of 2 blocks launches a few dozen, and cutting the
+    # micro-batch adds the KV cache's writes and reads, never takes kernels away
+    per_slice = {(r["slices"], r["deferred"], r["flat_bf16_grads"]): r["layer_kernels_per_slice"] for r in rows}
+    assert all(20 < k < 200 for k in per_slice.values()), per_slice
+    assert per_slice[(2, False, True)] > per_slice[(1, False, True)], per_slice
+    assert all(r["engine_kernels_per_action"] > 0 for r in rows)
 
 
 def test_the_committed_report_is_the_h100_run() -> None:

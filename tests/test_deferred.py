@@ -8,12 +8,14 @@ hooks), and nothing may be deferred outside a slice context with a stash.
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn as nn
 
 from ds_terapipe.models.gpt import GPTBlock, GPTConfig
 from ds_terapipe.runtime.slicing.context import MicroBatchState, SliceContext, slice_scope
 from ds_terapipe.runtime.slicing.deferred import WeightGradStash, enable_deferred_weight_grads
+from tests.aten_calls import AtenCalls
 
 CFG = GPTConfig(num_layers=2, hidden=32, num_heads=4, max_seq_len=64, seed=3)
 
@@ -323,56 +325,73 @@ def _fused_run(model: nn.Module, xs: list[torch.Tensor], slices: list[int], fuse
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        self.names.append(func.__name__.split(".")[0])
-        return func(*args, **(kwargs or {}))
+@pytest.fixture
+def as_on_an_accelerator(monkeypatch):  # noqa: ANN001, ANN201
+    """Bias gradients added in with ``addmv_``, as on an accelerator (a CPU keeps autograd's sum and add)."""
+    from ds_terapipe.runtime.slicing import deferred
+    monkeypatch.setattr(deferred, "bias_grad_in_gemv", lambda bias: True)
 
 
-def test_fused_accumulation_equals_autograds_and_adds_in_the_gemm() -> None:
-    from ds_terapipe.runtime.slicing.deferred import enable_fused_grad_accumulation, fused_weights
+def test_fused_accumulation_equals_autograds_and_adds_in_the_gemm(as_on_an_accelerator) -> None:  # noqa: ANN001
+    from ds_terapipe.runtime.slicing.deferred import enable_fused_grad_accumulation, fused_parameters
     model = _blocks()
     gen = torch.Generator().manual_seed(4)
     xs = [torch.randn(2, 40, 32, dtype=torch.float64, generator=gen) for _ in range(2)]
     ref = _fused_run(model, xs, [40], fuse=False)
-    assert enable_fused_grad_accumulation(model) == 8 and len(fused_weights(model)) == 8
+    assert enable_fused_grad_accumulation(model) == 8 and len(fused_parameters(model)) == 16   # weights and biases
     for slices in ([40], [8, 24, 8], [16, 8, 8, 8]):
         got = _fused_run(model, xs, slices, fuse=True)
         for name, g in ref.items():
             assert torch.allclose(got[name], g, rtol=1e-10, atol=1e-12), name
-    # where it is used: from the second backward on, one addmm_ per Linear weight and no mm + add for it
-    with _Ops() as ops:
+    # where it is used: from the second backward on, one addmm_ per Linear weight and one addmv_ per bias, no
+    # mm + add, sum + add for them
+    with AtenCalls() as ops:
         _fused_run(model, xs[:1], [20, 20], fuse=True)
     assert ops.names.count("addmm_") == 8, ops.names   # the first slice's backward; the second has no .grad yet
-    with _Ops() as plain:
+    assert ops.names.count("addmv_") == 8, ops.names
+    with AtenCalls() as plain:
         _fused_run(model, xs[:1], [20, 20], fuse=False)
     assert plain.names.count("addmm_") == 0 and plain.names.count("mm") > ops.names.count("mm")
+    assert plain.names.count("addmv_") == 0 and plain.names.count("sum") == ops.names.count("sum") + 8
+    assert len(ops.names) < len(plain.names) - 16, (len(ops.names), len(plain.names))
 
 
-def test_fused_accumulation_keeps_hooked_and_frozen_weights_on_autograd() -> None:
-    from ds_terapipe.runtime.slicing.deferred import enable_fused_grad_accumulation, fused_weights
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_on_a_cpu_bias_gradients_keep_autograds_sum_and_add(dtype: torch.dtype) -> None:
+    # a CPU's matrix-vector product sums the tokens one after another (and is the slower in bf16): biases keep
+    # sum + add there, and the profile's stand-ins and the step profile's accumulation term see them as autograd's
+    from ds_terapipe.runtime.slicing.deferred import enable_fused_grad_accumulation, fused_parameters
+    model = nn.Sequential(GPTBlock(CFG, 0)).to(dtype)
+    enable_fused_grad_accumulation(model)
+    fused = fused_parameters(model)
+    assert len(fused) == 4 and all(p.dim() == 2 for p in fused)
+    x = torch.randn(2, 40, 32, dtype=dtype, generator=torch.Generator().manual_seed(7))
+    with AtenCalls() as ops:
+        _fused_run(model, [x], [20, 20], fuse=True)
+    assert ops.names.count("addmm_") == 4 and ops.names.count("addmv_") == 0
+
+
+def test_fused_accumulation_keeps_hooked_and_frozen_weights_on_autograd(as_on_an_accelerator) -> None:  # noqa: ANN001
+    from ds_terapipe.runtime.slicing.deferred import enable_fused_grad_accumulation, fused_parameters
     model = _blocks()
     enable_fused_grad_accumulation(model)
     fc = model[0].fc_in
     calls = []
     fc.weight.register_post_accumulate_grad_hook(lambda p: calls.append(p.grad.clone()))
     model[1].fc_out.weight.requires_grad_(False)
-    assert len(fused_weights(model)) == 7
+    assert len(fused_parameters(model)) == 14   # weights and biases, but the frozen weight's Linear's (autograd's)
     x = torch.randn(2, 40, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
-    with _Ops() as ops:
+    with AtenCalls() as ops:
         got = _fused_run(model, [x], [20, 20], fuse=True)
     assert len(calls) == 2, "the hooked weight's accumulations must run through autograd (its hook each time)"
     assert torch.allclose(calls[-1], got["0.fc_in.weight"])
     assert ops.names.count("addmm_") == 6   # the 8 Linears less the hooked and the frozen one
+    assert ops.names.count("addmv_") == 7   # the hooked weight's bias has no hook: in place
     assert model[1].fc_out.weight.grad is None and "1.fc_out.weight" not in got
     # outside a state that asks for it, and without a slice context, the wrapped Linear is plain autograd
-    with _Ops() as off:
+    with AtenCalls() as off:
         _fused_run(model, [x], [20, 20], fuse=False)
-    with _Ops() as bare:
+    with AtenCalls() as bare:
         model(x).sum().backward()
     assert off.names.count("addmm_") == 0 and bare.names.count("addmm_") == 0
 
@@ -382,11 +401,11 @@ def test_the_profile_adds_into_stand_ins_and_leaves_the_real_grads_alone() -> No
     W passes take the Linears' gradients (deferred): either way the real ``.grad`` comes back the same tensor, with
     the same values, and no stand-in is left on a weight that had none."""
     from ds_terapipe.runtime.planning.profile import profile_stage
-    from ds_terapipe.runtime.slicing.deferred import enable_fused_grad_accumulation, fused_weights
+    from ds_terapipe.runtime.slicing.deferred import enable_fused_grad_accumulation, fused_parameters
     model = _blocks()
     enable_deferred_weight_grads(model)
     enable_fused_grad_accumulation(model)
-    weights = fused_weights(model)
+    weights = fused_parameters(model)
     for w in weights[:4]:
         w.grad = torch.full_like(w, 0.25)
     kept = [(w.grad, None if w.grad is None else w.grad.clone()) for w in weights]
@@ -403,7 +422,7 @@ def test_the_profile_adds_into_stand_ins_and_leaves_the_real_grads_alone() -> No
     try:
         for deferred in (False, True):
             made.clear()
-            with _Ops() as ops:
+            with AtenCalls() as ops:
                 profile_stage(model, list(model.parameters()), x, 32, 8, 1, slice_lengths=[16], num_contexts=2,
                               warmup=0, repeats=1, deferred=deferred, fused=weights)
             assert len(made) == (0 if deferred else len(weights)), deferred

@@ -44,8 +44,8 @@ class BlockKernels:
 
 
 BLOCKS: dict[str, BlockKernels] = {
-    "gpt": BlockKernels(forward=11, input_grad=10, norm_params=4, biases=True),
-    "llama": BlockKernels(forward=35, input_grad=56, norm_params=2, biases=False),
+    "gpt": BlockKernels(forward=11, input_grad=8, norm_params=4, biases=True),
+    "llama": BlockKernels(forward=35, input_grad=54, norm_params=2, biases=False),
 }
 
 # Flash attention's backward recomputes the scores: 5 matmuls of the forward's size against the forward's 2.

@@ -73,7 +73,7 @@ from ..planning.replan import Replanner
 from ..planning.slice_check import check_stage_slicing
 from ..slicing.context import MicroBatchState, SliceContext, cut_tokens, slice_scope
 from ..slicing.deferred import (WeightGradAccumulator, WeightGradStash, enable_deferred_weight_grads,
-                                enable_fused_grad_accumulation, fused_weights)
+                                enable_fused_grad_accumulation, fused_parameters)
 from ..slicing.devices import synchronized_ms
 from ..slicing.documents import Documents, check_position_ids, positions_of
 from ..slicing.sequence import SequenceShare
@@ -1115,9 +1115,10 @@ class TokenPipelineEngine(PipelineEngine):
                     "GEMMs", self.stage_id, count)
         return True
 
-    def fused_weights(self) -> list[torch.nn.Parameter]:
-        """The weights whose gradients training adds into ``.grad`` inside their GEMMs (none when it does not)."""
-        return fused_weights(self.module) if self.fused_grad_accumulation else []
+    def fused_parameters(self) -> list[torch.nn.Parameter]:
+        """The Linears' weights and biases whose gradients training adds into ``.grad`` inside their GEMMs (none when
+        it does not)."""
+        return fused_parameters(self.module) if self.fused_grad_accumulation else []
 
     def _dp_reduce_identity_by_config(self) -> bool:
         """The configuration's part of :meth:`_dp_reduce_is_identity`, decided once at init (it cannot change

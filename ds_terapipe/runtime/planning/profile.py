@@ -99,12 +99,12 @@ def profile_stage(run: Callable[[Any], Any], params: list[torch.nn.Parameter], s
     against 3.0 ms in a run of 16 slices, and the plan that summed such points over-predicted the sliced
     micro-batch by 20-50%). Default: 3 on an accelerator, 1 on a CPU, where nothing runs asynchronously.
 
-    ``fused`` (the engine's :meth:`fused_weights`): the weights whose gradients training adds into ``.grad``
-    inside their GEMMs. The backward is then timed that way, adding into stand-in ``.grad`` tensors that replace
-    theirs while the profile runs (the real ones are put back untouched), so its points include those
-    accumulations; the step profile's per-backward accumulation term leaves these weights out. With ``deferred``
-    the Linears' weight gradients go to the W passes instead, so no stand-ins are made (they would be a whole set
-    of weight-sized tensors at init for nothing) and nothing is added in place.
+    ``fused`` (the engine's :meth:`fused_parameters`): the Linears' weights (and biases) whose gradients training
+    adds into ``.grad`` inside their GEMMs. The backward is then timed that way, adding into stand-in ``.grad``
+    tensors that replace theirs while the profile runs (the real ones are put back untouched), so its points
+    include those accumulations; the step profile's per-backward accumulation term leaves these parameters out.
+    With ``deferred`` the Linears' gradients go to the W passes instead, so no stand-ins are made (they would be a
+    whole set of weight-sized tensors at init for nothing) and nothing is added in place.
     """
     fuse = bool(fused) and not deferred
     with _stand_in_grads(fused if fuse else ()):
@@ -246,7 +246,7 @@ def measure_costs(engine: "PipelineStage", stage_input: Optional[dict[int, Any]]
                                    engine.micro_batch_size, slice_lengths=cfg.profile.slice_lengths,
                                    num_contexts=cfg.profile.num_contexts, warmup=cfg.profile.warmup,
                                    repeats=cfg.profile.repeats, deferred=cfg.deferred_weight_grads,
-                                   sequence=engine.sequence, fused=engine.fused_weights())
+                                   sequence=engine.sequence, fused=engine.fused_parameters())
             weight = {}
             if cfg.deferred_weight_grads:
                 per_slice, per_token = weight_cost(points, engine.micro_batch_size)
@@ -376,7 +376,7 @@ def recheck_costs(engine: "PipelineStage", stage_input: dict[int, Any], seq_len:
             mine.append((chunk, profile_stage(engine.module, params, stage_input[chunk], seq_len, cfg.granularity,
                                               engine.micro_batch_size, slice_lengths=[slice_len], num_contexts=2,
                                               warmup=1, repeats=2, deferred=cfg.deferred_weight_grads,
-                                              sequence=engine.sequence, fused=engine.fused_weights())))
+                                              sequence=engine.sequence, fused=engine.fused_parameters())))
     engine.barrier("re-timing the cached costs")
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (_first_replica_id(engine), mine))

@@ -316,7 +316,7 @@ def measure_step_terms(engine: "PipelineStage", warmup: int = 1, repeats: int = 
         deferred = {id(t) for m in linears for t in (m.weight, m.bias) if t is not None}
         handover_ms = time_grad_accumulation([p for p in params if id(p) in deferred], warmup=warmup, repeats=repeats)
         params = [p for p in params if id(p) not in deferred]
-    fused = {id(p) for p in engine.fused_weights()}   # added in their GEMMs: the profiled backward has them
+    fused = {id(p) for p in engine.fused_parameters()}   # added in their GEMMs: the profiled backward has them
     accumulate_ms = time_grad_accumulation([p for p in params if id(p) not in fused], warmup=warmup, repeats=repeats)
     tied_ms = _time_tied_reduce(engine, warmup, repeats)
     dp_ms = _time_dp_reduce(engine, warmup, repeats)

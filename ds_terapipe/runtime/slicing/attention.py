@@ -3,12 +3,12 @@
 Slice ``i`` of a sequence (tokens ``[start, end)``) attends to every earlier token of its micro-batch, so its
 keys/values are the rows ``[0, end)`` of a full-length buffer (:class:`~ds_terapipe.runtime.slicing.context.KVBuffers`)
 into which each slice writes its own rows. :class:`_PrefixKV` does that write and returns the ``[0, end)``
-view; its backward splits the incoming gradient in two:
+view; its backward adds the incoming gradient into a gradient buffer of the same length, in one kernel:
 
-* rows ``[0, start)`` belong to earlier slices: they are *added* to the gradient buffer, where the backwards
-  of those slices (which run later: backwards go later slices first) pick them up;
-* rows ``[start, end)`` are this slice's own keys/values: their gradient is this slice's part plus whatever
-  later slices already accumulated there.
+* rows ``[0, start)`` belong to earlier slices: they collect there until the backwards of those slices (which
+  run later: backwards go later slices first) pick them up;
+* rows ``[start, end)`` are this slice's own keys/values: after the add they hold this slice's part plus
+  whatever later slices accumulated there, and are returned as they lie (a view).
 
 No graph is traversed twice and nothing full-length is copied per slice. Adapting an existing attention is a
 one-line change: replace ``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` with
@@ -44,18 +44,15 @@ class _PrefixKV(torch.autograd.Function):
         writable = bufs.k_w if which == "k" else bufs.v_w
         writable[:, :, start:end].copy_(new)
         ctx.bufs, ctx.which, ctx.start, ctx.end = bufs, which, start, end
+        ctx.leaf = new.grad_fn is None
         full = bufs.k if which == "k" else bufs.v
         return full[:, :, :end]  # (B, nh, end, hs), a view
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        bufs: KVBuffers = ctx.bufs
-        acc = bufs.grad_buffer(ctx.which)
-        start, end = ctx.start, ctx.end
-        if start > 0:
-            acc[:, :, :start].add_(grad[:, :, :start])
-        own = grad[:, :, start:end] + acc[:, :, start:end]
-        return own, None, None, None
+        own = ctx.bufs.add_grad(ctx.which, grad, ctx.start)   # (B, nh, end - start, hs), a view into the buffer
+        # A leaf would keep what it is handed as its ``.grad``, tying the whole buffer to it: give it its own copy.
+        return (own.clone() if ctx.leaf else own), None, None, None
 
 
 _MASKS: dict[tuple, torch.Tensor] = {}

@@ -49,24 +49,48 @@ class KVBuffers:
         self.v = torch.empty(batch, heads, seq_len, v_dim, **opts)  # (B, nh, L, hs)
         self.k_w = self.k.data
         self.v_w = self.v.data
-        # Gradients w.r.t. cached keys/values, filled by later slices' backwards; allocated by the first
-        # backward (the last slice's), so forwards in flight do not hold them.
+        # Gradients w.r.t. cached keys/values, filled by later slices' backwards (add_grad); allocated by the
+        # first backward (the last slice's), so forwards in flight do not hold them.
         self.grad_k: torch.Tensor | None = None
         self.grad_v: torch.Tensor | None = None
 
-    def grad_buffer(self, which: str) -> torch.Tensor:
-        """The gradient accumulator for ``"k"`` or ``"v"``, zeroed on first use."""
-        if which == "k":
-            if self.grad_k is None:
-                self.grad_k = torch.zeros_like(self.k)
-            return self.grad_k
-        if self.grad_v is None:
-            self.grad_v = torch.zeros_like(self.v)
-        return self.grad_v
+    def add_grad(self, which: str, grad: torch.Tensor, start: int) -> torch.Tensor:
+        """Add the gradient w.r.t. cached rows ``[0, end)`` of ``"k"`` or ``"v"`` (``grad``: (B, nh, end, hs), from
+        the backward of the slice ``[start, end)``) and return rows ``[start, end)`` of the sum: that slice's whole
+        gradient, its own part plus what later slices' backwards left there (a view into the buffer).
+
+        One kernel per call (the first, the last slice's, a copy): rows ``[0, start)`` keep collecting for the
+        earlier slices, whose backwards come later and read only rows before their own ``end <= start``, so the
+        rows handed out are never written again. The buffer takes the memory layout of the gradient the attention
+        kernel produces, so adding into it reads both alike, and the rows handed out keep the layout a fused
+        projection's backward can read without a copy (the CPU flash kernel: (B, T, nh, hs) in memory).
+        """
+        acc = self.grad_k if which == "k" else self.grad_v
+        end = grad.shape[2]
+        if acc is None:
+            full = self.k.shape[2]
+            acc = grad.clone() if end == full else _zeros_in_layout_of(grad, full)
+            if which == "k":
+                self.grad_k = acc
+            else:
+                self.grad_v = acc
+            if end == full:
+                return acc[:, :, start:end]
+        acc[:, :, :end].add_(grad)
+        return acc[:, :, start:end]
 
     def nbytes(self) -> int:
         tensors = [self.k, self.v, self.grad_k, self.grad_v]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def _zeros_in_layout_of(like: torch.Tensor, length: int) -> torch.Tensor:
+    """Zeros of ``like``'s shape with dim 2 ``length`` long, laid out in memory in ``like``'s dimension order."""
+    order = sorted(range(like.dim()), key=lambda d: like.stride(d), reverse=True)   # outermost first
+    shape = list(like.shape)
+    shape[2] = length
+    dense = torch.zeros([shape[d] for d in order], dtype=like.dtype, device=like.device)
+    return dense.permute([order.index(d) for d in range(like.dim())])
 
 
 @dataclass
