@@ -78,10 +78,43 @@ def test_memory_estimates_per_rank_with_chunks():
     for name, v in (("interleaved-1f1b", 2), ("interleaved-1f1b", 4), ("dualpipev", 2), ("zbv", 2)):
         values = [MemoryModel.live_subbatches(name, 0, 4, 4 * n, n, v) for n in range(1, 33)]
         assert all(b <= a + 1e-12 for a, b in zip(values, values[1:])), (name, v)
+        values = [MemoryModel.held_subbatches(name, 0, 4, 4, n, v) for n in range(1, 33)]
+        assert all(b <= a + 1e-12 for a, b in zip(values, values[1:])), (name, v)
+        values = [memory.peak_bytes(schedule=name, virtual_stages=v, **{**args, "num_slices": n}) for n in range(1, 33)]
+        assert all(b <= a + 1e-9 for a, b in zip(values, values[1:])), (name, v)
     # Suggestions name only schedules that run the same chunks per rank.
     short = memory_shortfall(memory, 1.0, schedule="interleaved-1f1b", num_stages=4, num_microbatches=4,
                              micro_batch_size=1, seq_len=512, granularity=32, virtual_stages=2)
     assert short is not None and short.lower_schedule == "zbv"   # the V that holds least
+
+
+@pytest.mark.parametrize("name", ["dualpipev", "zbv"])
+@pytest.mark.parametrize("factors", [(34.0, 32.0), (2.0, 32.0)], ids=["no recomputation", "recomputation"])
+def test_v_schedules_estimate_the_w_inputs_their_units_hold(name, factors):
+    """A backwarded unit keeps its Linears' inputs and output gradients until its W. dualpipev's W's may wait
+    behind later work, so the estimate prices up to twice its in-flight cap, the units beyond it at the W inputs'
+    size; zbv's cap already counts them. Against the exact peak of each built schedule (a rank's units holding
+    activations and those holding only W inputs, weighed at each action), with and without recomputation (which
+    shrinks activations, not W inputs): never below it, and for dualpipev at m >= 4 within 25% above it."""
+    act, w_in = factors
+    mem = MemoryModel(1, 1, bytes_per_element=2, activation_factor=act, weight_input_factor=w_in)
+    per_unit, per_w = act + 4.0, w_in   # bytes per token per layer per hidden: activations + KV cache; W inputs
+    for p, m, n in ((2, 1, 4), (2, 2, 4), (2, 4, 2), (2, 8, 5), (3, 8, 2), (4, 4, 3), (4, 8, 1), (4, 16, 2)):
+        sched = build_schedule(name, p, m, n, deferred_weight_grads=True)
+        tokens = 1024
+        estimate = mem.peak_bytes(schedule=name, num_stages=p, num_microbatches=m, micro_batch_size=1, num_splits=1,
+                                  seq_len=tokens, num_slices=n, virtual_stages=2)
+        exact = 0.0
+        for stream in sched.stages:
+            live = waiting = 0
+            for action in stream:
+                live += (action.kind.name == "FORWARD") - (action.kind.name == "BACKWARD")
+                waiting += (action.kind.name == "BACKWARD") - (action.kind.name == "WEIGHT")
+                # a chunk-unit is 1/n of a micro-batch's tokens on half a rank's layers (one layer per rank here)
+                exact = max(exact, (live * per_unit + waiting * per_w) * tokens / (2 * n))
+        assert exact <= estimate + 1e-6, (p, m, n, exact, estimate)
+        if name == "dualpipev" and m >= 4 and factors[0] > factors[1]:
+            assert estimate <= 1.25 * exact, (p, m, n, exact, estimate)
 
 
 def test_slicing_plan_keeps_virtual_stages_and_reads_old_dicts():

@@ -106,6 +106,13 @@ class ScheduleSpec:
     """The memory estimate (``slicing.MemoryModel``): sub-batches' worth of tokens alive on a stage at its peak.
     It must not grow with the slice count, so that a memory cap translates into a minimum slice count."""
 
+    held_subbatches: LiveSubbatches | None = None
+    """For schedules whose deferred W's may wait behind later work: sub-batches' worth of tokens that hold
+    activations *or* W inputs (a backwarded unit keeps its Linears' inputs and output gradients until its W) at the
+    stage's peak, at least ``live_subbatches``. ``MemoryModel.peak_bytes`` prices the units beyond
+    ``live_subbatches`` at the W inputs' size. None: W inputs live no longer than a backward's temporaries (a W
+    right behind its B, or gpipe's W per micro-batch, which the activation factor covers)."""
+
     deferred_weight_grads: bool = False
     """Default of ``terapipe.deferred_weight_grads`` for this schedule (the config's ``None``)."""
 
@@ -137,6 +144,9 @@ class ScheduleSpec:
                 any(c in self.name for c in " ,|\n"):
             raise ValueError(f"ScheduleSpec.name = {self.name!r} must be a non-empty word (no spaces, commas or "
                              "'|'), as users type it in --schedule and the config")
+        if self.held_subbatches is not None and not callable(self.held_subbatches):
+            raise TypeError(f"ScheduleSpec.held_subbatches of {self.name!r} must be callable or None, got "
+                            f"{type(self.held_subbatches).__name__}")
         for attr in ("builder", "live_subbatches", "placement"):
             if not callable(getattr(self, attr)):
                 raise TypeError(f"ScheduleSpec.{attr} of {self.name!r} must be callable, got "

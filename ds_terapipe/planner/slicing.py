@@ -30,7 +30,7 @@ import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -66,12 +66,16 @@ class MemoryModel:
     ``activation_factor``: stashed-activation bytes per token per hidden unit per layer at 16 bits; 34 is
     Korthikanti et al. (2022) without recomputation and with fused attention (no s^2 score term). It is scaled by
     bytes_per_element / 2 for other precisions; pass ~2 for full activation recomputation.
+    ``weight_input_factor``: bytes per token per hidden unit per layer at 16 bits that a unit holds between its
+    backward and its deferred W: the Linears' inputs and output gradients, 16 values of a GPT block (QKV 1 + 3,
+    projection 1 + 1, MLP 1 + 4 and 4 + 1), 32 bytes. Recomputation does not shrink them.
     """
 
     num_layers_per_stage: int | tuple[int, ...]
     hidden: int
     bytes_per_element: int = 2
     activation_factor: float = 34.0
+    weight_input_factor: float = 32.0
 
     def __post_init__(self) -> None:
         layers = self.num_layers_per_stage
@@ -87,6 +91,10 @@ class MemoryModel:
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not math.isfinite(f) or f < 0:
             raise ValueError(f"MemoryModel.activation_factor = {f!r} must be a finite number >= 0; use 34 "
                              "(no recomputation) or ~2 (full recomputation)")
+        w = self.weight_input_factor
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
+            raise ValueError(f"MemoryModel.weight_input_factor = {w!r} must be a finite number >= 0; use 32 "
+                             "(a GPT block's Linear inputs and output gradients)")
 
     @staticmethod
     def factor_for_checkpoint_interval(interval: int, without: float = 34.0) -> float:
@@ -116,10 +124,19 @@ class MemoryModel:
         micro-batches x splits). It never grows with the slice count, so a memory cap translates into a
         minimum slice count. With virtual stages, ``stage`` is a rank and the estimate covers its chunks.
         """
-        live = get_schedule(schedule).live_subbatches
-        if virtual_stages == 1:
-            return live(stage, num_stages, num_units, num_slices)
-        return live(stage, num_stages, num_units, num_slices, virtual_stages)
+        return _call_estimate(get_schedule(schedule).live_subbatches, stage, num_stages, num_units, num_slices,
+                              virtual_stages)
+
+    @staticmethod
+    def held_subbatches(schedule: str, stage: int, num_stages: int, num_units: int, num_slices: int,
+                        virtual_stages: int = 1) -> float:
+        """Sub-batches' worth of tokens holding activations or W inputs at the stage's peak
+        (``ScheduleSpec.held_subbatches``); :meth:`live_subbatches` for schedules whose W inputs do not wait."""
+        held = get_schedule(schedule).held_subbatches
+        live = MemoryModel.live_subbatches(schedule, stage, num_stages, num_units, num_slices, virtual_stages)
+        if held is None:
+            return live
+        return max(live, _call_estimate(held, stage, num_stages, num_units, num_slices, virtual_stages))
 
     def peak_bytes(self, *, schedule: str, num_stages: int, num_microbatches: int, micro_batch_size: int,
                    num_splits: int, seq_len: int, num_slices: int, virtual_stages: int = 1) -> float:
@@ -129,11 +146,14 @@ class MemoryModel:
         stashes hidden * activation_factor * bytes_per_element / 2 activation bytes and keeps a KV cache of
         2 * hidden * bytes_per_element (the cache overlaps with the stashed K and V, so this errs high).
         Weights, gradients and optimizer state are not included: subtract them from the device memory yourself.
-        Nor are backward temporaries, and the deferred W pass sits within them: it holds the Linears' inputs and
-        output gradients of the micro-batch (about 16 x hidden values per token per block, less than the
-        activations its backward freed) plus, while one GEMM per Linear runs over all slices, that Linear's rows
-        laid end to end (measured on CPU, 4 GPT blocks x 512, 1024 tokens in 8 slices: step peak 170 MiB with
-        gpipe's W per micro-batch, 185 MiB without deferral, 129 MiB after the forwards).
+        Nor are backward temporaries, and a W right behind its backward or once per micro-batch sits within them:
+        it holds the Linears' inputs and output gradients of the micro-batch (about 16 x hidden values per token per
+        block, less than the activations its backward freed) plus, while one GEMM per Linear runs over all slices,
+        that Linear's rows laid end to end (measured on CPU, 4 GPT blocks x 512, 1024 tokens in 8 slices: step peak
+        170 MiB with gpipe's W per micro-batch, 185 MiB without deferral, 129 MiB after the forwards). Where a
+        schedule's W's wait behind later work (``ScheduleSpec.held_subbatches``: dualpipev), the units that hold
+        only W inputs add ``weight_input_factor`` bytes each, and every held unit costs at least that much (with
+        recomputation a unit's activations may be the smaller).
         ``num_stages`` and ``num_layers_per_stage`` are per rank; with ``virtual_stages`` v a rank's layers are cut
         into v chunks and the schedule's estimate counts a unit alive on one chunk as 1/v.
         """
@@ -141,11 +161,24 @@ class MemoryModel:
                                          + 2.0 * self.bytes_per_element)
         sub_batch = micro_batch_size // num_splits
         units = num_microbatches * num_splits
+        waits = get_schedule(schedule).held_subbatches is not None
+        weight_inputs = self.hidden * self.weight_input_factor * self.bytes_per_element / 2.0
         peak = 0.0
         for s, layers in enumerate(self.layers(num_stages)):
             live = self.live_subbatches(schedule, s, num_stages, units, num_slices, virtual_stages)
-            peak = max(peak, layers * live * sub_batch * seq_len * per_token_layer)
+            per_unit = live * per_token_layer
+            if waits:   # units with activations (each at least its W inputs), then units with W inputs only
+                held = self.held_subbatches(schedule, s, num_stages, units, num_slices, virtual_stages)
+                per_unit = live * max(per_token_layer, weight_inputs) + (held - live) * weight_inputs
+            peak = max(peak, layers * per_unit * sub_batch * seq_len)
         return peak
+
+
+def _call_estimate(estimate: Callable[..., float], stage: int, num_stages: int, num_units: int, num_slices: int,
+                   virtual_stages: int) -> float:
+    if virtual_stages == 1:
+        return estimate(stage, num_stages, num_units, num_slices)
+    return estimate(stage, num_stages, num_units, num_slices, virtual_stages)
 
 
 # --------------------------------------------------------------------------------------------------------------

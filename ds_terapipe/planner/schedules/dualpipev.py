@@ -82,6 +82,13 @@ def _in_flight(stage: int, num_stages: int, num_units: int, num_slices: int, vir
     return min(float(num_units), cap / (2 * num_slices))
 
 
+def _held(stage: int, num_stages: int, num_units: int, num_slices: int, virtual_stages: int = 2) -> float:
+    """Units holding activations or W inputs: under twice the cap (module docstring; measured at m = 8, 2 ranks,
+    GPT 8 x 512, 5 slices: 25 chunk-units against the cap's 14)."""
+    cap = dualpipev_cap(stage, num_stages, num_slices)
+    return min(float(num_units), (2 * cap - 1) / (2 * num_slices))
+
+
 def v_bubble(p: int, num_units: int, v: int = 2) -> float:
     """f = b = w: rank p-1's fill over its 2·m·n units of three passes each (module docstring); a lower bound
     for any V order, which ``zbv`` shares."""
@@ -94,6 +101,7 @@ DUALPIPEV = register_schedule(ScheduleSpec(
     description="token-level DualPipeV (DeepSeek): V placement, loss and embedding on rank 0, deferred W fills "
                 "the bubble; for few micro-batches with weight-gradient time to hide",
     live_subbatches=_in_flight,
+    held_subbatches=_held,
     deferred_weight_grads=True,
     weights_per_slice=True,
     dp_exact=False,

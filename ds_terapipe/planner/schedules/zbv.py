@@ -131,6 +131,7 @@ ZBV = register_schedule(ScheduleSpec(
     description="token-level ZB-V (zero-bubble V): V placement, every rank repeats F, B and W of each chunk in "
                 "turn, so unequal F/B/W times open fewer bubbles than dualpipev's merge; 1F1B's memory; for m >= 4",
     live_subbatches=_in_flight,
+    held_subbatches=_in_flight,   # the cap counts the units holding W inputs too
     deferred_weight_grads=True,
     weights_per_slice=True,
     dp_exact=False,
