@@ -1,5 +1,6 @@
 """Tier b, end to end: examples/train_gpt.py in fresh processes, as a user runs it.
 
+* One stage with ``slices: "auto"``: a second launch reuses the plan cache (its costs re-timed).
 * Resume is exact: 6 steps uninterrupted == 3 steps + checkpoint + new processes + --resume + 3 steps, to the
   last bit of every loss (with virtual stages: dualpipev, two chunks per rank, the loss on rank 0). The same
   checkpoint in bf16 (another optimizer format): --resume refused on both ranks, --resume-weights-only goes on.
@@ -77,6 +78,21 @@ def test_resume_in_fresh_processes_is_bit_identical(tmp_path) -> None:
                              2, tmp_path / "bf16_weights", timeout_s=240)
     check(codes, texts)
     assert "at step 6" in texts[0] and sorted(losses(tmp_path, "bf16_weights")) == [7, 8], texts[0][-3000:]
+
+
+@pytest.mark.timeout(300)
+def test_one_stage_with_slices_auto_reuses_its_cached_plan(tmp_path) -> None:
+    """One stage (one process, as on a single GPU) profiles equal stages, which the plan cache stores written once;
+    the second launch hits the cache and re-times those costs before it trains."""
+    auto = {"slices": "auto", "plan_cache": str(tmp_path / "cache"),
+            "profile": {"slice_lengths": [16, 32, 64], "num_contexts": 2, "warmup": 0, "repeats": 1}}
+    one = {"pipeline": {"stages": 1}}
+    for name in ("profiled", "cached"):
+        codes, texts = run_ranks(trainer(tmp_path, name, "--steps", "2", "--stages", "1", terapipe=auto, ds=one), 1,
+                                 tmp_path / name, timeout_s=120)
+        assert codes == [0], texts[0][-3000:]
+        assert sorted(losses(tmp_path, name)) == [1, 2]
+    assert "cached costs re-timed" in texts[0], texts[0][-3000:]
 
 
 @pytest.mark.timeout(600)

@@ -4,6 +4,8 @@ on every rank at the same step and without changing results, is tests/test_engin
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from ds_terapipe.config import parse_terapipe_config
@@ -78,6 +80,32 @@ def test_a_step_s_actions_lose_the_fixed_cost_per_action_a_profile_s_points_keep
     assert measured_over_predicted(cost, samples, 1)[0]["F"] == pytest.approx(2.0)
     assert measured_over_predicted(cost, samples, 1, per_action=False)[0]["F"] == pytest.approx(2.0 + 0.5 / f)
     assert measured_over_predicted(cost, samples, 1, per_action=False)[1] == {"F": 1.0, "B": 1.0, "W": 1.0}
+
+
+@pytest.mark.parametrize("num_stages", [1, 2])
+def test_equal_stages_written_once_are_refit_and_rescaled_per_stage(num_stages: int) -> None:
+    """A profile of equal stages (every one-chunk engine's) is written once, ``"points"`` at the top: the plan
+    cache's re-timing, the refit and the rescale read it as ``num_stages`` stages, and the rescaled cost keeps the
+    other stages' times where only one stage's changed."""
+    from ds_terapipe.planner.cost import per_stage_cost, scaled_cost
+    from ds_terapipe.planner.freeze import frozen_cost
+
+    uniform = PipelineCost.from_dict({**_cost(1)["stages"][0], "num_stages": num_stages}).to_dict()
+    assert "stages" not in uniform and uniform["num_stages"] == num_stages
+    given = copy.deepcopy(uniform)
+    model = PipelineCost.from_dict(uniform)
+    f = float(model.chunk(0).forward_ms(16, 16, 1))
+    ratios = measured_over_predicted(uniform, [(0, "F", 16, 16, 1, 2 * f)], 1, per_action=False)
+    assert sorted(ratios) == list(range(num_stages)) and ratios[0]["F"] == pytest.approx(2.0)
+    refit, _ = refit_cost(uniform, [(0, "F", 16, 16, 1, 2 * f)], batch=1)
+    scaled = PipelineCost.from_dict(scaled_cost(uniform, {0: {"F": 3.0}}))
+    assert float(scaled.chunk(0).forward_ms(16, 16, 1)) == pytest.approx(3 * f, rel=1e-6)
+    if num_stages == 2:
+        assert float(scaled.chunk(1).forward_ms(16, 16, 1)) == pytest.approx(f, rel=1e-6)
+    assert float(PipelineCost.from_dict(refit).chunk(0).forward_ms(16, 16, 1)) == pytest.approx(2 * f, rel=1e-6)
+    assert len(per_stage_cost(uniform)["stages"]) == num_stages and "points" not in per_stage_cost(uniform)
+    assert len(PipelineCost.from_dict(frozen_cost(uniform, list(range(num_stages + 1)), 0)).stages) == num_stages
+    assert uniform == given   # none of it changed the cost it was given
 
 
 def test_refit_step_takes_each_rank_s_own_tail_and_the_collectives_without_the_wait() -> None:

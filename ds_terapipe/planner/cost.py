@@ -50,6 +50,7 @@ __all__ = [
     "load_cost_file",
     "read_cost_json",
     "WEIGHT_KEYS",
+    "per_stage_cost",
     "scaled_cost",
 ]
 
@@ -378,11 +379,25 @@ class MeasuredCost(StageCost):
                    weight_ms_per_slice=obj.get("weight_ms_per_slice"), where=where)
 
 
-def scaled_cost(cost: Mapping[str, Any], scales: Mapping[int, Mapping[str, float]]) -> dict[str, Any]:
-    """A copy of the cost-file dict ``cost`` (with ``"stages"``) whose stage c has its forward, backward and
-    weight-gradient times multiplied by ``scales[c]["F"]``, ``["B"]`` and ``["W"]`` (a stage or kind not given
-    keeps its scale): what re-planning's refit and a plan-cache recheck apply."""
+def per_stage_cost(cost: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of the cost-file dict ``cost`` with one ``"stages"`` entry per stage (chunk).
+
+    Why: ``PipelineCost.to_dict`` writes equal stages once (``"points"`` and the stage keys at the top, with
+    ``"num_stages"``), which is what every single-chunk engine profiles and caches; code that scales or reads the
+    stages one by one takes this form, where each stage is its own object."""
     out = copy.deepcopy(dict(cost))
+    if "stages" not in out:
+        shared = {key: out.pop(key) for key in _STAGE_KEYS if key in out}
+        out["stages"] = [copy.deepcopy(shared) for _ in range(int(out.get("num_stages") or 1))]
+    return out
+
+
+def scaled_cost(cost: Mapping[str, Any], scales: Mapping[int, Mapping[str, float]]) -> dict[str, Any]:
+    """A copy of the cost-file dict ``cost`` whose stage c has its forward, backward and weight-gradient times
+    multiplied by ``scales[c]["F"]``, ``["B"]`` and ``["W"]`` (a stage or kind not given keeps its scale): what
+    re-planning's refit and a plan-cache recheck apply. Returned with one ``"stages"`` entry per stage
+    (:func:`per_stage_cost`), since the scales may differ between stages."""
+    out = per_stage_cost(cost)
     for chunk, stage in enumerate(out["stages"]):
         scale = {"F": 1.0, "B": 1.0, "W": 1.0, **scales.get(chunk, {})}
         for point in stage.get("points", ()):

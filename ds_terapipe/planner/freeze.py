@@ -13,7 +13,7 @@ import math
 from typing import Any, Mapping, Sequence
 
 from ..config import AutoFreezeConfig
-from .cost import scaled_cost
+from .cost import per_stage_cost, scaled_cost
 from .schedule import ActionKind, Schedule, add_communication
 
 __all__ = ["auto_freeze_count", "freeze_lowered", "frozen_chunk_count", "frozen_cost"]
@@ -51,7 +51,7 @@ def frozen_cost(cost: Mapping[str, Any], parts: Sequence[int], num_frozen_layers
     start)`` for the chunk the frozen prefix ends in (layers weighted equally: the profile times chunks, not
     layers). Forwards are unchanged: frozen layers still run them."""
     shares = {}
-    for c in range(len(cost["stages"])):
+    for c in range(len(per_stage_cost(cost)["stages"])):
         start, stop = parts[c], parts[c + 1]
         share = 1.0 if stop <= start else min(1.0, max(0.0, (stop - max(start, num_frozen_layers)) / (stop - start)))
         shares[c] = {"B": share, "W": share}

@@ -93,7 +93,7 @@ def measured_over_predicted(cost: Mapping[str, Any], samples: Iterable[tuple[int
         measured[(chunk, kind)] += max(0.0, ms - fixed)   # the points' share
         predicted[(chunk, kind)] += count * _predicted_ms(model, chunk, kind, length, context, batch, slices)
     return {chunk: {k: measured[(chunk, k)] / predicted[(chunk, k)] if predicted.get((chunk, k), 0.0) > 0
-                    else 1.0 for k in ("F", "B", "W")} for chunk in range(len(cost["stages"]))}
+                    else 1.0 for k in ("F", "B", "W")} for chunk in range(model.num_chunks)}
 
 
 def refit_step(step: Optional[Mapping[str, Any]], terms: Iterable[tuple[int, Mapping[str, float]]],
