@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Everything this project checks and measures on one GPU, in the order that pays if the time runs out first:
+# the CUDA tests, the slice table with the cost model's prediction beside each point, the engine's host time and
+# kernels per slice on the example trainer's shape, and the example trainer in bf16 saving and resuming.
+#
+#     bash benchmarks/on_gpu.sh [OUT_DIR]      # about 8 minutes on an H100; results JSON and logs in OUT_DIR
+#
+# Needs torch with CUDA and DeepSpeed importable; a DeepSpeed wheel built on a CPU-only machine records the CPU
+# accelerator, so DS_ACCELERATOR defaults to cuda here. docs/gpus.md reads the results.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=$(realpath -m "${1:-benchmarks/results}")
+mkdir -p "$out"
+export DS_ACCELERATOR=${DS_ACCELERATOR:-cuda}
+config=${ON_GPU_CONFIG:-ds_configs/gpu_bf16.json}   # the trainer's DeepSpeed config
+status=0
+step() {   # name, then the command; a failing step is reported and the next one still runs
+  local name=$1
+  shift
+  echo "== $name: $*"
+  local t0=$SECONDS
+  "$@" > "$out/$name.log" 2>&1
+  local rc=$?
+  tail -25 "$out/$name.log"
+  echo "== $name: rc $rc, $((SECONDS - t0)) s"
+  [ "$rc" -eq 0 ] || status=1
+}
+
+if [ "${ON_GPU_TRAINER_ONLY:-0}" = 1 ]; then   # the trainer steps alone (how this script is tried on a CPU)
+  only_trainer=1
+else
+  only_trainer=0
+  python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name(0))" \
+    || exit 2
+fi
+rm -f "$out"/trainer_bf16*.jsonl   # the trainer appends to its --metrics file
+if [ "$only_trainer" = 0 ]; then
+  step cuda_tests python -m pytest -q -ra -m gpu tests/test_gpu.py
+  step gpu_slices python benchmarks/gpu_slices.py --json "$out/gpu_slices.json"
+  step host_overhead python benchmarks/host_overhead.py --hidden 1024 --heads 16 --batch 8 --seq-len 1024 \
+    --dtype bf16 --slices 1,4 --per-parameter-bf16 --json "$out/host_overhead.json"
+fi
+ckpt=$(mktemp -d)
+step trainer_bf16 deepspeed --num_gpus 1 examples/train_gpt.py --deepspeed_config "$config" \
+  --stages 1 --steps 20 --save-dir "$ckpt" --save-every 10 --metrics "$out/trainer_bf16.jsonl"
+step trainer_bf16_resume deepspeed --num_gpus 1 examples/train_gpt.py --deepspeed_config "$config" \
+  --stages 1 --steps 30 --save-dir "$ckpt" --save-every 10 --resume --metrics "$out/trainer_bf16_resume.jsonl"
+step trainer_bf16_whole deepspeed --num_gpus 1 examples/train_gpt.py --deepspeed_config "$config" \
+  --stages 1 --steps 30 --metrics "$out/trainer_bf16_whole.jsonl"
+rm -rf "$ckpt"
+step resume_vs_whole python - "$out/trainer_bf16_resume.jsonl" "$out/trainer_bf16_whole.jsonl" <<'PY'
+import json, sys
+resumed, whole = ({r["step"]: r["loss"] for r in map(json.loads, open(path))} for path in sys.argv[1:])
+steps = sorted(set(resumed) & set(whole))
+assert steps, "no common steps: did both runs write --metrics?"
+worst = max(abs(resumed[s] - whole[s]) for s in steps)
+print(f"steps {steps[0]}..{steps[-1]}: largest loss difference after the resume {worst:.3g} (CUDA reductions are not "
+      "bit-deterministic run to run: compare with two uninterrupted runs' differences)")
+PY
+exit $status
