@@ -299,13 +299,14 @@ class TeraPipeConfig(DeepSpeedConfigModel):
     fuse_grad_accumulation: bool = Field(True, description=(
         "a backward that is not deferred adds each `nn.Linear` weight gradient into `.grad` inside its GEMM "
         "(`addmm_`) from the second slice of a step on, instead of writing a fresh gradient that autograd then "
-        "adds: one pass over a weight-sized tensor less per Linear and slice. The same sum up to the order of the "
-        "additions. Not used where DeepSpeed hooks the accumulation (ZeRO with contiguous gradients or "
-        "overlapped reduction, bf16 `immediate_grad_update`) or with `shard_params`; set `false` if your own "
+        "adds: one pass over a weight-sized tensor less per Linear and slice (fp32 biases on an accelerator too, "
+        "with `addmv_`). The same sum up to the order of the additions. Not used where DeepSpeed hooks the "
+        "accumulation (ZeRO with contiguous gradients or overlapped reduction, bf16 `immediate_grad_update`) or "
+        "with `shard_params`; set `false` if your own "
         "hooks must see every accumulation (a `register_post_accumulate_grad_hook` is respected either way)"))
-    """Add the weight gradients of ``nn.Linear`` modules into ``.grad`` inside their GEMMs during training
-    (runtime/slicing/deferred.py ``enable_fused_grad_accumulation``). The engine uses it only where nothing hooks
-    the accumulation into ``.grad``; ``false`` keeps autograd's accumulation everywhere."""
+    """Add the weight (and fp32 bias) gradients of ``nn.Linear`` modules into ``.grad`` inside their GEMMs during
+    training (runtime/slicing/deferred.py ``enable_fused_grad_accumulation``). The engine uses it only where nothing
+    hooks the accumulation into ``.grad``; ``false`` keeps autograd's accumulation everywhere."""
 
     vocab_parallel: bool = Field(False, description=(
         "split the output layer and the input embedding (tied or not) by vocabulary rows over the pipeline ranks "

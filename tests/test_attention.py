@@ -127,32 +127,53 @@ def test_the_device_presets_count_the_gpt_blocks_backward_kernels_as_it_runs() -
     assert len(small) == BLOCKS["gpt"].input_grad, small
 
 
+def test_the_cache_gradient_buffer_takes_the_layout_of_the_gradient() -> None:
+    """The buffer's rows are handed on as views, so it is laid out as the attention kernel's gradient is (dims of
+    size 1 carry no order; an expanded gradient gets a contiguous buffer), with the full length in dim 2."""
+    from ds_terapipe.runtime.slicing.context import _zeros_in_layout_of
+
+    bthd = torch.randn(2, 5, 4, 8).transpose(1, 2)                      # (B, nh, T, hs), (B, T, nh, hs) in memory
+    got = _zeros_in_layout_of(bthd, 12)
+    assert got.shape == (2, 4, 12, 8) and got.transpose(1, 2).is_contiguous() and not got.any()
+    one = torch.randn(1, 5, 4, 8).transpose(1, 2)                       # batch 1: its stride says nothing
+    assert _zeros_in_layout_of(one, 12).transpose(1, 2).is_contiguous()
+    single = torch.randn(2, 1, 4, 8).transpose(1, 2)                    # a one-token slice: still (B, T, nh, hs)
+    assert _zeros_in_layout_of(single, 12).transpose(1, 2).is_contiguous()
+    expanded = torch.randn(2, 4, 1, 8).expand(2, 4, 5, 8)               # stride 0 in the token dim
+    assert _zeros_in_layout_of(expanded, 12).is_contiguous()
+
+
 def test_a_leaf_key_gets_a_gradient_of_its_own() -> None:
-    """Keys that are leaves get a copy: autograd would keep the buffer's view as their ``.grad``, and the buffer
-    with it."""
+    """Keys and values that are leaves, or views of leaves, get a copy: autograd would keep the buffer's view as the
+    leaf's ``.grad``, and the buffer with it. Laid out as a fused projection's views are, (B, T, nh, hs) in memory,
+    the layout of the buffer's rows (autograd copies a gradient of another layout anyway)."""
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 2, 12, 8, requires_grad=True) for _ in range(3))
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     ref.backward(torch.ones_like(ref))
-    want = [t.grad.clone() for t in (q, k, v)]
     state = MicroBatchState(0, 12, 2)
-    pieces, outs = [], []
+    roots, outs = [], []
     for i, (lo, hi) in enumerate(((0, 4), (4, 12))):
-        # laid out as a fused projection's views are, (B, T, nh, hs) in memory: the layout of the buffer's rows
-        leaves = [t.detach()[:, :, lo:hi].transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
-                  for t in (q, k, v)]
+        if i == 0:   # leaves themselves
+            leaves = [t.detach()[:, :, lo:hi].transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
+                      for t in (q, k, v)]
+            roots.append(leaves)
+        else:        # views of leaves: (B, T, nh, hs) leaves seen as (B, nh, T, hs)
+            bases = [t.detach()[:, :, lo:hi].transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v)]
+            roots.append(bases)
+            leaves = [t.transpose(1, 2) for t in bases]
         with slice_scope(SliceContext(0, i, lo, hi, state)):
             outs.append(sliced_causal_attention(*leaves, cache_key="a"))
-        pieces.append(leaves)
     for y in reversed(outs):
         y.backward(torch.ones_like(y))
     buffers = next(iter(state.kv.values()))
-    for which, got in zip("qkv", zip(*pieces)):
-        grad = torch.cat([t.grad for t in got], dim=2)
-        assert torch.allclose(grad, want["qkv".index(which)], atol=1e-5), which
-        for t in got:
-            assert t.grad.untyped_storage().data_ptr() not in (buffers.grad_k.untyped_storage().data_ptr(),
-                                                               buffers.grad_v.untyped_storage().data_ptr()), which
+    cache = {buffers.grad_k.untyped_storage().data_ptr(), buffers.grad_v.untyped_storage().data_ptr()}
+    for index, want in enumerate((q.grad, k.grad, v.grad)):
+        first, second = roots[0][index], roots[1][index]
+        assert torch.allclose(torch.cat([first.grad, second.grad.transpose(1, 2)], dim=2), want, atol=1e-5), index
+        if index:   # keys and values (queries are never cached)
+            assert first.grad.untyped_storage().data_ptr() not in cache, index
+            assert second.grad.untyped_storage().data_ptr() not in cache, index
 
 
 class ConstantKeyAttention(nn.Module):

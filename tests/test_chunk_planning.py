@@ -115,6 +115,13 @@ def test_v_schedules_estimate_the_w_inputs_their_units_hold(name, factors):
         assert exact <= estimate + 1e-6, (p, m, n, exact, estimate)
         if name == "dualpipev" and m >= 4 and factors[0] > factors[1]:
             assert estimate <= 1.25 * exact, (p, m, n, exact, estimate)
+        # without deferral (shard_params turns it off) a backward computes its weight gradients: no W inputs wait
+        plain = MemoryModel(1, 1, bytes_per_element=2, activation_factor=act, weight_input_factor=w_in,
+                            deferred_weight_grads=False)
+        live = max(MemoryModel.live_subbatches(name, r, p, m, n, 2) for r in range(p))
+        got = plain.peak_bytes(schedule=name, num_stages=p, num_microbatches=m, micro_batch_size=1, num_splits=1,
+                               seq_len=tokens, num_slices=n, virtual_stages=2)
+        assert got == pytest.approx(live * per_unit * tokens)
 
 
 def test_slicing_plan_keeps_virtual_stages_and_reads_old_dicts():

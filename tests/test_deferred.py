@@ -279,6 +279,20 @@ class _CountGemms(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def test_the_stash_keeps_a_slice_s_rows_not_the_tensor_they_are_a_view_of() -> None:
+    # a key or value projection's output gradient is the slice's rows of the KV cache's full-length gradient
+    # buffer: kept as a view, the stash would hold the whole buffer until the W
+    lin = nn.Linear(4, 8)
+    whole = torch.randn(2, 64, 8)
+    stash = WeightGradStash()
+    stash.add(lin, torch.randn(2, 16, 4), whole[:, 16:32], 1)
+    stash.add(lin, torch.randn(2, 16, 4), torch.randn(2, 16, 8), 0)
+    kept = [g for i, (_, _, g) in enumerate(stash._pairs[lin])]
+    assert kept[0].untyped_storage().data_ptr() != whole.untyped_storage().data_ptr()
+    assert torch.equal(kept[0], whole[:, 16:32])
+    assert stash.nbytes() == 2 * (2 * 16 * 4 + 2 * 16 * 8) * 4   # the rows alone
+
+
 def test_a_w_over_several_slices_is_one_gemm_per_linear_summed_in_token_order() -> None:
     # A W covering a micro-batch's 4 slices must read (and write) each weight-sized gradient once: one GEMM per
     # Linear over the slices laid end to end, not one per slice (on a GPU each of those is a full weight read).

@@ -110,8 +110,9 @@ class ScheduleSpec:
     """For schedules whose deferred W's may wait behind later work: sub-batches' worth of tokens that hold
     activations *or* W inputs (a backwarded unit keeps its Linears' inputs and output gradients until its W) at the
     stage's peak, at least ``live_subbatches``. ``MemoryModel.peak_bytes`` prices the units beyond
-    ``live_subbatches`` at the W inputs' size. None: W inputs live no longer than a backward's temporaries (a W
-    right behind its B, or gpipe's W per micro-batch, which the activation factor covers)."""
+    ``live_subbatches`` at the W inputs' size, when the weight gradients are deferred. It must not grow with the
+    slice count either. None: W inputs live no longer than a backward's temporaries (a W right behind its B, or
+    gpipe's W per micro-batch, which the activation factor covers)."""
 
     deferred_weight_grads: bool = False
     """Default of ``terapipe.deferred_weight_grads`` for this schedule (the config's ``None``)."""

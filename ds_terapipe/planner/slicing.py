@@ -69,6 +69,9 @@ class MemoryModel:
     ``weight_input_factor``: bytes per token per hidden unit per layer at 16 bits that a unit holds between its
     backward and its deferred W: the Linears' inputs and output gradients, 16 values of a GPT block (QKV 1 + 3,
     projection 1 + 1, MLP 1 + 4 and 4 + 1), 32 bytes. Recomputation does not shrink them.
+    ``deferred_weight_grads``: whether the run defers its weight gradients to W actions (the runtime's resolved
+    ``terapipe.deferred_weight_grads``: off under ``shard_params``, for example); None: each schedule's default. Only
+    with deferral do a schedule's waiting W's hold inputs (``ScheduleSpec.held_subbatches``).
     """
 
     num_layers_per_stage: int | tuple[int, ...]
@@ -76,6 +79,7 @@ class MemoryModel:
     bytes_per_element: int = 2
     activation_factor: float = 34.0
     weight_input_factor: float = 32.0
+    deferred_weight_grads: bool | None = None
 
     def __post_init__(self) -> None:
         layers = self.num_layers_per_stage
@@ -95,6 +99,9 @@ class MemoryModel:
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
             raise ValueError(f"MemoryModel.weight_input_factor = {w!r} must be a finite number >= 0; use 32 "
                              "(a GPT block's Linear inputs and output gradients)")
+        if self.deferred_weight_grads not in (None, True, False):
+            raise ValueError(f"MemoryModel.deferred_weight_grads = {self.deferred_weight_grads!r} must be True, False "
+                             "or None (the schedule's default)")
 
     @staticmethod
     def factor_for_checkpoint_interval(interval: int, without: float = 34.0) -> float:
@@ -161,7 +168,9 @@ class MemoryModel:
                                          + 2.0 * self.bytes_per_element)
         sub_batch = micro_batch_size // num_splits
         units = num_microbatches * num_splits
-        waits = get_schedule(schedule).held_subbatches is not None
+        spec = get_schedule(schedule)
+        deferred = spec.deferred_weight_grads if self.deferred_weight_grads is None else self.deferred_weight_grads
+        waits = deferred and spec.held_subbatches is not None
         weight_inputs = self.hidden * self.weight_input_factor * self.bytes_per_element / 2.0
         peak = 0.0
         for s, layers in enumerate(self.layers(num_stages)):

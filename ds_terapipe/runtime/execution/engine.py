@@ -1095,11 +1095,12 @@ class TokenPipelineEngine(PipelineEngine):
                                                    if p.requires_grad)
 
     def _fuse_grad_accumulation(self) -> bool:
-        """Whether the stage's ``nn.Linear`` weight gradients are added into ``.grad`` inside their GEMM during
-        training (``terapipe.fuse_grad_accumulation``; ``runtime/slicing/deferred.py``): on unless the config turns
-        it off or something must see every accumulation through autograd: DeepSpeed's ZeRO and bf16 optimizers
-        when they hook it (their ``_grad_acc_hooks``: ZeRO with contiguous gradients or overlapped reduction, bf16
-        with ``immediate_grad_update``), and FSDP2 under ``shard_params``, which owns the gradients."""
+        """Whether the stage's ``nn.Linear`` weight (and, on an accelerator, fp32 bias) gradients are added into
+        ``.grad`` inside their GEMM during training (``terapipe.fuse_grad_accumulation``;
+        ``runtime/slicing/deferred.py``): on unless the config turns it off or something must see every
+        accumulation through autograd: DeepSpeed's ZeRO and bf16 optimizers when they hook it (their
+        ``_grad_acc_hooks``: ZeRO with contiguous gradients or overlapped reduction, bf16 with
+        ``immediate_grad_update``), and FSDP2 under ``shard_params``, which owns the gradients."""
         why = None
         if not self.terapipe.fuse_grad_accumulation:
             why = "terapipe.fuse_grad_accumulation is false"
@@ -1108,11 +1109,12 @@ class TokenPipelineEngine(PipelineEngine):
         elif getattr(self.optimizer, "_grad_acc_hooks", None):
             why = f"{type(self.optimizer).__name__} hooks every accumulation into .grad"
         if why is not None:
-            logger.info("terapipe: stage %d accumulates weight gradients through autograd (%s)", self.stage_id, why)
+            logger.info("terapipe: stage %d accumulates the Linears' gradients through autograd (%s)", self.stage_id,
+                        why)
             return False
         count = enable_fused_grad_accumulation(self.module)
-        logger.info("terapipe: stage %d adds the weight gradients of %d nn.Linear module(s) into .grad inside their "
-                    "GEMMs", self.stage_id, count)
+        logger.info("terapipe: stage %d adds the gradients of %d nn.Linear module(s) into .grad inside their GEMMs "
+                    "(%d tensors)", self.stage_id, count, len(fused_parameters(self.module)))
         return True
 
     def fused_parameters(self) -> list[torch.nn.Parameter]:

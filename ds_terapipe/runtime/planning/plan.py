@@ -87,7 +87,8 @@ def solve_slicing(engine: "PipelineStage", cost: PipelineCost, stage_meta: Any, 
         memory = MemoryModel(num_layers_per_stage=max(per_rank),
                              hidden=stage_meta[0]["hidden"] or 1, bytes_per_element=max(m["bytes"] for m in stage_meta),
                              activation_factor=planned_activation_factor(
-                                 engine.module.activation_checkpoint_interval, cfg))
+                                 engine.module.activation_checkpoint_interval, cfg),
+                             deferred_weight_grads=bool(cfg.deferred_weight_grads))
         limit = cfg.memory_limit_gb * 2**30
     plan = plan_slicing(cost, seq_len, num_microbatches=engine.micro_batches, micro_batch_size=engine.micro_batch_size,
                         granularity=granularity or cfg.granularity, schedule=cfg.schedule, memory_limit_bytes=limit,

@@ -44,14 +44,16 @@ class _PrefixKV(torch.autograd.Function):
         writable = bufs.k_w if which == "k" else bufs.v_w
         writable[:, :, start:end].copy_(new)
         ctx.bufs, ctx.which, ctx.start, ctx.end = bufs, which, start, end
-        ctx.leaf = new.grad_fn is None
+        root = new if new._base is None else new._base   # a view's gradient reaches its base through views
+        ctx.leaf = root.grad_fn is None
         full = bufs.k if which == "k" else bufs.v
         return full[:, :, :end]  # (B, nh, end, hs), a view
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         own = ctx.bufs.add_grad(ctx.which, grad, ctx.start)   # (B, nh, end - start, hs), a view into the buffer
-        # A leaf would keep what it is handed as its ``.grad``, tying the whole buffer to it: give it its own copy.
+        # A leaf (or a view of one) would keep what it is handed as its ``.grad``, tying the whole buffer to it: give
+        # it its own copy.
         return (own.clone() if ctx.leaf else own), None, None, None
 
 

@@ -59,9 +59,10 @@ class KVBuffers:
         the backward of the slice ``[start, end)``) and return rows ``[start, end)`` of the sum: that slice's whole
         gradient, its own part plus what later slices' backwards left there (a view into the buffer).
 
-        One kernel per call (the first, the last slice's, a copy): rows ``[0, start)`` keep collecting for the
-        earlier slices, whose backwards come later and read only rows before their own ``end <= start``, so the
-        rows handed out are never written again. The buffer takes the memory layout of the gradient the attention
+        One kernel per call (the first call, the last slice's, a copy; a first call that does not reach the end, as
+        the profile's, a fill and the add): rows ``[0, start)`` keep collecting for the earlier slices, whose
+        backwards come later and read only rows before their own ``end <= start``, so the rows handed out are never
+        written again. The buffer takes the memory layout of the gradient the attention
         kernel produces, so adding into it reads both alike, and the rows handed out keep the layout a fused
         projection's backward can read without a copy (the CPU flash kernel: (B, T, nh, hs) in memory).
         """
@@ -85,8 +86,13 @@ class KVBuffers:
 
 
 def _zeros_in_layout_of(like: torch.Tensor, length: int) -> torch.Tensor:
-    """Zeros of ``like``'s shape with dim 2 ``length`` long, laid out in memory in ``like``'s dimension order."""
-    order = sorted(range(like.dim()), key=lambda d: like.stride(d), reverse=True)   # outermost first
+    """Zeros of ``like``'s shape with dim 2 ``length`` long, laid out in memory in ``like``'s dimension order (dims
+    of size 1 outermost, their strides say nothing); contiguous where ``like`` is expanded (a stride of 0)."""
+    sized = [like.shape[d] > 1 or d == 2 for d in range(like.dim())]
+    if any(like.stride(d) == 0 for d in range(like.dim()) if sized[d]):
+        order = list(range(like.dim()))
+    else:   # outermost first
+        order = sorted(range(like.dim()), key=lambda d: (sized[d], -like.stride(d)))
     shape = list(like.shape)
     shape[2] = length
     dense = torch.zeros([shape[d] for d in order], dtype=like.dtype, device=like.device)

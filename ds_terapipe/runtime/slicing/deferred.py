@@ -53,6 +53,10 @@ class WeightGradStash:
         self._pairs: dict[nn.Linear, list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
 
     def add(self, module: nn.Linear, inputs: torch.Tensor, grad_output: torch.Tensor, slice_index: int) -> None:
+        # A view into a larger tensor (a key or value projection's output gradient is the slice's rows of the KV
+        # cache's full-length gradient buffer) would keep all of it alive until this W: keep the rows alone.
+        if grad_output.untyped_storage().nbytes() > grad_output.numel() * grad_output.element_size():
+            grad_output = grad_output.clone()
         self._pairs.setdefault(module, []).append((slice_index, inputs, grad_output))
 
     def __len__(self) -> int:
@@ -249,11 +253,14 @@ _ONES: dict[tuple, torch.Tensor] = {}
 
 def bias_grad_in_gemv(bias: torch.Tensor) -> bool:
     """Whether a bias gradient is added in as ``addmv_`` with a vector of ones (one kernel) rather than summed over
-    the tokens and then added (two): on an accelerator, where a short slice's backward is bound by launching its
-    kernels. Not on a CPU: there BLAS's matrix-vector product adds the tokens one after another (measured: 5e-6
-    relative error over 4096 fp32 tokens against 7e-7 for torch's pairwise sum, enough to move Adam's update of a
-    small bias), and in bf16 it is also the slower."""
-    return bias.device.type != "cpu"
+    the tokens and then added (two): for fp32 (and fp64) biases on an accelerator, where a short slice's backward is
+    bound by launching its kernels. Not on a CPU: there BLAS's matrix-vector product adds the tokens one after
+    another (measured: 5e-6 relative error over 4096 fp32 tokens against 7e-7 for torch's pairwise sum, enough to
+    move Adam's update of a small bias), and in bf16 it is also the slower. Not for bf16/fp16 on a GPU either until
+    measured there: cuBLAS may reduce a long matrix-vector product in the low precision (torch's
+    ``allow_bf16_reduced_precision_reduction``), where the sum accumulates in fp32 (``tests/test_gpu.py`` checks
+    both dtypes against fp64)."""
+    return bias.device.type != "cpu" and torch.finfo(bias.dtype).bits >= 32
 
 
 def add_bias_grad(into: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -271,8 +278,9 @@ def add_bias_grad(into: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
 
 
 def _accumulates_in_place(param: torch.Tensor, grad: Optional[torch.Tensor]) -> bool:
-    """Whether ``param``'s weight gradient may be added into ``grad`` directly: a plain dense tensor of its shape
-    and dtype, and no hook that autograd's accumulation would run (``register_post_accumulate_grad_hook``)."""
+    """Whether ``param``'s gradient (a Linear's weight or bias) may be added into ``grad`` directly: a plain dense
+    tensor of its shape and dtype, and no hook that autograd's accumulation would run
+    (``register_post_accumulate_grad_hook``)."""
     return (grad is not None and type(grad) is torch.Tensor and grad.layout == torch.strided
             and grad.dtype == param.dtype and grad.shape == param.shape and not grad.requires_grad
             and getattr(param, "_post_accumulate_grad_hooks", None) is None)
@@ -323,12 +331,12 @@ def enable_fused_grad_accumulation(module: nn.Module) -> int:
     weight gradient into ``.grad``, one more pass over a weight-sized tensor per Linear and slice (on one H100 a
     GPT-3-175B-shaped layer's backward took 7.5 ms into ``.grad`` against 4.1 ms without the accumulation, for a
     256-token slice). ``addmm_`` into ``.grad`` computes the same sum in the GEMM: the gradient is never written
-    out on its own and read back. The bias's gradient goes in as one ``addmv_`` with ones instead of a sum and an
-    add (:func:`add_bias_grad`): on a device bound by launching kernels, a slice's backward of a GPT block issues
-    4 kernels fewer. The sum is the same up to the order of the additions (fp32: within rounding). The hooks
-    autograd runs after accumulating are skipped for these additions, so the engine turns this on only where none
-    are registered (not under DeepSpeed's ZeRO optimizer, which hooks every accumulation), and a parameter with a
-    ``register_post_accumulate_grad_hook`` keeps the ordinary path."""
+    out on its own and read back. An fp32 bias's gradient on an accelerator goes in as one ``addmv_`` with ones
+    instead of a sum and an add (:func:`add_bias_grad`): on a device bound by launching kernels, a slice's backward
+    of a GPT block launches 4 kernels fewer. The sum is the same up to the order of the additions (fp32: within
+    rounding). The hooks autograd runs after accumulating are skipped for these additions, so the engine turns
+    this on only where none are registered (not under DeepSpeed's ZeRO optimizer, which hooks every
+    accumulation), and a parameter with a ``register_post_accumulate_grad_hook`` keeps the ordinary path."""
     return _wrap_linears(module, "_terapipe_fused")
 
 
