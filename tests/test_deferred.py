@@ -447,3 +447,20 @@ def test_the_profile_adds_into_stand_ins_and_leaves_the_real_grads_alone() -> No
                 assert grad is None or torch.equal(grad, values)
     finally:
         torch.zeros_like = real_zeros_like
+
+
+def test_the_profile_takes_the_cache_gradient_in_as_training_does(monkeypatch) -> None:
+    """Each profiled slice ends its micro-batch, so its backward takes the KV cache's gradient in with one copy (as
+    every training slice takes it with one kernel), never filling a buffer that reaches past the slice first."""
+    from ds_terapipe.runtime.planning.profile import profile_stage
+    from ds_terapipe.runtime.slicing import context
+
+    fills = []
+    real = context._zeros_in_layout_of
+    monkeypatch.setattr(context, "_zeros_in_layout_of", lambda like, length: fills.append(length) or real(like, length))
+    model = _blocks()
+    x = torch.randn(1, 32, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(8))
+    points = profile_stage(model, list(model.parameters()), x, 32, 8, 1, slice_lengths=[8, 16], num_contexts=2,
+                           warmup=0, repeats=1)
+    assert {(p["slice"], p["context"]) for p in points} == {(8, 0), (8, 24), (16, 0), (16, 16)}
+    assert fills == []

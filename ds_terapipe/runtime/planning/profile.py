@@ -153,7 +153,9 @@ def _profile_points(run: Callable[[Any], Any], params: list[torch.nn.Parameter],
         for length, context in grid:
             states = []
             for _ in range(burst):
-                state = MicroBatchState(0, seq_len, 2)
+                # the timed slice ends its micro-batch: its backward takes the KV cache's gradient in with one
+                # kernel, as every slice's does in training (a cache reaching further would be filled first)
+                state = MicroBatchState(0, context + length, 2)
                 state.weight_stash = WeightGradStash() if deferred else None
                 state.fuse_grad_accumulation = fuse
                 if context > 0:
