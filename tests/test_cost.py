@@ -249,6 +249,25 @@ def test_no_context_zero_points_is_refused_per_batch():
         PipelineCost.from_dict({"points": pts})
 
 
+def test_only_token_mixing_costs_warn_about_points_at_context_0_alone(caplog):
+    """A stage without points at context > 0 never saw attention over the prefix: a warning. The output layer's
+    vocabulary share mixes no tokens and is profiled at context 0 only: read from a cost file (every plan-cache hit
+    with vocab_parallel) it must not warn."""
+    import logging
+
+    from ds_terapipe.planner.cost import VocabShareCost
+
+    flat = [p for p in grid_points() if p["context"] == 0]
+    with caplog.at_level(logging.WARNING, logger="ds_terapipe.planner.cost"):
+        PipelineCost.from_dict({"points": flat})
+    assert "no point with context > 0" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="ds_terapipe.planner.cost"):
+        VocabShareCost.from_dict({"points": flat, "num_ranks": 2, "hidden": 8, "latency_ms": 0.01, "gbps": 10.0,
+                                  "bytes_per_element": 2, "split_embedding": False})
+    assert "no point with context > 0" not in caplog.text, caplog.text
+
+
 def test_stage_file_errors_name_the_stage():
     obj = {"stages": [{"points": grid_points()}, {"points": grid_points(), "oops": 1}]}
     with pytest.raises(ValueError, match=r"cost\.stages\[1\] has unknown key 'oops'"):

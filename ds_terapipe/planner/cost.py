@@ -219,11 +219,13 @@ class MeasuredCost(StageCost):
     gradients (``backward_ms`` without the ``nn.Linear`` weight gradients), the deferred pass of one slice of s
     tokens costs ``weight_ms_per_slice + weight_ms_per_token * s`` per sequence (the fixed part: every GEMM
     reads its weight once per slice, whatever the slice's length).
+    ``position_wise``: the layers mix no tokens (the output layer's vocabulary share), so points at context 0 are
+    complete; otherwise a batch without a point at context > 0 is warned about (attention over the prefix unseen).
     """
 
     def __init__(self, points: Sequence[Mapping[str, Any]], *, comm: Mapping[str, Any] | None = None,
                  hidden: int | None = None, bytes_per_element: int = 2, weight_ms_per_token: float | None = None,
-                 weight_ms_per_slice: float | None = None, where: str = "cost") -> None:
+                 weight_ms_per_slice: float | None = None, where: str = "cost", position_wise: bool = False) -> None:
         if isinstance(points, (str, bytes)) or not isinstance(points, Sequence) or len(points) == 0:
             raise ValueError(f"{where}.points = {points!r:.60} must be a non-empty list of measured points; "
                              "profile at least one slice length at context 0")
@@ -262,7 +264,7 @@ class MeasuredCost(StageCost):
             if not np.any(pts[:, 2] == 0):
                 raise ValueError(f"{where}.points has no context = 0 point for batch {b}; measure at least one "
                                  "slice length with context 0 at that batch")
-            if not np.any(pts[:, 2] > 0):
+            if not position_wise and not np.any(pts[:, 2] > 0):
                 logger.warning("%s: no point with context > 0 for batch %d: the cost ignores attention over the "
                                "prefix; profile some contexts", where, b)
             self._fits[int(b)] = _BatchFit.fit(pts, warn=True)
@@ -367,7 +369,7 @@ class MeasuredCost(StageCost):
         return out
 
     @classmethod
-    def from_dict(cls, obj: Mapping[str, Any], where: str = "cost") -> MeasuredCost:
+    def from_dict(cls, obj: Mapping[str, Any], where: str = "cost", position_wise: bool = False) -> MeasuredCost:
         """Parse one per-stage object of the cost file (keys: points, comm, hidden, bytes_per_element,
         weight_ms_per_token, weight_ms_per_slice)."""
         _check_keys(obj, _STAGE_KEYS, where)
@@ -376,7 +378,7 @@ class MeasuredCost(StageCost):
         return cls(obj["points"], comm=obj.get("comm"), hidden=obj.get("hidden"),
                    bytes_per_element=obj.get("bytes_per_element", 2),
                    weight_ms_per_token=obj.get("weight_ms_per_token"),
-                   weight_ms_per_slice=obj.get("weight_ms_per_slice"), where=where)
+                   weight_ms_per_slice=obj.get("weight_ms_per_slice"), where=where, position_wise=position_wise)
 
 
 def per_stage_cost(cost: Mapping[str, Any]) -> dict[str, Any]:
@@ -596,7 +598,7 @@ class VocabShareCost(StageCost):
         missing = [k for k in _VOCAB_KEYS if k not in obj]
         if missing:
             raise ValueError(f"{where} lacks {missing}; it needs {list(_VOCAB_KEYS)} (one rank's measured shard)")
-        head = MeasuredCost.from_dict({"points": obj["points"]}, where=where)
+        head = MeasuredCost.from_dict({"points": obj["points"]}, where=where, position_wise=True)
         return cls(head, obj["num_ranks"], obj["hidden"], link_latency_ms=obj["latency_ms"], link_gbps=obj["gbps"],
                    bytes_per_element=obj["bytes_per_element"], head_is_shard=True,
                    split_embedding=bool(obj["split_embedding"]))

@@ -343,8 +343,8 @@ def _cost_partition(module: "torch.nn.Module", num_chunks: int) -> tuple[tuple[i
         if shard is not None:  # the head is not among the layers: every rank pays its share per slice
             share_points = median_points([g[1]["share"] for g in gathered])
             link = median_link([g[1]["links"] for g in gathered])
-            share = VocabShareCost(MeasuredCost(share_points, where="vocabulary-parallel share"), num_ranks,
-                                   gathered[0][1]["hidden"], link_latency_ms=link["latency_ms"],
+            head = MeasuredCost(share_points, where="vocabulary-parallel share", position_wise=True)
+            share = VocabShareCost(head, num_ranks, gathered[0][1]["hidden"], link_latency_ms=link["latency_ms"],
                                    link_gbps=link["gbps"], bytes_per_element=shard.weight.element_size(),
                                    head_is_shard=True, split_embedding=split is not None)
             last += 1  # plan_partition's naive layout counts the head among the last chunk's pinned layers
