@@ -144,10 +144,15 @@ def _record(model: nn.Module, x: torch.Tensor, slices: list[int], stash: WeightG
         out.backward(torch.ones_like(out))
 
 
-def test_step_accumulator_sums_the_w_passes_and_hands_over_once() -> None:
+@pytest.mark.parametrize("gemv", [False, True], ids=["cpu", "as on an accelerator"])
+def test_step_accumulator_sums_the_w_passes_and_hands_over_once(gemv: bool, monkeypatch) -> None:  # noqa: ANN001
     """The engine's path: W passes (one per slice, two micro-batches) summed in place, handed to .grad once;
-    the same gradients as handing each W pass over on its own, and one accumulation per parameter per step."""
+    the same gradients as handing each W pass over on its own, and one accumulation per parameter per step. As on
+    an accelerator, the biases' running sums take each W's sum in one ``addmv_``."""
+    from ds_terapipe.runtime.slicing import deferred
     from ds_terapipe.runtime.slicing.deferred import WeightGradAccumulator
+    if gemv:
+        monkeypatch.setattr(deferred, "bias_grad_in_gemv", lambda bias: True)
     model = _blocks()
     enable_deferred_weight_grads(model)
     xs = [torch.randn(2, 24, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(s)) for s in (5, 6)]
@@ -161,10 +166,12 @@ def test_step_accumulator_sums_the_w_passes_and_hands_over_once() -> None:
     for name, p in model.named_parameters():
         p.register_post_accumulate_grad_hook(lambda p, name=name: fired.append(name))
     acc = WeightGradAccumulator()
-    for x in xs:
-        stash = WeightGradStash()
-        _record(model, x, [8, 16], stash)
-        assert stash.compute(into=acc) == ([], [])   # fp64 here, like fp32: everything goes into the sums
+    with AtenCalls() as calls:
+        for x in xs:
+            stash = WeightGradStash()
+            _record(model, x, [8, 16], stash)
+            assert stash.compute(into=acc) == ([], [])   # fp64 here, like fp32: everything goes into the sums
+    assert calls.names.count("addmv_") == (8 if gemv else 0)   # the second micro-batch's W, 8 biases
     linear = {n for n, _ in model.named_parameters() if any(k in n for k in ("qkv", "proj", "fc_in", "fc_out"))}
     assert not linear & set(fired) and len(acc) == 16   # 8 Linears' weights and biases, none in .grad yet
     acc.hand_over()
