@@ -83,8 +83,8 @@ def _in_flight(stage: int, num_stages: int, num_units: int, num_slices: int, vir
 
 
 def _held(stage: int, num_stages: int, num_units: int, num_slices: int, virtual_stages: int = 2) -> float:
-    """Units holding activations or W inputs: under twice the cap (module docstring; measured at m = 8, 2 ranks,
-    GPT 8 x 512, 5 slices: 25 chunk-units against the cap's 14)."""
+    """Units holding activations or W inputs: under twice the cap (module docstring; in the built schedule at p = 2,
+    m = 8, 5 slices: 25 chunk-units at the peak against the cap's 14)."""
     cap = dualpipev_cap(stage, num_stages, num_slices)
     return min(float(num_units), (2 * cap - 1) / (2 * num_slices))
 

@@ -62,9 +62,9 @@ class KVBuffers:
         One kernel per call (the first call, the last slice's, a copy; a first call that does not reach the end, as
         the profile's, a fill and the add): rows ``[0, start)`` keep collecting for the earlier slices, whose
         backwards come later and read only rows before their own ``end <= start``, so the rows handed out are never
-        written again. The buffer takes the memory layout of the gradient the attention
-        kernel produces, so adding into it reads both alike, and the rows handed out keep the layout a fused
-        projection's backward can read without a copy (the CPU flash kernel: (B, T, nh, hs) in memory).
+        written again. The buffer takes the memory layout of the gradient the attention kernel produces, so adding
+        into it reads both alike, and the rows handed out keep the layout a fused projection's backward can read
+        without a copy (the CPU flash kernel: (B, T, nh, hs) in memory).
         """
         acc = self.grad_k if which == "k" else self.grad_v
         end = grad.shape[2]
