@@ -1,6 +1,7 @@
 """Tier b, end to end: examples/train_gpt.py in fresh processes, as a user runs it.
 
 * One stage with ``slices: "auto"``: a second launch reuses the plan cache (its costs re-timed).
+* benchmarks/on_gpu.sh's trainer steps (bf16 save, resume, uninterrupted run, comparison) run on the CPU.
 * Resume is exact: 6 steps uninterrupted == 3 steps + checkpoint + new processes + --resume + 3 steps, to the
   last bit of every loss (with virtual stages: dualpipev, two chunks per rank, the loss on rank 0). The same
   checkpoint in bf16 (another optimizer format): --resume refused on both ranks, --resume-weights-only goes on.
@@ -142,3 +143,22 @@ def test_a_rank_killed_right_after_a_repack_fails_fast_and_resume_repacks_identi
     steps = list(range(resumed_at + 1, crashed_at + 3))
     assert sorted(resumed) == steps
     assert [resumed[s] for s in steps] == [full[s] for s in steps]  # exact float equality
+
+
+@pytest.mark.timeout(400)
+def test_the_gpu_script_s_trainer_steps_run_here(tmp_path) -> None:
+    """benchmarks/on_gpu.sh is run where device time is short: its trainer steps (save, resume, the uninterrupted
+    run, the comparison) are tried here on the CPU with a small bf16 config, so a change to the trainer's options
+    fails here rather than on a lent GPU."""
+    import os
+    import subprocess
+
+    config = tmp_path / "bf16.json"
+    config.write_text(json.dumps({**CONFIG, "pipeline": {"stages": 1}, "bf16": {"enabled": True},
+                                  "terapipe": dict(CONFIG["terapipe"], seq_len=64, slices=2)}))
+    env = dict(os.environ, ON_GPU_TRAINER_ONLY="1", ON_GPU_CONFIG=str(config), DS_ACCELERATOR="cpu")
+    done = subprocess.run(["bash", str(ROOT / "benchmarks" / "on_gpu.sh"), str(tmp_path / "out")], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=380)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    # the resumed run went on from the checkpoint at step 20, and matched the uninterrupted run exactly
+    assert "steps 21..30: largest loss difference after the resume 0 " in done.stdout, done.stdout[-3000:]
