@@ -51,7 +51,7 @@ from typing import Any, Iterator, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ...planner.cost import WEIGHT_KEYS
+from ...planner.cost import WEIGHT_KEYS, per_stage_cost
 from ..execution.collective import mark_collective
 from ..execution.stage import PipelineStage
 
@@ -85,11 +85,7 @@ def merged_cost(cost: Optional[Mapping[str, Any]], num_stages: int, k: int) -> O
     stage's (it sends to the next). Whole-step terms (``step``) were measured on the old layout and are dropped."""
     if cost is None:
         return None
-    stages = cost.get("stages")
-    if stages is None:
-        shared = {key: cost[key] for key in ("points", "comm", "hidden", "bytes_per_element", *WEIGHT_KEYS)
-                  if key in cost}
-        stages = [copy.deepcopy(shared) for _ in range(num_stages)]
+    stages = per_stage_cost({**cost, "num_stages": num_stages})["stages"]   # equal stages may be written once
     out_stages = []
     for group in range(num_stages // k):
         members = stages[group * k:(group + 1) * k]
