@@ -161,6 +161,22 @@ def test_eval_batch_matches_reference_without_gradients(features) -> None:
 
 
 @pytest.mark.timeout(700)
+def test_a_module_loss_is_weighted_per_slice_and_one_with_parameters_is_refused(features) -> None:
+    """DeepSpeed registers a loss_fn that is an nn.Module as a child of the pipeline module; the per-slice weighting
+    must not assign over it (torch refuses that), and its trainable parameters, which no pipeline checkpoint holds,
+    are refused at init on every rank."""
+    for rank in features:
+        case = rank["module loss"]
+        assert case["losses"] == pytest.approx(case["ref_losses"], rel=1e-5)
+        assert case["grad_rel_err"] <= 1e-5, f"{case['grad_worst']}: {case['grad_rel_err']}"
+        assert case["registered"] == "ModuleLoss"
+        refused = rank["loss with parameters"]
+        assert refused["raised"] == "ValueError", refused
+        assert "(LearnedTemperatureLoss) has trainable parameters (temperature)" in refused["message"]
+        assert "keep loss_fn free of trainable parameters" in refused["message"]
+
+
+@pytest.mark.timeout(700)
 def test_non_causal_layer_is_refused_on_every_rank(features) -> None:
     for rank in features:
         case = rank["refusal"]

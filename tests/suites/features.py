@@ -103,6 +103,25 @@ class TokenMixer(torch.nn.Module):
         return x + x.mean(dim=1, keepdim=True)
 
 
+class ModuleLoss(torch.nn.Module):
+    """``causal_lm_loss`` as a module, as ``nn.CrossEntropyLoss()`` is: DeepSpeed registers it as a child of the
+    pipeline module, where the engine cannot assign its per-slice weighting over it."""
+
+    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return causal_lm_loss(logits, labels)
+
+
+class LearnedTemperatureLoss(ModuleLoss):
+    """A loss with a trainable parameter, which no pipeline checkpoint would hold."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.temperature = torch.nn.Parameter(torch.ones(1))
+
+    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return causal_lm_loss(logits / self.temperature, labels)
+
+
 def count_calls(obj: Any, name: str) -> list[int]:
     """Wrap ``obj.name`` (a method) on the instance; the returned list grows by one per call."""
     calls: list[int] = []
@@ -171,6 +190,24 @@ def suite_features(extra: dict) -> list[dict]:
     results.append({"case": STATUS["case"], **engine_plan(engine), "losses": losses, "ref_losses": ref_losses,
                     "grad_rel_err": err, "grad_worst": name, "cost": engine_planner_costs(engine),
                     "actions": engine_train_actions(engine)})
+
+    # a loss_fn that is a module: sliced, weighted per slice, still the reference's loss and gradients, the module
+    # still registered; one with trainable parameters is refused on every rank
+    STATUS["case"] = "module loss"
+    engine = pipeline_engine(cfg, gpt_layer_specs(cfg), {"seq_len": seq_len, "slices": [16, 32, 16],
+                                                         "schedule": "1f1b"}, loss_fn=ModuleLoss())
+    with first_step_grads(engine) as grads:
+        losses = [float(engine.train_batch(iter(batches))) for _ in range(num_steps)]
+    err, name, _ = compare(grads, ref_grads, engine.stage_id)
+    results.append({"case": STATUS["case"], "losses": losses, "ref_losses": ref_losses, "grad_rel_err": err,
+                    "grad_worst": name, "registered": type(dict(engine.module.named_children())["loss_fn"]).__name__})
+    STATUS["case"] = "loss with parameters"
+    try:
+        pipeline_engine(cfg, gpt_layer_specs(cfg), {"seq_len": seq_len, "slices": 4},
+                        loss_fn=LearnedTemperatureLoss())
+        results.append({"case": STATUS["case"], "raised": None})
+    except ValueError as err:
+        results.append({"case": STATUS["case"], "raised": "ValueError", "message": str(err)})
 
     # eval_batch: no gradients, same loss as the reference forward
     STATUS["case"] = "eval"

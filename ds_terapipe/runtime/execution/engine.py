@@ -83,7 +83,7 @@ from .clip import clip_by_global_norm, clipping_problem
 from .collective import agree_or_raise, mark_collective
 from .ds_internals import check_deepspeed_internals
 from .grad_sink import GradSink
-from .module import chunk_layout
+from .module import chunk_layout, loss_fn_problem, loss_fn_replaced
 from .p2p import AbortFlag, PeerFailedError, SliceP2P, as_tuple
 from .schedule import DISPATCH, TokenPipeSchedule
 
@@ -203,6 +203,7 @@ class TokenPipelineEngine(PipelineEngine):
         check_deepspeed_internals(self)  # a DeepSpeed that moved what we rely on fails here, naming it
         VocabParallel.check_engine(self)
         problem = clipping_problem(self)  # a clipping DeepSpeed's optimizer would get wrong (runtime/execution/clip.py)
+        problem = problem or loss_fn_problem(self.module)   # trained loss parameters no checkpoint would hold
         if problem:
             raise ValueError(problem)
         if self.is_pipe_partitioned or self.is_grad_partitioned:
@@ -779,18 +780,15 @@ class TokenPipelineEngine(PipelineEngine):
     def _weighted_loss(self, weight: float) -> Iterator[None]:
         """Scale the module's loss by the slice's share of tokens while DeepSpeed's forward computes it."""
         if self._vocab is not None:  # the loss is the vocabulary passes' (VF computes it, weighted)
-            with self._vocab.loss_hook():
+            with loss_fn_replaced(self.module, self._vocab.placeholder_loss()):
                 yield
             return
         loss_fn = self.module.loss_fn
         if loss_fn is None or weight == 1.0:
             yield
             return
-        self.module.loss_fn = lambda outputs, labels: loss_fn(outputs, labels) * weight
-        try:
+        with loss_fn_replaced(self.module, lambda outputs, labels: loss_fn(outputs, labels) * weight):
             yield
-        finally:
-            self.module.loss_fn = loss_fn
 
     def _exec_forward_pass(self, buffer_id: int, microbatch: int, slice_index: int, chunk: int) -> None:
         with self.on_chunk(chunk), self._frozen_scope(chunk):

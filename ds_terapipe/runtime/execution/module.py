@@ -34,7 +34,8 @@ from ..features.vocab_shard import split_output_layer
 from ..features.vocab_embedding import install_split
 from ..features.partition import custom_parts
 
-__all__ = ["TokenPipelineModule", "InputSampler", "chunk_layout", "module_chunk_kwargs"]
+__all__ = ["TokenPipelineModule", "InputSampler", "chunk_layout", "loss_fn_problem", "loss_fn_replaced",
+           "module_chunk_kwargs"]
 
 # (batch, seq_len, generator) -> first-stage input: a tensor or tuple of tensors of shape (batch, seq_len, ...)
 InputSampler = Callable[[int, int, torch.Generator], Union[torch.Tensor, tuple]]
@@ -298,6 +299,46 @@ class TokenPipelineModule(PipelineModule):
     def compile(self, *args, **kwargs) -> None:
         for _ in self.each_chunk():
             super().compile(*args, **kwargs)
+
+
+def loss_fn_problem(module: torch.nn.Module) -> Optional[str]:
+    """Why the module's ``loss_fn`` cannot be trained correctly (rule, value, fix), or None.
+
+    A ``loss_fn`` that is a module with trainable parameters (a learned temperature, an adaptive softmax) trains
+    on the last stage, but DeepSpeed's pipeline checkpoints hold the layers' states and nothing else: a resume
+    would silently restart those parameters from their initial values. Refused at engine init instead; a
+    parameter-free module loss (``nn.CrossEntropyLoss()``-like) runs as a function does."""
+    loss_fn = getattr(module, "loss_fn", None)
+    if not isinstance(loss_fn, torch.nn.Module):
+        return None
+    trained = [name for name, param in loss_fn.named_parameters() if param.requires_grad]
+    if not trained:
+        return None
+    shown = ", ".join(trained[:4]) + (f" and {len(trained) - 4} more" if len(trained) > 4 else "")
+    return (f"terapipe: loss_fn ({type(loss_fn).__name__}) has trainable parameters ({shown}); DeepSpeed's pipeline "
+            "checkpoints save the layers' states only, so a resume would restart them from their initial values. "
+            "Move them into the last layer (a LayerSpec whose module owns them, its output what the loss reads) "
+            "and keep loss_fn free of trainable parameters")
+
+
+@contextmanager
+def loss_fn_replaced(module: torch.nn.Module, fn: Callable[[Any, Any], Any]) -> Iterator[None]:
+    """Inside the block, ``module.loss_fn`` (what DeepSpeed's forward calls) is ``fn``.
+
+    Set in the instance's ``__dict__``, which attribute lookup reads before the children ``nn.Module`` registers:
+    a ``loss_fn`` that is itself a module (``nn.CrossEntropyLoss()``, a loss with learned parameters) stays
+    registered, its parameters trained and saved under ``loss_fn.``, where assigning a function over it is refused
+    by torch."""
+    missing = object()
+    before = module.__dict__.get("loss_fn", missing)
+    module.__dict__["loss_fn"] = fn
+    try:
+        yield
+    finally:
+        if before is missing:
+            del module.__dict__["loss_fn"]
+        else:
+            module.__dict__["loss_fn"] = before
 
 
 def _sequence_topology(degree: int, kwargs: dict[str, Any]) -> dict[str, Any]:

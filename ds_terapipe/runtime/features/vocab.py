@@ -51,7 +51,7 @@ import os
 import re
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -319,12 +319,9 @@ class VocabParallel:
         with self.embedding.live():
             yield
 
-    @contextmanager
-    def loss_hook(self) -> Iterator[None]:
-        """While DeepSpeed's forward runs on the last stage: its loss is a placeholder VF fills in; the hidden
-        states and labels are kept for VF."""
-        module = self.engine.module
-        loss_fn = module.loss_fn
+    def placeholder_loss(self) -> Callable[[Any, Any], torch.Tensor]:
+        """The loss DeepSpeed's forward computes on the last stage (the engine puts it in place of the module's
+        ``loss_fn``): a placeholder VF fills in; the hidden states and labels are kept for VF."""
 
         def placeholder(outputs: Any, labels: Any) -> torch.Tensor:
             ctx = current_slice()
@@ -333,11 +330,7 @@ class VocabParallel:
             self._handed[(ctx.microbatch, ctx.slice_index)] = (outputs, labels, value)
             return value
 
-        module.loss_fn = placeholder
-        try:
-            yield
-        finally:
-            module.loss_fn = loss_fn
+        return placeholder
 
     @staticmethod
     def check_eval(return_logits: bool = False, *args: Any, **kwargs: Any) -> None:
