@@ -11,7 +11,11 @@ last step against the reference's.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import gc
+import os
+import weakref
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -35,7 +39,7 @@ def _whole(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def _engine(schedule: str, v: int, m: int, *, precision: str = "fp32", clipping: float = 0.0,
             slices: Any = (8, 24, 16), shard: bool = True, prefetch: bool = True, zero_stage: int = 0,
-            extra_terapipe: Optional[dict] = None, sampler: bool = True) -> Any:
+            extra_terapipe: Optional[dict] = None, sampler: bool = True, extra_config: Optional[dict] = None) -> Any:
     dp = WORLD // STAGES
     chunks = {} if v == 1 else {"virtual_stages": v, "schedule": schedule}
     model = ds_terapipe.TokenPipelineModule(gpt_layer_specs(CFG), num_stages=STAGES, loss_fn=causal_lm_loss,
@@ -49,7 +53,7 @@ def _engine(schedule: str, v: int, m: int, *, precision: str = "fp32", clipping:
         terapipe["virtual_stages"] = v
     config = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": m,
               "train_batch_size": BATCH * m * dp, "steps_per_print": 10**9, "gradient_clipping": clipping,
-              "zero_optimization": {"stage": zero_stage}, "terapipe": terapipe}
+              "zero_optimization": {"stage": zero_stage}, "terapipe": terapipe, **(extra_config or {})}
     if precision == "bf16":
         config["bf16"] = {"enabled": True}
     if zero_stage:
@@ -178,22 +182,28 @@ def _adam_like(engine: Any) -> torch.optim.Optimizer:
     return adam
 
 
-def _checkpoint(tmp: str) -> dict:
+def _checkpoint(tmp: str, parallel_write: bool = False) -> dict:
     """Save after 2 steps (sharded, 2 replicas), load into a fresh engine, run step 3: the same loss and
-    parameters as the run that went on; the checkpoint is kept for the resume at one replica."""
-    STATUS["case"] = "checkpoint looped-bfs"
+    parameters as the run that went on; the checkpoint is kept for the resume at one replica. ``parallel_write``:
+    each replica writes a share of the layers (DeepSpeed's ``checkpoint.parallel_write.pipeline_stage``), in a
+    directory of its own."""
+    STATUS["case"] = "checkpoint looped-bfs" + (" parallel write" if parallel_write else "")
+    if parallel_write:
+        tmp = os.path.join(tmp, "parallel")
+    writing = {"checkpoint": {"parallel_write": {"pipeline_stage": True}}} if parallel_write else None
     m = 2
     _, for_rank = _batches(m, WORLD // STAGES, seed=11)
-    engine = _engine("looped-bfs", 2, m)
+    engine = _engine("looped-bfs", 2, m, extra_config=writing)
     engine.optimizer = _adam_like(engine)
     data = iter(for_rank(engine.grid.data_parallel_id))
     for _ in range(2):
         engine.train_batch(data)
-    engine.save_checkpoint(tmp, tag="two")
+    with _whole_bytes_held() as held:
+        engine.save_checkpoint(tmp, tag="two")
     went_on = float(engine.train_batch(data))
     expected = _whole(dict(engine.module.named_parameters()))
     ENGINE_REF.pop("engine", None)
-    fresh = _engine("looped-bfs", 2, m)
+    fresh = _engine("looped-bfs", 2, m, extra_config=writing)
     fresh.optimizer = _adam_like(fresh)
     fresh.load_checkpoint(tmp, tag="two")
     data = iter(for_rank(fresh.grid.data_parallel_id)[2 * m:])
@@ -201,8 +211,47 @@ def _checkpoint(tmp: str) -> dict:
     got = _whole(dict(fresh.module.named_parameters()))
     worst = max(float((got[n] - expected[n]).abs().max()) for n in expected)
     ENGINE_REF.pop("engine", None)
+    layers = engine.sharded._saved_layers()
     return {"case": STATUS["case"], "went_on": went_on, "resumed": resumed, "param_max_abs": worst,
-            "expected": {n: t.tolist() for n, t in expected.items()} if engine.grid.data_parallel_id == 0 else None}
+            "expected": {n: t.tolist() for n, t in expected.items()} if engine.grid.data_parallel_id == 0 else None,
+            "writes": bool(engine.save_non_zero_checkpoint), "save_held": held,
+            "layer_bytes": sorted(sum(p.numel() * 4 for p in layer.parameters()) for layer in layers)}
+
+
+@contextmanager
+def _whole_bytes_held() -> Iterator[dict]:
+    """Inside the block, the bytes of whole tensors the sharded save gathered that are alive at once: ``peak`` while
+    the layers are saved (DeepSpeed's module save), ``peak_optimizer`` while the optimizer's state dict is built,
+    ``left`` still held when the block ends (freed by then: the save returned)."""
+    from ds_terapipe.runtime.features import sharding
+
+    held = {"now": 0, "peak": 0, "peak_optimizer": 0}
+    original, phase = sharding._whole, {"key": "peak"}
+
+    def tracked(value: Any) -> Any:
+        out = original(value)
+        if out is not value:
+            size = out.numel() * out.element_size()
+            held["now"] += size
+            held[phase["key"]] = max(held[phase["key"]], held["now"])
+            weakref.finalize(out, lambda: held.__setitem__("now", held["now"] - size))
+        return out
+
+    module_state_dict = ENGINE_REF["engine"].module_state_dict
+
+    def after_the_layers(*args: Any, **kwargs: Any) -> Any:
+        out = module_state_dict(*args, **kwargs)
+        phase["key"] = "peak_optimizer"
+        return out
+
+    sharding._whole, ENGINE_REF["engine"].module_state_dict = tracked, after_the_layers
+    try:
+        yield held
+    finally:
+        sharding._whole = original
+        del ENGINE_REF["engine"].module_state_dict
+        gc.collect()
+        held["left"] = held.pop("now")
 
 
 def _resume_one_replica(tmp: str, m_saved: int = 2) -> dict:
@@ -316,6 +365,7 @@ def suite_sharded(extra: dict) -> list[dict]:
         results.append(_memory())
     if extra.get("checkpoint"):
         results.append(_checkpoint(extra["checkpoint"]))
+        results.append(_checkpoint(extra["checkpoint"], parallel_write=True))
         checks = [("checkpoint across optimizer formats", _across_formats),
                   ("checkpoint between sharded and plain runs", _plain_and_sharded)]
         results += run_cases(checks, label=lambda name, fn: name, run=lambda name, fn: fn(extra["checkpoint"]))

@@ -1194,7 +1194,9 @@ class TokenPipelineEngine(PipelineEngine):
             if self.freezer is not None and isinstance(state["terapipe"], dict):  # a resumed run re-freezes it
                 state["terapipe"] = {**state["terapipe"], "freeze": self.freezer.state_dict()}
             self.barrier("starting a checkpoint")  # DeepSpeed's own barriers in the save cannot watch the flag
-            result = super().save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=False, **kwargs)
+            with self.sharded.saving() if self.sharded is not None else nullcontext():
+                result = super().save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=False,
+                                                 **kwargs)
             self.barrier("saving a checkpoint")
             if self.global_rank == 0:
                 ckpt.write_manifest(tag_dir, {"num_stages": self.num_stages, "dp": self.dp_world_size,

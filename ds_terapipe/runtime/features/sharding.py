@@ -27,6 +27,7 @@ written as without sharding, and a load takes each rank's shard of them, so a ru
 
 from __future__ import annotations
 
+import functools
 import logging
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional
@@ -175,6 +176,7 @@ class ShardedChunks:
         self._pending: dict[str, Any] = {}   # unit -> all-gather handle not yet waited for
         self._refs: dict[str, int] = {}      # unit -> chunks of this rank gathered that use it
         self._grads: set[str] = set()        # gathered units whose runs computed gradients
+        self._saving = False                 # inside save_checkpoint (see saving)
         self.begin_step()
         gathers, scatters = shard_counts(engine.lowered_schedule(engine.num_slices))[engine.stage_id]
         logger.info("terapipe: stage %d shards %s (%d parameters) over %d data-parallel replicas (FSDP2%s); a "
@@ -314,19 +316,50 @@ class ShardedChunks:
     def _sharded_layers(self) -> list[torch.nn.Module]:
         return [layer for box in self.units.values() for layer in box.layers]
 
+    def _saved_layers(self) -> list[torch.nn.Module]:
+        """Every position at which DeepSpeed's save may ask a sharded layer for its ``state_dict``, in the order its
+        loop asks (chunk by chunk, layer by layer; a tied module used by two chunks of this rank twice)."""
+        module, sharded = self.engine.module, {id(layer) for layer in self._sharded_layers()}
+        chunks = getattr(module, "chunk_funcs", [module.forward_funcs])
+        return [f for funcs in chunks for f in funcs if id(f) in sharded]
+
     @contextmanager
     def whole_layer_state(self) -> Iterator[None]:
-        """While saving: each sharded layer's ``state_dict()`` gives whole tensors (gathered here on every replica,
-        in one order, as DeepSpeed then lets only some replicas write)."""
-        layers = self._sharded_layers()
-        whole = [{k: _whole(v) for k, v in layer.state_dict().items()} for layer in layers]
-        for layer, state in zip(layers, whole):
-            layer.state_dict = lambda *a, _state=state, **k: dict(_state)
+        """While saving: each sharded layer's ``state_dict()`` gives whole tensors, gathered when DeepSpeed asks
+        for it, so one layer is whole at a time (the whole stage at once is what sharding exists to avoid).
+
+        The gathers are collective over the replicas, but DeepSpeed asks only on the replicas that write a layer
+        (data-parallel rank 0, or each its range with ``checkpoint.parallel_write.pipeline_stage``). So every
+        replica walks the same positions (:meth:`_saved_layers`): a layer asked for gathers the positions before it
+        that were not asked here (and drops them), then itself; after DeepSpeed's loop the rest are gathered and
+        dropped. Every replica thus gathers every position once, in one order."""
+        positions = self._saved_layers()
+        state = {"next": 0}
+
+        def gather(index: int) -> dict:   # the layer's own state_dict, not the one set below
+            layer = positions[index]
+            return {k: _whole(v) for k, v in type(layer).state_dict(layer).items()}
+
+        def asked(layer: torch.nn.Module, *args: Any, **kwargs: Any) -> dict:
+            index = next((i for i in range(state["next"], len(positions)) if positions[i] is layer), None)
+            if index is None:
+                raise RuntimeError(f"terapipe.shard_params: DeepSpeed asked {type(layer).__name__} for its state "
+                                   "out of the order of its save loop; this is a bug, please report it")
+            for skipped in range(state["next"], index):
+                gather(skipped)
+            state["next"] = index + 1
+            return gather(index)
+
+        layers = {id(layer): layer for layer in positions}
+        for layer in layers.values():
+            layer.state_dict = functools.partial(asked, layer)
         try:
             yield
         finally:
-            for layer in layers:
+            for layer in layers.values():
                 del layer.state_dict
+        for rest in range(state["next"], len(positions)):
+            gather(rest)
 
     @contextmanager
     def loading_whole_layers(self) -> Iterator[None]:
@@ -347,9 +380,16 @@ class ShardedChunks:
         cls = type(optimizer)
 
         def state_dict() -> dict:
+            # whole tensors on the host, one gathered on the device at a time; a replica that does not write the
+            # optimizer state (DeepSpeed: data-parallel rank 0 writes it) joins each gather and keeps nothing
             sd = cls.state_dict(optimizer)
-            sd["state"] = {k: {n: _whole(v) for n, v in st.items()} for k, st in sd["state"].items()}
-            return sd
+            writes = not self._saving or getattr(self.engine, "save_non_zero_checkpoint", True)
+            state = {}
+            for key, st in sd["state"].items():
+                whole = {n: _whole(v) for n, v in st.items()}
+                if writes:
+                    state[key] = {n: v.cpu() if is_sharded(st[n]) else v for n, v in whole.items()}
+            return dict(sd, state=state)
 
         def load_state_dict(sd: dict) -> None:
             params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -361,6 +401,16 @@ class ShardedChunks:
 
         optimizer.state_dict = state_dict
         optimizer.load_state_dict = load_state_dict
+
+    @contextmanager
+    def saving(self) -> Iterator[None]:
+        """Around DeepSpeed's ``save_checkpoint``: the optimizer's ``state_dict`` on a replica that does not write
+        it drops each whole tensor once gathered (outside a save it always returns them)."""
+        self._saving = True
+        try:
+            yield
+        finally:
+            self._saving = False
 
 
 def is_sharded(t: Any) -> bool:
