@@ -119,8 +119,8 @@ def test_vocab_parallel_with_data_parallel_zero1(tmp_path) -> None:
 def test_vocab_parallel_features(tmp_path) -> None:
     """Checkpoints at the same p resume exactly, load at p=1 and export whole (a split tied embedding too, and into
     a model without vocab_parallel and back); a dualpipev checkpoint resumes exactly and loads into 1f1b; eval equals
-    the reference; the refusals (no output layer, another loss, vocab < p, config without the module) on every
-    rank."""
+    the reference; the refusals (no output layer, another loss, vocab < p, config without the module, a label
+    outside the vocabulary) on every rank."""
     results = launch("vocab_features", 2, tmp_path, timeout_s=840)
     errors = [r["error"] for r in results if "error" in r]
     assert not errors, errors[0]
@@ -152,3 +152,6 @@ def test_vocab_parallel_features(tmp_path) -> None:
         assert "causal_lm_loss as loss_fn" in ref["loss"]
         assert "vocabulary 1 < 2 pipeline stages" in ref["small_vocab"]
         assert "built with vocab_parallel=False" in ref["config_without_module"]
+        assert ref["out_of_vocab"] is not None, r["rank"]   # not trained against a target logit of 0
+        assert ("label 63 at (0, 5) of the next batch is outside the vocabulary [0, 63)" if r["rank"] == 1 else
+                "rank 1 (a last stage) refused the labels of the next batch") in ref["out_of_vocab"], ref

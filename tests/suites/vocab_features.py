@@ -181,5 +181,9 @@ def suite_vocab_features(extra: dict) -> list[dict]:
                                config={"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
                                        "train_batch_size": 4, "terapipe": dict(plan, enabled=True,
                                                                                 vocab_parallel=True)}))
+    # a label no shard holds (torch's cross_entropy refuses it): refused before the step, on every rank
+    bad = [(x, y.clone()) for x, y in batches[:2]]
+    bad[1][1][0, 5] = cfg.vocab_size
+    refusals["out_of_vocab"] = _raised(lambda: engine.train_batch(iter(bad)))
     results.append({"case": "vocab refusals", **refusals})
     return results

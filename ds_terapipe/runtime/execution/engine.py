@@ -125,7 +125,7 @@ def _first_tensor(value: Any) -> Optional[torch.Tensor]:
 
 
 # Slots of the per-batch sequence-length agreement that are not lengths.
-_UNSET, _BAD_DOCUMENTS, _NO_SEQ_DIM, _EXHAUSTED, _NOT_READING = -100, -4, -3, -2, -1
+_UNSET, _BAD_LABELS, _BAD_DOCUMENTS, _NO_SEQ_DIM, _EXHAUSTED, _NOT_READING = -100, -5, -4, -3, -2, -1
 
 # The active chunk while DeepSpeed's PipelineEngine.__init__ runs: stage roles are the rank's topological ones
 # then (its p2p warm-up pairs stage s with s + 1), as DeepSpeed's DualPipeVEngine does.
@@ -473,6 +473,10 @@ class TokenPipelineEngine(PipelineEngine):
                 problem = self._documents_problem(item[0]) if self.is_first_stage() else None
                 if problem is not None:
                     refused, local[index] = refused or problem, _BAD_DOCUMENTS
+                elif self._vocab is not None and self.is_last_stage():
+                    problem = self._vocab.labels_problem(item[1])
+                    if problem is not None:
+                        refused, local[index] = refused or problem, _BAD_LABELS
             batch = peeked[0] if peeked else None
             for item in reversed(peeked):   # put back last first: they come out in their order
                 iterator = put_back(item, iterator)
@@ -492,6 +496,11 @@ class TokenPipelineEngine(PipelineEngine):
             raise mark_collective(ValueError(refused if refused is not None else
                                              f"token pipeline: rank {origin} (a first stage) refused the position "
                                              "ids of the next batch; its error says why"))
+        if _BAD_LABELS in values:   # the last stage's message on it, a pointer to it on the others
+            origin = next(r for r, row in enumerate(rows) if _BAD_LABELS in row)
+            raise mark_collective(ValueError(refused if refused is not None else
+                                             f"token pipeline: rank {origin} (a last stage) refused the labels of "
+                                             "the next batch; its error says why"))
         if _NO_SEQ_DIM in values:
             raise mark_collective(ValueError("token pipeline: batch inputs/labels must be (batch, seq_len, ...) "
                                              "tensors; a stage got a tensor without a sequence dimension"))
