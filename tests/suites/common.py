@@ -28,12 +28,21 @@ STATUS = {"case": "startup"}
 ENGINE_REF: dict[str, Any] = {}
 
 
-def make_batches(cfg: GPTConfig, num: int, batch: int, seq_len: int, seed: int) -> list[tuple]:
+def make_batches(cfg: GPTConfig, num: int, batch: int, seq_len: int, seed: int,
+                 ignored: bool = False) -> list[tuple]:
+    """``num`` random (inputs, labels) micro-batches. ``ignored``: labels of -100 (not counted, still in the
+    denominator: ``causal_lm_loss``) at every 7th position, and at the first 8 positions of every row of every
+    other micro-batch, so a first slice of 8 tokens there counts no token at all."""
     gen = torch.Generator().manual_seed(seed)
     out = []
-    for _ in range(num):
+    for index in range(num):
         ids = torch.randint(0, cfg.vocab_size, (batch, seq_len + 1), generator=gen)
-        out.append((ids[:, :-1].contiguous(), ids[:, 1:].contiguous()))
+        labels = ids[:, 1:].clone()
+        if ignored:
+            labels[:, ::7] = -100
+            if index % 2:
+                labels[:, :8] = -100
+        out.append((ids[:, :-1].contiguous(), labels))
     return out
 
 
