@@ -580,4 +580,5 @@ def _one_message(err: ValidationError) -> str:
         bound = f"{rule[0]} {first['ctx'][rule[1]]:g}"
         return (f"{TERAPIPE_KEY}.{where}={first.get('input')!r} must be {bound}; set a value {bound} or drop the "
                 "key for the default")
-    return f"{TERAPIPE_KEY}.{where}={first.get('input')!r}: {message}"
+    return (f"{TERAPIPE_KEY}.{where}={first.get('input')!r}: {message}; set a valid value or drop the key for the "
+            "default")
