@@ -7,9 +7,12 @@ Example::
 
 Validated once, with DeepSpeed's own config base class, so it reads like any other DeepSpeed section: unknown
 keys are refused by pydantic (the base's ``extra="forbid"``; a typo must not silently fall back to a default)
-and ranges are field constraints. :func:`parse_terapipe_config` turns pydantic's report into one line naming
-the key, the value and the rule, and lists the valid keys for an unknown one. Allowed ``schedule`` values and
-the default for ``deferred_weight_grads`` come from the schedule registry (``planner/registry.py``).
+and ranges are field constraints. Values are read in pydantic's lax mode, as DeepSpeed reads its own sections (a
+string ``"64"`` for an int is taken as 64). :func:`parse_terapipe_config` turns pydantic's report into one line
+naming the key and the value, with the rule where the key has one (a range, a schedule name) and otherwise
+pydantic's reason and "set a valid value or drop the key for the default", and lists the valid keys for an
+unknown one. Allowed ``schedule`` values and the default for ``deferred_weight_grads`` come from the schedule
+registry (``planner/registry.py``).
 
 A field's ``description`` is what the key means to a user, the text of its row in ``docs/configuration.md`` (that
 table is generated from these models: :mod:`ds_terapipe.config_doc`); an attribute docstring adds what a reader of
@@ -283,18 +286,22 @@ class TeraPipeConfig(DeepSpeedConfigModel):
     deferred_weight_grads: Optional[bool] = Field(None, description=(
         "a slice's backward computes input gradients only and sends them on; the `nn.Linear` weight gradients "
         "follow in a `W` action: with `gpipe` once per micro-batch after its last backward, one GEMM per Linear "
-        "over all its slices (its Linear inputs and output gradients wait until then: 130 -> 158 MiB per stage at m "
-        "= 1 below), with `1f1b` (when set to `true`) after each slice's send (one slice's pairs wait: +5-30% "
-        "activations measured, hence off by default there). The W passes of a step are summed in place and reach "
-        "`.grad` once, before the gradient reductions (bf16/fp16 weights: after each W). Measured at m = 1: 1.54x "
-        "-> 1.58x for gpipe (docs/performance.md)"),
-        json_schema_extra={"doc_default": "on with `gpipe`, off with `1f1b`"})
+        "over all its slices (its Linear inputs and output gradients wait until then: 158 MiB per stage at m = 1 "
+        "against 130 without, docs/performance.md); with `dualpipev` and `zbv` one W per slice, placed by the "
+        "schedule; with `1f1b` (when set to `true`) after each slice's send (one slice's pairs wait: +11-28% "
+        "activations measured, hence off by default there, as with `interleaved-1f1b` and `looped-bfs`); "
+        "`shard_params` refuses it. The W passes of a step are summed in place and reach `.grad` once, before the "
+        "gradient reductions (bf16/fp16 weights: after each W). "
+        "Measured at m = 1 with gpipe: 1.58x stock deferred, 1.54x not deferred (docs/performance.md)"),
+        json_schema_extra={"doc_default": "the schedule's: on with `gpipe`, `dualpipev`, `zbv`; off with `1f1b`, "
+                                           "`interleaved-1f1b`, `looped-bfs` and with `shard_params`"})
     """Backward of a slice computes input gradients only and sends them on; the ``nn.Linear`` weight gradients
     follow in a ``W`` action (runtime/slicing/deferred.py), so the previous stage gets its gradients sooner. With
     ``gpipe`` one W per micro-batch after its last backward (its Linear inputs and output gradients wait until
-    then); with ``1f1b`` one W per slice right after the send (one slice's pairs wait). Default (None): on with
-    ``gpipe``; off with ``1f1b``, whose point is bounded memory (per-slice W measured +5-30% activations): the
-    schedule's registered ``ScheduleSpec.deferred_weight_grads``."""
+    then); with ``1f1b`` one W per slice right after the send (one slice's pairs wait). Default (None): the
+    schedule's registered ``ScheduleSpec.deferred_weight_grads``: on with ``gpipe``, ``dualpipev`` and ``zbv``; off
+    with ``1f1b`` (whose point is bounded memory: per-slice W measured +11-28% activations), ``interleaved-1f1b`` and
+    ``looped-bfs``; off with ``shard_params``."""
 
     fuse_grad_accumulation: bool = Field(True, description=(
         "a backward that is not deferred adds each `nn.Linear` weight gradient into `.grad` inside its GEMM "
@@ -355,8 +362,9 @@ class TeraPipeConfig(DeepSpeedConfigModel):
     ``N`` ways over the stage's sequence group, position-wise layers on the rank's share, two all-to-alls around
     :func:`~ds_terapipe.sliced_causal_attention` (the whole slice for 1/N of the heads, KV carry per head
     subset), gradients summed over the group; ``slices: "auto"`` profiles each rank's share with its all-to-alls.
-    fp32, fp16, and bf16 at ZeRO stage 1 (not yet with ``replan``, ``freeze``, ``vocab_parallel``, ``packed``; bf16
-    at ZeRO 0 refused)."""
+    fp32, fp16 and bf16 at ZeRO stage 0 and 1; with ``replan``, ``plan_per_batch``, ``freeze`` (and its repack),
+    ``vocab_parallel`` and ``packed``, each tested against the unsliced reference (docs/sequence_parallel.md); not
+    with ``shard_params``."""
 
     shard_params: bool = Field(False, description=(
         "shard each chunk's parameters, gradients and optimizer state over the data-parallel replicas (torch's "
@@ -546,7 +554,8 @@ def parse_terapipe_config(ds_config: dict) -> TeraPipeConfig:
     """Read and validate the ``"terapipe"`` section of a DeepSpeed config dict (absent: disabled).
 
     Raises:
-        ValueError: one line naming the key, the value and the rule (for an unknown key: the valid keys).
+        ValueError: one line naming the key, the value and the rule or pydantic's reason (for an unknown key: the
+            valid keys).
     """
     section = ds_config.get(TERAPIPE_KEY, {})
     if section is None:
