@@ -64,10 +64,10 @@ class ProfileConfig(DeepSpeedConfigModel):
         "on a plan-cache hit every stage times the plan's median slice length again (about a second); when the "
         "device runs more than 5% off the cached costs (a shared host under other load, another machine of the same "
         "type) they are rescaled to this run's speed and the slicing solved again, logged either way, so the plan "
-        "and its predicted step are this run's (measured through the trainer: cached plans predicted the step 23% "
-        "short; re-timed, -4.6% to +4.0% in one run, -13.7% to +2.5% in a noisier one)"))
+        "and its predicted step are this run's (measured through the trainer on a shared host, re-timed cache hits "
+        "predicted the step within -4.6% to +4.0% in one run, -13.7% to +2.5% in a noisier one)"))
     """On a plan-cache hit, time the plan's median slice length again (about a second per stage) and, when the
-    device now runs more than 5% faster or slower than the cached costs (a shared host under other load, another
+    device runs more than 5% faster or slower in this run than the cached costs (a shared host under other load, another
     host of the same type), rescale them and solve again: the plan and its predicted step match this run's
     speed. Not part of the cache key."""
 
@@ -268,8 +268,9 @@ class TeraPipeConfig(DeepSpeedConfigModel):
 
     schedule: str = Field("gpipe", description=(
         '`"gpipe"`: all forwards then all backwards (TeraPipe); `"1f1b"`: token-level 1F1B (Seq1F1B), bounded '
-        "activations in flight: stage s holds at most n + K - 1 - s slices, the last stage one micro-batch at a "
-        "time, as stock 1F1B"))
+        "activations in flight: with p stages and n slices, stage s (from 0) holds at most n + p - 1 - s slices, "
+        "the last stage one micro-batch at a time, as stock 1F1B; the virtual-stage schedules "
+        "`interleaved-1f1b`, `looped-bfs`, `dualpipev` and `zbv`: [Schedules](schedules.md)"))
     """A registered schedule (``ds-terapipe schedules`` lists them). ``gpipe``: all forwards, then all backwards
     (TeraPipe). ``1f1b``: token-level 1F1B, bounded memory."""
 

@@ -82,8 +82,8 @@ class BubbleFormula:
         return self.formula(num_stages, num_units, virtual_stages)
 
 
-#: (K - 1) / (N + K - 1): the GPipe bubble over N = micro-batches x slices equal units on K stages.
-uniform_bubble = BubbleFormula(lambda k, n: (k - 1) / (n + k - 1), "(K-1)/(m·n+K-1)")
+#: (p - 1) / (N + p - 1): the GPipe bubble over N = micro-batches x slices equal units on p stages.
+uniform_bubble = BubbleFormula(lambda k, n: (k - 1) / (n + k - 1), "(p-1)/(m·n+p-1)")
 
 
 @dataclass(frozen=True)

@@ -82,5 +82,5 @@ ONE_F_ONE_B = register_schedule(ScheduleSpec(
     weights_per_slice=True,
     dp_exact=False,
     bubble=uniform_bubble,
-    memory_text="n+K-1-s units (last stage: one micro-batch)",
+    memory_text="n+p-1-s units (last stage: one micro-batch)",
 ))
