@@ -1,4 +1,4 @@
-"""Tier b, three 2-rank launches of tests/suites/fault_exit.py: after a fault every rank leaves cleanly.
+"""Tier b, four 2-rank launches of tests/suites/fault_exit.py: after a fault every rank leaves cleanly.
 
 A rank that stopped for a fault leaves the way a user's script does (the exception escapes, the interpreter
 finalises): it must print the exception and exit 1, never abort ("terminate called without an active
@@ -61,6 +61,17 @@ STOPPED = {
 def test_a_rank_stopped_by_a_fault_leaves_with_its_error(tmp_path, mode: str) -> None:
     codes, texts = _launch(mode, tmp_path)
     _left_cleanly(codes, texts, STOPPED[mode])
+
+
+@pytest.mark.timeout(120)
+def test_a_hung_peer_ends_the_survivor_with_its_error_and_it_exits(tmp_path) -> None:
+    """The peer stays stopped until the launcher kills it (5 s after rank 0 exited 1): rank 0 must fail at its
+    deadline where DeepSpeed broadcasts the loss (that broadcast has no deadline of its own) and then exit, though
+    the broadcast is still inside gloo's worker thread, which the process group's destructor joins."""
+    codes, texts = run_ranks(suite_command("fault_exit", tmp_path, {"case": "hung"}), 2, tmp_path, timeout_s=60)
+    assert codes[1] in (None, -9), f"rank 1 should have been killed once rank 0 exited, got {codes[1]}"
+    _left_cleanly(codes, texts, {0: "P2PTimeoutError: rank 0: waiting for the step's loss (its data-parallel mean "
+                                    "and broadcast): broadcast failed"})
 
 
 @pytest.mark.timeout(120)

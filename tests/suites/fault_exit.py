@@ -15,6 +15,9 @@ exits 1. Two ranks, gloo. Cases:
 * ``killed``: rank 0 waits for a transfer from rank 1, which the test kills once rank 0 prints ``waiting``.
 * ``engine``: a 2-stage engine whose first stage reads micro-batches of two lengths in one step (a refused
   batch): rank 0 raises ``ValueError``, rank 1 stops with ``PeerFailedError``.
+* ``hung``: a 2-stage engine whose last stage stops itself (SIGSTOP: hung, not dead, its connections stay open)
+  after the schedule, where DeepSpeed aggregates the step's loss: rank 0 raises ``P2PTimeoutError`` at
+  ``p2p_timeout_s`` and exits, though the broadcast it gave up on is still inside gloo.
 
 Last of the ``atexit`` hooks (registered first), each rank prints the Python threads still alive besides the
 main thread: ``threads at exit: [...]``.
@@ -99,7 +102,25 @@ def engine(out: Path) -> None:
     engine.train_batch(iter(uneven))
 
 
-CASES = {"abandoned": abandoned, "killed": killed, "engine": engine}
+def hung(out: Path) -> None:
+    import signal
+
+    import deepspeed
+
+    from ds_terapipe.models.gpt import GPTConfig, gpt_layer_specs
+    from tests.suites.common import make_batches, pipeline_engine
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    cfg = GPTConfig(num_layers=2, hidden=32, num_heads=4, vocab_size=64, max_seq_len=64, seed=13)
+    engine = pipeline_engine(cfg, gpt_layer_specs(cfg), {"seq_len": 48, "slices": 3, "schedule": "gpipe",
+                                                         "granularity": 4, "p2p_timeout_s": 3})
+    if engine.is_last_stage():
+        # hangs (stopped, its connections open) where DeepSpeed aggregates the step's loss, after the schedule
+        engine._aggregate_total_loss = lambda: os.kill(os.getpid(), signal.SIGSTOP)
+    engine.train_batch(iter(make_batches(cfg, 2, 2, 48, seed=21)))
+
+
+CASES = {"abandoned": abandoned, "killed": killed, "engine": engine, "hung": hung}
 
 
 @suite("fault_exit", standalone=True)

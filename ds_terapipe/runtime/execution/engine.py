@@ -1067,7 +1067,36 @@ class TokenPipelineEngine(PipelineEngine):
             # each sequence rank's loss is its tokens' share of the micro-batches' losses
             self.p2p.wait(dist.all_reduce(self.total_loss, group=self.sequence.group, async_op=True),
                           "the sequence-parallel loss sum")
-        return super()._aggregate_total_loss()
+        with self._deepspeed_collectives_watched("the step's loss (its data-parallel mean and broadcast)"):
+            return super()._aggregate_total_loss()
+
+    @contextmanager
+    def _deepspeed_collectives_watched(self, what: str) -> Iterator[None]:
+        """Inside the block, DeepSpeed's blocking ``broadcast`` and ``all_reduce`` (``deepspeed.comm``) are issued
+        asynchronously and waited for as every wait of the engine is: at most ``p2p_timeout_s``, and stopped by a
+        peer's abort flag. Why: DeepSpeed's loss aggregation after every step waits for the last stage's broadcast
+        with no deadline, so a peer that hangs (not one that dies: its closed connection ends the wait) would hold
+        every other rank there for good."""
+        import deepspeed.comm as ds_comm
+
+        originals = {name: getattr(ds_comm, name) for name in ("broadcast", "all_reduce")}
+
+        def watched(name: str) -> Any:
+            def call(*args: Any, **kwargs: Any) -> Any:
+                if kwargs.get("async_op"):
+                    return originals[name](*args, **kwargs)
+                self.p2p.wait(originals[name](*args, **dict(kwargs, async_op=True)), f"{what}: {name}",
+                              kwargs.get("group"))
+                return None
+            return call
+
+        for name in originals:
+            setattr(ds_comm, name, watched(name))
+        try:
+            yield
+        finally:
+            for name, original in originals.items():
+                setattr(ds_comm, name, original)
 
     def _reduce_outputs(self, outputs: Any, *args: Any, **kwargs: Any) -> Any:
         reduced = super()._reduce_outputs(outputs, *args, **kwargs)

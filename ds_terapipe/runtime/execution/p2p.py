@@ -176,8 +176,7 @@ class _Waiter(threading.Thread):
 
     @classmethod
     def start_new(cls) -> "_Waiter":
-        if not _WAITERS:
-            atexit.register(_stop_waiters)
+        _register_exit()
         waiter = cls()
         _WAITERS.append(waiter)
         waiter.start()
@@ -185,6 +184,26 @@ class _Waiter(threading.Thread):
 
 
 _WAITERS: list[_Waiter] = []
+#: "registered": the exit hook is; "gave_up": a wait of this process ran out of time, so its collective may still
+#: be running inside gloo's own worker thread, which the process group's destructor joins while finalising
+_EXIT: dict[str, Any] = {"registered": False, "gave_up": False, "groups": []}
+
+
+def _register_exit() -> None:
+    if not _EXIT["registered"]:
+        _EXIT["registered"] = True
+        atexit.register(_stop_waiters)
+
+
+def _gave_up_a_wait(group: Any = None) -> None:
+    """A wait ran out of its deadline: at exit this rank's connections are closed first (see :func:`_stop_waiters`).
+    Why: a collective given up on (the batch agreement, the loss broadcast) stays inside gloo's worker thread while
+    its peer hangs (stopped, not dead: its connection stays open), and the process group's destructor joins that
+    thread at finalisation, so the rank would never exit."""
+    _EXIT["gave_up"] = True
+    if group is not None and all(group is not known for known in _EXIT["groups"]):
+        _EXIT["groups"].append(group)
+    _register_exit()
 
 # The tag of the receive that :func:`_break_connections` lets time out: no sender uses it, so it matches no
 # message. gloo picks a context (a set of connections) by tag modulo its device count, and the engine's transfers
@@ -192,29 +211,35 @@ _WAITERS: list[_Waiter] = []
 _BREAK_TAG = 720720
 
 
-def _break_connections() -> None:
-    """Close this rank's gloo connections of the default process group, failing every wait on them at once.
+def _break_connections(groups: Sequence[Any] = ()) -> None:
+    """Close this rank's gloo connections of the default process group, and of ``groups`` (groups a wait was given
+    up on), failing every wait on them at once.
 
     Why a receive that times out: gloo answers a receive's timeout by closing every connection of its context
     (torch binds no ``Work.abort`` and gloo's process-group ``abort`` does nothing), and the engine's transfers,
-    barriers and agreements all run on that context. Only for a process that is leaving: the group is unusable
+    barriers and agreements all run on that context. Only for a process that is leaving: the groups are unusable
     afterwards. Waits on other groups (vocabulary parallelism's) end when their peers exit, or at their deadline.
     """
-    try:
-        if not dist.is_initialized() or dist.get_world_size() < 2 or dist.get_backend() != "gloo":
-            return
-        peer = (dist.get_rank() + 1) % dist.get_world_size()
-        work = dist.irecv(torch.zeros(1), peer, tag=_BREAK_TAG)
-        work.wait(timeout=datetime.timedelta(milliseconds=1))
-    except Exception:  # noqa: BLE001 - the expected outcome: the receive timed out and the connections closed
-        pass
+    if not dist.is_initialized() or dist.get_world_size() < 2 or dist.get_backend() != "gloo":
+        return
+    me = dist.get_rank()
+    for group in (None, *groups):
+        try:
+            ranks = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
+            peers = [r for r in ranks if r != me]
+            if not peers or dist.get_backend(group) != "gloo":
+                continue
+            work = dist.irecv(torch.zeros(1), peers[0], group=group, tag=_BREAK_TAG)
+            work.wait(timeout=datetime.timedelta(milliseconds=1))
+        except Exception:  # noqa: BLE001 - the expected outcome: the receive timed out and the connections closed
+            pass
 
 
 def _stop_waiters() -> None:
     """At exit, before the interpreter finalises: end any wait a helper thread is still blocked in, then stop
     and join every helper thread (why: the module docstring, "Leaving after a fault")."""
-    if any(waiter.busy_until is not None for waiter in _WAITERS):
-        _break_connections()
+    if _EXIT["gave_up"] or any(waiter.busy_until is not None for waiter in _WAITERS):
+        _break_connections(_EXIT["groups"])
     for waiter in _WAITERS:
         waiter.jobs.put(None)
     for waiter in _WAITERS:
@@ -309,12 +334,13 @@ class SliceP2P:
         self.wait_all([dist.irecv(buf, rank) for buf in wire], f"{what} from stage {stage} (rank {rank})")
         return tuple(buf.bool() if dtype == torch.bool else buf for buf, (_, dtype) in zip(wire, specs))
 
-    def wait(self, work: dist.Work, what: str) -> None:
+    def wait(self, work: dist.Work, what: str, group: Any = None) -> None:
         """Wait for ``work`` (any async collective too) at most ``p2p_timeout_s``; fail naming ``what``, or at
-        once (within ``poll_s``) when another rank raised the abort flag."""
-        self.wait_all([work], what)
+        once (within ``poll_s``) when another rank raised the abort flag. ``group``: the process group of a
+        collective outside the default one (closed at exit if the wait runs out: see :func:`_gave_up_a_wait`)."""
+        self.wait_all([work], what, group)
 
-    def wait_all(self, works: Sequence[dist.Work], what: str) -> None:
+    def wait_all(self, works: Sequence[dist.Work], what: str, group: Any = None) -> None:
         """Wait for every one of ``works``, each at most ``p2p_timeout_s`` (see :meth:`wait`)."""
         if self.failure is not None:  # this engine already stopped for a peer: nothing it waits for will come
             self._raise_peer_failed(what)
@@ -340,6 +366,7 @@ class SliceP2P:
                     self._raise_peer_failed(what)
                 except PeerFailedError as peer:
                     raise peer from err
+            _gave_up_a_wait(group)
             raise P2PTimeoutError(f"rank {dist.get_rank()}: waiting for {what} failed (limit "
                                   f"{self.timeout.total_seconds():.0f}s, terapipe.p2p_timeout_s): a peer died, hung "
                                   f"or runs a different schedule ({err})") from err
