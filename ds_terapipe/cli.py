@@ -114,7 +114,9 @@ def _add_planning_args(p: argparse.ArgumentParser, schedule: bool = True) -> Non
     g.add_argument("--device", type=_preset_name(DEVICE_PRESETS), choices=list(DEVICE_PRESETS),
                    help="device preset for the analytic cost")
     g.add_argument("--cost", metavar="FILE.json",
-                   help="measured cost file (format: ds_terapipe/planner/cost.py); replaces --model/--device")
+                   help="measured cost file (format: docs/cost_format.md); replaces --model/--device. An engine "
+                        "plan-cache file (terapipe-plan-<key>.json under terapipe.plan_cache) is read too: its "
+                        "\"cost\" entry, the costs the engine profiled")
     g.add_argument("--stages", type=_positive_int, metavar="K",
                    help="pipeline stages, i.e. ranks (implied by a cost file with a \"stages\" list or "
                         "\"num_stages\": its chunks / V)")
@@ -200,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _load_cost(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     """The PipelineCost the arguments describe and a JSON-safe description of where it came from."""
-    from .planner.cost import CostFileError, PipelineCost, read_cost_json
+    from .planner.cost import PipelineCost
 
     if args.cost is None:
         for flag, value in (("--model", args.model), ("--device", args.device), ("--stages", args.stages)):
@@ -237,26 +239,120 @@ def _load_cost(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     if args.model is not None and args.memory_gb is None:
         logger.warning("--model %s is only used with --memory-gb; with --cost %s the file gives the times",
                        args.model, args.cost)
+    obj, entry = _read_cost_file(args)
+    where = f"--cost {args.cost}" + (" (its \"cost\" entry)" if entry else "")
+    if args.stages is None and "num_stages" not in obj and not isinstance(obj.get("stages"), list):
+        raise UsageError(f"--stages is required: {where} has one \"points\" list for every stage and "
+                         "no \"num_stages\"; pass --stages K")
+    v = _virtual_stages(args)
+    chunks = _file_chunks(obj)
+    if v > 1 and args.stages is not None and chunks is not None and chunks != args.stages * v:
+        raise UsageError(_chunks_mismatch(args, chunks, v))
+    try:
+        cost = PipelineCost.from_dict(obj, num_stages=None if args.stages is None else args.stages * v)
+    except (ValueError, TypeError) as exc:
+        raise UsageError(f"{where}: {_one_line(exc)}") from None
+    if cost.num_chunks % v:
+        raise UsageError(f"--cost {args.cost} describes {cost.num_chunks} stages, not a multiple of --virtual-stages "
+                         f"{v}: with virtual stages a cost file gives one entry per chunk (ranks x {v}); profile "
+                         "per chunk or pass --virtual-stages 1")
+    _warn_extrapolation(args, obj)
+    source = {"kind": "measured", "file": str(Path(args.cost))}
+    return cost, ({**source, "entry": "cost"} if entry else source)
+
+
+def _read_cost_file(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
+    """The cost object of --cost and whether it is the "cost" entry of an engine plan-cache file (which holds
+    "key", "plan", "cost", "stage_meta": ``runtime/planning/plan_cache.py``), read as the file's own costs."""
+    from .planner.cost import CostFileError, read_cost_json
+
     try:
         obj = read_cost_json(args.cost)
     except CostFileError as exc:
         raise UsageError(f"--cost {args.cost}: {exc.reason}") from None
     if not isinstance(obj, dict):
         raise UsageError(f"--cost {args.cost}: the top level is a JSON {type(obj).__name__}, not an object; write "
-                         "{\"points\": [...]} or {\"stages\": [...]} (see ds_terapipe/planner/cost.py)")
-    if args.stages is None and "num_stages" not in obj and not isinstance(obj.get("stages"), list):
-        raise UsageError(f"--stages is required: --cost {args.cost} has one \"points\" list for every stage and "
-                         "no \"num_stages\"; pass --stages K")
-    v = _virtual_stages(args)
-    try:
-        cost = PipelineCost.from_dict(obj, num_stages=None if args.stages is None else args.stages * v)
-    except (ValueError, TypeError) as exc:
-        raise UsageError(f"--cost {args.cost}: {_one_line(exc)}") from None
-    if cost.num_chunks % v:
-        raise UsageError(f"--cost {args.cost} describes {cost.num_chunks} stages, not a multiple of --virtual-stages "
-                         f"{v}: with virtual stages a cost file gives one entry per chunk (ranks x {v}); profile "
-                         "per chunk or pass --virtual-stages 1")
-    return cost, {"kind": "measured", "file": str(Path(args.cost))}
+                         "{\"points\": [...]} or {\"stages\": [...]} (see docs/cost_format.md)")
+    if not ("plan" in obj and "cost" in obj and "points" not in obj and "stages" not in obj):
+        return obj, False
+    cost = obj["cost"]
+    if cost is None:
+        raise UsageError(f"--cost {args.cost} is an engine plan-cache file whose \"cost\" is null (its plan was not "
+                         "profiled); pass the plan-cache file of a run with \"slices\": \"auto\", or a cost file")
+    if not isinstance(cost, dict):
+        raise UsageError(f"--cost {args.cost} is an engine plan-cache file whose \"cost\" is a JSON "
+                         f"{type(cost).__name__}, not an object; pass a terapipe-plan-<key>.json or a cost file")
+    if "layer_kinds" in cost:
+        raise UsageError(f"--cost {args.cost} is a layer-partition cache file (terapipe-partition-<key>.json): its "
+                         "\"cost\" holds per-layer-kind times, not per-stage ones; pass the terapipe-plan-<key>.json "
+                         "next to it, or a cost file")
+    plan = obj["plan"] if isinstance(obj["plan"], dict) else {}
+    profiled = f" (profiled for {plan['schedule']})" if isinstance(plan.get("schedule"), str) else ""
+    _note_once(args, logging.INFO, f"--cost {args.cost} is an engine plan-cache file: planning from its \"cost\" "
+                                   f"entry{profiled}")
+    return cost, True
+
+
+def _file_chunks(obj: dict[str, Any]) -> int | None:
+    """How many chunks a cost object times by itself (its "stages" list or its "num_stages"); None when the
+    count comes from --stages (or the value is invalid, which ``PipelineCost.from_dict`` then reports)."""
+    if isinstance(obj.get("stages"), list):
+        return len(obj["stages"])
+    n = obj.get("num_stages")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else None
+
+
+def _chunks_mismatch(args: argparse.Namespace, chunks: int, v: int) -> str:
+    """A cost file of ``chunks`` chunks for --stages p of a schedule placing v chunks per rank, said the way
+    compare says it: the file times chunks, the schedule needs p x v of them; and what to do."""
+    from .planner.registry import get_schedule
+
+    p = args.stages
+    what = f"--schedule {args.schedule}" + (f" --virtual-stages {v}" if args.virtual_stages is not None else "")
+    fixes = [f"profile {v} chunks per rank ({p * v} in all)"]
+    if chunks % v == 0:
+        try:
+            get_schedule(args.schedule).placement(chunks // v, v)
+            n = chunks // v
+            fixes.append(f"pass --stages {n} to plan {n} rank{'s' if n > 1 else ''} x {v} chunks from this file")
+        except ValueError:
+            pass
+    fixes.append(f"plan it with {'--stages ' + str(chunks) + ' ' if chunks != p else ''}--schedule 1f1b "
+                 "(one chunk per rank)")
+    return (f"--cost {args.cost} times {chunks} chunks, not {p} ranks x {v}: {what} places {v} chunks on each of "
+            f"the --stages {p} ranks, so it needs a cost of {p} x {v} = {p * v} chunks; "
+            + ", ".join(fixes[:-1]) + f" or {fixes[-1]}")
+
+
+def _warn_extrapolation(args: argparse.Namespace, obj: dict[str, Any]) -> None:
+    """One warning when --seq-len goes past what the cost file measured: past its longest slice (the unsliced
+    run is one slice of --seq-len tokens), or past its longest context for a last slice of its shortest measured
+    length. The stage measured least decides; the planner's own warning also covers slices shorter than measured."""
+    stages = obj["stages"] if isinstance(obj.get("stages"), list) else [obj]
+    ranges = []
+    for st in stages:
+        points = st.get("points") or obj.get("points") or []
+        ranges.append((max(p["slice"] for p in points), max(p.get("context", 0) for p in points),
+                       min(p["slice"] for p in points)))
+    longest, context = min(r[0] for r in ranges), min(r[1] for r in ranges)
+    shortest = max(r[2] for r in ranges)
+    if args.seq_len <= longest and args.seq_len - shortest <= context:
+        return
+    _note_once(args, logging.WARNING,
+               f"--seq-len {args.seq_len} is beyond --cost {args.cost}: its longest measured slice is {longest} "
+               f"tokens and its longest context {context}, so the plan extrapolates the times past them; profile "
+               f"slices and context up to {args.seq_len} tokens for a reliable plan")
+
+
+def _note_once(args: argparse.Namespace, level: int, message: str) -> None:
+    """Log ``message`` once per command: compare loads the cost once per schedule (``args.noted``, which its
+    per-schedule copies share)."""
+    noted = getattr(args, "noted", None)
+    if noted is not None:
+        if message in noted:
+            return
+        noted.add(message)
+    logger.log(level, message)
 
 
 def _sequence_parallel(args: argparse.Namespace, cost: Any, virtual_stages: int) -> Any:
@@ -461,21 +557,14 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 def _cost_file_chunks(args: argparse.Namespace) -> int | None:
     """How many chunks a --cost file times (its "stages" list, its "num_stages", else one shared "points" list
     for each of the --stages ranks); None without a file or when the file cannot be read (``_plan`` says why)."""
-    from .planner.cost import CostFileError, read_cost_json
-
     if args.cost is None:
         return None
     try:
-        obj = read_cost_json(args.cost)
-    except CostFileError:
+        obj, _ = _read_cost_file(args)
+    except UsageError:
         return None
-    if not isinstance(obj, dict):
-        return None
-    if isinstance(obj.get("stages"), list):
-        return len(obj["stages"])
-    if isinstance(obj.get("num_stages"), int):
-        return obj["num_stages"]
-    return args.stages
+    chunks = _file_chunks(obj)
+    return args.stages if chunks is None else chunks
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
@@ -491,6 +580,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         flag = "--vocab-parallel" if args.vocab_parallel else "--balance"
         raise UsageError(f"{flag} is not supported by compare (each schedule would get its own layer boundaries); "
                          f"compare without it, then 'ds-terapipe plan {flag} --schedule NAME' for the one you pick")
+    args.noted = set()   # a note about the cost file is logged once, not once per schedule
     chunks = _cost_file_chunks(args)
     rows, refused, source = [], [], None
     for name in schedule_names():

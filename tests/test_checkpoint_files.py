@@ -64,6 +64,40 @@ def test_no_latest_names_the_fix(tmp_path) -> None:
         export_state_dict(str(tmp_path))
 
 
+def test_export_of_a_missing_directory_says_it_does_not_exist(tmp_path) -> None:
+    # it used to say "has no 'latest' file; pass tag= (one of [])": no tag could have helped
+    with pytest.raises(CheckpointError, match=r"checkpoint directory .*nope does not exist; pass the directory"):
+        export_state_dict(str(tmp_path / "nope"))
+    make_ckpt(tmp_path)
+    with pytest.raises(CheckpointError, match=r"latest is a file, not a directory"):
+        export_state_dict(str(tmp_path / "latest"))
+    with pytest.raises(CheckpointError, match=r"has no tag 'global_step6' .* one of \['global_step3'\]"):
+        export_state_dict(str(tmp_path), tag="global_step6")
+    os.remove(tmp_path / "latest")
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(CheckpointError, match=r"no 'latest' file; pass tag= \(one of \['global_step3'\]\)"):
+        export_state_dict(str(tmp_path))
+
+
+def test_export_of_a_tag_directory_exports_that_tag(tmp_path) -> None:
+    """ckpt/global_step3 itself (it holds the layer files and the manifest) is that tag's checkpoint; its files
+    used to be offered as tags."""
+    tag_dir = make_ckpt(tmp_path)
+    other = make_ckpt(tmp_path, "global_step6")   # latest now names global_step6, whose weight differs
+    torch.save({"weight": torch.zeros(2, 3)}, os.path.join(other, "layer_00-model_00-model_states.pt"))
+    write_manifest(other, {"num_stages": 2})
+    assert torch.equal(export_state_dict(str(tmp_path))["0.weight"], torch.zeros(2, 3))
+    flat = export_state_dict(tag_dir)
+    assert set(flat) == {"0.weight", "1.bias"} and torch.equal(flat["0.weight"], torch.arange(6.0).view(2, 3))
+    assert torch.equal(export_state_dict(tag_dir + os.sep, tag="global_step3")["0.weight"], flat["0.weight"])
+    with pytest.raises(CheckpointError, match=r"is itself the checkpoint of tag 'global_step3'.*tag='global_step6'"):
+        export_state_dict(tag_dir, tag="global_step6")
+    # a tag directory whose manifest is missing (an interrupted save) is still a tag directory: refused as such
+    os.remove(os.path.join(tag_dir, MANIFEST))
+    with pytest.raises(CheckpointError, match="no terapipe_manifest.json: it is incomplete"):
+        export_state_dict(tag_dir)
+
+
 # -- the slicing a resumed run runs (runtime/planning/plan.py: checkpoint_slices, restore_checkpoint_plan)
 # ---------------
 def _summary(**over) -> dict:

@@ -7,11 +7,14 @@ Small pipelines (gpt3-1b on 4 stages, 512 tokens, granularity 32) keep the in-pr
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -49,6 +52,20 @@ def linear_cost_points(max_len: int, ms_per_token: float) -> list[dict]:
 def write_json(path: Path, obj: object) -> str:
     path.write_text(json.dumps(obj))
     return str(path)
+
+
+@contextlib.contextmanager
+def cli_log() -> Iterator[list[logging.LogRecord]]:
+    """The CLI's own log records (whatever the root logger's or the package logger's handlers are)."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    cli_logger = logging.getLogger("ds_terapipe.cli")
+    cli_logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        cli_logger.removeHandler(handler)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -229,6 +246,88 @@ def test_a_cost_measured_with_deferred_weight_grads_keeps_its_w_work(tmp_path: P
     plain = write_json(tmp_path / "plain.json", {"stages": [{"points": stage["points"]}] * 2})
     assert run_json(capsys, "simulate", "--cost", plain, "--seq-len", "256",
                     "--granularity", "32")["deferred_weight_grads"] is False
+
+
+def test_a_cost_of_one_chunk_per_rank_for_a_schedule_of_two_is_explained_in_chunks(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A cost measured on 2 stages (one chunk each) planned with --stages 2 and an interleaved schedule: the file
+    times chunks, the schedule places 2 per rank, so it needs 2 x 2 = 4; said that way, as compare says it (it
+    used to say "cost.num_stages = 2 but num_stages = 4 was requested", 4 being nothing the user typed)."""
+    points = linear_cost_points(256, 0.01)
+    files = [write_json(tmp_path / "n.json", {"points": points, "num_stages": 2}),
+             write_json(tmp_path / "s.json", {"stages": [{"points": points}] * 2})]
+    for command in ("plan", "simulate"):
+        for path in files:
+            rc, out, err = run(capsys, command, "--cost", path, "--stages", "2", "--seq-len", "256",
+                               "--schedule", "interleaved-1f1b")
+            assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+            for text in (f"--cost {path} times 2 chunks, not 2 ranks x 2", "interleaved-1f1b places 2 chunks on each",
+                         "needs a cost of 2 x 2 = 4 chunks", "profile 2 chunks per rank",
+                         "--stages 1 to plan 1 rank x 2", "--schedule 1f1b"):
+                assert text in err, (text, err)
+            assert "was requested" not in err
+    # the fixes it names work
+    assert run_json(capsys, "plan", "--cost", files[0], "--stages", "1", "--seq-len", "256",
+                    "--schedule", "interleaved-1f1b")["virtual_stages"] == 2
+    assert run_json(capsys, "plan", "--cost", files[0], "--stages", "2", "--seq-len", "256",
+                    "--schedule", "1f1b")["num_stages"] == 2
+
+
+def test_an_engine_plan_cache_file_is_read_as_its_cost(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/cost_format.md: the engine writes a cost file when it profiles and the CLI reads it. What it writes
+    is its plan-cache file (terapipe.plan_cache), the cost under "cost" next to "key", "plan", "stage_meta":
+    --cost takes that file as it is (it used to fail with "cost has unknown key 'key'")."""
+    from ds_terapipe.planner.cost import PipelineCost
+    from ds_terapipe.planner.slicing import plan_slicing
+    from ds_terapipe.runtime.planning.plan_cache import CacheEntry, store_plan
+
+    cost = PipelineCost.from_dict({"points": linear_cost_points(256, 0.01)}, num_stages=2).to_dict()
+    plain = write_json(tmp_path / "cost.json", cost)
+    cache = str(tmp_path / "plans" / "terapipe-plan-0123.json")
+    store_plan(CacheEntry(cache, "0123"), plan_slicing(PipelineCost.from_dict(cost), 256, granularity=32), cost,
+               [{"rank": 0}], profile_seconds=1.5)
+    argv = ["--seq-len", "256", "--granularity", "32", "--microbatches", "2"]
+    with cli_log() as records:
+        got = run_json(capsys, "plan", "--cost", cache, *argv, "-v")
+    want = run_json(capsys, "plan", "--cost", plain, *argv)
+    assert got["cost"] == {"kind": "measured", "file": cache, "entry": "cost"}
+    assert {k: v for k, v in got.items() if k not in ("cost", "plan_seconds")} == \
+        {k: v for k, v in want.items() if k not in ("cost", "plan_seconds")}
+    assert any("is an engine plan-cache file: planning from its \"cost\" entry" in r.getMessage() for r in records)
+    assert run_json(capsys, "simulate", "--cost", cache, *argv)["num_stages"] == 2
+    compared = run_json(capsys, "compare", "--cost", cache, "--stages", "2", *argv)
+    assert {p["schedule"] for p in compared["plans"]} == {"gpipe", "1f1b"}
+    # a cache file without costs, and the layer-partition cache next to it, are refused with what to pass
+    for name, obj, needle in (("nocost", {"key": "k", "plan": {}, "cost": None}, "whose \"cost\" is null"),
+                              ("partition", {"key": "k", "plan": {"parts": [0, 1]},
+                                             "cost": {"layer_kinds": [], "points": []}}, "layer-partition cache")):
+        path = write_json(tmp_path / f"{name}.json", obj)
+        rc, out, err = run(capsys, "plan", "--cost", path, *argv)
+        assert rc == 2 and out == "" and f"--cost {path} " in err and needle in err and "; pass" in err, err
+
+
+def test_a_sequence_longer_than_the_cost_measured_warns_once(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """--seq-len past the longest measured slice (and slice + context) plans on extrapolated times: one warning
+    naming what was measured, the length asked for and the fix; none within the measurements; once in compare."""
+    path = write_json(tmp_path / "cost.json", {"points": linear_cost_points(256, 0.01)})
+    short = ["--cost", path, "--stages", "2", "--seq-len", "256"]
+    long = ["--cost", path, "--stages", "2", "--seq-len", "1024"]
+    for argv in (["plan", *long, "--granularity", "32"], ["simulate", *long, "--slices", "1024"],
+                 ["compare", *long, "--granularity", "32"]):
+        with cli_log() as records:
+            rc, _, err = run(capsys, *argv)
+        assert rc == 0, err
+        warnings = [r.getMessage() for r in records if r.levelno == logging.WARNING]
+        assert len(warnings) == 1, (argv, warnings)
+        for text in ("--seq-len 1024", f"--cost {path}", "longest measured slice is 256 tokens",
+                     "longest context 224", "extrapolates", "profile slices and context up to 1024"):
+            assert text in warnings[0], (text, warnings[0])
+        assert "\n" not in warnings[0]
+    for argv in (["plan", *short, "--granularity", "32"], ["simulate", *short, "--slices", "256"]):
+        with cli_log() as records:
+            assert run(capsys, *argv)[0] == 0
+        assert not [r for r in records if r.levelno >= logging.WARNING], argv
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -144,12 +144,11 @@ def export_state_dict(checkpoint_dir: str, tag: Optional[str] = None) -> dict[st
     verifying the manifest. Tied layers appear under each index that uses them. An output layer split by
     ``terapipe.vocab_parallel`` appears whole, under its layer index, and so does a tied input embedding split
     with it, under its own (``runtime/features/vocab.py``).
+
+    ``checkpoint_dir`` is the save directory (its ``latest`` file, or ``tag``, names the tag), or a tag directory
+    itself (``ckpt/global_step3``: it holds the layer files or the manifest), which is exported as it is.
     """
-    tag = tag or read_latest(checkpoint_dir)
-    if tag is None:
-        raise CheckpointError(f"{checkpoint_dir} has no 'latest' file; pass tag= (one of "
-                              f"{sorted(os.listdir(checkpoint_dir)) if os.path.isdir(checkpoint_dir) else []})")
-    tag_dir = os.path.join(checkpoint_dir, tag)
+    tag_dir = _export_tag_dir(checkpoint_dir, tag)
     verify_manifest(tag_dir)
     out: dict[str, torch.Tensor] = {}
     for path in sorted(glob.glob(os.path.join(tag_dir, "layer_*model_states.pt"))):
@@ -166,6 +165,43 @@ def export_state_dict(checkpoint_dir: str, tag: Optional[str] = None) -> dict[st
     if not out:
         raise CheckpointError(f"checkpoint {tag_dir} holds no layer files (layer_XX-...model_states.pt)")
     return out
+
+
+def _is_tag_dir(path: str) -> bool:
+    """Whether ``path`` is one checkpoint tag's directory: it holds the manifest or DeepSpeed's layer files."""
+    return os.path.isfile(os.path.join(path, MANIFEST)) or \
+        any(_LAYER_FILE.search(name) for name in os.listdir(path))
+
+
+def _tags(checkpoint_dir: str) -> list[str]:
+    """The tag directories under a save directory."""
+    return sorted(name for name in os.listdir(checkpoint_dir)
+                  if os.path.isdir(os.path.join(checkpoint_dir, name)) and _is_tag_dir(os.path.join(checkpoint_dir,
+                                                                                                    name)))
+
+
+def _export_tag_dir(checkpoint_dir: str, tag: Optional[str]) -> str:
+    """The tag directory :func:`export_state_dict` reads, each wrong path refused with what to pass instead."""
+    if not os.path.isdir(checkpoint_dir):
+        what = "is a file, not a directory" if os.path.exists(checkpoint_dir) else "does not exist"
+        raise CheckpointError(f"checkpoint directory {checkpoint_dir} {what}; pass the directory the checkpoint was "
+                              "saved to (save_checkpoint's save_dir) or one of its tag directories")
+    if _is_tag_dir(checkpoint_dir):
+        parent, name = os.path.split(os.path.normpath(checkpoint_dir))
+        if tag is not None and tag != name:
+            raise CheckpointError(f"{checkpoint_dir} is itself the checkpoint of tag {name!r}, but tag={tag!r} was "
+                                  f"passed; pass tag={name!r} (or none), or the save directory {parent or '.'} with "
+                                  f"tag={tag!r}")
+        logger.info("terapipe: %s is a tag directory: exporting tag %r", checkpoint_dir, name)
+        return checkpoint_dir
+    tag = tag or read_latest(checkpoint_dir)
+    if tag is None:
+        raise CheckpointError(f"{checkpoint_dir} has no 'latest' file; pass tag= (one of {_tags(checkpoint_dir)})")
+    tag_dir = os.path.join(checkpoint_dir, tag)
+    if not os.path.isdir(tag_dir):
+        raise CheckpointError(f"checkpoint directory {checkpoint_dir} has no tag {tag!r} ({tag_dir} does not exist); "
+                              f"pass tag= one of {_tags(checkpoint_dir)}")
+    return tag_dir
 
 
 # -- bf16 with ZeRO stage 0 ------------------------------------------------------------------------------------
