@@ -188,8 +188,47 @@ class PackedBatches(Batches):
             yield ds_terapipe.packed_rows(self.tokens, self.starts, begins, self.seq_len)
 
 
-def start(args: argparse.Namespace, name: str) -> tuple[dict, Any, int, int]:
-    """Threads, the process group and the config: ``(ds_config, terapipe config, stages, seq_len)``."""
+def apply_overrides(ds_config: dict, args: argparse.Namespace, name: str) -> bool:
+    """The command line's settings of the terapipe section, written into ``ds_config`` (in place) before it is
+    validated: ``--pack`` (terapipe.packed) and, where the trainer has them, ``--freeze`` (terapipe.freeze) and
+    ``--repack`` (terapipe.freeze.repack). True when one was given. ``--stages`` and ``--checkpoint-interval``
+    shape the module, not this section."""
+    pack, freeze, repack = getattr(args, "pack", False), getattr(args, "freeze", None), getattr(args, "repack", False)
+    if not (pack or freeze or repack):
+        return False
+    section = ds_config.get("terapipe")
+    if section is None:
+        section = ds_config["terapipe"] = {}
+    if not isinstance(section, dict):
+        return False   # not an object: validation refuses the config with its rule
+    if pack:
+        section["packed"] = True
+    if freeze:
+        section["freeze"] = freeze_section(freeze)
+    if repack:
+        if not isinstance(section.get("freeze"), dict):
+            raise SystemExit(f"{name}: --repack needs --freeze or a terapipe.freeze section in the config")
+        section["freeze"]["repack"] = True
+    return True
+
+
+def read_config(args: argparse.Namespace, name: str) -> tuple[dict, Optional[dict], Any]:
+    """The DeepSpeed config of ``--deepspeed_config`` with the command line's overrides applied, then validated:
+    ``(ds_config, config, terapipe config)``. ``config`` is what ``initialize`` gets: the changed dict (and
+    ``args.deepspeed_config`` then None), or None when the file is used as it is."""
+    with open(args.deepspeed_config) as f:
+        ds_config = json.load(f)
+    changed = apply_overrides(ds_config, args, name)
+    terapipe = ds_terapipe.parse_terapipe_config(ds_config)   # after the overrides: --pack makes packed true
+    if not changed:
+        return ds_config, None, terapipe
+    args.deepspeed_config = None
+    return ds_config, ds_config, terapipe
+
+
+def start(args: argparse.Namespace, name: str) -> tuple[dict, Optional[dict], Any, int, int]:
+    """Threads, the process group and the config: ``(ds_config, config for initialize, terapipe config, stages,
+    seq_len)`` (see :func:`read_config`)."""
     setup_logging()
     if not torch.cuda.is_available():
         # One process per stage shares the cores: more threads than cores per process makes every rank spin
@@ -205,13 +244,11 @@ def start(args: argparse.Namespace, name: str) -> tuple[dict, Any, int, int]:
         if "OMP_NUM_THREADS" not in os.environ:  # an explicit thread count stays the user's
             torch.set_num_threads(threads)
     deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else None)
-    with open(args.deepspeed_config) as f:
-        ds_config = json.load(f)
-    terapipe = ds_terapipe.parse_terapipe_config(ds_config)
+    ds_config, config, terapipe = read_config(args, name)
     stages = args.stages or ds_config.get("pipeline", {}).get("stages") or 2
     if not isinstance(stages, int) or stages < 1:
         raise SystemExit(f"{name}: --stages / pipeline.stages must be a positive int, got {stages!r}")
-    return ds_config, terapipe, stages, terapipe.seq_len or 256
+    return ds_config, config, terapipe, stages, terapipe.seq_len or 256
 
 
 def train(engine: Any, args: argparse.Namespace, tokens: np.ndarray, seq_len: int, stages: int, header: str,
@@ -294,20 +331,8 @@ def train(engine: Any, args: argparse.Namespace, tokens: np.ndarray, seq_len: in
 
 def main() -> None:
     args = parse_args()
-    ds_config, terapipe, stages, seq_len = start(args, "train_gpt")
-    config = None
-    if args.freeze or args.repack or args.pack:  # the config from the file, changed: handed over as a dict
-        section = ds_config.setdefault("terapipe", {})
-        if args.pack:
-            section["packed"] = True
-        if args.freeze:
-            section["freeze"] = freeze_section(args.freeze)
-        if args.repack:
-            if "freeze" not in section:
-                raise SystemExit("train_gpt: --repack needs --freeze or a terapipe.freeze section in the config")
-            section["freeze"]["repack"] = True
-        terapipe = ds_terapipe.parse_terapipe_config(ds_config)
-        config, args.deepspeed_config = ds_config, None
+    # --pack, --freeze and --repack are in the config (handed over as a dict) before it is validated
+    ds_config, config, terapipe, stages, seq_len = start(args, "train_gpt")
     tokens, starts = load_documents(args)
     vocab = args.vocab_size if args.data and args.data[0].endswith(".bin") else 256
     if int(tokens.max()) >= vocab:

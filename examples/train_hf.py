@@ -57,12 +57,8 @@ def model_config(args: argparse.Namespace, vocab: int, seq_len: int) -> transfor
 
 def main() -> None:
     args = parse_args()
-    ds_config, terapipe, stages, seq_len = start(args, "train_hf")
-    config_dict = None
-    if args.pack:   # packed documents: the config from the file with terapipe.packed, handed over as a dict
-        ds_config.setdefault("terapipe", {})["packed"] = True
-        terapipe = ds_terapipe.parse_terapipe_config(ds_config)
-        config_dict, args.deepspeed_config = ds_config, None
+    # --pack (terapipe.packed) is in the config (handed over as a dict) before it is validated
+    _, config_dict, terapipe, stages, seq_len = start(args, "train_hf")
     tokens, starts = load_documents(args)
     vocab = args.vocab_size if args.data and args.data[0].endswith(".bin") else 256
     config = model_config(args, vocab, seq_len)

@@ -138,7 +138,7 @@ def test_a_planner_failure_on_rank_0_is_raised_by_every_rank(launch_loss) -> Non
     for rank in launch_loss[1:]:
         case = rank["planner failure"]
         assert case["raised"] == "ValueError", case
-        assert "planning on global rank 0 failed: ValueError: memory_limit_bytes" in case["message"], case
+        assert "planning on global rank 0 failed: ValueError: terapipe.memory_limit_gb" in case["message"], case
     _stopped_promptly(launch_loss, "planner failure", 0)   # not the process group's timeout
 
 

@@ -140,12 +140,12 @@ def test_a_memory_cap_that_binds_sets_the_slice_count_and_one_that_cannot_be_met
         assert case["losses"] == pytest.approx(case["ref_losses"], rel=1e-5) and case["grad_rel_err"] <= 1e-5, case
     origin = features[0]["ckpt auto cap unmet"]
     assert origin["raised"] == "ValueError", origin
-    assert f"memory_limit_bytes = {origin['cap_bytes']:.4g} cannot be met: the smallest estimated peak is " \
-        f"{features[0]['ckpt auto capped']['peaks'][1]:.4g} bytes; raise the limit, add stages" in origin["message"], \
-        origin["message"]
+    assert f"terapipe.memory_limit_gb = {origin['cap_bytes'] / 2**30:g} cannot be met: the smallest activation " \
+        f"estimate of any plan the planner may choose is {features[0]['ckpt auto capped']['peaks'][1] / 2**30:.3g} " \
+        "GB on the busiest stage; raise terapipe.memory_limit_gb" in origin["message"], origin["message"]
     other = features[1]["ckpt auto cap unmet"]
-    assert other["raised"] == "ValueError" and "planning on global rank 0 failed: ValueError: memory_limit_bytes = " \
-        f"{origin['cap_bytes']:.4g} cannot be met" in other["message"], other
+    assert other["raised"] == "ValueError" and "planning on global rank 0 failed: ValueError: " \
+        f"terapipe.memory_limit_gb = {origin['cap_bytes'] / 2**30:g} cannot be met" in other["message"], other
 
 
 @pytest.mark.timeout(700)

@@ -47,6 +47,40 @@ def check(codes, texts) -> None:
     assert codes == [0, 0], "\n".join(f"--- rank {r}:\n{t[-3000:]}" for r, t in enumerate(texts))
 
 
+def test_command_line_overrides_are_in_the_config_before_it_is_validated(tmp_path) -> None:
+    """In process (no launch): a terapipe section with plan_per_batch and no packed is valid with --pack, which
+    sets packed; the changed config is handed over as a dict. --freeze/--repack are applied the same way, and a
+    trainer without those options (train_hf) applies --pack alone."""
+    import argparse
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_gpt_example", ROOT / "examples" / "train_gpt.py")
+    train_gpt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_gpt)
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(dict(CONFIG, terapipe=dict(CONFIG["terapipe"], slices="auto", plan_per_batch=True))))
+
+    def args(**kw) -> argparse.Namespace:
+        return argparse.Namespace(**{"deepspeed_config": str(path), "pack": False, **kw})
+
+    with pytest.raises(ValueError, match="needs packed: true"):   # the file alone, as before
+        train_gpt.read_config(args(freeze=None, repack=False), "train_gpt")
+    packed = args(freeze=None, repack=False, pack=True)
+    ds_config, config, terapipe = train_gpt.read_config(packed, "train_gpt")
+    assert terapipe.packed and terapipe.plan_per_batch and config is ds_config and packed.deepspeed_config is None
+    assert ds_config["terapipe"]["packed"] is True
+    hf = args(pack=True)   # train_hf's options: no --freeze / --repack
+    assert train_gpt.read_config(hf, "train_hf")[2].packed and hf.deepspeed_config is None
+    plain = args(freeze=None, repack=False)
+    path.write_text(json.dumps(CONFIG))
+    _, config, terapipe = train_gpt.read_config(plain, "train_gpt")
+    assert config is None and plain.deepspeed_config == str(path) and not terapipe.packed   # the file, unchanged
+    frozen = train_gpt.read_config(args(freeze="2:1", repack=True), "train_gpt")[2].freeze
+    assert frozen.repack and frozen.schedule == [[2, 1]], frozen
+    with pytest.raises(SystemExit, match="--repack needs --freeze or a terapipe.freeze section"):
+        train_gpt.read_config(args(freeze=None, repack=True), "train_gpt")
+
+
 @pytest.mark.timeout(600)
 def test_resume_in_fresh_processes_is_bit_identical(tmp_path) -> None:
     v_shape = {"schedule": "dualpipev", "virtual_stages": 2}

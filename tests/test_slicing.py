@@ -336,6 +336,73 @@ def test_memory_cap_accepts_and_rejects():
         plan_slicing(cost, 1024, num_microbatches=2, granularity=64, memory=mem, memory_limit_bytes=need * 0.999)
 
 
+def _engine_with_cap(memory_limit_gb: float, *, interval: int = 0, schedule: str = "1f1b", **terapipe):
+    """What ``solve_slicing`` reads of an engine: 2 stages of 2 layers (hidden 64, 16 bits), micro-batches 2 x 2."""
+    from types import SimpleNamespace
+
+    from ds_terapipe.config import parse_terapipe_config
+
+    cfg = parse_terapipe_config({"terapipe": {"enabled": True, "slices": "auto", "seq_len": 256, "granularity": 32,
+                                              "schedule": schedule, "memory_limit_gb": memory_limit_gb, **terapipe}})
+    engine = SimpleNamespace(terapipe=cfg, num_stages=2, num_chunks=2, placement=[0, 1], micro_batches=2,
+                             micro_batch_size=2, module=SimpleNamespace(activation_checkpoint_interval=interval))
+    return engine, [{"layers": 2, "hidden": 64, "bytes": 2}] * 2
+
+
+def test_the_engine_refuses_an_unmet_memory_cap_in_config_terms():
+    """terapipe.memory_limit_gb no plan meets: the key, its value and the smallest estimate in GB, and config
+    actions as the fixes (not the planner's memory_limit_bytes / split_batch / MemoryModel.activation_factor)."""
+    from ds_terapipe.runtime.planning.plan import solve_slicing
+
+    cost = PipelineCost.uniform(MeasuredCost([{"slice": s, "context": c, "forward_ms": 0.2 + 0.01 * s,
+                                               "backward_ms": 0.4 + 0.02 * s} for s in (32, 256) for c in (0, 224)]), 2)
+    engine, meta = _engine_with_cap(1e-5)
+    smallest = MemoryModel(2, 64, 2).peak_bytes(schedule="1f1b", num_stages=2, num_microbatches=2, micro_batch_size=2,
+                                                num_splits=1, seq_len=256, num_slices=8) / 2**30
+    with pytest.raises(ValueError) as err:
+        solve_slicing(engine, cost, meta, 256)
+    message = str(err.value)
+    assert message.startswith(f"terapipe.memory_limit_gb = 1e-05 cannot be met: the smallest activation estimate of "
+                              f"any plan the planner may choose is {smallest:.3g} GB on the busiest stage; "), message
+    enough = float(f"{smallest * 1.01:.3g}")
+    assert enough >= smallest
+    for fix in (f"raise terapipe.memory_limit_gb to {enough:g} or more",
+                "lower train_micro_batch_size_per_gpu (now 2)", "terapipe.seq_len; this batch's: 256 tokens",
+                "turn on activation checkpointing (activation_checkpoint_interval=1 on the pipeline module",
+                'docs/configuration.md, "Activation checkpointing with slices"', "use more pipeline stages (now 2)"):
+        assert fix in message, (fix, message)
+    for planner_word in ("memory_limit_bytes", "split_batch", "MemoryModel", "activation_factor"):
+        assert planner_word not in message, message
+    # a cap the estimate meets plans as before
+    engine, meta = _engine_with_cap(smallest * 1.01)
+    assert solve_slicing(engine, cost, meta, 256).memory_bytes <= smallest * 1.01 * 2**30
+
+
+def test_the_engine_s_memory_refusal_suggests_only_what_lowers_the_estimate():
+    from ds_terapipe.planner.slicing import MemoryShortfall
+    from ds_terapipe.runtime.planning.plan import memory_limit_refusal
+
+    short = MemoryShortfall(smallest_bytes=3 * 2**29, lower_schedule="gpipe", split_batch_helps=True,
+                            more_slices_help=True)
+    engine, _ = _engine_with_cap(0.5, interval=2, max_slices=2)
+    message = memory_limit_refusal(engine.terapipe, short, seq_len=256, micro_batch_size=1, num_stages=4,
+                                   checkpoint_interval=2)
+    assert "terapipe.memory_limit_gb = 0.5 cannot be met" in message and "is 1.5 GB" in message, message
+    assert "use terapipe.schedule 'gpipe'" in message and "raise terapipe.max_slices (now 2)" in message, message
+    # checkpointing is on already; one sequence per micro-batch and no batch split in the engine: nothing to offer
+    for absent in ("checkpoint", "micro_batch_size", "split"):
+        assert absent not in message, (absent, message)
+    assert message.endswith("or raise terapipe.max_slices (now 2)"), message
+    # gpipe defers the weight gradients to the micro-batch's end: they keep what checkpointing would free
+    engine, _ = _engine_with_cap(0.5, schedule="gpipe")
+    deferred = memory_limit_refusal(engine.terapipe, short, seq_len=256, micro_batch_size=1, num_stages=4,
+                                    checkpoint_interval=0)
+    assert "set terapipe.deferred_weight_grads to false and turn on activation checkpointing (" in deferred, deferred
+    on = memory_limit_refusal(engine.terapipe, short, seq_len=256, micro_batch_size=1, num_stages=4,
+                              checkpoint_interval=1)
+    assert "set terapipe.deferred_weight_grads to false (it keeps what activation checkpointing frees)" in on, on
+
+
 def test_memory_cap_forces_more_slices_under_1f1b_exactly():
     rng = np.random.default_rng(5)
     n, g, k, m = 12, 4, 6, 3

@@ -28,8 +28,9 @@ from typing import Any, Mapping, Optional
 
 import torch.distributed as dist
 
+from ...config import TeraPipeConfig
 from ...planner.cost import PipelineCost, scaled_cost
-from ...planner.slicing import MemoryModel, SlicingPlan, plan_slicing
+from ...planner.slicing import MemoryModel, MemoryShortfall, SlicingPlan, memory_shortfall, plan_slicing
 from ..execution.collective import decided_on_rank0, mark_collective
 from ..execution.stage import PipelineStage
 from ..features.recompute import planned_activation_factor
@@ -38,8 +39,8 @@ from .profile import measure_costs, recheck_costs
 from .slice_check import check_stage_slicing
 
 
-__all__ = ["ResolvedPlan", "checkpoint_slices", "plan_for_length", "resolve_plan", "restore_checkpoint_plan",
-           "solve_slicing"]
+__all__ = ["ResolvedPlan", "checkpoint_slices", "memory_limit_refusal", "plan_for_length", "resolve_plan",
+           "restore_checkpoint_plan", "solve_slicing"]
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +91,15 @@ def solve_slicing(engine: "PipelineStage", cost: PipelineCost, stage_meta: Any, 
                                  engine.module.activation_checkpoint_interval, cfg),
                              deferred_weight_grads=bool(cfg.deferred_weight_grads))
         limit = cfg.memory_limit_gb * 2**30
+        # the planner refuses a cap no plan meets in its own API's words; the engine's user set a config key
+        short = memory_shortfall(memory, limit, schedule=cfg.schedule, num_stages=engine.num_stages,
+                                 num_microbatches=engine.micro_batches, micro_batch_size=engine.micro_batch_size,
+                                 seq_len=seq_len, granularity=granularity or cfg.granularity,
+                                 max_slices=cfg.max_slices, virtual_stages=cfg.virtual_stages or 1)
+        if short is not None:
+            raise ValueError(memory_limit_refusal(
+                cfg, short, seq_len=seq_len, micro_batch_size=engine.micro_batch_size, num_stages=engine.num_stages,
+                checkpoint_interval=engine.module.activation_checkpoint_interval))
     plan = plan_slicing(cost, seq_len, num_microbatches=engine.micro_batches, micro_batch_size=engine.micro_batch_size,
                         granularity=granularity or cfg.granularity, schedule=cfg.schedule, memory_limit_bytes=limit,
                         memory=memory, max_slices=cfg.max_slices, deferred_weight_grads=cfg.deferred_weight_grads,
@@ -100,6 +110,36 @@ def solve_slicing(engine: "PipelineStage", cost: PipelineCost, stage_meta: Any, 
                "terapipe: plan for seq_len %d: %s slices=%s predicted %.1f ms vs %.1f ms unsliced (%.2fx)", seq_len,
                cfg.schedule, list(plan.slices), plan.predicted_ms, plan.unsliced_ms, plan.speedup)
     return plan
+
+
+def memory_limit_refusal(cfg: TeraPipeConfig, short: MemoryShortfall, *, seq_len: int, micro_batch_size: int,
+                         num_stages: int, checkpoint_interval: int) -> str:
+    """Why ``terapipe.memory_limit_gb`` cannot be met, in the config's terms: the key and its value, the smallest
+    estimate the planner found (both in the key's unit, 2**30 bytes) and the changes of the run that would lower
+    that estimate (``short`` says which of the planner's own would)."""
+    gb = short.smallest_bytes / 2**30
+    enough = float(f"{gb * 1.01:.3g}")   # 3 digits, rounded at least to the estimate
+    fixes = [f"raise terapipe.memory_limit_gb to {enough:g} or more"]
+    if micro_batch_size > 1:
+        fixes.append(f"lower train_micro_batch_size_per_gpu (now {micro_batch_size})")
+    fixes.append(f"train on shorter sequences (terapipe.seq_len; this batch's: {seq_len} tokens)")
+    checkpointing = ("turn on activation checkpointing (activation_checkpoint_interval=1 on the pipeline module, "
+                     'see docs/configuration.md, "Activation checkpointing with slices")')
+    if planned_activation_factor(1, cfg) >= planned_activation_factor(0, cfg):
+        # weight gradients deferred to the micro-batch's end keep what recomputation frees
+        fixes.append("set terapipe.deferred_weight_grads to false" +
+                     (" (it keeps what activation checkpointing frees)" if checkpoint_interval > 0 else
+                      f" and {checkpointing}"))
+    elif checkpoint_interval <= 0:
+        fixes.append(checkpointing)
+    fixes.append(f"use more pipeline stages (now {num_stages})")
+    if short.lower_schedule:
+        fixes.append(f"use terapipe.schedule {short.lower_schedule!r}")
+    if short.more_slices_help:
+        fixes.append(f"raise terapipe.max_slices (now {cfg.max_slices})")
+    return (f"terapipe.memory_limit_gb = {cfg.memory_limit_gb:g} cannot be met: the smallest activation estimate "
+            f"of any plan the planner may choose is {gb:.3g} GB on the busiest stage; {', '.join(fixes[:-1])} or "
+            f"{fixes[-1]}")
 
 
 def _auto_plan(engine: "PipelineStage", known: Optional[ResolvedPlan], stage_input: Any,
