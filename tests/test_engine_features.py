@@ -341,6 +341,8 @@ def test_checkpoint_export_restage_and_refusals(features) -> None:
         case = rank["checkpoint robustness"]
         assert case["export_err"] == 0.0  # the exported state dict holds exactly the saved weights
         assert case["restage_err"] == 0.0  # a 2-stage checkpoint loads into 1 stage (x 2 replicas)
+        # with its step count (saved after 2 steps of 2 x 2 sequences), not at step 0, and the caller's client state
+        assert case["restage_steps"] == [2, 2 * 2 * 2, 2, False], case["restage_steps"]
         assert "is corrupt: layer_01-" in case["corrupt"] and "truncated" in case["corrupt"]
         assert "different dimensions" in case["dims"]
         assert "is (64, 32) in the checkpoint but (64, 64) in this model" in case["dims"]

@@ -360,7 +360,9 @@ def suite_features(extra: dict) -> list[dict]:
                                                         "train_batch_size": batch * micro * 2,
                                                         "gradient_clipping": 0.0, "steps_per_print": 10**9,
                                                         "terapipe": dict(tp, enabled=True, slices=2)})
-    one_stage.load_checkpoint(ckpt)
+    _, one_stage_client = one_stage.load_checkpoint(ckpt)
+    robust["restage_steps"] = [one_stage.global_steps, one_stage.global_samples, one_stage_client["step"],
+                               "global_steps" in one_stage_client]
     loaded = {n: p for n, p in one_stage.module.named_parameters()}
     robust["restage_err"] = max(rel_err(loaded[n], p) for n, p in saved_params.items()
                                 if not (n == "tied_modules.embed.wpe.weight" and first.stage_id != 0))

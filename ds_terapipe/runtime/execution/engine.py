@@ -1312,12 +1312,14 @@ class TokenPipelineEngine(PipelineEngine):
         assert manifest is not None
         written = (manifest.get("num_stages", self.num_stages), manifest.get("virtual_stages", 1),
                    tuple(manifest.get("placement", range(manifest.get("num_stages", self.num_stages)))))
-        if written != (self.num_stages, self.terapipe.virtual_stages, self.placement):
+        restaged = written != (self.num_stages, self.terapipe.virtual_stages, self.placement)
+        scheduler_wanted = kwargs.get("load_lr_scheduler_states", True)
+        if restaged:
             if self.global_rank == 0:
                 logger.warning("terapipe: checkpoint %s has %s stages x %s virtual stages (chunk -> rank %s), this run "
-                               "%d x %d (%s): loading weights only (optimizer and scheduler state are per rank)",
-                               tag_dir, written[0], written[1], list(written[2]), self.num_stages,
-                               self.terapipe.virtual_stages, list(self.placement))
+                               "%d x %d (%s): loading the weights, step count and lr scheduler, not the optimizer "
+                               "state (it is per stage)", tag_dir, written[0], written[1], list(written[2]),
+                               self.num_stages, self.terapipe.virtual_stages, list(self.placement))
             kwargs.update(load_optimizer_states=False, load_lr_scheduler_states=False, load_module_only=True)
         saved_format, own_format = manifest.get("optimizer_format"), self.optimizer_format()
         if saved_format not in (None, own_format) and kwargs.get("load_optimizer_states", True) \
@@ -1344,6 +1346,8 @@ class TokenPipelineEngine(PipelineEngine):
                     saved_dp_world_size=manifest.get("dp"))
             result = super().load_checkpoint(load_dir, tag=tag,
                                              load_optimizer_states=load_optimizer_states and not own_bf16, **kwargs)
+        if result[0] is not None and restaged:
+            self._restore_step_state(result[1], tag_dir, scheduler_wanted)
         if result[0] is not None and own_bf16:
             ckpt.load_bf16_optimizer_state(self.optimizer, bf16_file, dp_rank=dp_rank, dp_world_size=dp_size,
                                            load_from_fp32_weights=self.zero_load_from_fp32_weights())
@@ -1352,6 +1356,33 @@ class TokenPipelineEngine(PipelineEngine):
             if refresh is not None:
                 refresh()
         return result, manifest
+
+    def _restore_step_state(self, state: Optional[dict], tag_dir: str, scheduler: bool) -> None:
+        """After a weights-only load into another stage layout: the step count (and samples, skipped steps) and the
+        lr scheduler from the checkpoint's state, which DeepSpeed's module-only load leaves in the client state
+        it returns. Why: without them the run would save ``global_step2`` after a checkpoint of step 3 (moving
+        ``latest`` back) and restart its lr schedule and freezing schedule from step 0. The values are the same in
+        every rank's file; the optimizer state is not (it is per stage) and starts fresh."""
+        state = state or {}
+        if "global_steps" not in state:
+            raise mark_collective(ckpt.CheckpointError(
+                f"checkpoint {tag_dir} holds no step count (global_steps) in its model states; it was not written "
+                "by DeepSpeed's save_checkpoint: load it into the layout it was saved in"))
+        self.global_steps = int(state["global_steps"])
+        self.global_samples = int(state.get("global_samples", self.global_steps * self.train_batch_size()))
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        for key in ("global_steps", "global_samples", "skipped_steps", "dp_world_size", "mp_world_size",
+                    "data_sampler", "random_ltd"):   # what a full load takes out of the client state
+            state.pop(key, None)
+        saved = state.get("lr_scheduler")
+        if scheduler and self.lr_scheduler is not None and saved is not None:
+            try:
+                self.lr_scheduler.load_state_dict(saved)
+            except (KeyError, ValueError, TypeError, RuntimeError) as err:
+                if self.global_rank == 0:
+                    logger.warning("terapipe: the lr scheduler of checkpoint %s does not load into this layout "
+                                   "(%s: %s); it starts afresh at step %d", tag_dir, type(err).__name__, err,
+                                   self.global_steps)
 
     def optimizer_format(self) -> str:
         """How this run's checkpoints hold the optimizer state (a key of ``_OPTIMIZER_FORMATS``). Runs that agree
