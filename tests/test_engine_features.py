@@ -177,6 +177,20 @@ def test_a_module_loss_is_weighted_per_slice_and_one_with_parameters_is_refused(
 
 
 @pytest.mark.timeout(700)
+def test_token_ids_outside_the_vocabulary_are_refused_before_the_step_on_every_rank(features) -> None:
+    """An input id no embedding row holds, a label causal_lm_loss cannot index: refused where they are read, before
+    the step, the other rank pointed there; the engine trains on after both."""
+    for rank, by_case in enumerate(features):
+        case = by_case["token ids"]
+        pointer = "refused the token ids or labels of the next batch"
+        assert ("input id 64 at (0, 3) of the next batch is outside the vocabulary [0, 64)" if rank == 0 else
+                f"rank 0 {pointer}") in case["input"], case
+        assert ("label -1 at (1, 7) of the next batch is outside the vocabulary [0, 64) and is not -100" if rank == 1
+                else f"rank 1 {pointer}") in case["label"], case
+        assert case["after"] == case["after"] and case["after"] > 0, case
+
+
+@pytest.mark.timeout(700)
 def test_non_causal_layer_is_refused_on_every_rank(features) -> None:
     for rank in features:
         case = rank["refusal"]

@@ -154,4 +154,4 @@ def test_vocab_parallel_features(tmp_path) -> None:
         assert "built with vocab_parallel=False" in ref["config_without_module"]
         assert ref["out_of_vocab"] is not None, r["rank"]   # not trained against a target logit of 0
         assert ("label 63 at (0, 5) of the next batch is outside the vocabulary [0, 63)" if r["rank"] == 1 else
-                "rank 1 (a last stage) refused the labels of the next batch") in ref["out_of_vocab"], ref
+                "rank 1 refused the token ids or labels of the next batch") in ref["out_of_vocab"], ref

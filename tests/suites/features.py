@@ -223,6 +223,21 @@ def suite_features(extra: dict) -> list[dict]:
                     "logits_shape": list(logits.shape) if engine.is_last_stage() else None,
                     "grads_touched": any(p.grad is not None for p in engine.module.parameters())})
 
+    # an input id outside the vocabulary (stage 0 reads it) and a label outside it (the last stage): each refused
+    # before the step on every rank, the engine still usable
+    STATUS["case"] = "token ids"
+    refused_ids = {}
+    for label, (row, position, value, which) in (("input", (0, 3, cfg.vocab_size, 0)), ("label", (1, 7, -1, 1))):
+        bad = [(x.clone(), y.clone()) for x, y in batches]
+        bad[1][which][row, position] = value
+        try:
+            engine.train_batch(iter(bad))
+            refused_ids[label] = None
+        except ValueError as err:
+            refused_ids[label] = str(err)
+    refused_ids["after"] = float(engine.train_batch(iter(batches)))
+    results.append({"case": "token ids", **refused_ids})
+
     # a layer that mixes tokens non-causally is refused on every rank, naming it
     STATUS["case"] = "refusal"
     layers = gpt_layer_specs(cfg)

@@ -78,6 +78,7 @@ from ..slicing.devices import synchronized_ms
 from ..slicing.documents import Documents, check_position_ids, positions_of
 from ..slicing.sequence import SequenceShare
 from . import checkpoint as ckpt
+from .batch_checks import IGNORE_INDEX, out_of_range_ids
 from .bf16_grads import FlatBf16Grads, count_norm_once_per_sequence_group
 from .clip import clip_by_global_norm, clipping_problem
 from .collective import agree_or_raise, mark_collective
@@ -125,7 +126,7 @@ def _first_tensor(value: Any) -> Optional[torch.Tensor]:
 
 
 # Slots of the per-batch sequence-length agreement that are not lengths.
-_UNSET, _BAD_LABELS, _BAD_DOCUMENTS, _NO_SEQ_DIM, _EXHAUSTED, _NOT_READING = -100, -5, -4, -3, -2, -1
+_UNSET, _BAD_IDS, _BAD_DOCUMENTS, _NO_SEQ_DIM, _EXHAUSTED, _NOT_READING = -100, -5, -4, -3, -2, -1
 
 # The active chunk while DeepSpeed's PipelineEngine.__init__ runs: stage roles are the rank's topological ones
 # then (its p2p warm-up pairs stage s with s + 1), as DeepSpeed's DualPipeVEngine does.
@@ -473,10 +474,10 @@ class TokenPipelineEngine(PipelineEngine):
                 problem = self._documents_problem(item[0]) if self.is_first_stage() else None
                 if problem is not None:
                     refused, local[index] = refused or problem, _BAD_DOCUMENTS
-                elif self._vocab is not None and self.is_last_stage():
-                    problem = self._vocab.labels_problem(item[1])
+                else:
+                    problem = self._token_ids_problem(item)
                     if problem is not None:
-                        refused, local[index] = refused or problem, _BAD_LABELS
+                        refused, local[index] = refused or problem, _BAD_IDS
             batch = peeked[0] if peeked else None
             for item in reversed(peeked):   # put back last first: they come out in their order
                 iterator = put_back(item, iterator)
@@ -496,10 +497,10 @@ class TokenPipelineEngine(PipelineEngine):
             raise mark_collective(ValueError(refused if refused is not None else
                                              f"token pipeline: rank {origin} (a first stage) refused the position "
                                              "ids of the next batch; its error says why"))
-        if _BAD_LABELS in values:   # the last stage's message on it, a pointer to it on the others
-            origin = next(r for r, row in enumerate(rows) if _BAD_LABELS in row)
+        if _BAD_IDS in values:   # the reading stage's message on it, a pointer to it on the others
+            origin = next(r for r, row in enumerate(rows) if _BAD_IDS in row)
             raise mark_collective(ValueError(refused if refused is not None else
-                                             f"token pipeline: rank {origin} (a last stage) refused the labels of "
+                                             f"token pipeline: rank {origin} refused the token ids or labels of "
                                              "the next batch; its error says why"))
         if _NO_SEQ_DIM in values:
             raise mark_collective(ValueError("token pipeline: batch inputs/labels must be (batch, seq_len, ...) "
@@ -713,6 +714,34 @@ class TokenPipelineEngine(PipelineEngine):
         if self.is_last_stage():
             loaded["labels"] = self._to_device(labels, "labels", microbatch)
         self.loaded[microbatch] = loaded
+
+    def _token_ids_problem(self, item: Any) -> Optional[str]:
+        """Why a peeked micro-batch's token ids cannot be run, or None (``runtime/execution/batch_checks.py``): on
+        the first stage input ids outside the model's vocabulary, on the last stage labels outside it that are not
+        -100 (with the project's ``causal_lm_loss`` or vocabulary parallelism, where labels are token ids)."""
+        if self._vocab is not None:
+            vocab = self._vocab.head.vocab_size
+        else:
+            vocab = getattr(self.module, "vocab_size", None)
+        if vocab is None:
+            return None
+        if self.is_first_stage():
+            ids = item[0][0] if self.terapipe.packed and isinstance(item[0], (tuple, list)) else item[0]
+            problem = out_of_range_ids(ids, vocab, "input id")
+            if problem is not None:
+                return (f"token pipeline: {problem} (the module's vocab_size); fix the data, or build the module "
+                        "with the tokenizer's vocabulary size")
+        if self.is_last_stage():
+            if self._vocab is not None:
+                return self._vocab.labels_problem(item[1])
+            from ...models.gpt import causal_lm_loss  # models build on runtime: imported when needed
+
+            if self.module.loss_fn is causal_lm_loss:
+                problem = out_of_range_ids(item[1], vocab, "label", ignore_index=IGNORE_INDEX)
+                if problem is not None:
+                    return (f"token pipeline: {problem}; causal_lm_loss would refuse it in the middle of the step: "
+                            "fix the labels (-100 for a position that counts for nothing)")
+        return None
 
     def _load_documents(self, inputs: Any, microbatch: int) -> Any:
         """Packed rows: ``(input_ids, position_ids)`` -> the ids, with the micro-batch's documents kept; plain

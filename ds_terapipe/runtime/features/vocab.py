@@ -58,6 +58,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from deepspeed.pipe import TiedLayerSpec
 
+from ..execution.batch_checks import IGNORE_INDEX, out_of_range_ids
 from ..execution.collective import mark_collective
 from ..execution.errors import CheckpointError
 from ..execution.stage import PipelineStage
@@ -335,18 +336,12 @@ class VocabParallel:
     def labels_problem(self, labels: Any) -> Optional[str]:
         """Why a micro-batch's labels cannot be run (rule, value, fix), or None: a label outside the vocabulary that
         is not -100. The split softmax finds a label's logit on the shard whose rows hold it; one that no shard holds
-        would be trained against a target logit of 0 where torch's ``cross_entropy`` refuses it. Checked on the last
-        stage before the step (the engine's batch agreement), so every rank refuses together."""
-        if not torch.is_tensor(labels) or labels.is_floating_point():
-            return None
-        vocab = self.head.vocab_size
-        bad = (labels != -100) & ((labels < 0) | (labels >= vocab))
-        if not bool(bad.any()):
-            return None
-        where = tuple(bad.nonzero()[0].tolist())
-        return (f"terapipe.vocab_parallel: label {int(labels[where])} at {where} of the next batch is outside the "
-                f"vocabulary [0, {vocab}) and is not -100 (ignored); no shard of the output layer holds it: fix the "
-                "labels, or build the model with the tokenizer's vocabulary size")
+        would be trained against a target logit of 0 where torch's ``cross_entropy`` refuses it
+        (``runtime/execution/batch_checks.py``)."""
+        problem = out_of_range_ids(labels, self.head.vocab_size, "label", ignore_index=IGNORE_INDEX)
+        return None if problem is None else (f"terapipe.vocab_parallel: {problem}; no shard of the output layer "
+                                             "holds it: fix the labels, or build the model with the tokenizer's "
+                                             "vocabulary size")
 
     @staticmethod
     def check_eval(return_logits: bool = False, *args: Any, **kwargs: Any) -> None:
