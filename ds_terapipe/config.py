@@ -99,7 +99,7 @@ class ReplanConfig(DeepSpeedConfigModel):
 
     measure_steps: int = Field(3, ge=1, description="training steps whose timelines are summed for the refit")
 
-    min_gain: float = Field(0.03, ge=0.0, description=(
+    min_gain: float = Field(0.03, ge=0.0, lt=1.0, description=(
         "switch only when the refit model predicts at least this fraction less step time (0.03: 3%)"))
     """Switch only when the refit model predicts the new slicing at least this much faster (0.03: 3%)."""
 
@@ -391,7 +391,7 @@ class TeraPipeConfig(DeepSpeedConfigModel):
 
     max_slices: Optional[int] = Field(None, ge=1, description='upper bound on the number of slices `"auto"` may choose')
 
-    memory_limit_gb: Optional[float] = Field(None, gt=0, description=(
+    memory_limit_gb: Optional[float] = Field(None, gt=0, allow_inf_nan=False, description=(
         'per-stage budget for activations + KV caches; `"auto"` rejects plans estimated above it'))
 
     plan_cache: Optional[str] = Field(None, description=(
@@ -412,7 +412,7 @@ class TeraPipeConfig(DeepSpeedConfigModel):
     have; the plan profiled at this start is dropped (logged). ``false``: keep this start's plan (moving a run to
     another kind of machine)."""
 
-    p2p_timeout_s: float = Field(300.0, gt=0, description=(
+    p2p_timeout_s: float = Field(300.0, gt=0, allow_inf_nan=False, description=(
         "a rank waiting longer than this for a pipeline peer fails with the instruction it was stuck on (a dead "
         "process; a peer that raised stops the others within about a second instead, see "
         "[Faults](training.md#training-for-days-data-parallelism-variable-lengths-checkpoints-faults))"))
@@ -477,6 +477,11 @@ class TeraPipeConfig(DeepSpeedConfigModel):
             raise ValueError(f"terapipe.replan.enabled needs slices \"auto\" (re-planning refits the costs an "
                              f"\"auto\" plan was made from), got slices={self.slices!r}; set slices to \"auto\" or "
                              "disable replan")
+        for key, value in (("max_slices", self.max_slices), ("memory_limit_gb", self.memory_limit_gb)):
+            if value is not None and self.slices != "auto":
+                raise ValueError(f"terapipe.{key}={value!r} bounds the slicing \"auto\" chooses, but slices="
+                                 f"{self.slices!r} is fixed, so it would be ignored; set slices to \"auto\" or drop "
+                                 f"{key}")
         if self.plan_per_batch:
             needs = [why for why, bad in (("packed: true", not self.packed), ('slices: "auto"', self.slices != "auto"),
                                           ("no replan", self.replan.enabled), ("no freeze", self.freeze is not None))
