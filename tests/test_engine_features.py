@@ -191,6 +191,16 @@ def test_token_ids_outside_the_vocabulary_are_refused_before_the_step_on_every_r
 
 
 @pytest.mark.timeout(700)
+def test_unwritable_directories_are_refused_on_every_rank_before_anything_runs(features) -> None:
+    for rank, by_case in enumerate(features):
+        case = by_case["unwritable directories"]
+        assert "save_checkpoint: /proc/ds_terapipe_test/ckpt/global_step" in case["save"], case
+        assert "save to a writable directory" in case["save"], case
+        assert "terapipe.trace_dir='/proc/ds_terapipe_test/traces' cannot be created" in case["trace_dir"], case
+        assert case["after"] > 0, case   # a refusal every rank made together leaves the engine usable
+
+
+@pytest.mark.timeout(700)
 def test_non_causal_layer_is_refused_on_every_rank(features) -> None:
     for rank in features:
         case = rank["refusal"]

@@ -238,6 +238,24 @@ def suite_features(extra: dict) -> list[dict]:
     refused_ids["after"] = float(engine.train_batch(iter(batches)))
     results.append({"case": "token ids", **refused_ids})
 
+    # directories no rank can write (as root too: /proc takes no new entries): a save refused on every rank before
+    # anything is written, the engine still usable; a trace_dir refused at init, before profiling or training
+    STATUS["case"] = "unwritable directories"
+    unwritable: dict[str, Any] = {"case": STATUS["case"]}
+    try:
+        engine.save_checkpoint("/proc/ds_terapipe_test/ckpt")
+        unwritable["save"] = None
+    except ds_terapipe.CheckpointError as err:
+        unwritable["save"] = str(err)
+    try:
+        pipeline_engine(cfg, gpt_layer_specs(cfg), {"seq_len": seq_len, "slices": 2,
+                                                    "trace_dir": "/proc/ds_terapipe_test/traces"})
+        unwritable["trace_dir"] = None
+    except ValueError as err:
+        unwritable["trace_dir"] = str(err)
+    unwritable["after"] = float(engine.train_batch(iter(batches)))
+    results.append(unwritable)
+
     # a layer that mixes tokens non-causally is refused on every rank, naming it
     STATUS["case"] = "refusal"
     layers = gpt_layer_specs(cfg)

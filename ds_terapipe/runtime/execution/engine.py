@@ -246,6 +246,7 @@ class TokenPipelineEngine(PipelineEngine):
         self._vocab = VocabParallel(self) if self.terapipe.vocab_parallel else None
         self._dp_identity_by_config = self._dp_reduce_identity_by_config()
         with self._failing_fast("engine init"):
+            agree_or_raise(self._directories_problem(), ValueError, self.p2p, "the check of terapipe's directories")
             check_replicated_only(self)  # bf16: a stage of tied copies only cannot step (features/partition.py)
             if self.terapipe.deferred_weight_grads:  # before profiling, which measures the split backward
                 count = enable_deferred_weight_grads(self.module)
@@ -268,6 +269,26 @@ class TokenPipelineEngine(PipelineEngine):
             if self.terapipe.shard_params:   # last: profiling and the slice check ran on whole parameters
                 self.sharded = ShardedChunks(self)
                 self.sharded.wrap_optimizer_state()
+
+    def _directories_problem(self) -> Optional[str]:
+        """Why a directory the config names cannot be written (rule, value, fix), or None: ``trace_dir`` (every
+        rank writes its trace there after a batch) and ``plan_cache`` (rank 0 writes the plan after profiling).
+        Checked at init, so a typo fails before profiling and training, not after the first batch or the plan."""
+        wanted = [("trace_dir", self.terapipe.trace_dir)]
+        if self.global_rank == 0:
+            wanted.append(("plan_cache", self.terapipe.plan_cache))
+        for key, path in wanted:
+            if path is None:
+                continue
+            try:
+                os.makedirs(path, exist_ok=True)
+                why = None if os.access(path, os.W_OK) else "is not writable"
+            except OSError as err:
+                why = f"cannot be created ({type(err).__name__}: {err.strerror or err})"
+            if why is not None:
+                return (f"terapipe.{key}={path!r} {why} on global rank {self.global_rank}; point it at a writable "
+                        "directory, or drop the key")
+        return None
 
     def _check_chunk_layout(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The module's chunk placement, refused (on every rank: same config, same model) unless it is the one
@@ -1260,6 +1281,17 @@ class TokenPipelineEngine(PipelineEngine):
             state.setdefault("terapipe", {"plan": self.plan_summary(), "config": self.terapipe.model_dump()})
             if self.freezer is not None and isinstance(state["terapipe"], dict):  # a resumed run re-freezes it
                 state["terapipe"] = {**state["terapipe"], "freeze": self.freezer.state_dict()}
+            problem = None
+            try:   # every rank writes files there: a directory one of them cannot write fails all of them, now
+                os.makedirs(tag_dir, exist_ok=True)
+                if not os.access(tag_dir, os.W_OK):
+                    problem = "is not writable"
+            except OSError as err:
+                problem = f"cannot be created ({type(err).__name__}: {err.strerror or err})"
+            agree_or_raise(None if problem is None else
+                           f"save_checkpoint: {tag_dir} {problem} on global rank {self.global_rank}; save to a "
+                           "writable directory", ckpt.CheckpointError, self.p2p,
+                           "the check of the checkpoint directory")
             self.barrier("starting a checkpoint")  # DeepSpeed's own barriers in the save cannot watch the flag
             with self.sharded.saving() if self.sharded is not None else nullcontext():
                 result = super().save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=False,
