@@ -133,6 +133,16 @@ def test_a_sharded_checkpoint_resumes_at_the_same_and_at_another_data_parallel_s
             assert float((got - want).norm() / want.norm()) <= 1e-5, (stage, name)
 
 
+def test_a_zero1_checkpoint_at_another_data_parallel_size_is_refused_before_loading_then_loads_weights(runs) -> None:
+    _, two = runs
+    for rank, r in enumerate(two):
+        case = next(c for c in r["results"] if c["case"] == "zero at another data-parallel size")
+        assert "error" not in case, case
+        assert "partitioned over 2 data-parallel replicas, this run has 1" in case["refusal"], case
+        assert "load_optimizer_states=False" in case["refusal"] and case["untouched"], case
+        assert case["steps"] == 3, case   # "zero1" was saved after the third step
+
+
 def test_a_checkpoint_crosses_between_sharded_and_zero_runs_only_without_the_optimizer_state(runs) -> None:
     """The optimizer formats differ (whole shard_params tensors vs ZeRO's partitioned files): asked for the optimizer
     state, every rank refuses with the rule and the fix and the engine stays usable; without it, the weights and the

@@ -271,6 +271,21 @@ def _resume_one_replica(tmp: str, m_saved: int = 2) -> dict:
             "params": {n: t.tolist() for n, t in params.items()}}
 
 
+def _zero_at_another_size(tmp: str) -> dict:
+    """The ZeRO-1 checkpoint of 2 replicas ("zero1", from ``_across_formats``) loaded by one: its optimizer state is
+    refused before anything is loaded (DeepSpeed cannot partition it anew), the weights and step count load
+    without it."""
+    STATUS["case"] = "zero at another data-parallel size"
+    zero = _engine("looped-bfs", 2, 4, shard=False, zero_stage=1)
+    before = {n: p.detach().clone() for n, p in zero.module.named_parameters()}
+    refusal = _refused(zero, tmp, "zero1")
+    untouched = all(torch.equal(before[n], p) for n, p in zero.module.named_parameters())
+    zero.load_checkpoint(tmp, tag="zero1", load_optimizer_states=False)
+    out = {"case": STATUS["case"], "refusal": refusal, "untouched": untouched, "steps": zero.global_steps}
+    ENGINE_REF.pop("engine", None)
+    return out
+
+
 def _refused(engine: Any, tmp: str, tag: str) -> str:
     """The message of the load ``engine`` refuses (asking for the optimizer state of another format)."""
     try:
@@ -351,7 +366,7 @@ def _plain_and_sharded(tmp: str) -> dict:
 @suite("sharded")
 def suite_sharded(extra: dict) -> list[dict]:
     if extra.get("resume"):
-        return [_resume_one_replica(extra["resume"])]
+        return [_resume_one_replica(extra["resume"]), _zero_at_another_size(extra["resume"])]
     cases = [lambda c=c: _equivalence(*c) for c in extra.get("cases", [])]
     labels = [f"{c[3]} {c[0]} v={c[1]} m={c[2]}{' clip' if len(c) > 4 and c[4] else ''}"
               f"{' no-prefetch' if len(c) > 5 and not c[5] else ''}{' no-sampler' if len(c) > 6 and not c[6] else ''}"

@@ -1392,6 +1392,16 @@ class TokenPipelineEngine(PipelineEngine):
                 "the checkpoint's zero_optimization.stage, bf16/fp16 and terapipe.shard_params, or load the weights, "
                 "step count and lr scheduler with a fresh optimizer: "
                 "load_checkpoint(..., load_optimizer_states=False)"))
+        saved_dp = manifest.get("dp")
+        if own_format == "zero" and saved_format in (None, "zero") and saved_dp not in (None, self.dp_world_size) \
+                and kwargs.get("load_optimizer_states", True) and not kwargs.get("load_module_only") \
+                and not self.load_universal_checkpoint():
+            # DeepSpeed would refuse it only after loading the weights, without the way out
+            raise mark_collective(ckpt.CheckpointError(
+                f"checkpoint {tag_dir} holds ZeRO's optimizer state partitioned over {saved_dp} data-parallel "
+                f"replicas, this run has {self.dp_world_size}, and DeepSpeed cannot partition it anew: resume with "
+                f"{saved_dp} replicas, or load the weights, step count and lr scheduler with a fresh optimizer: "
+                "load_checkpoint(..., load_optimizer_states=False)"))
         # without ZeRO, DeepSpeed cannot load the bf16 optimizer, and loading weights only leaves the fp32 master
         # weights of the bf16/fp16 optimizers at their initial values (runtime/execution/checkpoint.py)
         no_zero = not self.zero_optimization() and not kwargs.get("load_module_only")
