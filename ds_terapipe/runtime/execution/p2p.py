@@ -406,6 +406,6 @@ class SliceP2P:
 
     def _raise_peer_failed(self, what: str) -> None:
         failure = self.failure or {}
+        stage = "" if failure.get("stage") is None else f" (stage {failure.get('stage')})"
         raise PeerFailedError(f"rank {dist.get_rank()}: stopped while waiting for {what}, because rank "
-                              f"{failure.get('rank')} (stage {failure.get('stage')}) failed in {failure.get('what')}: "
-                              f"{failure.get('error')}")
+                              f"{failure.get('rank')}{stage} failed in {failure.get('what')}: {failure.get('error')}")
