@@ -99,8 +99,9 @@ class ReplanConfig(DeepSpeedConfigModel):
 
     measure_steps: int = Field(3, ge=1, description="training steps whose timelines are summed for the refit")
 
-    min_gain: float = Field(0.03, ge=0.0, lt=1.0, description=(
-        "switch only when the refit model predicts at least this fraction less step time (0.03: 3%)"))
+    min_gain: float = Field(0.03, ge=0.0, allow_inf_nan=False, description=(
+        "switch only when the refit model predicts at least this fraction less step time (0.03: 3%; 1 or more: "
+        "never switch, only refit the prediction)"))
     """Switch only when the refit model predicts the new slicing at least this much faster (0.03: 3%)."""
 
 

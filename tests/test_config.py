@@ -54,7 +54,7 @@ def test_equal_slices(seq_len: int, granularity: int, n: int, expected: list[int
     ({"seq_len": 64, "sequence_parallel": 2, "slices": [15, 49]}, "slice lengths must be multiples of 2"),
     ({"p2p_timeout_s": "inf"}, "terapipe.p2p_timeout_s='inf': Input should be a finite number; set a valid value"),
     ({"memory_limit_gb": float("nan")}, "terapipe.memory_limit_gb=nan: Input should be a finite number"),
-    ({"replan": {"enabled": True, "min_gain": 2}}, "terapipe.replan.min_gain=2 must be < 1"),
+    ({"replan": {"enabled": True, "min_gain": float("inf")}}, "terapipe.replan.min_gain=inf: Input should be a finite"),
     ({"seq_len": 64, "slices": 4, "max_slices": 2}, 'max_slices=2 bounds the slicing "auto" chooses, but slices=4'),
     ({"slices": [32, 32], "memory_limit_gb": 1}, "memory_limit_gb=1.0 bounds the slicing \"auto\" chooses"),
 ])
