@@ -153,3 +153,29 @@ def test_resume_plan_off_or_slices_from_the_config_restore_nothing_without_a_col
         # no process group here: reaching the broadcast would raise
         assert restore_checkpoint_plan(SimpleNamespace(terapipe=cfg), saved) is None
     assert parse_terapipe_config({"terapipe": {"enabled": True, "seq_len": 48}}).resume_plan
+
+
+@pytest.mark.parametrize("kind", ["torch", "deepspeed"])
+def test_a_loaded_lr_scheduler_sets_its_lr_for_a_fresh_optimizer(kind: str) -> None:
+    """A load into another stage layout takes the lr scheduler but not the optimizer: the fresh optimizer's param
+    groups must stand at the checkpoint's lr for the next step, not at the lr the scheduler set at init."""
+    from deepspeed.runtime.lr_schedules import WarmupLR
+
+    from ds_terapipe.runtime.execution.engine import _set_scheduled_lr
+
+    def build() -> tuple[torch.optim.Optimizer, object]:
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+        if kind == "torch":
+            return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        return opt, WarmupLR(opt, warmup_min_lr=0.0, warmup_max_lr=0.1, warmup_num_steps=10, warmup_type="linear")
+
+    saved_opt, saved = build()
+    for _ in range(3):
+        saved_opt.step()
+        saved.step()
+    want = saved_opt.param_groups[0]["lr"]
+    fresh_opt, fresh = build()
+    assert fresh_opt.param_groups[0]["lr"] != pytest.approx(want)
+    fresh.load_state_dict(saved.state_dict())
+    _set_scheduled_lr(fresh)
+    assert fresh_opt.param_groups[0]["lr"] == pytest.approx(want)

@@ -93,6 +93,24 @@ __all__ = ["TokenPipelineEngine"]
 logger = logging.getLogger(__name__)
 
 
+def _set_scheduled_lr(scheduler: Any) -> None:
+    """The learning rate a just-loaded lr scheduler stands at, written into its optimizer's param groups.
+
+    Why: a scheduler's ``load_state_dict`` restores its counters only, and DeepSpeed steps it after the optimizer:
+    with a fresh optimizer (a load without its state) the next step would run at the lr the scheduler set at init
+    (DeepSpeed's warm-up minimum, or a torch scheduler's base lr) instead of the checkpoint's. torch's schedulers
+    keep the last lr they set (``get_last_lr``); DeepSpeed's compute it from their step (``get_lr``)."""
+    if isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
+        lrs = scheduler.get_last_lr()
+    else:
+        lrs = scheduler.get_lr()
+    groups = scheduler.optimizer.param_groups
+    if len(lrs) != len(groups):
+        raise ValueError(f"the scheduler has {len(lrs)} learning rates for {len(groups)} param groups")
+    for group, lr in zip(groups, lrs):
+        group["lr"] = lr
+
+
 class _PutBack:
     """An iterator with items put back in front of another iterator (see :func:`put_back`)."""
 
@@ -271,18 +289,20 @@ class TokenPipelineEngine(PipelineEngine):
                 self.sharded.wrap_optimizer_state()
 
     def _directories_problem(self) -> Optional[str]:
-        """Why a directory the config names cannot be written (rule, value, fix), or None: ``trace_dir`` (every
-        rank writes its trace there after a batch) and ``plan_cache`` (rank 0 writes the plan after profiling).
-        Checked at init, so a typo fails before profiling and training, not after the first batch or the plan."""
-        wanted = [("trace_dir", self.terapipe.trace_dir)]
+        """Why a directory the config names cannot be used (rule, value, fix), or None: ``trace_dir`` (every rank
+        writes its trace there after a batch) must be writable; ``plan_cache`` (rank 0 reads plans there and writes
+        new ones) must exist or be creatable: a read-only cache of plans made elsewhere is used, and a plan that
+        cannot be stored there is logged and skipped (``runtime/planning/plan_cache.py``). Checked at init, so a
+        typo fails before profiling and training, not after the first batch or the plan."""
+        wanted = [("trace_dir", self.terapipe.trace_dir, True)]
         if self.global_rank == 0:
-            wanted.append(("plan_cache", self.terapipe.plan_cache))
-        for key, path in wanted:
+            wanted.append(("plan_cache", self.terapipe.plan_cache, False))
+        for key, path, writes in wanted:
             if path is None:
                 continue
             try:
                 os.makedirs(path, exist_ok=True)
-                why = None if os.access(path, os.W_OK) else "is not writable"
+                why = "is not writable" if writes and not os.access(path, os.W_OK) else None
             except OSError as err:
                 why = f"cannot be created ({type(err).__name__}: {err.strerror or err})"
             if why is not None:
@@ -1104,7 +1124,7 @@ class TokenPipelineEngine(PipelineEngine):
         if not grads:
             return
         flat = torch.cat([g.reshape(-1).float() for g in grads])
-        self.p2p.wait(dist.all_reduce(flat, group=group, async_op=True), what)
+        self.p2p.wait(dist.all_reduce(flat, group=group, async_op=True), what, group)
         if divide != 1:
             flat.div_(divide)
         offset = 0
@@ -1116,7 +1136,7 @@ class TokenPipelineEngine(PipelineEngine):
         if self.sequence is not None and self.is_last_stage() and self.total_loss is not None:
             # each sequence rank's loss is its tokens' share of the micro-batches' losses
             self.p2p.wait(dist.all_reduce(self.total_loss, group=self.sequence.group, async_op=True),
-                          "the sequence-parallel loss sum")
+                          "the sequence-parallel loss sum", self.sequence.group)
         with self._deepspeed_collectives_watched("the step's loss (its data-parallel mean and broadcast)"):
             return super()._aggregate_total_loss()
 
@@ -1153,7 +1173,7 @@ class TokenPipelineEngine(PipelineEngine):
         if self.sequence is not None and torch.is_tensor(reduced):   # eval: the shares' losses summed
             reduced = reduced.clone()
             self.p2p.wait(dist.all_reduce(reduced, group=self.sequence.group, async_op=True),
-                          "the sequence-parallel evaluation loss sum")
+                          "the sequence-parallel evaluation loss sum", self.sequence.group)
         return reduced
 
     def _dp_reduce_is_identity(self) -> bool:
@@ -1274,8 +1294,6 @@ class TokenPipelineEngine(PipelineEngine):
         """
         tag = str(tag) if tag is not None else f"global_step{self.global_steps}"
         tag_dir = os.path.join(save_dir, tag)
-        if self.global_rank == 0 and os.path.exists(os.path.join(tag_dir, ckpt.MANIFEST)):
-            os.remove(os.path.join(tag_dir, ckpt.MANIFEST))  # being rewritten: incomplete until the end
         with self._failing_fast("save_checkpoint"):
             state = dict(client_state or {})
             state.setdefault("terapipe", {"plan": self.plan_summary(), "config": self.terapipe.model_dump()})
@@ -1292,6 +1310,8 @@ class TokenPipelineEngine(PipelineEngine):
                            f"save_checkpoint: {tag_dir} {problem} on global rank {self.global_rank}; save to a "
                            "writable directory", ckpt.CheckpointError, self.p2p,
                            "the check of the checkpoint directory")
+            if self.global_rank == 0 and os.path.exists(os.path.join(tag_dir, ckpt.MANIFEST)):
+                os.remove(os.path.join(tag_dir, ckpt.MANIFEST))  # being rewritten: incomplete until the end
             self.barrier("starting a checkpoint")  # DeepSpeed's own barriers in the save cannot watch the flag
             with self.sharded.saving() if self.sharded is not None else nullcontext():
                 result = super().save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=False,
@@ -1449,6 +1469,7 @@ class TokenPipelineEngine(PipelineEngine):
         if scheduler and self.lr_scheduler is not None and saved is not None:
             try:
                 self.lr_scheduler.load_state_dict(saved)
+                _set_scheduled_lr(self.lr_scheduler)
             except (KeyError, ValueError, TypeError, RuntimeError) as err:
                 if self.global_rank == 0:
                     logger.warning("terapipe: the lr scheduler of checkpoint %s does not load into this layout "

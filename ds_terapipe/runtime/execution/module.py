@@ -47,7 +47,9 @@ class TokenPipelineModule(PipelineModule):
     Args:
         layers, num_stages, topology, loss_fn, partition_method, ...: as ``deepspeed.pipe.PipelineModule``;
             ``num_stages`` is the number of pipeline ranks.
-        vocab_size: for token-id inputs: sample ids uniformly from ``[0, vocab_size)``.
+        vocab_size: for token-id inputs: sample ids uniformly from ``[0, vocab_size)``; also the range the engine
+            holds input ids (and labels, with ``causal_lm_loss``) to before each step
+            (``runtime/execution/batch_checks.py``).
         input_sampler: for other inputs: ``fn(batch, seq_len, generator)`` returning the first stage's input.
         virtual_stages: chunks per rank (the config's ``terapipe.virtual_stages``); the model is cut into
             ``num_stages * virtual_stages`` chunks.
@@ -326,9 +328,8 @@ def loss_fn_replaced(module: torch.nn.Module, fn: Callable[[Any, Any], Any]) -> 
     """Inside the block, ``module.loss_fn`` (what DeepSpeed's forward calls) is ``fn``.
 
     Set in the instance's ``__dict__``, which attribute lookup reads before the children ``nn.Module`` registers:
-    a ``loss_fn`` that is itself a module (``nn.CrossEntropyLoss()``, a loss with learned parameters) stays
-    registered, its parameters trained and saved under ``loss_fn.``, where assigning a function over it is refused
-    by torch."""
+    a ``loss_fn`` that is itself a module (``nn.CrossEntropyLoss()``) stays registered, where assigning a function
+    over it is refused by torch. (One with trainable parameters is refused at init: :func:`loss_fn_problem`.)"""
     missing = object()
     before = module.__dict__.get("loss_fn", missing)
     module.__dict__["loss_fn"] = fn

@@ -196,7 +196,8 @@ def _register_exit() -> None:
 
 
 def _gave_up_a_wait(group: Any = None) -> None:
-    """A wait ran out of its deadline: at exit this rank's connections are closed first (see :func:`_stop_waiters`).
+    """A wait ran out of its deadline, or was left for a peer's abort flag with its work in flight: at exit this
+    rank's connections (of the default group and ``group``) are closed first (see :func:`_stop_waiters`).
     Why: a collective given up on (the batch agreement, the loss broadcast) stays inside gloo's worker thread while
     its peer hangs (stopped, not dead: its connection stays open), and the process group's destructor joins that
     thread at finalisation, so the rank would never exit."""
@@ -352,7 +353,11 @@ class SliceP2P:
             except RuntimeError as err:
                 errors.append(err)
         elif self._threaded:
-            errors = self._wait_on_thread(works, what)
+            try:
+                errors = self._wait_on_thread(works, what)
+            except PeerFailedError:
+                _gave_up_a_wait(group)   # its works stay in flight: closed at exit with the default group's
+                raise
         else:
             errors = self._wait_polling(works, what)
         if errors:

@@ -380,8 +380,9 @@ class ShardedChunks:
         cls = type(optimizer)
 
         def state_dict() -> dict:
-            # whole tensors on the host, one gathered on the device at a time; a replica that does not write the
-            # optimizer state (DeepSpeed: data-parallel rank 0 writes it) joins each gather and keeps nothing
+            # whole tensors on the host, one parameter's state gathered on the device at a time; a replica that
+            # does not write the optimizer state (DeepSpeed: data-parallel rank 0 writes it) joins each gather
+            # and keeps nothing
             sd = cls.state_dict(optimizer)
             writes = not self._saving or getattr(self.engine, "save_non_zero_checkpoint", True)
             state = {}

@@ -452,4 +452,4 @@ class VocabParallel:
         self.grads.write(head.weight, total[head.offset:head.offset + head.rows])
 
     def _wait(self, works: list, what: str) -> None:
-        self.engine.p2p.wait_all(works, what)
+        self.engine.p2p.wait_all(works, what, self.group)

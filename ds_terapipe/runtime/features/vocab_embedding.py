@@ -335,4 +335,4 @@ class VocabEmbedding:
             self.grads.index_add(table.weight, local[counted], grad[counted].float())
 
     def _wait(self, works: list, what: str) -> None:
-        self.engine.p2p.wait_all(works, what)
+        self.engine.p2p.wait_all(works, what, self.group)

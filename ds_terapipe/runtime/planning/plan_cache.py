@@ -96,9 +96,19 @@ def store_plan(entry: CacheEntry, plan: Any, cost: Optional[dict], stage_meta: O
     """Write the plan and the costs it was made from (nothing without ``terapipe.plan_cache``)."""
     if entry.path is None:
         return
-    os.makedirs(os.path.dirname(entry.path) or ".", exist_ok=True)
-    atomic_write_text(entry.path, json.dumps({"key": entry.key, "plan": plan.to_dict(), "cost": cost,
-                                              "stage_meta": stage_meta, **extra}, indent=1))
+    _write(entry.path, json.dumps({"key": entry.key, "plan": plan.to_dict(), "cost": cost, "stage_meta": stage_meta,
+                                   **extra}, indent=1))
+
+
+def _write(path: str, text: str) -> None:
+    """Store a cache file; one that cannot be written (a read-only cache of plans made elsewhere) is logged and
+    skipped: the cache only saves a later start its profiling, the run itself does not need it."""
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        atomic_write_text(path, text)
+    except OSError as err:
+        logger.warning("terapipe: could not store %s in terapipe.plan_cache (%s: %s); a restart will profile again",
+                       os.path.basename(path), type(err).__name__, err.strerror or err)
 
 
 def partition_cache_entry(cache_dir: Optional[str], material: dict) -> CacheEntry:
@@ -116,6 +126,5 @@ def store_partition(entry: CacheEntry, report: dict, cost: dict) -> None:
     costs it was made from (nothing without a cache directory)."""
     if entry.path is None:
         return
-    os.makedirs(os.path.dirname(entry.path) or ".", exist_ok=True)
-    atomic_write_text(entry.path, json.dumps({"key": entry.key, "plan": {k: v for k, v in report.items()
-                                                                         if k != "source"}, "cost": cost}, indent=1))
+    _write(entry.path, json.dumps({"key": entry.key, "plan": {k: v for k, v in report.items() if k != "source"},
+                                   "cost": cost}, indent=1))
