@@ -31,3 +31,17 @@ def test_the_key_covers_device_torch_threads_and_profile_settings_but_not_the_re
     monkeypatch.undo()
     monkeypatch.setattr(plan_cache.torch, "get_num_threads", lambda: 977)
     assert cache_entry(_engine(), ("fingerprints",), 64).key != key
+
+
+def test_a_plan_the_cache_cannot_store_is_logged_and_skipped(caplog) -> None:
+    """A read-only cache (plans made elsewhere) is used; storing a new plan there must not fail the run after
+    profiling: the cache only saves a restart its profiling."""
+    import logging
+
+    entry = plan_cache.CacheEntry("/proc/ds_terapipe_test/terapipe-plan-x.json", "x")
+    plan = SimpleNamespace(to_dict=lambda: {"slices": [8]})
+    with caplog.at_level(logging.WARNING, logger="ds_terapipe.runtime.planning.plan_cache"):
+        plan_cache.store_plan(entry, plan, None, None)
+        plan_cache.store_partition(entry, {"parts": [0, 1]}, {})
+    stored = [r.getMessage() for r in caplog.records if "could not store terapipe-plan-x.json" in r.getMessage()]
+    assert len(stored) == 2 and "a restart will profile again" in stored[0], caplog.text
