@@ -42,7 +42,8 @@ from .simulate import SimResult, simulate
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SCHEDULES", "MemoryModel", "MemoryShortfall", "SlicingPlan", "memory_shortfall", "plan_slicing"]
+__all__ = ["SCHEDULES", "MemoryLimitError", "MemoryModel", "MemoryShortfall", "SlicingPlan", "memory_shortfall",
+           "plan_slicing"]
 
 _INF = math.inf
 #: Simulated candidates: distinct min-sum plans whose slowest-stage closed form is within this fraction of the
@@ -597,6 +598,15 @@ class MemoryShortfall:
             ([split_batch] if self.split_batch_helps else []) + ([max_slices] if self.more_slices_help else [])
 
 
+class MemoryLimitError(ValueError):
+    """:func:`plan_slicing`'s refusal of a memory cap no allowed plan meets; ``shortfall`` holds the smallest
+    estimate and what would help, for a caller that words the refusal in its own terms (the engine: config keys)."""
+
+    def __init__(self, message: str, shortfall: MemoryShortfall) -> None:
+        super().__init__(message)
+        self.shortfall = shortfall
+
+
 def memory_shortfall(memory: MemoryModel, limit_bytes: float, *, schedule: str, num_stages: int,
                      num_microbatches: int, micro_batch_size: int, seq_len: int, granularity: int,
                      max_slices: int | None = None, split_batch: bool = False,
@@ -742,9 +752,9 @@ def plan_slicing(cost: PipelineCost, seq_len: int, *, num_microbatches: int = 1,
             fixes = ["raise the limit", "add stages", *short.fixes(schedule="use schedule={!r}",
                                                                     split_batch="split_batch=True",
                                                                     max_slices="raise max_slices")]
-            raise ValueError(f"memory_limit_bytes = {memory_limit_bytes:.4g} cannot be met: the smallest estimated "
-                             f"peak is {short.smallest_bytes:.4g} bytes; {', '.join(fixes)}, or recompute "
-                             "activations (MemoryModel.activation_factor)")
+            raise MemoryLimitError(f"memory_limit_bytes = {memory_limit_bytes:.4g} cannot be met: the smallest "
+                                   f"estimated peak is {short.smallest_bytes:.4g} bytes; {', '.join(fixes)}, or "
+                                   "recompute activations (MemoryModel.activation_factor)", short)
     options: list[tuple[int, int]] = []  # (splits q, minimum slice count the memory cap allows)
     for q in _divisors(batch) if split_batch else [1]:
         n_min = 1

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from ...config import TeraPipeConfig
 from ...planner.cost import PipelineCost, scaled_cost
-from ...planner.slicing import MemoryModel, MemoryShortfall, SlicingPlan, memory_shortfall, plan_slicing
+from ...planner.slicing import MemoryLimitError, MemoryModel, MemoryShortfall, SlicingPlan, plan_slicing
 from ..execution.collective import decided_on_rank0, mark_collective
 from ..execution.stage import PipelineStage
 from ..features.recompute import planned_activation_factor
@@ -91,21 +91,18 @@ def solve_slicing(engine: "PipelineStage", cost: PipelineCost, stage_meta: Any, 
                                  engine.module.activation_checkpoint_interval, cfg),
                              deferred_weight_grads=bool(cfg.deferred_weight_grads))
         limit = cfg.memory_limit_gb * 2**30
-        # the planner refuses a cap no plan meets in its own API's words; the engine's user set a config key
-        short = memory_shortfall(memory, limit, schedule=cfg.schedule, num_stages=engine.num_stages,
-                                 num_microbatches=engine.micro_batches, micro_batch_size=engine.micro_batch_size,
-                                 seq_len=seq_len, granularity=granularity or cfg.granularity,
-                                 max_slices=cfg.max_slices, virtual_stages=cfg.virtual_stages or 1)
-        if short is not None:
-            raise ValueError(memory_limit_refusal(
-                cfg, short, seq_len=seq_len, micro_batch_size=engine.micro_batch_size, num_stages=engine.num_stages,
-                checkpoint_interval=engine.module.activation_checkpoint_interval))
-    plan = plan_slicing(cost, seq_len, num_microbatches=engine.micro_batches, micro_batch_size=engine.micro_batch_size,
-                        granularity=granularity or cfg.granularity, schedule=cfg.schedule, memory_limit_bytes=limit,
-                        memory=memory, max_slices=cfg.max_slices, deferred_weight_grads=cfg.deferred_weight_grads,
-                        virtual_stages=cfg.virtual_stages,
-                        # nothing shorter than the profile timed: its fit is blind there
-                        min_slice_len=min(cfg.profile.slice_lengths) if cfg.profile.slice_lengths else None)
+    try:
+        plan = plan_slicing(cost, seq_len, num_microbatches=engine.micro_batches,
+                            micro_batch_size=engine.micro_batch_size, granularity=granularity or cfg.granularity,
+                            schedule=cfg.schedule, memory_limit_bytes=limit, memory=memory,
+                            max_slices=cfg.max_slices, deferred_weight_grads=cfg.deferred_weight_grads,
+                            virtual_stages=cfg.virtual_stages,
+                            # nothing shorter than the profile timed: its fit is blind there
+                            min_slice_len=min(cfg.profile.slice_lengths) if cfg.profile.slice_lengths else None)
+    except MemoryLimitError as err:   # the planner's refusal is in its API's words; the user set a config key
+        raise ValueError(memory_limit_refusal(
+            cfg, err.shortfall, seq_len=seq_len, micro_batch_size=engine.micro_batch_size,
+            num_stages=engine.num_stages, checkpoint_interval=engine.module.activation_checkpoint_interval)) from None
     logger.log(logging.DEBUG if quiet else logging.INFO,
                "terapipe: plan for seq_len %d: %s slices=%s predicted %.1f ms vs %.1f ms unsliced (%.2fx)", seq_len,
                cfg.schedule, list(plan.slices), plan.predicted_ms, plan.unsliced_ms, plan.speedup)
