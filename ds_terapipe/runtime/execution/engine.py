@@ -93,6 +93,16 @@ __all__ = ["TokenPipelineEngine"]
 logger = logging.getLogger(__name__)
 
 
+def _unusable_directory(path: str, writes: bool) -> Optional[str]:
+    """Why ``path`` cannot serve as a directory this rank uses (created if missing; ``writes``: also writable), as
+    the end of a sentence naming it, or None."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as err:
+        return f"cannot be created ({type(err).__name__}: {err.strerror or err})"
+    return "is not writable" if writes and not os.access(path, os.W_OK) else None
+
+
 def _set_scheduled_lr(scheduler: Any) -> None:
     """The learning rate a just-loaded lr scheduler stands at, written into its optimizer's param groups.
 
@@ -298,13 +308,7 @@ class TokenPipelineEngine(PipelineEngine):
         if self.global_rank == 0:
             wanted.append(("plan_cache", self.terapipe.plan_cache, False))
         for key, path, writes in wanted:
-            if path is None:
-                continue
-            try:
-                os.makedirs(path, exist_ok=True)
-                why = "is not writable" if writes and not os.access(path, os.W_OK) else None
-            except OSError as err:
-                why = f"cannot be created ({type(err).__name__}: {err.strerror or err})"
+            why = None if path is None else _unusable_directory(path, writes)
             if why is not None:
                 return (f"terapipe.{key}={path!r} {why} on global rank {self.global_rank}; point it at a writable "
                         "directory, or drop the key")
@@ -1299,13 +1303,8 @@ class TokenPipelineEngine(PipelineEngine):
             state.setdefault("terapipe", {"plan": self.plan_summary(), "config": self.terapipe.model_dump()})
             if self.freezer is not None and isinstance(state["terapipe"], dict):  # a resumed run re-freezes it
                 state["terapipe"] = {**state["terapipe"], "freeze": self.freezer.state_dict()}
-            problem = None
-            try:   # every rank writes files there: a directory one of them cannot write fails all of them, now
-                os.makedirs(tag_dir, exist_ok=True)
-                if not os.access(tag_dir, os.W_OK):
-                    problem = "is not writable"
-            except OSError as err:
-                problem = f"cannot be created ({type(err).__name__}: {err.strerror or err})"
+            # every rank writes files there: a directory one of them cannot write fails all of them, now
+            problem = _unusable_directory(tag_dir, writes=True)
             agree_or_raise(None if problem is None else
                            f"save_checkpoint: {tag_dir} {problem} on global rank {self.global_rank}; save to a "
                            "writable directory", ckpt.CheckpointError, self.p2p,
@@ -1403,25 +1402,23 @@ class TokenPipelineEngine(PipelineEngine):
                                self.num_stages, self.terapipe.virtual_stages, list(self.placement))
             kwargs.update(load_optimizer_states=False, load_lr_scheduler_states=False, load_module_only=True)
         saved_format, own_format = manifest.get("optimizer_format"), self.optimizer_format()
-        if saved_format not in (None, own_format) and kwargs.get("load_optimizer_states", True) \
-                and not kwargs.get("load_module_only"):
-            # every rank reaches this verdict (the same manifest and config everywhere): no agreement needed
+        # every rank reaches these verdicts (the same manifest and config everywhere): no agreement needed
+        wants_state = kwargs.get("load_optimizer_states", True) and not kwargs.get("load_module_only")
+        weights_only = ("load the weights, step count and lr scheduler with a fresh optimizer: "
+                        "load_checkpoint(..., load_optimizer_states=False)")
+        if saved_format not in (None, own_format) and wants_state:
             saved, own = _OPTIMIZER_FORMATS.get(saved_format, saved_format), _OPTIMIZER_FORMATS[own_format]
             raise mark_collective(ckpt.CheckpointError(
                 f"checkpoint {tag_dir} holds its optimizer state as {saved}, this run keeps it as {own}: resume with "
-                "the checkpoint's zero_optimization.stage, bf16/fp16 and terapipe.shard_params, or load the weights, "
-                "step count and lr scheduler with a fresh optimizer: "
-                "load_checkpoint(..., load_optimizer_states=False)"))
+                f"the checkpoint's zero_optimization.stage, bf16/fp16 and terapipe.shard_params, or {weights_only}"))
         saved_dp = manifest.get("dp")
         if own_format == "zero" and saved_format in (None, "zero") and saved_dp not in (None, self.dp_world_size) \
-                and kwargs.get("load_optimizer_states", True) and not kwargs.get("load_module_only") \
-                and not self.load_universal_checkpoint():
+                and wants_state and not self.load_universal_checkpoint():
             # DeepSpeed would refuse it only after loading the weights, without the way out
             raise mark_collective(ckpt.CheckpointError(
                 f"checkpoint {tag_dir} holds ZeRO's optimizer state partitioned over {saved_dp} data-parallel "
                 f"replicas, this run has {self.dp_world_size}, and DeepSpeed cannot partition it anew: resume with "
-                f"{saved_dp} replicas, or load the weights, step count and lr scheduler with a fresh optimizer: "
-                "load_checkpoint(..., load_optimizer_states=False)"))
+                f"{saved_dp} replicas, or {weights_only}"))
         # without ZeRO, DeepSpeed cannot load the bf16 optimizer, and loading weights only leaves the fp32 master
         # weights of the bf16/fp16 optimizers at their initial values (runtime/execution/checkpoint.py)
         no_zero = not self.zero_optimization() and not kwargs.get("load_module_only")
