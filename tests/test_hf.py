@@ -47,12 +47,49 @@ def tiny_config(arch: str) -> "transformers.PretrainedConfig":
     if arch == "gpt2":
         return transformers.GPT2Config(n_embd=64, n_layer=3, n_head=4, vocab_size=VOCAB, n_positions=64,
                                        bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    if arch in OTHER_ARCHS:
+        name, kwargs = OTHER_ARCHS[arch]
+        return getattr(transformers, name)(**COMMON, **TOKENS, **kwargs)
     raise KeyError(arch)
 
 
-ARCHS = ["llama", "llama-tied", "mistral", "qwen2", "qwen3", "gpt2"]
+TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # inside the tiny vocabulary
+FULL_ATTENTION = dict(sliding_window=8, layer_types=["full_attention"] * COMMON["num_hidden_layers"])
+# Architectures beyond the Llama family, each with its quirk in play: Gemma's sqrt(hidden) embedding scale (and
+# Gemma 3's per-layer-type rotary tables, local and global bases differing), partial rotary (Phi, StableLM,
+# GPT-NeoX), parallel residual (GPT-NeoX, Cohere), LayerNorm final norms, Granite's multipliers and Cohere's logit
+# scale (not 1, so a dropped one shows), Phi's head bias, mixture-of-experts layers (Mixtral, Qwen3-MoE).
+OTHER_ARCHS = {
+    "gemma": ("GemmaConfig", dict(num_key_value_heads=2, head_dim=16)),
+    "gemma2": ("Gemma2Config", dict(num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=32,
+                                    attn_logit_softcapping=None, final_logit_softcapping=None, **FULL_ATTENTION)),
+    "gemma3": ("Gemma3TextConfig", dict(num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=32,
+                                        **FULL_ATTENTION)),
+    "phi3": ("Phi3Config", dict(num_key_value_heads=2, rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                                        "partial_rotary_factor": 0.5})),
+    "olmo": ("OlmoConfig", dict(num_key_value_heads=2, clip_qkv=4.0)),
+    "olmo2": ("Olmo2Config", dict(num_key_value_heads=2)),
+    "granite": ("GraniteConfig", dict(num_key_value_heads=2, embedding_multiplier=3.0, logits_scaling=4.0,
+                                      residual_multiplier=0.5, attention_multiplier=0.2)),
+    "cohere": ("CohereConfig", dict(num_key_value_heads=2, logit_scale=0.25, use_qk_norm=True)),
+    "smollm3": ("SmolLM3Config", dict(num_key_value_heads=2, no_rope_layers=[1, 0, 1])),
+    "stablelm": ("StableLmConfig", dict(num_key_value_heads=2, use_qkv_bias=True)),
+    "starcoder2": ("Starcoder2Config", dict(num_key_value_heads=2, residual_dropout=0.0, embedding_dropout=0.0)),
+    "phi": ("PhiConfig", dict(num_key_value_heads=2, resid_pdrop=0.0, embd_pdrop=0.0)),
+    "gpt_neox": ("GPTNeoXConfig", dict(hidden_dropout=0.0, attention_dropout=0.0)),
+    "mixtral": ("MixtralConfig", dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                                         moe_intermediate_size=32, decoder_sparse_step=2, mlp_only_layers=[2])),
+}
+ARCHS = ["llama", "llama-tied", "mistral", "qwen2", "qwen3", "gpt2", *OTHER_ARCHS]
 MODEL_CLASSES = {"gpt2": "GPT2LMHeadModel", "llama-tied": "LlamaForCausalLM", "llama": "LlamaForCausalLM",
-                 "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                 "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+                 "phi3": "Phi3ForCausalLM", "olmo": "OlmoForCausalLM", "olmo2": "Olmo2ForCausalLM",
+                 "granite": "GraniteForCausalLM", "cohere": "CohereForCausalLM", "smollm3": "SmolLM3ForCausalLM",
+                 "stablelm": "StableLmForCausalLM", "starcoder2": "Starcoder2ForCausalLM", "phi": "PhiForCausalLM",
+                 "gpt_neox": "GPTNeoXForCausalLM", "mixtral": "MixtralForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 def hf_model(arch: str, seed: int = 0) -> "transformers.PreTrainedModel":
@@ -214,10 +251,13 @@ def test_grouped_query_cache_holds_only_kv_heads() -> None:
 
 
 @pytest.mark.parametrize("arch, shard, dtype", [("llama", None, torch.float32), ("gpt2", "100KB", torch.float32),
-                                                 ("qwen3", None, torch.bfloat16)])
+                                                 ("qwen3", None, torch.bfloat16), ("gemma", None, torch.bfloat16),
+                                                 ("phi", "100KB", torch.float32), ("cohere", None, torch.float32),
+                                                 ("gpt_neox", None, torch.float32), ("mixtral", None, torch.float32)])
 def test_local_directory_loads_each_layer_from_safetensors(arch: str, shard, dtype, tmp_path) -> None:
     """A save_pretrained directory (one file, or sharded with an index): every layer reads its own tensors,
-    in config.json's dtype; weights and outputs equal the saved model's."""
+    in config.json's dtype; weights and outputs equal the saved model's. GPT-NeoX and Mixtral checkpoints hold
+    other names than the modules (transformers converts them on loading): from_pretrained reads those."""
     model = hf_model(arch).to(dtype)
     model.save_pretrained(tmp_path, **({"max_shard_size": shard} if shard else {}))
     assert (tmp_path / "model.safetensors.index.json").is_file() == bool(shard)
@@ -231,7 +271,7 @@ def test_local_directory_loads_each_layer_from_safetensors(arch: str, shard, dty
     assert rel_err(logits.float(), logits_ref.float()) <= (TOL if dtype == torch.float32 else 1e-2)
 
 
-@pytest.mark.parametrize("arch", ["llama", "llama-tied", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "llama-tied", "gpt2", "gemma", "phi", "gpt_neox", "mixtral"])
 def test_exported_pipeline_weights_load_into_transformers(arch: str) -> None:
     """export_state_dict's layout ("<layer>.<param>", a tied layer under each index that uses it) maps back to
     the transformers model: strict load, same weights."""
@@ -279,6 +319,21 @@ def run_sliced_forward_only(layers: list, ids: torch.Tensor, slices: list[int]):
     (lambda: transformers.LlamaConfig(**COMMON, rope_parameters={"rope_type": "dynamic", "factor": 2.0,
                                                                  "rope_theta": 10000.0}),
      "rope_type 'dynamic'", "static rope type"),
+    (lambda: transformers.Gemma2Config(**COMMON, attn_logit_softcapping=None, final_logit_softcapping=None),
+     "2 of 3 layer_types are 'sliding_attention'", "layer_types = ['full_attention'] * num_hidden_layers"),
+    (lambda: transformers.Gemma2Config(**COMMON, **FULL_ATTENTION), "attn_logit_softcapping=50.0", "set it to None"),
+    (lambda: transformers.Gemma2Config(**COMMON, **FULL_ATTENTION, attn_logit_softcapping=None),
+     "final_logit_softcapping=30.0", "set it to None"),
+    (lambda: transformers.Gemma3TextConfig(**COMMON, **FULL_ATTENTION, rope_parameters={
+        "full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}), "rope_type 'dynamic'", "static rope type"),
+    (lambda: transformers.Phi3Config(**COMMON, **TOKENS, sliding_window=2047), "sliding_window=2047",
+     "sliding_window = None"),
+    (lambda: transformers.Starcoder2Config(**COMMON, sliding_window=4096), "sliding_window=4096",
+     "sliding_window = None"),
+    (lambda: transformers.MixtralConfig(**COMMON, output_router_logits=True), "load-balancing",
+     "output_router_logits=False"),
+    (lambda: transformers.Cohere2Config(**COMMON), "'cohere2' is not supported", "gemma"),
 ])
 def test_unsupported_features_are_refused_when_building(make, feature: str, fix: str) -> None:
     with pytest.raises(UnsupportedModelError) as err:

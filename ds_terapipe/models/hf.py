@@ -1,4 +1,4 @@
-"""Hugging Face causal LMs (Llama, Mistral, Qwen2, Qwen3, GPT-2) as token-pipeline LayerSpecs.
+"""Hugging Face decoder-only causal LMs (Llama, Gemma, Qwen, Phi, GPT-NeoX, ...) as token-pipeline LayerSpecs.
 
     from transformers import LlamaConfig
     from ds_terapipe.models.hf import causal_lm_specs, causal_lm_loss
@@ -14,25 +14,30 @@ module as cache key, so each slice attends over its micro-batch's cached prefix.
 wrapper. Grouped-query attention keeps the cache at ``num_key_value_heads``: k/v go to
 :func:`~ds_terapipe.sliced_causal_attention` with their own head count, and SDPA pairs the heads
 (``enable_gqa``). The pipeline layers are: embedding, the decoder layers, the final norm, the LM head
-(a ``TiedLayerSpec`` with the embedding when the weights are tied); the loss is :func:`causal_lm_loss`.
+(a ``TiedLayerSpec`` with the embedding when the weights are tied); the loss is :func:`causal_lm_loss`. What
+an architecture's ``*Model`` / ``*ForCausalLM`` does around its layers is redone here from the ``_FAMILIES``
+table: the embedding's scale (Gemma's sqrt(hidden), Granite's multiplier) and dropout, the final norm's class,
+the head's bias and logit scale (Granite, Cohere), per-layer-type rotary tables (Gemma 3).
 
 Features whose result would depend on the slicing, or that the token pipeline cannot feed, are refused when
 the specs are built (:class:`UnsupportedModelError`, naming the feature and the fix): sliding-window attention,
 attention-logit softcapping, cross-attention and encoder-decoder models, bidirectional (non-causal) attention,
-rotary scalings that depend on the sequence length seen (``dynamic``, ``longrope``), architectures outside the
-list above. Attention masks (padding) are data, so they are refused at the first forward that carries one.
+rotary scalings that depend on the sequence length seen (``dynamic``, ``longrope``), a mixture-of-experts
+load-balancing loss (``output_router_logits``), architectures outside :data:`SUPPORTED_MODEL_TYPES`. Attention
+masks (padding) are data, so they are refused at the first forward that carries one.
 """
 
 from __future__ import annotations
 
 import copy
 import importlib
+import inspect
 import json
 import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.nn as nn
@@ -63,27 +68,85 @@ class UnsupportedModelError(ValueError):
     """A model or config uses a feature the token pipeline cannot run exactly; the message names the fix."""
 
 
+def _sqrt_hidden_scale(config: PretrainedConfig, hidden: torch.Tensor) -> torch.Tensor:
+    """Gemma: embeddings times sqrt(hidden_size), the factor rounded to the weights' dtype first (as Gemma's
+    ``*TextScaledWordEmbedding`` holds it in a buffer of that dtype: 55.4256 is 55.5 in bf16)."""
+    return hidden * torch.tensor(config.hidden_size ** 0.5).to(hidden.dtype)
+
+
+def _embedding_multiplier(config: PretrainedConfig, hidden: torch.Tensor) -> torch.Tensor:
+    """Granite: embeddings times ``config.embedding_multiplier`` (a Python float, as GraniteModel multiplies)."""
+    return hidden * config.embedding_multiplier
+
+
+def _divide_by_logits_scaling(config: PretrainedConfig, logits: torch.Tensor) -> torch.Tensor:
+    """Granite: logits divided by ``config.logits_scaling`` (divided, not multiplied by the inverse: bit-equal)."""
+    return logits / config.logits_scaling
+
+
+def _times_logit_scale(config: PretrainedConfig, logits: torch.Tensor) -> torch.Tensor:
+    """Cohere: logits times ``config.logit_scale``."""
+    return logits * config.logit_scale
+
+
 @dataclass(frozen=True)
 class _Family:
-    """Where one architecture keeps its parts, in ``transformers`` and in its checkpoints."""
+    """Where one architecture keeps its parts, in ``transformers`` and in its checkpoints, and what its
+    ``*Model`` / ``*ForCausalLM`` forward does around the decoder layers (redone by the pipeline layers)."""
 
     module: str  # transformers.models.<module>.modeling_<module>
     decoder_layer: str
-    final_norm: str | None  # class name; None: nn.LayerNorm (GPT-2)
+    final_norm: str | None  # class name; None: nn.LayerNorm
     rotary: str | None  # class name; None: learned positions (GPT-2)
     base: str  # attribute of the *ForCausalLM holding the decoder stack
     layers: str  # attribute of the base holding the decoder layers
     embed: str  # attribute of the base (and of HFEmbedding) holding the token embedding
     norm: str  # attribute of the base (and of HFFinalNorm) holding the final norm
+    norm_eps: str | None = "rms_norm_eps"  # config attribute of the final norm's epsilon; None: it takes none
+    embed_padding: bool = True  # the embedding's padding_idx is config.pad_token_id (its row gets no gradient)
+    embed_dropout: str | None = None  # config attribute of the dropout probability after the embedding
+    embed_scale: Callable[[PretrainedConfig, torch.Tensor], torch.Tensor] | None = None
+    head_bias: bool = False  # the LM head (``lm_head``) has a bias
+    logit_scale: Callable[[PretrainedConfig, torch.Tensor], torch.Tensor] | None = None
 
 
-_LLAMA_LIKE = dict(base="model", layers="layers", embed="embed_tokens", norm="norm")
+def _llama_like(module: str, prefix: str, **quirks: Any) -> _Family:
+    """A family laid out as Llama (``model.layers``, ``model.embed_tokens``, ``model.norm``, ``lm_head``), its
+    classes named ``<prefix>DecoderLayer``, ``<prefix>RMSNorm``, ``<prefix>RotaryEmbedding``."""
+    return _Family(module, f"{prefix}DecoderLayer", quirks.pop("final_norm", f"{prefix}RMSNorm"),
+                   f"{prefix}RotaryEmbedding", base="model", layers="layers", embed="embed_tokens",
+                   norm=quirks.pop("norm", "norm"), **quirks)
+
+
+_LAYER_NORM = dict(final_norm=None, norm_eps="layer_norm_eps")  # a plain nn.LayerNorm as the final norm
 _FAMILIES: dict[str, _Family] = {
-    "llama": _Family("llama", "LlamaDecoderLayer", "LlamaRMSNorm", "LlamaRotaryEmbedding", **_LLAMA_LIKE),
-    "mistral": _Family("mistral", "MistralDecoderLayer", "MistralRMSNorm", "MistralRotaryEmbedding", **_LLAMA_LIKE),
-    "qwen2": _Family("qwen2", "Qwen2DecoderLayer", "Qwen2RMSNorm", "Qwen2RotaryEmbedding", **_LLAMA_LIKE),
-    "qwen3": _Family("qwen3", "Qwen3DecoderLayer", "Qwen3RMSNorm", "Qwen3RotaryEmbedding", **_LLAMA_LIKE),
-    "gpt2": _Family("gpt2", "GPT2Block", None, None, base="transformer", layers="h", embed="wte", norm="ln_f"),
+    "llama": _llama_like("llama", "Llama"),
+    "mistral": _llama_like("mistral", "Mistral"),
+    "qwen2": _llama_like("qwen2", "Qwen2"),
+    "qwen3": _llama_like("qwen3", "Qwen3"),
+    "gpt2": _Family("gpt2", "GPT2Block", None, None, base="transformer", layers="h", embed="wte", norm="ln_f",
+                    norm_eps="layer_norm_epsilon", embed_padding=False, embed_dropout="embd_pdrop"),
+    "gemma": _llama_like("gemma", "Gemma", embed_scale=_sqrt_hidden_scale),
+    "gemma2": _llama_like("gemma2", "Gemma2", embed_scale=_sqrt_hidden_scale),
+    "gemma3_text": _llama_like("gemma3", "Gemma3", embed_scale=_sqrt_hidden_scale),
+    "phi3": _llama_like("phi3", "Phi3"),
+    "olmo": _llama_like("olmo", "Olmo", final_norm="OlmoLayerNorm", norm_eps=None),
+    "olmo2": _llama_like("olmo2", "Olmo2"),
+    "granite": _llama_like("granite", "Granite", embed_scale=_embedding_multiplier,
+                           logit_scale=_divide_by_logits_scaling),
+    "cohere": _llama_like("cohere", "Cohere", final_norm="CohereLayerNorm", norm_eps="layer_norm_eps",
+                          logit_scale=_times_logit_scale),
+    "smollm3": _llama_like("smollm3", "SmolLM3"),
+    "stablelm": _llama_like("stablelm", "StableLm", **_LAYER_NORM),
+    "starcoder2": _llama_like("starcoder2", "Starcoder2", final_norm=None, norm_eps="norm_epsilon",
+                              embed_dropout="embedding_dropout"),
+    "phi": _llama_like("phi", "Phi", **_LAYER_NORM, norm="final_layernorm", embed_dropout="embd_pdrop",
+                       head_bias=True),
+    "gpt_neox": _Family("gpt_neox", "GPTNeoXLayer", None, "GPTNeoXRotaryEmbedding", base="gpt_neox",
+                        layers="layers", embed="embed_in", norm="final_layer_norm", norm_eps="layer_norm_eps",
+                        embed_padding=False, embed_dropout="hidden_dropout"),
+    "mixtral": _llama_like("mixtral", "Mixtral"),
+    "qwen3_moe": _llama_like("qwen3_moe", "Qwen3Moe"),
 }
 
 #: ``config.model_type`` values :func:`causal_lm_specs` accepts.
@@ -147,8 +210,16 @@ def _check_config(config: PretrainedConfig) -> _Family:
                                     f"supported: {', '.join(SUPPORTED_MODEL_TYPES)} (or write the model as "
                                     "LayerSpecs with ds_terapipe.sliced_causal_attention, see README)")
     window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None) or ()
-    if window is not None or "sliding_attention" in layer_types:
+    layer_types = list(getattr(config, "layer_types", None) or ())
+    if layer_types:  # the config names each layer's attention; the window applies to "sliding_attention" ones only
+        sliding = layer_types.count("sliding_attention")
+        if sliding:
+            raise UnsupportedModelError(f"{model_type}: sliding-window attention ({sliding} of {len(layer_types)} "
+                                        "layer_types are 'sliding_attention', sliding_window="
+                                        f"{window}) is not supported; set config.layer_types = ['full_attention'] * "
+                                        "num_hidden_layers (Qwen: use_sliding_window=False), which is exact whenever "
+                                        "the window covers the whole sequence")
+    elif window is not None:
         raise UnsupportedModelError(f"{model_type}: sliding-window attention (sliding_window={window}) is not "
                                     "supported; set config.sliding_window = None (and use_sliding_window=False), "
                                     "which is exact whenever the window covers the whole sequence")
@@ -158,11 +229,20 @@ def _check_config(config: PretrainedConfig) -> _Family:
                                         f"{getattr(config, name)}) is not supported; set it to None")
     if family.rotary is not None:
         rope = getattr(config, "rope_parameters", None) or {}
-        rope_type = rope.get("rope_type", "default") if isinstance(rope, Mapping) else "default"
-        if rope_type in _LENGTH_DEPENDENT_ROPE:
-            raise UnsupportedModelError(f"{model_type}: rope_type {rope_type!r} rescales positions by the length "
-                                        "seen in a call, so a slice would rotate differently from the whole "
-                                        "sequence; use a static rope type (default, linear, llama3, yarn)")
+        tables: list[Mapping] = []
+        if isinstance(rope, Mapping):  # one table, or one per layer type (Gemma 3: {"full_attention": {...}, ...})
+            tables = [table for table in rope.values() if isinstance(table, Mapping)] or [rope]
+        for table in tables:
+            rope_type = table.get("rope_type", "default")
+            if rope_type in _LENGTH_DEPENDENT_ROPE:
+                raise UnsupportedModelError(f"{model_type}: rope_type {rope_type!r} rescales positions by the "
+                                            "length seen in a call, so a slice would rotate differently from the "
+                                            "whole sequence; use a static rope type (default, linear, llama3, yarn)")
+    if getattr(config, "output_router_logits", False):
+        raise UnsupportedModelError(f"{model_type}: the mixture-of-experts load-balancing loss "
+                                    "(config.output_router_logits=True) averages router statistics over the whole "
+                                    "batch, which neither a slice nor causal_lm_loss sees; set "
+                                    "output_router_logits=False (routing itself is per token and runs exactly)")
     return family
 
 
@@ -177,23 +257,27 @@ def _attention_config(config: PretrainedConfig) -> PretrainedConfig:
 # -- pipeline layers -------------------------------------------------------------------------------------------
 def _init_hf_style_(module: nn.Module, config: PretrainedConfig, seed: int, num_layers: int) -> None:
     """transformers' initialisation (normal(0, initializer_range) weights, zero biases, norms as built; GPT-2's
-    residual projections scaled by 1/sqrt(2 n_layer)) from a private generator: weights depend only on (seed,
+    residual projections scaled by 1/sqrt(2 n_layer); matrices held outside nn.Linear, as mixture-of-experts
+    routers and stacked experts are, normal too) from a private generator: weights depend only on (seed,
     layer), so any number of stages builds the same model."""
     gen = torch.Generator().manual_seed(seed)
     std = getattr(config, "initializer_range", 0.02)
+    gpt2 = config.model_type == "gpt2"
     with torch.no_grad():
         for sub_name, sub in module.named_modules():
-            weight = getattr(sub, "weight", None)
-            if not isinstance(weight, nn.Parameter):
-                continue
             if isinstance(sub, (nn.Linear, nn.Embedding)) or type(sub).__name__ == "Conv1D":
-                scale = std / math.sqrt(2 * num_layers) if sub_name.endswith("c_proj") else std
+                weight = sub.weight
+                scale = std / math.sqrt(2 * num_layers) if gpt2 and sub_name.endswith("c_proj") else std
                 weight.copy_(torch.randn(weight.shape, generator=gen) * scale)
                 if isinstance(sub, nn.Embedding) and sub.padding_idx is not None:
                     weight[sub.padding_idx].zero_()
                 bias = getattr(sub, "bias", None)
                 if isinstance(bias, nn.Parameter):
                     bias.zero_()
+                continue
+            for param in sub.parameters(recurse=False):  # built empty (torch.empty) by their modules
+                if param.dim() >= 2:
+                    param.copy_(torch.randn(param.shape, generator=gen) * std)
 
 
 def _adopt(source: nn.Module, config: PretrainedConfig) -> nn.Module:
@@ -266,25 +350,41 @@ def _fill(module: nn.Module, config: PretrainedConfig, index: int, seed: int,
         _init_hf_style_(module, config, seed + index, config.num_hidden_layers)
 
 
+def _plain_embedding(embedding: nn.Embedding) -> nn.Embedding:
+    """``embedding``'s table (the same Parameter, not a copy) in a plain ``nn.Embedding``.
+
+    Why: a subclass that scales in its forward (Gemma's ``*TextScaledWordEmbedding``) would be replaced by the
+    vocabulary-parallel split, which looks rows up only, and its scale lost; :class:`HFEmbedding` applies the
+    family's scale itself, after the lookup, whatever does the lookup."""
+    if type(embedding) is nn.Embedding:
+        return embedding
+    plain = nn.Embedding(embedding.num_embeddings, embedding.embedding_dim, embedding.padding_idx, device="meta")
+    plain.weight = embedding.weight
+    return plain
+
+
 class HFEmbedding(nn.Module):
-    """Token embedding (GPT-2: plus learned positions from :func:`token_offset`); also the tied LM head."""
+    """Token embedding, then what the family's ``*Model`` does to it before the first layer (Gemma's and Granite's
+    scale, dropout; GPT-2: plus learned positions from :func:`token_offset`); also the tied LM head."""
 
     def __init__(self, config: PretrainedConfig, source: nn.Module | None = None, seed: int = 0,
                  checkpoint: _Checkpoint | None = None) -> None:
         super().__init__()
         self.family = _FAMILIES[config.model_type]
+        self.config = config
         self.is_gpt2 = self.family.rotary is None
+        dropout = getattr(config, self.family.embed_dropout, 0.0) if self.family.embed_dropout else 0.0
+        self.drop = nn.Dropout(dropout or 0.0)
         if source is not None:
-            setattr(self, self.family.embed, getattr(source, self.family.embed))
+            setattr(self, self.family.embed, _plain_embedding(getattr(source, self.family.embed)))
             if self.is_gpt2:
-                self.wpe, self.drop = source.wpe, source.drop
+                self.wpe = source.wpe
             return
         setattr(self, self.family.embed,
                 nn.Embedding(config.vocab_size, config.hidden_size, getattr(config, "pad_token_id", None)
-                             if not self.is_gpt2 else None))
+                             if self.family.embed_padding else None))
         if self.is_gpt2:
             self.wpe = nn.Embedding(config.max_position_embeddings, config.hidden_size)
-            self.drop = nn.Dropout(config.embd_pdrop)
         _fill(self, config, 0, seed, checkpoint)
 
     @property
@@ -297,8 +397,10 @@ class HFEmbedding(nn.Module):
                 f"HFEmbedding got {len(ids)} inputs; it takes token ids (B, T) only. Attention/padding masks are "
                 "not supported with token slicing: feed full-length sequences without padding (pack documents)")
         hidden = self.token_embedding(ids)  # (B, T, C)
+        if self.family.embed_scale is not None:
+            hidden = self.family.embed_scale(self.config, hidden)
         if not self.is_gpt2:
-            return hidden
+            return self.drop(hidden)
         tokens, offset = ids.shape[1], token_offset()
         if offset + tokens > self.wpe.num_embeddings:
             raise ValueError(f"HFEmbedding: positions up to {offset + tokens} exceed n_positions="
@@ -307,7 +409,10 @@ class HFEmbedding(nn.Module):
         return self.drop(hidden + self.wpe(pos))
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.token_embedding.weight)  # (B, T, V)
+        logits = F.linear(hidden, self.token_embedding.weight)  # (B, T, V)
+        if self.family.logit_scale is not None:
+            logits = self.family.logit_scale(self.config, logits)
+        return logits
 
 
 def _tied_head(embedding: HFEmbedding, hidden: torch.Tensor) -> torch.Tensor:
@@ -328,6 +433,10 @@ class HFDecoderLayer(nn.Module):
             self.layer = getattr(modeling, family.decoder_layer)(config, layer_idx=layer_idx)
         # The rotary module has no parameters; each layer keeps its own, so a stage needs nothing from others.
         self.rotary = getattr(modeling, family.rotary)(config=config) if family.rotary else None
+        # A rotary module with a table per layer type (Gemma 3: local and global bases) is asked for this layer's.
+        self.rotary_kwargs: dict[str, str] = {}
+        if self.rotary is not None and "layer_type" in inspect.signature(self.rotary.forward).parameters:
+            self.rotary_kwargs["layer_type"] = config.layer_types[layer_idx]
         if source is None:
             _fill(self, config, 1 + layer_idx, seed, checkpoint)
 
@@ -337,13 +446,13 @@ class HFDecoderLayer(nn.Module):
         position_ids = slice_positions(hidden.shape[1], hidden.device)  # (T,), or (B, T) for packed rows
         if position_ids.dim() == 1:
             position_ids = position_ids.unsqueeze(0)  # (1, T)
-        position_embeddings = self.rotary(hidden, position_ids)  # cos, sin: (1 or B, T, hs)
+        position_embeddings = self.rotary(hidden, position_ids, **self.rotary_kwargs)  # cos, sin: (1 or B, T, hs)
         return self.layer(hidden, attention_mask=None, position_ids=position_ids,
                           position_embeddings=position_embeddings)
 
 
 class HFFinalNorm(nn.Module):
-    """The final norm (Llama family: RMSNorm ``norm``; GPT-2: LayerNorm ``ln_f``)."""
+    """The final norm (the family's RMSNorm or LayerNorm class, or ``nn.LayerNorm``; GPT-2's ``ln_f``)."""
 
     def __init__(self, config: PretrainedConfig, source: nn.Module | None = None,
                  checkpoint: _Checkpoint | None = None) -> None:
@@ -353,11 +462,9 @@ class HFFinalNorm(nn.Module):
         if source is not None:
             setattr(self, self.attr, source)
             return
-        if family.final_norm is None:
-            setattr(self, self.attr, nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon))
-        else:
-            setattr(self, self.attr,
-                    getattr(_modeling(family), family.final_norm)(config.hidden_size, eps=config.rms_norm_eps))
+        cls = nn.LayerNorm if family.final_norm is None else getattr(_modeling(family), family.final_norm)
+        eps = {} if family.norm_eps is None else {"eps": getattr(config, family.norm_eps)}
+        setattr(self, self.attr, cls(config.hidden_size, **eps))
         if checkpoint is not None:  # built norms are ones (and zeros), as transformers initialises them
             checkpoint.load_into(self, config.num_hidden_layers + 1)
 
@@ -366,19 +473,23 @@ class HFFinalNorm(nn.Module):
 
 
 class HFLMHead(nn.Module):
-    """An untied LM head ``lm_head`` (B, T, C) -> (B, T, V)."""
+    """An untied LM head ``lm_head`` (B, T, C) -> (B, T, V), then the family's logit scale (Granite, Cohere)."""
 
     def __init__(self, config: PretrainedConfig, source: nn.Module | None = None, seed: int = 0,
                  checkpoint: _Checkpoint | None = None) -> None:
         super().__init__()
+        self.family, self.config = _FAMILIES[config.model_type], config
         if source is not None:
             self.lm_head = source
             return
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=self.family.head_bias)
         _fill(self, config, config.num_hidden_layers + 2, seed, checkpoint)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        logits = self.lm_head(hidden)
+        if self.family.logit_scale is not None:
+            logits = self.family.logit_scale(self.config, logits)
+        return logits
 
 
 # -- specs -----------------------------------------------------------------------------------------------------
@@ -392,6 +503,18 @@ def _checkpoint_dtype(config: PretrainedConfig, requested: Any) -> torch.dtype |
     if isinstance(stored, str):
         stored = getattr(torch, stored, None)
     return stored if isinstance(stored, torch.dtype) else None
+
+
+def _renamed_on_load(config: PretrainedConfig) -> bool:
+    """Whether ``transformers`` converts this architecture's checkpoint tensors on loading (GPT-NeoX's
+    ``embed_out`` is ``lm_head``; Mixtral's and Qwen3-MoE's per-expert matrices are stacked into one tensor), so
+    the files do not hold the modules' names and only ``from_pretrained`` can read them."""
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    except ImportError:  # pragma: no cover - a transformers without conversions stores the modules' names
+        return False
+    names = [config.model_type, *(getattr(config, "architectures", None) or ())]
+    return any(get_checkpoint_conversion_mapping(name) for name in names)
 
 
 def _load(model_or_config: Any, load_kwargs: Mapping[str, Any] | None
@@ -411,11 +534,11 @@ def _load(model_or_config: Any, load_kwargs: Mapping[str, Any] | None
     load_kwargs = dict(load_kwargs or {})
     config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
     _check_config(config)  # refuse before reading any weights
-    if set(load_kwargs) <= {"dtype"}:
+    if set(load_kwargs) <= {"dtype"} and not _renamed_on_load(config):
         checkpoint = _Checkpoint.find(path, config, _checkpoint_dtype(config, load_kwargs.get("dtype", "auto")))
         if checkpoint is not None:
             return config, None, checkpoint
-    # Other formats or loading options: transformers loads the whole model (on every rank).
+    # Other formats, converted tensor names or loading options: transformers loads the whole model (every rank).
     model = transformers.AutoModelForCausalLM.from_pretrained(path, local_files_only=True, **load_kwargs)
     return model.config, model, None
 
@@ -431,7 +554,8 @@ def causal_lm_specs(model_or_config: Any, *, seed: int = 1234,
             afterwards; every rank holds the whole model); or a local directory written by ``save_pretrained``
             (nothing is downloaded): with safetensors weights each stage reads only its own layers' tensors, in
             ``load_kwargs["dtype"]`` (default ``"auto"``: config.json's dtype, as ``from_pretrained``); other
-            formats or other ``load_kwargs`` go through ``AutoModelForCausalLM.from_pretrained(path,
+            formats, checkpoints whose tensor names ``transformers`` converts on loading (GPT-NeoX, Mixtral,
+            Qwen3-MoE) or other ``load_kwargs`` go through ``AutoModelForCausalLM.from_pretrained(path,
             **load_kwargs)``, the whole model on every rank.
 
     Use with ``TokenPipelineModule(specs, num_stages=..., loss_fn=causal_lm_loss, vocab_size=config.vocab_size)``;
