@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from .log import LOG_FORMAT, env_log_level
-from .planner._checks import check_int, check_number
+from .planner._checks import check_int, check_number, too_many_units
 from .planner.presets import DEVICE_PRESETS, MODEL_PRESETS, analytic_pipeline_cost, preset_memory_model
 from .planner.registry import schedule_names, schedule_table
 
@@ -84,8 +84,31 @@ def _parsed(convert: Callable[[str], Any], noun: str, check: Callable[[Any, str]
 
 _positive_int = _parsed(int, "an integer; pass a whole number >= 1",
                         lambda v, name: check_int(v, name, fix="pass a whole number >= 1"))
-_positive_float = _parsed(float, "a number; pass e.g. 32",
-                          lambda v, name: check_number(v, name, positive=True, fix="pass e.g. 32"))
+#: The largest count of ranks, chunks or micro-batches the CLI takes: beyond it a simulation of the schedule runs
+#: for minutes (100,000 micro-batches take seconds) and a mistyped number would look like a hang.
+_MAX_COUNT = 100_000
+
+
+def _check_count(value: int, name: str) -> int:
+    check_int(value, name, fix="pass a whole number >= 1")
+    if value > _MAX_COUNT:
+        raise ValueError(f"{name} = {value} must be <= {_MAX_COUNT:,}; pass a whole number from 1 to {_MAX_COUNT:,}")
+    return value
+
+
+_count = _parsed(int, f"an integer; pass a whole number from 1 to {_MAX_COUNT:,}", _check_count)
+
+
+def _check_gib(value: float, name: str) -> float:
+    """A positive number of GiB whose bytes are finite too (1e308 GiB is not)."""
+    check_number(value, name, positive=True, fix="pass e.g. 32")
+    if not math.isfinite(value * _GIB):
+        raise ValueError(f"{name} = {value:g} GiB is too large to count in bytes; pass e.g. 32, or drop the flag "
+                         "for no cap")
+    return value
+
+
+_gib = _parsed(float, "a number; pass e.g. 32", _check_gib)
 
 
 def _slice_list(text: str) -> list[int]:
@@ -117,24 +140,24 @@ def _add_planning_args(p: argparse.ArgumentParser, schedule: bool = True) -> Non
                    help="measured cost file (format: docs/cost_format.md); replaces --model/--device. An engine "
                         "plan-cache file (terapipe-plan-<key>.json under terapipe.plan_cache) is read too: its "
                         "\"cost\" entry, the costs the engine profiled")
-    g.add_argument("--stages", type=_positive_int, metavar="K",
+    g.add_argument("--stages", type=_count, metavar="K",
                    help="pipeline stages, i.e. ranks (implied by a cost file with a \"stages\" list or "
                         "\"num_stages\": its chunks / V)")
     g.add_argument("--seq-len", type=_positive_int, required=True, metavar="L", help="tokens per sequence")
-    g.add_argument("--micro-batch", type=_positive_int, default=1, metavar="B",
+    g.add_argument("--micro-batch", type=_count, default=1, metavar="B",
                    help="sequences per micro-batch (default 1)")
-    g.add_argument("--microbatches", type=_positive_int, default=1, metavar="M",
+    g.add_argument("--microbatches", type=_count, default=1, metavar="M",
                    help="micro-batches per step and pipeline (default 1)")
     if schedule:
         g.add_argument("--schedule", choices=schedule_names(), default="gpipe",
                        help="pipeline schedule (default gpipe; see 'ds-terapipe schedules')")
-        g.add_argument("--virtual-stages", type=_positive_int, default=None, metavar="V",
+        g.add_argument("--virtual-stages", type=_count, default=None, metavar="V",
                        help="chunks per rank (default: the schedule's, 1 for gpipe/1f1b, 2 for the others); the "
                             "model is cut into K*V chunks placed as the schedule says, and a --cost file describes "
                             "chunks")
     g.add_argument("--vocab", type=_positive_int, metavar="V",
                    help="replace the --model preset's vocabulary (e.g. 256000): the embedding and LM head grow")
-    g.add_argument("--sequence-parallel", type=_positive_int, default=1, metavar="N",
+    g.add_argument("--sequence-parallel", type=_count, default=1, metavar="N",
                    help="N sequence-parallel ranks inside each stage split every slice's tokens (Ulysses; with "
                         "--model): compute and activations / N, two all-to-alls per attention layer and direction "
                         "over the device preset's link; N must divide the heads (planner/sequence.py)")
@@ -150,7 +173,7 @@ def _add_planning_args(p: argparse.ArgumentParser, schedule: bool = True) -> Non
                    help=f"slice lengths are multiples of G, which must divide --seq-len (default "
                         f"{_DEFAULT_GRANULARITY}; smaller: finer plans, slower planning)")
     s.add_argument("--max-slices", type=_positive_int, metavar="N", help="at most N slices")
-    s.add_argument("--memory-gb", type=_positive_float, metavar="X",
+    s.add_argument("--memory-gb", type=_gib, metavar="X",
                    help="activation memory cap per device in GiB (weights and optimizer state excluded); "
                         "needs --model")
     s.add_argument("--split-batch", action="store_true",
@@ -409,6 +432,9 @@ def _granularity(args: argparse.Namespace) -> int:
         divisor = math.gcd(args.seq_len, g)
         raise UsageError(f"--granularity {g} does not divide --seq-len {args.seq_len}; pick a granularity that "
                          f"divides it (e.g. --granularity {divisor})")
+    too_fine = too_many_units(args.seq_len, g, names=("--seq-len ", "--granularity "))
+    if too_fine:
+        raise UsageError(too_fine)
     return g
 
 

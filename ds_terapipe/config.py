@@ -27,6 +27,7 @@ from typing import Any, List, Literal, Optional, Union
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from .planner._checks import too_many_units
 from .planner.registry import get_schedule, schedule_names
 
 __all__ = ["AutoFreezeConfig", "FreezeConfig", "ProfileConfig", "ReplanConfig", "TeraPipeConfig",
@@ -262,7 +263,8 @@ class TeraPipeConfig(DeepSpeedConfigModel):
 
     granularity: int = Field(8, ge=1, description=(
         'slices the engine chooses (`"auto"`, an int) are multiples of this, and with those it must divide '
-        "`seq_len` and every batch length; a list of `slices` is run as written"))
+        '`seq_len` and every batch length; with `"auto"`, `seq_len` / `granularity` is at most 2048 (the planner\'s '
+        "search grows faster than its square); a list of `slices` is run as written"))
     """Slices the engine chooses (``"auto"``, an int) are multiples of this many tokens (keeps kernels efficient
     and the planner fast); it must then divide ``seq_len`` and every batch length. Not applied to a list of
     ``slices``, which is run exactly as written."""
@@ -413,7 +415,7 @@ class TeraPipeConfig(DeepSpeedConfigModel):
     have; the plan profiled at this start is dropped (logged). ``false``: keep this start's plan (moving a run to
     another kind of machine)."""
 
-    p2p_timeout_s: float = Field(300.0, gt=0, allow_inf_nan=False, description=(
+    p2p_timeout_s: float = Field(300.0, gt=0, le=1e9, allow_inf_nan=False, description=(
         "a rank waiting longer than this for a pipeline peer fails with the instruction it was stuck on (a dead "
         "process; a peer that raised stops the others within about a second instead, see "
         "[Faults](training.md#training-for-days-data-parallelism-variable-lengths-checkpoints-faults))"))
@@ -524,6 +526,10 @@ class TeraPipeConfig(DeepSpeedConfigModel):
         if self.seq_len is not None and self.seq_len % self.granularity != 0:
             raise ValueError(f"terapipe.granularity={self.granularity} does not divide terapipe.seq_len="
                              f"{self.seq_len}; pick a granularity that divides it (e.g. 1) or pad the sequences")
+        too_fine = None if self.slices != "auto" or self.seq_len is None else too_many_units(
+            self.seq_len, self.granularity, names=("terapipe.seq_len=", "terapipe.granularity="))
+        if too_fine:
+            raise ValueError(too_fine)
         if isinstance(self.slices, int) and self.seq_len is not None and \
                 self.slices > self.seq_len // self.granularity:
             raise ValueError(f"terapipe.slices={self.slices} is more than seq_len/granularity = "

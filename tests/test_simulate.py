@@ -126,6 +126,18 @@ def test_zero_costs_give_zero_makespan_and_no_bubble():
     assert res.makespan_ms == 0 and res.bubble_fraction == 0
 
 
+@pytest.mark.parametrize("name", ONE_CHUNK)
+def test_a_bubble_is_never_a_rounding_below_zero(name):
+    # one busy stage: its busy time, summed in another order than the makespan's path, came out an ulp over the
+    # makespan and the bubble at -2e-15 (printed "-0.0%")
+    rng = random.Random(0)
+    for _ in range(10):
+        stage = FakeStage(rng.uniform(0, 1), rng.uniform(0, 2), per_token=rng.uniform(0, 0.1),
+                          per_context=rng.uniform(0, 0.5))
+        res = simulate(build_schedule(name, 1, 64, 3), FakeCost.uniform(stage, 1), [7, 11, 13])
+        assert 0.0 <= res.bubble_fraction < 1e-12, res.bubble_fraction
+
+
 # ------------------------------------------------------------------------------------------ vs reference
 
 

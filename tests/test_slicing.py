@@ -518,6 +518,10 @@ def test_no_slice_shorter_than_min_slice_len(schedule):
     ({"memory_limit_bytes": -1.0, "memory": MemoryModel(1, 8)}, ValueError, "memory_limit_bytes = -1.0 must be"),
     ({"memory": MemoryModel((1, 2, 3), 8)}, ValueError, "num_layers_per_stage has 3 entries but the cost has 6"),
     ({"memory": {"hidden": 8}}, TypeError, "memory must be a MemoryModel, got dict"),
+    # a grid too fine to search: refused with the granularity that fits, before any table is allocated
+    ({"seq_len": 65536, "granularity": 8}, ValueError,
+     "seq_len = 65536 at granularity = 8 is 8192 slice units, more than the 2048 .*; use granularity = 32"),
+    ({"seq_len": 2 ** 20, "granularity": 1}, ValueError, "is 1048576 slice units.*; use granularity = 512"),
 ])
 def test_user_errors_name_the_argument(kwargs, exc, needle):
     args = {"seq_len": 1024, "granularity": 32, **kwargs}

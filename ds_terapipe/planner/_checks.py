@@ -2,7 +2,9 @@
 
 Why one: the planner, the cost files, the schedule IR and the CLI all take integers from users, and each used
 to phrase the refusal its own way. Here the message always names where the value came from, the value, the
-rule and the fix, e.g. ``granularity = 0 must be >= 1; use a positive token count such as 8``.
+rule and the fix, e.g. ``granularity = 0 must be >= 1; use a positive token count such as 8``. The bound on
+the slicing planner's grid (``too_many_units``) is here too, so the config and the CLI refuse a grid too fine to
+search as the planner does, without importing it.
 """
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import math
 import numbers
 from typing import Any
 
-__all__ = ["check_int", "check_number"]
+__all__ = ["MAX_UNITS", "check_int", "check_number", "too_many_units"]
 
 
 def check_int(value: Any, where: str, *, minimum: int = 1, fix: str = "fix the value",
@@ -39,3 +41,24 @@ def check_number(value: Any, where: str, *, positive: bool = False, fix: str = "
     if x < 0 or (positive and x == 0):
         raise ValueError(f"{where} = {value!r} must be {'> 0' if positive else '>= 0'}; {fix}")
     return x
+
+
+#: Most slice units (seq_len / granularity) the DP searches: its tables are (units + 1)^2 and its time grows
+#: faster than their square (1024 units: about 3 s on a 2-core host, 2048: about 20 s; 16384: 2 GiB per table).
+MAX_UNITS = 2048
+
+
+def too_many_units(seq_len: int, granularity: int, names: tuple[str, str] = ("seq_len = ", "granularity = ")
+                   ) -> str | None:
+    """Why ``seq_len`` at ``granularity`` is too fine a grid to search (more than MAX_UNITS units) and which
+    granularity to use instead, in the caller's ``names`` for the two; None when it is not."""
+    units = seq_len // granularity
+    if units <= MAX_UNITS:
+        return None
+    # the smallest multiple of granularity dividing seq_len into at most MAX_UNITS units; a scan, bounded
+    low = -(-units // MAX_UNITS)
+    factor = next((f for f in range(low, low + 100_000) if units % f == 0), None)
+    fix = (f"use {names[1]}{granularity * factor} or coarser" if factor is not None else
+           f"use a multiple of {names[1]}{granularity} dividing {names[0]}{seq_len} into at most {MAX_UNITS} units")
+    return (f"{names[0]}{seq_len} at {names[1]}{granularity} is {units} slice units, more than the {MAX_UNITS} the "
+            f"planner searches (its time grows faster than their square); {fix}")

@@ -351,7 +351,8 @@ def simulate(schedule: Schedule, cost: Any, slices: Sequence[int], micro_batch_s
     start, end = times
     busy = dur[:-1].reshape(K, prog.width).sum(axis=1)
     makespan = float(end.max(initial=0.0))
-    bubble = 1.0 - float(busy.sum()) / (K * makespan) if makespan > 0 else 0.0
+    # busy time summed in another order than the makespan's path can exceed K * makespan by an ulp: no bubble
+    bubble = max(0.0, 1.0 - float(busy.sum()) / (K * makespan)) if makespan > 0 else 0.0
     logger.debug("simulated %s (K=%d, m=%d, slices=%s): makespan %.4g ms, bubble %.3f", schedule.name, K,
                  schedule.num_microbatches, lens, makespan, bubble)
     return SimResult(makespan, tuple(busy.tolist()), bubble, prog.peak_in_flight, prog, start, end,

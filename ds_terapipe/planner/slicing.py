@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ._checks import check_int
+from ._checks import MAX_UNITS, check_int, too_many_units
 from .cost import PipelineCost
 from .registry import accepts_virtual_stages, find_schedule, get_schedule, schedule_names
 from .schedule import Schedule, build_schedule
@@ -42,8 +42,8 @@ from .simulate import SimResult, simulate
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SCHEDULES", "MemoryLimitError", "MemoryModel", "MemoryShortfall", "SlicingPlan", "memory_shortfall",
-           "plan_slicing"]
+__all__ = ["MAX_UNITS", "SCHEDULES", "MemoryLimitError", "MemoryModel", "MemoryShortfall", "SlicingPlan",
+           "memory_shortfall", "plan_slicing", "too_many_units"]
 
 _INF = math.inf
 #: Simulated candidates: distinct min-sum plans whose slowest-stage closed form is within this fraction of the
@@ -698,6 +698,9 @@ def plan_slicing(cost: PipelineCost, seq_len: int, *, num_microbatches: int = 1,
     if seq_len % granularity:
         raise ValueError(f"seq_len = {seq_len} is not a multiple of granularity = {granularity}; pick a "
                          f"granularity dividing it (e.g. {math.gcd(seq_len, granularity)})")
+    too_fine = too_many_units(seq_len, granularity)
+    if too_fine:
+        raise ValueError(too_fine)
     if min_slice_len is not None:
         min_slice_len = check_int(min_slice_len, "min_slice_len", fix="pass a token count, or None for no floor")
     m = check_int(num_microbatches, "num_microbatches", fix="pass the micro-batches per step (>= 1)")
