@@ -13,8 +13,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ds_terapipe.runtime.slicing.attention import CausalSelfAttention, sliced_causal_attention
-from ds_terapipe.runtime.slicing.context import MicroBatchState, SliceContext, slice_scope
+from ds_terapipe.runtime.slicing.attention import CausalSelfAttention, apply_rotary, sliced_causal_attention
+from ds_terapipe.runtime.slicing.context import KVBuffers, MicroBatchState, SliceContext, slice_scope
 from ds_terapipe.runtime.planning.slice_check import check_slicing_equivalence
 from tests.aten_calls import AtenCalls
 
@@ -251,6 +251,42 @@ def test_wrong_slice_length_is_a_clear_error() -> None:
     state = MicroBatchState(0, 32, 2)
     with slice_scope(SliceContext(0, 1, 8, 16, state)), pytest.raises(ValueError, match="running slice has 8"):
         attn(torch.randn(1, 32, 16))
+
+
+def test_queries_of_the_whole_sequence_with_keys_of_the_slice_are_a_clear_error() -> None:
+    """The length check covers the queries too: keys/values of the slice with queries of the whole sequence would
+    otherwise run attention over the wrong rows."""
+    state = MicroBatchState(0, 32, 2)
+    q, kv = torch.randn(1, 4, 32, 4), torch.randn(1, 4, 8, 4)
+    for ctx in (SliceContext(0, 0, 0, 8, state), SliceContext(0, 1, 8, 16, state)):
+        with slice_scope(ctx), pytest.raises(ValueError, match="running slice has 8"):
+            sliced_causal_attention(q, kv, kv, cache_key="attn")
+
+
+def test_rotary_at_an_integer_offset_rotates_by_the_positions_from_it() -> None:
+    """``apply_rotary(x, offset)`` is ``apply_rotary(x, arange(offset, offset + T))``, not positions from 0."""
+    x = torch.randn(2, 4, 6, 8, dtype=torch.float64)
+    positions = torch.arange(5, 11)
+    assert torch.equal(apply_rotary(x, 5), apply_rotary(x, positions))
+    assert not torch.allclose(apply_rotary(x, 5), apply_rotary(x, 0))
+
+
+def test_a_first_cache_gradient_short_of_the_end_starts_from_zeros() -> None:
+    """``KVBuffers.add_grad``: a first call that does not reach the end (the profile's) adds into zeros, never into
+    uninitialised memory (torch fills that with NaN here)."""
+    grad = torch.randn(1, 2, 5, 4)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        bufs = KVBuffers(torch.empty(1, 2, 8, 4), torch.empty(1, 2, 8, 4), 8)
+        own = bufs.add_grad("k", grad, 2)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+        torch.utils.deterministic.fill_uninitialized_memory = fill
+    assert torch.equal(own, grad[:, :, 2:5])
+    assert torch.equal(bufs.grad_k[:, :, :5], grad) and not bufs.grad_k[:, :, 5:].any()
 
 
 class ZeroProjAttention(nn.Module):

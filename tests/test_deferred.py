@@ -90,6 +90,29 @@ def test_without_a_stash_the_wrapped_linear_is_plain_autograd() -> None:
     assert len(state.weight_stash) == 0
 
 
+def test_a_linear_whose_input_needs_no_gradient_still_gets_its_weight_gradient() -> None:
+    """A Linear fed data that needs no gradient (a first layer on raw features) is not deferred: its backward
+    would never run through the input, so its weight gradient would be lost."""
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 8).double()
+    offset = nn.Parameter(torch.randn(8, dtype=torch.float64))
+    enable_deferred_weight_grads(lin)
+    x = torch.randn(2, 6, 8, dtype=torch.float64)
+    (lin(x) + offset).square().sum().backward()
+    ref = [p.grad.clone() for p in (lin.weight, lin.bias, offset)]
+    lin.zero_grad(set_to_none=True)
+    offset.grad = None
+    state = MicroBatchState(0, 6, 1)
+    state.weight_stash = WeightGradStash()
+    with slice_scope(SliceContext(0, 0, 0, 6, state)):
+        out = lin(x) + offset
+    out.square().sum().backward()
+    state.weight_stash.flush()
+    got = [lin.weight.grad, lin.bias.grad, offset.grad]
+    assert all(g is not None for g in got)
+    assert all(torch.allclose(g, r, rtol=1e-12, atol=1e-12) for g, r in zip(got, ref))
+
+
 def test_compute_leaves_grad_untouched_and_empties_the_stash() -> None:
     model = _blocks()
     enable_deferred_weight_grads(model)

@@ -153,6 +153,7 @@ def test_mask_rule() -> None:
 @pytest.mark.parametrize("positions, match", [
     (torch.tensor([[1, 2, 3, 4]]), "start each row at 0"),
     (torch.tensor([[0, 1, 3, 4]]), "row 0 goes 1 -> 3 at token 2"),
+    (torch.tensor([[0, 1, 2, 1]]), "row 0 goes 2 -> 1 at token 3"),
     (torch.tensor([[0, 1, 2]]), "differ in shape"),
     (torch.tensor([[0.0, 1.0, 2.0, 3.0]]), "must be an integer tensor"),
     (torch.tensor([[1, 1, 1, 1]]), "look like an attention mask"),
@@ -162,6 +163,21 @@ def test_bad_position_ids_are_refused(positions: torch.Tensor, match: str) -> No
     with pytest.raises(ValueError, match=match):
         check_position_ids(torch.zeros(1, 4, dtype=torch.long), positions)
     check_position_ids(torch.zeros(1, 4, dtype=torch.long), torch.tensor([[0, 1, 0, 0]]))  # documents of 2, 1, 1
+
+
+def test_slices_of_a_row_must_arrive_in_order_without_overlap() -> None:
+    """``Documents.write``: a slice repeated whole (a rank holding two chunks) is ignored; one that overlaps the
+    known rows or leaves a gap is refused, never written over rows a layer may have saved."""
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])
+    docs = Documents.empty(1, 8, torch.device("cpu"))
+    docs.write(0, positions[:, :4])
+    docs.write(0, positions[:, :4])
+    for start, end in ((2, 6), (6, 8)):
+        with pytest.raises(RuntimeError, match="must arrive in order"):
+            docs.write(start, positions[:, start:end])
+    assert docs.filled == 4
+    docs.write(4, positions[:, 4:])
+    assert torch.equal(docs.positions, positions)
 
 
 def test_hugging_face_llama_sliced_packed_equals_transformers_packed_forward() -> None:

@@ -139,6 +139,16 @@ def test_auto_rule_is_monotone_over_a_run() -> None:
     assert history == sorted(history) and history[-1] <= 7 and history[-1] > 0
 
 
+def test_layer_norms_sum_each_layer_s_split_rows_once_and_undo_the_loss_scale() -> None:
+    """``layer_norms``: a layer's squares from one stage, a split table's rows summed over the stages that hold
+    them, the root divided by the loss scale (an fp16 gradient is the scaled one)."""
+    from ds_terapipe.runtime.features.freeze import layer_norms
+
+    tables = [{0: 36.0, (1, 0): 16.0}, {0: 36.0, (1, 1): 48.0, 2: 4.0}]   # a replica repeats layer 0's value
+    assert layer_norms(tables) == {0: 6.0, 1: 8.0, 2: 2.0}
+    assert layer_norms(tables, scale=2.0) == {0: 3.0, 1: 4.0, 2: 1.0}
+
+
 # -- 2 gloo ranks --------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def freeze_results(tmp_path_factory):

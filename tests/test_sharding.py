@@ -87,6 +87,18 @@ def test_free_links_cost_nothing_and_one_replica_has_nothing_to_gather() -> None
         estimate_sharding(schedule, cost, SLICES, chunk_params=[1.0] * 3, dp=DP, link_gbps=200)
 
 
+def test_a_ring_collective_moves_dp_minus_one_over_dp_of_the_tensor_per_link() -> None:
+    """The all-gather / reduce-scatter estimate is a ring's: dp - 1 steps, each rank's link carrying (dp - 1) / dp
+    of the whole tensor, so on a free-latency link 8 replicas take 7/4 of what 2 take."""
+    from ds_terapipe.planner.sharding import _collective_ms
+
+    gbytes = 1e9
+    assert _collective_ms(gbytes, 1, 100.0, 0.5) == 0.0
+    assert _collective_ms(gbytes, 2, 100.0, 0.0) == pytest.approx(gbytes / 2 * 8 / 100e6)
+    assert _collective_ms(gbytes, 8, 100.0, 0.0) == pytest.approx(7 / 4 * _collective_ms(gbytes, 2, 100.0, 0.0))
+    assert _collective_ms(gbytes, 8, 100.0, 0.5) == pytest.approx(7 * 0.5 + _collective_ms(gbytes, 8, 100.0, 0.0))
+
+
 # -- the sharding actions in the IR (planner/sharding.add_shard_actions, verify.shard_violations) ----------------
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "dualpipev", "zbv"])
 @pytest.mark.parametrize("prefetch", [True, False])

@@ -87,3 +87,16 @@ def test_the_config_takes_vocab_parallel_with_freezing() -> None:
     cfg = parse_terapipe_config({"terapipe": {"enabled": True, "seq_len": 64, "slices": 4, "vocab_parallel": True,
                                               "freeze": {"schedule": [[1, 1]]}}})
     assert cfg.vocab_parallel and cfg.freeze is not None
+
+
+def test_ids_outside_the_vocabulary_are_named_and_the_last_id_and_ignored_labels_pass() -> None:
+    """``out_of_range_ids`` (checked before a step on the stages that read the batch): ``[0, vocab)`` and the ignored
+    label pass; ``vocab`` itself and negatives are named with where they are."""
+    from ds_terapipe.runtime.execution.batch_checks import IGNORE_INDEX, out_of_range_ids
+
+    assert out_of_range_ids(torch.tensor([[0, 9, -100]]), 10, "label", ignore_index=IGNORE_INDEX) is None
+    problem = out_of_range_ids(torch.tensor([[0, 10]]), 10, "label", ignore_index=IGNORE_INDEX)
+    assert problem is not None and problem.startswith("label 10 at (0, 1) ") and "[0, 10)" in problem
+    assert out_of_range_ids(torch.tensor([[3, -100]]), 10, "input id") == "input id -100 at (0, 1) of the next " \
+        "batch is outside the vocabulary [0, 10)"
+    assert out_of_range_ids(torch.tensor([[0.5]]), 10, "input id") is None   # other kinds: their own checks

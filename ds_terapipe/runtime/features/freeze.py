@@ -307,10 +307,6 @@ class Freezer:
                     layer_funcs[j] = _NoGradLayer(func)
 
     # -- engine hooks ---------------------------------------------------------------------------------------------
-    def chunk_frozen(self, chunk: int) -> bool:
-        """Whether ``chunk`` holds frozen layers only (forward only, no gradient into it)."""
-        return 0 <= chunk < self.num_frozen_chunks
-
     def fill_tied_grads(self, engine: "PipelineStage") -> None:
         """Before DeepSpeed's tied-gradient all-reduce: a trained tied weight whose only use on this rank is
         frozen has no gradient here, and DeepSpeed skips a missing gradient, leaving its peers in the all-reduce
