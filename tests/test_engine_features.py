@@ -158,6 +158,27 @@ def test_eval_batch_matches_reference_without_gradients(features) -> None:
     assert first["logits_rel_err"] is None and first["logits_shape"] is None  # only the last stage has logits
     assert last["logits_shape"] == [MICRO_BATCH_SIZE, SEQ_LEN, 64]  # the last micro-batch, all slices joined
     assert last["logits_rel_err"] <= 1e-5
+    # eval_batch's other arguments return what DeepSpeed's PipelineEngine returns: one entry per micro-batch
+    first, last = features[0]["eval arguments"], features[1]["eval arguments"]
+    assert last["per_batch"] == pytest.approx(last["ref_per_batch"], rel=1e-5)   # two, not one per slice
+    assert last["averaged_err"] <= 1e-5   # compute_loss=False: the outputs averaged over the micro-batches
+    assert len(last["outputs_err"]) == 2 and max(last["outputs_err"]) <= 1e-5
+    assert last["outputs_shapes"] == [[MICRO_BATCH_SIZE, SEQ_LEN, 64]] * 2   # each micro-batch's slices joined
+    for case in (first, last):
+        assert case["one_batch"] == pytest.approx(case["ref_per_batch"][0], rel=1e-5)
+    assert first["per_batch"] is None and first["averaged_err"] is None and first["outputs_err"] is None
+    assert first["not_broadcast"] is None   # only the last stage has the loss without the broadcast
+    assert last["not_broadcast"] == pytest.approx(sum(last["ref_per_batch"]) / 2, rel=1e-5)
+    for case in (first, last):   # a loss per micro-batch through the scalar broadcast: refused on every rank, not hung
+        assert "reduce_output=None" in case["per_batch_broadcast"] and "bcast_loss=False" in case["per_batch_broadcast"]
+
+
+@pytest.mark.timeout(700)
+def test_save_16bit_model_is_refused_naming_the_export(features) -> None:
+    for rank in features:
+        case = rank["save 16bit"]
+        assert case["raised"].startswith("ValueError: token pipeline: save_16bit_model("), case
+        assert "ds_terapipe.export_state_dict(dir)" in case["raised"] and not case["written"]
 
 
 @pytest.mark.timeout(700)
@@ -374,8 +395,14 @@ def test_checkpoint_export_restage_and_refusals(features) -> None:
 
 
 @pytest.mark.timeout(700)
-def test_zero_stage_2_is_refused_with_the_fix(features) -> None:
+def test_zero_stage_2_and_wall_clock_breakdown_are_refused_with_the_fix(features) -> None:
     for rank in features:
         case = rank["zero2"]
         assert case["raised"] == "ValueError" and "zero_optimization.stage=2" in case["message"]
         assert "use stage 0 or 1" in case["message"]
+        case = rank["wall clock"]
+        assert case["raised"] == "ValueError" and "wall_clock_breakdown=true" in case["message"], case
+        assert "set wall_clock_breakdown to false" in case["message"] and "terapipe.trace_dir" in case["message"]
+        case = rank["flops profiler"]
+        assert case["raised"] == "ValueError" and "terapipe: flops_profiler.enabled=true is" in case["message"], case
+        assert "set flops_profiler.enabled to false" in case["message"]

@@ -145,6 +145,8 @@ def test_vocab_parallel_features(tmp_path) -> None:
         ev = cases["vocab eval"]
         assert ev["loss"] == pytest.approx(ev["ref_loss"], rel=TOL)
         assert "return_logits=False" in ev["return_logits"]
+        assert "compute_loss=True" in ev["compute_loss"] and "terapipe.vocab_parallel=True" in ev["compute_loss"]
+        assert ev["after"] == pytest.approx(ev["ref_loss"], rel=TOL)
         for tied in (True, False):  # gradient clipping: each shard once, a tied head's shards not at all
             assert_clipped_by_the_global_norm(cases[f"clip vocab tied={tied} zero=0"], r["rank"])
         ref = cases["vocab refusals"]

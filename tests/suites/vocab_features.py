@@ -154,7 +154,8 @@ def suite_vocab_features(extra: dict) -> list[dict]:
     results.append(vocab_virtual_checkpoint_case(cfg, batches, Path(extra["out"]) / "vocab_ckpt_dualpipev"))
     for tied in (True, False):
         results.append(vocab_clip_case(cfg, tied, batches, stages=WORLD, micro=2))
-    # eval: the loss of the unsliced reference's forward; return_logits is refused
+    # eval: the loss of the unsliced reference's forward; return_logits and compute_loss=False are refused, the
+    # engine still usable
     STATUS["case"] = "vocab eval"
     engine = vocab_engine(cfg, True, plan, stages=WORLD, micro=2, batch=2)
     loss = float(engine.eval_batch(iter(batches[:2])))
@@ -162,7 +163,9 @@ def suite_vocab_features(extra: dict) -> list[dict]:
         ref_model = GPTReference(cfg)
         ref = float(sum(causal_lm_loss(ref_model(x), y) for x, y in batches[:2]) / 2)
     results.append({"case": "vocab eval", "loss": loss, "ref_loss": ref,
-                    "return_logits": _raised(lambda: engine.eval_batch(iter(batches[:2]), return_logits=True))})
+                    "return_logits": _raised(lambda: engine.eval_batch(iter(batches[:2]), return_logits=True)),
+                    "compute_loss": _raised(lambda: engine.eval_batch(iter(batches[:2]), compute_loss=False)),
+                    "after": float(engine.eval_batch(iter(batches[:2])))})
     # refusals, every rank
     refusals = {}
     STATUS["case"] = "vocab refusals"

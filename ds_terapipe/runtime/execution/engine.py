@@ -39,6 +39,7 @@ loss broadcast) while a peer fails behind it, the end of every schedule is one a
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import logging
 import os
@@ -52,7 +53,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 from deepspeed.runtime.base_optimizer import ZeROOptimizer
-from deepspeed.runtime.config import DeepSpeedConfig
+from deepspeed.runtime.config import DeepSpeedConfig, get_wall_clock_breakdown
 from deepspeed.runtime.pipe import schedule as ds_schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
@@ -121,6 +122,24 @@ def _set_scheduled_lr(scheduler: Any) -> None:
         group["lr"] = lr
 
 
+def _wall_clock_problem(config: DeepSpeedConfig) -> Optional[str]:
+    """Why DeepSpeed's wall-clock timers cannot run in this pipeline (rule, value, fix), or None.
+
+    Why: DeepSpeed 0.19.8's PipelineEngine starts its backward timers around a stage's backward, and its engine's
+    backward hook starts the same timers again inside it: an AssertionError at the first backward of every stage
+    but the last, in DeepSpeed's own pipeline too. ``flops_profiler.enabled`` turns the timers on as well."""
+    if not config.wall_clock_breakdown:
+        return None
+    flops = bool(config.flops_profiler_config.enabled)
+    keys = [key for key, on in (("wall_clock_breakdown", get_wall_clock_breakdown(config._param_dict)),
+                                ("flops_profiler.enabled", flops)) if on]
+    return (f"terapipe: {' and '.join(f'{key}=true' for key in keys)} is not supported: it turns on DeepSpeed's "
+            "wall-clock timers, which its pipeline starts twice on every stage but the last (AssertionError "
+            "'bwd_microstep timer has already been started' at the first step, in DeepSpeed's own PipelineEngine "
+            f"too); set {' and '.join(f'{key} to false' for key in keys)}, and terapipe.trace_dir for a timeline of "
+            "every forward, backward and transfer per rank")
+
+
 class _PutBack:
     """An iterator with items put back in front of another iterator (see :func:`put_back`)."""
 
@@ -152,6 +171,9 @@ def _first_tensor(value: Any) -> Optional[torch.Tensor]:
         return _first_tensor(value[0])
     return None
 
+
+# eval_batch's parameters, as DeepSpeed's PipelineEngine takes them (bound to read compute_loss, num_micro_batches)
+_EVAL_SIGNATURE = inspect.signature(PipelineEngine.eval_batch)
 
 # Slots of the per-batch sequence-length agreement that are not lengths.
 _UNSET, _BAD_IDS, _BAD_DOCUMENTS, _NO_SEQ_DIM, _EXHAUSTED, _NOT_READING = -100, -5, -4, -3, -2, -1
@@ -233,6 +255,9 @@ class TokenPipelineEngine(PipelineEngine):
         VocabParallel.check_engine(self)
         problem = clipping_problem(self)  # a clipping DeepSpeed's optimizer would get wrong (runtime/execution/clip.py)
         problem = problem or loss_fn_problem(self.module)   # trained loss parameters no checkpoint would hold
+        if problem:
+            raise ValueError(problem)
+        problem = _wall_clock_problem(self._config)
         if problem:
             raise ValueError(problem)
         if self.is_pipe_partitioned or self.is_grad_partitioned:
@@ -483,10 +508,38 @@ class TokenPipelineEngine(PipelineEngine):
         with self._failing_fast("eval_batch"):
             if self._vocab is not None:
                 self._vocab.check_eval(*args, **kwargs)
-            count = kwargs.get("num_micro_batches") or (args[4] if len(args) > 4 else None) or self.micro_batches
+            bound = _EVAL_SIGNATURE.bind(self, data_iter, *args, **kwargs)
+            bound.apply_defaults()
+            self._check_eval_arguments(bound.arguments)
+            count = bound.arguments["num_micro_batches"] or self.micro_batches
             if self.repack_share is not None:
                 data_iter = self.repack_share.take(self, data_iter, count, "eval_batch")
             return super().eval_batch(self._use_plan_for_next_batch(data_iter, count=count), *args, **kwargs)
+
+    def _check_eval_arguments(self, arguments: dict[str, Any]) -> None:
+        """``eval_batch``'s arguments the token pipeline cannot honour, refused on every rank (the same arguments
+        everywhere) before any batch is read: ``compute_loss=False`` returns the model's outputs, which no rank
+        holds whole under vocabulary or sequence parallelism; ``reduce_output=None`` with the loss broadcast (or the
+        monitor, which broadcasts it too) hands DeepSpeed's scalar broadcast a list: the last stage raised and the
+        others waited in the broadcast until the process group's timeout."""
+        if arguments["compute_loss"]:
+            if arguments["reduce_output"] is None and (arguments["bcast_loss"] or self.monitor.enabled):
+                why, fix = (("the monitor (which broadcasts the loss)", "disable the DeepSpeed monitor for this "
+                             "call's engine") if self.monitor.enabled else
+                            ("bcast_loss=True", "pass bcast_loss=False (the other stages get None)"))
+                raise mark_collective(ValueError(
+                    f"token pipeline: eval_batch(reduce_output=None) gives one loss per micro-batch on the last "
+                    f"stage, which {why} cannot send to the other stages (DeepSpeed broadcasts one scalar); "
+                    f"{fix}, or keep reduce_output='avg'"))
+            return
+        for key, value, split in (("vocab_parallel", self.terapipe.vocab_parallel, self.terapipe.vocab_parallel),
+                                  ("sequence_parallel", self.terapipe.sequence_parallel,
+                                   self.terapipe.sequence_parallel > 1)):
+            if split:
+                raise mark_collective(ValueError(
+                    f"token pipeline: eval_batch(compute_loss=False) returns the last stage's outputs, but with "
+                    f"terapipe.{key}={value} no rank holds them whole; call eval_batch with compute_loss=True (the "
+                    "loss), or evaluate the outputs with a model built without it"))
 
     def _use_plan_for_next_batch(self, iterator: Optional[Iterator], train: bool = False,
                                  count: Optional[int] = None) -> Optional[Iterator]:
@@ -688,6 +741,7 @@ class TokenPipelineEngine(PipelineEngine):
         self._stashes.clear()
         self._weight_grads = WeightGradAccumulator()
         self._logits = []
+        self._slice_outputs: dict[int, list[Any]] = {}   # the last stage's outputs of each micro-batch's slices
         self._trail.clear()
         if pipe_schedule.train and self.using_bf16_optimizer \
                 and not self._config.bfloat16_config.immediate_grad_update:
@@ -700,6 +754,7 @@ class TokenPipelineEngine(PipelineEngine):
         start = synchronized_ms() if self.record_timeline else 0.0
         with self._vocab.running() if self._vocab is not None else nullcontext():
             self._run_steps(pipe_schedule, timeline, terms)
+        self.fwd_outputs = self._merged_outputs()
         if self.record_timeline and pipe_schedule.train:
             self.last_step_terms = {"loop": synchronized_ms() - start, **terms}
         if len(self._weight_grads):
@@ -889,9 +944,17 @@ class TokenPipelineEngine(PipelineEngine):
             self.pipe_buffers["labels"][buffer_id] = cut_tokens(loaded["labels"], lo, hi, seq_len)
         ctx = SliceContext(microbatch, slice_index, start, end, self._state(chunk, microbatch),
                            documents=self.documents.get(microbatch), sequence=self.sequence)
+        # without a loss DeepSpeed adds each output into total_loss: slices of other lengths cannot be added
+        total_loss = self.total_loss if last and not self._compute_loss else None
+        if last and not self._compute_loss:
+            self.total_loss = None
         with slice_scope(ctx), self._weighted_loss((hi - lo) / seq_len):
             super()._exec_forward_pass(buffer_id)
         last_slice = slice_index == num_slices - 1
+        if last:
+            if not self._compute_loss:
+                self.total_loss = total_loss
+            self._slice_outputs.setdefault(microbatch, []).append(self.fwd_outputs.pop())
         if last_slice:
             for key, used in (("inputs", first), ("labels", last)):
                 if used:
@@ -920,6 +983,25 @@ class TokenPipelineEngine(PipelineEngine):
                 self.pipe_buffers["outputs"][buffer_id] = None
             if last_slice:
                 self._states.pop((chunk, microbatch), None)
+
+    def _merged_outputs(self) -> list[Any]:
+        """The last stage's ``fwd_outputs`` as DeepSpeed's engine has them, one entry per micro-batch in order (for
+        ``eval_batch`` to reduce, or return with ``reduce_output=None``): DeepSpeed's forward appended one per
+        slice; each micro-batch's slices give the sum of their weighted losses (its loss) or, with
+        ``compute_loss=False``, their outputs joined along the sequence. Merged when the schedule has ended: a
+        vocabulary pass fills a slice's loss after its forward."""
+        merged = []
+        for microbatch in sorted(self._slice_outputs):
+            parts = self._slice_outputs[microbatch]
+            if len(parts) == 1:
+                merged.append(parts[0])
+            elif self._compute_loss:
+                merged.append(sum(parts) if torch.is_tensor(parts[0]) else [sum(items) for items in zip(*parts)])
+            elif torch.is_tensor(parts[0]):
+                merged.append(torch.cat(parts, dim=1))
+            else:
+                merged.append([torch.cat(items, dim=1) for items in zip(*parts)])
+        return merged
 
     def _collect_logits(self, slice_index: int, num_slices: int) -> None:
         if slice_index == 0:
@@ -1174,11 +1256,17 @@ class TokenPipelineEngine(PipelineEngine):
 
     def _reduce_outputs(self, outputs: Any, *args: Any, **kwargs: Any) -> Any:
         reduced = super()._reduce_outputs(outputs, *args, **kwargs)
-        if self.sequence is not None and torch.is_tensor(reduced):   # eval: the shares' losses summed
-            reduced = reduced.clone()
-            self.p2p.wait(dist.all_reduce(reduced, group=self.sequence.group, async_op=True),
+        if self.sequence is None:
+            return reduced
+        # eval: the shares' losses summed (the average, or each micro-batch's loss with reduce_output=None)
+        losses = [reduced] if torch.is_tensor(reduced) else list(reduced)
+        summed = []
+        for loss in losses:
+            loss = loss.clone()
+            self.p2p.wait(dist.all_reduce(loss, group=self.sequence.group, async_op=True),
                           "the sequence-parallel evaluation loss sum", self.sequence.group)
-        return reduced
+            summed.append(loss)
+        return summed[0] if torch.is_tensor(reduced) else summed
 
     def _dp_reduce_is_identity(self) -> bool:
         """Whether DeepSpeed's data-parallel reduction would leave every gradient as it is (skipped then).
@@ -1331,6 +1419,16 @@ class TokenPipelineEngine(PipelineEngine):
                 logger.info("terapipe: checkpoint %s complete (manifest written)", tag_dir)
             self.barrier("finishing a checkpoint")
             return result
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin", *args: Any,
+                         **kwargs: Any) -> bool:
+        """Refused on every rank (DeepSpeed 0.19.8's pipeline engine fails in it with an AttributeError: its
+        module's state dict is written per layer by ``save_checkpoint``), naming the way to one state dict."""
+        raise mark_collective(ValueError(
+            f"token pipeline: save_16bit_model({save_dir!r}, {save_filename!r}) is not supported by a pipeline engine "
+            "(DeepSpeed's own fails in it: a pipeline's weights are written per layer); save with "
+            "engine.save_checkpoint(dir), then ds_terapipe.export_state_dict(dir) returns one "
+            "{'<layer>.<param>': tensor} dict of the whole model, no process group needed"))
 
     def load_checkpoint(self, load_dir: str, tag: Any = None, **kwargs: Any) -> Any:
         """DeepSpeed's load, after checking the checkpoint is complete and fits this model (nothing is touched
