@@ -6,7 +6,8 @@ weights only (``load_optimizer_states=False``) and records how far its fp32 mast
 weights; a fourth, at the other ZeRO stage, asks for the optimizer state and records its refusal. SGD with momentum
 and a warm-up learning rate make the optimizer and scheduler state matter; a dynamic fp16 loss scale with a short
 window makes the loss scaler's state matter. Case names are "<precision> zero<stage>", precision one of fp32, bf16,
-fp16 (``extra["cases"]``; the default leaves fp32 out, which other suites resume).
+fp16 (``extra["cases"]``; the default leaves fp32 out, which other suites resume). Cases "fp16 growth zero<stage>"
+train a dynamic scale until it first doubles beside a run at that scale held, and record both runs' weights.
 
 DeepSpeed's CPU accelerator reports fp16 only where oneDNN has fp16 kernels; with ``extra["force_fp16"]`` the suite
 lets DeepSpeed build its fp16 optimizers anyway (torch runs fp16 on any CPU, slowly), since what is tested here is
@@ -31,7 +32,9 @@ STAGES = 2
 STEPS_BEFORE, STEPS_AFTER = 2, 3
 PRECISIONS = {"fp32": {}, "bf16": {"bf16": {"enabled": True}},
               # dynamic scale from 2^8, doubled after every 2 clean steps: the scale moves while the test runs
-              "fp16": {"fp16": {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2}}}
+              "fp16": {"fp16": {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2}},
+              # the dynamic scale's first value, held: a run that divides every step by the scale of its backward
+              "fp16 static": {"fp16": {"enabled": True, "loss_scale": 256}}}
 
 
 def _engine(cfg: GPTConfig, precision: str, zero_stage: int, *, micro: int, batch: int, seq_len: int) -> Any:
@@ -65,9 +68,10 @@ def _loss_scale(engine: Any) -> float:
 
 
 def _train(engine: Any, groups: Iterator[list[tuple]]) -> dict[str, list[float]]:
-    out: dict[str, list[float]] = {"losses": [], "scales": [], "lrs": []}
+    out: dict[str, list[float]] = {"losses": [], "scales": [], "lrs": [], "norms": []}
     for group in groups:
         out["losses"].append(float(engine.train_batch(iter(group))))
+        out["norms"].append(float(engine.get_global_grad_norm()))
         out["scales"].append(_loss_scale(engine))
         out["lrs"].append(float(engine.get_lr()[0]))
     return out
@@ -111,6 +115,27 @@ def _case(cfg: GPTConfig, precision: str, zero_stage: int, ckpt: Path) -> dict[s
             "step": client["step"], "global_steps": [first.global_steps, again.global_steps]}
 
 
+def _growth_case(cfg: GPTConfig, zero_stage: int) -> dict[str, Any]:
+    """The dynamic fp16 scale doubles after the 3rd step's backward (window 2); until it does, the run must equal
+    one at that scale held. DeepSpeed's optimizers double it before dividing the step's gradients by it, which
+    halved that step (runtime/execution/loss_scale.py)."""
+    micro, batch, seq_len, steps = 2, 2, 64, 3
+    dp = WORLD // STAGES
+    data = make_batches(cfg, steps * micro * dp, batch, seq_len, seed=29)
+    runs = {}
+    for precision in ("fp16", "fp16 static"):
+        engine = _engine(cfg, precision, zero_stage, micro=micro, batch=batch, seq_len=seq_len)
+        dp_id = engine.grid.data_parallel_id
+        trained = _train(engine, iter([data[(s * dp + dp_id) * micro:(s * dp + dp_id + 1) * micro]
+                                       for s in range(steps)]))
+        runs[precision] = (trained, master_weights(engine))
+        ENGINE_REF.pop("engine", None)
+    return {"case": STATUS["case"], "scales": {name: run[0]["scales"] for name, run in runs.items()},
+            "losses": {name: run[0]["losses"] for name, run in runs.items()},
+            "norms": runs["fp16"][0]["norms"],
+            "master_max_diff": _max_diff(runs["fp16"][1], runs["fp16 static"][1])}
+
+
 @suite("precision_resume")
 def suite_precision_resume(extra: dict) -> list[dict]:
     cfg = GPTConfig(num_layers=2, hidden=32, num_heads=4, vocab_size=64, max_seq_len=64, seed=11)
@@ -118,12 +143,17 @@ def suite_precision_resume(extra: dict) -> list[dict]:
     if extra.get("force_fp16") and not fp16:
         get_accelerator().is_fp16_supported = lambda: True  # this process only: see the module docstring
     results: list[dict] = [{"case": "host", "fp16_supported": fp16, "world": WORLD}]
-    for name in extra.get("cases", ["bf16 zero0", "bf16 zero1", "fp16 zero0", "fp16 zero1"]):
-        precision, zero = name.split()
+    for name in extra.get("cases", ["bf16 zero0", "bf16 zero1", "fp16 zero0", "fp16 zero1", "fp16 growth zero0",
+                                    "fp16 growth zero1"]):
+        precision, zero = name.rsplit(maxsplit=1)
+        zero_stage = int(zero.removeprefix("zero"))
         STATUS["case"] = name
         try:
+            if precision == "fp16 growth":
+                results.append(_growth_case(cfg, zero_stage))
+                continue
             ckpt = Path(extra["out"]) / name.replace(" ", "_")
-            results.append(_case(cfg, precision, int(zero.removeprefix("zero")), ckpt))
+            results.append(_case(cfg, precision, zero_stage, ckpt))
         except Exception as err:  # noqa: BLE001 - every rank fails the same load the same way; the test reads it
             results.append({"case": name, "error": f"{type(err).__name__}: {err}",
                             "traceback": traceback.format_exc()})

@@ -214,6 +214,12 @@ INTERNALS: tuple[Internal, ...] = (
        "the scale its step divides the gradients by"),
     _i("deepspeed.runtime.fp16.fused_optimizer:FP16_Optimizer", "loss_scale", "attr", f"{_E} BackwardPass",
        "the scale its step divides the gradients by"),
+    # -- fp16: the scale update held back until the step has divided the gradients (execution/loss_scale.py)
+    *(_i(owner, "_update_scale", "attr", "execution/loss_scale.py",
+         "called by step before it divides the gradients by the scale; held back until after")
+      for owner in ("deepspeed.runtime.fp16.unfused_optimizer:FP16_UnfusedOptimizer",
+                    "deepspeed.runtime.fp16.fused_optimizer:FP16_Optimizer",
+                    "deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer")),
     # -- bf16 optimizer, driven around the deferred weight-gradient pass --------------------------------------
     _i(_BF16, "clear_lp_grads", "attr", f"{_E} WeightGradPass", "as DeepSpeed's backward does"),
     _i(_BF16, "update_hp_grads", "attr", f"{_E} WeightGradPass", "moves deferred grads to the fp32 masters",

@@ -85,6 +85,7 @@ from .clip import clip_by_global_norm, clipping_problem
 from .collective import agree_or_raise, mark_collective
 from .ds_internals import check_deepspeed_internals
 from .grad_sink import GradSink
+from .loss_scale import reports_scaled_norm, scale_moved_after_step
 from .module import chunk_layout, loss_fn_problem, loss_fn_replaced
 from .p2p import AbortFlag, PeerFailedError, SliceP2P, as_tuple
 from .schedule import DISPATCH, TokenPipeSchedule
@@ -706,7 +707,11 @@ class TokenPipelineEngine(PipelineEngine):
         if getattr(self, "freezer", None) is not None:
             self.freezer.observe_gradients(self)
             self.freezer.before_optimizer_step(self)
-        super()._exec_optimizer_step(*args, **kwargs)
+        scale = self._loss_scale_deepspeed_leaves_out()   # the scale of this step's backward (fp16 without ZeRO)
+        with scale_moved_after_step(self.optimizer):   # fp16: divided by the scale of the backward
+            super()._exec_optimizer_step(*args, **kwargs)
+        if scale is not None and self._global_grad_norm is not None and reports_scaled_norm(self.optimizer):
+            self._global_grad_norm = self._global_grad_norm / scale   # get_global_grad_norm(): unscaled
 
     def clip_fp32_gradients(self) -> None:
         """DeepSpeed's fp32 clipping without ZeRO (its ``_take_model_step`` calls this), by the norm of the whole
