@@ -104,6 +104,8 @@ def test_sequence_parallel_equals_the_reference(tmp_path) -> None:
         for ck in cases[len(CASES):len(CASES) + 3]:   # fp32, bf16 at ZeRO 0, fp32 with vocab_parallel
             assert ck["resumed"] == ck["uninterrupted"] and ck["resume_err"] == 0.0, ck
             assert ck["eval_loss"] == pytest.approx(ck["first_train_loss"], rel=1e-6), ck
+            refusal = ck["logits_refusal"]   # each rank holds its share of the logits
+            assert "return_logits=True" in refusal and "no rank holds them whole" in refusal, ck
         od = cases[len(CASES) + 3]   # written at sequence degree 2, resumed at 1 (2 replicas), and the other way
         for way in ("2to1", "1to2"):
             assert od[way]["resumed"] == pytest.approx(od[way]["uninterrupted"], rel=1e-6), od

@@ -193,6 +193,11 @@ def _checkpoint(out: Path, precision: str = "fp32", vocab_parallel: bool = False
     stream = replica_batches(batches, 0, 2, 1, 3 * dp)
     first = _engine(specs, vocab, "1f1b", 2, UNEQUAL, 0, 0.0, precision=PRECISIONS[precision], extra=extra)
     evaluated = float(first.eval_batch(iter(stream[:2])))   # the sequence ranks' shares summed, as in training
+    try:   # each rank holds its share of the logits only: refused on every rank, the engine still usable
+        first.eval_batch(iter(stream[:2]), return_logits=True)
+        logits_refusal = None
+    except ValueError as err:
+        logits_refusal = str(err)
     data = iter(stream)
     trained = [float(first.train_batch(data)) for _ in range(2)]
     first.save_checkpoint(str(out))
@@ -205,7 +210,7 @@ def _checkpoint(out: Path, precision: str = "fp32", vocab_parallel: bool = False
     err = max(rel_err(p.detach(), after[n]) for n, p in again.module.named_parameters())
     err = max(err, max(rel_err(p, masters[n]) for n, p in master_weights(again).items()))
     return {"case": STATUS["case"], "uninterrupted": uninterrupted, "resumed": resumed, "resume_err": err,
-            "eval_loss": evaluated, "first_train_loss": trained[0]}
+            "eval_loss": evaluated, "first_train_loss": trained[0], "logits_refusal": logits_refusal}
 
 
 def _other_degree(out: Path) -> dict[str, Any]:

@@ -507,8 +507,6 @@ class TokenPipelineEngine(PipelineEngine):
 
     def eval_batch(self, data_iter: Iterator, *args: Any, **kwargs: Any) -> Any:
         with self._failing_fast("eval_batch"):
-            if self._vocab is not None:
-                self._vocab.check_eval(*args, **kwargs)
             bound = _EVAL_SIGNATURE.bind(self, data_iter, *args, **kwargs)
             bound.apply_defaults()
             self._check_eval_arguments(bound.arguments)
@@ -519,28 +517,33 @@ class TokenPipelineEngine(PipelineEngine):
 
     def _check_eval_arguments(self, arguments: dict[str, Any]) -> None:
         """``eval_batch``'s arguments the token pipeline cannot honour, refused on every rank (the same arguments
-        everywhere) before any batch is read: ``compute_loss=False`` returns the model's outputs, which no rank
-        holds whole under vocabulary or sequence parallelism; ``reduce_output=None`` with the loss broadcast (or the
+        everywhere) before any batch is read: ``return_logits=True`` and ``compute_loss=False`` return the model's
+        outputs, which no rank holds whole under vocabulary parallelism (each holds a vocabulary shard's logits) or
+        sequence parallelism (a share of the tokens); ``reduce_output=None`` with the loss broadcast (or the
         monitor, which broadcasts it too) hands DeepSpeed's scalar broadcast a list: the last stage raised and the
         others waited in the broadcast until the process group's timeout."""
-        if arguments["compute_loss"]:
-            if arguments["reduce_output"] is None and (arguments["bcast_loss"] or self.monitor.enabled):
-                why, fix = (("the monitor (which broadcasts the loss)", "disable the DeepSpeed monitor for this "
-                             "call's engine") if self.monitor.enabled else
-                            ("bcast_loss=True", "pass bcast_loss=False (the other stages get None)"))
+        tp = self.terapipe
+        split = [f"terapipe.{key}={value}" for key, value, on in (
+            ("vocab_parallel", tp.vocab_parallel, tp.vocab_parallel),
+            ("sequence_parallel", tp.sequence_parallel, tp.sequence_parallel > 1)) if on]
+        for asked, what, fix in (
+                (arguments["return_logits"], "eval_batch(return_logits=True) returns the last micro-batch's logits",
+                 "call eval_batch with return_logits=False (the loss)"),
+                (not arguments["compute_loss"], "eval_batch(compute_loss=False) returns the last stage's outputs",
+                 "call eval_batch with compute_loss=True (the loss)")):
+            if asked and split:
                 raise mark_collective(ValueError(
-                    f"token pipeline: eval_batch(reduce_output=None) gives one loss per micro-batch on the last "
-                    f"stage, which {why} cannot send to the other stages (DeepSpeed broadcasts one scalar); "
-                    f"{fix}, or keep reduce_output='avg'"))
-            return
-        for key, value, split in (("vocab_parallel", self.terapipe.vocab_parallel, self.terapipe.vocab_parallel),
-                                  ("sequence_parallel", self.terapipe.sequence_parallel,
-                                   self.terapipe.sequence_parallel > 1)):
-            if split:
-                raise mark_collective(ValueError(
-                    f"token pipeline: eval_batch(compute_loss=False) returns the last stage's outputs, but with "
-                    f"terapipe.{key}={value} no rank holds them whole; call eval_batch with compute_loss=True (the "
-                    "loss), or evaluate the outputs with a model built without it"))
+                    f"token pipeline: {what}, but with {' and '.join(split)} no rank holds them whole (each holds "
+                    f"a share); {fix}, or take the outputs from a model built without it"))
+        if arguments["compute_loss"] and arguments["reduce_output"] is None and (
+                arguments["bcast_loss"] or self.monitor.enabled):
+            why, fix = (("the monitor (which broadcasts the loss)", "disable the DeepSpeed monitor for this call's "
+                         "engine") if self.monitor.enabled else
+                        ("bcast_loss=True", "pass bcast_loss=False (the other stages get None)"))
+            raise mark_collective(ValueError(
+                f"token pipeline: eval_batch(reduce_output=None) gives one loss per micro-batch on the last "
+                f"stage, which {why} cannot send to the other stages (DeepSpeed broadcasts one scalar); "
+                f"{fix}, or keep reduce_output='avg'"))
 
     def _use_plan_for_next_batch(self, iterator: Optional[Iterator], train: bool = False,
                                  count: Optional[int] = None) -> Optional[Iterator]:

@@ -59,7 +59,6 @@ import torch.nn.functional as F
 from deepspeed.pipe import TiedLayerSpec
 
 from ..execution.batch_checks import IGNORE_INDEX, out_of_range_ids
-from ..execution.collective import mark_collective
 from ..execution.errors import CheckpointError
 from ..execution.stage import PipelineStage
 from ..slicing.context import current_slice
@@ -343,13 +342,6 @@ class VocabParallel:
                                              "holds it: fix the labels, or build the model with the tokenizer's "
                                              "vocabulary size")
 
-    @staticmethod
-    def check_eval(return_logits: bool = False, *args: Any, **kwargs: Any) -> None:
-        """``eval_batch``'s arguments, refused on every rank before any message is sent."""
-        if kwargs.get("return_logits", return_logits):
-            raise mark_collective(ValueError("terapipe.vocab_parallel: eval_batch(return_logits=True) is not supported "
-                                             "(no rank holds the full logits); call it with return_logits=False"))
-
     def forward_pass(self, buffer_id: int, microbatch: int, slice_index: int) -> None:
         training = torch.is_grad_enabled()
         with torch.no_grad():  # gradients are computed by hand in backward_pass: no graph to keep
@@ -357,7 +349,7 @@ class VocabParallel:
 
     def _forward(self, microbatch: int, slice_index: int, training: bool) -> None:
         engine, head = self.engine, self.head
-        assert not engine.eval_return_logits, "refused by check_eval"
+        assert not engine.eval_return_logits, "refused by the engine's eval_batch"
         start, end = engine.token_bounds(slice_index, microbatch)   # this rank's share under sequence parallelism
         shape = (engine.micro_batch_size, end - start)
         what = f"the vocabulary forward of micro-batch {microbatch} slice {slice_index}"
