@@ -397,7 +397,7 @@ class TeraPipeConfig(DeepSpeedConfigModel):
     memory_limit_gb: Optional[float] = Field(None, gt=0, allow_inf_nan=False, description=(
         'per-stage budget for activations + KV caches; `"auto"` rejects plans estimated above it'))
 
-    plan_cache: Optional[str] = Field(None, description=(
+    plan_cache: Optional[str] = Field(None, min_length=1, description=(
         "directory for plans, keyed by everything that determines them (model shapes, topology, batch, schedule, "
         "device, profile settings); a restart skips profiling (and re-times one slice length instead: "
         "`profile.recheck_cached`)"))
@@ -421,7 +421,7 @@ class TeraPipeConfig(DeepSpeedConfigModel):
         "[Faults](training.md#training-for-days-data-parallelism-variable-lengths-checkpoints-faults))"))
     """Seconds a rank waits for a pipeline peer before failing with the instruction it was stuck on."""
 
-    trace_dir: Optional[str] = Field(None, description=(
+    trace_dir: Optional[str] = Field(None, min_length=1, description=(
         "every rank writes a Chrome trace of each training batch (measured start/end of each forward and backward "
         "per micro-batch and slice), in the simulator's format; merge ranks with `ds_terapipe.trace.merge_traces`"))
     """Directory where every rank writes a Chrome trace of each training batch: when each forward and backward

@@ -45,6 +45,8 @@ def test_equal_slices(seq_len: int, granularity: int, n: int, expected: list[int
     ({"granularity": 0}, "terapipe.granularity=0 must be >= 1"),
     ({"p2p_timeout_s": 0}, "terapipe.p2p_timeout_s=0"),
     ({"p2p_timeout_s": 1e30}, "terapipe.p2p_timeout_s=1e+30 must be <= 1e+09"),   # beyond a timedelta
+    ({"plan_cache": ""}, "terapipe.plan_cache='': String should have at least 1 character"),   # not the cwd
+    ({"trace_dir": ""}, "terapipe.trace_dir='': String should have at least 1 character"),
     ({"memory_limit_gb": -1}, "terapipe.memory_limit_gb=-1"),
     ({"enabled": True, "seq_len": 64, "slices": 9}, "terapipe.slices=9 is more than seq_len/granularity = 8"),
     ({"enabled": True, "seq_len": 65536}, "terapipe.seq_len=65536 at terapipe.granularity=8 is 8192 slice units, "
