@@ -2,12 +2,13 @@
 
     deepspeed --num_gpus 2 examples/train_hf.py --deepspeed_config ds_configs/cpu_2stage.json --steps 20
 
-The model is ``transformers``' own (``pip install -e '.[hf]'``): built from a config (``--arch llama|mistral|
-qwen2|qwen3|gpt2``, sizes from ``--layers --hidden --heads --kv-heads``, random init) or loaded with its weights
-from a local directory written by ``save_pretrained`` (``--model-dir``; nothing is downloaded), and cut into
-pipeline layers by :func:`ds_terapipe.models.hf.causal_lm_specs`. Data, evaluation, checkpoints, metrics and
-threads work as in ``examples/train_gpt.py`` (same options): byte-level text, by default the Python standard
-library's own source.
+The model is ``transformers``' own (``pip install -e '.[hf]'``): built from a config (``--arch``: any
+``config.model_type`` of ``ds_terapipe.models.hf.SUPPORTED_MODEL_TYPES``, e.g. llama, gemma2, phi3, olmo2,
+granite, qwen3_moe, mixtral; sizes from ``--layers --hidden --heads --kv-heads``, every layer full attention,
+random init) or loaded with its weights from a local directory written by ``save_pretrained`` (``--model-dir``;
+nothing is downloaded), and cut into pipeline layers by :func:`ds_terapipe.models.hf.causal_lm_specs`. Data,
+evaluation, checkpoints, metrics and threads work as in ``examples/train_gpt.py`` (same options): byte-level text,
+by default the Python standard library's own source.
 """
 
 from __future__ import annotations
@@ -15,24 +16,47 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
 
 import ds_terapipe
-from ds_terapipe.models.hf import causal_lm_loss, causal_lm_specs
+from ds_terapipe.models.hf import SUPPORTED_MODEL_TYPES, causal_lm_loss, causal_lm_specs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # The GPT example's corpus, shared options, set-up and training loop.
 from train_gpt import load_documents, parse_training_args, start, train, training_parser  # noqa: E402
 
-CONFIGS = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
-           "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}
+
+def arch_settings(arch: str, args: argparse.Namespace, intermediate: int) -> dict[str, Any]:
+    """What ``arch`` needs beyond the size options so that the token pipeline runs it exactly and the small
+    shapes hold: every layer full attention (sliding windows are refused), no softcapping (Gemma 2), a few small
+    experts (the defaults have up to 128 experts, each as wide as a dense MLP)."""
+    full = {"layer_types": ["full_attention"] * args.layers}
+    experts = {"num_experts_per_tok": 2}
+    return {
+        "mistral": {"sliding_window": None},
+        "ministral": full,
+        "gemma2": {**full, "attn_logit_softcapping": None, "final_logit_softcapping": None,
+                   "query_pre_attn_scalar": args.hidden // args.heads},
+        "gemma3_text": {**full, "query_pre_attn_scalar": args.hidden // args.heads},
+        "olmo3": full,
+        "cohere2": full,
+        "exaone4": {**full, "sliding_window": None},  # no window: every layer applies rotary
+        "mixtral": {**experts, "num_local_experts": 4},
+        "qwen3_moe": {**experts, "num_experts": 4, "moe_intermediate_size": intermediate // 2},
+        "qwen2_moe": {**experts, "num_experts": 4, "moe_intermediate_size": intermediate // 2,
+                      "shared_expert_intermediate_size": intermediate},
+        "granitemoe": {**experts, "num_local_experts": 4},
+        "granitemoeshared": {**experts, "num_local_experts": 4, "shared_intermediate_size": intermediate},
+    }.get(arch, {})
 
 
 def parse_args() -> argparse.Namespace:
     parser = training_parser(__doc__)
-    parser.add_argument("--arch", choices=[*CONFIGS, "gpt2"], default="llama", help="architecture built from a config")
+    parser.add_argument("--arch", choices=SUPPORTED_MODEL_TYPES, default="llama", metavar="MODEL_TYPE",
+                        help=f"architecture built from a config: {', '.join(SUPPORTED_MODEL_TYPES)}")
     parser.add_argument("--model-dir", default=None, help="a local save_pretrained directory (weights kept)")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=128)
@@ -48,11 +72,15 @@ def model_config(args: argparse.Namespace, vocab: int, seq_len: int) -> transfor
     if args.arch == "gpt2":
         return transformers.GPT2Config(n_embd=args.hidden, n_layer=args.layers, n_head=args.heads, vocab_size=vocab,
                                        n_positions=seq_len, bos_token_id=0, eos_token_id=0)
-    extra = {"sliding_window": None} if args.arch == "mistral" else {}
-    return CONFIGS[args.arch](hidden_size=args.hidden, intermediate_size=int(8 * args.hidden / 3) // 8 * 8,
-                              num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                              num_key_value_heads=args.kv_heads, vocab_size=vocab, max_position_embeddings=seq_len,
-                              bos_token_id=0, eos_token_id=0, **extra)
+    config_class = transformers.CONFIG_MAPPING[args.arch]
+    intermediate = int(8 * args.hidden / 3) // 8 * 8
+    extra = arch_settings(args.arch, args, intermediate)
+    if "head_dim" in getattr(config_class, "__dataclass_fields__", {}):  # a fixed default (Gemma: 256) otherwise
+        extra.setdefault("head_dim", args.hidden // args.heads)
+    # pad_token_id None: byte-level text has no padding, and a padding row's embedding would never train
+    return config_class(hidden_size=args.hidden, intermediate_size=intermediate, num_hidden_layers=args.layers,
+                        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, vocab_size=vocab,
+                        max_position_embeddings=seq_len, bos_token_id=0, eos_token_id=0, pad_token_id=None, **extra)
 
 
 def main() -> None:

@@ -17,13 +17,14 @@ wrapper. Grouped-query attention keeps the cache at ``num_key_value_heads``: k/v
 (a ``TiedLayerSpec`` with the embedding when the weights are tied); the loss is :func:`causal_lm_loss`. What
 an architecture's ``*Model`` / ``*ForCausalLM`` does around its layers is redone here from the ``_FAMILIES``
 table: the embedding's scale (Gemma's sqrt(hidden), Granite's multiplier) and dropout, the final norm's class,
-the head's bias and logit scale (Granite, Cohere), per-layer-type rotary tables (Gemma 3).
+the head's bias and logit scale (Granite, Cohere), per-layer-type rotary tables (Gemma 3, OLMo 3).
 
 Features whose result would depend on the slicing, or that the token pipeline cannot feed, are refused when
 the specs are built (:class:`UnsupportedModelError`, naming the feature and the fix): sliding-window attention,
 attention-logit softcapping, cross-attention and encoder-decoder models, bidirectional (non-causal) attention,
 rotary scalings that depend on the sequence length seen (``dynamic``, ``longrope``), a mixture-of-experts
-load-balancing loss (``output_router_logits``), architectures outside :data:`SUPPORTED_MODEL_TYPES`. Attention
+load-balancing loss (``output_router_logits``), architectures outside :data:`SUPPORTED_MODEL_TYPES` (Bloom's and
+Falcon's attention bypasses ``AttentionInterface``: the refusal says so). Attention
 masks (padding) are data, so they are refused at the first forward that carries one.
 """
 
@@ -108,6 +109,10 @@ class _Family:
     embed_scale: Callable[[PretrainedConfig, torch.Tensor], torch.Tensor] | None = None
     head_bias: bool = False  # the LM head (``lm_head``) has a bias
     logit_scale: Callable[[PretrainedConfig, torch.Tensor], torch.Tensor] | None = None
+    # With a sliding window set, only the sliding layers apply rotary, the full ones none (Cohere 2, EXAONE 4): so
+    # turning sliding layers into full ones changes a checkpoint's function even where the window covers all; the
+    # sliding-window refusal says so.
+    full_layers_nope: bool = False
 
 
 def _llama_like(module: str, prefix: str, **quirks: Any) -> _Family:
@@ -147,14 +152,50 @@ _FAMILIES: dict[str, _Family] = {
                         embed_padding=False, embed_dropout="hidden_dropout"),
     "mixtral": _llama_like("mixtral", "Mixtral"),
     "qwen3_moe": _llama_like("qwen3_moe", "Qwen3Moe"),
+    "glm": _llama_like("glm", "Glm"),
+    "glm4": _llama_like("glm4", "Glm4"),
+    "helium": _llama_like("helium", "Helium"),
+    "ministral": _llama_like("ministral", "Ministral"),
+    "olmo3": _llama_like("olmo3", "Olmo3"),
+    "exaone4": _llama_like("exaone4", "Exaone4", full_layers_nope=True),
+    "seed_oss": _llama_like("seed_oss", "SeedOss"),
+    "arcee": _llama_like("arcee", "Arcee"),
+    "apertus": _llama_like("apertus", "Apertus"),
+    "hunyuan_v1_dense": _llama_like("hunyuan_v1_dense", "HunYuanDenseV1"),
+    "cohere2": _llama_like("cohere2", "Cohere2", final_norm="Cohere2LayerNorm", norm_eps="layer_norm_eps",
+                           logit_scale=_times_logit_scale, full_layers_nope=True),
+    "qwen2_moe": _llama_like("qwen2_moe", "Qwen2Moe"),
+    "granitemoe": _llama_like("granitemoe", "GraniteMoe", embed_scale=_embedding_multiplier,
+                              logit_scale=_divide_by_logits_scaling),
+    "granitemoeshared": _llama_like("granitemoeshared", "GraniteMoeShared", embed_scale=_embedding_multiplier,
+                                    logit_scale=_divide_by_logits_scaling),
+}
+
+# Architectures transformers has as causal LMs that cannot be routed here, and why (the generic refusal otherwise).
+_UNROUTABLE = {
+    "bloom": "BloomAttention computes its scores itself (ALiBi biases added with baddbmm), not through "
+             "transformers' AttentionInterface, so its layers cannot attend over the earlier slices' keys",
+    "falcon": "FalconAttention calls SDPA or its eager ALiBi path itself, not transformers' AttentionInterface, "
+              "so its layers cannot attend over the earlier slices' keys",
 }
 
 #: ``config.model_type`` values :func:`causal_lm_specs` accepts.
 SUPPORTED_MODEL_TYPES = tuple(_FAMILIES)
 
-# Rotary scalings whose frequencies depend on the longest position seen in the call: a slice sees fewer
-# positions than the whole sequence, so its rotation would differ from the unsliced one.
-_LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+def _length_dependent(rope_type: str) -> bool:
+    """Whether a rotary scaling's frequencies depend on the longest position seen in the call (a slice sees fewer
+    positions than the whole sequence, so it would rotate differently): transformers' ``dynamic_rope_update``
+    recomputes any type with "dynamic" in its name, and "longrope"."""
+    return rope_type == "longrope" or "dynamic" in rope_type
+
+
+def _resolved_rope_types(config: PretrainedConfig, family: _Family) -> list[str]:
+    """The rope types the family's rotary module runs with, as ``dynamic_rope_update`` reads them (a string, or
+    one per layer type). Why not the config's: a module may resolve a type itself (HunYuan's checkpoints say
+    "dynamic" with a fixed ``alpha``, which its rotary runs as the static "ntk_alpha")."""
+    rotary = getattr(_modeling(family), family.rotary)(config=config)
+    rope_type = getattr(rotary, "rope_type", "default")
+    return list(rope_type.values()) if isinstance(rope_type, Mapping) else [rope_type]
 
 
 def _modeling(family: _Family) -> Any:
@@ -206,7 +247,8 @@ def _check_config(config: PretrainedConfig) -> _Family:
                                     "earlier ones, so it cannot be token-sliced; use a causal LM config")
     family = _FAMILIES.get(model_type)
     if family is None:
-        raise UnsupportedModelError(f"model_type {model_type!r} is not supported by ds_terapipe.models.hf; "
+        why = f" ({_UNROUTABLE[model_type]})" if model_type in _UNROUTABLE else ""
+        raise UnsupportedModelError(f"model_type {model_type!r} is not supported by ds_terapipe.models.hf{why}; "
                                     f"supported: {', '.join(SUPPORTED_MODEL_TYPES)} (or write the model as "
                                     "LayerSpecs with ds_terapipe.sliced_causal_attention, see README)")
     window = getattr(config, "sliding_window", None)
@@ -218,7 +260,7 @@ def _check_config(config: PretrainedConfig) -> _Family:
                                         "layer_types are 'sliding_attention', sliding_window="
                                         f"{window}) is not supported; set config.layer_types = ['full_attention'] * "
                                         "num_hidden_layers (Qwen: use_sliding_window=False), which is exact whenever "
-                                        "the window covers the whole sequence")
+                                        f"the window covers the whole sequence{_retyping_caveat(config, family)}")
     elif window is not None:
         raise UnsupportedModelError(f"{model_type}: sliding-window attention (sliding_window={window}) is not "
                                     "supported; set config.sliding_window = None (and use_sliding_window=False), "
@@ -234,7 +276,7 @@ def _check_config(config: PretrainedConfig) -> _Family:
             tables = [table for table in rope.values() if isinstance(table, Mapping)] or [rope]
         for table in tables:
             rope_type = table.get("rope_type", "default")
-            if rope_type in _LENGTH_DEPENDENT_ROPE:
+            if _length_dependent(rope_type) and any(map(_length_dependent, _resolved_rope_types(config, family))):
                 raise UnsupportedModelError(f"{model_type}: rope_type {rope_type!r} rescales positions by the "
                                             "length seen in a call, so a slice would rotate differently from the "
                                             "whole sequence; use a static rope type (default, linear, llama3, yarn)")
@@ -244,6 +286,20 @@ def _check_config(config: PretrainedConfig) -> _Family:
                                     "batch, which neither a slice nor causal_lm_loss sees; set "
                                     "output_router_logits=False (routing itself is per token and runs exactly)")
     return family
+
+
+def _retyping_caveat(config: PretrainedConfig, family: _Family) -> str:
+    """What else changes when a model's sliding layers become full ones, for the refusal's fix: nothing but the
+    window, unless the layer type also picks the rotary (none on full layers; a table per layer type)."""
+    if family.full_layers_nope and getattr(config, "sliding_window", None) is not None:
+        return (f", but in {config.model_type} only the sliding layers apply rotary positions (the full ones "
+                "none), so retyping them changes a checkpoint trained with them: exact for models trained all full")
+    rope = getattr(config, "rope_parameters", None)
+    if isinstance(rope, Mapping) and isinstance(rope.get("sliding_attention"), Mapping) \
+            and rope.get("sliding_attention") != rope.get("full_attention"):
+        return (", but the sliding layers' rotary table (rope_parameters['sliding_attention']) differs from the full "
+                "layers', so retyping them changes a checkpoint trained with them: exact for models trained all full")
+    return ""
 
 
 def _attention_config(config: PretrainedConfig) -> PretrainedConfig:
@@ -507,7 +563,7 @@ def _checkpoint_dtype(config: PretrainedConfig, requested: Any) -> torch.dtype |
 
 def _renamed_on_load(config: PretrainedConfig) -> bool:
     """Whether ``transformers`` converts this architecture's checkpoint tensors on loading (GPT-NeoX's
-    ``embed_out`` is ``lm_head``; Mixtral's and Qwen3-MoE's per-expert matrices are stacked into one tensor), so
+    ``embed_out`` is ``lm_head``; the mixture-of-experts' per-expert matrices are stacked into one tensor), so
     the files do not hold the modules' names and only ``from_pretrained`` can read them."""
     try:
         from transformers.conversion_mapping import get_checkpoint_conversion_mapping
@@ -554,8 +610,8 @@ def causal_lm_specs(model_or_config: Any, *, seed: int = 1234,
             afterwards; every rank holds the whole model); or a local directory written by ``save_pretrained``
             (nothing is downloaded): with safetensors weights each stage reads only its own layers' tensors, in
             ``load_kwargs["dtype"]`` (default ``"auto"``: config.json's dtype, as ``from_pretrained``); other
-            formats, checkpoints whose tensor names ``transformers`` converts on loading (GPT-NeoX, Mixtral,
-            Qwen3-MoE) or other ``load_kwargs`` go through ``AutoModelForCausalLM.from_pretrained(path,
+            formats, checkpoints whose tensor names ``transformers`` converts on loading (GPT-NeoX, the
+            mixtures of experts) or other ``load_kwargs`` go through ``AutoModelForCausalLM.from_pretrained(path,
             **load_kwargs)``, the whole model on every rank.
 
     Use with ``TokenPipelineModule(specs, num_stages=..., loss_fn=causal_lm_loss, vocab_size=config.vocab_size)``;
