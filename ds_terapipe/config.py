@@ -27,7 +27,6 @@ from typing import Any, List, Literal, Optional, Union
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .planner._checks import too_many_units
 from .planner.registry import get_schedule, schedule_names
 
 __all__ = ["AutoFreezeConfig", "FreezeConfig", "ProfileConfig", "ReplanConfig", "TeraPipeConfig",
@@ -263,8 +262,9 @@ class TeraPipeConfig(DeepSpeedConfigModel):
 
     granularity: int = Field(8, ge=1, description=(
         'slices the engine chooses (`"auto"`, an int) are multiples of this, and with those it must divide '
-        '`seq_len` and every batch length; with `"auto"`, `seq_len` / `granularity` is at most 2048 (the planner\'s '
-        "search grows faster than its square); a list of `slices` is run as written"))
+        '`seq_len` and every batch length; `"auto"` plans a length of more than 2048 units on a coarser grid (a '
+        "multiple of this dividing the length; the planner's search grows faster than the square of its units); "
+        "a list of `slices` is run as written"))
     """Slices the engine chooses (``"auto"``, an int) are multiples of this many tokens (keeps kernels efficient
     and the planner fast); it must then divide ``seq_len`` and every batch length. Not applied to a list of
     ``slices``, which is run exactly as written."""
@@ -526,10 +526,6 @@ class TeraPipeConfig(DeepSpeedConfigModel):
         if self.seq_len is not None and self.seq_len % self.granularity != 0:
             raise ValueError(f"terapipe.granularity={self.granularity} does not divide terapipe.seq_len="
                              f"{self.seq_len}; pick a granularity that divides it (e.g. 1) or pad the sequences")
-        too_fine = None if self.slices != "auto" or self.seq_len is None else too_many_units(
-            self.seq_len, self.granularity, names=("terapipe.seq_len=", "terapipe.granularity="))
-        if too_fine:
-            raise ValueError(too_fine)
         if isinstance(self.slices, int) and self.seq_len is not None and \
                 self.slices > self.seq_len // self.granularity:
             raise ValueError(f"terapipe.slices={self.slices} is more than seq_len/granularity = "

@@ -49,9 +49,6 @@ def test_equal_slices(seq_len: int, granularity: int, n: int, expected: list[int
     ({"trace_dir": ""}, "terapipe.trace_dir='': String should have at least 1 character"),
     ({"memory_limit_gb": -1}, "terapipe.memory_limit_gb=-1"),
     ({"enabled": True, "seq_len": 64, "slices": 9}, "terapipe.slices=9 is more than seq_len/granularity = 8"),
-    ({"enabled": True, "seq_len": 65536}, "terapipe.seq_len=65536 at terapipe.granularity=8 is 8192 slice units, "
-     "more than the 2048 the planner searches (its time grows faster than their square); use "
-     "terapipe.granularity=32 or coarser"),
     ({"profile": {"repeats": 0}}, "terapipe.profile.repeats=0 must be >= 1"),
     ({"seq_len": 64, "plan_per_batch": True}, 'needs packed: true'),
     ({"seq_len": 64, "plan_per_batch": True, "packed": True, "slices": 4}, 'needs slices: "auto"'),

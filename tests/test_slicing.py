@@ -349,6 +349,30 @@ def _engine_with_cap(memory_limit_gb: float, *, interval: int = 0, schedule: str
     return engine, [{"layers": 2, "hidden": 64, "bytes": 2}] * 2
 
 
+def test_the_engine_plans_a_length_too_fine_for_its_granularity_on_a_coarser_grid(monkeypatch, caplog):
+    """More units than the planner searches (seq_len / granularity > MAX_UNITS; 2048, made 16 here) is planned on
+    the finest multiple of the granularity that fits, logged, where the planner's own API refuses it."""
+    import logging
+
+    from ds_terapipe.planner import _checks
+    from ds_terapipe.planner._checks import fitting_granularity
+    from ds_terapipe.runtime.planning.plan import solve_slicing
+
+    assert (fitting_granularity(32768, 8), fitting_granularity(65536, 8), fitting_granularity(16384, 8)) == (16, 32, 8)
+    assert fitting_granularity(8 * 4099, 8) == 8 * 4099   # a prime count of units: one slice is the only grid
+    monkeypatch.setattr(_checks, "MAX_UNITS", 16)
+    cost = PipelineCost.uniform(MeasuredCost([{"slice": s, "context": c, "forward_ms": 0.2 + 0.01 * s,
+                                               "backward_ms": 0.4 + 0.02 * s} for s in (8, 256) for c in (0, 248)]), 2)
+    with pytest.raises(ValueError, match="32 slice units, more than the 16"):
+        plan_slicing(cost, 256, granularity=8)
+    engine, meta = _engine_with_cap(None, granularity=8)
+    with caplog.at_level(logging.INFO, logger="ds_terapipe.runtime.planning.plan"):
+        plan = solve_slicing(engine, cost, meta, 256)
+    assert sum(plan.slices) == 256 and len(plan.slices) > 1 and all(s % 16 == 0 for s in plan.slices), plan.slices
+    assert "seq_len 256 is 32 slice units of terapipe.granularity=8, more than the 16 the planner searches: " \
+           "planning it on a grid of 16 tokens" in caplog.text
+
+
 def test_the_engine_refuses_an_unmet_memory_cap_in_config_terms():
     """terapipe.memory_limit_gb no plan meets: the key, its value and the smallest estimate in GB, and config
     actions as the fixes (not the planner's memory_limit_bytes / split_batch / MemoryModel.activation_factor)."""

@@ -12,7 +12,7 @@ import math
 import numbers
 from typing import Any
 
-__all__ = ["MAX_UNITS", "check_int", "check_number", "too_many_units"]
+__all__ = ["MAX_UNITS", "check_int", "check_number", "fitting_granularity", "too_many_units"]
 
 
 def check_int(value: Any, where: str, *, minimum: int = 1, fix: str = "fix the value",
@@ -46,6 +46,19 @@ def check_number(value: Any, where: str, *, positive: bool = False, fix: str = "
 #: Most slice units (seq_len / granularity) the DP searches: its tables are (units + 1)^2 and its time grows
 #: faster than their square (1024 units: about 3 s on a 2-core host, 2048: about 20 s; 16384: 2 GiB per table).
 MAX_UNITS = 2048
+
+
+def fitting_granularity(seq_len: int, granularity: int, max_units: int | None = None) -> int:
+    """The finest grid for ``seq_len`` with at most ``max_units`` units (default :data:`MAX_UNITS`):
+    ``granularity`` times the smallest factor of ``seq_len // granularity`` that leaves no more (``seq_len``
+    itself, one slice, when no smaller factor does). ``granularity`` must divide ``seq_len``."""
+    max_units = MAX_UNITS if max_units is None else max_units
+    units = seq_len // granularity
+    if units <= max_units:
+        return granularity
+    low = -(-units // max_units)
+    factor = next((f for f in range(low, min(units, low + 100_000) + 1) if units % f == 0), units)
+    return granularity * factor
 
 
 def too_many_units(seq_len: int, granularity: int, names: tuple[str, str] = ("seq_len = ", "granularity = ")

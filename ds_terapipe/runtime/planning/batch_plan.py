@@ -31,6 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ...planner._checks import fitting_granularity
 from ...planner.cost import PipelineCost
 from ...planner.documents import DocumentPlanner, document_context
 from ..execution.collective import mark_collective
@@ -112,9 +113,7 @@ class BatchPlanner:
     def plan_granularity(self, seq_len: int) -> int:
         """The grid a per-batch plan of ``seq_len`` is solved on: the config's granularity times the smallest
         factor dividing the row's grid that leaves at most ``PLAN_GRID`` cut points."""
-        units = seq_len // self.granularity
-        factor = next(f for f in range(1, units + 1) if units % f == 0 and units // f <= PLAN_GRID)
-        return self.granularity * factor
+        return fitting_granularity(seq_len, self.granularity, PLAN_GRID)
 
     @property
     def planning_ms(self) -> list[float]:

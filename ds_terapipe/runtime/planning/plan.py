@@ -29,6 +29,8 @@ from typing import Any, Mapping, Optional
 import torch.distributed as dist
 
 from ...config import TeraPipeConfig
+from ...planner import _checks
+from ...planner._checks import fitting_granularity
 from ...planner.cost import PipelineCost, scaled_cost
 from ...planner.slicing import MemoryLimitError, MemoryModel, MemoryShortfall, SlicingPlan, plan_slicing
 from ..execution.collective import decided_on_rank0, mark_collective
@@ -91,9 +93,16 @@ def solve_slicing(engine: "PipelineStage", cost: PipelineCost, stage_meta: Any, 
                                  engine.module.activation_checkpoint_interval, cfg),
                              deferred_weight_grads=bool(cfg.deferred_weight_grads))
         limit = cfg.memory_limit_gb * 2**30
+    grid = granularity or cfg.granularity
+    coarse = fitting_granularity(seq_len, grid)
+    if coarse != grid:   # a finer grid would take the planner minutes (its search grows faster than units squared)
+        logger.log(logging.DEBUG if quiet else logging.INFO,
+                   "terapipe: seq_len %d is %d slice units of terapipe.granularity=%d, more than the %d the planner "
+                   "searches: planning it on a grid of %d tokens", seq_len, seq_len // grid, grid, _checks.MAX_UNITS,
+                   coarse)
     try:
         plan = plan_slicing(cost, seq_len, num_microbatches=engine.micro_batches,
-                            micro_batch_size=engine.micro_batch_size, granularity=granularity or cfg.granularity,
+                            micro_batch_size=engine.micro_batch_size, granularity=coarse,
                             schedule=cfg.schedule, memory_limit_bytes=limit, memory=memory,
                             max_slices=cfg.max_slices, deferred_weight_grads=cfg.deferred_weight_grads,
                             virtual_stages=cfg.virtual_stages,
