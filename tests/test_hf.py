@@ -304,7 +304,11 @@ def test_grouped_query_cache_holds_only_kv_heads() -> None:
                                                  ("cohere2", "100KB", torch.float32),
                                                  ("qwen2_moe", None, torch.float32),
                                                  ("granitemoe", None, torch.float32),
-                                                 ("granitemoeshared", None, torch.bfloat16)])
+                                                 ("granitemoeshared", None, torch.bfloat16),
+                                                 *((arch, None, torch.float32) for arch in (
+                                                     "mistral", "qwen2", "gemma2", "gemma3", "phi3", "olmo",
+                                                     "olmo2", "granite", "smollm3", "stablelm", "starcoder2",
+                                                     "qwen3_moe"))])
 def test_local_directory_loads_each_layer_from_safetensors(arch: str, shard, dtype, tmp_path) -> None:
     """A save_pretrained directory (one file, or sharded with an index): every layer reads its own tensors,
     in config.json's dtype; weights and outputs equal the saved model's. GPT-NeoX's and the mixture-of-experts
@@ -325,7 +329,9 @@ def test_local_directory_loads_each_layer_from_safetensors(arch: str, shard, dty
 
 @pytest.mark.parametrize("arch", ["llama", "llama-tied", "gpt2", "gemma", "phi", "gpt_neox", "mixtral", "glm", "glm4",
                                   "helium", "ministral", "olmo3", "exaone4", "seed_oss", "arcee", "apertus",
-                                  "hunyuan_v1_dense", "cohere2", "qwen2_moe", "granitemoe", "granitemoeshared"])
+                                  "hunyuan_v1_dense", "cohere2", "qwen2_moe", "granitemoe", "granitemoeshared",
+                                  "mistral", "qwen2", "qwen3", "cohere", "gemma2", "gemma3", "phi3", "olmo", "olmo2",
+                                  "granite", "smollm3", "stablelm", "starcoder2", "qwen3_moe"])
 def test_exported_pipeline_weights_load_into_transformers(arch: str) -> None:
     """export_state_dict's layout ("<layer>.<param>", a tied layer under each index that uses it) maps back to
     the transformers model: strict load, same weights."""

@@ -182,6 +182,7 @@ _UNROUTABLE = {
 #: ``config.model_type`` values :func:`causal_lm_specs` accepts.
 SUPPORTED_MODEL_TYPES = tuple(_FAMILIES)
 
+
 def _length_dependent(rope_type: str) -> bool:
     """Whether a rotary scaling's frequencies depend on the longest position seen in the call (a slice sees fewer
     positions than the whole sequence, so it would rotate differently): transformers' ``dynamic_rope_update``
