@@ -519,7 +519,9 @@ class TokenPipelineEngine(PipelineEngine):
         """``eval_batch``'s arguments the token pipeline cannot honour, refused on every rank (the same arguments
         everywhere) before any batch is read: ``return_logits=True`` and ``compute_loss=False`` return the model's
         outputs, which no rank holds whole under vocabulary parallelism (each holds a vocabulary shard's logits) or
-        sequence parallelism (a share of the tokens); ``reduce_output=None`` with the loss broadcast (or the
+        sequence parallelism (a share of the tokens); a ``reduce_output`` other than 'avg' or None (DeepSpeed's
+        last stage raises, alone); ``compute_loss=False`` with the monitor (rank 0 logs a loss it does not have);
+        ``reduce_output=None`` with the loss broadcast (or the
         monitor, which broadcasts it too) hands DeepSpeed's scalar broadcast a list: the last stage raised and the
         others waited in the broadcast until the process group's timeout."""
         tp = self.terapipe
@@ -535,6 +537,16 @@ class TokenPipelineEngine(PipelineEngine):
                 raise mark_collective(ValueError(
                     f"token pipeline: {what}, but with {' and '.join(split)} no rank holds them whole (each holds "
                     f"a share); {fix}, or take the outputs from a model built without it"))
+        reduce = arguments["reduce_output"]
+        if reduce is not None and not (isinstance(reduce, str) and reduce.lower() == "avg"):
+            raise mark_collective(ValueError(
+                f"token pipeline: eval_batch(reduce_output={reduce!r}) is not supported: DeepSpeed's pipeline "
+                "averages the micro-batches' losses or returns them as they are; pass reduce_output='avg' or None"))
+        if not arguments["compute_loss"] and self.monitor.enabled:
+            raise mark_collective(ValueError(
+                "token pipeline: eval_batch(compute_loss=False) with the DeepSpeed monitor enabled: the monitor "
+                "logs the evaluation loss from global rank 0, which holds no loss then (DeepSpeed's own fails "
+                "there); call eval_batch with compute_loss=True, or disable the monitor"))
         if arguments["compute_loss"] and arguments["reduce_output"] is None and (
                 arguments["bcast_loss"] or self.monitor.enabled):
             why, fix = (("the monitor (which broadcasts the loss)", "disable the DeepSpeed monitor for this call's "
