@@ -64,7 +64,15 @@ def test_refuses_what_is_not_an_output_layer() -> None:
     _, spec = split_output_layer([TiedLayerSpec("embed", GPTEmbedding, cfg, tied_weight_attr="wte.weight"),
                                   TiedLayerSpec("embed", GPTEmbedding, cfg, forward_fn=lambda m, x: x.sum(-1, True) *
                                                 torch.ones(10), tied_weight_attr="wte.weight")])
-    with pytest.raises(ValueError, match=r"does not compute x @ wte.weight.T"):
+    with pytest.raises(ValueError, match=r"does not compute x @ wte.weight.T;"):
+        build_full(spec)
+    # a head with a logit scale (Granite's logits_scaling, Cohere's logit_scale): the message names the scale
+    _, spec = split_output_layer([TiedLayerSpec("embed", GPTEmbedding, cfg, tied_weight_attr="wte.weight"),
+                                  TiedLayerSpec("embed", GPTEmbedding, cfg, forward_fn=lambda m, x: 0.25 * (
+                                      x @ m.wte.weight.T), tied_weight_attr="wte.weight")])
+    with pytest.raises(ValueError, match=r"does not compute x @ wte.weight.T \(it computes 0.25 times that: a logit "
+                                         r"scale, .*logits_scaling or logit_scale.*set it to 1 or turn "
+                                         r"terapipe.vocab_parallel off\)"):
         build_full(spec)
 
 

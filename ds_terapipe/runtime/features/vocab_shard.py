@@ -109,8 +109,15 @@ def build_full(spec: HeadSpec) -> tuple[torch.nn.Module, torch.Tensor, Optional[
         got = fn(module, x) if fn is not None else module(x)
         want = F.linear(x, weight, bias)
     if not torch.is_tensor(got) or got.shape != want.shape or not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
+        scaled = ""
+        if torch.is_tensor(got) and got.shape == want.shape:
+            factor = float((got * want).sum() / (want * want).sum())   # the best scalar fit of got by want
+            if torch.allclose(got, want * factor, rtol=1e-4, atol=1e-5):   # a logit scale (Granite, Cohere)
+                scaled = (f" (it computes {factor:.4g} times that: a logit scale, e.g. a Hugging Face config's "
+                          "logits_scaling or logit_scale, which the split head does not apply; set it to 1 or turn "
+                          "terapipe.vocab_parallel off)")
         raise ValueError(f"terapipe.vocab_parallel: the output layer does not compute x @ {spec.weight_name}.T"
-                         f"{' + bias' if bias is not None else ''}; {_FIX_HEAD}")
+                         f"{' + bias' if bias is not None else ''}{scaled}; {_FIX_HEAD}")
     return module, weight.detach(), None if bias is None else bias.detach()
 
 
