@@ -327,6 +327,19 @@ def test_local_directory_loads_each_layer_from_safetensors(arch: str, shard, dty
     assert rel_err(logits.float(), logits_ref.float()) <= (TOL if dtype == torch.float32 else 1e-2)
 
 
+def test_a_converted_checkpoint_without_architectures_in_its_config_loads_through_transformers(tmp_path) -> None:
+    """GPT-NeoX's renaming (embed_out -> lm_head) is registered under its causal LM class alone: a config.json
+    without "architectures" is still recognised as one and read by from_pretrained, not by the per-layer reader."""
+    model = hf_model("gpt_neox")
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.pop("architectures", None)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    _, params = build_stages(causal_lm_specs(tmp_path), num_stages=1)
+    saved = dict(model.named_parameters())
+    assert all(torch.equal(param, saved[hf_param_name(name, model.config)]) for name, param in params.items())
+
+
 @pytest.mark.parametrize("arch", ["llama", "llama-tied", "gpt2", "gemma", "phi", "gpt_neox", "mixtral", "glm", "glm4",
                                   "helium", "ministral", "olmo3", "exaone4", "seed_oss", "arcee", "apertus",
                                   "hunyuan_v1_dense", "cohere2", "qwen2_moe", "granitemoe", "granitemoeshared",

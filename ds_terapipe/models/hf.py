@@ -570,8 +570,13 @@ def _renamed_on_load(config: PretrainedConfig) -> bool:
         from transformers.conversion_mapping import get_checkpoint_conversion_mapping
     except ImportError:  # pragma: no cover - a transformers without conversions stores the modules' names
         return False
-    names = [config.model_type, *(getattr(config, "architectures", None) or ())]
-    return any(get_checkpoint_conversion_mapping(name) for name in names)
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    # the causal LM class too: a conversion may be registered under it alone (GPT-NeoX), and a config.json
+    # without "architectures" still loads as it
+    names = [config.model_type, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, ""),
+             *(getattr(config, "architectures", None) or ())]
+    return any(get_checkpoint_conversion_mapping(name) for name in names if name)
 
 
 def _load(model_or_config: Any, load_kwargs: Mapping[str, Any] | None
