@@ -128,17 +128,17 @@ class AutoFreezeConfig(DeepSpeedConfigModel):
     aggressiveness: float = Field(0.5, gt=0.0, le=1.0, description=(
         "the fraction of the still-training layers (with parameters) one check may freeze, at least one; 1.0 "
         "freezes every stable layer in a row at once"))
-    """The fraction of the still-training layers (with parameters) one check may freeze (at least one): PipeTransformer's
-    alpha. 1.0 freezes every stable layer in a row at once."""
+    """The fraction of the still-training layers (with parameters) one check may freeze (at least one):
+    PipeTransformer's alpha. 1.0 freezes every stable layer in a row at once."""
 
     max_frozen_layers: Optional[int] = Field(None, ge=1, description=(
         "never freeze beyond this many layers (none: all but the last layer with parameters)"))
 
 
 class FreezeConfig(DeepSpeedConfigModel):
-    """Progressive freezing of the front layers (``runtime/features/freeze.py``): frozen layers run forward only, take no
-    backward and no weight gradient, their optimizer state is released; ranks whose layers are all frozen get no
-    gradient. Exactly one policy: ``schedule`` or ``auto``."""
+    """Progressive freezing of the front layers (``runtime/features/freeze.py``): frozen layers run forward only,
+    take no backward and no weight gradient, their optimizer state is released; ranks whose layers are all frozen
+    get no gradient. Exactly one policy: ``schedule`` or ``auto``."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -330,9 +330,9 @@ class TeraPipeConfig(DeepSpeedConfigModel):
     joins two collectives (the last stage's hidden states and labels out, softmax statistics, the hidden-state gradient
     back); the loss is exactly the unsharded cross entropy. The input embedding is split too, sharing the head's
     rows when tied, with rows of its own when not (``runtime/features/vocab_embedding.py``: two more collectives per
-    unit). Needs ``loss_fn=causal_lm_loss`` and
-    an output layer as the last layer; any precision and ZeRO stage 0/1; works with every schedule, virtual stages included (the passes follow
-    the last chunk and chunk 0 wherever the placement puts them); build the model with
+    unit). Needs ``loss_fn=causal_lm_loss`` and an output layer as the last layer; any precision and ZeRO stage
+    0/1; works with every schedule, virtual stages included (the passes follow the last chunk and chunk 0 wherever
+    the placement puts them); build the model with
     ``TokenPipelineModule(..., vocab_parallel=True)`` (and the same ``virtual_stages`` and ``schedule``)."""
 
     packed: bool = Field(False, description=(

@@ -154,9 +154,10 @@ def plot_timeline(events: Iterable[Any], path: str | os.PathLike[str], *, title:
     """Draw a PNG Gantt chart: stages as rows (stage 0 on top), time on x.
 
     With several chunks per rank (virtual stages) rows are ranks and labels read "c<chunk>:microbatch.slice".
-    Forward boxes are blue, backward boxes orange and deferred weight-gradient passes (W) green, a shade per micro-batch (cycling every 4) so consecutive
-    micro-batches are told apart; boxes wide enough carry their "microbatch.slice" label. Uses matplotlib's
-    object API (no pyplot), so it never touches a caller's interactive backend.
+    Forward boxes are blue, backward boxes orange and deferred weight-gradient passes (W) green, a shade per
+    micro-batch (cycling every 4) so consecutive micro-batches are told apart; boxes wide enough carry their
+    "microbatch.slice" label. Uses matplotlib's object API (no pyplot), so it never touches a caller's interactive
+    backend.
     """
     try:
         from matplotlib import colormaps

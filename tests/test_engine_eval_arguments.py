@@ -12,7 +12,8 @@ from ds_terapipe.runtime.execution.engine import _EVAL_SIGNATURE, TokenPipelineE
 
 
 def _check(monitor: bool = False, terapipe: dict | None = None, **kwargs: Any) -> None:
-    engine = SimpleNamespace(terapipe=parse_terapipe_config({"terapipe": {"enabled": True, "seq_len": 64, **(terapipe or {})}}),
+    section = {"enabled": True, "seq_len": 64, **(terapipe or {})}
+    engine = SimpleNamespace(terapipe=parse_terapipe_config({"terapipe": section}),
                              monitor=SimpleNamespace(enabled=monitor))
     bound = _EVAL_SIGNATURE.bind(engine, iter(()), **kwargs)
     bound.apply_defaults()

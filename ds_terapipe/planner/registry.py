@@ -27,7 +27,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "BubbleFormula", "ScheduleSpec", "accepts_virtual_stages", "find_schedule", "get_schedule", "one_chunk_per_rank",
-    "register_schedule", "registered_schedule", "schedule_names", "schedule_table", "uniform_bubble", "unregister_schedule",
+    "register_schedule", "registered_schedule", "schedule_names", "schedule_table", "uniform_bubble",
+    "unregister_schedule",
 ]
 
 #: Modules under ``planner/schedules`` that register the built-in schedules, in the order names are listed

@@ -260,8 +260,9 @@ class SlicingPlan:
         split = f" x {len(self.batch_splits)} sub-batches of {self.batch_splits[0]}" if len(self.batch_splits) > 1 \
             else ""
         chunks = f" v={self.virtual_stages}" if self.virtual_stages != 1 else ""
-        return (f"{self.schedule} K={self.num_stages}{chunks} m={self.num_microbatches} B={self.micro_batch_size}{split}: "
-                f"{self.num_slices} slices [{shown}] of L={self.seq_len}; {self.predicted_ms:.4g} ms vs "
+        return (f"{self.schedule} K={self.num_stages}{chunks} m={self.num_microbatches} "
+                f"B={self.micro_batch_size}{split}: {self.num_slices} slices [{shown}] of L={self.seq_len}; "
+                f"{self.predicted_ms:.4g} ms vs "
                 f"{self.unsliced_ms:.4g} unsliced ({self.speedup:.2f}x), bubble {100 * self.bubble_fraction:.1f}%")
 
 

@@ -362,8 +362,8 @@ class Freezer:
             logger.info("terapipe: step %d: gradient norms %s (previous %s): %s", step,
                         {k: round(v, 6) for k, v in sorted(norms.items())},
                         {k: round(v, 6) for k, v in sorted(previous.items())},
-                        f"freezing {self._pending} layer(s) from the next step" if self._pending > self.num_frozen_layers
-                        else "nothing to freeze")
+                        f"freezing {self._pending} layer(s) from the next step"
+                        if self._pending > self.num_frozen_layers else "nothing to freeze")
 
     # -- re-planning ---------------------------------------------------------------------------------------------
     def lowered(self, engine: "PipelineStage", num_slices: int, num_frozen_chunks: int) -> Schedule:
