@@ -68,10 +68,6 @@ def too_many_units(seq_len: int, granularity: int, names: tuple[str, str] = ("se
     units = seq_len // granularity
     if units <= MAX_UNITS:
         return None
-    # the smallest multiple of granularity dividing seq_len into at most MAX_UNITS units; a scan, bounded
-    low = -(-units // MAX_UNITS)
-    factor = next((f for f in range(low, low + 100_000) if units % f == 0), None)
-    fix = (f"use {names[1]}{granularity * factor} or coarser" if factor is not None else
-           f"use a multiple of {names[1]}{granularity} dividing {names[0]}{seq_len} into at most {MAX_UNITS} units")
     return (f"{names[0]}{seq_len} at {names[1]}{granularity} is {units} slice units, more than the {MAX_UNITS} the "
-            f"planner searches (its time grows faster than their square); {fix}")
+            f"planner searches (its time grows faster than their square); use "
+            f"{names[1]}{fitting_granularity(seq_len, granularity)} or coarser")

@@ -521,9 +521,9 @@ class TokenPipelineEngine(PipelineEngine):
         outputs, which no rank holds whole under vocabulary parallelism (each holds a vocabulary shard's logits) or
         sequence parallelism (a share of the tokens); a ``reduce_output`` other than 'avg' or None (DeepSpeed's
         last stage raises, alone); ``compute_loss=False`` with the monitor (rank 0 logs a loss it does not have);
-        ``reduce_output=None`` with the loss broadcast (or the
-        monitor, which broadcasts it too) hands DeepSpeed's scalar broadcast a list: the last stage raised and the
-        others waited in the broadcast until the process group's timeout."""
+        ``reduce_output=None`` with the loss broadcast (or the monitor, which broadcasts it too) hands DeepSpeed's
+        scalar broadcast a list: the last stage raised and the others waited in the broadcast until the process
+        group's timeout."""
         tp = self.terapipe
         split = [f"terapipe.{key}={value}" for key, value, on in (
             ("vocab_parallel", tp.vocab_parallel, tp.vocab_parallel),
@@ -547,7 +547,7 @@ class TokenPipelineEngine(PipelineEngine):
                 "token pipeline: eval_batch(compute_loss=False) with the DeepSpeed monitor enabled: the monitor "
                 "logs the evaluation loss from global rank 0, which holds no loss then (DeepSpeed's own fails "
                 "there); call eval_batch with compute_loss=True, or disable the monitor"))
-        if arguments["compute_loss"] and arguments["reduce_output"] is None and (
+        if arguments["compute_loss"] and reduce is None and (
                 arguments["bcast_loss"] or self.monitor.enabled):
             why, fix = (("the monitor (which broadcasts the loss)", "disable the DeepSpeed monitor for this call's "
                          "engine") if self.monitor.enabled else
@@ -965,15 +965,15 @@ class TokenPipelineEngine(PipelineEngine):
         ctx = SliceContext(microbatch, slice_index, start, end, self._state(chunk, microbatch),
                            documents=self.documents.get(microbatch), sequence=self.sequence)
         # without a loss DeepSpeed adds each output into total_loss: slices of other lengths cannot be added
-        total_loss = self.total_loss if last and not self._compute_loss else None
-        if last and not self._compute_loss:
-            self.total_loss = None
+        keep_total = last and not self._compute_loss
+        if keep_total:
+            total_loss, self.total_loss = self.total_loss, None
         with slice_scope(ctx), self._weighted_loss((hi - lo) / seq_len):
             super()._exec_forward_pass(buffer_id)
         last_slice = slice_index == num_slices - 1
+        if keep_total:
+            self.total_loss = total_loss
         if last:
-            if not self._compute_loss:
-                self.total_loss = total_loss
             self._slice_outputs.setdefault(microbatch, []).append(self.fwd_outputs.pop())
         if last_slice:
             for key, used in (("inputs", first), ("labels", last)):

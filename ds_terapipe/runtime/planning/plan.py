@@ -30,7 +30,6 @@ import torch.distributed as dist
 
 from ...config import TeraPipeConfig
 from ...planner import _checks
-from ...planner._checks import fitting_granularity
 from ...planner.cost import PipelineCost, scaled_cost
 from ...planner.slicing import MemoryLimitError, MemoryModel, MemoryShortfall, SlicingPlan, plan_slicing
 from ..execution.collective import decided_on_rank0, mark_collective
@@ -94,7 +93,7 @@ def solve_slicing(engine: "PipelineStage", cost: PipelineCost, stage_meta: Any, 
                              deferred_weight_grads=bool(cfg.deferred_weight_grads))
         limit = cfg.memory_limit_gb * 2**30
     grid = granularity or cfg.granularity
-    coarse = fitting_granularity(seq_len, grid)
+    coarse = _checks.fitting_granularity(seq_len, grid)
     if coarse != grid:   # a finer grid would take the planner minutes (its search grows faster than units squared)
         logger.log(logging.DEBUG if quiet else logging.INFO,
                    "terapipe: seq_len %d is %d slice units of terapipe.granularity=%d, more than the %d the planner "
