@@ -1,12 +1,21 @@
-"""Tier a: the documents and the code speak of the project only.
+"""Tier a: the documents and the code speak of the project only, and the documents say what the code does.
 
 README, docs/ and the code describe the project as it is: no issue numbers (the tracker's history belongs in git),
 and no pointer to a file outside the repository (a reader of a clone has only what it holds). Their relative links
-lead to files (and headings) that exist.
+lead to files (and headings) that exist. What a reader copies from the documents is checked against the code: the
+README's key table against the config model, every `"terapipe"` section shown, the `ds_terapipe.*` names and the
+repository's files named, the options given to a script or `ds-terapipe`, what `ds-terapipe` prints in a console
+block, docs/sharding.md's gathers per step against the lowering, and README's GPU table against the committed report.
 """
 
 from __future__ import annotations
 
+import argparse
+import ast
+import contextlib
+import importlib
+import io
+import json
 import re
 from pathlib import Path
 
@@ -93,3 +102,278 @@ def test_the_link_check_catches_what_it_is_for(tmp_path: Path) -> None:
                     "![img](missing.png) [web](https://example.org)\n```\n[example](not_checked.md)\n```\n")
     assert [b.split(": ", 1)[1] for b in _broken_links(page, root=tmp_path)] == [
         "missing.md (no such file)", "#b-page (no such heading)", "missing.png (no such file)"]
+
+
+# -- what the documents name and quote is what the code has ----------------------------------------------------------
+def _fenced(path: Path, language: str) -> list[tuple[int, str]]:
+    """The ```language blocks of a page: (first line's number, text)."""
+    text = path.read_text(encoding="utf-8")
+    return [(text[:m.start()].count("\n") + 2, m.group(1))
+            for m in re.finditer(rf"^```{language}\n(.*?)^```", text, re.MULTILINE | re.DOTALL)]
+
+
+def _table(text: str, header: str) -> list[list[str]]:
+    """The body rows of the markdown table whose header line starts with ``header``, as stripped cells."""
+    lines = text.split("\n" + header, 1)[1].splitlines()[2:]
+    rows = []
+    for line in lines:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+    return rows
+
+
+def _readme_key_drift(readme: str) -> list[str]:
+    from ds_terapipe.config_doc import render_config_table
+
+    defaults = {key.strip("`"): default for key, default, _ in _table("\n" + render_config_table(), "| key |")}
+    drift = []
+    for key, default, _ in _table(readme, "| key | default | meaning |"):
+        key = key.strip("`")
+        name = key.removesuffix(".*")
+        section = any(other.startswith(name + ".") for other in defaults)
+        if name not in defaults:
+            drift.append(f"{key}: not a key of the config model")
+        elif key.endswith(".*") != section:
+            drift.append(f"{key}: write a section as `name.*` and only a section")
+        elif not section and not defaults[name].startswith(default):
+            drift.append(f"{key}: default {default} here, {defaults[name]} in the model")
+    return drift
+
+
+def test_readme_key_table_names_config_keys_with_their_defaults() -> None:
+    """README's short key table is hand-written: each key is the model's, each default the model's (or its start)."""
+    drift = _readme_key_drift((ROOT / "README.md").read_text(encoding="utf-8"))
+    assert not drift, "README.md's key table differs from ds_terapipe/config.py:\n" + "\n".join(drift)
+
+
+def test_the_key_table_check_catches_what_it_is_for() -> None:
+    readme = "| key | default | meaning |\n| --- | --- | --- |\n" + "\n".join([
+        "| `granularity` | `16` | x |", "| `granularty` | `8` | x |", "| `profile` | | x |", "| `seq_len.*` | | x |",
+        "| `virtual_stages` | the schedule's | x |", "| `freeze.*` | none | x |"]) + "\n\nprose"
+    assert [d.split(":")[0] for d in _readme_key_drift("\n" + readme)] == [
+        "granularity", "granularty", "profile", "seq_len.*"]
+
+
+def test_terapipe_sections_shown_in_the_documents_are_valid() -> None:
+    """Every ```json block showing a "terapipe" section is a config the model accepts."""
+    from ds_terapipe import parse_terapipe_config
+
+    shown = [(path, n, block) for path in _documents() for n, block in _fenced(path, "json") if '"terapipe"' in block]
+    assert len(shown) >= 4
+    for path, n, block in shown:
+        try:
+            parse_terapipe_config(json.loads("{" + block + "}"))
+        except ValueError as err:
+            raise AssertionError(f"{path.relative_to(ROOT)}:{n}: {err}") from None
+
+
+def _unresolved_names(text: str) -> list[str]:
+    """``ds_terapipe.a.b.c`` names in ``text`` that neither import nor are attributes of what imports."""
+    missing = []
+    for name in sorted(set(re.findall(r"\bds_terapipe(?:\.[A-Za-z_]\w*)+", text))):
+        parts = name.split(".")
+        for cut in range(len(parts), 0, -1):
+            try:
+                obj = importlib.import_module(".".join(parts[:cut]))
+                break
+            except ImportError:
+                continue
+        try:
+            for attr in parts[cut:]:
+                obj = getattr(obj, attr)
+        except AttributeError:
+            missing.append(name)
+    return missing
+
+
+# where a path the documents give starts: the repository's root, the package, the runtime, the benchmarks
+BASES = (ROOT, ROOT / "ds_terapipe", ROOT / "ds_terapipe" / "runtime", ROOT / "benchmarks")
+
+
+def _missing_files(text: str, bases: tuple[Path, ...] = BASES) -> list[str]:
+    """Backticked paths (`runtime/features/freeze.py`, `tests/test_x.py`) under a folder of the repository that are
+    not there; a path whose first folder is none of the repository's (another project's file) is not checked."""
+    return [file for file in re.findall(r"`((?:[\w.-]+/)+[\w.-]+\.(?:py|json|md|sh|png))`", text)
+            if any((base / file.split("/")[0]).is_dir() for base in bases)
+            and not any((base / file).exists() for base in bases)]
+
+
+def test_names_and_files_the_documents_give_exist() -> None:
+    """`ds_terapipe.x.y` names resolve, and the repository's files the documents name are there."""
+    bad = []
+    for path in _documents():
+        text = path.read_text(encoding="utf-8")
+        bad += [f"{path.relative_to(ROOT)}: {name}" for name in _unresolved_names(text)]
+        bad += [f"{path.relative_to(ROOT)}: {file} (no such file)" for file in _missing_files(text)]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_name_check_catches_what_it_is_for() -> None:
+    text = "ds_terapipe.initialize, ds_terapipe.planner.sharding.shard_counts, ds_terapipe.initialise, " \
+           "ds_terapipe.planner.shardng.x"
+    assert _unresolved_names(text) == ["ds_terapipe.initialise", "ds_terapipe.planner.shardng.x"]
+    files = "`runtime/features/freeze.py` `runtime/features/frozen.py` `tests/test_docs.py` `planner/lowering.py` " \
+            "`ds_configs/cpu_2stage.json` `ds_configs/cpu_2stages.json` `pipeline_parallel/schedules.py`"
+    assert _missing_files(files) == ["runtime/features/frozen.py", "ds_configs/cpu_2stages.json"]
+
+
+# a command the documents give: the script (or ds-terapipe subcommand) and what follows it on the line
+COMMAND = re.compile(r"((?:benchmarks|examples)/\w+\.py|ds-terapipe (?:plan|simulate|compare|schedules|presets))"
+                     r"([^`\n]*)")
+
+
+def _script_flags(script: str) -> set[str]:
+    """The options a script of the repository defines: its own and those of its folder's helpers."""
+    if script.startswith("ds-terapipe"):
+        from ds_terapipe.cli import build_parser
+
+        subparsers = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+        return set(subparsers.choices[script.split()[1]]._option_string_actions)
+    folder = ROOT / script.split("/")[0]
+    sources = [ROOT / script, *folder.glob("*.py"), *folder.glob("benchlib/*.py")]
+    return {"--deepspeed_config"} | {flag for source in sources
+                                     for flag in re.findall(r"""["'](--[a-z][\w-]*)["']""", source.read_text())}
+
+
+def _unknown_flags(text: str) -> list[str]:
+    unknown = []
+    for script, rest in COMMAND.findall(text.replace("\\\n", " ")):
+        rest = re.split(r"[`);]", rest)[0]
+        unknown += [f"{script} {flag}" for flag in re.findall(r"(?<![\w-])--[a-z][\w-]*", rest)
+                    if flag not in _script_flags(script)]
+    return unknown
+
+
+def test_the_options_the_documents_give_exist() -> None:
+    unknown = [f"{path.relative_to(ROOT)}: {u}" for path in _documents()
+               for u in _unknown_flags(path.read_text(encoding="utf-8"))]
+    assert not unknown, "options no script defines:\n" + "\n".join(unknown)
+
+
+def test_the_option_check_catches_what_it_is_for() -> None:
+    text = ("`ds-terapipe plan --model gpt3-1b --seq-len 2048 --stage 2` and\n"
+            "deepspeed --num_gpus 2 examples/train_gpt.py --deepspeed_config c.json --steps 6 \\\n    --bind-core\n"
+            "`python benchmarks/pipeline_speedup.py --quick`")
+    assert _unknown_flags(text) == ["ds-terapipe plan --stage", "examples/train_gpt.py --bind-core"]
+
+
+def _console_drift(path: Path) -> list[str]:
+    """Each `$ ds-terapipe ...` block's output lines (bar `...` and the planning time) are, in order, lines the
+    command prints now."""
+    from ds_terapipe.cli import main
+
+    drift = []
+    for n, block in _fenced(path, "console"):
+        command, *shown = block.replace("\\\n", " ").splitlines()
+        assert command.startswith("$ ds-terapipe "), f"{path.name}:{n}: {command}"
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert main(command.split()[2:]) == 0
+        printed = iter(line.rstrip() for line in out.getvalue().splitlines())
+        for line in shown:
+            if line.strip() != "..." and not line.startswith("planned in") and line.rstrip() not in printed:
+                drift.append(f"{path.name}:{n}: `{command[2:]}` no longer prints {line.strip()!r}")
+                break
+    return drift
+
+
+@pytest.mark.parametrize("page", ["planning.md", "gpus.md"])
+def test_command_lines_shown_in_the_documents_print_what_they_show(page: str) -> None:
+    drift = _console_drift(ROOT / "docs" / page)
+    assert not drift, "\n".join(drift) + "\n(run the command and paste what it prints)"
+
+
+def test_the_console_check_catches_what_it_is_for(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text("```console\n$ ds-terapipe plan --model gpt3-175b --device h100 --stages 8 --seq-len 2048\n...\n"
+                    "slices:      7 of granularity 8: 4x296 3x288\nplanned in 9 s\n```\n"
+                    "```console\n$ ds-terapipe plan --model gpt3-175b --device h100 --stages 8 --seq-len 2048\n"
+                    "slices:      6 of granularity 8: 4x296 3x288\n```\n")
+    assert [d.split(": ", 1)[0] for d in _console_drift(page)] == ["page.md:8"]
+
+
+def _sharding_table_drift(text: str) -> list[str]:
+    """docs/sharding.md's gathers and reduce-scatters per rank and step (2 ranks, 2 slices) against the lowering."""
+    from ds_terapipe.planner.lowering import lower
+    from ds_terapipe.planner.registry import get_schedule
+    from ds_terapipe.planner.sharding import shard_counts
+
+    drift = []
+    for names, gathers, scatters in _table(text, "| schedule | gathers per step | reduce-scatters per step |"):
+        ms = [int(m) for m in re.findall(r"\d+", names.split("m =")[1])] if "m =" in names else [2, 4, 8]
+        for name in re.findall(r"`([\w-]+)`", names):
+            shown = [re.findall(r"\d+(?:-\d+)?", column.split("/")[i] if "/" in column else column)[0]
+                     for column in (gathers, scatters) for i in range(len(ms))]
+            counts = [shard_counts(lower(name, 2, m, 2, virtual_stages=get_schedule(name).virtual_stages,
+                                         shard_params=True)) for m in ms]
+            actual = [_span([c[k] for c in per_m]) for k in (0, 1) for per_m in counts]
+            if shown != actual:
+                drift.append(f"{name} at m = {ms}: shown {shown}, lowered {actual} (gathers, then reduce-scatters)")
+    return drift
+
+
+def _span(values: list[int]) -> str:
+    return str(min(values)) if min(values) == max(values) else f"{min(values)}-{max(values)}"
+
+
+def test_sharding_counts_table_is_the_lowered_schedules() -> None:
+    drift = _sharding_table_drift((ROOT / "docs" / "sharding.md").read_text(encoding="utf-8"))
+    assert not drift, "docs/sharding.md's table of gathers differs from planner/sharding.shard_counts:\n" + \
+        "\n".join(drift)
+
+
+def test_the_sharding_table_check_catches_what_it_is_for() -> None:
+    header = "| schedule | gathers per step | reduce-scatters per step |\n| --- | --- | --- |\n"
+    good = header + "| `looped-bfs` (v = 2) | 3, whatever m | 2 |\n| `gpipe`, `1f1b` | 1 (whole) | 1 |\n"
+    assert _sharding_table_drift("\n" + good) == []
+    bad = header + "| `dualpipev`, m = 2 / 4 / 8 | 7-13 / 11-25 / 19-49 | 4-8 / 8-16 / 16-32 |\n"
+    assert len(_sharding_table_drift("\n" + bad)) == 1
+
+
+def _gpu_rows(report: dict) -> list[str]:
+    """README's GPU table as the committed gpu_slices.py report gives it (the 175B-shaped layer)."""
+    shape = "gpt3-175b-x1"
+    total = {(r["n"], r["variant"]): r["total_ms"] for r in report["shapes"][shape]["rows"]}
+    checks = {(c["n"], c["variant"], c["what"]): c for c in report["checks"] if c["shape"] == shape}
+    rows = []
+    for n in (1, 4, 8, 16):
+        cells = [f"{total[n, v]:.1f} / {checks[n, v, 'profile-predicted micro-batch']['predicted_ms']:.1f}"
+                 for v in ("unsynced", "fused")]
+        rows.append(f"| {n} | {cells[0]} | {cells[1]} | {checks[n, 'fused', 'W(n)/W(1)']['ratio']:.2f} |")
+    return rows
+
+
+def test_readme_gpu_table_is_the_committed_report() -> None:
+    report = json.loads((ROOT / "benchmarks" / "results" / "gpu_slices.json").read_text(encoding="utf-8"))
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    stale = [row for row in _gpu_rows(report) if row not in readme]
+    assert not stale, "README.md's GPU table differs from benchmarks/results/gpu_slices.json; its rows are:\n" + \
+        "\n".join(_gpu_rows(report))
+
+
+def _log_patterns() -> list[re.Pattern]:
+    """The package's `terapipe: ...` messages as patterns: each %-placeholder stands for any text."""
+    constants = (node.value for path in (ROOT / "ds_terapipe").rglob("*.py")
+                 for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))) if isinstance(node, ast.Constant))
+    formats = {value for value in constants if isinstance(value, str) and value.startswith("terapipe: ")}
+    return [re.compile(re.sub(r"%(?:\\\.)?\d*[sdrfgx]", ".*?", re.escape(f)) + "$") for f in formats]
+
+
+def _unlogged(text: str, patterns: list[re.Pattern]) -> list[str]:
+    """Lines of `text` that show a `terapipe: ` log line no message of the package prints."""
+    return [line for line in text.splitlines()
+            if line.startswith("terapipe: ") and not any(p.match(line) for p in patterns)]
+
+
+def test_log_lines_shown_in_the_documents_are_the_packages_messages() -> None:
+    patterns = _log_patterns()
+    stale = [f"{path.relative_to(ROOT)}: {line[:120]}" for path in _documents()
+             for line in _unlogged(path.read_text(encoding="utf-8"), patterns)]
+    assert not stale, "log lines the package no longer prints (run the command and paste its output):\n" + \
+        "\n".join(stale)
+
+
+def test_the_log_line_check_catches_what_it_is_for() -> None:
+    text = "terapipe: profiled 2 chunk(s) in 35.2s\nterapipe: profiled 2 stage(s) in 35.2s\nterapipe is a word"
+    assert _unlogged(text, _log_patterns()) == ["terapipe: profiled 2 stage(s) in 35.2s"]
