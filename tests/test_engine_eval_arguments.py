@@ -1,7 +1,9 @@
-"""Tier a: ``eval_batch``'s arguments the token pipeline cannot honour are refused on every rank before any batch
-is read (each refusal here is a failure DeepSpeed's own pipeline meets on one rank only, or a hang)."""
+"""Tier a: ``eval_batch``'s arguments the token pipeline cannot honour, and ``train_batch`` on an engine without an
+optimizer, are refused on every rank before any batch is read (each refusal here is a failure DeepSpeed's own
+pipeline meets on one rank only, or a hang)."""
 from __future__ import annotations
 
+from contextlib import nullcontext
 from types import SimpleNamespace
 from typing import Any
 
@@ -40,3 +42,12 @@ def test_an_eval_argument_the_pipeline_cannot_honour_is_refused_on_every_rank(kw
                                     {"return_logits": True}, {"num_micro_batches": 1}])
 def test_the_arguments_deepspeed_supports_pass(kwargs) -> None:
     _check(**kwargs)
+
+
+def test_train_batch_without_an_optimizer_is_refused_before_the_batch_is_read() -> None:
+    """DeepSpeed's own pipeline asserts in the first backward, on the last stage first, the others waiting on it."""
+    data = iter(())
+    engine = SimpleNamespace(optimizer=None, _failing_fast=lambda what: nullcontext())
+    with pytest.raises(ValueError, match=r"no \"optimizer\" section and ds_terapipe.initialize got no optimizer=") as err:
+        TokenPipelineEngine.train_batch(engine, data)
+    assert getattr(err.value, "terapipe_collective", False)

@@ -483,6 +483,12 @@ class TokenPipelineEngine(PipelineEngine):
     # -- variable sequence lengths ----------------------------------------------------------------------------
     def train_batch(self, data_iter: Optional[Iterator] = None) -> torch.Tensor:
         with self._failing_fast("train_batch"):
+            if self.optimizer is None:   # the same on every rank: one config, the same initialize arguments
+                raise mark_collective(ValueError(
+                    "train_batch needs an optimizer, and this engine was built without one: the DeepSpeed config "
+                    "has no \"optimizer\" section and ds_terapipe.initialize got no optimizer=. Add one of them "
+                    "(e.g. \"optimizer\": {\"type\": \"AdamW\", \"params\": {\"lr\": 3e-4}}), or call only "
+                    "eval_batch on this engine."))
             # What the step costs as the caller sees it, from here (the data peek and the length agreement
             # included); not synchronised: device work the last step left queued is this step's wait
             entered = time.time() * 1e3
