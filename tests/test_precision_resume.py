@@ -8,7 +8,9 @@ bf16 at ZeRO stage 0 is the case DeepSpeed 0.19.8's own load gets wrong (its BF1
 dict where it indexes a list per data-parallel rank: ``KeyError: 0``); the engine loads that optimizer itself
 (runtime/execution/checkpoint.py). Loading weights only (``load_optimizer_states=False``) must leave the fp32 master
 weights
-equal to the loaded weights, which DeepSpeed leaves at their initial values without ZeRO.
+equal to the loaded weights, which DeepSpeed leaves at their initial values without ZeRO. The step on which a
+dynamic fp16 scale doubles moves the weights as a static scale's does, and the csv monitor logs the doubled scale
+after it, as DeepSpeed's does.
 
 fp16 on a CPU: DeepSpeed's CPU accelerator refuses it where oneDNN has no fp16 kernels ("Type fp16 is not
 supported on your device."); the suite lets DeepSpeed build its fp16 optimizers anyway (torch computes fp16 on any
@@ -45,6 +47,8 @@ def _check(results: list[dict], world: int) -> None:
             assert "error" not in growth, f"{growth.get('error')}\n{growth.get('traceback')}"
             assert growth["scales"] == {"fp16": [256.0, 256.0, 512.0], "fp16 static": [256.0] * 3}, growth["scales"]
             assert growth["losses"]["fp16"] == growth["losses"]["fp16 static"], growth["losses"]
+            if rank == 0:   # the monitor logs the scale the next step uses, as DeepSpeed's does
+                assert growth["monitor_scales"] == growth["scales"]["fp16"], growth["monitor_scales"]
             assert growth["master_max_diff"][0] == 0.0, (f"fp16 zero{zero}, rank {rank}: the step that doubled the "
                                                          "scale moved the weights elsewhere", growth["master_max_diff"])
         assert sorted(cases) == sorted(OPTIMIZERS), sorted(cases)

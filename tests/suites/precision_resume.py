@@ -7,7 +7,8 @@ weights; a fourth, at the other ZeRO stage, asks for the optimizer state and rec
 and a warm-up learning rate make the optimizer and scheduler state matter; a dynamic fp16 loss scale with a short
 window makes the loss scaler's state matter. Case names are "<precision> zero<stage>", precision one of fp32, bf16,
 fp16 (``extra["cases"]``; the default leaves fp32 out, which other suites resume). Cases "fp16 growth zero<stage>"
-train a dynamic scale until it first doubles beside a run at that scale held, and record both runs' weights.
+train a dynamic scale until it first doubles beside a run at that scale held, and record both runs' weights and
+the scales the dynamic run's csv monitor logged.
 
 DeepSpeed's CPU accelerator reports fp16 only where oneDNN has fp16 kernels; with ``extra["force_fp16"]`` the suite
 lets DeepSpeed build its fp16 optimizers anyway (torch runs fp16 on any CPU, slowly), since what is tested here is
@@ -37,7 +38,8 @@ PRECISIONS = {"fp32": {}, "bf16": {"bf16": {"enabled": True}},
               "fp16 static": {"fp16": {"enabled": True, "loss_scale": 256}}}
 
 
-def _engine(cfg: GPTConfig, precision: str, zero_stage: int, *, micro: int, batch: int, seq_len: int) -> Any:
+def _engine(cfg: GPTConfig, precision: str, zero_stage: int, *, micro: int, batch: int, seq_len: int,
+            extra_config: dict | None = None) -> Any:
     model = ds_terapipe.TokenPipelineModule(gpt_layer_specs(cfg), num_stages=STAGES, loss_fn=causal_lm_loss,
                                             vocab_size=cfg.vocab_size, partition_method="uniform")
     dp = WORLD // STAGES
@@ -47,7 +49,7 @@ def _engine(cfg: GPTConfig, precision: str, zero_stage: int, *, micro: int, batc
               "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.05, "warmup_max_lr": 0.1,
                                                            "warmup_num_steps": 8, "warmup_type": "linear"}},
               "terapipe": {"enabled": True, "seq_len": seq_len, "slices": [16, 32, 16], "schedule": "1f1b"},
-              **PRECISIONS[precision]}
+              **PRECISIONS[precision], **(extra_config or {})}
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     engine, _, _, _ = ds_terapipe.initialize(model=model, optimizer=opt, config=config)
     ENGINE_REF["engine"] = engine
@@ -115,23 +117,29 @@ def _case(cfg: GPTConfig, precision: str, zero_stage: int, ckpt: Path) -> dict[s
             "step": client["step"], "global_steps": [first.global_steps, again.global_steps]}
 
 
-def _growth_case(cfg: GPTConfig, zero_stage: int) -> dict[str, Any]:
+def _growth_case(cfg: GPTConfig, zero_stage: int, out: Path) -> dict[str, Any]:
     """The dynamic fp16 scale doubles after the 3rd step's backward (window 2); until it does, the run must equal
     one at that scale held. DeepSpeed's optimizers double it before dividing the step's gradients by it, which
-    halved that step (runtime/execution/loss_scale.py)."""
+    halved that step (runtime/execution/loss_scale.py). The dynamic run's csv monitor records the scale after each
+    step (global rank 0's ``monitor_scales``), as DeepSpeed's does: the doubled one after the 3rd."""
     micro, batch, seq_len, steps = 2, 2, 64, 3
     dp = WORLD // STAGES
     data = make_batches(cfg, steps * micro * dp, batch, seq_len, seed=29)
+    monitor = {"csv_monitor": {"enabled": True, "output_path": str(out), "job_name": f"growth_zero{zero_stage}"}}
     runs = {}
     for precision in ("fp16", "fp16 static"):
-        engine = _engine(cfg, precision, zero_stage, micro=micro, batch=batch, seq_len=seq_len)
+        engine = _engine(cfg, precision, zero_stage, micro=micro, batch=batch, seq_len=seq_len,
+                         extra_config=monitor if precision == "fp16" else None)
         dp_id = engine.grid.data_parallel_id
         trained = _train(engine, iter([data[(s * dp + dp_id) * micro:(s * dp + dp_id + 1) * micro]
                                        for s in range(steps)]))
         runs[precision] = (trained, master_weights(engine))
         ENGINE_REF.pop("engine", None)
+    logged = out / f"growth_zero{zero_stage}" / "Train_Samples_loss_scale.csv"
     return {"case": STATUS["case"], "scales": {name: run[0]["scales"] for name, run in runs.items()},
             "losses": {name: run[0]["losses"] for name, run in runs.items()},
+            "monitor_scales": ([float(line.split(",")[1]) for line in logged.read_text().splitlines()[1:]]
+                               if logged.exists() else None),
             "norms": runs["fp16"][0]["norms"],
             "master_max_diff": _max_diff(runs["fp16"][1], runs["fp16 static"][1])}
 
@@ -150,7 +158,7 @@ def suite_precision_resume(extra: dict) -> list[dict]:
         STATUS["case"] = name
         try:
             if precision == "fp16 growth":
-                results.append(_growth_case(cfg, zero_stage))
+                results.append(_growth_case(cfg, zero_stage, Path(extra["out"])))
                 continue
             ckpt = Path(extra["out"]) / name.replace(" ", "_")
             results.append(_case(cfg, precision, zero_stage, ckpt))

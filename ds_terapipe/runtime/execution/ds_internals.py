@@ -215,6 +215,10 @@ INTERNALS: tuple[Internal, ...] = (
     _i("deepspeed.runtime.fp16.fused_optimizer:FP16_Optimizer", "loss_scale", "attr", f"{_E} BackwardPass",
        "the scale its step divides the gradients by"),
     # -- fp16: the scale update held back until the step has divided the gradients (execution/loss_scale.py)
+    _i(_DS_ENGINE, "_take_model_step", "attr", f"{_E} (overridden)",
+       "the optimizer step the scale update is held back around, applied before the monitor logs the scale"),
+    _i(f"{_ENGINE}._exec_optimizer_step", "_take_model_step", "calls", f"{_E} _take_model_step",
+       "the pipeline's step must run through the overridable _take_model_step"),
     *(_i(owner, "_update_scale", "attr", "execution/loss_scale.py",
          "called by step before it divides the gradients by the scale; held back until after")
       for owner in ("deepspeed.runtime.fp16.unfused_optimizer:FP16_UnfusedOptimizer",

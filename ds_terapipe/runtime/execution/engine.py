@@ -728,9 +728,15 @@ class TokenPipelineEngine(PipelineEngine):
         if getattr(self, "freezer", None) is not None:
             self.freezer.observe_gradients(self)
             self.freezer.before_optimizer_step(self)
+        super()._exec_optimizer_step(*args, **kwargs)
+
+    def _take_model_step(self, *args: Any, **kwargs: Any) -> None:
+        """DeepSpeed's step, with the fp16 scale moved once the step has divided the gradients by it and before
+        DeepSpeed's ``_exec_optimizer_step`` logs it (the monitor's ``loss_scale`` is the next step's, as in
+        DeepSpeed)."""
         scale = self._loss_scale_deepspeed_leaves_out()   # the scale of this step's backward (fp16 without ZeRO)
         with scale_moved_after_step(self.optimizer):   # fp16: divided by the scale of the backward
-            super()._exec_optimizer_step(*args, **kwargs)
+            super()._take_model_step(*args, **kwargs)
         if scale is not None and self._global_grad_norm is not None and reports_scaled_norm(self.optimizer):
             self._global_grad_norm = self._global_grad_norm / scale   # get_global_grad_norm(): unscaled
 
