@@ -86,3 +86,22 @@ def test_views_come_back_after_zero_grad_and_frozen_parameters_get_none():
     opt.update_hp_grads()
     assert opt.fp32_groups_has_gradients[1][0] is False and opt.fp32_groups_has_gradients[0][0] is True
     assert float(opt.fp32_groups_gradients[1][0].abs().sum()) == 0.0
+
+
+def test_an_update_that_clears_leaves_every_bf16_grad_zero_as_deepspeeds_loop_does():
+    """``update_hp_grads(clear_lp_grads=True)`` (BF16_Optimizer's contract; the engine passes False): the next
+    backward without a ``clear_lp_grads`` between adds its own gradient only, as after DeepSpeed's loop."""
+    masters = []
+    for flat_grads in (False, True):
+        model, groups = _model(0)
+        opt = _Masters(groups)
+        if flat_grads:
+            FlatBf16Grads.attach(opt).begin_step()
+        torch.manual_seed(1)
+        for _ in range(2):
+            model(torch.randn(7, 6, dtype=torch.bfloat16)).float().square().sum().backward()
+            opt.update_hp_grads(clear_lp_grads=True)
+            assert all(float(p.grad.abs().sum()) == 0.0 for g in groups for p in g)
+        masters.append(opt.fp32_groups_gradients_flat)
+    for got, want in zip(*masters[::-1]):
+        assert torch.equal(got, want), (got - want).abs().max()

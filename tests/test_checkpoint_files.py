@@ -179,3 +179,32 @@ def test_a_loaded_lr_scheduler_sets_its_lr_for_a_fresh_optimizer(kind: str) -> N
     fresh.load_state_dict(saved.state_dict())
     _set_scheduled_lr(fresh)
     assert fresh_opt.param_groups[0]["lr"] == pytest.approx(want)
+
+
+def test_latest_written_by_hand_with_a_newline_names_the_tag(tmp_path) -> None:
+    make_ckpt(tmp_path)
+    (tmp_path / "latest").write_text("global_step3\n")   # echo global_step3 > latest
+    assert read_latest(str(tmp_path)) == "global_step3"
+    assert set(export_state_dict(str(tmp_path))) == {"0.weight", "1.bias"}
+
+
+def test_layer_shapes_name_a_tensor_the_checkpoint_lacks_or_holds_in_another_shape(tmp_path) -> None:
+    """``check_layer_shapes`` (before anything is loaded): each of this rank's layers against its file; a tensor
+    only the file holds is not refused (a layer without it loads the rest)."""
+    import glob
+    from types import SimpleNamespace
+
+    from ds_terapipe.runtime.execution.checkpoint import check_layer_shapes
+
+    tag_dir = make_ckpt(tmp_path)   # layer 0: weight (2, 3); layer 1: bias (3,)
+
+    def stage(*layers: torch.nn.Module) -> SimpleNamespace:
+        return SimpleNamespace(forward_funcs=list(layers), _local_start=0, ckpt_layer_path_list=lambda d, i: sorted(
+            glob.glob(os.path.join(d, f"layer_{i:02d}-*model_states.pt"))))
+
+    assert check_layer_shapes(stage(torch.nn.Linear(3, 2, bias=False)), tag_dir) is None
+    assert check_layer_shapes(stage(torch.nn.Identity()), tag_dir) is None
+    lacks = check_layer_shapes(stage(torch.nn.Linear(3, 2)), tag_dir)
+    assert "layer 0 (Linear): the checkpoint lacks ['bias']" in lacks
+    assert "layer 0 weight is (2, 3) in the checkpoint but (2, 4) in this model" in check_layer_shapes(
+        stage(torch.nn.Linear(4, 2, bias=False)), tag_dir)

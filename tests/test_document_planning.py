@@ -61,6 +61,9 @@ def test_a_slice_costs_its_context_inside_its_document() -> None:
     # a slice starting at 320 sits 20 tokens into the second document; one at 288 is 288 into the first
     assert chunk.forward_ms(64, 320) == pytest.approx(inner.forward_ms(64, 20))
     assert chunk.backward_ms(64, 288) == pytest.approx(inner.backward_ms(64, 288))
+    assert chunk.backward_ms(64, 320) == pytest.approx(inner.backward_ms(64, 20))   # B reads the document too
+    np.testing.assert_allclose(chunk.forward_ms(np.array([64, 32]), np.array([320, 288]), 2),
+                               inner.forward_ms(np.array([64, 32]), np.array([20, 288]), 2))
     assert chunk.forward_ms(64, 320) < inner.forward_ms(64, 320)
     assert chunk.cache_key() != inner.cache_key()   # the planner must not mix the two up
 
@@ -99,3 +102,6 @@ def test_the_per_batch_planner_memoises_by_layout_and_stays_bounded() -> None:
     planner.plan(L, document_context([_positions([700, 324])], G))   # a third layout evicts the oldest (a)
     planner.plan(L, a)
     assert len(calls) == 4 and len(planner.planning_ms) == 5
+    # a quantum below the planning granularity is the granularity: contexts a grid step apart share a plan
+    fine = DocumentPlanner(cost, G, solve, quantum=G // 4)
+    assert fine.quantum == G and fine.key(L, a + G - 1) == fine.key(L, a)

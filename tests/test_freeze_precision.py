@@ -13,6 +13,9 @@ BF16_Optimizer split the master copies between the replicas); tests/suites/freez
 Measured: master-weight updates within 1.8e-2 of the reference in bf16 (its rounding), 5e-3 in fp16, 2.2e-5 in
 fp32; losses within 2e-5. With the frozen elements not held, the frozen weights move at every step (13-37
 parameters on stage 0) and stage 0's update is off by 240%.
+
+The rules behind the launches (which optimizers freezing holds still and a repack moves, the repack factor, the
+auto policy's norm) are tier a: no process group, run by ``-m 'not multiproc'``.
 """
 
 from __future__ import annotations
@@ -21,8 +24,6 @@ import pytest
 
 from tests.dist_harness import launch
 from tests.precision import check_precision_case
-
-pytestmark = pytest.mark.multiproc
 
 # [precision, ZeRO stage, schedule, virtual stages(, vocabulary parallelism(, model: "gpt" or "llama"(, freeze)))]; the
 # Llama's head is untied, so its stage 0 ends with nothing left to train (the BF16_Optimizer norm over no gradient)
@@ -67,12 +68,14 @@ def _check(results: list[dict], expected: int) -> None:
     assert any(max(c["frozen_counts"]) > 0 for c in results[0]["results"])
 
 
+@pytest.mark.multiproc
 @pytest.mark.timeout(600)
 def test_freeze_with_master_copy_optimizers(tmp_path) -> None:
     results = launch("freeze_precision", 2, tmp_path, timeout_s=540, extra={"cases": TWO_RANKS})
     _check(results, len(TWO_RANKS))
 
 
+@pytest.mark.multiproc
 @pytest.mark.timeout(600)
 def test_freeze_with_master_copies_split_between_replicas(tmp_path) -> None:
     results = launch("freeze_precision", 4, tmp_path, timeout_s=540, extra={"cases": FOUR_RANKS})

@@ -175,6 +175,44 @@ def test_layer_work_is_additive_over_layers():
     lens, ctx = np.array(slices), np.array([0, 64, 128])
     first = 3 * float(np.sum(pc.stages[0].forward_ms(lens, ctx, 2) + pc.stages[0].backward_ms(lens, ctx, 2)))
     assert w[:3].sum() == pytest.approx(first, rel=1e-12)
+    # deferred weight gradients: a layer's W passes (one per slice) are its work too
+    deferred = AnalyticCost(SPEC, DEV, 1, deferred_weight_grads=True)
+    per_slice = deferred.forward_ms(lens, ctx, 2) + deferred.backward_ms(lens, ctx, 2) + deferred.weight_ms(lens, 2)
+    assert float(np.sum(deferred.weight_ms(lens, 2))) > 0
+    assert layer_work([deferred], slices, units=3, batch=2)[0] == pytest.approx(3 * float(np.sum(per_slice)))
+
+
+class _Sends(AnalyticCost):
+    """A layer whose output takes ``ms`` to send, whatever the slice."""
+
+    def __init__(self, ms: float) -> None:
+        super().__init__(SPEC, DEV, 1)
+        self.ms = ms
+
+    def comm_ms(self, slice_len, batch=1):
+        return np.full(np.shape(slice_len), self.ms)
+
+    def cache_key(self):
+        return ("sends", self.ms, super().cache_key())
+
+
+def test_a_chunk_sends_what_its_last_layer_outputs():
+    assert ChunkCost([_Sends(1.0), _Sends(2.0)]).comm_ms(64) == 2.0
+    assert ChunkCost([_Sends(2.0), _Sends(1.0), _Sends(2.0), _Sends(1.0)]).comm_ms(64) == 1.0
+
+
+@pytest.mark.parametrize("parts", ["0,3,3,7", "0,4,2,7", "0,3,7", "1,3,5,7", "0,3,5,8", "0,a,5,7"])
+def test_a_users_parts_are_refused_unless_every_chunk_holds_a_layer(parts: str):
+    """``partition_method="parts:..."`` (runtime/features/partition.py): chunks + 1 increasing boundaries from 0 to
+    the layer count; an empty or reversed chunk, a wrong count or end, or a non-number is refused with an example."""
+    from types import SimpleNamespace
+
+    from ds_terapipe.runtime.features.partition import custom_parts
+
+    module = SimpleNamespace(_layer_specs=[None] * 7)
+    assert custom_parts(module, "parts:0,2,5,7", 3) == (0, 2, 5, 7)
+    with pytest.raises(ValueError, match=r"give 4 increasing boundaries from 0 to 7 .* e.g. \"parts:0,2,5,7\""):
+        custom_parts(module, f"parts:{parts}", 3)
 
 
 def test_naive_partition_pins_the_ends_and_splits_blocks_evenly():

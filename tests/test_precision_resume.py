@@ -20,8 +20,9 @@ CPU), because the optimizers' checkpoint state is what is tested.
 from __future__ import annotations
 
 import pytest
+import torch
 
-from ds_terapipe.runtime.execution.checkpoint import CheckpointError, bf16_optimizer_file
+from ds_terapipe.runtime.execution.checkpoint import CheckpointError, bf16_optimizer_file, load_bf16_optimizer_state
 from tests.dist_harness import launch
 
 OPTIMIZERS = {"bf16 zero0": "BF16_Optimizer", "bf16 zero1": "DeepSpeedZeroOptimizer",
@@ -97,3 +98,25 @@ def test_bf16_optimizer_state_of_another_replica_count_or_precision_is_refused(t
     with pytest.raises(CheckpointError, match=r"lacks bf16_zero_pp_rank_0_mp_rank_03_optim_states.pt.*not saved "
                                               r"with bf16 at ZeRO stage 0; load weights only"):
         bf16_optimizer_file(str(tmp_path), dp_rank=0, dp_world_size=2, mp_rank=3, saved_dp_world_size=2)
+
+
+def test_a_bf16_load_refreshes_the_masters_then_hands_the_optimizer_its_ranks_state(tmp_path) -> None:
+    """``load_bf16_optimizer_state``: BF16_Optimizer reads its own data-parallel rank's entry of the list it is
+    given; its fp32 masters are refreshed from the loaded weights first, and with weights only (no file) that is
+    all there is to do: without it the first step would overwrite the loaded weights with the initial masters."""
+    path = tmp_path / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    torch.save({"optimizer_state_dict": {"of": "dp rank 1"}}, path)
+    calls: list = []
+
+    class BF16Optimizer:   # the two calls made of DeepSpeed's BF16_Optimizer
+        def refresh_fp32_params(self) -> None:
+            calls.append("masters from the loaded weights")
+
+        def load_state_dict(self, states: list, load_optimizer_states: bool, load_from_fp32_weights: bool) -> None:
+            calls.append((states, load_optimizer_states, load_from_fp32_weights))
+
+    load_bf16_optimizer_state(BF16Optimizer(), str(path), dp_rank=1, dp_world_size=2, load_from_fp32_weights=False)
+    assert calls == ["masters from the loaded weights", ([None, {"of": "dp rank 1"}], True, False)]
+    calls.clear()
+    load_bf16_optimizer_state(BF16Optimizer(), None, dp_rank=1, dp_world_size=2, load_from_fp32_weights=True)
+    assert calls == ["masters from the loaded weights"]

@@ -178,3 +178,33 @@ def test_the_time_between_actions_is_fitted_so_the_simulated_schedule_takes_what
     assert none == 0.0 and same == cost
     bare = {k: v for k, v in cost.items() if k != "step"}   # no step terms at init: they start at 0
     assert calibrate_action_gap(bare, schedule, slices, 1, 1.1 * base)[1] > 0
+
+
+def test_the_replanner_measures_only_the_steps_after_its_warmup() -> None:
+    """``Replanner`` (runtime/planning/replan.py): the timeline is recorded from the step after ``warmup_steps``
+    for ``measure_steps`` steps, and only those steps' actions and tails reach the refit (a warm-up step runs
+    slower: cold caches, first allocations)."""
+    from types import SimpleNamespace
+
+    from ds_terapipe.runtime.planning.replan import Replanner
+
+    cfg = parse_terapipe_config({"terapipe": {"enabled": True, "seq_len": 32, "slices": "auto", "replan": {
+        "enabled": True, "warmup_steps": 2, "measure_steps": 2}}})
+    engine = SimpleNamespace(terapipe=cfg, record_timeline=False, uniform_step=True, stage_id=0,
+                             plan=SimpleNamespace(slices=(16, 16), seq_len=32),
+                             running=SimpleNamespace(schedule=SimpleNamespace(weights_per_slice=False)))
+    replanner = Replanner(engine)
+    decided = []
+    replanner._decide = decided.append
+    recorded = []
+    for step in range(1, 6):
+        replanner.before_step(engine)
+        recorded.append(engine.record_timeline)
+        engine.last_timeline = [_event(0, ActionKind.FORWARD, 0, 0, float(step))]
+        engine.last_step_terms = {"optimizer_ms": float(step)}
+        if step == 4:
+            assert [ms for *_, ms in replanner.samples] == [3.0] and \
+                [t["optimizer_ms"] for _, t in replanner.step_terms] == [3.0]
+        replanner.after_step(engine)
+    assert recorded == [False, False, True, True, False] and decided == [engine]
+    assert replanner.done and engine.record_timeline is False

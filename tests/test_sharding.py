@@ -219,3 +219,61 @@ def test_released_after_the_step_fewer_collectives_more_memory() -> None:
         assert per_step.memory_bytes > per_run.memory_bytes and per_step.release == "step"
     # depth-first over chunks: one gather per chunk instead of one per switch is far cheaper
     assert per_step.step_ms < per_run.step_ms
+
+
+def _runs_of(stream) -> tuple[list[dict], dict[int, int]]:
+    """A sharded rank stream's runs (chunk, positions of its compute actions, whether one computes a gradient) and,
+    per gather's position, the position of the compute action before it (-1: none)."""
+    runs: list[dict] = []
+    before: dict[int, int] = {}
+    last = -1
+    for p, a in enumerate(stream):
+        if a.kind is ActionKind.GATHER:
+            before[p] = last
+        if a.kind not in COMPUTE:
+            continue
+        if not runs or runs[-1]["chunk"] != a.chunk:
+            runs.append({"chunk": a.chunk, "at": [], "grads": False})
+        runs[-1]["at"].append(p)
+        runs[-1]["grads"] |= a.kind is not ActionKind.FORWARD
+        last = p
+    return runs, before
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "dualpipev", "zbv"])
+def test_each_run_is_gathered_during_the_previous_one_and_ends_with_its_gradients_reduce_scattered(name: str) -> None:
+    """``add_shard_actions``' placement, read off the streams: the gather of every run but the first right after
+    the first compute action of the run before it (prefetched), and right after a run's last compute action its
+    RS when the run computed a gradient (B, or W alone: deferred weight gradients leave runs of W only), else RL."""
+    from ds_terapipe.planner.schedule import Action
+    from ds_terapipe.planner.sharding import add_shard_actions
+
+    v = get_schedule(name).virtual_stages
+    weight_only_runs = 0
+    for deferred in (False, True):
+        for m in (2, 5):
+            sharded = add_shard_actions(lower(name, 3, m, 3, virtual_stages=v, deferred_weight_grads=deferred))
+            for stream in sharded.stages:
+                runs, before = _runs_of(stream)
+                gathers = sorted(before)
+                assert [stream[p].chunk for p in gathers] == [run["chunk"] for run in runs]
+                assert before[gathers[0]] == -1 and gathers[0] < runs[0]["at"][0]
+                for j in range(1, len(runs)):
+                    assert before[gathers[j]] == runs[j - 1]["at"][0], (name, deferred, m, j)
+                for run in runs:
+                    end = ActionKind.REDUCE_SCATTER if run["grads"] else ActionKind.RELEASE
+                    assert stream[run["at"][-1] + 1] == Action(run["chunk"], end, 0, 0), (name, deferred, m)
+                    weight_only_runs += all(stream[p].kind is ActionKind.WEIGHT for p in run["at"])
+    if name == "dualpipev":
+        assert weight_only_runs   # the case the B-or-W rule is there for
+
+
+def test_model_states_per_rank_are_a_share_of_its_states_plus_its_gathered_chunks() -> None:
+    """Sharded, per rank: its chunks' states / dp, plus whole parameters of the run in flight and of the prefetched
+    one (one chunk where the rank has only one) and one chunk's whole gradients; bf16 parameters and gradients,
+    12 bytes of optimizer state per parameter."""
+    for name, gathered in (("1f1b", 1), ("interleaved-1f1b", 2)):
+        schedule, cost, params = _setup(name, 4)
+        est = estimate_sharding(schedule, cost, SLICES, chunk_params=params, dp=DP, link_gbps=200)
+        held = params[0] * len(schedule.chunks_of(0))
+        assert est.memory_bytes == pytest.approx(held * 16 / DP + params[0] * (gathered * 2 + 2)), name

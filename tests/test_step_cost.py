@@ -47,7 +47,7 @@ def test_a_cost_file_without_step_reads_and_plans_as_before() -> None:
     assert old.step is None and "step" not in old.to_dict()
     assert PipelineCost.from_dict({**old.to_dict(), "step": None}).step is None
     zero = pipeline({})
-    assert zero.step == StepCost() and zero.step.is_zero()
+    assert zero.step == StepCost()
     for schedule in ("gpipe", "1f1b"):
         a = plan_slicing(old, 1024, num_microbatches=2, granularity=32, schedule=schedule)
         b = plan_slicing(zero, 1024, num_microbatches=2, granularity=32, schedule=schedule)
@@ -85,6 +85,9 @@ def test_per_stage_lists_must_fit_the_pipeline() -> None:
         simulate(build_schedule("gpipe", 2, 1, 2), cost, [512, 512])
     with pytest.raises(ValueError, match="tied_ranks"):
         StepCost(tied_ranks=(0, 5)).check_sizes(2, 2)
+    with pytest.raises(ValueError, match=r"names rank\(s\) \[2\] of a 2-rank pipeline"):   # ranks are 0-based
+        StepCost(tied_ranks=(0, 2)).check_sizes(2, 2)
+    StepCost(tied_ranks=(0, 1)).check_sizes(2, 2)
 
 
 # -- each term in the simulator -----------------------------------------------------------------------------------

@@ -30,6 +30,10 @@ def test_recognises_tied_and_linear_heads() -> None:
     assert weight.shape == (10, 16) and bias is None
     rest, spec = split_output_layer(gpt_layer_specs(cfg)[:-1] + [LayerSpec(torch.nn.Linear, 16, 10)])
     assert spec.tied_key is None and spec.bias_name == "bias" and build_full(spec)[2].shape == (10, )
+    # a head written as a TiedLayerSpec whose key no other layer uses ties nothing: its weight is its own
+    specs = gpt_layer_specs(cfg)
+    rest, spec = split_output_layer([LayerSpec(GPTEmbedding, cfg)] + specs[1:])
+    assert spec.tied_key is None and spec.weight_name == "wte.weight"
 
 
 class _Wrapped(torch.nn.Module):
@@ -76,14 +80,15 @@ def test_refuses_what_is_not_an_output_layer() -> None:
         build_full(spec)
 
 
-@pytest.mark.parametrize("vocab, shards", [(10, 2), (10, 3), (10, 4), (4, 3)])
+# (7, 6): rows of 2, shards 4 and 5 hold padding only
+@pytest.mark.parametrize("vocab, shards", [(10, 2), (10, 3), (10, 4), (4, 3), (7, 6)])
 def test_shards_tile_the_vocabulary(vocab: int, shards: int) -> None:
     full = torch.arange(vocab * 2, dtype=torch.float32).reshape(vocab, 2)
     rows, spec = [], split_output_layer([LayerSpec(torch.nn.Linear, 2, vocab)])[1]
     for r in range(shards):
         head = VocabShardHead(torch.zeros(0, 2), None, vocab, r, shards, spec)
         part = head.take_rows(full)
-        assert part.shape == (-(-vocab // shards), 2)
+        assert part.shape == (-(-vocab // shards), 2) and head.num_valid >= 0
         assert torch.equal(part[head.num_valid:], torch.zeros_like(part[head.num_valid:]))  # padding is zero
         rows.append(part[:head.num_valid])
     assert torch.equal(torch.cat(rows), full)

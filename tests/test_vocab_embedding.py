@@ -27,10 +27,10 @@ def vocab_layer_specs(cfg: GPTConfig, tied: bool) -> list:
     return specs if tied else specs[:-1] + [LayerSpec(torch.nn.Linear, cfg.hidden, cfg.vocab_size)]
 
 
-def _plan(layers: list):
+def _plan(layers: list, stage: int = 0):
     specs, head = split_output_layer(layers)
     full, weight, _ = build_full(head)
-    return plan_embedding_split(full, head, specs, lambda layer: 0, tuple(weight.shape))
+    return plan_embedding_split(full, head, specs, lambda layer: stage, tuple(weight.shape))
 
 
 class TwoTables(torch.nn.Module):
@@ -76,6 +76,8 @@ def test_untied_hugging_face_embedding_is_split() -> None:
 @pytest.mark.parametrize("first, why", [
     (LayerSpec(TwoTables, 63, 32), "2 nn.Embedding modules"),
     (LayerSpec(Scaled, 63, 32), "max_norm"),
+    (LayerSpec(torch.nn.Embedding, 63, 32, sparse=True), "max_norm, scale_grad_by_freq or sparse"),
+    (LayerSpec(torch.nn.Embedding, 63, 32, scale_grad_by_freq=True), "max_norm, scale_grad_by_freq or sparse"),
     (LayerSpec(torch.nn.Embedding, 10, 32), "is 10 x 32, the output layer 63 x 32"),
     (LayerSpec(torch.nn.Linear, 32, 32), "has no nn.Embedding"),
 ])
@@ -96,16 +98,48 @@ def test_layer_zero_sharing_weights_with_a_later_layer_stays_whole(caplog) -> No
     assert "shares its weights with layers [4]" in caplog.text
 
 
+def test_a_tied_embedding_is_split_on_the_first_stage_only(caplog) -> None:
+    """EF and EB anchor on chunk 0: a tied input embedding another stage holds stays whole (ReduceTiedGrads)."""
+    split = _plan(gpt_layer_specs(CFG))
+    assert split is not None and split.tied and split.layer == 0 and split.name == "wte.weight"
+    with caplog.at_level(logging.WARNING, logger="ds_terapipe.runtime.features.vocab_embedding"):
+        assert _plan(gpt_layer_specs(CFG), stage=1) is None
+    assert "the input embedding (layer 0) is not on the first stage" in caplog.text
+
+
+def test_split_embedding_keeps_a_training_units_lookup_for_its_eb_and_frees_an_eval_one() -> None:
+    """EF leaves a unit's lookup in ``pending``: in training EB takes it (its ``.grad`` is what EB hands out) and a
+    recompute reads it again; a forward-only unit's is freed by its one use."""
+    from ds_terapipe.runtime.slicing.context import slice_scope
+
+    stub = SplitTokenEmbedding(torch.nn.Embedding(32, 4), EmbeddingShard(torch.randn(16, 4), 32, 0, 2))
+    ids = torch.arange(6).view(1, 6)
+    stub.live = True
+    ctx = SimpleNamespace(microbatch=0, slice_index=1, start=0, end=6)
+    looked = torch.randn(1, 6, 4)
+    for training in (True, False):
+        stub.pending[(0, 1)] = (ids, looked, training)
+        with slice_scope(ctx):
+            assert stub(ids) is looked
+            assert ((0, 1) in stub.pending) == training
+            if training:   # activation checkpointing runs the layer again in the backward
+                assert stub(ids) is looked
+
+
 def test_split_lookup_is_the_whole_lookup_summed_over_shards() -> None:
     gen = torch.Generator().manual_seed(0)
     table = torch.randn(63, 8, generator=gen)
-    ids = torch.randint(0, 63, (2, 5), generator=gen)
-    parts = []
+    edges = torch.tensor([[0, 15, 16, 31, 32, 47, 48, 62]])   # every shard's first and last token
+    ids = torch.cat([torch.randint(0, 63, (2, 8), generator=gen), edges])
+    parts, owners = [], torch.zeros_like(ids)
     for rank in range(4):   # 63 rows over 4 ranks: the last shard holds 15 real rows and one of padding
         shard = EmbeddingShard(torch.zeros(0, 8), 63, rank, 4)
         shard.weight = torch.nn.Parameter(shard.take_rows(table))
-        parts.append(lookup_rows(shard, ids)[0])
+        part, _, mask = lookup_rows(shard, ids)
+        parts.append(part)
+        owners += mask
     torch.testing.assert_close(sum(parts), torch.nn.functional.embedding(ids, table), rtol=0, atol=0)
+    assert torch.equal(owners, torch.ones_like(ids))   # each token is one shard's (its gradient goes there only)
 
 
 def test_split_embedding_under_no_grad_hands_out_no_graph() -> None:

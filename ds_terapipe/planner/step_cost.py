@@ -104,11 +104,6 @@ class StepCost:
         num_ranks = check_int(num_ranks, "num_ranks", minimum=1, wrong_type=ValueError)
         return self.sync_ms + max(self.rank_tail_ms(r, num_ranks) for r in range(num_ranks))
 
-    def is_zero(self) -> bool:
-        return not any(any(getattr(self, n)) for n in ("forward_ms", "backward_ms", "weight_ms", "optimizer_ms",
-                                                        "grad_reduce_ms")) \
-            and self.tied_reduce_ms == 0 and self.sync_ms == 0
-
     # -- the cost file --------------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         """The ``"step"`` object of the cost file; ``StepCost.from_dict(x.to_dict()) == x``."""

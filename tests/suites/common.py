@@ -278,16 +278,18 @@ def build_spec_layers(specs: list) -> tuple[list[Callable], dict[str, torch.nn.P
 
 
 def frozen_reference(specs: list, batches: list[tuple], num_steps: int, frozen_at: Callable[[int], int],
-                     lr: float = 0.1, momentum: float = 0.9, max_norm: float = 0.0) -> dict[str, Any]:
+                     lr: float = 0.1, momentum: float = 0.9, max_norm: float = 0.0,
+                     weight_decay: float = 0.0) -> dict[str, Any]:
     """Single-process, unsliced training of the layer specs with the first ``frozen_at(step)`` layers frozen at
     each step: run under no_grad, their parameters out of training (a tied weight also used by a later layer
     keeps training through that use). With ``max_norm`` > 0 the gradients are clipped by torch's
     ``clip_grad_norm_`` over the trained parameters before each step (the gradients recorded are the unclipped
-    ones, as the pipeline's snapshot before its step). Losses, every step's gradients and the final parameters,
-    under the pipeline module's parameter names."""
+    ones, as the pipeline's snapshot before its step); ``weight_decay``: SGD's, on the trained parameters. Losses,
+    every step's gradients and the final parameters, under the pipeline module's parameter names."""
     steps, named, modules = build_spec_layers(specs)
     layer_params = list(zip(specs, modules))
-    opt = torch.optim.SGD(list({id(p): p for p in named.values()}.values()), lr=lr, momentum=momentum)
+    opt = torch.optim.SGD(list({id(p): p for p in named.values()}.values()), lr=lr, momentum=momentum,
+                          weight_decay=weight_decay)
     per_step = len(batches) // num_steps
     losses, grads = [], []
     for step in range(num_steps):

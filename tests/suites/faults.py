@@ -93,11 +93,13 @@ def suite_faults(extra: dict) -> list[dict]:
         return run_until_error(run, FAULT_P2P_TIMEOUT_S)
 
     if extra.get("cases", True):
-        # a zero-initialised output projection hides a wrong attention from the outputs: refused at init
-        for mode in ("bidirectional", "slice-blind"):
-            STATUS["case"] = f"refusal {mode}"
+        # a zero-initialised output projection hides a wrong attention from the outputs: refused at init, also
+        # where the last stage alone holds it (its rank's verdict reaches every rank)
+        for name, mode, last in (("bidirectional", "bidirectional", False), ("slice-blind", "slice-blind", False),
+                                 ("bidirectional, last stage", "bidirectional", True)):
+            STATUS["case"] = f"refusal {name}"
             layers = gpt_layer_specs(cfg)
-            layers.insert(1, LayerSpec(ZeroProjMixer, cfg, mode))
+            layers.insert(len(layers) - 1 if last else 1, LayerSpec(ZeroProjMixer, cfg, mode))
             try:
                 pipeline_engine(cfg, layers, {"seq_len": seq_len, "slices": 4, "schedule": "gpipe",
                                               "granularity": 4})
