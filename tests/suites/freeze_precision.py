@@ -29,13 +29,6 @@ STAGES = 2
 SCHEDULE = [[1, 2], [2, 4]]
 STEPS = 4
 WEIGHT_DECAY = 0.01
-
-
-def _weight_decay(precision: str, zero: int) -> float:
-    """SGD's weight decay in a case: DeepSpeed 0.19.8's FP16_UnfusedOptimizer (fp16, ZeRO 0) alone steps its
-    masters 0.3 off torch's SGD with weight decay on the same gradients (one parameter, no pipeline), so it
-    runs without."""
-    return 0.0 if (precision, zero) == ("fp16", 0) else WEIGHT_DECAY
 PRECISIONS = {"fp32": {}, "bf16": {"bf16": {"enabled": True}},
               "fp16": {"fp16": {"enabled": True, "loss_scale": 1024.0}}}
 
@@ -74,7 +67,7 @@ def _engine(specs: list, vocab_size: int, precision: str, zero: int, schedule: s
                            **({"freeze": {"schedule": SCHEDULE, "repack": repack}} if freeze else {}),
                            "vocab_parallel": vocab},
               **PRECISIONS[precision]}
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=_weight_decay(precision, zero))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=WEIGHT_DECAY)
     engine, _, _, _ = ds_terapipe.initialize(model=model, optimizer=opt, config=config)
     ENGINE_REF["engine"] = engine
     return engine
@@ -140,7 +133,7 @@ def _case(precision: str, zero: int, schedule: str, v: int, vocab: bool = False,
     _, initial, _ = build_spec_layers(_specs(model)[0])
     ref_start = {n: p.detach().clone() for n, p in initial.items()}
     ref = frozen_reference(_specs(model)[0], batches, STEPS, _frozen_at if freeze else (lambda step: 0),
-                           weight_decay=_weight_decay(precision, zero))
+                           weight_decay=WEIGHT_DECAY)
     engine = _engine(specs, vocab_size, precision, zero, schedule, v, micro, batch, vocab, freeze, repack)
     # an iterator per step: after a repack every rank reads its former pipeline's stream, a rank that was a middle
     # stage before (dualpipev's rank 1) included, which a persistent iterator would have left behind

@@ -6,6 +6,7 @@ schedule as DeepSpeed instructions; DISPATCH, the one table from action kind to 
 ``checkpoint`` and ``errors``, ``collective`` (verdicts every rank takes together), ``stage`` (PipelineStage, the
 interface the other rooms take instead of the engine), ``grad_sink`` (hand-computed gradients into DeepSpeed's
 optimizers), ``clip``, ``bf16_grads`` (bf16 gradients in one flat buffer per group), ``loss_scale`` (fp16: the
-scale moved after the step), ``batch_checks`` (token ids outside the vocabulary), ``ds_internals`` (the DeepSpeed
+scale moved after the step), ``optimizer_init`` (fp16 at ZeRO 0: the construction's optimizer step undone),
+``batch_checks`` (token ids outside the vocabulary), ``ds_internals`` (the DeepSpeed
 internals relied on, checked at init), ``shm`` and ``local_launch`` (process hygiene, in-process launches).
 """

@@ -214,6 +214,12 @@ INTERNALS: tuple[Internal, ...] = (
        "the scale its step divides the gradients by"),
     _i("deepspeed.runtime.fp16.fused_optimizer:FP16_Optimizer", "loss_scale", "attr", f"{_E} BackwardPass",
        "the scale its step divides the gradients by"),
+    # -- fp16 at ZeRO 0: the optimizer step taken at construction, undone (execution/optimizer_init.py)
+    *(_i(owner, name, "attr", "execution/optimizer_init.py", why)
+      for owner in ("deepspeed.runtime.fp16.unfused_optimizer:FP16_UnfusedOptimizer",
+                    "deepspeed.runtime.fp16.fused_optimizer:FP16_Optimizer")
+      for name, why in (("refresh_fp32_params", "copies the fp16 weights into the masters the step moved"),
+                        ("initialize_optimizer_states", "the constructor's zero-gradient step being undone"))),
     # -- fp16: the scale update held back until the step has divided the gradients (execution/loss_scale.py)
     _i(_DS_ENGINE, "_take_model_step", "attr", f"{_E} (overridden)",
        "the optimizer step the scale update is held back around, applied before the monitor logs the scale"),

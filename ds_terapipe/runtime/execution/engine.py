@@ -87,6 +87,7 @@ from .ds_internals import check_deepspeed_internals
 from .grad_sink import GradSink
 from .loss_scale import reports_scaled_norm, scale_moved_after_step
 from .module import chunk_layout, loss_fn_problem, loss_fn_replaced
+from .optimizer_init import undo_construction_step
 from .p2p import AbortFlag, PeerFailedError, SliceP2P, as_tuple
 from .schedule import DISPATCH, TokenPipeSchedule
 
@@ -253,6 +254,7 @@ class TokenPipelineEngine(PipelineEngine):
         super().__init__(*args, **kwargs)
         self._chunk = None  # the chunk an instruction runs on, while it runs (see on_chunk)
         check_deepspeed_internals(self)  # a DeepSpeed that moved what we rely on fails here, naming it
+        undo_construction_step(self.optimizer)   # fp16 at ZeRO 0: the step DeepSpeed took on zero gradients
         VocabParallel.check_engine(self)
         problem = clipping_problem(self)  # a clipping DeepSpeed's optimizer would get wrong (runtime/execution/clip.py)
         problem = problem or loss_fn_problem(self.module)   # trained loss parameters no checkpoint would hold
