@@ -311,6 +311,25 @@ def test_analytic_cost_grows_with_slice_and_context():
     assert cost.forward_ms(1024, 0, batch=4) > cost.forward_ms(1024, 0, batch=1)
 
 
+@pytest.mark.parametrize("deferred", [False, True])
+def test_analytic_cost_on_a_grid_equals_its_scalar_values(deferred):
+    """A (1, N) row of lengths against an (N, 1) column of contexts (the planner's table) gives every slice's
+    scalar time exactly, in a fresh array of the full shape, whatever the argument shapes."""
+    lens, ctx = 64.0 * np.arange(1, 5)[None, :], 64.0 * np.arange(3)[:, None]
+    for embedding, lm_head in ((False, False), (True, False), (False, True)):
+        cost = AnalyticCost(get_model_preset("gpt3-1b"), get_device_preset("a100"), 2, embedding=embedding,
+                            lm_head=lm_head, deferred_weight_grads=deferred)
+        for batch in (1, np.array([[1.0], [2.0], [3.0]])):
+            for method in (cost.forward_ms, cost.backward_ms):
+                grid = method(lens, ctx, batch)
+                each = [[float(method(s, c, np.broadcast_to(batch, (3, 1))[i, 0])) for s in lens[0]]
+                        for i, c in enumerate(ctx[:, 0])]
+                assert grid.shape == (3, 4) and grid.flags.writeable and grid.tolist() == each
+            weight = cost.weight_ms(lens, batch)
+            assert weight.shape == np.broadcast_shapes(lens.shape, np.shape(batch)) and weight.flags.writeable
+    assert np.ndim(cost.forward_ms(64, 0)) == 0 and np.ndim(cost.weight_ms(64)) == 0
+
+
 def test_analytic_cost_matches_the_documented_flop_count_when_compute_bound():
     spec = TransformerSpec(num_layers=2, hidden=1024, num_heads=8, vocab=1000, seq_len=4096)
     dev = DeviceSpec("toy", peak_tflops=1.0, mem_bw_gbps=1e9, per_layer_overhead_ms=0.5, efficiency=0.5,

@@ -410,3 +410,44 @@ def test_vocabulary_collectives_are_costed_and_synchronise_every_rank(name, v, e
         cost.vocab = None
         with pytest.raises(ValueError, match="no cost for them"):
             simulate(lowered, cost, slices)
+
+
+def test_chunks_sharing_a_cost_object_are_timed_as_separate_ones():
+    """The cost table asks a shared stage object once (presets share the middle stages' object): the timeline is
+    the one of a pipeline whose every stage has its own object."""
+    import copy
+
+    from ds_terapipe.planner.cost import PipelineCost
+    from ds_terapipe.planner.presets import analytic_pipeline_cost
+    from ds_terapipe.planner.schedule import build_schedule
+
+    shared = analytic_pipeline_cost("gpt3-1b", "a100", 6)   # embedding, 4 equal middle stages, head
+    assert len({id(st) for st in shared.stages}) == 3
+    separate = PipelineCost([copy.deepcopy(st) for st in shared.stages])
+    for name in ("gpipe", "1f1b"):
+        schedule = build_schedule(name, 6, 3, 4)
+        a, b = (simulate(schedule, cost, [128, 256, 64, 64], micro_batch_size=2) for cost in (shared, separate))
+        assert (a.makespan_ms, a.busy_ms, [e[1:] for e in a.events]) == (b.makespan_ms, b.busy_ms,
+                                                                         [e[1:] for e in b.events])
+
+
+def test_a_cost_that_builds_each_chunks_object_anew_is_timed_per_chunk():
+    """A cost whose ``chunk(s)`` makes a new object per call (freed after use: Python may give the next one the
+    same id) is timed chunk by chunk, not taken for a shared object."""
+    import copy
+
+    from ds_terapipe.planner.presets import analytic_pipeline_cost
+    from ds_terapipe.planner.schedule import build_schedule
+
+    base = analytic_pipeline_cost("gpt3-1b", "a100", 6, lm_head=True)   # embedding, middle stages, head
+
+    class Fresh:
+        def __getattr__(self, name):
+            return getattr(base, name)
+
+        def chunk(self, s: int):
+            return copy.deepcopy(base.stages[s])
+
+    schedule = build_schedule("gpipe", 6, 2, 2)
+    a, b = (simulate(schedule, cost, [128, 128]) for cost in (Fresh(), base))
+    assert (a.makespan_ms, a.busy_ms) == (b.makespan_ms, b.busy_ms)

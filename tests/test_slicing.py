@@ -487,6 +487,107 @@ def test_simulated_choice_is_the_best_candidate():
         assert plan.predicted_ms == pytest.approx(min(sims), rel=1e-12), f"seed {seed}"
 
 
+def reference_search(cost: PipelineCost, seq_len: int, g: int, m: int, batch: int, schedule: str, *,
+                     skip_by_bound: bool = False) -> tuple[float, tuple[int, ...], tuple[int, ...]]:
+    """plan_slicing's search as one plain loop: every batch split, every candidate of it simulated (or, for equal
+    stages under gpipe, the exact closed form), in the planner's order; the first strictly best wins.
+    ``skip_by_bound``: skip a candidate whose lower bound is at least the best so far (nothing pruned without)."""
+    from ds_terapipe.planner.schedule import build_schedule
+    from ds_terapipe.planner.simulate import simulate
+    from ds_terapipe.planner.slicing import _SIM_MAX, _SIM_WINDOW, _Dp, _Simulated, _tables, _thresholds
+
+    n, k = seq_len // g, cost.num_chunks
+    best: tuple[float, tuple[int, ...], tuple[int, ...]] | None = None
+    for q in [d for d in range(1, batch + 1) if batch % d == 0]:
+        units, sub = m * q, batch // q
+        dp = _Dp(*_tables(cost, n, g, sub), 1, n)
+        if schedule == "gpipe" and cost.is_uniform():
+            value, cuts = _thresholds(dp, units, k)[:2]
+            scored = [(value, cuts)]
+        else:
+            plans = [c for _, c in _thresholds(dp, units, k, _SIM_WINDOW, _SIM_MAX)[3]]
+            plans += [] if [0, n] in plans else [[0, n]]
+            slicings = [[g * (b - a) for a, b in zip(c, c[1:])] for c in plans]
+            bounds = _Simulated(cost, schedule, seq_len).lower_bounds(slicings, units, sub)
+            scored = [(simulate(build_schedule(schedule, k, units, len(c) - 1), cost, slices, sub).makespan_ms, c)
+                      for c, slices, bound in zip(plans, slicings, bounds)
+                      if not (skip_by_bound and best is not None and bound >= best[0])]
+        for value, cuts in scored:
+            if best is None or value < best[0]:
+                best = (value, tuple(g * (b - a) for a, b in zip(cuts, cuts[1:])), (sub,) * q)
+    assert best is not None
+    return best
+
+
+# model, stages, micro-batch size, schedule, LM head: instances where a 10% over-prune changes the plan (asserted)
+PRUNING_CASES = [("gpt3-1b", 4, 24, "gpipe", True), ("gpt3-1b", 4, 12, "1f1b", True),
+                 ("gpt3-1b", 4, 24, "gpipe", False), ("gpt3-13b", 2, 36, "1f1b", False),
+                 ("gpt3-13b", 4, 12, "gpipe", True), ("gpt3-1b", 2, 36, "gpipe", False)]
+
+
+def _pruning_plans() -> list[tuple[float, tuple[int, ...], tuple[int, ...]]]:
+    out = []
+    for model, k, batch, schedule, head in PRUNING_CASES:
+        plan = plan_slicing(analytic_pipeline_cost(model, "a100", k, lm_head=head), 512, micro_batch_size=batch,
+                            granularity=32, schedule=schedule, split_batch=True)
+        out.append((plan.predicted_ms, plan.slices, plan.batch_splits))
+    return out
+
+
+def test_pruned_split_search_equals_the_unpruned_search():
+    """The splits skipped by their bound, the candidates skipped by theirs and the order they are simulated in
+    change nothing: the plan is the unpruned search's, bit for bit."""
+    for case, got in zip(PRUNING_CASES, _pruning_plans()):
+        model, k, batch, schedule, head = case
+        cost = analytic_pipeline_cost(model, "a100", k, lm_head=head)
+        assert got == reference_search(cost, 512, 32, 1, batch, schedule), case
+
+
+def test_the_pruning_cases_decide_the_plan(monkeypatch):
+    """The cases above are ones the pruning decides: bounds 10% too high (a split's, or a candidate's) change
+    some plan, so the test above would catch such an over-prune."""
+    from ds_terapipe.planner import slicing
+
+    plans = _pruning_plans()
+    with monkeypatch.context() as patch:
+        patch.setattr(slicing, "_BOUND_SLACK", -0.1)   # every split's bound x 1.1
+        assert _pruning_plans() != plans
+    bounds = slicing._Simulated.lower_bounds
+    monkeypatch.setattr(slicing._Simulated, "lower_bounds", lambda self, *args: 1.1 * bounds(self, *args))
+    assert _pruning_plans() != plans
+
+
+def _tied_splits(seed: int, batch: int) -> tuple[PipelineCost, int]:
+    """One rank, costs linear in the batch: every split's makespan is the same up to rounding."""
+    rng = np.random.default_rng(seed)
+    pts = [{"slice": s, "context": c, "forward_ms": float(0.1 + 0.01 * s * rng.uniform(0.5, 2) + 1e-5 * s * c),
+            "backward_ms": float(0.2 + 0.02 * s * rng.uniform(0.5, 2) + 2e-5 * s * c)}
+           for s in (32, 64, 256) for c in (0, 64)]
+    return PipelineCost.uniform(MeasuredCost(pts), 1), batch
+
+
+TIED_CASES = [_tied_splits(27, 6), _tied_splits(27, 12), _tied_splits(59, 6), _tied_splits(59, 12)]
+
+
+def _tied_plans() -> list[tuple[float, tuple[int, ...], tuple[int, ...]]]:
+    plans = [plan_slicing(cost, 256, micro_batch_size=batch, granularity=32, schedule="1f1b", split_batch=True)
+             for cost, batch in TIED_CASES]
+    return [(p.predicted_ms, p.slices, p.batch_splits) for p in plans]
+
+
+def test_splits_tied_to_the_last_bits_go_as_in_the_plain_loop(monkeypatch):
+    """A bound can exceed its plan's makespan by an ulp, and the plain loop then skips a plan that ties the best
+    to the last bits. The plan is still the plain loop's, not whichever one the bound-ordered search met first
+    (the cases need that: without the replay of the near ties the plans differ)."""
+    from ds_terapipe.planner import slicing
+
+    plans = _tied_plans()
+    assert plans == [reference_search(cost, 256, 32, 1, batch, "1f1b", skip_by_bound=True)
+                     for cost, batch in TIED_CASES]
+    monkeypatch.setattr(slicing._Candidates, "finish", lambda self: self.run(math.inf))
+    assert _tied_plans() != plans
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Plans and errors
 

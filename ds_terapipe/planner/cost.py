@@ -448,7 +448,10 @@ class AnalyticCost(StageCost):
         self._roof = Roofline(model, device, self.bytes_per_element)
 
     def _args(self, *xs: ArrayLike) -> list[np.ndarray]:
-        return np.broadcast_arrays(*(np.asarray(x, float) for x in xs))
+        # not broadcast against each other: a (1, N) row of lengths and an (N, 1) column of contexts cost the GEMMs
+        # (which see only b * s) on N values, not N^2. The result still has the full shape: attention (forward,
+        # backward) sees s, c and b, and weight_ms' GEMMs s and b.
+        return [np.asarray(x, float) for x in xs]
 
     def _head_io(self, m: np.ndarray, backward: bool = False) -> np.ndarray:
         # logits written, read by the softmax/loss, its gradient written and read: 4 * m * vocab elements
@@ -485,7 +488,7 @@ class AnalyticCost(StageCost):
         gradient, which is then added into ``.grad``) is paid once per pass."""
         s, b = self._args(tokens, batch)
         if not self.deferred_weight_grads:
-            return _result(np.zeros(s.shape))
+            return _result(np.zeros(np.broadcast_shapes(s.shape, b.shape)))
         roof, m, h, v = self._roof, b * s, self.model.hidden, self.model.vocab
         t = self.num_layers * (roof.layer_weight_grad_ms(m, backward=False) + roof.gather_ms(m)
                                + roof.linear_accumulate_ms())

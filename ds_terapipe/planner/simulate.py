@@ -277,8 +277,15 @@ def _cost_table(cost: Any, K: int, slices: Sequence[int], batch: int, weights_pe
                 raise ValueError(f"cost.vocab.pass_ms({name!r}) returned {got.tolist()} for slices {list(slices)}; "
                                  "times must be finite and >= 0")
             table[row] = got
+    # id of a chunk's cost object -> (the first chunk that has it, the object: held, so no later object takes
+    # its id); pipelines share one object between chunks
+    done: dict[int, tuple[int, Any]] = {}
     for s in range(K):
         sc = cost.chunk(s)
+        if id(sc) in done:
+            table[:, s] = table[:, done[id(sc)][0]]
+            continue
+        done[id(sc)] = (s, sc)
         rows = [(0, "forward_ms", lambda: sc.forward_ms(lens, context=context, batch=batch)),
                 (1, "backward_ms", lambda: sc.backward_ms(lens, context=context, batch=batch)),
                 (2, "comm_ms", lambda: sc.comm_ms(lens, batch=batch))]

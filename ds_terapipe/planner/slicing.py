@@ -30,7 +30,7 @@ import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -480,26 +480,65 @@ def _stage_times(cost: PipelineCost, lens: np.ndarray, ctx: np.ndarray, batch: i
 
 def _tables(cost: PipelineCost, n: int, granularity: int, batch: int) -> tuple[np.ndarray, np.ndarray]:
     """(w, t) over all slices [a, b) of the grid for the slowest stage at each slice (inf where a >= b)."""
+    w, t, _ = _divisor_tables(cost, n, granularity, batch)
+    return w, t
+
+
+def _divisor_tables(cost: PipelineCost, n: int, granularity: int, batch: int, *, min_len: int = 0,
+                    units: int | None = None, virtual_stages: int = 1) -> tuple[np.ndarray, np.ndarray, float]:
+    """``_tables`` (slices shorter than ``min_len`` tokens left out) plus, with ``units``, a sound lower bound on
+    the simulated makespan of every plan of ``units`` units of ``batch`` sequences (0 without): what lets
+    ``plan_slicing`` skip a batch split that cannot win.
+
+    The bound is the work term of ``_Simulated.lower_bounds`` for chunk k, minimised over all slicings by one DP
+    per distinct stage model: chunk k starts once slice 0 has crossed chunks < k (``head``), runs units *
+    sum(F + B) of its own, and its last backward is a slice 0's (B(k,b,i) waits for B(k,b,i+1)), which then
+    crosses chunks < k back (``tail``). Head and tail depend on the first slice only, so they ride on the DP's
+    edges out of 0. Chunks sharing a stage model share w; the last of them has the largest head and tail
+    (``penalty`` keeps the last one written), so only it is solved.
+    """
     # Evaluate on the (start a, length l) grid: contexts (N, 1) x lengths (1, N), so fitted models interpolate
     # over N lengths rather than N^2 slices; half of it (a + l > N) is discarded. One stage at a time, keeping
     # only the running max (48 distinct stages x N^2 would not fit in memory at N = 1024).
     lens = granularity * np.arange(1, n + 1, dtype=float)[None, :]
     ctx = granularity * np.arange(n, dtype=float)[:, None]
     comm_factor = 2.0 if cost.num_chunks > 1 else 0.0
+    a, length = np.nonzero(np.arange(n)[:, None] + np.arange(1, n + 1)[None, :] <= n)
+    short = length + 1 < min_len / granularity   # (a, l) index pairs of slices below min_len tokens
+
+    def square(grid: np.ndarray) -> np.ndarray:
+        out = np.full((n + 1, n + 1), _INF)
+        out[a, a + length + 1] = np.where(short, _INF, grid[a, length])
+        return out
+
+    stages = _distinct_stages(cost)
+    penalty: dict[Any, np.ndarray] = {}   # stage key -> head + tail of its last chunk, by first slice length
+    if units is not None:
+        zero = np.zeros((1, 1))
+        row = {key: [x[0] for x in _times(k, st, lens, zero, batch, _action_ms(cost, k))]
+               for key, (k, st) in stages.items()}   # slice 0's (f, b, c) by length
+        keys = [_stage_key(cost, k) for k in range(cost.num_chunks)]
+        chunk_comm = 1.0 if virtual_stages == 1 else 0.0   # hand-offs inside a rank cost nothing: comm left out
+        head = tail = np.zeros(n)   # slice 0's way from chunk 0 down to chunk k, and its gradient's way back
+        for k, key in enumerate(keys):
+            penalty[key] = head + tail
+            if k + 1 < len(keys):
+                head = head + row[key][0] + chunk_comm * row[key][2]
+                tail = tail + row[key][1] + chunk_comm * row[keys[k + 1]][2]
     w_grid = t_grid = None
-    for k, st in _distinct_stages(cost).values():
+    bound = 0.0
+    for key, (k, st) in stages.items():
         f, b, c = _times(k, st, lens, ctx, batch, _action_ms(cost, k))
         wk = f + b
         tk = wk + comm_factor * c if comm_factor else wk
+        if units is not None:
+            edges = square(units * wk)
+            edges[0, 1:] += penalty[key]
+            bound = max(bound, _Dp(edges, edges, 1, n).solve(_INF)[0])
         w_grid = wk if w_grid is None else np.maximum(w_grid, wk, out=w_grid)
         t_grid = tk.copy() if t_grid is None else np.maximum(t_grid, tk, out=t_grid)
     assert w_grid is not None and t_grid is not None
-    a, length = np.nonzero(np.arange(n)[:, None] + np.arange(1, n + 1)[None, :] <= n)
-    w = np.full((n + 1, n + 1), _INF)
-    t = np.full((n + 1, n + 1), _INF)
-    w[a, a + length + 1] = w_grid[a, length]
-    t[a, a + length + 1] = t_grid[a, length]
-    return w, t
+    return square(w_grid), square(t_grid), bound
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -577,6 +616,126 @@ class _Simulated:
 
 def _divisors(x: int) -> list[int]:
     return [d for d in range(1, x + 1) if x % d == 0]
+
+
+#: Relative slack on a split's lower bound: it sums the same times as the simulator in another order.
+_BOUND_SLACK = 1e-9
+
+
+class _Best:
+    """The best plan so far: the smallest value, ties going to the first in search order (split, then candidate),
+    which is what one loop over the splits and their candidates keeping each strict improvement returns."""
+
+    def __init__(self) -> None:
+        self.value: float | None = None
+        self.key: tuple[int, int] = (0, 0)
+        self.q, self.cuts, self.result = 1, [0], None
+
+    def may_beat(self, bound: float, key: tuple[int, int]) -> bool:
+        """Whether a plan whose value is at least ``bound`` could still win, coming at ``key`` in search order."""
+        return self.value is None or bound < self.value or (bound == self.value and key < self.key)
+
+    def offer(self, value: float, key: tuple[int, int], q: int, cuts: list[int], result: Any = None) -> None:
+        if self.value is None or value < self.value or (value == self.value and key < self.key):
+            self.value, self.key, self.q, self.cuts, self.result = value, key, q, cuts, result
+
+
+class _Splits:
+    """The batch splits to search, lowest lower bound first (ties in ``options`` order), so the search can stop
+    at the first split whose bound cannot beat the best plan found: every later one has a bound at least as high.
+
+    ``tables(q, bounded)`` gives a split's (w, t, bound), the bound only when asked. With several splits each one's
+    tables are built twice (for its bound, then for its search), since keeping N^2 tables per divisor would not
+    fit at 128 divisors x N = 1024; with one split nothing is bounded and its tables are built once.
+    Exact (closed-form) splits are bounded by units * minsum(inf) + (K-1) * bottleneck, with ``units_per_split *
+    q`` units: every plan's sum is at least the unconstrained minimum and its max at least any path's smallest.
+    """
+
+    def __init__(self, options: Sequence[tuple[int, int]],
+                 tables: Callable[[int, bool], tuple[np.ndarray, np.ndarray, float]], *, n_max: int,
+                 units_per_split: int, num_stages: int, exact: bool) -> None:
+        self._tables = tables
+        self._kept: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        entries = []
+        for order, (q, n_min) in enumerate(options):
+            if len(options) == 1:
+                w, t, _ = tables(q, False)
+                self._kept[q] = (w, t)
+                entries.append((0.0, order, q, n_min))
+                continue
+            w, t, bound = tables(q, not exact)
+            if exact:
+                dp = _Dp(w, t, n_min, n_max)
+                s_inf = dp.solve(_INF)[0]
+                bound = units_per_split * q * s_inf + (num_stages - 1) * dp.bottleneck() if s_inf < _INF else _INF
+            entries.append((bound * (1.0 - _BOUND_SLACK), order, q, n_min))
+        self._entries = sorted(entries)
+        self.next_bound = _INF
+        """The bound of the split after the one being searched (inf after the last)."""
+
+    def __iter__(self) -> Iterator[tuple[float, int, int, int, Callable[[], tuple[np.ndarray, np.ndarray]]]]:
+        """(bound, place in ``options``, q, minimum slice count, the split's (w, t) when called)."""
+        for pos, (bound, order, q, n_min) in enumerate(self._entries):
+            self.next_bound = self._entries[pos + 1][0] if pos + 1 < len(self._entries) else _INF
+            yield bound, order, q, n_min, lambda q=q: self._kept.pop(q, None) or self._tables(q, False)[:2]
+
+
+class _Candidates:
+    """The simulated candidates of the splits searched so far, simulated in order of their lower bound, each only
+    while its bound could still beat the best; the winner is the one a loop over splits and candidates in their
+    own order (simulating a candidate when its bound is below the best so far) keeps.
+
+    A bound can exceed its plan's makespan by a rounding error, and then that loop skips a plan whose makespan
+    ties the best to the last bits. So ``finish`` simulates every candidate whose bound lies within
+    ``_BOUND_SLACK`` of the best and replays that loop over them: only they can hold or decide the result (any
+    other plan's makespan is far above every one of their bounds).
+    """
+
+    def __init__(self, sim: _Simulated, best: _Best) -> None:
+        self.sim, self.best = sim, best
+        # (bound, split's place in the options, candidate's place in its list, units, sub-batch, q, cuts, slices)
+        self._pending: list[tuple[float, int, int, int, int, int, list[int], list[int]]] = []
+        self._all: list[tuple[float, int, int, int, int, int, list[int], list[int]]] = []
+        self._results: dict[tuple[int, int], SimResult] = {}
+
+    def add(self, order: int, q: int, units: int, batch: int, plans: list[list[int]],
+            slicings: list[list[int]]) -> None:
+        for i, (cuts, slices, bound) in enumerate(zip(plans, slicings, self.sim.lower_bounds(slicings, units, batch))):
+            entry = (float(bound), order, i, units, batch, q, cuts, slices)
+            heapq.heappush(self._pending, entry)
+            self._all.append(entry)
+
+    def _simulate(self, entry: tuple[float, int, int, int, int, int, list[int], list[int]]) -> SimResult:
+        _, order, i, units, batch, _, _, slices = entry
+        if (order, i) not in self._results:
+            self._results[order, i] = self.sim.run(slices, units, batch)
+        return self._results[order, i]
+
+    def run(self, below: float) -> None:
+        """Simulate the pending candidates with a bound under ``below`` (at least one while there is no best)."""
+        while self._pending and (self._pending[0][0] < below or self.best.value is None):
+            entry = heapq.heappop(self._pending)
+            _, order, i, _, _, q, cuts, _ = entry
+            if self.best.may_beat(entry[0], (order, i)):
+                res = self._simulate(entry)
+                self.best.offer(float(res.makespan_ms), (order, i), q, cuts, res)
+
+    def finish(self) -> None:
+        """Simulate what is left that could win, then replay the loop over the candidates near the best."""
+        self.run(_INF)
+        if self.best.value is None:
+            return
+        limit = self.best.value * (1.0 + _BOUND_SLACK)
+        near = [e for e in self._all if e[0] <= limit or e[1:3] == self.best.key]
+        floor, winner = _INF, None
+        for entry in sorted(near, key=lambda e: e[1:3]):
+            if entry[0] < floor:
+                res = self._simulate(entry)
+                if res.makespan_ms < floor:
+                    floor, winner = float(res.makespan_ms), (entry, res)
+        assert winner is not None, "the best candidate's own entry is replayed"
+        (_, order, i, _, _, q, cuts, _), res = winner
+        self.best.value, self.best.key, self.best.q, self.best.cuts, self.best.result = floor, (order, i), q, cuts, res
 
 
 @dataclass(frozen=True)
@@ -660,13 +819,16 @@ def plan_slicing(cost: PipelineCost, seq_len: int, *, num_microbatches: int = 1,
       them, plus the unsliced plan. Each is scored by ``simulate`` (``build_schedule(schedule, ...)``) under
       the real per-stage costs; the smallest simulated makespan wins and is ``predicted_ms``. So the plan is
       optimal among those candidates, not over all slicings; a candidate is skipped only when a sound lower
-      bound on its makespan (``_Simulated.lower_bounds``) already exceeds the best simulated one.
+      bound on its makespan (``_Simulated.lower_bounds``) already exceeds the best simulated one. Candidates
+      are simulated in order of that bound; the plan is the one a plain loop over them in their own order keeps.
 
     ``split_batch`` (TeraPipe section 3.4) also splits each micro-batch of ``micro_batch_size`` sequences into
     q equal sub-batches, q dividing the micro-batch size, all with the same token slicing; sub-batches are
     extra pipeline units (m * q of them, costed at batch B / q). Only equal splits are searched because they
-    are the only ones the runtime executes. ``memory_limit_bytes`` with ``memory`` (a MemoryModel) keeps only
-    plans whose ``MemoryModel.peak_bytes`` estimate fits; for 1F1B that may demand a minimum number of slices.
+    are the only ones the runtime executes. Splits are searched lowest lower bound first (``_divisor_tables``:
+    no plan of q sub-batches beats it), and the search stops at the first whose bound cannot beat the best
+    plan found. ``memory_limit_bytes`` with ``memory`` (a MemoryModel) keeps only plans whose
+    ``MemoryModel.peak_bytes`` estimate fits; for 1F1B that may demand a minimum number of slices.
     Sequence lengths outside what the cost model measured are extrapolated (a warning is logged).
     ``deferred_weight_grads``: the runtime computes weight gradients in ``W`` actions (``schedule.defer_weights``:
     one per micro-batch with gpipe, one per slice with 1f1b); ``cost`` then has ``backward_ms`` without them and
@@ -772,43 +934,40 @@ def plan_slicing(cost: PipelineCost, seq_len: int, *, num_microbatches: int = 1,
     exact = spec.dp_exact and cost.is_uniform() and not deferred_weight_grads and \
         len({_action_ms(cost, k) for k in range(cost.num_chunks)}) == 1
     sim = None if exact else _Simulated(cost, schedule, seq_len, deferred_weight_grads, v)
-    best: tuple[float, int, list[int], Any] | None = None   # (ms, q, cuts, SimResult or None)
-    for q, n_min in options:
+    min_len = min(min_slice_len, seq_len) if min_slice_len is not None and min_slice_len > granularity else 0
+    window = 0.0 if exact else _SIM_WINDOW
+    # v chunk-units per unit on every rank: the interleaved closed form v*units*sum(w) + (p-1)*max(t).
+    keep = 1 if exact else (_SIM_MAX if v == 1 else _SIM_MAX_CHUNKS)
+    best = _Best()
+    searched = _Splits(options, lambda q, bounded: _divisor_tables(
+        cost, n, granularity, batch // q, min_len=min_len, units=m * q if bounded else None, virtual_stages=v),
+        n_max=n_max, units_per_split=m * v, num_stages=num_stages, exact=exact)
+    candidates = None if sim is None else _Candidates(sim, best)
+    for q_bound, order, q, n_min, tables in searched:
+        if not best.may_beat(q_bound, (order, -1)):
+            break   # every split left has a bound at least this one's: none can win
         units, sub = m * q, batch // q
-        w, t = _tables(cost, n, granularity, sub)
-        if min_slice_len is not None and min_slice_len > granularity:
-            short = np.arange(n + 1)[None, :] - np.arange(n + 1)[:, None] < min(min_slice_len, seq_len) / granularity
-            w[short], t[short] = _INF, _INF
-        dp = _Dp(w, t, n_min, n_max)
-        window = 0.0 if exact else _SIM_WINDOW
-        # v chunk-units per unit on every rank: the interleaved closed form v*units*sum(w) + (p-1)*max(t).
-        keep = 1 if exact else (_SIM_MAX if v == 1 else _SIM_MAX_CHUNKS)
-        value, cuts, _, scored = _thresholds(dp, units * v, num_stages, window, keep)
+        value, cuts, _, scored = _thresholds(_Dp(*tables(), n_min, n_max), units * v, num_stages, window, keep)
         if cuts is None:
             continue
-        if exact:
-            if best is None or value < best[0]:
-                best = (value, q, cuts, None)
+        if candidates is None:
+            best.offer(value, (order, 0), q, cuts)
             continue
-        assert sim is not None
         plans = [c for _, c in scored]   # distinct, best closed form first
         if n_min == 1 and [0, n] not in plans:
             plans.append([0, n])  # the unsliced plan is always a candidate: never plan worse than stock
-        slicings = [[granularity * (y - x) for x, y in zip(c[:-1], c[1:])] for c in plans]
-        bounds = sim.lower_bounds(slicings, units, sub)
-        for c, slices, bound in zip(plans, slicings, bounds):
-            if best is not None and bound >= best[0]:
-                continue
-            res = sim.run(slices, units, sub)
-            if best is None or res.makespan_ms < best[0]:
-                best = (float(res.makespan_ms), q, c, res)
+        candidates.add(order, q, units, sub, plans, [[granularity * (y - x) for x, y in zip(c[:-1], c[1:])]
+                                                     for c in plans])
         logger.debug("q=%d: %d candidate plans (window %.3f), %d simulated so far", q, len(plans), window,
-                     sim.num_simulated)
-    if best is None:  # only possible when the slice-count limits exclude every plan
+                     candidates.sim.num_simulated)
+        candidates.run(below=searched.next_bound)
+    if candidates is not None:
+        candidates.finish()
+    if best.value is None:  # only possible when the slice-count limits exclude every plan
         raise ValueError(f"no slicing of seq_len = {seq_len} at granularity {granularity} has between the "
                          f"{min(o[1] for o in options)} slices the memory cap needs and max_slices = {max_slices}; "
                          "raise max_slices or the memory limit")
-    value, q, cuts, res = best
+    value, q, cuts, res = best.value, best.q, best.cuts, best.result
     slices = tuple(granularity * (y - x) for x, y in zip(cuts[:-1], cuts[1:]))
 
     # Unsliced reference: whole sequences, unsplit micro-batches, same schedule and cost.
