@@ -4,11 +4,11 @@
 
 The model is ``transformers``' own (``pip install -e '.[hf]'``): built from a config (``--arch``: any
 ``config.model_type`` of ``ds_terapipe.models.hf.SUPPORTED_MODEL_TYPES``, e.g. llama, gemma2, phi3, olmo2,
-granite, qwen3_moe, mixtral; sizes from ``--layers --hidden --heads --kv-heads``, every layer full attention,
-random init) or loaded with its weights from a local directory written by ``save_pretrained`` (``--model-dir``;
-nothing is downloaded), and cut into pipeline layers by :func:`ds_terapipe.models.hf.causal_lm_specs`. Data,
-evaluation, checkpoints, metrics and threads work as in ``examples/train_gpt.py`` (same options): byte-level text,
-by default the Python standard library's own source.
+granite, qwen3_moe, mixtral; sizes from ``--layers --hidden --heads --kv-heads``, sliding windows as the
+architecture's defaults set them, random init) or loaded with its weights from a local directory written by
+``save_pretrained`` (``--model-dir``; nothing is downloaded), and cut into pipeline layers by
+:func:`ds_terapipe.models.hf.causal_lm_specs`. Data, evaluation, checkpoints, metrics and threads work as in
+``examples/train_gpt.py`` (same options): byte-level text, by default the Python standard library's own source.
 """
 
 from __future__ import annotations
@@ -31,19 +31,13 @@ from train_gpt import load_documents, parse_training_args, start, train, trainin
 
 def arch_settings(arch: str, args: argparse.Namespace, intermediate: int) -> dict[str, Any]:
     """What ``arch`` needs beyond the size options so that the token pipeline runs it exactly and the small
-    shapes hold: every layer full attention (sliding windows are refused), no softcapping (Gemma 2), a few small
-    experts (the defaults have up to 128 experts, each as wide as a dense MLP)."""
-    full = {"layer_types": ["full_attention"] * args.layers}
+    shapes hold: no softcapping (Gemma 2), a few small experts (the defaults have up to 128 experts, each as wide
+    as a dense MLP). Sliding windows stay as the architecture sets them."""
     experts = {"num_experts_per_tok": 2}
     return {
-        "mistral": {"sliding_window": None},
-        "ministral": full,
-        "gemma2": {**full, "attn_logit_softcapping": None, "final_logit_softcapping": None,
+        "gemma2": {"attn_logit_softcapping": None, "final_logit_softcapping": None,
                    "query_pre_attn_scalar": args.hidden // args.heads},
-        "gemma3_text": {**full, "query_pre_attn_scalar": args.hidden // args.heads},
-        "olmo3": full,
-        "cohere2": full,
-        "exaone4": {**full, "sliding_window": None},  # no window: every layer applies rotary
+        "gemma3_text": {"query_pre_attn_scalar": args.hidden // args.heads},
         "mixtral": {**experts, "num_local_experts": 4},
         "qwen3_moe": {**experts, "num_experts": 4, "moe_intermediate_size": intermediate // 2},
         "qwen2_moe": {**experts, "num_experts": 4, "moe_intermediate_size": intermediate // 2,

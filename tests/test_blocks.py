@@ -4,7 +4,8 @@ The blocks (a full block over the prefix, a causal block over the slice's own ke
 document for packed rows) must equal SDPA under the dense mask they replace: outputs and the gradients of
 queries, keys and values, in fp64, fp32 and bf16, with grouped-query heads, rows of different documents, and a
 slice that starts inside a document. Sliced attention on CPU must take them (and save no (T, end) mask), and
-keep the dense mask where they do not apply.
+keep the dense mask where they do not apply. Sliding windows: sliced attention with a window must equal SDPA under
+the dense sliding-window mask on every path, reading (and handing gradients to) only the key rows its window reaches.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ds_terapipe.runtime.slicing import blocks as blocks_mod
-from ds_terapipe.runtime.slicing.attention import CausalSelfAttention
+from ds_terapipe.runtime.slicing.attention import CausalSelfAttention, sliced_causal_attention
 from ds_terapipe.runtime.slicing.blocks import (MAX_BLOCKS, Block, block_attention, fused_ok, prefix_blocks,
                                                 sdpa_blocks)
 from ds_terapipe.runtime.slicing.context import MicroBatchState, SliceContext, slice_scope
@@ -196,3 +197,122 @@ def test_packed_rows_on_an_accelerator_take_one_sdpa_call_per_document(monkeypat
     assert not calls
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+# -- sliding windows ------------------------------------------------------------------------------------------
+def _sliding_visible(length: int, window: int, positions: torch.Tensor | None) -> torch.Tensor:
+    """(B or 1, 1, L, L) transformers' sliding-window causal mask (``kv_idx <= q_idx`` and ``kv_idx > q_idx -
+    window``), within each document for packed rows: the reference, built apart from the code under test."""
+    query, key = torch.arange(length)[:, None], torch.arange(length)[None, :]
+    visible = ((key <= query) & (key > query - window))[None, None]
+    if positions is not None:
+        ids = (positions == 0).cumsum(dim=1)
+        visible = visible & (ids[:, None, :, None] == ids[:, None, None, :])
+    return visible
+
+
+def _force_accelerator_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The accelerator's paths, run on CPU: lazy lower-right causal biases for a prefix, one SDPA call per document
+    for packed rows, no CPU flash blocks."""
+    import ds_terapipe.runtime.slicing.attention as attention
+    from torch.nn.attention.bias import causal_lower_right
+    monkeypatch.setattr(blocks_mod, "on_accelerator", lambda q: True)
+    monkeypatch.setattr(blocks_mod, "_FWD", None)
+    monkeypatch.setattr(attention, "prefix_causal_bias", lambda start, end, _: causal_lower_right(end - start, end))
+
+
+WINDOW_SLICINGS = {"one": [24], "short": [4, 4, 4, 4, 4, 4], "long": [11, 13], "uneven": [1, 9, 3, 6, 5]}
+
+
+@pytest.mark.parametrize("path", ["cpu", "accelerator"])
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("window", [1, 3, 7, 24, 40])
+@pytest.mark.parametrize("slicing", list(WINDOW_SLICINGS))
+def test_windowed_sliced_attention_equals_sdpa_under_the_sliding_mask(slicing: str, window: int, dtype: torch.dtype,
+                                                                      packed: bool, path: str,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sliced attention with a sliding window, slices forward in order and backward later slices first (as a stage
+    runs them), against one SDPA call under the dense sliding-window mask: output and the gradients of q, k, v.
+    Windows of one key, shorter and longer than the slices, equal to the sequence and beyond it; grouped-query
+    heads; packed rows (documents cut inside slices and across them); the CPU's paths and the accelerator's."""
+    monkeypatch.setattr(blocks_mod, "MIN_PREFIX_TOKENS", 0)   # unwindowed slices take the blocks on CPU
+    if path == "accelerator":
+        _force_accelerator_paths(monkeypatch)
+    torch.manual_seed(window)
+    batch, heads, kv_heads, head_dim, length = 2, 4, 2, 8, 24
+    q = torch.randn(batch, heads, length, head_dim, dtype=dtype)
+    k, v = (torch.randn(batch, kv_heads, length, head_dim, dtype=dtype) for _ in range(2))
+    grad = torch.randn(batch, length, heads, head_dim, dtype=dtype).transpose(1, 2)
+    positions = _positions([[0, 6, 15], [0, 10]], length) if packed else None
+    ref_in = [t.detach().requires_grad_() for t in (q, k, v)]
+    ref = _dense(*ref_in, _sliding_visible(length, window, positions))
+    ref_grads = torch.autograd.grad(ref, ref_in, grad)
+
+    slices = WINDOW_SLICINGS[slicing]
+    bounds = [sum(slices[:i]) for i in range(len(slices) + 1)]
+    state, docs = MicroBatchState(0, length, len(slices)), None if positions is None else Documents(positions)
+    pieces, outs = [], []
+    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        piece = [t[:, :, a:b].detach().requires_grad_() for t in (q, k, v)]
+        with slice_scope(SliceContext(0, i, a, b, state, documents=docs)):
+            outs.append(sliced_causal_attention(*piece, cache_key="attn", window=window))
+        pieces.append(piece)
+    for (a, b), out in reversed(list(zip(zip(bounds, bounds[1:]), outs))):
+        out.backward(grad[:, :, a:b])
+    got = [torch.cat(outs, dim=2).detach(), *(torch.cat([p[j].grad for p in pieces], dim=2) for j in range(3))]
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, (ref.detach(), *ref_grads)):
+        # relative to the reference's size, absolute below 1 (a window of one key has dq = 0: rounding alone)
+        err = float((a.double() - b.double()).abs().max() / max(float(b.double().abs().max()), 1.0))
+        assert err < TOL[dtype], f"{name}: err {err:.2e} (window {window}, slices {slices})"
+
+
+def test_a_windowed_slice_reads_and_carries_back_only_the_rows_its_window_reaches() -> None:
+    """Slice [16, 24) with a window of 3 needs the keys [14, 24): it saves no longer view of the buffers, and its
+    backward (the first, so the gradient buffers hold its part alone) writes nothing into rows [0, 14)."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 24, 8) for _ in range(3))
+    state = MicroBatchState(0, 24, 3)
+    outs, saved = [], []
+    for i, start in enumerate((0, 8, 16)):
+        piece = [t[:, :, start:start + 8].detach().requires_grad_() for t in (q, k, v)]
+        hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t)
+        with hooks, slice_scope(SliceContext(0, i, start, start + 8, state)):
+            outs.append(sliced_causal_attention(*piece, cache_key="attn", window=3))
+        if i == 2:
+            assert (1, 2, 10, 8) in saved and not any(s[2] > 10 for s in saved if len(s) == 4), saved
+    outs[2].sum().backward()
+    (bufs,) = state.kv.values()
+    for grad in (bufs.grad_k, bufs.grad_v):
+        assert not grad[:, :, :14].any() and grad[:, :, 14:16].abs().sum() > 0
+
+
+def test_window_one_attends_to_itself_and_a_window_covering_the_sequence_is_causal() -> None:
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 12, 8, dtype=torch.float64) for _ in range(3))
+    torch.testing.assert_close(sliced_causal_attention(q, k, v, cache_key="a", window=1), v)
+    causal = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    for window in (12, 13, 1000):
+        torch.testing.assert_close(sliced_causal_attention(q, k, v, cache_key="a", window=window), causal)
+
+
+@pytest.mark.parametrize("window", [0, -2, 2.5, True, "4"])
+def test_a_window_that_is_no_positive_int_is_refused(window) -> None:
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match=f"window={window!r}; a sliding window is a positive int"):
+        sliced_causal_attention(q, q, q, cache_key="a", window=window)
+
+
+def test_causal_self_attention_with_a_window_passes_the_slice_check() -> None:
+    """The reference GPT's attention with ``window=``: unsliced it is SDPA under the sliding mask, and sliced
+    (forward, backward, parameter gradients: the engine's check) it equals itself unsliced."""
+    from ds_terapipe.runtime.planning.slice_check import check_slicing_equivalence
+    torch.manual_seed(0)
+    attn = CausalSelfAttention(16, 4, rotary=True, window=5)
+    x = torch.randn(2, 32, 16)
+    q, k, v = (t.view(2, 32, 4, 4).transpose(1, 2) for t in attn.qkv(x).split(16, dim=2))
+    from ds_terapipe.runtime.slicing.attention import apply_rotary
+    q, k = apply_rotary(q, 0), apply_rotary(k, 0)
+    want = attn.proj(_dense(q, k, v, _sliding_visible(32, 5, None)).transpose(1, 2).reshape(2, 32, 16))
+    torch.testing.assert_close(attn(x), want, rtol=1e-5, atol=1e-6)
+    assert check_slicing_equivalence([attn], 0, x, [3, 13, 16]) is None

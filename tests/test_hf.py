@@ -59,6 +59,7 @@ def tiny_config(arch: str) -> "transformers.PretrainedConfig":
 
 TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # inside the tiny vocabulary
 FULL_ATTENTION = dict(sliding_window=8, layer_types=["full_attention"] * COMMON["num_hidden_layers"])
+SLIDING_FULL_SLIDING = ["sliding_attention", "full_attention", "sliding_attention"]
 # Architectures beyond the Llama family, each with its quirk in play: Gemma's sqrt(hidden) embedding scale (and
 # Gemma 3's per-layer-type rotary tables, local and global bases differing), partial rotary (Phi, StableLM,
 # GPT-NeoX, GLM), parallel residual (GPT-NeoX, Cohere, Cohere 2), LayerNorm final norms, Granite's (and
@@ -116,6 +117,25 @@ OTHER_ARCHS = {
                                                         num_experts_per_tok=2, shared_intermediate_size=48,
                                                         embedding_multiplier=3.0, logits_scaling=4.0,
                                                         residual_multiplier=0.5, attention_multiplier=0.2)),
+    # Sliding windows shorter than the sequence (5 of its 16 keys): the slicings cut slices shorter and longer
+    # than the window. Mistral's on every layer; the others' on the 'sliding_attention' layers of layer_types, with
+    # what else the type picks in play: Gemma 3's local rotary base, Cohere 2's and EXAONE 4's rotary on sliding
+    # layers only, Qwen2-MoE's attention that passes no sliding_window (its mask alone says it).
+    "mistral-window": ("MistralConfig", dict(num_key_value_heads=2, sliding_window=5)),
+    "qwen2-window": ("Qwen2Config", dict(num_key_value_heads=2, use_sliding_window=True, sliding_window=5,
+                                         max_window_layers=1)),   # layers 1 and 2 slide
+    "gemma2-window": ("Gemma2Config", dict(num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=32,
+                                           attn_logit_softcapping=None, final_logit_softcapping=None,
+                                           sliding_window=5)),   # layers 0 and 2 slide
+    "gemma3-window": ("Gemma3TextConfig", dict(num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=32,
+                                               sliding_window=5, layer_types=SLIDING_FULL_SLIDING)),
+    "cohere2-window": ("Cohere2Config", dict(num_key_value_heads=2, logit_scale=0.25, sliding_window=5,
+                                             layer_types=SLIDING_FULL_SLIDING)),
+    "exaone4-window": ("Exaone4Config", dict(num_key_value_heads=2, sliding_window=5,
+                                             layer_types=SLIDING_FULL_SLIDING)),
+    "qwen2_moe-window": ("Qwen2MoeConfig", dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                                                moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                                use_sliding_window=True, sliding_window=5, max_window_layers=3)),
 }
 ARCHS = ["llama", "llama-tied", "mistral", "qwen2", "qwen3", "gpt2", *OTHER_ARCHS]
 MODEL_CLASSES = {"gpt2": "GPT2LMHeadModel", "llama-tied": "LlamaForCausalLM", "llama": "LlamaForCausalLM",
@@ -131,6 +151,8 @@ MODEL_CLASSES = {"gpt2": "GPT2LMHeadModel", "llama-tied": "LlamaForCausalLM", "l
                  "apertus": "ApertusForCausalLM", "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM",
                  "cohere2": "Cohere2ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                  "granitemoe": "GraniteMoeForCausalLM", "granitemoeshared": "GraniteMoeSharedForCausalLM"}
+MODEL_CLASSES.update({arch: MODEL_CLASSES[arch.removesuffix("-window")]
+                      for arch in OTHER_ARCHS if arch.endswith("-window")})
 
 
 def hf_model(arch: str, seed: int = 0) -> "transformers.PreTrainedModel":
@@ -402,10 +424,11 @@ def run_sliced_forward_only(layers: list, ids: torch.Tensor, slices: list[int]):
 
 
 @pytest.mark.parametrize("make, feature, fix", [
-    (lambda: transformers.MistralConfig(**COMMON, num_key_value_heads=2, sliding_window=8),
-     "sliding-window", "sliding_window = None"),
-    (lambda: transformers.Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=8, max_window_layers=0),
-     "sliding-window", "use_sliding_window=False"),
+    (lambda: transformers.Gemma2Config(**COMMON, attn_logit_softcapping=None, final_logit_softcapping=None,
+                                       sliding_window=None),
+     "2 of 3 layers use sliding-window attention but sliding_window=None", "make those layers 'full_attention'"),
+    (lambda: transformers.Qwen2Config(**COMMON, layer_types=["chunked_attention"] + ["full_attention"] * 2),
+     "other attention types (chunked_attention) are not supported", "'full_attention' or 'sliding_attention'"),
     (lambda: transformers.LlamaConfig(**COMMON, attn_logit_softcapping=30.0), "softcapping", "set it to None"),
     (lambda: transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, add_cross_attention=True),
      "cross-attention", "add_cross_attention=False"),
@@ -415,34 +438,18 @@ def run_sliced_forward_only(layers: list, ids: torch.Tensor, slices: list[int]):
     (lambda: transformers.LlamaConfig(**COMMON, rope_parameters={"rope_type": "dynamic", "factor": 2.0,
                                                                  "rope_theta": 10000.0}),
      "rope_type 'dynamic'", "static rope type"),
-    (lambda: transformers.Gemma2Config(**COMMON, attn_logit_softcapping=None, final_logit_softcapping=None),
-     "2 of 3 layer_types are 'sliding_attention'", "layer_types = ['full_attention'] * num_hidden_layers"),
     (lambda: transformers.Gemma2Config(**COMMON, **FULL_ATTENTION), "attn_logit_softcapping=50.0", "set it to None"),
     (lambda: transformers.Gemma2Config(**COMMON, **FULL_ATTENTION, attn_logit_softcapping=None),
      "final_logit_softcapping=30.0", "set it to None"),
     (lambda: transformers.Gemma3TextConfig(**COMMON, **FULL_ATTENTION, rope_parameters={
         "full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6},
         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}), "rope_type 'dynamic'", "static rope type"),
-    (lambda: transformers.Phi3Config(**COMMON, **TOKENS, sliding_window=2047), "sliding_window=2047",
-     "sliding_window = None"),
-    (lambda: transformers.Starcoder2Config(**COMMON, sliding_window=4096), "sliding_window=4096",
-     "sliding_window = None"),
     (lambda: transformers.MixtralConfig(**COMMON, output_router_logits=True), "load-balancing",
      "output_router_logits=False"),
     (lambda: transformers.GraniteMoeConfig(**COMMON, output_router_logits=True), "load-balancing",
      "output_router_logits=False"),
     (lambda: transformers.Qwen2MoeConfig(**COMMON, output_router_logits=True), "load-balancing",
      "output_router_logits=False"),
-    # default layer types: 3 of 4 sliding; retyping them also changes the rotary (none on Cohere 2's full layers,
-    # Gemma 3's local base), so the fix says it is exact only for a model trained all full
-    (lambda: transformers.Cohere2Config(**COMMON | dict(num_hidden_layers=4)),
-     "3 of 4 layer_types are 'sliding_attention'", "only the sliding layers apply rotary positions"),
-    (lambda: transformers.Exaone4Config(**COMMON | dict(num_hidden_layers=4)),
-     "3 of 4 layer_types are 'sliding_attention'", "only the sliding layers apply rotary positions"),
-    (lambda: transformers.Gemma3TextConfig(**COMMON), "'sliding_attention'", "rotary table"),
-    (lambda: transformers.Olmo3Config(**COMMON | dict(num_hidden_layers=4)),
-     "3 of 4 layer_types are 'sliding_attention'", "covers the whole sequence"),  # same rope tables
-    (lambda: transformers.MinistralConfig(**COMMON, head_dim=16), "3 of 3 layer_types", "full_attention"),
     (lambda: transformers.HunYuanDenseV1Config(**COMMON, head_dim=16, rope_parameters={
         "rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}), "rope_type 'dynamic'", "static rope type"),
     # attention computed inside their layers, not through transformers' AttentionInterface: the reason is named
@@ -467,6 +474,53 @@ def test_masks_and_headless_models_are_refused() -> None:
         terapipe_attention(torch.nn.Module(), q, q, q, torch.zeros(1, 1, 3, 3))
     with pytest.raises(UnsupportedModelError, match="LM head"):
         causal_lm_specs(transformers.LlamaModel(tiny_config("llama")))
+
+
+def test_each_family_slides_the_layers_its_model_masks_slide() -> None:
+    """The ``_FAMILIES`` table says which layers get ``config.sliding_window``: none, every layer (the *Model builds
+    one sliding mask when it is set), or the 'sliding_attention' entries of ``layer_types`` (one mask per type);
+    transformers' modeling code must say the same."""
+    import inspect
+
+    from ds_terapipe.models.hf import _FAMILIES, _modeling
+
+    for model_type, family in _FAMILIES.items():
+        source = inspect.getsource(_modeling(family))
+        assert ("create_sliding_window_causal_mask" in source) == (family.window is not None), model_type
+        assert ("config.layer_types[i]" in source) == (family.window == "layer_types"), model_type
+
+
+def test_the_window_bound_is_transformers_own() -> None:
+    """``causal_visible`` (the band every windowed path masks with) equals transformers' sliding-window causal mask
+    function, key by key: at most ``window`` keys, the query's own included."""
+    from transformers.masking_utils import sliding_window_causal_mask_function
+
+    from ds_terapipe.runtime.slicing.documents import causal_visible
+
+    for window in (1, 2, 5, 16):
+        theirs = sliding_window_causal_mask_function(window)
+        for start, end, first in ((0, 16, 0), (5, 12, 0), (9, 16, 6)):
+            want = theirs(0, 0, torch.arange(start, end)[:, None], torch.arange(first, end)[None, :])
+            assert torch.equal(causal_visible(start, end, first, window, torch.device("cpu")), want), window
+
+
+def test_an_attention_call_whose_window_disagrees_with_the_mask_is_refused() -> None:
+    """Inside a pipeline decoder layer the window is the model's mask's; a layer that passes another
+    ``sliding_window`` is refused (rule, values, fix). Called outside the layers, the call's own argument is the
+    window."""
+    import torch.nn.functional as F
+
+    from ds_terapipe.models.hf import _layer_window
+
+    torch.manual_seed(0)
+    q = torch.randn(1, 2, 6, 8, dtype=torch.float64)
+    with _layer_window(5), pytest.raises(UnsupportedModelError,
+                                         match="passes sliding_window=7 but the model's mask gives this layer "
+                                               "window=5.*set config.sliding_window and config.layer_types"):
+        terapipe_attention(torch.nn.Module(), q, q, q, None, sliding_window=7)
+    visible = torch.ones(6, 6, dtype=torch.bool).tril() & ~torch.ones(6, 6, dtype=torch.bool).tril(-2)
+    want = F.scaled_dot_product_attention(q, q, q, attn_mask=visible).transpose(1, 2)
+    torch.testing.assert_close(terapipe_attention(torch.nn.Module(), q, q, q, None, sliding_window=2)[0], want)
 
 
 @pytest.mark.multiproc

@@ -17,15 +17,18 @@ wrapper. Grouped-query attention keeps the cache at ``num_key_value_heads``: k/v
 (a ``TiedLayerSpec`` with the embedding when the weights are tied); the loss is :func:`causal_lm_loss`. What
 an architecture's ``*Model`` / ``*ForCausalLM`` does around its layers is redone here from the ``_FAMILIES``
 table: the embedding's scale (Gemma's sqrt(hidden), Granite's multiplier) and dropout, the final norm's class,
-the head's bias and logit scale (Granite, Cohere), per-layer-type rotary tables (Gemma 3, OLMo 3).
+the head's bias and logit scale (Granite, Cohere), per-layer-type rotary tables (Gemma 3, OLMo 3), and each
+layer's sliding window: the one the model's own mask gives that layer (``sliding_window`` on every layer of
+Mistral, Mixtral, Phi-3, ...; on the ``'sliding_attention'`` layers of ``layer_types`` in Gemma 2/3, Qwen, OLMo 3,
+Cohere 2, ...), handed to :func:`~ds_terapipe.sliced_causal_attention` as ``window``.
 
 Features whose result would depend on the slicing, or that the token pipeline cannot feed, are refused when
-the specs are built (:class:`UnsupportedModelError`, naming the feature and the fix): sliding-window attention,
-attention-logit softcapping, cross-attention and encoder-decoder models, bidirectional (non-causal) attention,
-rotary scalings that depend on the sequence length seen (``dynamic``, ``longrope``), a mixture-of-experts
-load-balancing loss (``output_router_logits``), architectures outside :data:`SUPPORTED_MODEL_TYPES` (Bloom's and
-Falcon's attention bypasses ``AttentionInterface``: the refusal says so). Attention
-masks (padding) are data, so they are refused at the first forward that carries one.
+the specs are built (:class:`UnsupportedModelError`, naming the feature and the fix): attention-logit
+softcapping, cross-attention and encoder-decoder models, bidirectional (non-causal) attention, rotary scalings that
+depend on the sequence length seen (``dynamic``, ``longrope``), a mixture-of-experts load-balancing loss
+(``output_router_logits``), layer types other than full and sliding attention, architectures outside
+:data:`SUPPORTED_MODEL_TYPES` (Bloom's and Falcon's attention bypasses ``AttentionInterface``: the refusal says so).
+Attention masks (padding) are data, so they are refused at the first forward that carries one.
 """
 
 from __future__ import annotations
@@ -36,9 +39,11 @@ import inspect
 import json
 import math
 import os
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import torch.nn as nn
@@ -109,10 +114,9 @@ class _Family:
     embed_scale: Callable[[PretrainedConfig, torch.Tensor], torch.Tensor] | None = None
     head_bias: bool = False  # the LM head (``lm_head``) has a bias
     logit_scale: Callable[[PretrainedConfig, torch.Tensor], torch.Tensor] | None = None
-    # With a sliding window set, only the sliding layers apply rotary, the full ones none (Cohere 2, EXAONE 4): so
-    # turning sliding layers into full ones changes a checkpoint's function even where the window covers all; the
-    # sliding-window refusal says so.
-    full_layers_nope: bool = False
+    # Which layers the *Model's mask gives config.sliding_window: "every layer" (when it is set), the
+    # "sliding_attention" entries of config.layer_types, or None (the model has no sliding window).
+    window: str | None = None
 
 
 def _llama_like(module: str, prefix: str, **quirks: Any) -> _Family:
@@ -124,47 +128,48 @@ def _llama_like(module: str, prefix: str, **quirks: Any) -> _Family:
 
 
 _LAYER_NORM = dict(final_norm=None, norm_eps="layer_norm_eps")  # a plain nn.LayerNorm as the final norm
+_EVERY_LAYER, _LAYER_TYPES = "every layer", "layer_types"  # _Family.window
 _FAMILIES: dict[str, _Family] = {
     "llama": _llama_like("llama", "Llama"),
-    "mistral": _llama_like("mistral", "Mistral"),
-    "qwen2": _llama_like("qwen2", "Qwen2"),
-    "qwen3": _llama_like("qwen3", "Qwen3"),
+    "mistral": _llama_like("mistral", "Mistral", window=_EVERY_LAYER),
+    "qwen2": _llama_like("qwen2", "Qwen2", window=_LAYER_TYPES),
+    "qwen3": _llama_like("qwen3", "Qwen3", window=_LAYER_TYPES),
     "gpt2": _Family("gpt2", "GPT2Block", None, None, base="transformer", layers="h", embed="wte", norm="ln_f",
                     norm_eps="layer_norm_epsilon", embed_padding=False, embed_dropout="embd_pdrop"),
     "gemma": _llama_like("gemma", "Gemma", embed_scale=_sqrt_hidden_scale),
-    "gemma2": _llama_like("gemma2", "Gemma2", embed_scale=_sqrt_hidden_scale),
-    "gemma3_text": _llama_like("gemma3", "Gemma3", embed_scale=_sqrt_hidden_scale),
-    "phi3": _llama_like("phi3", "Phi3"),
+    "gemma2": _llama_like("gemma2", "Gemma2", embed_scale=_sqrt_hidden_scale, window=_LAYER_TYPES),
+    "gemma3_text": _llama_like("gemma3", "Gemma3", embed_scale=_sqrt_hidden_scale, window=_LAYER_TYPES),
+    "phi3": _llama_like("phi3", "Phi3", window=_EVERY_LAYER),
     "olmo": _llama_like("olmo", "Olmo", final_norm="OlmoLayerNorm", norm_eps=None),
     "olmo2": _llama_like("olmo2", "Olmo2"),
     "granite": _llama_like("granite", "Granite", embed_scale=_embedding_multiplier,
                            logit_scale=_divide_by_logits_scaling),
     "cohere": _llama_like("cohere", "Cohere", final_norm="CohereLayerNorm", norm_eps="layer_norm_eps",
                           logit_scale=_times_logit_scale),
-    "smollm3": _llama_like("smollm3", "SmolLM3"),
+    "smollm3": _llama_like("smollm3", "SmolLM3", window=_LAYER_TYPES),
     "stablelm": _llama_like("stablelm", "StableLm", **_LAYER_NORM),
     "starcoder2": _llama_like("starcoder2", "Starcoder2", final_norm=None, norm_eps="norm_epsilon",
-                              embed_dropout="embedding_dropout"),
+                              embed_dropout="embedding_dropout", window=_EVERY_LAYER),
     "phi": _llama_like("phi", "Phi", **_LAYER_NORM, norm="final_layernorm", embed_dropout="embd_pdrop",
                        head_bias=True),
     "gpt_neox": _Family("gpt_neox", "GPTNeoXLayer", None, "GPTNeoXRotaryEmbedding", base="gpt_neox",
                         layers="layers", embed="embed_in", norm="final_layer_norm", norm_eps="layer_norm_eps",
                         embed_padding=False, embed_dropout="hidden_dropout"),
-    "mixtral": _llama_like("mixtral", "Mixtral"),
-    "qwen3_moe": _llama_like("qwen3_moe", "Qwen3Moe"),
+    "mixtral": _llama_like("mixtral", "Mixtral", window=_EVERY_LAYER),
+    "qwen3_moe": _llama_like("qwen3_moe", "Qwen3Moe", window=_EVERY_LAYER),
     "glm": _llama_like("glm", "Glm"),
     "glm4": _llama_like("glm4", "Glm4"),
     "helium": _llama_like("helium", "Helium"),
-    "ministral": _llama_like("ministral", "Ministral"),
-    "olmo3": _llama_like("olmo3", "Olmo3"),
-    "exaone4": _llama_like("exaone4", "Exaone4", full_layers_nope=True),
+    "ministral": _llama_like("ministral", "Ministral", window=_LAYER_TYPES),
+    "olmo3": _llama_like("olmo3", "Olmo3", window=_LAYER_TYPES),
+    "exaone4": _llama_like("exaone4", "Exaone4", window=_LAYER_TYPES),
     "seed_oss": _llama_like("seed_oss", "SeedOss"),
     "arcee": _llama_like("arcee", "Arcee"),
     "apertus": _llama_like("apertus", "Apertus"),
     "hunyuan_v1_dense": _llama_like("hunyuan_v1_dense", "HunYuanDenseV1"),
     "cohere2": _llama_like("cohere2", "Cohere2", final_norm="Cohere2LayerNorm", norm_eps="layer_norm_eps",
-                           logit_scale=_times_logit_scale, full_layers_nope=True),
-    "qwen2_moe": _llama_like("qwen2_moe", "Qwen2Moe"),
+                           logit_scale=_times_logit_scale, window=_LAYER_TYPES),
+    "qwen2_moe": _llama_like("qwen2_moe", "Qwen2Moe", window=_LAYER_TYPES),
     "granitemoe": _llama_like("granitemoe", "GraniteMoe", embed_scale=_embedding_multiplier,
                               logit_scale=_divide_by_logits_scaling),
     "granitemoeshared": _llama_like("granitemoeshared", "GraniteMoeShared", embed_scale=_embedding_multiplier,
@@ -203,6 +208,49 @@ def _modeling(family: _Family) -> Any:
     return importlib.import_module(f"transformers.models.{family.module}.modeling_{family.module}")
 
 
+def _layer_windows(config: PretrainedConfig, family: _Family) -> list[int | None]:
+    """Each decoder layer's sliding window as the model's own mask gives it (``create_sliding_window_causal_mask``:
+    ``config.sliding_window`` for the layers it covers), None for full causal attention; or
+    :class:`UnsupportedModelError` for layer types this module does not know, or sliding layers without a window."""
+    num_layers = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    if family.window is None:
+        return [None] * num_layers
+    if family.window == _EVERY_LAYER:
+        sliding = [window is not None] * num_layers
+    else:
+        layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * num_layers)
+        unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+        if unknown or len(layer_types) != num_layers:
+            raise UnsupportedModelError(f"{config.model_type}: layer_types={layer_types} must name each of the "
+                                        f"{num_layers} layers 'full_attention' or 'sliding_attention'; other "
+                                        f"attention types ({', '.join(unknown) or 'none'}) are not supported")
+        sliding = [kind == "sliding_attention" for kind in layer_types]
+    if any(sliding) and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise UnsupportedModelError(f"{config.model_type}: {sum(sliding)} of {num_layers} layers use sliding-window "
+                                    f"attention but sliding_window={window!r}; set sliding_window to the window (a "
+                                    "positive int: the keys a query sees, itself included) or make those layers "
+                                    "'full_attention'")
+    return [window if slides else None for slides in sliding]
+
+
+# The running decoder layer's window (HFDecoderLayer sets it around transformers' layer, which calls
+# terapipe_attention): the model's mask, not the attention call's ``sliding_window`` argument, decides it (some
+# layers pass none, Qwen2-MoE's).
+_LAYER = threading.local()
+_UNSET = object()
+
+
+@contextmanager
+def _layer_window(window: int | None) -> Iterator[None]:
+    previous = getattr(_LAYER, "window", _UNSET)
+    _LAYER.window = window
+    try:
+        yield
+    finally:
+        _LAYER.window = previous
+
+
 # -- the attention function ------------------------------------------------------------------------------------
 def terapipe_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                        attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
@@ -216,9 +264,15 @@ def terapipe_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor
             "ds_terapipe attention got an attention mask: padding masks are not supported with token slicing; "
             "feed full-length sequences without padding (pack documents, as pretraining does) and call the "
             "layers without attention_mask")
-    if kwargs.get("sliding_window") is not None:
-        raise UnsupportedModelError(f"ds_terapipe attention: sliding-window attention (sliding_window="
-                                    f"{kwargs['sliding_window']}) is not supported; set config.sliding_window = None")
+    given = kwargs.get("sliding_window")
+    window = getattr(_LAYER, "window", _UNSET)
+    if window is _UNSET:   # called outside the pipeline's decoder layers: the layer's own argument
+        window = given
+    elif given is not None and given != window:
+        raise UnsupportedModelError(f"ds_terapipe attention: {type(module).__name__} passes sliding_window={given} "
+                                    f"but the model's mask gives this layer window={window}; the pipeline follows "
+                                    "the mask, and cannot tell which one this model means: set config.sliding_window "
+                                    "and config.layer_types so that both agree")
     if kwargs.get("softcap") is not None:
         raise UnsupportedModelError("ds_terapipe attention: attention-logit softcapping is not supported; use a "
                                     "model without attn_logit_softcapping")
@@ -226,7 +280,8 @@ def terapipe_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor
         raise UnsupportedModelError(f"ds_terapipe attention: {type(module).__name__} is not causal (cross- or "
                                     "bidirectional attention); only causal self-attention can be token-sliced")
     # Grouped-query attention: k/v keep their num_kv_heads (so does the KV cache); SDPA pairs the heads.
-    out = sliced_causal_attention(query, key, value, cache_key=module, dropout_p=dropout, scale=scaling)
+    out = sliced_causal_attention(query, key, value, cache_key=module, dropout_p=dropout, scale=scaling,
+                                  window=window)
     return out.transpose(1, 2), None  # (B, T, nh, hs)
 
 
@@ -252,20 +307,7 @@ def _check_config(config: PretrainedConfig) -> _Family:
         raise UnsupportedModelError(f"model_type {model_type!r} is not supported by ds_terapipe.models.hf{why}; "
                                     f"supported: {', '.join(SUPPORTED_MODEL_TYPES)} (or write the model as "
                                     "LayerSpecs with ds_terapipe.sliced_causal_attention, see README)")
-    window = getattr(config, "sliding_window", None)
-    layer_types = list(getattr(config, "layer_types", None) or ())
-    if layer_types:  # the config names each layer's attention; the window applies to "sliding_attention" ones only
-        sliding = layer_types.count("sliding_attention")
-        if sliding:
-            raise UnsupportedModelError(f"{model_type}: sliding-window attention ({sliding} of {len(layer_types)} "
-                                        "layer_types are 'sliding_attention', sliding_window="
-                                        f"{window}) is not supported; set config.layer_types = ['full_attention'] * "
-                                        "num_hidden_layers (Qwen: use_sliding_window=False), which is exact whenever "
-                                        f"the window covers the whole sequence{_retyping_caveat(config, family)}")
-    elif window is not None:
-        raise UnsupportedModelError(f"{model_type}: sliding-window attention (sliding_window={window}) is not "
-                                    "supported; set config.sliding_window = None (and use_sliding_window=False), "
-                                    "which is exact whenever the window covers the whole sequence")
+    _layer_windows(config, family)  # refuses layer types it does not know, sliding layers without a window
     for name in ("attn_logit_softcapping", "final_logit_softcapping"):
         if getattr(config, name, None) is not None:
             raise UnsupportedModelError(f"{model_type}: attention/logit softcapping (config.{name}="
@@ -287,20 +329,6 @@ def _check_config(config: PretrainedConfig) -> _Family:
                                     "batch, which neither a slice nor causal_lm_loss sees; set "
                                     "output_router_logits=False (routing itself is per token and runs exactly)")
     return family
-
-
-def _retyping_caveat(config: PretrainedConfig, family: _Family) -> str:
-    """What else changes when a model's sliding layers become full ones, for the refusal's fix: nothing but the
-    window, unless the layer type also picks the rotary (none on full layers; a table per layer type)."""
-    if family.full_layers_nope and getattr(config, "sliding_window", None) is not None:
-        return (f", but in {config.model_type} only the sliding layers apply rotary positions (the full ones "
-                "none), so retyping them changes a checkpoint trained with them: exact for models trained all full")
-    rope = getattr(config, "rope_parameters", None)
-    if isinstance(rope, Mapping) and isinstance(rope.get("sliding_attention"), Mapping) \
-            and rope.get("sliding_attention") != rope.get("full_attention"):
-        return (", but the sliding layers' rotary table (rope_parameters['sliding_attention']) differs from the full "
-                "layers', so retyping them changes a checkpoint trained with them: exact for models trained all full")
-    return ""
 
 
 def _attention_config(config: PretrainedConfig) -> PretrainedConfig:
@@ -494,18 +522,21 @@ class HFDecoderLayer(nn.Module):
         self.rotary_kwargs: dict[str, str] = {}
         if self.rotary is not None and "layer_type" in inspect.signature(self.rotary.forward).parameters:
             self.rotary_kwargs["layer_type"] = config.layer_types[layer_idx]
+        self.window = _layer_windows(config, family)[layer_idx]  # the sliding window of its mask, or None
         if source is None:
             _fill(self, config, 1 + layer_idx, seed, checkpoint)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.rotary is None:  # GPT-2: positions were added by the embedding
-            return self.layer(hidden)
+            with _layer_window(self.window):
+                return self.layer(hidden)
         position_ids = slice_positions(hidden.shape[1], hidden.device)  # (T,), or (B, T) for packed rows
         if position_ids.dim() == 1:
             position_ids = position_ids.unsqueeze(0)  # (1, T)
         position_embeddings = self.rotary(hidden, position_ids, **self.rotary_kwargs)  # cos, sin: (1 or B, T, hs)
-        return self.layer(hidden, attention_mask=None, position_ids=position_ids,
-                          position_embeddings=position_embeddings)
+        with _layer_window(self.window):
+            return self.layer(hidden, attention_mask=None, position_ids=position_ids,
+                              position_embeddings=position_embeddings)
 
 
 class HFFinalNorm(nn.Module):

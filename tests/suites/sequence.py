@@ -27,8 +27,9 @@ UNEQUAL = [16, 24, 8]
 
 
 def _model(name: str) -> tuple[list, int]:
-    """(layer specs, vocabulary) of ``name``: the reference GPT (learned positions, 4 heads) or a Hugging Face Llama
-    (rotary positions, 4 query heads over 2 key/value heads: one KV head per sequence rank)."""
+    """(layer specs, vocabulary) of ``name``: the reference GPT (learned positions, 4 heads), a Hugging Face Llama
+    (rotary positions, 4 query heads over 2 key/value heads: one KV head per sequence rank), or the same as Mistral
+    with a sliding window of 10 keys (shorter than some slices, longer than others)."""
     if name == "gpt":
         cfg = GPTConfig(num_layers=4, hidden=32, num_heads=4, vocab_size=64, max_seq_len=64, seed=11)
         return gpt_layer_specs(cfg), cfg.vocab_size
@@ -36,9 +37,12 @@ def _model(name: str) -> tuple[list, int]:
 
     from ds_terapipe.models.hf import causal_lm_specs
 
-    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
-                                      max_position_embeddings=64)
+    sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=64, max_position_embeddings=64)
+    if name == "mistral":
+        config = transformers.MistralConfig(**sizes, sliding_window=10)
+    else:
+        config = transformers.LlamaConfig(**sizes)
     return causal_lm_specs(config, seed=5), config.vocab_size
 
 

@@ -10,6 +10,10 @@ view; its backward adds the incoming gradient into a gradient buffer of the same
 * rows ``[start, end)`` are this slice's own keys/values: after the add they hold this slice's part plus
   whatever later slices accumulated there, and are returned as they lie (a view).
 
+With a sliding window ``w`` (``window=``, as Mistral's or Gemma's sliding layers) the slice's queries see only
+the keys ``[start - w + 1, end)``: the view starts there, and rows before it are neither read nor handed gradients
+(likewise keys of documents that ended before the slice, for packed rows).
+
 No graph is traversed twice and nothing full-length is copied per slice. Adapting an existing attention is a
 one-line change: replace ``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` with
 ``sliced_causal_attention(q, k, v, cache_key=self)``, and take position ids (learned or rotary) from
@@ -29,7 +33,7 @@ from . import blocks as blocks_mod
 from .blocks import block_attention, fused_ok, gqa_kwargs, prefix_blocks, sdpa_blocks
 from .context import KVBuffers, SliceContext, current_slice
 from .devices import prefix_causal_bias
-from .documents import Documents, current_documents, slice_positions
+from .documents import Documents, causal_visible, current_documents, slice_positions
 from .sequence import gather_heads, scatter_heads
 
 __all__ = ["CausalSelfAttention", "sliced_causal_attention"]
@@ -39,40 +43,44 @@ class _PrefixKV(torch.autograd.Function):
     """Append a slice's keys (or values) to the cache and return the cached prefix including them."""
 
     @staticmethod
-    def forward(ctx, new: torch.Tensor, bufs: KVBuffers, which: str, start: int) -> torch.Tensor:
+    def forward(ctx, new: torch.Tensor, bufs: KVBuffers, which: str, start: int, lo: int) -> torch.Tensor:
         end = start + new.shape[2]
         writable = bufs.k_w if which == "k" else bufs.v_w
         writable[:, :, start:end].copy_(new)
-        ctx.bufs, ctx.which, ctx.start, ctx.end = bufs, which, start, end
+        ctx.bufs, ctx.which, ctx.start, ctx.lo = bufs, which, start, lo
         root = new if new._base is None else new._base   # a view's gradient reaches its base through views
         ctx.leaf = root.grad_fn is None
         full = bufs.k if which == "k" else bufs.v
-        return full[:, :, :end]  # (B, nh, end, hs), a view
+        return full[:, :, lo:end]  # (B, nh, end - lo, hs), a view: the rows [lo, end) the slice's queries read
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        own = ctx.bufs.add_grad(ctx.which, grad, ctx.start)   # (B, nh, end - start, hs), a view into the buffer
+        # (B, nh, end - start, hs), a view into the buffer; rows before lo get nothing
+        own = ctx.bufs.add_grad(ctx.which, grad, ctx.start, ctx.lo)
         # A leaf (or a view of one) would keep what it is handed as its ``.grad``, tying the whole buffer to it: give
         # it its own copy.
-        return (own.clone() if ctx.leaf else own), None, None, None
+        return (own.clone() if ctx.leaf else own), None, None, None, None
 
 
 _MASKS: dict[tuple, torch.Tensor] = {}
 
 
-def _prefix_causal_mask(start: int, end: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """(end - start, end) additive mask: query row r (global position start + r) sees keys <= start + r.
+def _prefix_causal_mask(start: int, end: int, dtype: torch.dtype, device: torch.device, first_key: int = 0,
+                        window: int | None = None) -> torch.Tensor:
+    """(end - start, end - first_key) additive mask: query row r (global position start + r) sees the keys
+    ``first_key + j`` that :func:`~ds_terapipe.runtime.slicing.documents.causal_visible` gives (<= start + r, and
+    within ``window`` of it).
 
     Additive and already in the query dtype: SDPA would otherwise convert a boolean mask on every call, in
     every layer, and keep that copy for backward.
     """
-    key = (start, end, dtype, str(device))
+    key = (start, end, first_key, window, dtype, str(device))
     mask = _MASKS.get(key)
     if mask is None:
         if len(_MASKS) > 256:
             _MASKS.clear()
-        visible = torch.ones(end - start, end, dtype=torch.bool, device=device).tril(diagonal=start)
-        mask = torch.zeros(end - start, end, dtype=dtype, device=device).masked_fill(~visible, float("-inf"))
+        visible = causal_visible(start, end, first_key, window, device)
+        mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill(~visible, float("-inf"))
         _MASKS[key] = mask
     return mask
 
@@ -83,7 +91,8 @@ def sliced_causal_attention(q: torch.Tensor,
                             *,
                             cache_key: Hashable,
                             dropout_p: float = 0.0,
-                            scale: float | None = None) -> torch.Tensor:
+                            scale: float | None = None,
+                            window: int | None = None) -> torch.Tensor:
     """Causal attention of one slice over itself and the cached earlier slices of its micro-batch.
 
     Args:
@@ -94,23 +103,38 @@ def sliced_causal_attention(q: torch.Tensor,
             forward gets its own KV buffer, keyed by (cache_key, how many calls with this key came before it),
             so a layer applied twice (shared weights) or two layers passing the same key still train exactly.
         dropout_p, scale: as in ``torch.nn.functional.scaled_dot_product_attention``.
+        window: sliding-window attention: query ``t`` sees key ``k`` iff ``k <= t`` and ``t - k < window`` (at most
+            ``window`` keys, itself included, as ``transformers``' sliding-window mask); None: every earlier key.
+            A slice ``[start, end)`` then reads only the cached rows ``[start - window + 1, end)``, and the key/value
+            gradients it carries back land only in those.
 
     Returns:
         (B, nh, T, hs), equal to rows ``[start, end)`` of unsliced causal attention over the whole sequence.
     """
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"sliced_causal_attention: window={window!r}; a sliding window is a positive int (how many "
+                         "keys a query sees, itself included), or None for causal attention over every earlier key")
     ctx = current_slice()
     share = None if ctx is None else ctx.sequence
     if share is not None and share.degree > 1:   # this rank's tokens, all heads -> the whole slice, its heads
         q, k, v = gather_heads(q, share, "q"), gather_heads(k, share, "k/v"), gather_heads(v, share, "k/v")
-        return scatter_heads(_sliced(q, k, v, ctx, cache_key, dropout_p, scale), share)
-    return _sliced(q, k, v, ctx, cache_key, dropout_p, scale)
+        return scatter_heads(_sliced(q, k, v, ctx, cache_key, dropout_p, scale, window), share)
+    return _sliced(q, k, v, ctx, cache_key, dropout_p, scale, window)
+
+
+def _binds(window: "int | None", end: int) -> bool:
+    """Whether a sliding window hides any key from the queries before ``end`` (the last one sees ``end - window``
+    keys fewer than causal attention would)."""
+    return window is not None and end > window
 
 
 def _sliced(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: "SliceContext | None", cache_key: Hashable,
-            dropout_p: float, scale: "float | None") -> torch.Tensor:
+            dropout_p: float, scale: "float | None", window: "int | None") -> torch.Tensor:
     gqa = gqa_kwargs(q, k, v)
     docs = current_documents()
     if ctx is None or ctx.num_slices == 1:
+        if _binds(window, q.shape[2]):
+            return _banded(q, k, v, docs, 0, q.shape[2], 0, window, dropout_p, scale, gqa)
         if docs is not None:  # packed rows: causal within each document
             return _within_documents(q, k, v, docs, 0, q.shape[2], 0, fused_ok(q, k, v, dropout_p), dropout_p,
                                      scale, gqa)
@@ -124,12 +148,18 @@ def _sliced(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: "SliceContex
     # SDPA saves q for backward; q is usually a view of a fused qkv projection whose k/v parts now live in the
     # cache, so give q its own storage (same (B, nh, T, hs) strides as before) and let that projection go.
     q = q.transpose(1, 2).contiguous().transpose(1, 2)
-    keys = _PrefixKV.apply(k, bufs, "k", ctx.start)  # (B, nh, end, hs)
-    values = _PrefixKV.apply(v, bufs, "v", ctx.start)
+    # The first key any query of the slice sees: keys of documents that ended before the slice (packed rows), and
+    # keys a sliding window has left behind, are neither read nor handed gradients.
+    first = 0 if docs is None else docs.first_visible(ctx.start)
+    windowed = _binds(window, ctx.end)
+    if windowed:
+        first = max(first, ctx.start - window + 1)
+    keys = _PrefixKV.apply(k, bufs, "k", ctx.start, first)  # (B, nh, end - first, hs)
+    values = _PrefixKV.apply(v, bufs, "v", ctx.start, first)
+    if windowed:
+        return _banded(q, keys, values, docs, ctx.start, ctx.end, first, window, dropout_p, scale, gqa)
     if docs is not None:  # packed rows: the prefix's keys of the query's own document only
-        first = docs.first_visible(ctx.start)  # keys of documents that ended before the slice: skipped
-        return _within_documents(q, keys[:, :, first:], values[:, :, first:], docs, ctx.start, ctx.end, first, fused,
-                                 dropout_p, scale, gqa)
+        return _within_documents(q, keys, values, docs, ctx.start, ctx.end, first, fused, dropout_p, scale, gqa)
     if ctx.start == 0:
         return F.scaled_dot_product_attention(q, keys, values, is_causal=True, dropout_p=dropout_p, scale=scale, **gqa)
     mask = prefix_causal_bias(ctx.start, ctx.end, q.device)  # lazy on an accelerator: fused kernels stay eligible
@@ -137,6 +167,19 @@ def _sliced(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: "SliceContex
         return block_attention(q, keys, values, prefix_blocks(q.shape[0], ctx.start, ctx.length), scale)
     if mask is None:
         mask = _prefix_causal_mask(ctx.start, ctx.end, q.dtype, q.device)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, dropout_p=dropout_p, scale=scale, **gqa)
+
+
+def _banded(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, docs: "Documents | None", start: int, end: int,
+            first: int, window: int, dropout_p: float, scale: "float | None", gqa: dict[str, bool]) -> torch.Tensor:
+    """Queries ``[start, end)`` over ``keys``/``values`` ``[first, end)`` under a sliding window (and within each
+    document for packed rows): one SDPA call with the band's additive mask, on a CPU and an accelerator alike (no
+    fused kernel takes a band without one). The keys start where the window of the slice's first query does, so
+    the mask is (T, T + window - 1) at most, whatever the prefix."""
+    if docs is not None:
+        mask = docs.mask(start, end, q.dtype, first, window)               # (B, 1, T, end - first)
+    else:
+        mask = _prefix_causal_mask(start, end, q.dtype, q.device, first, window)   # (T, end - first)
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, dropout_p=dropout_p, scale=scale, **gqa)
 
 
@@ -160,18 +203,19 @@ class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention (GPT-2 style) that runs sliced inside a token pipeline.
 
     Input and output: (B, T, C). Optional rotary position embedding uses :func:`slice_positions`, so slices get
-    their true positions.
+    their true positions; ``window``: sliding-window attention (see :func:`sliced_causal_attention`).
     """
 
     terapipe_token_mixing = "causal-sliced"
 
     def __init__(self, hidden: int, num_heads: int, *, dropout: float = 0.0, bias: bool = True,
-                 rotary: bool = False) -> None:
+                 rotary: bool = False, window: int | None = None) -> None:
         super().__init__()
         if hidden % num_heads != 0:
             raise ValueError(f"CausalSelfAttention: hidden={hidden} is not divisible by num_heads={num_heads}; "
                              "choose num_heads dividing hidden")
         self.hidden, self.num_heads, self.dropout, self.rotary = hidden, num_heads, dropout, rotary
+        self.window = window
         self.qkv = nn.Linear(hidden, 3 * hidden, bias=bias)
         self.proj = nn.Linear(hidden, hidden, bias=bias)
 
@@ -186,7 +230,7 @@ class CausalSelfAttention(nn.Module):
             positions = slice_positions(tokens, x.device)  # packed rows: within each document
             q, k = apply_rotary(q, positions), apply_rotary(k, positions)
         dropout = self.dropout if self.training else 0.0
-        y = sliced_causal_attention(q, k, v, cache_key=self, dropout_p=dropout)  # (B, nh, T, hs)
+        y = sliced_causal_attention(q, k, v, cache_key=self, dropout_p=dropout, window=self.window)  # (B,nh,T,hs)
         y = y.transpose(1, 2).contiguous().view(batch, tokens, channels)
         return self.proj(y)
 

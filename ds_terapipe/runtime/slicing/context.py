@@ -54,30 +54,33 @@ class KVBuffers:
         self.grad_k: torch.Tensor | None = None
         self.grad_v: torch.Tensor | None = None
 
-    def add_grad(self, which: str, grad: torch.Tensor, start: int) -> torch.Tensor:
-        """Add the gradient w.r.t. cached rows ``[0, end)`` of ``"k"`` or ``"v"`` (``grad``: (B, nh, end, hs), from
-        the backward of the slice ``[start, end)``) and return rows ``[start, end)`` of the sum: that slice's whole
-        gradient, its own part plus what later slices' backwards left there (a view into the buffer).
+    def add_grad(self, which: str, grad: torch.Tensor, start: int, lo: int = 0) -> torch.Tensor:
+        """Add the gradient w.r.t. cached rows ``[lo, end)`` of ``"k"`` or ``"v"`` (``grad``: (B, nh, end - lo, hs),
+        from the backward of the slice ``[start, end)``, which read the keys from ``lo <= start`` on: a sliding
+        window or packed documents leave the rows before it unread) and return rows ``[start, end)`` of the sum:
+        that slice's whole gradient, its own part plus what later slices' backwards left there (a view into the
+        buffer).
 
-        One kernel per call (the first call, the last slice's, a copy; a first call that does not reach the end, as
-        the profile's, a fill and the add): rows ``[0, start)`` keep collecting for the earlier slices, whose
-        backwards come later and read only rows before their own ``end <= start``, so the rows handed out are never
-        written again. The buffer takes the memory layout of the gradient the attention kernel produces, so adding
-        into it reads both alike, and the rows handed out keep the layout a fused projection's backward can read
-        without a copy (the CPU flash kernel: (B, T, nh, hs) in memory).
+        One kernel per call (the first call, the last slice's, a copy; a first call that does not cover the whole
+        buffer, as the profile's or a windowed one, a fill and the add): rows ``[lo, start)`` keep collecting for
+        the earlier slices, whose backwards come later and read only rows before their own ``end <= start``, so
+        the rows handed out are never written again. The buffer takes the memory layout of the gradient the
+        attention kernel produces, so adding into it reads both alike, and the rows handed out keep the layout a
+        fused projection's backward can read without a copy (the CPU flash kernel: (B, T, nh, hs) in memory).
         """
         acc = self.grad_k if which == "k" else self.grad_v
-        end = grad.shape[2]
+        end = lo + grad.shape[2]
         if acc is None:
             full = self.k.shape[2]
-            acc = grad.clone() if end == full else _zeros_in_layout_of(grad, full)
+            whole = lo == 0 and end == full
+            acc = grad.clone() if whole else _zeros_in_layout_of(grad, full)
             if which == "k":
                 self.grad_k = acc
             else:
                 self.grad_v = acc
-            if end == full:
+            if whole:
                 return acc[:, :, start:end]
-        acc[:, :, :end].add_(grad)
+        acc[:, :, lo:end].add_(grad)
         return acc[:, :, start:end]
 
     def nbytes(self) -> int:

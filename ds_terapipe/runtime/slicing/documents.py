@@ -5,9 +5,9 @@ given the Hugging Face way (what ``DataCollatorWithFlattening`` produces): ``pos
 where a document starts, batches ``((input_ids, position_ids), labels)``. Two things follow for every layer:
 
 * attention: a query sees the keys of its own document only (and, causally, only earlier ones): a key ``j``
-  is visible to query ``i`` iff ``j <= i`` and both lie in the same document. Documents are numbered by the
-  restarts (:meth:`Documents.ids`), so a slice of a row needs the positions of the row up to its end: the keys
-  held in the KV carry from earlier slices keep their documents;
+  is visible to query ``i`` iff ``j <= i`` and both lie in the same document (with a sliding window ``w``, also
+  ``i - j < w``). Documents are numbered by the restarts (:meth:`Documents.ids`), so a slice of a row needs the
+  positions of the row up to its end: the keys held in the KV carry from earlier slices keep their documents;
 * positions: each document starts at position 0 (learned position embeddings and rotary alike), so a layer
   takes :func:`slice_positions` rather than ``token_offset() + arange(T)``.
 
@@ -31,8 +31,8 @@ import torch
 from .blocks import MAX_BLOCKS, Block
 from .context import current_slice
 
-__all__ = ["Documents", "check_position_ids", "current_documents", "packed_documents", "packed_rows", "positions_of",
-           "slice_positions"]
+__all__ = ["Documents", "causal_visible", "check_position_ids", "current_documents", "packed_documents", "packed_rows",
+           "positions_of", "slice_positions"]
 
 
 def check_position_ids(ids: Any, positions: Any, where: str = "batch") -> None:
@@ -144,20 +144,36 @@ class Documents:
         self._blocks = {key: result}  # one slice at a time, as the masks
         return result
 
-    def mask(self, start: int, end: int, dtype: torch.dtype, first_key: int = 0) -> torch.Tensor:
+    def mask(self, start: int, end: int, dtype: torch.dtype, first_key: int = 0,
+             window: Optional[int] = None) -> torch.Tensor:
         """(B, 1, end - start, end - first_key) additive mask: query ``start + r`` sees key ``first_key + j`` iff
-        that key is at most ``start + r`` and both are in the same document (-inf elsewhere). Cached: every
-        attention layer of a slice reuses it."""
-        key = (start, end, dtype, first_key)
+        :func:`causal_visible` says so (causal, within ``window``) and both are in the same document (-inf
+        elsewhere). Cached: every attention layer of a slice reuses it."""
+        key = (start, end, dtype, first_key, window)
         mask = self._masks.get(key)
         if mask is None:
             docs = self.ids(end)
             same = docs[:, start:end, None] == docs[:, None, first_key:]                 # (B, T, end - first_key)
-            causal = torch.ones(end - start, end, dtype=torch.bool, device=docs.device).tril(diagonal=start)
-            visible = (same & causal[:, first_key:]).unsqueeze(1)
+            visible = (same & causal_visible(start, end, first_key, window, docs.device)).unsqueeze(1)
             mask = torch.zeros(visible.shape, dtype=dtype, device=docs.device).masked_fill(~visible, float("-inf"))
-            self._masks = {key: mask}  # one slice at a time: the previous slice's mask is no longer needed
+            # one slice at a time: the previous slice's masks are no longer needed (a slice's full and sliding
+            # layers each keep theirs)
+            self._masks = {k: m for k, m in self._masks.items() if k[:2] == (start, end)}
+            self._masks[key] = mask
         return mask
+
+
+def causal_visible(start: int, end: int, first_key: int, window: Optional[int], device: torch.device
+                   ) -> torch.Tensor:
+    """(end - start, end - first_key) booleans: query ``t`` in ``[start, end)`` sees key ``k`` in ``[first_key,
+    end)`` iff ``k <= t`` and, with a sliding ``window``, ``t - k < window`` (at most ``window`` keys, itself
+    included: transformers' ``sliding_window_causal_mask_function``)."""
+    query = torch.arange(start, end, device=device).unsqueeze(1)                      # (T, 1)
+    key = torch.arange(first_key, end, device=device).unsqueeze(0)                    # (1, end - first_key)
+    visible = key <= query
+    if window is not None:
+        visible &= query - key < window
+    return visible
 
 
 _local = threading.local()
