@@ -31,12 +31,11 @@ from train_gpt import load_documents, parse_training_args, start, train, trainin
 
 def arch_settings(arch: str, args: argparse.Namespace, intermediate: int) -> dict[str, Any]:
     """What ``arch`` needs beyond the size options so that the token pipeline runs it exactly and the small
-    shapes hold: no softcapping (Gemma 2), a few small experts (the defaults have up to 128 experts, each as wide
-    as a dense MLP). Sliding windows stay as the architecture sets them."""
+    shapes hold: a few small experts (the defaults have up to 128 experts, each as wide as a dense MLP). Sliding
+    windows and softcapping (Gemma 2) stay as the architecture sets them."""
     experts = {"num_experts_per_tok": 2}
     return {
-        "gemma2": {"attn_logit_softcapping": None, "final_logit_softcapping": None,
-                   "query_pre_attn_scalar": args.hidden // args.heads},
+        "gemma2": {"query_pre_attn_scalar": args.hidden // args.heads},
         "gemma3_text": {"query_pre_attn_scalar": args.hidden // args.heads},
         "mixtral": {**experts, "num_local_experts": 4},
         "qwen3_moe": {**experts, "num_experts": 4, "moe_intermediate_size": intermediate // 2},

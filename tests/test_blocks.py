@@ -221,6 +221,24 @@ def _force_accelerator_paths(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(attention, "prefix_causal_bias", lambda start, end, _: causal_lower_right(end - start, end))
 
 
+def _sliced_outputs_and_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor,
+                              slices: list[int], positions: torch.Tensor | None, **kwargs) -> list[torch.Tensor]:
+    """Sliced attention over ``slices`` (forward in order, backward later slices first, as a stage runs them):
+    the output and the gradients of q, k, v, each concatenated over the slices."""
+    bounds = [sum(slices[:i]) for i in range(len(slices) + 1)]
+    state = MicroBatchState(0, q.shape[2], len(slices))
+    docs = None if positions is None else Documents(positions)
+    pieces, outs = [], []
+    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        piece = [t[:, :, a:b].detach().requires_grad_() for t in (q, k, v)]
+        with slice_scope(SliceContext(0, i, a, b, state, documents=docs)):
+            outs.append(sliced_causal_attention(*piece, cache_key="attn", **kwargs))
+        pieces.append(piece)
+    for (a, b), out in reversed(list(zip(zip(bounds, bounds[1:]), outs))):
+        out.backward(grad[:, :, a:b])
+    return [torch.cat(outs, dim=2).detach(), *(torch.cat([p[j].grad for p in pieces], dim=2) for j in range(3))]
+
+
 WINDOW_SLICINGS = {"one": [24], "short": [4, 4, 4, 4, 4, 4], "long": [11, 13], "uneven": [1, 9, 3, 6, 5]}
 
 
@@ -250,17 +268,7 @@ def test_windowed_sliced_attention_equals_sdpa_under_the_sliding_mask(slicing: s
     ref_grads = torch.autograd.grad(ref, ref_in, grad)
 
     slices = WINDOW_SLICINGS[slicing]
-    bounds = [sum(slices[:i]) for i in range(len(slices) + 1)]
-    state, docs = MicroBatchState(0, length, len(slices)), None if positions is None else Documents(positions)
-    pieces, outs = [], []
-    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
-        piece = [t[:, :, a:b].detach().requires_grad_() for t in (q, k, v)]
-        with slice_scope(SliceContext(0, i, a, b, state, documents=docs)):
-            outs.append(sliced_causal_attention(*piece, cache_key="attn", window=window))
-        pieces.append(piece)
-    for (a, b), out in reversed(list(zip(zip(bounds, bounds[1:]), outs))):
-        out.backward(grad[:, :, a:b])
-    got = [torch.cat(outs, dim=2).detach(), *(torch.cat([p[j].grad for p in pieces], dim=2) for j in range(3))]
+    got = _sliced_outputs_and_grads(q, k, v, grad, slices, positions, window=window)
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, (ref.detach(), *ref_grads)):
         # relative to the reference's size, absolute below 1 (a window of one key has dq = 0: rounding alone)
         err = float((a.double() - b.double()).abs().max() / max(float(b.double().abs().max()), 1.0))
@@ -316,3 +324,49 @@ def test_causal_self_attention_with_a_window_passes_the_slice_check() -> None:
     want = attn.proj(_dense(q, k, v, _sliding_visible(32, 5, None)).transpose(1, 2).reshape(2, 32, 16))
     torch.testing.assert_close(attn(x), want, rtol=1e-5, atol=1e-6)
     assert check_slicing_equivalence([attn], 0, x, [3, 13, 16]) is None
+
+
+# -- attention-logit softcapping -------------------------------------------------------------------------------
+def _softcapped_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
+                      softcap: float) -> torch.Tensor:
+    """transformers' Gemma 2 eager attention, the reference: repeated k/v heads, scores scaled then capped, the
+    mask added, softmax, times the values."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = (t[:, :, None].expand(-1, -1, groups, -1, -1).flatten(1, 2) for t in (k, v))   # transformers' repeat_kv
+    scores = torch.tanh(q @ k.transpose(2, 3) * q.shape[-1] ** -0.5 / softcap) * softcap
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("window", [None, 3, 7])
+@pytest.mark.parametrize("slicing", list(WINDOW_SLICINGS))
+def test_softcapped_sliced_attention_equals_the_dense_eager_reference(slicing: str, window: int | None,
+                                                                     packed: bool) -> None:
+    """Sliced attention with ``softcap`` (slices forward in order, backward later slices first) against the dense
+    softcapped attention of transformers' eager path, fp64: output and the gradients of q, k, v. Scores of a few
+    units and a cap of 2, so the cap bites; grouped-query heads; with and without a window; packed rows."""
+    torch.manual_seed(3)
+    batch, heads, kv_heads, head_dim, length, softcap = 2, 4, 2, 8, 24, 2.0
+    q = torch.randn(batch, heads, length, head_dim, dtype=torch.float64) * 2
+    k, v = (torch.randn(batch, kv_heads, length, head_dim, dtype=torch.float64) for _ in range(2))
+    grad = torch.randn(batch, length, heads, head_dim, dtype=torch.float64).transpose(1, 2)
+    positions = _positions([[0, 6, 15], [0, 10]], length) if packed else None
+    ref_in = [t.detach().requires_grad_() for t in (q, k, v)]
+    ref = _softcapped_dense(*ref_in, _sliding_visible(length, window or length, positions), softcap)
+    ref_grads = torch.autograd.grad(ref, ref_in, grad)
+
+    slices = WINDOW_SLICINGS[slicing]
+    got = _sliced_outputs_and_grads(q, k, v, grad, slices, positions, window=window, softcap=softcap)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, (ref.detach(), *ref_grads)):
+        err = float((a - b).abs().max() / b.abs().max())
+        assert err < TOL[torch.float64], f"{name}: rel err {err:.2e} (window {window}, slices {slices})"
+    capped = sliced_causal_attention(q, k, v, cache_key="whole", window=window, softcap=1e6)   # a cap never reached
+    torch.testing.assert_close(capped, _dense(q, k, v, _sliding_visible(length, window or length, None)))
+
+
+@pytest.mark.parametrize("softcap", [0, -1.0, True, "50"])
+def test_a_softcap_that_is_no_positive_number_is_refused(softcap) -> None:
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match=f"softcap={softcap!r}; attention-logit softcapping takes a positive number"):
+        sliced_causal_attention(q, q, q, cache_key="a", softcap=softcap)

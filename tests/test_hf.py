@@ -127,6 +127,17 @@ OTHER_ARCHS = {
     "gemma2-window": ("Gemma2Config", dict(num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=32,
                                            attn_logit_softcapping=None, final_logit_softcapping=None,
                                            sliding_window=5)),   # layers 0 and 2 slide
+    # Softcapping (attn_logit_softcapping, final_logit_softcapping) with a window of 5: Gemma 2's defaults (50,
+    # 30), and caps near the tiny model's largest scores (~0.09) and logits (~0.6), so that a dropped or misplaced
+    # cap shows. Gemma 3 caps its logits only (its attention passes no softcap, so the attention cap is inert).
+    "gemma2-softcap": ("Gemma2Config", dict(num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=32,
+                                            sliding_window=5)),
+    "gemma2-softcap-tight": ("Gemma2Config", dict(num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=32,
+                                                  sliding_window=5, attn_logit_softcapping=0.05,
+                                                  final_logit_softcapping=0.3)),
+    "gemma3-softcap-tight": ("Gemma3TextConfig", dict(num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=32,
+                                                      sliding_window=5, layer_types=SLIDING_FULL_SLIDING,
+                                                      attn_logit_softcapping=0.05, final_logit_softcapping=0.3)),
     "gemma3-window": ("Gemma3TextConfig", dict(num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=32,
                                                sliding_window=5, layer_types=SLIDING_FULL_SLIDING)),
     "cohere2-window": ("Cohere2Config", dict(num_key_value_heads=2, logit_scale=0.25, sliding_window=5,
@@ -151,8 +162,7 @@ MODEL_CLASSES = {"gpt2": "GPT2LMHeadModel", "llama-tied": "LlamaForCausalLM", "l
                  "apertus": "ApertusForCausalLM", "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM",
                  "cohere2": "Cohere2ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                  "granitemoe": "GraniteMoeForCausalLM", "granitemoeshared": "GraniteMoeSharedForCausalLM"}
-MODEL_CLASSES.update({arch: MODEL_CLASSES[arch.removesuffix("-window")]
-                      for arch in OTHER_ARCHS if arch.endswith("-window")})
+MODEL_CLASSES.update({arch: MODEL_CLASSES[arch.split("-")[0]] for arch in OTHER_ARCHS if "-" in arch})
 
 
 def hf_model(arch: str, seed: int = 0) -> "transformers.PreTrainedModel":
@@ -429,7 +439,6 @@ def run_sliced_forward_only(layers: list, ids: torch.Tensor, slices: list[int]):
      "2 of 3 layers use sliding-window attention but sliding_window=None", "make those layers 'full_attention'"),
     (lambda: transformers.Qwen2Config(**COMMON, layer_types=["chunked_attention"] + ["full_attention"] * 2),
      "other attention types (chunked_attention) are not supported", "'full_attention' or 'sliding_attention'"),
-    (lambda: transformers.LlamaConfig(**COMMON, attn_logit_softcapping=30.0), "softcapping", "set it to None"),
     (lambda: transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, add_cross_attention=True),
      "cross-attention", "add_cross_attention=False"),
     (lambda: transformers.T5Config(), "encoder-decoder", "decoder-only"),
@@ -438,9 +447,6 @@ def run_sliced_forward_only(layers: list, ids: torch.Tensor, slices: list[int]):
     (lambda: transformers.LlamaConfig(**COMMON, rope_parameters={"rope_type": "dynamic", "factor": 2.0,
                                                                  "rope_theta": 10000.0}),
      "rope_type 'dynamic'", "static rope type"),
-    (lambda: transformers.Gemma2Config(**COMMON, **FULL_ATTENTION), "attn_logit_softcapping=50.0", "set it to None"),
-    (lambda: transformers.Gemma2Config(**COMMON, **FULL_ATTENTION, attn_logit_softcapping=None),
-     "final_logit_softcapping=30.0", "set it to None"),
     (lambda: transformers.Gemma3TextConfig(**COMMON, **FULL_ATTENTION, rope_parameters={
         "full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6},
         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}), "rope_type 'dynamic'", "static rope type"),
@@ -462,6 +468,20 @@ def test_unsupported_features_are_refused_when_building(make, feature: str, fix:
     with pytest.raises(UnsupportedModelError) as err:
         causal_lm_specs(make())
     assert feature in str(err.value) and fix in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_vocab_parallelism_refuses_a_softcapped_head(tied: bool) -> None:
+    """The split head computes x @ W.T alone: a Gemma 2 head (final_logit_softcapping=30, tied or not) is refused
+    naming the cap, while the same head without a cap is taken."""
+    from ds_terapipe.runtime.features.vocab_shard import build_full, split_output_layer
+    config = transformers.Gemma2Config(**COMMON, **TOKENS, tie_word_embeddings=tied)
+    _, head = split_output_layer(causal_lm_specs(config))
+    with pytest.raises(ValueError, match=r"it computes 30 \* tanh\(that / 30\): a final-logit softcap, .*"
+                                         r"final_logit_softcapping .*set it to None or turn terapipe.vocab_parallel"):
+        build_full(head)
+    config.final_logit_softcapping = None
+    build_full(split_output_layer(causal_lm_specs(config))[1])
 
 
 def test_masks_and_headless_models_are_refused() -> None:

@@ -17,16 +17,17 @@ wrapper. Grouped-query attention keeps the cache at ``num_key_value_heads``: k/v
 (a ``TiedLayerSpec`` with the embedding when the weights are tied); the loss is :func:`causal_lm_loss`. What
 an architecture's ``*Model`` / ``*ForCausalLM`` does around its layers is redone here from the ``_FAMILIES``
 table: the embedding's scale (Gemma's sqrt(hidden), Granite's multiplier) and dropout, the final norm's class,
-the head's bias and logit scale (Granite, Cohere), per-layer-type rotary tables (Gemma 3, OLMo 3), and each
-layer's sliding window: the one the model's own mask gives that layer (``sliding_window`` on every layer of
-Mistral, Mixtral, Phi-3, ...; on the ``'sliding_attention'`` layers of ``layer_types`` in Gemma 2/3, Qwen, OLMo 3,
-Cohere 2, ...), handed to :func:`~ds_terapipe.sliced_causal_attention` as ``window``.
+the head's bias, logit scale (Granite, Cohere) and final-logit softcapping (Gemma 2/3), per-layer-type rotary
+tables (Gemma 3, OLMo 3), and each layer's sliding window: the one the model's own mask gives that layer
+(``sliding_window`` on every layer of Mistral, Mixtral, Phi-3, ...; on the ``'sliding_attention'`` layers of
+``layer_types`` in Gemma 2/3, Qwen, OLMo 3, Cohere 2, ...), handed to :func:`~ds_terapipe.sliced_causal_attention`
+as ``window``. Attention-logit softcapping (Gemma 2's ``attn_logit_softcapping``) goes to it as ``softcap``.
 
 Features whose result would depend on the slicing, or that the token pipeline cannot feed, are refused when
-the specs are built (:class:`UnsupportedModelError`, naming the feature and the fix): attention-logit
-softcapping, cross-attention and encoder-decoder models, bidirectional (non-causal) attention, rotary scalings that
-depend on the sequence length seen (``dynamic``, ``longrope``), a mixture-of-experts load-balancing loss
-(``output_router_logits``), layer types other than full and sliding attention, architectures outside
+the specs are built (:class:`UnsupportedModelError`, naming the feature and the fix): cross-attention and
+encoder-decoder models, bidirectional (non-causal) attention, rotary scalings that depend on the sequence length
+seen (``dynamic``, ``longrope``), a mixture-of-experts load-balancing loss (``output_router_logits``), layer types
+other than full and sliding attention, architectures outside
 :data:`SUPPORTED_MODEL_TYPES` (Bloom's and Falcon's attention bypasses ``AttentionInterface``: the refusal says so).
 Attention masks (padding) are data, so they are refused at the first forward that carries one.
 """
@@ -114,6 +115,8 @@ class _Family:
     embed_scale: Callable[[PretrainedConfig, torch.Tensor], torch.Tensor] | None = None
     head_bias: bool = False  # the LM head (``lm_head``) has a bias
     logit_scale: Callable[[PretrainedConfig, torch.Tensor], torch.Tensor] | None = None
+    # The *ForCausalLM caps its logits at config.final_logit_softcapping (when set): cap * tanh(logits / cap).
+    final_softcap: bool = False
     # Which layers the *Model's mask gives config.sliding_window: "every layer" (when it is set), the
     # "sliding_attention" entries of config.layer_types, or None (the model has no sliding window).
     window: str | None = None
@@ -137,8 +140,10 @@ _FAMILIES: dict[str, _Family] = {
     "gpt2": _Family("gpt2", "GPT2Block", None, None, base="transformer", layers="h", embed="wte", norm="ln_f",
                     norm_eps="layer_norm_epsilon", embed_padding=False, embed_dropout="embd_pdrop"),
     "gemma": _llama_like("gemma", "Gemma", embed_scale=_sqrt_hidden_scale),
-    "gemma2": _llama_like("gemma2", "Gemma2", embed_scale=_sqrt_hidden_scale, window=_LAYER_TYPES),
-    "gemma3_text": _llama_like("gemma3", "Gemma3", embed_scale=_sqrt_hidden_scale, window=_LAYER_TYPES),
+    "gemma2": _llama_like("gemma2", "Gemma2", embed_scale=_sqrt_hidden_scale, window=_LAYER_TYPES,
+                          final_softcap=True),
+    "gemma3_text": _llama_like("gemma3", "Gemma3", embed_scale=_sqrt_hidden_scale, window=_LAYER_TYPES,
+                               final_softcap=True),
     "phi3": _llama_like("phi3", "Phi3", window=_EVERY_LAYER),
     "olmo": _llama_like("olmo", "Olmo", final_norm="OlmoLayerNorm", norm_eps=None),
     "olmo2": _llama_like("olmo2", "Olmo2"),
@@ -273,15 +278,13 @@ def terapipe_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor
                                     f"but the model's mask gives this layer window={window}; the pipeline follows "
                                     "the mask, and cannot tell which one this model means: set config.sliding_window "
                                     "and config.layer_types so that both agree")
-    if kwargs.get("softcap") is not None:
-        raise UnsupportedModelError("ds_terapipe attention: attention-logit softcapping is not supported; use a "
-                                    "model without attn_logit_softcapping")
     if not getattr(module, "is_causal", True):
         raise UnsupportedModelError(f"ds_terapipe attention: {type(module).__name__} is not causal (cross- or "
                                     "bidirectional attention); only causal self-attention can be token-sliced")
     # Grouped-query attention: k/v keep their num_kv_heads (so does the KV cache); SDPA pairs the heads.
+    # Softcapped scores (Gemma 2) take the plain-math path, in transformers' eager order.
     out = sliced_causal_attention(query, key, value, cache_key=module, dropout_p=dropout, scale=scaling,
-                                  window=window)
+                                  window=window, softcap=kwargs.get("softcap"))
     return out.transpose(1, 2), None  # (B, T, nh, hs)
 
 
@@ -308,10 +311,6 @@ def _check_config(config: PretrainedConfig) -> _Family:
                                     f"supported: {', '.join(SUPPORTED_MODEL_TYPES)} (or write the model as "
                                     "LayerSpecs with ds_terapipe.sliced_causal_attention, see README)")
     _layer_windows(config, family)  # refuses layer types it does not know, sliding layers without a window
-    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if getattr(config, name, None) is not None:
-            raise UnsupportedModelError(f"{model_type}: attention/logit softcapping (config.{name}="
-                                        f"{getattr(config, name)}) is not supported; set it to None")
     if family.rotary is not None:
         rope = getattr(config, "rope_parameters", None) or {}
         tables: list[Mapping] = []
@@ -495,9 +494,17 @@ class HFEmbedding(nn.Module):
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = F.linear(hidden, self.token_embedding.weight)  # (B, T, V)
-        if self.family.logit_scale is not None:
-            logits = self.family.logit_scale(self.config, logits)
-        return logits
+        return _head_logits(self.family, self.config, logits)
+
+
+def _head_logits(family: _Family, config: PretrainedConfig, logits: torch.Tensor) -> torch.Tensor:
+    """What the family's *ForCausalLM does to ``lm_head``'s output: its logit scale, its final softcap."""
+    if family.logit_scale is not None:
+        logits = family.logit_scale(config, logits)
+    cap = getattr(config, "final_logit_softcapping", None) if family.final_softcap else None
+    if cap is not None:   # as Gemma2ForCausalLM: divide, tanh, multiply
+        logits = torch.tanh(logits / cap) * cap
+    return logits
 
 
 def _tied_head(embedding: HFEmbedding, hidden: torch.Tensor) -> torch.Tensor:
@@ -561,7 +568,8 @@ class HFFinalNorm(nn.Module):
 
 
 class HFLMHead(nn.Module):
-    """An untied LM head ``lm_head`` (B, T, C) -> (B, T, V), then the family's logit scale (Granite, Cohere)."""
+    """An untied LM head ``lm_head`` (B, T, C) -> (B, T, V), then the family's logit scale (Granite, Cohere) and
+    final softcap (Gemma 2/3)."""
 
     def __init__(self, config: PretrainedConfig, source: nn.Module | None = None, seed: int = 0,
                  checkpoint: _Checkpoint | None = None) -> None:
@@ -575,9 +583,7 @@ class HFLMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
-        if self.family.logit_scale is not None:
-            logits = self.family.logit_scale(self.config, logits)
-        return logits
+        return _head_logits(self.family, self.config, logits)
 
 
 # -- specs -----------------------------------------------------------------------------------------------------

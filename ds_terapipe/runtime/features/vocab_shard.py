@@ -26,6 +26,8 @@ _FIX_HEAD = ("make the last layer the output projection: an nn.Linear(hidden, vo
              "TiedLayerSpec whose forward_fn computes x @ W.T with its tied weight; or set "
              "terapipe.vocab_parallel to false")
 
+_PROBE_PEAK = 1e4   # how large build_full's second probe row makes the logits
+
 
 @dataclass(frozen=True)
 class HeadSpec:
@@ -105,6 +107,11 @@ def build_full(spec: HeadSpec) -> tuple[torch.nn.Module, torch.Tensor, Optional[
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(2, 3, weight.shape[1], generator=gen, dtype=weight.dtype).to(weight.device)
     with torch.no_grad():
+        # The second row's logits reach ~1e4 (the first's stay near the weights' scale): a softcap (cap * tanh(
+        # logits / cap)) is indistinguishable from x @ W.T on small logits, not on those.
+        peak = float(F.linear(x[:1], weight).abs().max())
+        if peak > 0:
+            x[1:] *= _PROBE_PEAK / peak
         fn = getattr(layer, "forward_fn", None)
         got = fn(module, x) if fn is not None else module(x)
         want = F.linear(x, weight, bias)
@@ -112,10 +119,15 @@ def build_full(spec: HeadSpec) -> tuple[torch.nn.Module, torch.Tensor, Optional[
         scaled = ""
         if torch.is_tensor(got) and got.shape == want.shape:
             factor = float((got * want).sum() / (want * want).sum())   # the best scalar fit of got by want
+            cap = float(got.abs().max())   # a softcap's bound: the large row's logits saturate it
             if torch.allclose(got, want * factor, rtol=1e-4, atol=1e-5):   # a logit scale (Granite, Cohere)
                 scaled = (f" (it computes {factor:.4g} times that: a logit scale, e.g. a Hugging Face config's "
                           "logits_scaling or logit_scale, which the split head does not apply; set it to 1 or turn "
                           "terapipe.vocab_parallel off)")
+            elif cap > 0 and torch.allclose(got, cap * torch.tanh(want / cap), rtol=1e-3, atol=1e-3 * cap):
+                scaled = (f" (it computes {cap:.4g} * tanh(that / {cap:.4g}): a final-logit softcap, e.g. a Hugging "
+                          "Face config's final_logit_softcapping (Gemma 2), which the split head does not apply; set "
+                          "it to None or turn terapipe.vocab_parallel off)")
         raise ValueError(f"terapipe.vocab_parallel: the output layer does not compute x @ {spec.weight_name}.T"
                          f"{' + bias' if bias is not None else ''}{scaled}; {_FIX_HEAD}")
     return module, weight.detach(), None if bias is None else bias.detach()

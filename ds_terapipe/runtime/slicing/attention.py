@@ -14,6 +14,10 @@ With a sliding window ``w`` (``window=``, as Mistral's or Gemma's sliding layers
 the keys ``[start - w + 1, end)``: the view starts there, and rows before it are neither read nor handed gradients
 (likewise keys of documents that ended before the slice, for packed rows).
 
+With attention-logit softcapping (``softcap=``, Gemma 2's ``attn_logit_softcapping``) the scores are
+``softcap * tanh(q @ k^T * scale / softcap)`` before the mask: no SDPA kernel takes that, so the slice runs the
+plain math over the same keys/values view, under the same additive mask.
+
 No graph is traversed twice and nothing full-length is copied per slice. Adapting an existing attention is a
 one-line change: replace ``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` with
 ``sliced_causal_attention(q, k, v, cache_key=self)``, and take position ids (learned or rotary) from
@@ -92,7 +96,8 @@ def sliced_causal_attention(q: torch.Tensor,
                             cache_key: Hashable,
                             dropout_p: float = 0.0,
                             scale: float | None = None,
-                            window: int | None = None) -> torch.Tensor:
+                            window: int | None = None,
+                            softcap: float | None = None) -> torch.Tensor:
     """Causal attention of one slice over itself and the cached earlier slices of its micro-batch.
 
     Args:
@@ -107,6 +112,9 @@ def sliced_causal_attention(q: torch.Tensor,
             ``window`` keys, itself included, as ``transformers``' sliding-window mask); None: every earlier key.
             A slice ``[start, end)`` then reads only the cached rows ``[start - window + 1, end)``, and the key/value
             gradients it carries back land only in those.
+        softcap: attention-logit softcapping: the scores (``q @ k^T * scale``) become ``softcap * tanh(scores /
+            softcap)`` before the mask and softmax, as ``transformers``' Gemma 2 eager attention; computed as plain
+            tensor math (dense (T, keys) scores per head) instead of SDPA. None: no capping.
 
     Returns:
         (B, nh, T, hs), equal to rows ``[start, end)`` of unsliced causal attention over the whole sequence.
@@ -114,12 +122,15 @@ def sliced_causal_attention(q: torch.Tensor,
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"sliced_causal_attention: window={window!r}; a sliding window is a positive int (how many "
                          "keys a query sees, itself included), or None for causal attention over every earlier key")
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or softcap <= 0):
+        raise ValueError(f"sliced_causal_attention: softcap={softcap!r}; attention-logit softcapping takes a positive "
+                         "number (the cap of the scores, e.g. 50.0), or None for no capping")
     ctx = current_slice()
     share = None if ctx is None else ctx.sequence
     if share is not None and share.degree > 1:   # this rank's tokens, all heads -> the whole slice, its heads
         q, k, v = gather_heads(q, share, "q"), gather_heads(k, share, "k/v"), gather_heads(v, share, "k/v")
-        return scatter_heads(_sliced(q, k, v, ctx, cache_key, dropout_p, scale, window), share)
-    return _sliced(q, k, v, ctx, cache_key, dropout_p, scale, window)
+        return scatter_heads(_sliced(q, k, v, ctx, cache_key, dropout_p, scale, window, softcap), share)
+    return _sliced(q, k, v, ctx, cache_key, dropout_p, scale, window, softcap)
 
 
 def _binds(window: "int | None", end: int) -> bool:
@@ -129,9 +140,12 @@ def _binds(window: "int | None", end: int) -> bool:
 
 
 def _sliced(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: "SliceContext | None", cache_key: Hashable,
-            dropout_p: float, scale: "float | None", window: "int | None") -> torch.Tensor:
+            dropout_p: float, scale: "float | None", window: "int | None", softcap: "float | None" = None
+            ) -> torch.Tensor:
     gqa = gqa_kwargs(q, k, v)
     docs = current_documents()
+    if softcap is not None and (ctx is None or ctx.num_slices == 1):
+        return _softcapped(q, k, v, docs, 0, q.shape[2], 0, window, softcap, dropout_p, scale)
     if ctx is None or ctx.num_slices == 1:
         if _binds(window, q.shape[2]):
             return _banded(q, k, v, docs, 0, q.shape[2], 0, window, dropout_p, scale, gqa)
@@ -156,6 +170,8 @@ def _sliced(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: "SliceContex
         first = max(first, ctx.start - window + 1)
     keys = _PrefixKV.apply(k, bufs, "k", ctx.start, first)  # (B, nh, end - first, hs)
     values = _PrefixKV.apply(v, bufs, "v", ctx.start, first)
+    if softcap is not None:
+        return _softcapped(q, keys, values, docs, ctx.start, ctx.end, first, window, softcap, dropout_p, scale)
     if windowed:
         return _banded(q, keys, values, docs, ctx.start, ctx.end, first, window, dropout_p, scale, gqa)
     if docs is not None:  # packed rows: the prefix's keys of the query's own document only
@@ -170,17 +186,43 @@ def _sliced(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: "SliceContex
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, dropout_p=dropout_p, scale=scale, **gqa)
 
 
+def _visible_mask(q: torch.Tensor, docs: "Documents | None", start: int, end: int, first: int,
+                  window: "int | None") -> torch.Tensor:
+    """The additive mask of queries ``[start, end)`` over keys ``[first, end)``: causal, within ``window``, and
+    within each document for packed rows; (B, 1, T, end - first) for packed rows, (T, end - first) otherwise."""
+    if docs is not None:
+        return docs.mask(start, end, q.dtype, first, window)
+    return _prefix_causal_mask(start, end, q.dtype, q.device, first, window)
+
+
 def _banded(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, docs: "Documents | None", start: int, end: int,
             first: int, window: int, dropout_p: float, scale: "float | None", gqa: dict[str, bool]) -> torch.Tensor:
     """Queries ``[start, end)`` over ``keys``/``values`` ``[first, end)`` under a sliding window (and within each
     document for packed rows): one SDPA call with the band's additive mask, on a CPU and an accelerator alike (no
     fused kernel takes a band without one). The keys start where the window of the slice's first query does, so
     the mask is (T, T + window - 1) at most, whatever the prefix."""
-    if docs is not None:
-        mask = docs.mask(start, end, q.dtype, first, window)               # (B, 1, T, end - first)
-    else:
-        mask = _prefix_causal_mask(start, end, q.dtype, q.device, first, window)   # (T, end - first)
+    mask = _visible_mask(q, docs, start, end, first, window)
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, dropout_p=dropout_p, scale=scale, **gqa)
+
+
+def _softcapped(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, docs: "Documents | None", start: int,
+                end: int, first: int, window: "int | None", softcap: float, dropout_p: float,
+                scale: "float | None") -> torch.Tensor:
+    """Queries ``[start, end)`` over ``keys``/``values`` ``[first, end)`` with softcapped scores, in the order of
+    ``transformers``' Gemma 2 ``eager_attention_forward``: scale, cap, add the mask (causal, the window, within each
+    document), softmax in fp32 (fp64 stays) back to the query dtype, dropout, times the values. Grouped-query k/v
+    heads are repeated to the query heads (head h reads k/v head h // (nh / nkv), as SDPA's ``enable_gqa`` pairs
+    them)."""
+    groups = q.shape[1] // keys.shape[1]
+    if groups > 1:
+        keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
+    mask = _visible_mask(q, docs, start, end, first, window)
+    scores = torch.matmul(q, keys.transpose(2, 3)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    scores = torch.tanh(scores / softcap) * softcap + mask                # (B, nh, T, end - first)
+    probs = F.softmax(scores, dim=-1, dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype)
+    if dropout_p > 0.0:
+        probs = F.dropout(probs, p=dropout_p)
+    return torch.matmul(probs, values)                                    # (B, nh, T, hs)
 
 
 def _within_documents(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, docs: "Documents", start: int,
