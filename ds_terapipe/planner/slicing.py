@@ -636,8 +636,12 @@ class _Best:
         return self.value is None or bound < self.value or (bound == self.value and key < self.key)
 
     def offer(self, value: float, key: tuple[int, int], q: int, cuts: list[int], result: Any = None) -> None:
-        if self.value is None or value < self.value or (value == self.value and key < self.key):
-            self.value, self.key, self.q, self.cuts, self.result = value, key, q, cuts, result
+        """Keep the plan if it beats the best so far (its value is exact: its own bound)."""
+        if self.may_beat(value, key):
+            self.take(value, key, q, cuts, result)
+
+    def take(self, value: float, key: tuple[int, int], q: int, cuts: list[int], result: Any = None) -> None:
+        self.value, self.key, self.q, self.cuts, self.result = value, key, q, cuts, result
 
 
 class _Splits:
@@ -735,7 +739,7 @@ class _Candidates:
                     floor, winner = float(res.makespan_ms), (entry, res)
         assert winner is not None, "the best candidate's own entry is replayed"
         (_, order, i, _, _, q, cuts, _), res = winner
-        self.best.value, self.best.key, self.best.q, self.best.cuts, self.best.result = floor, (order, i), q, cuts, res
+        self.best.take(floor, (order, i), q, cuts, res)
 
 
 @dataclass(frozen=True)
