@@ -144,9 +144,9 @@ def _sliced(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: "SliceContex
             ) -> torch.Tensor:
     gqa = gqa_kwargs(q, k, v)
     docs = current_documents()
-    if softcap is not None and (ctx is None or ctx.num_slices == 1):
-        return _softcapped(q, k, v, docs, 0, q.shape[2], 0, window, softcap, dropout_p, scale)
     if ctx is None or ctx.num_slices == 1:
+        if softcap is not None:
+            return _softcapped(q, k, v, docs, 0, q.shape[2], 0, window, softcap, dropout_p, scale)
         if _binds(window, q.shape[2]):
             return _banded(q, k, v, docs, 0, q.shape[2], 0, window, dropout_p, scale, gqa)
         if docs is not None:  # packed rows: causal within each document
