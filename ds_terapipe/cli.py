@@ -157,6 +157,12 @@ def _add_planning_args(p: argparse.ArgumentParser, schedule: bool = True) -> Non
                             "chunks")
     g.add_argument("--vocab", type=_positive_int, metavar="V",
                    help="replace the --model preset's vocabulary (e.g. 256000): the embedding and LM head grow")
+    g.add_argument("--window", type=_positive_int, metavar="W",
+                   help="sliding-window attention of W keys on the --model preset's layers (Mistral's): a slice's "
+                        "attention stops growing with its prefix past W")
+    g.add_argument("--full-every", type=_positive_int, metavar="K",
+                   help="with --window: full attention on every K-th layer, the window on the others (Gemma 2: 2, "
+                        "Gemma 3: 6; transformers' sliding_window_pattern)")
     g.add_argument("--sequence-parallel", type=_count, default=1, metavar="N",
                    help="N sequence-parallel ranks inside each stage split every slice's tokens (Ulysses; with "
                         "--model): compute and activations / N, two all-to-alls per attention layer and direction "
@@ -242,8 +248,8 @@ def _load_cost(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
             raise UsageError(f"--stages {args.stages} x --virtual-stages {v} = {args.stages * v} chunks exceeds the "
                              f"{num_layers} layers of {args.model} (a chunk needs a layer); use --stages x "
                              f"--virtual-stages <= {num_layers}")
-        cost = analytic_pipeline_cost(args.model, args.device, args.stages * v, vocab=args.vocab)
-        source = {"kind": "analytic", "model": args.model, "device": args.device}
+        cost = analytic_pipeline_cost(_model_spec(args), args.device, args.stages * v)
+        source = {"kind": "analytic", "model": args.model, "device": args.device, **_window_source(args)}
         if args.sequence_parallel > 1:
             cost = _sequence_parallel(args, cost, v)
             source["sequence_parallel"] = args.sequence_parallel
@@ -256,6 +262,10 @@ def _load_cost(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     if args.vocab is not None:
         raise UsageError(f"--vocab {args.vocab} changes a --model preset; a --cost file already holds its head's "
                          "cost: drop --vocab or use --model")
+    for flag, value in (("--window", args.window), ("--full-every", args.full_every)):
+        if value is not None:
+            raise UsageError(f"{flag} {value} changes a --model preset's attention; a --cost file's times were "
+                             f"measured on the model's own layers, windows included: drop {flag} or use --model")
     if args.device is not None:
         logger.warning("--device %s is not used with --cost %s (the measured file is the device)",
                        args.device, args.cost)
@@ -376,6 +386,21 @@ def _note_once(args: argparse.Namespace, level: int, message: str) -> None:
             return
         noted.add(message)
     logger.log(level, message)
+
+
+def _model_spec(args: argparse.Namespace) -> Any:
+    """The --model preset with --vocab and --window / --full-every applied."""
+    from .planner.presets import resolve_model
+
+    if args.full_every is not None and args.window is None:
+        raise UsageError(f"--full-every {args.full_every} picks the layers of full attention among windowed ones; "
+                         "add --window W (the other layers' window) or drop --full-every")
+    return resolve_model(args.model, args.vocab, window=args.window, full_every=args.full_every)
+
+
+def _window_source(args: argparse.Namespace) -> dict[str, Any]:
+    """--window and --full-every for the cost's description (nothing without a window)."""
+    return {} if args.window is None else {"window": args.window, "full_every": args.full_every}
 
 
 def _sequence_parallel(args: argparse.Namespace, cost: Any, virtual_stages: int) -> Any:
@@ -514,7 +539,11 @@ def _runs(values: Sequence[int]) -> str:
 def _describe(source: dict[str, Any], num_stages: int, virtual_stages: int = 1) -> str:
     chunks = f" ({virtual_stages} chunks each)" if virtual_stages != 1 else ""
     if source["kind"] == "analytic":
-        return f"{source['model']} on {num_stages} x {source['device']}{chunks} (analytic cost)"
+        window = ""
+        if source.get("window") is not None:
+            full = source.get("full_every")
+            window = f" (window {source['window']}" + (f", full attention every {full} layers)" if full else ")")
+        return f"{source['model']}{window} on {num_stages} x {source['device']}{chunks} (analytic cost)"
     return f"{num_stages} stages{chunks}, measured cost {source['file']}"
 
 
@@ -554,13 +583,13 @@ def _layouts(args: argparse.Namespace) -> tuple[Any, Any, Any, dict[str, Any], f
             raise UsageError(f"{other} is not supported with {flag}; drop one of them")
     t0 = time.perf_counter()
     v = _virtual_stages(args)
-    layouts = analytic_layouts(args.model, args.device, args.stages, args.seq_len, vocab=args.vocab,
+    layouts = analytic_layouts(_model_spec(args), args.device, args.stages, args.seq_len,
                                vocab_parallel=args.vocab_parallel, num_microbatches=args.microbatches,
                                micro_batch_size=args.micro_batch, granularity=_granularity(args),
                                schedule=args.schedule, virtual_stages=v, max_slices=args.max_slices)
     chosen = layouts.chosen
     source = {"kind": "analytic", "model": args.model, "device": args.device, "vocab": args.vocab,
-              "vocab_parallel": args.vocab_parallel, "parts": list(chosen.parts)}
+              **_window_source(args), "vocab_parallel": args.vocab_parallel, "parts": list(chosen.parts)}
     return layouts, chosen.cost, chosen.plan, source, time.perf_counter() - t0
 
 

@@ -529,6 +529,11 @@ ERRORS = {
                          ["--cost {three}", "3 entries", "4"]),
     "cost-memory-needs-model": (["plan", "--cost", "{good}", "--stages", "2", "--seq-len", "512", "--memory-gb", "8"],
                                 ["--memory-gb 8", "--model"]),
+    "window-zero": (["plan", *BASE, "--seq-len", "512", "--window", "0"], ["--window", "'0'"]),
+    "full-every-needs-window": (["plan", *BASE, "--seq-len", "512", "--full-every", "2"],
+                                ["--full-every 2", "--window W"]),
+    "cost-window": (["plan", "--cost", "{good}", "--stages", "2", "--seq-len", "512", "--window", "64"],
+                    ["--window 64", "--cost file"]),
     "trace-unwritable": (["simulate", *BASE, "--seq-len", "512", "--slices", "512", "--trace", "{good}/t.json"],
                          ["--trace {good}/t.json", "cannot write"]),
 }
@@ -583,3 +588,26 @@ def test_sequence_parallel_needs_a_model(capsys: pytest.CaptureFixture[str], tmp
     rc, _, err = run(capsys, "plan", "--cost", cost, "--stages", "2", "--seq-len", "512", "--granularity", "32",
                      "--sequence-parallel", "2")
     assert rc == 2 and "--sequence-parallel 2 needs --model NAME" in err, err
+
+
+WIDE = ["--model", "gpt3-1b", "--device", "h100", "--stages", "8", "--seq-len", "8192", "--granularity", "128"]
+
+
+def test_plan_prices_sliding_windows(capsys: pytest.CaptureFixture[str]) -> None:
+    """--window W: every layer attends over at most W keys, so the step is faster; --full-every K keeps full
+    attention on every K-th layer (in between); a window covering the sequence is full attention. The
+    description and the JSON's cost say which."""
+    def plan(*extra: str) -> dict:
+        return run_json(capsys, "plan", *WIDE, *extra)
+
+    full, covering = plan(), plan("--window", "8192")
+    windowed, mixed = plan("--window", "2048"), plan("--window", "2048", "--full-every", "2")
+    assert {k: v for k, v in covering.items() if k not in ("cost", "plan_seconds")} == \
+        {k: v for k, v in full.items() if k not in ("cost", "plan_seconds")}
+    assert windowed["predicted_ms"] < mixed["predicted_ms"] < full["predicted_ms"]
+    assert windowed["cost"] == {"kind": "analytic", "model": "gpt3-1b", "device": "h100", "window": 2048,
+                                "full_every": None}
+    assert mixed["cost"]["full_every"] == 2 and "window" not in full["cost"]
+    rc, out, _ = run(capsys, "plan", *WIDE, "--window", "2048", "--full-every", "2")
+    assert rc == 0 and "gpt3-1b (window 2048, full attention every 2 layers) on 8 x h100 (analytic cost)" in out
+    assert run_json(capsys, "plan", *SMALL, "--window", "64", "--balance")["cost"]["window"] == 64

@@ -15,11 +15,12 @@ from ds_terapipe.planner.cost import (
     AnalyticCost, DeviceSpec, MeasuredCost, PipelineCost, TransformerSpec, load_cost_file,
 )
 from ds_terapipe.planner.presets import (
-    DEVICE_PRESETS, MODEL_PRESETS, analytic_pipeline_cost, get_device_preset, get_model_preset,
-    preset_memory_model, split_layers,
+    DEVICE_PRESETS, MODEL_PRESETS, analytic_layer_costs, analytic_pipeline_cost, get_device_preset,
+    get_model_preset, preset_memory_model, resolve_model, split_layers,
 )
 from ds_terapipe.planner.schedule import ActionKind, build_gpipe, defer_weights
 from ds_terapipe.planner.simulate import simulate
+from ds_terapipe.planner.slicing import plan_slicing
 
 A = (0.3, 0.011, 0.0023, 1.7e-5)   # a0 + a1*s + a2*c + a3*s*c
 
@@ -341,6 +342,133 @@ def test_analytic_cost_matches_the_documented_flop_count_when_compute_bound():
     head = AnalyticCost(spec, dev, num_layers=2, bytes_per_element=4, lm_head=True)
     assert head.forward_ms(s, c, b) - cost.forward_ms(s, c, b) == pytest.approx(2 * b * s * h * 1000 / 0.5e12 * 1e3)
     assert cost.comm_ms(s, b) == pytest.approx(0.25 + b * s * h * 4 * 8 / 8e6)
+
+
+def _visible_pairs(s: int, c: int, window: int | None) -> int:
+    """The (query, key) pairs slice [c, c + s) attends over, one by one: query t sees key k iff k <= t and, with a
+    sliding window, t - k < window."""
+    return sum(1 for t in range(c, c + s) for k in range(t + 1) if window is None or t - k < window)
+
+
+def _visible_keys(s: int, c: int, window: int | None) -> int:
+    """The keys some query of slice [c, c + s) sees, one by one."""
+    return len({k for t in range(c, c + s) for k in range(t + 1) if window is None or t - k < window})
+
+
+def _computed_pairs(s: int, c: int, window: int | None) -> int:
+    """The scores the runtime computes for slice [c, c + s): the visible pairs on the causal paths (no key hidden by
+    the window from any query of the slice), else all s queries against every key the slice reads (band mask)."""
+    hides = window is not None and any(t - k >= window for t in range(c, c + s) for k in range(t + 1))
+    return s * _visible_keys(s, c, window) if hides else _visible_pairs(s, c, window)
+
+
+WINDOW_GRID = [(s, c, w) for s in (1, 2, 3, 5, 8) for c in (0, 1, 2, 4, 6, 7, 12, 19)
+               for w in (None, 1, 2, 3, 7, 8, 9, 30)]
+
+
+def test_windowed_attention_counts_the_query_key_pairs_the_runtime_scores():
+    """Attention of a slice with a sliding window costs 4 h FLOPs per (query, key) pair the runtime scores (the
+    visible ones while the window hides no key from the slice, else every query against every key the slice reads:
+    the band-masked call), 2.5 times that backward, and reads the keys and values some query sees, both counted
+    pair by pair here; the window of
+    each layer comes from the spec (every layer's, or the layer's own)."""
+    b, h, layers = 2, 64, 2
+    compute = DeviceSpec("compute", peak_tflops=1.0, mem_bw_gbps=1e12, per_layer_overhead_ms=0.0, efficiency=0.5,
+                         link_gbps=8.0, link_latency_ms=0.0)
+    memory = DeviceSpec("memory", peak_tflops=1e9, mem_bw_gbps=1.0, per_layer_overhead_ms=0.0, efficiency=0.5,
+                        link_gbps=8.0, link_latency_ms=0.0)
+    rate = 0.5e9   # FLOPs per ms
+    for s, c, w in WINDOW_GRID:
+        spec = TransformerSpec(num_layers=layers, hidden=h, num_heads=4, vocab=100, seq_len=64, window=w)
+        per_layer = TransformerSpec(num_layers=3, hidden=h, num_heads=4, vocab=100, seq_len=64, window=(None, w, w))
+        linear_flops = 24 * b * s * h * h
+        pairs = _computed_pairs(s, c, w)
+        assert AnalyticCost(spec, compute, layers, bytes_per_element=4).forward_ms(s, c, b) == pytest.approx(
+            layers * (linear_flops + 4 * b * h * pairs) / rate, rel=1e-12), (s, c, w)
+        # the same two windowed layers as the last two of a model whose first layer attends fully
+        assert AnalyticCost(per_layer, compute, 2, first_layer=1).forward_ms(s, c, b) == pytest.approx(
+            AnalyticCost(spec, compute, layers).forward_ms(s, c, b), rel=1e-12), (s, c, w)
+        full = dict(spec.__dict__, window=None)
+        extra = 2.5 * 4 * b * h * (pairs - _visible_pairs(s, c, None)) / rate
+        assert AnalyticCost(spec, compute, 1).backward_ms(s, c, b) - AnalyticCost(
+            TransformerSpec(**full), compute, 1).backward_ms(s, c, b) == pytest.approx(extra, rel=1e-9, abs=1e-12)
+        # bound by bytes: the attention reads queries and outputs, and the visible keys and values
+        keys = _visible_keys(s, c, w)
+        delta = AnalyticCost(spec, memory, 1).forward_ms(s, c, b) - AnalyticCost(
+            TransformerSpec(**full), memory, 1).forward_ms(s, c, b)
+        assert delta == pytest.approx(2 * b * (keys - (c + s)) * h * 2 / 1e6, rel=1e-9, abs=1e-12), (s, c, w)
+
+
+def test_a_window_covering_the_sequence_costs_what_full_attention_does():
+    """A window of at least L keys hides nothing from a sequence of L tokens: every cost equals full causal
+    attention's (and so does the plan). A shorter window w costs the same while a slice ends within w, less once
+    its prefix is long enough that the band's s (s + w - 1) scores are fewer than causal attention's, and nothing
+    more for a longer prefix past w - 1."""
+    dev = get_device_preset("h100")
+    full = get_model_preset("gpt3-1b")
+    length = full.seq_len
+    s = np.arange(8, length + 1, 8, dtype=float)[None, :]
+    c = np.arange(0, length, 8, dtype=float)[:, None]
+    inside = s + c <= length
+    for w in (length, length + 1, 10 * length):
+        windowed = TransformerSpec(**dict(full.__dict__, window=w))
+        for deferred in (False, True):
+            a, b = (AnalyticCost(spec, dev, 3, embedding=True, deferred_weight_grads=deferred)
+                    for spec in (full, windowed))
+            assert np.array_equal(a.forward_ms(s, c)[inside], b.forward_ms(s, c)[inside])
+            assert np.array_equal(a.backward_ms(s, c)[inside], b.backward_ms(s, c)[inside])
+    plans = [plan_slicing(analytic_pipeline_cost(spec, dev, 4), length, num_microbatches=2)
+             for spec in (full, windowed)]
+    assert plans[0] == plans[1]
+    w, cpu = 512, get_device_preset("cpu")   # no launch floor: attention is its FLOPs or bytes at any size
+    short = AnalyticCost(TransformerSpec(**dict(full.__dict__, window=w)), cpu, 3)
+    whole = AnalyticCost(full, cpu, 3)
+    for method in ("forward_ms", "backward_ms"):
+        mine, theirs = getattr(short, method)(s, c), getattr(whole, method)(s, c)
+        assert np.array_equal(mine[s + c <= w], theirs[s + c <= w])
+        fewer = (s * (s + w - 1) < s * c + s * (s + 1) / 2) & (c >= w)   # the band scores fewer pairs than causal
+        assert fewer.sum() > 100 and np.all(mine[fewer & inside] < theirs[fewer & inside])
+        past = mine[c[:, 0] >= w - 1]
+        assert np.array_equal(past, np.broadcast_to(past[0], past.shape))   # flat in the prefix past w - 1
+
+
+def test_windows_are_priced_per_layer():
+    """Gemma 2's layout (full attention on every second layer): each stage adds up its own layers, stages holding
+    the same windows are one model to the planner, and the per-layer costs partition.py cuts add up to a stage."""
+    from ds_terapipe.planner.partition import ChunkCost
+
+    spec = resolve_model("gpt3-1b", window=256, full_every=2)
+    assert spec.layer_windows[:4] == (256, None, 256, None)
+    assert resolve_model("gpt3-1b", window=256, full_every=6).layer_windows[:6] == (256,) * 5 + (None,)
+    assert resolve_model("gpt3-1b", window=256).window == 256
+    dev, full = get_device_preset("a100"), get_model_preset("gpt3-1b")
+    one = {w: AnalyticCost(TransformerSpec(**dict(full.__dict__, window=w)), dev, 1) for w in (None, 256)}
+    pc = analytic_pipeline_cost(spec, dev, 5, lm_head=False)   # 24 layers: 5, 5, 5, 5, 4
+    s, c = np.array([64, 256, 512]), np.array([0, 1024, 1536])
+    for k, first in enumerate((0, 5, 10, 15, 20)):
+        layers = spec.layer_windows[first:first + pc.stages[k].num_layers]
+        for method in ("forward_ms", "backward_ms"):
+            expect = sum(getattr(one[w], method)(s, c) for w in layers)
+            np.testing.assert_allclose(getattr(pc.stages[k], method)(s, c), expect, rtol=1e-12)
+    assert pc.stages[0] is pc.stages[2] and pc.stages[1] is pc.stages[3]      # 3 sliding + 2 full, 2 + 3
+    assert pc.stages[0].cache_key() != pc.stages[1].cache_key()
+    per_layer = analytic_layer_costs(spec, dev)   # embedding, 24 blocks, head
+    assert per_layer[1] is per_layer[3] and per_layer[1].windows == ((256, 1),) and per_layer[2].windows == ((None, 1),)
+    np.testing.assert_allclose(ChunkCost(per_layer[6:11]).forward_ms(s, c), pc.stages[1].forward_ms(s, c), rtol=1e-12)
+
+
+@pytest.mark.parametrize("build, needle", [
+    (lambda: TransformerSpec(2, 64, 4, 10, 64, window=0), r"TransformerSpec\.window = 0 must be >= 1"),
+    (lambda: TransformerSpec(2, 64, 4, 10, 64, window=(8,)), "window has 1 entries for num_layers = 2"),
+    (lambda: TransformerSpec(2, 64, 4, 10, 64, window=(8, 2.5)), r"TransformerSpec\.window\[1\] = 2\.5"),
+    (lambda: AnalyticCost(TransformerSpec(2, 64, 4, 10, 64, window=(8, None)), get_device_preset("cpu"), 2,
+                          first_layer=1), r"layers \[1, 3\) are not all among the 2 layers"),
+    (lambda: resolve_model("gpt3-1b", full_every=2), "full_every = 2 .* no window is given; pass window=W"),
+    (lambda: resolve_model("gpt3-1b", window=256, full_every=0), "full_every = 0 must be >= 1"),
+])
+def test_window_errors_name_the_rule_and_the_fix(build, needle):
+    with pytest.raises(ValueError, match=needle):
+        build()
 
 
 def test_small_slices_are_memory_bound_on_weights():

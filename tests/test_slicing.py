@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from ds_terapipe.planner.cost import MeasuredCost, PipelineCost, StageCost
-from ds_terapipe.planner.presets import analytic_pipeline_cost
+from ds_terapipe.planner.presets import analytic_pipeline_cost, resolve_model
 from ds_terapipe.planner.slicing import MemoryModel, SlicingPlan, plan_slicing
 
 
@@ -543,18 +543,23 @@ def test_pruned_split_search_equals_the_unpruned_search():
         assert got == reference_search(cost, 512, 32, 1, batch, schedule), case
 
 
-def test_the_pruning_cases_decide_the_plan(monkeypatch):
-    """The cases above are ones the pruning decides: bounds 10% too high (a split's, or a candidate's) change
-    some plan, so the test above would catch such an over-prune."""
+def assert_over_pruning_changes(monkeypatch, make_plans, plans) -> None:
+    """Bounds 10% too high (a split's, or a candidate's) change some of ``make_plans()`` (``plans`` with the true
+    bounds): cases the pruning decides, so comparing them with the unpruned search catches an over-prune."""
     from ds_terapipe.planner import slicing
 
-    plans = _pruning_plans()
     with monkeypatch.context() as patch:
         patch.setattr(slicing, "_BOUND_SLACK", -0.1)   # every split's bound x 1.1
-        assert _pruning_plans() != plans
+        assert make_plans() != plans
     bounds = slicing._Simulated.lower_bounds
-    monkeypatch.setattr(slicing._Simulated, "lower_bounds", lambda self, *args: 1.1 * bounds(self, *args))
-    assert _pruning_plans() != plans
+    with monkeypatch.context() as patch:
+        patch.setattr(slicing._Simulated, "lower_bounds", lambda self, *args: 1.1 * bounds(self, *args))
+        assert make_plans() != plans
+
+
+def test_the_pruning_cases_decide_the_plan(monkeypatch):
+    """The cases above are ones the pruning decides, so the test above would catch an over-prune."""
+    assert_over_pruning_changes(monkeypatch, _pruning_plans, _pruning_plans())
 
 
 def _tied_splits(seed: int, batch: int) -> tuple[PipelineCost, int]:
@@ -717,3 +722,91 @@ def test_the_vocabulary_share_is_planned_on_every_chunk(schedule, v):
     folded = plan_slicing(with_vocab.folded_vocab(v), 256, **kw)
     assert plan.slices == folded.slices and plan.predicted_ms == pytest.approx(folded.predicted_ms)
     assert plan.predicted_ms > plan_slicing(base, 256, **kw).predicted_ms
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Sliding windows: a slice's attention stops growing with its prefix past the window; nothing in the search
+# assumes it keeps growing
+
+def windowed_instance(seed: int) -> tuple[PipelineCost, PipelineCost, int, int, int]:
+    """A small analytic model with sliding windows (none, short, long, or per layer) on a toy device where
+    attention, per-layer overhead and the bubble trade off; and the same model with full attention."""
+    from ds_terapipe.planner.cost import DeviceSpec, TransformerSpec
+
+    rng = np.random.default_rng(seed)
+    g, n = 4, int(rng.integers(6, 15))
+    layers = int(rng.integers(2, 7))
+    stages = int(rng.integers(2, min(layers, 4) + 1))
+    window = [None, int(rng.integers(1, 6)), int(rng.integers(6, g * n)),
+              tuple(None if rng.random() < 0.4 else int(rng.integers(1, g * n)) for _ in range(layers))][seed % 4]
+    device = DeviceSpec("toy", peak_tflops=1e-4, mem_bw_gbps=10.0, efficiency=1.0, link_gbps=1.0,
+                        per_layer_overhead_ms=float(rng.choice([5.0, 20.0, 50.0])),
+                        link_latency_ms=float(rng.uniform(0, 5)), attention_efficiency=float(rng.choice([0.01, 0.03])))
+    costs = [analytic_pipeline_cost(TransformerSpec(num_layers=layers, hidden=64, num_heads=4, vocab=100,
+                                                    seq_len=g * n, window=w), device, stages, lm_head=False)
+             for w in (window, None)]
+    return costs[0], costs[1], g * n, g, int(rng.integers(1, 4))
+
+
+def test_windowed_models_plan_as_the_plain_search_does():
+    """Equal stages under gpipe: the bound-ordered threshold search equals brute force over every slicing.
+    Stages holding different windows: the plan is the plain loop's (every candidate simulated, none skipped by
+    its bound). The windows change many of the plans."""
+    num_changed = 0
+    for seed in range(40):
+        cost, full, seq_len, g, m = windowed_instance(seed)
+        plan = plan_slicing(cost, seq_len, num_microbatches=m, granularity=g)
+        if cost.is_uniform():
+            assert plan.predicted_ms == pytest.approx(brute_force(cost, seq_len, g, m, 1), rel=1e-9), f"seed {seed}"
+            assert closed_form(cost, plan.slices, m, 1) == pytest.approx(plan.predicted_ms, rel=1e-9)
+        else:
+            best_ms, slices = reference_search(cost, seq_len, g, m, 1, "gpipe")[:2]
+            # the plain loop's time; a tie may keep another slicing (its sums in another order differ in the last bit)
+            assert plan.predicted_ms == pytest.approx(best_ms, rel=1e-12), (seed, plan.slices, slices)
+        num_changed += plan.slices != plan_slicing(full, seq_len, num_microbatches=m, granularity=g).slices
+    assert num_changed >= 10, "the windows must change the plans the test checks"
+
+
+# Mistral-like (a window on every layer) and Gemma-2-like (full attention on every second) layers: window, full
+# attention every k layers, schedule, sequence length, granularity, micro-batch size
+WINDOWED_CASES = [(64, None, "gpipe", 512, 32, 12), (128, 2, "1f1b", 512, 32, 12), (128, None, "gpipe", 2048, 64, 6),
+                  (256, 2, "1f1b", 2048, 128, 4)]
+
+
+def _windowed_plans() -> list[tuple[float, tuple[int, ...], tuple[int, ...]]]:
+    out = []
+    for window, full_every, schedule, seq_len, g, batch in WINDOWED_CASES:
+        model = resolve_model("gpt3-1b" if full_every is None else "gpt3-13b", window=window, full_every=full_every)
+        plan = plan_slicing(analytic_pipeline_cost(model, "a100", 4), seq_len, micro_batch_size=batch, granularity=g,
+                            schedule=schedule, split_batch=True)
+        out.append((plan.predicted_ms, plan.slices, plan.batch_splits))
+    return out
+
+
+def test_windowed_pruned_searches_equal_the_unpruned_ones(monkeypatch):
+    """At sizes past brute force: the threshold search against every threshold, and the batch splits and
+    candidates skipped by their bounds against the plain loop; bounds 10% too high change these plans."""
+    cost = analytic_pipeline_cost(resolve_model("gpt3-1b", window=96), "a100", 4, lm_head=False)
+    assert cost.is_uniform()
+    plan = plan_slicing(cost, 320, num_microbatches=3, granularity=8)
+    assert plan.predicted_ms == pytest.approx(reference_thresholds(cost, 320, 8, 3, 1), rel=1e-9)
+    plans = _windowed_plans()
+    for (window, full_every, schedule, seq_len, g, batch), got in zip(WINDOWED_CASES, plans):
+        model = resolve_model("gpt3-1b" if full_every is None else "gpt3-13b", window=window, full_every=full_every)
+        expect = reference_search(analytic_pipeline_cost(model, "a100", 4), seq_len, g, 1, batch, schedule)
+        assert got == expect, (window, full_every, schedule)
+    assert any(len(slices) > 1 for _, slices, _ in plans)
+    assert_over_pruning_changes(monkeypatch, _windowed_plans, plans)
+
+
+def test_a_window_evens_out_the_slices_past_it():
+    """Full attention makes later slices dearer, so the plan shortens them; past a window they all cost alike,
+    so they are one length (up to the grid), and the step is faster."""
+    g, seq_len, window = 128, 8192, 2048
+    full, windowed = (plan_slicing(analytic_pipeline_cost(resolve_model("gpt3-1b", window=w), "h100", 8), seq_len,
+                                   granularity=g) for w in (None, window))
+    assert full.slices[0] - full.slices[-1] > 2 * g
+    starts = np.cumsum((0,) + windowed.slices[:-1])
+    past = np.asarray(windowed.slices)[starts >= window]
+    assert len(past) >= 3 and past.max() - past.min() <= g, windowed.slices
+    assert windowed.predicted_ms < full.predicted_ms

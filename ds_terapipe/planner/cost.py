@@ -1,8 +1,9 @@
 """Cost models: how long one slice of tokens takes on one pipeline stage.
 
 The slicing DP (``slicing.py``) needs the time t(s, c) of a slice of ``s`` tokens that follows a prefix of ``c``
-tokens, for every candidate slice, on every stage. Later slices attend over a longer prefix, so t grows with c;
-tiny slices underuse the device, so t(s, 0) / s falls with s. Two models provide t:
+tokens, for every candidate slice, on every stage. Later slices attend over a longer prefix, so t grows with c (up
+to the window, under sliding-window attention); tiny slices underuse the device, so t(s, 0) / s falls with s. Two
+models provide t:
 
 * ``MeasuredCost`` fits points profiled on the real device (the engine profiles each stage at init). The fit
   follows TeraPipe (ICML 2021, eq. 9): a context-free part t0(s), interpolated over the measured slice
@@ -415,10 +416,12 @@ def scaled_cost(cost: Mapping[str, Any], scales: Mapping[int, Mapping[str, float
 # AnalyticCost
 
 class AnalyticCost(StageCost):
-    """Roofline cost of ``num_layers`` transformer blocks of ``model`` on ``device`` (physics: ``roofline.py``).
+    """Roofline cost of ``num_layers`` transformer blocks of ``model`` on ``device`` (physics: ``roofline.py``):
+    the blocks ``[first_layer, first_layer + num_layers)``, whose sliding windows (``TransformerSpec.window``) set
+    what each block's attention costs.
 
     Per block and slice (b sequences, s new tokens after c cached ones, m = b*s):
-      forward   = sum over Linears of GEMM(m, in, out) + attention(s, c) + small ops + per_layer_overhead
+      forward   = sum over Linears of GEMM(m, in, out) + attention(s, c, window) + small ops + per_layer_overhead
       backward  = dX GEMMs + attention backward + small ops' backward, and, unless ``deferred_weight_grads``,
                   the weight-gradient GEMMs and their addition into ``.grad`` (see ``accumulate_ms``)
       weight_ms = with ``deferred_weight_grads``: the weight-gradient GEMMs of ONE pass over ``tokens`` tokens,
@@ -434,13 +437,17 @@ class AnalyticCost(StageCost):
 
     def __init__(self, model: TransformerSpec, device: DeviceSpec, num_layers: int, *,
                  bytes_per_element: int = 2, lm_head: bool = False, embedding: bool = False,
-                 deferred_weight_grads: bool = False) -> None:
+                 deferred_weight_grads: bool = False, first_layer: int = 0) -> None:
         if not isinstance(model, TransformerSpec):
             raise TypeError(f"model must be a TransformerSpec, got {type(model).__name__}; see presets.py")
         if not isinstance(device, DeviceSpec):
             raise TypeError(f"device must be a DeviceSpec, got {type(device).__name__}; see presets.py")
         self.model, self.device = model, device
         self.num_layers = check_int(num_layers, "num_layers", minimum=0, wrong_type=ValueError)
+        self.first_layer = check_int(first_layer, "first_layer", minimum=0, wrong_type=ValueError,
+                                     fix="give the index of the stage's first block in the model")
+        # (window, blocks): blocks of one window cost the same, so a stage is costed once per distinct window
+        self.windows = model.window_counts(self.first_layer, self.num_layers)
         self.bytes_per_element = check_int(bytes_per_element, "bytes_per_element", minimum=1,
                                            wrong_type=ValueError)
         self.lm_head, self.embedding = bool(lm_head), bool(embedding)
@@ -453,6 +460,11 @@ class AnalyticCost(StageCost):
         # backward) sees s, c and b, and weight_ms' GEMMs s and b.
         return [np.asarray(x, float) for x in xs]
 
+    @staticmethod
+    def _zeros(s: np.ndarray, c: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """The blocks' sum starts here: the result has the full shape of s, c and b even without blocks."""
+        return np.zeros(np.broadcast_shapes(s.shape, c.shape, b.shape))
+
     def _head_io(self, m: np.ndarray, backward: bool = False) -> np.ndarray:
         # logits written, read by the softmax/loss, its gradient written and read: 4 * m * vocab elements
         return self._roof.small_ops(4, 4.0 * m * self.model.vocab * self._roof.e, backward=backward)
@@ -460,7 +472,7 @@ class AnalyticCost(StageCost):
     def forward_ms(self, slice_len: ArrayLike, context: ArrayLike, batch: ArrayLike = 1) -> Any:
         s, c, b = self._args(slice_len, context, batch)
         roof, m = self._roof, b * s
-        t = self.num_layers * roof.layer_forward_ms(s, c, b)
+        t = sum((n * roof.layer_forward_ms(s, c, b, w) for w, n in self.windows), self._zeros(s, c, b))
         if self.lm_head:
             t = t + roof.gemm(m, self.model.hidden, self.model.vocab) + self._head_io(m)
         if self.embedding:
@@ -470,7 +482,8 @@ class AnalyticCost(StageCost):
     def backward_ms(self, slice_len: ArrayLike, context: ArrayLike, batch: ArrayLike = 1) -> Any:
         s, c, b = self._args(slice_len, context, batch)
         roof, m, h, v = self._roof, b * s, self.model.hidden, self.model.vocab
-        t = self.num_layers * (roof.layer_input_grad_ms(s, c, b) + roof.norm_accumulate_ms())
+        t = sum((n * (roof.layer_input_grad_ms(s, c, b, w) + roof.norm_accumulate_ms()) for w, n in self.windows),
+                self._zeros(s, c, b))
         if not self.deferred_weight_grads:
             t = t + self.num_layers * (roof.layer_weight_grad_ms(m) + roof.linear_accumulate_ms())
         if self.lm_head:
@@ -514,8 +527,8 @@ class AnalyticCost(StageCost):
         return _result(comm_time_ms(self.device.link_latency_ms, self.device.link_gbps, num_bytes))
 
     def cache_key(self) -> Hashable:
-        return ("analytic", self.model, self.device, self.num_layers, self.bytes_per_element, self.lm_head,
-                self.embedding, self.deferred_weight_grads)
+        return ("analytic", self.model, self.device, self.num_layers, self.windows, self.bytes_per_element,
+                self.lm_head, self.embedding, self.deferred_weight_grads)
 
 
 class VocabShareCost(StageCost):

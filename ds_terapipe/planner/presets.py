@@ -25,6 +25,12 @@ efficiencies (0.55, 0.5), read weights at the full bandwidth, and take a launch 
 overhead spread over a block's ~15 kernels (5.3 and 6.7 us); attention and streaming ops run at those same
 efficiencies.
 
+The model presets attend over every earlier token. ``resolve_model(..., window=w)`` gives their layers a sliding
+window of w keys (Mistral's attention), and with ``full_every=k`` every k-th layer keeps full attention (Gemma 2:
+k = 2, Gemma 3 and Cohere 2: 6 and 4, as ``transformers``' ``sliding_window_pattern``); a ``TransformerSpec`` of
+your own takes any per-layer windows (``window``: one entry per layer). The costs are per layer: a stage's
+attention adds up its own layers' windows.
+
 Links are the stage-to-stage network a pipeline crossing nodes sees: V100 100 Gbit/s (AWS p3dn), A100 200 Gbit/s
 (HDR InfiniBand), H100 400 Gbit/s (NDR), CPU 10 Gbit/s Ethernet. These are estimates for ranking plans; profile
 (``MeasuredCost``) when the numbers matter.
@@ -37,6 +43,7 @@ from typing import TYPE_CHECKING
 
 from ._checks import check_int
 from .cost import AnalyticCost, DeviceSpec, PipelineCost, TransformerSpec
+from .roofline import Windows
 
 if TYPE_CHECKING:
     from .slicing import MemoryModel
@@ -49,6 +56,7 @@ __all__ = [
     "get_model_preset",
     "get_device_preset",
     "split_layers",
+    "sliding_windows",
     "analytic_pipeline_cost",
     "analytic_layer_costs",
     "resolve_model",
@@ -109,13 +117,32 @@ def split_layers(num_layers: int, num_stages: int) -> list[int]:
     return [base + (1 if s < extra else 0) for s in range(num_stages)]
 
 
-def resolve_model(model: str | TransformerSpec, vocab: int | None = None) -> TransformerSpec:
+def sliding_windows(num_layers: int, window: int, full_every: int | None = None) -> Windows:
+    """``TransformerSpec.window`` for ``num_layers`` layers with a sliding ``window``: every layer's (``full_every``
+    None), or, as ``transformers``' ``sliding_window_pattern`` k of Gemma 2/3 and Cohere 2, full attention on every
+    k-th layer (layer i when (i + 1) % k == 0) and the window on the others."""
+    window = check_int(window, "window", fix="give the sliding window in keys (Mistral: 4096)", wrong_type=ValueError)
+    if full_every is None:
+        return window
+    k = check_int(full_every, "full_every", fix="give k for full attention on every k-th layer (Gemma 2: 2), or "
+                  "None for the window on every layer", wrong_type=ValueError)
+    return tuple(None if (i + 1) % k == 0 else window for i in range(num_layers))
+
+
+def resolve_model(model: str | TransformerSpec, vocab: int | None = None, *, window: int | None = None,
+                  full_every: int | None = None) -> TransformerSpec:
     """A preset by name (or a spec as is), with its vocabulary replaced by ``vocab`` when given (e.g. a 256k
-    tokenizer on a GPT-3 body: the LM head and embedding grow, the blocks do not)."""
+    tokenizer on a GPT-3 body: the LM head and embedding grow, the blocks do not), and with ``window`` its layers'
+    sliding windows (``sliding_windows``: on every layer, or with ``full_every`` k full attention on every k-th)."""
     spec = get_model_preset(model) if isinstance(model, str) else model
-    if vocab is None:
-        return spec
-    return dataclasses.replace(spec, vocab=check_int(vocab, "vocab", fix="pass the tokenizer's vocabulary size"))
+    if vocab is not None:
+        spec = dataclasses.replace(spec, vocab=check_int(vocab, "vocab", fix="pass the tokenizer's vocabulary size"))
+    if window is not None:
+        spec = dataclasses.replace(spec, window=sliding_windows(spec.num_layers, window, full_every))
+    elif full_every is not None:
+        raise ValueError(f"full_every = {full_every!r} picks the layers of full attention among windowed ones, but "
+                         "no window is given; pass window=W too")
+    return spec
 
 
 def analytic_pipeline_cost(model: str | TransformerSpec, device: str | DeviceSpec, num_stages: int, *,
@@ -135,13 +162,15 @@ def analytic_pipeline_cost(model: str | TransformerSpec, device: str | DeviceSpe
     dev = get_device_preset(device) if isinstance(device, str) else device
     embedding = lm_head if embedding is None else bool(embedding)
     layers = split_layers(spec.num_layers, num_stages)
-    cache: dict[tuple[int, bool, bool], AnalyticCost] = {}  # share objects so equal stages are recognised cheaply
+    firsts = [sum(layers[:s]) for s in range(num_stages)]
+    cache: dict[tuple, AnalyticCost] = {}  # share objects so equal stages are recognised cheaply
     stages = []
-    for s, n in enumerate(layers):
-        key = (n, lm_head and s == num_stages - 1, embedding and s == 0)
+    for s, (first, n) in enumerate(zip(firsts, layers)):
+        key = (spec.window_counts(first, n), lm_head and s == num_stages - 1, embedding and s == 0)
         if key not in cache:
             cache[key] = AnalyticCost(spec, dev, n, bytes_per_element=bytes_per_element, lm_head=key[1],
-                                      embedding=key[2], deferred_weight_grads=deferred_weight_grads)
+                                      embedding=key[2], deferred_weight_grads=deferred_weight_grads,
+                                      first_layer=first)
         stages.append(cache[key])
     return PipelineCost(stages, meta={"model": repr(spec), "device": dev.name, "layers": layers,
                                       "lm_head": lm_head, "embedding": embedding,
@@ -150,13 +179,17 @@ def analytic_pipeline_cost(model: str | TransformerSpec, device: str | DeviceSpe
 
 def analytic_layer_costs(model: str | TransformerSpec, device: str | DeviceSpec, *, bytes_per_element: int = 2,
                          vocab: int | None = None) -> list[AnalyticCost]:
-    """One cost per layer, in model order: the input embedding, ``num_layers`` blocks (one shared object), the LM
-    head (projection + softmax): what ``planner.partition`` cuts into stages."""
+    """One cost per layer, in model order: the input embedding, ``num_layers`` blocks (one shared object per
+    window), the LM head (projection + softmax): what ``planner.partition`` cuts into stages."""
     spec = resolve_model(model, vocab)
     dev = get_device_preset(device) if isinstance(device, str) else device
-    block = AnalyticCost(spec, dev, 1, bytes_per_element=bytes_per_element)
+    blocks: dict[int | None, AnalyticCost] = {}
+    for i, window in enumerate(spec.layer_windows):
+        if window not in blocks:
+            blocks[window] = AnalyticCost(spec, dev, 1, bytes_per_element=bytes_per_element, first_layer=i)
     return [AnalyticCost(spec, dev, 0, bytes_per_element=bytes_per_element, embedding=True),
-            *[block] * spec.num_layers, AnalyticCost(spec, dev, 0, bytes_per_element=bytes_per_element, lm_head=True)]
+            *[blocks[w] for w in spec.layer_windows],
+            AnalyticCost(spec, dev, 0, bytes_per_element=bytes_per_element, lm_head=True)]
 
 
 def preset_memory_model(model: str | TransformerSpec, num_stages: int, *, bytes_per_element: int = 2,

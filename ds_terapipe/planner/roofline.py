@@ -11,9 +11,13 @@ a GPU cannot hide when the op itself is short). Three consequences decide how fi
 * the many small ops of an eager block (norms, rotary embeddings, activations, residual adds) cost their launch
   floor each at small slices and their activation bytes at large ones.
 
-Attention is costed by its FLOPs (over the cached prefix and the causal triangle of the slice) and its bytes (the
-slice's queries and outputs, the prefix's keys and values), so it grows with the context. The small ops of a block
-are costed as a group: the larger of their launch floors and their bytes.
+Attention is costed by its FLOPs (one score and one weighted value per (query, key) pair the runtime computes: the
+cached prefix and the causal triangle of the slice) and its bytes (the slice's queries and outputs, the keys and
+values it reads), so it grows with the context. With a sliding window of w keys (query t sees key k iff k <= t and
+t - k < w) a slice [c, c + s) reads only the keys [max(0, c - w + 1), c + s), so its attention stops growing once
+the prefix passes w; where the window hides keys the runtime runs one SDPA call under a band mask, which scores
+each of the slice's queries against all of those keys (``computed_pairs``). ``TransformerSpec.window`` gives each
+layer's window. The small ops of a block are costed as a group: the larger of their launch floors and their bytes.
 
 ``BLOCKS`` lists the block layouts: ``"gpt"`` (LayerNorm, GeLU MLP of two matrices, biases) and ``"llama"``
 (RMSNorm, rotary positions, SwiGLU MLP of three matrices, no biases). Their kernel counts were counted by
@@ -23,14 +27,17 @@ dispatching the project's GPT block and a Hugging Face Llama block on small shap
 """
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import numpy as np
 
 from ._checks import check_int, check_number
 
-__all__ = ["BLOCKS", "BlockKernels", "TransformerSpec", "DeviceSpec", "Roofline"]
+__all__ = ["BLOCKS", "BlockKernels", "TransformerSpec", "DeviceSpec", "Roofline", "Windows", "computed_pairs",
+           "visible_pairs", "visible_keys"]
 
 
 @dataclass(frozen=True)
@@ -52,6 +59,46 @@ BLOCKS: dict[str, BlockKernels] = {
 _ATTENTION_BACKWARD_FLOPS = 2.5
 
 
+def visible_pairs(s: np.ndarray | float, c: np.ndarray | float, window: Optional[int] = None) -> np.ndarray:
+    """(query, key) pairs a slice of ``s`` queries after ``c`` cached tokens attends over: query t sees key k iff
+    k <= t and, with a sliding ``window`` w, t - k < w; so query t sees min(t + 1, w) keys.
+
+    Summed over the slice's queries t = c .. c + s - 1 that is F(c + s) - F(c), with F(n) = sum of min(u, w) over
+    u = 1 .. n = min(n, w) (min(n, w) + 1) / 2 + max(n - w, 0) w; without a window s c + s (s + 1) / 2."""
+    s, c = np.asarray(s, float), np.asarray(c, float)
+    if window is None:
+        return s * c + s * (s + 1.0) / 2.0
+
+    def triangle(n: np.ndarray) -> np.ndarray:
+        low = np.minimum(n, window)
+        return low * (low + 1.0) / 2.0 + np.maximum(n - window, 0.0) * window
+
+    return triangle(c + s) - triangle(c)
+
+
+def visible_keys(s: np.ndarray | float, c: np.ndarray | float, window: Optional[int] = None) -> np.ndarray:
+    """Keys (and values) a slice of ``s`` queries after ``c`` cached tokens reads: [max(0, c - w + 1), c + s)."""
+    s, c = np.asarray(s, float), np.asarray(c, float)
+    return s + (c if window is None else np.minimum(c, window - 1.0))
+
+
+def computed_pairs(s: np.ndarray | float, c: np.ndarray | float, window: Optional[int] = None) -> np.ndarray:
+    """(query, key) scores the runtime computes for a slice of ``s`` queries after ``c`` cached tokens: the visible
+    pairs while the window hides no key from the slice (``c + s <= window``: the causal paths, which skip what the
+    causal mask hides), else one SDPA call under a band mask, which scores every query against every key the slice
+    reads (``s * visible_keys``, up to twice the visible pairs for a slice as long as the window)."""
+    pairs = visible_pairs(s, c, window)
+    if window is None:
+        return pairs
+    s, c = np.asarray(s, float), np.asarray(c, float)
+    return np.where(c + s > window, s * visible_keys(s, c, window), pairs)
+
+
+#: A model's windows: None (full causal attention on every layer), one window for every layer, or one entry per
+#: layer (None for a layer of full attention).
+Windows = Union[None, int, Sequence[Optional[int]]]
+
+
 @dataclass(frozen=True)
 class TransformerSpec:
     """A decoder-only transformer: ``num_layers`` blocks of width ``hidden``; ``vocab`` sizes the LM head.
@@ -61,6 +108,10 @@ class TransformerSpec:
     ``block``: the block layout, one of ``BLOCKS`` (``"gpt"``: LayerNorm, GeLU MLP of 2 matrices, biases;
     ``"llama"``: RMSNorm, rotary positions, SwiGLU MLP of 3 matrices, no biases): it sets the GEMMs and how many
     small kernels a block launches, which is what a short slice pays for.
+    ``window``: sliding-window attention, query t seeing key k iff k <= t and t - k < w (``transformers``' mask):
+    None for full causal attention on every layer, an int w for every layer (Mistral), or one entry per layer,
+    None for a layer of full attention (Gemma 2/3, Qwen2/3 and others, whose ``layer_types`` mix
+    ``'sliding_attention'`` and ``'full_attention'`` layers); ``layer_windows`` spells it out per layer.
     """
 
     num_layers: int
@@ -71,6 +122,7 @@ class TransformerSpec:
     ffn_hidden: Optional[int] = None
     num_kv_heads: Optional[int] = None
     block: str = "gpt"
+    window: Windows = None
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden", "num_heads", "vocab", "seq_len"):
@@ -91,6 +143,39 @@ class TransformerSpec:
         if self.block not in BLOCKS:
             raise ValueError(f"TransformerSpec.block = {self.block!r} is unknown; valid blocks: "
                              f"{', '.join(BLOCKS)}")
+        object.__setattr__(self, "window", self._checked_window(self.window))
+
+    def _checked_window(self, window: Windows) -> Windows:
+        fix = "give a window of at least 1 key, or None for full causal attention"
+        if window is None:
+            return None
+        if not isinstance(window, Sequence) or isinstance(window, str):
+            return check_int(window, "TransformerSpec.window", fix=fix + " (a list: one per layer)",
+                             wrong_type=ValueError)
+        if len(window) != self.num_layers:
+            raise ValueError(f"TransformerSpec.window has {len(window)} entries for num_layers = {self.num_layers}; "
+                             "give one window (or None) per layer, or one int for every layer")
+        return tuple(None if w is None else check_int(w, f"TransformerSpec.window[{i}]", fix=fix,
+                                                      wrong_type=ValueError) for i, w in enumerate(window))
+
+    @property
+    def layer_windows(self) -> tuple[Optional[int], ...]:
+        """Each layer's sliding window, None for full causal attention."""
+        if self.window is None or isinstance(self.window, int):
+            return (self.window,) * self.num_layers
+        return tuple(self.window)
+
+    def window_counts(self, first_layer: int, num_layers: int) -> tuple[tuple[Optional[int], int], ...]:
+        """(window, how many layers) over the layers [first_layer, first_layer + num_layers), full attention first:
+        what a run of layers costs depends on this alone. A single window (or none) holds for any layer index."""
+        if self.window is None or isinstance(self.window, int):
+            return ((self.window, num_layers),) if num_layers else ()
+        if first_layer < 0 or first_layer + num_layers > self.num_layers:
+            raise ValueError(f"layers [{first_layer}, {first_layer + num_layers}) are not all among the "
+                             f"{self.num_layers} layers whose windows TransformerSpec.window gives; cost layers of "
+                             "the model only")
+        counts = Counter(self.window[first_layer:first_layer + num_layers])
+        return tuple(sorted(counts.items(), key=lambda item: -1 if item[0] is None else item[0]))
 
     @property
     def ffn(self) -> int:
@@ -221,28 +306,36 @@ class Roofline:
                    for k, n in zip(self._k, self._n))
 
     # -- passes of one layer ----------------------------------------------------------------------------------
-    def attention_flops(self, s: np.ndarray, c: np.ndarray, b: np.ndarray) -> np.ndarray:
-        """Scores and weights @ V over the c cached keys and the causal triangle of the slice (2 per FMA)."""
-        return 4.0 * b * self.model.hidden * (s * c + s * (s + 1.0) / 2.0)
+    def attention_flops(self, s: np.ndarray, c: np.ndarray, b: np.ndarray, window: Optional[int] = None
+                        ) -> np.ndarray:
+        """Scores and weights @ V over the (query, key) pairs the runtime computes for the slice
+        (``computed_pairs``: the c cached keys and the causal triangle of the slice; under a sliding ``window``
+        that hides keys, every key the slice reads for every query), 2 per FMA."""
+        return 4.0 * b * self.model.hidden * computed_pairs(s, c, window)
 
-    def _attention_bytes(self, s: np.ndarray, c: np.ndarray, b: np.ndarray) -> np.ndarray:
-        # queries in, outputs out (b*s*h each); keys and values of the prefix and the slice (b*(c+s)*kv each)
-        return (2.0 * b * s * self.model.hidden + 2.0 * b * (c + s) * self.model.kv_width) * self.e
+    def _attention_bytes(self, s: np.ndarray, c: np.ndarray, b: np.ndarray, window: Optional[int]) -> np.ndarray:
+        # queries in, outputs out (b*s*h each); keys and values the slice sees (b*visible_keys*kv each)
+        return (2.0 * b * s * self.model.hidden + 2.0 * b * visible_keys(s, c, window) * self.model.kv_width) * self.e
 
-    def layer_forward_ms(self, s: np.ndarray, c: np.ndarray, b: np.ndarray) -> np.ndarray:
+    def layer_forward_ms(self, s: np.ndarray, c: np.ndarray, b: np.ndarray, window: Optional[int] = None
+                         ) -> np.ndarray:
+        """One layer's forward whose attention has the sliding ``window`` (None: full causal attention)."""
         m = b * s
-        attention = self.kernel(self.attention_flops(s, c, b), self._attention_bytes(s, c, b), attention=True)
+        attention = self.kernel(self.attention_flops(s, c, b, window), self._attention_bytes(s, c, b, window),
+                                attention=True)
         small = self.small_ops(self.kernels.forward, self.model.io_elements_per_token() * m * self.e)
         return self._gemms(m) + attention + small + self.device.per_layer_overhead_ms
 
-    def layer_input_grad_ms(self, s: np.ndarray, c: np.ndarray, b: np.ndarray) -> np.ndarray:
+    def layer_input_grad_ms(self, s: np.ndarray, c: np.ndarray, b: np.ndarray, window: Optional[int] = None
+                            ) -> np.ndarray:
         """Backward without the Linears' weight gradients: dX GEMMs (each reads its weight), attention's
-        backward (the prefix's K/V gradients added into the cache's: 3 more passes over them), the small ops'
-        backward (twice the forward's bytes: saved inputs and gradients read, gradients written)."""
+        backward (the visible prefix's K/V gradients added into the cache's: 3 more passes over them), the small
+        ops' backward (twice the forward's bytes: saved inputs and gradients read, gradients written)."""
         m = b * s
-        kv_grads = 6.0 * b * (c + s) * self.model.kv_width * self.e
-        attention = self.kernel(_ATTENTION_BACKWARD_FLOPS * self.attention_flops(s, c, b),
-                                2.0 * self._attention_bytes(s, c, b) + kv_grads, attention=True, backward=True)
+        kv_grads = 6.0 * b * visible_keys(s, c, window) * self.model.kv_width * self.e
+        attention = self.kernel(_ATTENTION_BACKWARD_FLOPS * self.attention_flops(s, c, b, window),
+                                2.0 * self._attention_bytes(s, c, b, window) + kv_grads, attention=True,
+                                backward=True)
         small = self.small_ops(self.kernels.input_grad, 2.0 * self.model.io_elements_per_token() * m * self.e,
                                backward=True)
         return self._gemms(m, transpose=True, backward=True) + attention + small + self.device.per_layer_overhead_ms
