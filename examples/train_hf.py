@@ -31,9 +31,16 @@ from train_gpt import load_documents, parse_training_args, start, train, trainin
 
 def arch_settings(arch: str, args: argparse.Namespace, intermediate: int) -> dict[str, Any]:
     """What ``arch`` needs beyond the size options so that the token pipeline runs it exactly and the small
-    shapes hold: a few small experts (the defaults have up to 128 experts, each as wide as a dense MLP). Sliding
-    windows and softcapping (Gemma 2) stay as the architecture sets them."""
+    shapes hold: a few small experts (the defaults have up to 256 experts, each as wide as a dense MLP), and
+    DeepSeek's latent attention sized to the heads (its keys and values have every head: num_key_value_heads is the
+    head count). Sliding windows, softcapping (Gemma 2) and attention sinks (gpt-oss) stay as the architecture sets
+    them."""
     experts = {"num_experts_per_tok": 2}
+    head_dim = args.hidden // args.heads
+    latent = {**experts, "n_routed_experts": 8, "n_group": 4, "topk_group": 2, "n_shared_experts": 1,
+              "moe_intermediate_size": intermediate // 2, "first_k_dense_replace": 1, "num_key_value_heads": args.heads,
+              "q_lora_rank": args.hidden // 2, "kv_lora_rank": args.hidden // 4, "qk_nope_head_dim": head_dim,
+              "qk_rope_head_dim": head_dim // 2, "v_head_dim": head_dim}
     return {
         "gemma2": {"query_pre_attn_scalar": args.hidden // args.heads},
         "gemma3_text": {"query_pre_attn_scalar": args.hidden // args.heads},
@@ -43,6 +50,9 @@ def arch_settings(arch: str, args: argparse.Namespace, intermediate: int) -> dic
                       "shared_expert_intermediate_size": intermediate},
         "granitemoe": {**experts, "num_local_experts": 4},
         "granitemoeshared": {**experts, "num_local_experts": 4, "shared_intermediate_size": intermediate},
+        "gpt_oss": {**experts, "num_local_experts": 4},
+        "deepseek_v3": latent,
+        "deepseek_v2": {**latent, "topk_method": "group_limited_greedy"},
     }.get(arch, {})
 
 
@@ -71,9 +81,10 @@ def model_config(args: argparse.Namespace, vocab: int, seq_len: int) -> transfor
     if "head_dim" in getattr(config_class, "__dataclass_fields__", {}):  # a fixed default (Gemma: 256) otherwise
         extra.setdefault("head_dim", args.hidden // args.heads)
     # pad_token_id None: byte-level text has no padding, and a padding row's embedding would never train
-    return config_class(hidden_size=args.hidden, intermediate_size=intermediate, num_hidden_layers=args.layers,
-                        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, vocab_size=vocab,
-                        max_position_embeddings=seq_len, bos_token_id=0, eos_token_id=0, pad_token_id=None, **extra)
+    sizes = dict(hidden_size=args.hidden, intermediate_size=intermediate, num_hidden_layers=args.layers,
+                 num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, vocab_size=vocab,
+                 max_position_embeddings=seq_len, bos_token_id=0, eos_token_id=0, pad_token_id=None)
+    return config_class(**{**sizes, **extra})   # extra wins: DeepSeek's key/value heads are its heads
 
 
 def main() -> None:

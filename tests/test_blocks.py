@@ -11,6 +11,7 @@ the dense sliding-window mask on every path, reading (and handing gradients to) 
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 import torch
@@ -370,3 +371,128 @@ def test_a_softcap_that_is_no_positive_number_is_refused(softcap) -> None:
     q = torch.randn(1, 2, 4, 8)
     with pytest.raises(ValueError, match=f"softcap={softcap!r}; attention-logit softcapping takes a positive number"):
         sliced_causal_attention(q, q, q, cache_key="a", softcap=softcap)
+
+
+# -- attention sinks -------------------------------------------------------------------------------------------
+def _sinks_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
+                 sinks: torch.Tensor) -> torch.Tensor:
+    """transformers' gpt-oss eager attention, the reference: repeated k/v heads, scaled scores, the mask, each
+    head's sink logit appended to every row, the max subtracted, softmax, the sink's column dropped, times v."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = (t[:, :, None].expand(-1, -1, groups, -1, -1).flatten(1, 2) for t in (k, v))   # transformers' repeat_kv
+    scores = (q @ k.transpose(2, 3) * q.shape[-1] ** -0.5).masked_fill(~visible, float("-inf"))
+    logits = torch.cat([scores, sinks.view(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[2], 1)], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    return torch.softmax(logits, dim=-1)[..., :-1] @ v
+
+
+@pytest.mark.parametrize("path", ["cpu", "accelerator"])
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("slicing", ["one", "uneven"])
+def test_sliced_attention_with_sinks_equals_the_dense_eager_reference(slicing: str, window: int | None, packed: bool,
+                                                                      path: str, monkeypatch: pytest.MonkeyPatch
+                                                                      ) -> None:
+    """Sliced attention with ``sinks`` (slices forward in order, backward later slices first) against the dense
+    gpt-oss eager reference, fp64: the output and the gradients of q, k, v and the sinks. Sink logits of a few
+    units (each takes a visible share of its rows); grouped-query heads; no window and a window of 5 (slices [1, 9,
+    3, 6, 5] shorter and longer than it); plain and packed rows; the CPU's fused blocks (the sink merged into their
+    log-sum-exp) and the plain math (an accelerator's path, run on the CPU)."""
+    import ds_terapipe.runtime.slicing.attention as attention
+    if path == "accelerator":
+        _force_accelerator_paths(monkeypatch)
+    merged = []
+    monkeypatch.setattr(attention, "block_attention", lambda *a: merged.append(1) or block_attention(*a))
+    torch.manual_seed(4)
+    batch, heads, kv_heads, head_dim, length = 2, 4, 2, 8, 24
+    q = torch.randn(batch, heads, length, head_dim, dtype=torch.float64)
+    k, v = (torch.randn(batch, kv_heads, length, head_dim, dtype=torch.float64) for _ in range(2))
+    sinks = torch.randn(heads, dtype=torch.float64) * 2
+    grad = torch.randn(batch, length, heads, head_dim, dtype=torch.float64).transpose(1, 2)
+    positions = _positions([[0, 6, 15], [0, 10]], length) if packed else None
+    ref_in = [t.detach().requires_grad_() for t in (q, k, v, sinks)]
+    ref = _sinks_dense(*ref_in[:3], _sliding_visible(length, window or length, positions), ref_in[3])
+    ref_grads = torch.autograd.grad(ref, ref_in, grad)
+
+    got_sinks = sinks.detach().requires_grad_()
+    got = _sliced_outputs_and_grads(q, k, v, grad, WINDOW_SLICINGS[slicing], positions, window=window,
+                                    sinks=got_sinks)
+    for name, a, b in zip(("out", "dq", "dk", "dv", "dsinks"), (*got, got_sinks.grad), (ref.detach(), *ref_grads)):
+        err = float((a - b).abs().max() / b.abs().max())
+        assert err < TOL[torch.float64], f"{name}: rel err {err:.2e} (window {window}, slices {slicing})"
+    if path == "accelerator":
+        assert not merged, "an accelerator takes the plain math"
+    elif window is None:
+        assert len(merged) == len(WINDOW_SLICINGS[slicing]), "the CPU takes the blocks wherever no window binds"
+
+
+def test_sinks_of_minus_infinity_are_plain_causal_attention_and_bad_sinks_are_refused() -> None:
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 12, 8, dtype=torch.float64) for _ in range(3))
+    none = torch.full((2,), float("-inf"), dtype=torch.float64)
+    torch.testing.assert_close(sliced_causal_attention(q, k, v, cache_key="a", sinks=none),
+                               F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    for sinks, got in ((torch.zeros(3), "shape (3,)"), ([0.0, 0.0], "a list"), (torch.zeros(2, 1), "shape (2, 1)")):
+        with pytest.raises(ValueError, match=rf"sinks is {re.escape(got)} but q has 2 heads; attention sinks are a "
+                                             r"floating-point tensor of shape \(2,\)"):
+            sliced_causal_attention(q, k, v, cache_key="a", sinks=sinks)
+
+
+def test_sequence_parallel_ranks_attend_with_their_heads_sinks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under sequence parallelism rank r attends with the r-th subset of the heads (gather_heads' split), so it
+    takes those heads' sinks: each of 2 emulated ranks (the all-to-alls replaced by the head split they make)
+    equals the reference's heads, and the sink gradients of the ranks add up to the reference's."""
+    import ds_terapipe.runtime.slicing.attention as attention
+    from ds_terapipe.runtime.slicing.sequence import SequenceShare
+    torch.manual_seed(5)
+    batch, heads, length, head_dim = 1, 4, 12, 8
+    q, k, v = (torch.randn(batch, heads, length, head_dim, dtype=torch.float64) for _ in range(3))
+    sinks = (torch.randn(heads, dtype=torch.float64) * 2).requires_grad_()
+    ref = _sinks_dense(q, k, v, _sliding_visible(length, length, None), sinks)
+    (ref_grad,) = torch.autograd.grad(ref.sum(), sinks)
+    total = torch.zeros(heads, dtype=torch.float64)
+    for rank in range(2):
+        share = SequenceShare(group=None, rank=rank, degree=2)
+        mine = slice(rank * heads // 2, (rank + 1) * heads // 2)
+        monkeypatch.setattr(attention, "gather_heads", lambda x, share, what: x[:, mine])
+        monkeypatch.setattr(attention, "scatter_heads", lambda y, share: y)
+        ranked = sinks.detach().requires_grad_()
+        with slice_scope(SliceContext(0, 0, 0, length, MicroBatchState(0, length, 2), sequence=share)):
+            out = sliced_causal_attention(q, k, v, cache_key="a", sinks=ranked)
+        torch.testing.assert_close(out, ref[:, mine].detach())
+        out.sum().backward()
+        assert not ranked.grad[[h for h in range(heads) if h not in range(mine.start, mine.stop)]].any()
+        total += ranked.grad
+    torch.testing.assert_close(total, ref_grad)
+
+
+# -- values narrower than keys (DeepSeek's latent attention) ---------------------------------------------------
+@pytest.mark.parametrize("path", ["cpu", "accelerator"])
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("special", [None, "sinks"])
+def test_values_of_another_width_than_keys_slice_exactly(special: str | None, window: int | None, packed: bool,
+                                                         path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keys of 12 dims, values of 20 (MLA's qk_nope + qk_rope vs v_head_dim): sliced attention (slices [1, 9, 3, 6,
+    5], backward later slices first) equals the dense reference, fp64: the output (B, nh, T, 20) and the q, k, v
+    gradients, on every path (SDPA, the band mask, per-document calls, the plain math sinks and softcaps take)."""
+    monkeypatch.setattr(blocks_mod, "MIN_PREFIX_TOKENS", 0)
+    if path == "accelerator":
+        _force_accelerator_paths(monkeypatch)
+    torch.manual_seed(6)
+    batch, heads, length = 2, 4, 24
+    q, k = (torch.randn(batch, heads, length, 12, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(batch, heads, length, 20, dtype=torch.float64)
+    grad = torch.randn(batch, length, heads, 20, dtype=torch.float64).transpose(1, 2)
+    positions = _positions([[0, 6, 15], [0, 10]], length) if packed else None
+    visible = _sliding_visible(length, window or length, positions)
+    sinks = torch.randn(heads, dtype=torch.float64)
+    kwargs = {"sinks": sinks} if special == "sinks" else {}
+    ref_in = [t.detach().requires_grad_() for t in (q, k, v)]
+    ref = _sinks_dense(*ref_in, visible, sinks) if special == "sinks" else _dense(*ref_in, visible)
+    ref_grads = torch.autograd.grad(ref, ref_in, grad)
+    got = _sliced_outputs_and_grads(q, k, v, grad, WINDOW_SLICINGS["uneven"], positions, window=window, **kwargs)
+    assert got[0].shape == (batch, heads, length, 20)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, (ref.detach(), *ref_grads)):
+        err = float((a - b).abs().max() / b.abs().max())
+        assert err < TOL[torch.float64], f"{name}: rel err {err:.2e}"

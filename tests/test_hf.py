@@ -138,6 +138,30 @@ OTHER_ARCHS = {
     "gemma3-softcap-tight": ("Gemma3TextConfig", dict(num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=32,
                                                       sliding_window=5, layer_types=SLIDING_FULL_SLIDING,
                                                       attn_logit_softcapping=0.05, final_logit_softcapping=0.3)),
+    # Attention sinks (a learned logit per head in every softmax's denominator) on sliding (window 5) and full
+    # layers, a mixture of experts with biases, YaRN rotary.
+    "gpt_oss": ("GptOssConfig", dict(num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                                     sliding_window=5, layer_types=SLIDING_FULL_SLIDING, rope_parameters={
+                                         "rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32,
+                                         "rope_theta": 1e4, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False})),
+    # Multi-head latent attention: keys of 16 + 8 dims, values of 12; a dense first layer, then experts routed within
+    # groups per token (V3: 8 experts in 4 groups, 2 groups kept), a shared expert; q_lora_rank set and None, rotary
+    # interleaved and not (and YaRN's mscale in the attention scale).
+    "deepseek_v3": ("DeepseekV3Config", dict(num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16,
+                                             qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+                                             n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+                                             n_shared_experts=1, moe_intermediate_size=32, first_k_dense_replace=1)),
+    "deepseek_v3-no-q-lora": ("DeepseekV3Config", dict(
+        num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
+        moe_intermediate_size=32, first_k_dense_replace=1, rope_interleave=False, rope_parameters={
+            "rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32, "rope_theta": 1e4,
+            "mscale": 1.0, "mscale_all_dim": 1.0})),
+    "deepseek_v2": ("DeepseekV2Config", dict(num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16,
+                                             qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+                                             n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+                                             topk_method="group_limited_greedy", n_shared_experts=1,
+                                             moe_intermediate_size=32, first_k_dense_replace=1)),
     "gemma3-window": ("Gemma3TextConfig", dict(num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=32,
                                                sliding_window=5, layer_types=SLIDING_FULL_SLIDING)),
     "cohere2-window": ("Cohere2Config", dict(num_key_value_heads=2, logit_scale=0.25, sliding_window=5,
@@ -161,7 +185,9 @@ MODEL_CLASSES = {"gpt2": "GPT2LMHeadModel", "llama-tied": "LlamaForCausalLM", "l
                  "exaone4": "Exaone4ForCausalLM", "seed_oss": "SeedOssForCausalLM", "arcee": "ArceeForCausalLM",
                  "apertus": "ApertusForCausalLM", "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM",
                  "cohere2": "Cohere2ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                 "granitemoe": "GraniteMoeForCausalLM", "granitemoeshared": "GraniteMoeSharedForCausalLM"}
+                 "granitemoe": "GraniteMoeForCausalLM", "granitemoeshared": "GraniteMoeSharedForCausalLM",
+                 "gpt_oss": "GptOssForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+                 "deepseek_v2": "DeepseekV2ForCausalLM"}
 MODEL_CLASSES.update({arch: MODEL_CLASSES[arch.split("-")[0]] for arch in OTHER_ARCHS if "-" in arch})
 
 
@@ -340,7 +366,7 @@ def test_grouped_query_cache_holds_only_kv_heads() -> None:
                                                  *((arch, None, torch.float32) for arch in (
                                                      "mistral", "qwen2", "gemma2", "gemma3", "phi3", "olmo",
                                                      "olmo2", "granite", "smollm3", "stablelm", "starcoder2",
-                                                     "qwen3_moe"))])
+                                                     "qwen3_moe", "gpt_oss", "deepseek_v3"))])
 def test_local_directory_loads_each_layer_from_safetensors(arch: str, shard, dtype, tmp_path) -> None:
     """A save_pretrained directory (one file, or sharded with an index): every layer reads its own tensors,
     in config.json's dtype; weights and outputs equal the saved model's. GPT-NeoX's and the mixture-of-experts
@@ -376,7 +402,8 @@ def test_a_converted_checkpoint_without_architectures_in_its_config_loads_throug
                                   "helium", "ministral", "olmo3", "exaone4", "seed_oss", "arcee", "apertus",
                                   "hunyuan_v1_dense", "cohere2", "qwen2_moe", "granitemoe", "granitemoeshared",
                                   "mistral", "qwen2", "qwen3", "cohere", "gemma2", "gemma3", "phi3", "olmo", "olmo2",
-                                  "granite", "smollm3", "stablelm", "starcoder2", "qwen3_moe"])
+                                  "granite", "smollm3", "stablelm", "starcoder2", "qwen3_moe", "gpt_oss",
+                                  "deepseek_v3", "deepseek_v2"])
 def test_exported_pipeline_weights_load_into_transformers(arch: str) -> None:
     """export_state_dict's layout ("<layer>.<param>", a tied layer under each index that uses it) maps back to
     the transformers model: strict load, same weights."""
@@ -482,6 +509,13 @@ def test_vocab_parallelism_refuses_a_softcapped_head(tied: bool) -> None:
         build_full(head)
     config.final_logit_softcapping = None
     build_full(split_output_layer(causal_lm_specs(config))[1])
+
+
+@pytest.mark.parametrize("arch", ["gpt_oss", "deepseek_v3"])
+def test_vocab_parallelism_takes_the_heads_of_sinks_and_latent_attention_models(arch: str) -> None:
+    """gpt-oss' and DeepSeek's heads are plain x @ W.T: the vocabulary-parallel split takes them."""
+    from ds_terapipe.runtime.features.vocab_shard import build_full, split_output_layer
+    build_full(split_output_layer(causal_lm_specs(tiny_config(arch)))[1])
 
 
 def test_masks_and_headless_models_are_refused() -> None:

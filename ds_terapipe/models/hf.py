@@ -21,7 +21,10 @@ the head's bias, logit scale (Granite, Cohere) and final-logit softcapping (Gemm
 tables (Gemma 3, OLMo 3), and each layer's sliding window: the one the model's own mask gives that layer
 (``sliding_window`` on every layer of Mistral, Mixtral, Phi-3, ...; on the ``'sliding_attention'`` layers of
 ``layer_types`` in Gemma 2/3, Qwen, OLMo 3, Cohere 2, ...), handed to :func:`~ds_terapipe.sliced_causal_attention`
-as ``window``. Attention-logit softcapping (Gemma 2's ``attn_logit_softcapping``) goes to it as ``softcap``.
+as ``window``. Attention-logit softcapping (Gemma 2's ``attn_logit_softcapping``) goes to it as ``softcap``, and
+gpt-oss' attention sinks (the ``s_aux`` its attention passes) as ``sinks``. DeepSeek's latent attention hands over
+keys wider than its values (``qk_nope_head_dim + qk_rope_head_dim`` vs ``v_head_dim``), which the sliced attention
+and its KV buffers take as they are.
 
 Features whose result would depend on the slicing, or that the token pipeline cannot feed, are refused when
 the specs are built (:class:`UnsupportedModelError`, naming the feature and the fix): cross-attention and
@@ -179,6 +182,9 @@ _FAMILIES: dict[str, _Family] = {
                               logit_scale=_divide_by_logits_scaling),
     "granitemoeshared": _llama_like("granitemoeshared", "GraniteMoeShared", embed_scale=_embedding_multiplier,
                                     logit_scale=_divide_by_logits_scaling),
+    "gpt_oss": _llama_like("gpt_oss", "GptOss", window=_LAYER_TYPES),   # attention sinks (s_aux)
+    "deepseek_v2": _llama_like("deepseek_v2", "DeepseekV2"),   # latent attention: value dim != key dim
+    "deepseek_v3": _llama_like("deepseek_v3", "DeepseekV3"),
 }
 
 # Architectures transformers has as causal LMs that cannot be routed here, and why (the generic refusal otherwise).
@@ -282,9 +288,11 @@ def terapipe_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor
         raise UnsupportedModelError(f"ds_terapipe attention: {type(module).__name__} is not causal (cross- or "
                                     "bidirectional attention); only causal self-attention can be token-sliced")
     # Grouped-query attention: k/v keep their num_kv_heads (so does the KV cache); SDPA pairs the heads.
-    # Softcapped scores (Gemma 2) take the plain-math path, in transformers' eager order.
+    # Softcapped scores (Gemma 2) take the plain-math path, in transformers' eager order; so do attention sinks
+    # (gpt-oss passes its per-head logits as s_aux) except on the CPU's fused blocks. Keys wider than values
+    # (DeepSeek's latent attention: qk_nope + qk_rope vs v_head_dim) pass as they are: SDPA and the cache take both.
     out = sliced_causal_attention(query, key, value, cache_key=module, dropout_p=dropout, scale=scaling,
-                                  window=window, softcap=kwargs.get("softcap"))
+                                  window=window, softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux"))
     return out.transpose(1, 2), None  # (B, T, nh, hs)
 
 
@@ -342,8 +350,8 @@ def _attention_config(config: PretrainedConfig) -> PretrainedConfig:
 def _init_hf_style_(module: nn.Module, config: PretrainedConfig, seed: int, num_layers: int) -> None:
     """transformers' initialisation (normal(0, initializer_range) weights, zero biases, norms as built; GPT-2's
     residual projections scaled by 1/sqrt(2 n_layer); matrices held outside nn.Linear, as mixture-of-experts
-    routers and stacked experts are, normal too) from a private generator: weights depend only on (seed,
-    layer), so any number of stages builds the same model."""
+    routers and stacked experts are, normal too, their biases zero, and gpt-oss' attention sinks normal) from a
+    private generator: weights depend only on (seed, layer), so any number of stages builds the same model."""
     gen = torch.Generator().manual_seed(seed)
     std = getattr(config, "initializer_range", 0.02)
     gpt2 = config.model_type == "gpt2"
@@ -359,8 +367,11 @@ def _init_hf_style_(module: nn.Module, config: PretrainedConfig, seed: int, num_
                 if isinstance(bias, nn.Parameter):
                     bias.zero_()
                 continue
-            for param in sub.parameters(recurse=False):  # built empty (torch.empty) by their modules
-                if param.dim() >= 2:
+            # built empty (torch.empty) by their modules: matrices normal, biases zero, attention sinks normal
+            for name, param in sub.named_parameters(recurse=False):
+                if name.endswith("bias"):
+                    param.zero_()
+                elif param.dim() >= 2 or name == "sinks":
                     param.copy_(torch.randn(param.shape, generator=gen) * std)
 
 

@@ -18,6 +18,13 @@ With attention-logit softcapping (``softcap=``, Gemma 2's ``attn_logit_softcappi
 ``softcap * tanh(q @ k^T * scale / softcap)`` before the mask: no SDPA kernel takes that, so the slice runs the
 plain math over the same keys/values view, under the same additive mask.
 
+With attention sinks (``sinks=``, gpt-oss: one learned logit per query head that joins each softmax's denominator
+and carries no value) the output is ``o * exp(lse - logaddexp(lse, sink))``, ``o`` and ``lse`` the attention and
+log-sum-exp over the visible keys. Where a slice runs the CPU's fused blocks (``blocks.py``) the sink is merged into
+their log-sum-exp and the flash backward, handed the merged output and log-sum-exp, gives the exact q/k/v gradients;
+public SDPA returns no log-sum-exp, so every other path (an accelerator, windows, the dense-mask fallbacks) runs the
+plain math with the sink as one more logit.
+
 No graph is traversed twice and nothing full-length is copied per slice. Adapting an existing attention is a
 one-line change: replace ``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` with
 ``sliced_causal_attention(q, k, v, cache_key=self)``, and take position ids (learned or rotary) from
@@ -97,7 +104,8 @@ def sliced_causal_attention(q: torch.Tensor,
                             dropout_p: float = 0.0,
                             scale: float | None = None,
                             window: int | None = None,
-                            softcap: float | None = None) -> torch.Tensor:
+                            softcap: float | None = None,
+                            sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of one slice over itself and the cached earlier slices of its micro-batch.
 
     Args:
@@ -115,6 +123,10 @@ def sliced_causal_attention(q: torch.Tensor,
         softcap: attention-logit softcapping: the scores (``q @ k^T * scale``) become ``softcap * tanh(scores /
             softcap)`` before the mask and softmax, as ``transformers``' Gemma 2 eager attention; computed as plain
             tensor math (dense (T, keys) scores per head) instead of SDPA. None: no capping.
+        sinks: attention sinks, (nh,): head h's logit joins the denominator of every softmax of that head and
+            contributes no value (``transformers``' gpt-oss ``s_aux``); the gradient reaches it. Exact on every path:
+            merged into the fused blocks' log-sum-exp on a CPU, plain math (dense (T, keys) scores per head)
+            elsewhere. None: no sinks.
 
     Returns:
         (B, nh, T, hs), equal to rows ``[start, end)`` of unsliced causal attention over the whole sequence.
@@ -125,12 +137,23 @@ def sliced_causal_attention(q: torch.Tensor,
     if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or softcap <= 0):
         raise ValueError(f"sliced_causal_attention: softcap={softcap!r}; attention-logit softcapping takes a positive "
                          "number (the cap of the scores, e.g. 50.0), or None for no capping")
+    _check_sinks(sinks, q)
     ctx = current_slice()
     share = None if ctx is None else ctx.sequence
     if share is not None and share.degree > 1:   # this rank's tokens, all heads -> the whole slice, its heads
         q, k, v = gather_heads(q, share, "q"), gather_heads(k, share, "k/v"), gather_heads(v, share, "k/v")
-        return scatter_heads(_sliced(q, k, v, ctx, cache_key, dropout_p, scale, window, softcap), share)
-    return _sliced(q, k, v, ctx, cache_key, dropout_p, scale, window, softcap)
+        if sinks is not None:   # the sinks of this rank's heads (gather_heads hands rank r the r-th head subset)
+            sinks = sinks[share.rank * q.shape[1]:(share.rank + 1) * q.shape[1]]
+        return scatter_heads(_sliced(q, k, v, ctx, cache_key, dropout_p, scale, window, softcap, sinks), share)
+    return _sliced(q, k, v, ctx, cache_key, dropout_p, scale, window, softcap, sinks)
+
+
+def _check_sinks(sinks: "torch.Tensor | None", q: torch.Tensor) -> None:
+    if sinks is not None and (not torch.is_tensor(sinks) or sinks.shape != (q.shape[1],)
+                              or not sinks.is_floating_point()):
+        got = f"a {type(sinks).__name__}" if not torch.is_tensor(sinks) else f"shape {tuple(sinks.shape)}"
+        raise ValueError(f"sliced_causal_attention: sinks is {got} but q has {q.shape[1]} heads; attention sinks are a "
+                         f"floating-point tensor of shape ({q.shape[1]},), one logit per query head, or None")
 
 
 def _binds(window: "int | None", end: int) -> bool:
@@ -140,13 +163,13 @@ def _binds(window: "int | None", end: int) -> bool:
 
 
 def _sliced(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: "SliceContext | None", cache_key: Hashable,
-            dropout_p: float, scale: "float | None", window: "int | None", softcap: "float | None" = None
-            ) -> torch.Tensor:
+            dropout_p: float, scale: "float | None", window: "int | None", softcap: "float | None" = None,
+            sinks: "torch.Tensor | None" = None) -> torch.Tensor:
     gqa = gqa_kwargs(q, k, v)
     docs = current_documents()
     if ctx is None or ctx.num_slices == 1:
-        if softcap is not None:
-            return _softcapped(q, k, v, docs, 0, q.shape[2], 0, window, softcap, dropout_p, scale)
+        if softcap is not None or sinks is not None:
+            return _softcap_or_sinks(q, k, v, docs, 0, q.shape[2], 0, window, softcap, sinks, dropout_p, scale)
         if _binds(window, q.shape[2]):
             return _banded(q, k, v, docs, 0, q.shape[2], 0, window, dropout_p, scale, gqa)
         if docs is not None:  # packed rows: causal within each document
@@ -170,8 +193,9 @@ def _sliced(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: "SliceContex
         first = max(first, ctx.start - window + 1)
     keys = _PrefixKV.apply(k, bufs, "k", ctx.start, first)  # (B, nh, end - first, hs)
     values = _PrefixKV.apply(v, bufs, "v", ctx.start, first)
-    if softcap is not None:
-        return _softcapped(q, keys, values, docs, ctx.start, ctx.end, first, window, softcap, dropout_p, scale)
+    if softcap is not None or sinks is not None:
+        return _softcap_or_sinks(q, keys, values, docs, ctx.start, ctx.end, first, window, softcap, sinks, dropout_p,
+                                 scale)
     if windowed:
         return _banded(q, keys, values, docs, ctx.start, ctx.end, first, window, dropout_p, scale, gqa)
     if docs is not None:  # packed rows: the prefix's keys of the query's own document only
@@ -205,21 +229,41 @@ def _banded(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, docs: "Do
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, dropout_p=dropout_p, scale=scale, **gqa)
 
 
-def _softcapped(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, docs: "Documents | None", start: int,
-                end: int, first: int, window: "int | None", softcap: float, dropout_p: float,
-                scale: "float | None") -> torch.Tensor:
-    """Queries ``[start, end)`` over ``keys``/``values`` ``[first, end)`` with softcapped scores, in the order of
-    ``transformers``' Gemma 2 ``eager_attention_forward``: scale, cap, add the mask (causal, the window, within each
-    document), softmax in fp32 (fp64 stays) back to the query dtype, dropout, times the values. Grouped-query k/v
-    heads are repeated to the query heads (head h reads k/v head h // (nh / nkv), as SDPA's ``enable_gqa`` pairs
-    them)."""
+def _softcap_or_sinks(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, docs: "Documents | None",
+                      start: int, end: int, first: int, window: "int | None", softcap: "float | None",
+                      sinks: "torch.Tensor | None", dropout_p: float, scale: "float | None") -> torch.Tensor:
+    """Softcapped scores or attention sinks: sinks alone run on the CPU's fused blocks with the sink merged into
+    their log-sum-exp (where the flash kernel applies, no window hides a key, and packed rows make at most
+    MAX_BLOCKS blocks), anything else as :func:`_eager`."""
+    if softcap is None and not _binds(window, end) and fused_ok(q, keys, values, dropout_p):
+        blocks = docs.blocks(start, end, first) if docs is not None else prefix_blocks(q.shape[0], start, end - start)
+        if blocks is not None:
+            return block_attention(q, keys, values, blocks, scale, sinks)
+    return _eager(q, keys, values, docs, start, end, first, window, softcap, sinks, dropout_p, scale)
+
+
+def _eager(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, docs: "Documents | None", start: int, end: int,
+           first: int, window: "int | None", softcap: "float | None", sinks: "torch.Tensor | None",
+           dropout_p: float, scale: "float | None") -> torch.Tensor:
+    """Queries ``[start, end)`` over ``keys``/``values`` ``[first, end)`` as plain tensor math, in the order of
+    ``transformers``' eager attention (Gemma 2's with a softcap, gpt-oss' with sinks): scale, cap, add the mask
+    (causal, the window, within each document), the sink as one more logit per row, softmax in fp32 (fp64 stays),
+    the sink's column dropped, back to the query dtype, dropout, times the values. Grouped-query k/v heads are
+    repeated to the query heads (head h reads k/v head h // (nh / nkv), as SDPA's ``enable_gqa`` pairs them)."""
     groups = q.shape[1] // keys.shape[1]
     if groups > 1:
         keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
     mask = _visible_mask(q, docs, start, end, first, window)
     scores = torch.matmul(q, keys.transpose(2, 3)) * (q.shape[-1] ** -0.5 if scale is None else scale)
-    scores = torch.tanh(scores / softcap) * softcap + mask                # (B, nh, T, end - first)
-    probs = F.softmax(scores, dim=-1, dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores + mask                                                # (B, nh, T, end - first)
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    if sinks is None:
+        probs = F.softmax(scores, dim=-1, dtype=dtype).to(q.dtype)
+    else:
+        sink = sinks.to(dtype).view(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
+        probs = F.softmax(torch.cat([scores.to(dtype), sink], dim=-1), dim=-1)[..., :-1].to(q.dtype)
     if dropout_p > 0.0:
         probs = F.dropout(probs, p=dropout_p)
     return torch.matmul(probs, values)                                    # (B, nh, T, hs)

@@ -16,6 +16,10 @@ the gradients (it rebuilds the probabilities as ``exp(q k^T scale - lse)`` and t
 ``rowsum(grad_out * out)``, both of which are the whole row's). Sliced attention then costs what unsliced
 causal attention costs, and saves no mask.
 
+Attention sinks (a logit per head in every row's denominator, no value: gpt-oss) are one more merge, with a block
+whose log-sum-exp is the sink and whose output is zero; the flash backward handed the merged output and log-sum-exp
+is again exact for q, k and v, and the sink's gradient is ``-sum(exp(sink - lse) * rowsum(grad_out * out))``.
+
 Packed rows (documents) are the same construction per document: a document that started before the slice is a
 prefix block plus a causal block, every later document of the slice is one causal block, and keys of other
 documents are never touched, so a slice costs its within-document context, which is what the planner's
@@ -104,10 +108,11 @@ def prefix_blocks(batch: int, start: int, length: int) -> list[Block]:
 
 
 def block_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocks: Sequence[Block],
-                    scale: Optional[float]) -> torch.Tensor:
+                    scale: Optional[float], sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Attention of ``q`` (B, nh, T, hs) over ``keys``/``values`` (B, nkv, E, hs) as ``blocks`` say: every query
-    lies in exactly one block; keys no block names get zero gradient. nkv may divide nh (grouped-query)."""
-    return _BlockAttention.apply(q, keys, values, tuple(blocks), scale)
+    lies in exactly one block; keys no block names get zero gradient. nkv may divide nh (grouped-query).
+    ``sinks`` (nh,): attention sinks, one logit per head in every row's denominator (their gradient returned)."""
+    return _BlockAttention.apply(q, keys, values, tuple(blocks), scale, sinks)
 
 
 def on_accelerator(q: torch.Tensor) -> bool:
@@ -159,7 +164,7 @@ def _merge(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tenso
 class _BlockAttention(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, q, keys, values, blocks, scale):
+    def forward(ctx, q, keys, values, blocks, scale, sinks):
         batch, heads, tokens, _ = q.shape
         # (B, nh, T, hs) laid out (B, T, nh, hs), as SDPA's own output: the caller's transpose back is free
         out = q.new_empty(batch, tokens, heads, values.shape[-1]).transpose(1, 2)
@@ -173,13 +178,17 @@ class _BlockAttention(torch.autograd.Function):
                 o, l = _merge(o1, l1, o, l)
             out[rows, :, b.q0:b.q1] = o
             lse[rows, :, b.q0:b.q1] = l
-        ctx.save_for_backward(q, keys, values, out, lse)
+        if sinks is not None:   # a zero-output block whose log-sum-exp is the sink
+            total = torch.logaddexp(lse, sinks.detach().to(lse.dtype).view(1, -1, 1))            # (B, nh, T)
+            out.copy_(out.to(lse.dtype) * torch.exp(lse - total).unsqueeze(-1))
+            lse = total
+        ctx.save_for_backward(q, keys, values, out, lse, sinks)
         ctx.blocks, ctx.scale = blocks, scale
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        q, keys, values, out, lse = ctx.saved_tensors
+        q, keys, values, out, lse, sinks = ctx.saved_tensors
         scale = ctx.scale
         grad = grad.contiguous()
         dq = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -199,7 +208,11 @@ class _BlockAttention(torch.autograd.Function):
                 dk[rows, :, b.p0:b.k0] += gk1
                 dv[rows, :, b.p0:b.k0] += gv1
             dq[rows, :, qs] = gq
-        return dq, dk, dv, None, None
+        dsinks = None
+        if sinks is not None:   # d out / d sink = -out * exp(sink - lse), per row
+            p_sink = torch.exp(sinks.detach().to(lse.dtype).view(1, -1, 1) - lse)                  # (B, nh, T)
+            dsinks = -(p_sink * (grad.to(lse.dtype) * out.to(lse.dtype)).sum(-1)).sum((0, 2)).to(sinks.dtype)
+        return dq, dk, dv, None, None, dsinks
 
 
 def _lse_dtype(q: torch.Tensor) -> torch.dtype:
