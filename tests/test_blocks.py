@@ -243,19 +243,30 @@ def _sliced_outputs_and_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 WINDOW_SLICINGS = {"one": [24], "short": [4, 4, 4, 4, 4, 4], "long": [11, 13], "uneven": [1, 9, 3, 6, 5]}
 
 
+def _query_blocks(monkeypatch: pytest.MonkeyPatch, blocked: bool) -> None:
+    """``blocked``: windowed slices run in query blocks as short as the window (the fewest queries a block takes,
+    256 in use, down to 1), so the 24-token tests cut a slice into several blocks."""
+    import ds_terapipe.runtime.slicing.attention as attention
+    if blocked:
+        monkeypatch.setattr(attention, "WINDOW_QUERY_BLOCK", 1)
+
+
+@pytest.mark.parametrize("blocked", [False, True], ids=["whole", "query-blocks"])
 @pytest.mark.parametrize("path", ["cpu", "accelerator"])
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("window", [1, 3, 7, 24, 40])
 @pytest.mark.parametrize("slicing", list(WINDOW_SLICINGS))
 def test_windowed_sliced_attention_equals_sdpa_under_the_sliding_mask(slicing: str, window: int, dtype: torch.dtype,
-                                                                      packed: bool, path: str,
+                                                                      packed: bool, path: str, blocked: bool,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """Sliced attention with a sliding window, slices forward in order and backward later slices first (as a stage
     runs them), against one SDPA call under the dense sliding-window mask: output and the gradients of q, k, v.
     Windows of one key, shorter and longer than the slices, equal to the sequence and beyond it; grouped-query
-    heads; packed rows (documents cut inside slices and across them); the CPU's paths and the accelerator's."""
+    heads; packed rows (documents cut inside slices and across them); the CPU's paths and the accelerator's; slices
+    run whole and in query blocks."""
     monkeypatch.setattr(blocks_mod, "MIN_PREFIX_TOKENS", 0)   # unwindowed slices take the blocks on CPU
+    _query_blocks(monkeypatch, blocked)
     if path == "accelerator":
         _force_accelerator_paths(monkeypatch)
     torch.manual_seed(window)
@@ -294,6 +305,37 @@ def test_a_windowed_slice_reads_and_carries_back_only_the_rows_its_window_reache
     (bufs,) = state.kv.values()
     for grad in (bufs.grad_k, bufs.grad_v):
         assert not grad[:, :, :14].any() and grad[:, :, 14:16].abs().sum() > 0
+
+
+def test_a_windowed_slice_longer_than_a_query_block_scores_each_block_over_its_own_window(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a window of 3 and blocks of at least 4 queries, slice [5, 18) runs blocks [5, 9), [9, 13), [13, 17),
+    [17, 18), each over the keys from 2 before its first query: no mask is wider than 4 + 2 keys, where the slice
+    run whole would mask (13, 15). The planner's analytic cost counts the same blocks (planner/roofline.py)."""
+    import ds_terapipe.runtime.slicing.attention as attention
+    from ds_terapipe.planner import roofline
+
+    assert attention.WINDOW_QUERY_BLOCK == roofline.WINDOW_QUERY_BLOCK
+    assert attention.window_query_blocks(5, 18, 3, 3) == [(5, 18, 3)]   # blocks of 256: one
+    monkeypatch.setattr(attention, "WINDOW_QUERY_BLOCK", 4)
+    assert attention.window_query_blocks(5, 18, 3, 3) == [(5, 9, 3), (9, 13, 7), (13, 17, 11), (17, 18, 15)]
+    assert attention.window_query_blocks(5, 18, 4, 3) == [(5, 9, 4), (9, 13, 7), (13, 17, 11), (17, 18, 15)]
+    masks = []
+    real = attention._visible_mask
+    monkeypatch.setattr(attention, "_visible_mask", lambda *a: masks.append(real(*a)) or masks[-1])
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 24, 8, dtype=torch.float64) for _ in range(3))
+    state = MicroBatchState(0, 24, 3)
+    for i, (start, end) in enumerate(((0, 5), (5, 18), (18, 24))):
+        masks.clear()
+        with slice_scope(SliceContext(0, i, start, end, state)):
+            out = sliced_causal_attention(*(t[:, :, start:end] for t in (q, k, v)), cache_key="attn", window=3)
+        if i == 1:
+            assert [tuple(m.shape) for m in masks] == [(4, 6), (4, 6), (4, 6), (1, 3)]
+            ref = _dense(q, k, v, _sliding_visible(24, 3, None))[:, :, start:end]
+            torch.testing.assert_close(out, ref)
+    assert roofline.computed_pairs(13, 5, 3, block=4) == 3 * 4 * 6 + 1 * 3
+    assert roofline.computed_pairs(13, 5, 3) == 13 * 15
 
 
 def test_window_one_attends_to_itself_and_a_window_covering_the_sequence_is_causal() -> None:
@@ -339,14 +381,18 @@ def _softcapped_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible
     return torch.softmax(scores, dim=-1) @ v
 
 
+@pytest.mark.parametrize("blocked", [False, True], ids=["whole", "query-blocks"])
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("window", [None, 3, 7])
 @pytest.mark.parametrize("slicing", list(WINDOW_SLICINGS))
 def test_softcapped_sliced_attention_equals_the_dense_eager_reference(slicing: str, window: int | None,
-                                                                     packed: bool) -> None:
+                                                                     packed: bool, blocked: bool,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """Sliced attention with ``softcap`` (slices forward in order, backward later slices first) against the dense
     softcapped attention of transformers' eager path, fp64: output and the gradients of q, k, v. Scores of a few
-    units and a cap of 2, so the cap bites; grouped-query heads; with and without a window; packed rows."""
+    units and a cap of 2, so the cap bites; grouped-query heads; with and without a window; packed rows; windowed
+    slices whole and in query blocks."""
+    _query_blocks(monkeypatch, blocked)
     torch.manual_seed(3)
     batch, heads, kv_heads, head_dim, length, softcap = 2, 4, 2, 8, 24, 2.0
     q = torch.randn(batch, heads, length, head_dim, dtype=torch.float64) * 2
@@ -386,19 +432,22 @@ def _sinks_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: tor
     return torch.softmax(logits, dim=-1)[..., :-1] @ v
 
 
+@pytest.mark.parametrize("blocked", [False, True], ids=["whole", "query-blocks"])
 @pytest.mark.parametrize("path", ["cpu", "accelerator"])
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("slicing", ["one", "uneven"])
 def test_sliced_attention_with_sinks_equals_the_dense_eager_reference(slicing: str, window: int | None, packed: bool,
-                                                                      path: str, monkeypatch: pytest.MonkeyPatch
-                                                                      ) -> None:
+                                                                      path: str, blocked: bool,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Sliced attention with ``sinks`` (slices forward in order, backward later slices first) against the dense
     gpt-oss eager reference, fp64: the output and the gradients of q, k, v and the sinks. Sink logits of a few
     units (each takes a visible share of its rows); grouped-query heads; no window and a window of 5 (slices [1, 9,
     3, 6, 5] shorter and longer than it); plain and packed rows; the CPU's fused blocks (the sink merged into their
-    log-sum-exp) and the plain math (an accelerator's path, run on the CPU)."""
+    log-sum-exp) and the plain math (an accelerator's path, run on the CPU); windowed slices whole and in query
+    blocks."""
     import ds_terapipe.runtime.slicing.attention as attention
+    _query_blocks(monkeypatch, blocked)
     if path == "accelerator":
         _force_accelerator_paths(monkeypatch)
     merged = []

@@ -18,6 +18,7 @@ from ds_terapipe.planner.presets import (
     DEVICE_PRESETS, MODEL_PRESETS, analytic_layer_costs, analytic_pipeline_cost, get_device_preset,
     get_model_preset, preset_memory_model, resolve_model, split_layers,
 )
+from ds_terapipe.planner.roofline import computed_pairs
 from ds_terapipe.planner.schedule import ActionKind, build_gpipe, defer_weights
 from ds_terapipe.planner.simulate import simulate
 from ds_terapipe.planner.slicing import plan_slicing
@@ -355,11 +356,23 @@ def _visible_keys(s: int, c: int, window: int | None) -> int:
     return len({k for t in range(c, c + s) for k in range(t + 1) if window is None or t - k < window})
 
 
-def _computed_pairs(s: int, c: int, window: int | None) -> int:
+def _computed_pairs(s: int, c: int, window: int | None, block: int = 256) -> int:
     """The scores the runtime computes for slice [c, c + s): the visible pairs on the causal paths (no key hidden by
-    the window from any query of the slice), else all s queries against every key the slice reads (band mask)."""
+    the window from any query of the slice), else per block of max(window, block) queries, all its queries against
+    every key some query of the block sees (band mask)."""
     hides = window is not None and any(t - k >= window for t in range(c, c + s) for k in range(t + 1))
-    return s * _visible_keys(s, c, window) if hides else _visible_pairs(s, c, window)
+    if not hides:
+        return _visible_pairs(s, c, window)
+    size = max(window, block)
+    return sum(min(size, c + s - q0) * _visible_keys(min(size, c + s - q0), q0, window) for q0 in range(c, c + s, size))
+
+
+def test_blocked_band_scores_count_as_the_runtime_runs_them():
+    """computed_pairs against the block-by-block count, blocks of the window's size and longer."""
+    for s, c, w in WINDOW_GRID:
+        for block in (1, 2, 4, 256):
+            assert computed_pairs(s, c, w, block=block) == _computed_pairs(s, c, w, block), (s, c, w, block)
+    assert computed_pairs(40, 100, 3, block=4) == 10 * 4 * 6    # every block over its own window
 
 
 WINDOW_GRID = [(s, c, w) for s in (1, 2, 3, 5, 8) for c in (0, 1, 2, 4, 6, 7, 12, 19)

@@ -15,8 +15,9 @@ Attention is costed by its FLOPs (one score and one weighted value per (query, k
 cached prefix and the causal triangle of the slice) and its bytes (the slice's queries and outputs, the keys and
 values it reads), so it grows with the context. With a sliding window of w keys (query t sees key k iff k <= t and
 t - k < w) a slice [c, c + s) reads only the keys [max(0, c - w + 1), c + s), so its attention stops growing once
-the prefix passes w; where the window hides keys the runtime runs one SDPA call under a band mask, which scores
-each of the slice's queries against all of those keys (``computed_pairs``). ``TransformerSpec.window`` gives each
+the prefix passes w; where the window hides keys the runtime runs SDPA calls under a band mask per block of
+``max(w, WINDOW_QUERY_BLOCK)`` queries, each scoring its queries against every key from its first query's window
+on (``computed_pairs``). ``TransformerSpec.window`` gives each
 layer's window. The small ops of a block are costed as a group: the larger of their launch floors and their bytes.
 
 ``BLOCKS`` lists the block layouts: ``"gpt"`` (LayerNorm, GeLU MLP of two matrices, biases) and ``"llama"``
@@ -82,16 +83,30 @@ def visible_keys(s: np.ndarray | float, c: np.ndarray | float, window: Optional[
     return s + (c if window is None else np.minimum(c, window - 1.0))
 
 
-def computed_pairs(s: np.ndarray | float, c: np.ndarray | float, window: Optional[int] = None) -> np.ndarray:
+#: The fewest queries in a block of a windowed slice: the runtime's rule (runtime/slicing/attention.py), mirrored.
+WINDOW_QUERY_BLOCK = 256
+
+
+def computed_pairs(s: np.ndarray | float, c: np.ndarray | float, window: Optional[int] = None,
+                   block: int = WINDOW_QUERY_BLOCK) -> np.ndarray:
     """(query, key) scores the runtime computes for a slice of ``s`` queries after ``c`` cached tokens: the visible
     pairs while the window hides no key from the slice (``c + s <= window``: the causal paths, which skip what the
-    causal mask hides), else one SDPA call under a band mask, which scores every query against every key the slice
-    reads (``s * visible_keys``, up to twice the visible pairs for a slice as long as the window)."""
+    causal mask hides), else band-masked calls per block of ``max(window, block)`` queries, each scoring its
+    queries against every key from its first query's window on: the first block ``b0 * (b0 + min(c, window - 1))``,
+    every later one ``b * (b + window - 1)`` (a block of at least ``window`` queries leaves the next one's window
+    wholly inside the slice's keys)."""
     pairs = visible_pairs(s, c, window)
     if window is None:
         return pairs
     s, c = np.asarray(s, float), np.asarray(c, float)
-    return np.where(c + s > window, s * visible_keys(s, c, window), pairs)
+    size = float(max(window, block))
+    first = np.minimum(s, size)
+    rest = s - first
+    full = np.floor(rest / size)
+    tail = rest - full * size
+    banded = (first * (first + np.minimum(c, window - 1.0)) + full * size * (size + window - 1.0)
+              + tail * (tail + window - 1.0))
+    return np.where(c + s > window, banded, pairs)
 
 
 #: A model's windows: None (full causal attention on every layer), one window for every layer, or one entry per

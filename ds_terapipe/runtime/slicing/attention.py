@@ -12,7 +12,10 @@ view; its backward adds the incoming gradient into a gradient buffer of the same
 
 With a sliding window ``w`` (``window=``, as Mistral's or Gemma's sliding layers) the slice's queries see only
 the keys ``[start - w + 1, end)``: the view starts there, and rows before it are neither read nor handed gradients
-(likewise keys of documents that ended before the slice, for packed rows).
+(likewise keys of documents that ended before the slice, for packed rows). Where the window hides keys, a slice
+longer than ``max(w, WINDOW_QUERY_BLOCK)`` runs its queries in blocks of that many, each over the keys its own
+window leaves (:func:`window_query_blocks`): a band-masked call scores every query against every key it is handed,
+so the blocks keep that near ``T * 2w`` scores instead of ``T * (T + w)``.
 
 With attention-logit softcapping (``softcap=``, Gemma 2's ``attn_logit_softcapping``) the scores are
 ``softcap * tanh(q @ k^T * scale / softcap)`` before the mask: no SDPA kernel takes that, so the slice runs the
@@ -156,6 +159,32 @@ def _check_sinks(sinks: "torch.Tensor | None", q: torch.Tensor) -> None:
                          f"floating-point tensor of shape ({q.shape[1]},), one logit per query head, or None")
 
 
+#: The fewest queries a block of a windowed slice holds (see :func:`window_query_blocks`): shorter blocks would
+#: save scores but cost a kernel launch each. The planner's analytic cost mirrors it (planner/roofline.py).
+WINDOW_QUERY_BLOCK = 256
+
+
+def window_query_blocks(start: int, end: int, first: int, window: int) -> list[tuple[int, int, int]]:
+    """The query blocks ``(q0, q1, k0)`` a slice ``[start, end)`` whose keys begin at ``first`` runs under a sliding
+    ``window``: blocks of ``max(window, WINDOW_QUERY_BLOCK)`` queries (the last one shorter), block ``[q0, q1)`` over
+    the keys ``[k0, q1)``, ``k0 = max(first, q0 - window + 1)`` (the first key its first query sees). One block when
+    the slice is no longer than that. A block of at least ``window`` queries makes every block after the first read
+    ``window - 1`` keys before its own."""
+    size = max(window, WINDOW_QUERY_BLOCK)
+    return [(q0, min(q0 + size, end), max(first, q0 - window + 1)) for q0 in range(start, end, size)]
+
+
+def _in_query_blocks(run, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, end: int,
+                     first: int, window: int) -> "torch.Tensor | None":
+    """``run(q, keys, values, q0, q1, k0)`` per query block of :func:`window_query_blocks`, the outputs
+    concatenated over the queries; None when the slice is one block (the caller runs it whole)."""
+    parts = window_query_blocks(start, end, first, window)
+    if len(parts) == 1:
+        return None
+    return torch.cat([run(q[:, :, q0 - start:q1 - start], keys[:, :, k0 - first:q1 - first],
+                          values[:, :, k0 - first:q1 - first], q0, q1, k0) for q0, q1, k0 in parts], dim=2)
+
+
 def _binds(window: "int | None", end: int) -> bool:
     """Whether a sliding window hides any key from the queries before ``end`` (the last one sees ``end - window``
     keys fewer than causal attention would)."""
@@ -223,8 +252,14 @@ def _banded(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, docs: "Do
             first: int, window: int, dropout_p: float, scale: "float | None", gqa: dict[str, bool]) -> torch.Tensor:
     """Queries ``[start, end)`` over ``keys``/``values`` ``[first, end)`` under a sliding window (and within each
     document for packed rows): one SDPA call with the band's additive mask, on a CPU and an accelerator alike (no
-    fused kernel takes a band without one). The keys start where the window of the slice's first query does, so
-    the mask is (T, T + window - 1) at most, whatever the prefix."""
+    fused kernel takes a band without one), per block of queries (:func:`window_query_blocks`). The keys start where
+    the window of the block's first query does, so a block's mask is (b, b + window - 1) at most, whatever the
+    prefix."""
+    blocked = _in_query_blocks(lambda qb, kb, vb, q0, q1, k0: _banded(qb, kb, vb, docs, q0, q1, k0, window, dropout_p,
+                                                                      scale, gqa), q, keys, values, start, end, first,
+                               window)
+    if blocked is not None:
+        return blocked
     mask = _visible_mask(q, docs, start, end, first, window)
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, dropout_p=dropout_p, scale=scale, **gqa)
 
@@ -249,7 +284,14 @@ def _eager(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, docs: "Doc
     ``transformers``' eager attention (Gemma 2's with a softcap, gpt-oss' with sinks): scale, cap, add the mask
     (causal, the window, within each document), the sink as one more logit per row, softmax in fp32 (fp64 stays),
     the sink's column dropped, back to the query dtype, dropout, times the values. Grouped-query k/v heads are
-    repeated to the query heads (head h reads k/v head h // (nh / nkv), as SDPA's ``enable_gqa`` pairs them)."""
+    repeated to the query heads (head h reads k/v head h // (nh / nkv), as SDPA's ``enable_gqa`` pairs them).
+    Under a window that hides keys, per block of queries (:func:`window_query_blocks`)."""
+    if _binds(window, end):
+        blocked = _in_query_blocks(lambda qb, kb, vb, q0, q1, k0: _eager(qb, kb, vb, docs, q0, q1, k0, window,
+                                                                         softcap, sinks, dropout_p, scale),
+                                   q, keys, values, start, end, first, window)
+        if blocked is not None:
+            return blocked
     groups = q.shape[1] // keys.shape[1]
     if groups > 1:
         keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
