@@ -3,16 +3,16 @@ unsliced reference.
 
 One launch of 4 processes: 2 stages x 2 sequence ranks, the reference GPT (learned positions) and a Hugging Face
 Llama (rotary positions, grouped-query attention: 4 query heads over 2 KV heads, one KV head per sequence rank; and
-as Mistral with a sliding window), gpipe and 1f1b, m in {1, 3}, unequal and equal slices, gradient clipping,
-interleaved-1f1b and dualpipev; loss, every first-step gradient and the parameters after 3 SGD + momentum steps on
-every rank, fp32 rel err <= 1e-5; bf16 at ZeRO 0 (also clipped) and 1, fp16 at ZeRO 0 and 1 and fp32 at ZeRO 1
-against the fp32 reference (the master weights' change within the precision's rounding); packed rows (document
-masks; gpipe, 1f1b, interleaved-1f1b; fp32 and bf16; a plan per batch) against the reference under the same masks;
-vocabulary parallelism (row shards against the reference's rows); freezing by schedule and by gradient norms, and a
-repack onto fewer stages; the re-planner switching plans; checkpoints (fp32, bf16 at ZeRO 0, vocabulary-parallel)
-resumed at the same layout, and at sequence degree 1 from 2 and 2 from 1; eval_batch's loss; the refusals;
-activation and KV memory at degree 1 and 2 (tests/suites/sequence.py).
-"""
+as Mistral with a sliding window), gpt-oss (attention sinks) and DeepSeek-V3 (latent attention), gpipe and 1f1b, m
+in {1, 3}, unequal and equal slices, gradient clipping, interleaved-1f1b and dualpipev; loss, every first-step
+gradient and the parameters after 3 SGD + momentum steps on every rank, fp32 rel err <= 1e-5; bf16 at ZeRO 0 (also
+clipped) and 1, fp16 at ZeRO 0 and 1 and fp32 at ZeRO 1 against the fp32 reference (the master weights' change
+within the precision's rounding); packed rows (document masks; gpipe, 1f1b, interleaved-1f1b; fp32 and bf16; a plan
+per batch) against the reference under the same masks; vocabulary parallelism (row shards against the reference's
+rows); freezing by schedule and by gradient norms, and a repack onto fewer stages; the re-planner switching plans;
+checkpoints (fp32, bf16 at ZeRO 0, vocabulary-parallel) resumed at the same layout, and at sequence degree 1 from 2
+and 2 from 1; eval_batch's loss; the refusals; activation and KV memory at degree 1 and 2
+(tests/suites/sequence.py). """
 
 from __future__ import annotations
 
@@ -37,7 +37,9 @@ CASES = [["gpt", "gpipe", 1, UNEQUAL], ["gpt", "1f1b", 3, UNEQUAL], ["gpt", "1f1
          ["gpt", "1f1b", 2, "auto", 0, False, False, [[1, 2], [2, 4]]],
          ["llama", "gpipe", 2, UNEQUAL, 0, False, True, [[1, 3]]],
          # a sliding window (Mistral's, 10 keys) inside each rank's heads' attention over the whole slice
-         ["mistral", "1f1b", 2, UNEQUAL]]
+         ["mistral", "1f1b", 2, UNEQUAL],
+         # attention sinks (each rank trains its heads'), latent attention (values narrower than keys)
+         ["gpt_oss", "gpipe", 2, UNEQUAL], ["deepseek_v3", "1f1b", 1, UNEQUAL]]
 # [precision, ZeRO stage, model, schedule]: the master weights' change against the fp32 reference's
 # (+ clipped by the global norm: bf16 at ZeRO 0 takes DeepSpeed's norm over its model axis, the sequence ranks)
 PRECISION_CASES = [["bf16", 1, "llama", "gpipe"], ["bf16", 1, "gpt", "1f1b"], ["fp16", 0, "gpt", "gpipe"],

@@ -28,8 +28,10 @@ UNEQUAL = [16, 24, 8]
 
 def _model(name: str) -> tuple[list, int]:
     """(layer specs, vocabulary) of ``name``: the reference GPT (learned positions, 4 heads), a Hugging Face Llama
-    (rotary positions, 4 query heads over 2 key/value heads: one KV head per sequence rank), or the same as Mistral
-    with a sliding window of 10 keys (shorter than some slices, longer than others)."""
+    (rotary positions, 4 query heads over 2 key/value heads: one KV head per sequence rank), the same as Mistral
+    with a sliding window of 10 keys (shorter than some slices, longer than others), gpt-oss (attention sinks, one
+    per head: a rank trains its heads' sinks; sliding and full layers; 4 experts) or DeepSeek-V3 (latent attention,
+    keys of 8 + 4 dims and values of 6; a dense layer, then 4 experts in 2 groups)."""
     if name == "gpt":
         cfg = GPTConfig(num_layers=4, hidden=32, num_heads=4, vocab_size=64, max_seq_len=64, seed=11)
         return gpt_layer_specs(cfg), cfg.vocab_size
@@ -41,6 +43,14 @@ def _model(name: str) -> tuple[list, int]:
                  num_key_value_heads=2, vocab_size=64, max_position_embeddings=64)
     if name == "mistral":
         config = transformers.MistralConfig(**sizes, sliding_window=10)
+    elif name == "gpt_oss":
+        config = transformers.GptOssConfig(**sizes, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+                                           sliding_window=10, layer_types=["sliding_attention", "full_attention"] * 2)
+    elif name == "deepseek_v3":
+        config = transformers.DeepseekV3Config(**dict(sizes, num_key_value_heads=4), q_lora_rank=16, kv_lora_rank=8,
+                                               qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
+                                               n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
+                                               n_shared_experts=1, moe_intermediate_size=16, first_k_dense_replace=1)
     else:
         config = transformers.LlamaConfig(**sizes)
     return causal_lm_specs(config, seed=5), config.vocab_size
