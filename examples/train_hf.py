@@ -36,23 +36,41 @@ def arch_settings(arch: str, args: argparse.Namespace, intermediate: int) -> dic
     head count). Sliding windows, softcapping (Gemma 2) and attention sinks (gpt-oss) stay as the architecture sets
     them."""
     experts = {"num_experts_per_tok": 2}
+    small = {"moe_intermediate_size": intermediate // 2}
     head_dim = args.hidden // args.heads
-    latent = {**experts, "n_routed_experts": 8, "n_group": 4, "topk_group": 2, "n_shared_experts": 1,
-              "moe_intermediate_size": intermediate // 2, "first_k_dense_replace": 1, "num_key_value_heads": args.heads,
-              "q_lora_rank": args.hidden // 2, "kv_lora_rank": args.hidden // 4, "qk_nope_head_dim": head_dim,
-              "qk_rope_head_dim": head_dim // 2, "v_head_dim": head_dim}
+    gemma = {"query_pre_attn_scalar": head_dim}
+    latent = {**experts, **small, "n_routed_experts": 8, "n_group": 4, "topk_group": 2, "n_shared_experts": 1,
+              "first_k_dense_replace": 1, "num_key_value_heads": args.heads, "q_lora_rank": args.hidden // 2,
+              "kv_lora_rank": args.hidden // 4, "qk_nope_head_dim": head_dim, "qk_rope_head_dim": head_dim // 2,
+              "v_head_dim": head_dim}
     return {
-        "gemma2": {"query_pre_attn_scalar": args.hidden // args.heads},
-        "gemma3_text": {"query_pre_attn_scalar": args.hidden // args.heads},
+        "gemma2": gemma,
+        "gemma3_text": gemma,
+        "vaultgemma": gemma,
         "mixtral": {**experts, "num_local_experts": 4},
-        "qwen3_moe": {**experts, "num_experts": 4, "moe_intermediate_size": intermediate // 2},
-        "qwen2_moe": {**experts, "num_experts": 4, "moe_intermediate_size": intermediate // 2,
-                      "shared_expert_intermediate_size": intermediate},
+        "qwen3_moe": {**experts, "num_experts": 4, **small},
+        "qwen2_moe": {**experts, "num_experts": 4, **small, "shared_expert_intermediate_size": intermediate},
         "granitemoe": {**experts, "num_local_experts": 4},
         "granitemoeshared": {**experts, "num_local_experts": 4, "shared_intermediate_size": intermediate},
         "gpt_oss": {**experts, "num_local_experts": 4},
         "deepseek_v3": latent,
         "deepseek_v2": {**latent, "topk_method": "group_limited_greedy"},
+        "olmoe": {**experts, "num_experts": 4},
+        "flex_olmo": {**experts, "num_experts": 4},
+        "phimoe": {**experts, "num_local_experts": 4},
+        "minimax_m2": {**experts, "num_local_experts": 4},
+        "jetmoe": {**experts, "num_local_experts": 4},
+        "hunyuan_v1_moe": {"num_experts": 4, "moe_topk": 2},
+        "aria_text": {"moe_num_experts": 4, "moe_topk": 2},
+        "ernie4_5_moe": {"moe_num_experts": 4, "moe_k": 2, **small},
+        "glm4_moe": {**experts, "n_routed_experts": 4, **small},
+        "solar_open": {**experts, "n_routed_experts": 4, **small},
+        "dots1": {**experts, "n_routed_experts": 4, "n_shared_experts": 1, **small},
+        "exaone_moe": {**experts, "num_experts": 4, **small},
+        "afmoe": {**experts, "num_experts": 4, **small},
+        "hy_v3": {**experts, "num_experts": 4, **small},
+        "mellum": {**experts, "num_local_experts": 4, **small},
+        "kolibri1": {**experts, "num_local_experts": 4, **small, "shared_expert_intermediate_size": intermediate},
     }.get(arch, {})
 
 

@@ -16,10 +16,10 @@ wrapper. Grouped-query attention keeps the cache at ``num_key_value_heads``: k/v
 (``enable_gqa``). The pipeline layers are: embedding, the decoder layers, the final norm, the LM head
 (a ``TiedLayerSpec`` with the embedding when the weights are tied); the loss is :func:`causal_lm_loss`. What
 an architecture's ``*Model`` / ``*ForCausalLM`` does around its layers is redone here from the ``_FAMILIES``
-table: the embedding's scale (Gemma's sqrt(hidden), Granite's multiplier) and dropout, the final norm's class,
-the head's bias, logit scale (Granite, Cohere) and final-logit softcapping (Gemma 2/3), per-layer-type rotary
-tables (Gemma 3, OLMo 3), and each layer's sliding window: the one the model's own mask gives that layer
-(``sliding_window`` on every layer of Mistral, Mixtral, Phi-3, ...; on the ``'sliding_attention'`` layers of
+table: the embedding's scale (Gemma's sqrt(hidden), Granite's multiplier) or norm (NanoChat) and dropout, the final
+norm's class, the head's bias, logit scale (Granite, Cohere, HyperCLOVA X) and final-logit softcapping (Gemma 2/3),
+per-layer-type rotary tables (Gemma 3, OLMo 3), and each layer's sliding window: the one the model's own mask gives
+that layer (``sliding_window`` on every layer of Mistral, Mixtral, Phi-3, ...; on the ``'sliding_attention'`` layers of
 ``layer_types`` in Gemma 2/3, Qwen, OLMo 3, Cohere 2, ...), handed to :func:`~ds_terapipe.sliced_causal_attention`
 as ``window``. Attention-logit softcapping (Gemma 2's ``attn_logit_softcapping``) goes to it as ``softcap``, and
 gpt-oss' attention sinks (the ``s_aux`` its attention passes) as ``sinks``. DeepSeek's latent attention hands over
@@ -31,7 +31,8 @@ the specs are built (:class:`UnsupportedModelError`, naming the feature and the 
 encoder-decoder models, bidirectional (non-causal) attention, rotary scalings that depend on the sequence length
 seen (``dynamic``, ``longrope``), a mixture-of-experts load-balancing loss (``output_router_logits``), layer types
 other than full and sliding attention, architectures outside
-:data:`SUPPORTED_MODEL_TYPES` (Bloom's and Falcon's attention bypasses ``AttentionInterface``: the refusal says so).
+:data:`SUPPORTED_MODEL_TYPES` (Bloom's and Falcon's attention bypasses ``AttentionInterface``, hybrids' recurrent
+or convolution layers carry state along the sequence, Llama 4 attends in chunks: the refusal says so).
 Attention masks (padding) are data, so they are refused at the first forward that carries one.
 """
 
@@ -89,6 +90,17 @@ def _embedding_multiplier(config: PretrainedConfig, hidden: torch.Tensor) -> tor
     return hidden * config.embedding_multiplier
 
 
+def _mup_sqrt_hidden_scale(config: PretrainedConfig, hidden: torch.Tensor) -> torch.Tensor:
+    """AFMoE: embeddings times sqrt(hidden_size) (a Python float) when ``config.mup_enabled``."""
+    return hidden * (config.hidden_size ** 0.5) if config.mup_enabled else hidden
+
+
+def _nanochat_norm(config: PretrainedConfig, hidden: torch.Tensor) -> torch.Tensor:
+    """NanoChat: the embeddings through the model's weightless RMSNorm (the final norm's module, applied first)."""
+    norm = importlib.import_module("transformers.models.nanochat.modeling_nanochat").NanoChatRMSNorm
+    return norm(eps=config.rms_norm_eps)(hidden)
+
+
 def _divide_by_logits_scaling(config: PretrainedConfig, logits: torch.Tensor) -> torch.Tensor:
     """Granite: logits divided by ``config.logits_scaling`` (divided, not multiplied by the inverse: bit-equal)."""
     return logits / config.logits_scaling
@@ -97,6 +109,11 @@ def _divide_by_logits_scaling(config: PretrainedConfig, logits: torch.Tensor) ->
 def _times_logit_scale(config: PretrainedConfig, logits: torch.Tensor) -> torch.Tensor:
     """Cohere: logits times ``config.logit_scale``."""
     return logits * config.logit_scale
+
+
+def _times_logits_scaling(config: PretrainedConfig, logits: torch.Tensor) -> torch.Tensor:
+    """HyperCLOVA X: logits times ``config.logits_scaling`` (Granite divides by it)."""
+    return logits * config.logits_scaling
 
 
 @dataclass(frozen=True)
@@ -113,10 +130,12 @@ class _Family:
     embed: str  # attribute of the base (and of HFEmbedding) holding the token embedding
     norm: str  # attribute of the base (and of HFFinalNorm) holding the final norm
     norm_eps: str | None = "rms_norm_eps"  # config attribute of the final norm's epsilon; None: it takes none
+    norm_sized: bool = True  # the final norm's class takes hidden_size (NanoChat's weightless RMSNorm takes eps only)
     embed_padding: bool = True  # the embedding's padding_idx is config.pad_token_id (its row gets no gradient)
     embed_dropout: str | None = None  # config attribute of the dropout probability after the embedding
+    # what the *Model does to the embeddings before the first layer: a scale (Gemma, Granite), a norm (NanoChat)
     embed_scale: Callable[[PretrainedConfig, torch.Tensor], torch.Tensor] | None = None
-    head_bias: bool = False  # the LM head (``lm_head``) has a bias
+    head_bias: bool | str = False  # the LM head (``lm_head``) has a bias; a str: the config attribute that says
     logit_scale: Callable[[PretrainedConfig, torch.Tensor], torch.Tensor] | None = None
     # The *ForCausalLM caps its logits at config.final_logit_softcapping (when set): cap * tanh(logits / cap).
     final_softcap: bool = False
@@ -175,6 +194,35 @@ _FAMILIES: dict[str, _Family] = {
     "arcee": _llama_like("arcee", "Arcee"),
     "apertus": _llama_like("apertus", "Apertus"),
     "hunyuan_v1_dense": _llama_like("hunyuan_v1_dense", "HunYuanDenseV1"),
+    "hunyuan_v1_moe": _llama_like("hunyuan_v1_moe", "HunYuanMoEV1"),
+    "olmoe": _llama_like("olmoe", "Olmoe"),
+    "flex_olmo": _llama_like("flex_olmo", "FlexOlmo"),
+    "phimoe": _llama_like("phimoe", "Phimoe", final_norm=None, head_bias="lm_head_bias", window=_EVERY_LAYER),
+    "glm4_moe": _llama_like("glm4_moe", "Glm4Moe"),
+    "ernie4_5": _llama_like("ernie4_5", "Ernie4_5"),
+    "ernie4_5_moe": _llama_like("ernie4_5_moe", "Ernie4_5_Moe", head_bias="use_bias"),
+    "nemotron": _llama_like("nemotron", "Nemotron", final_norm="NemotronLayerNorm1P", norm_eps="norm_eps"),
+    "dots1": _llama_like("dots1", "Dots1", window=_LAYER_TYPES),
+    "minimax_m2": _llama_like("minimax_m2", "MiniMaxM2"),
+    "exaone_moe": _llama_like("exaone_moe", "ExaoneMoe", window=_LAYER_TYPES),
+    "ministral3": _llama_like("ministral3", "Ministral3", window=_EVERY_LAYER),
+    "vaultgemma": _llama_like("vaultgemma", "VaultGemma", embed_scale=_sqrt_hidden_scale, window=_LAYER_TYPES,
+                              final_softcap=True),
+    "solar_open": _llama_like("solar_open", "SolarOpen"),
+    "bitnet": _llama_like("bitnet", "BitNet"),
+    "jetmoe": _llama_like("jetmoe", "JetMoe"),
+    "mellum": _llama_like("mellum", "Mellum", window=_LAYER_TYPES),
+    "jais2": _llama_like("jais2", "Jais2", **_LAYER_NORM),
+    "hyperclovax": _llama_like("hyperclovax", "HyperCLOVAX", embed_scale=_embedding_multiplier,
+                               logit_scale=_times_logits_scaling),
+    "afmoe": _llama_like("afmoe", "Afmoe", embed_scale=_mup_sqrt_hidden_scale, window=_LAYER_TYPES),
+    "nanochat": _llama_like("nanochat", "NanoChat", embed_scale=_nanochat_norm, norm_sized=False,
+                            final_softcap=True),
+    "persimmon": _llama_like("persimmon", "Persimmon", **_LAYER_NORM, norm="final_layernorm"),
+    "cwm": _llama_like("cwm", "Cwm", window=_LAYER_TYPES),
+    "kolibri1": _llama_like("kolibri1", "Kolibri1", window=_LAYER_TYPES),
+    "hy_v3": _llama_like("hy_v3", "HYV3"),
+    "aria_text": _llama_like("aria", "AriaText"),
     "cohere2": _llama_like("cohere2", "Cohere2", final_norm="Cohere2LayerNorm", norm_eps="layer_norm_eps",
                            logit_scale=_times_logit_scale, window=_LAYER_TYPES),
     "qwen2_moe": _llama_like("qwen2_moe", "Qwen2Moe", window=_LAYER_TYPES),
@@ -193,7 +241,17 @@ _UNROUTABLE = {
              "transformers' AttentionInterface, so its layers cannot attend over the earlier slices' keys",
     "falcon": "FalconAttention calls SDPA or its eager ALiBi path itself, not transformers' AttentionInterface, "
               "so its layers cannot attend over the earlier slices' keys",
+    "llama4_text": "Llama 4's chunked attention (a query sees the keys of its own attention_chunk_size block only) "
+                   "is not a causal or sliding-window mask the sliced attention takes",
 }
+# Hybrids: state-space, linear-attention, recurrent or convolution layers carry a state along the sequence that a
+# slice would need from the slice before it; only attention layers read the earlier slices (through their keys).
+_UNROUTABLE.update(dict.fromkeys(
+    ("mamba", "mamba2", "falcon_mamba", "jamba", "bamba", "zamba", "zamba2", "falcon_h1", "nemotron_h",
+     "granitemoehybrid", "olmo_hybrid", "bailing_hybrid", "qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe",
+     "qwen3_5_moe_text", "kimi_linear", "minimax", "lfm2", "lfm2_moe", "lfm3", "recurrent_gemma", "rwkv", "xlstm"),
+    "its state-space, linear-attention, recurrent or convolution layers carry a state along the sequence that a "
+    "token slice would need from the slice before it; only attention layers can be token-sliced"))
 
 #: ``config.model_type`` values :func:`causal_lm_specs` accepts.
 SUPPORTED_MODEL_TYPES = tuple(_FAMILIES)
@@ -350,8 +408,8 @@ def _attention_config(config: PretrainedConfig) -> PretrainedConfig:
 def _init_hf_style_(module: nn.Module, config: PretrainedConfig, seed: int, num_layers: int) -> None:
     """transformers' initialisation (normal(0, initializer_range) weights, zero biases, norms as built; GPT-2's
     residual projections scaled by 1/sqrt(2 n_layer); matrices held outside nn.Linear, as mixture-of-experts
-    routers and stacked experts are, normal too, their biases zero, and gpt-oss' attention sinks normal) from a
-    private generator: weights depend only on (seed, layer), so any number of stages builds the same model."""
+    routers and stacked experts are, normal too, biases held outside it zero, and gpt-oss' attention sinks normal)
+    from a private generator: weights depend only on (seed, layer), so any number of stages builds the same model."""
     gen = torch.Generator().manual_seed(seed)
     std = getattr(config, "initializer_range", 0.02)
     gpt2 = config.model_type == "gpt2"
@@ -570,7 +628,7 @@ class HFFinalNorm(nn.Module):
             return
         cls = nn.LayerNorm if family.final_norm is None else getattr(_modeling(family), family.final_norm)
         eps = {} if family.norm_eps is None else {"eps": getattr(config, family.norm_eps)}
-        setattr(self, self.attr, cls(config.hidden_size, **eps))
+        setattr(self, self.attr, cls(config.hidden_size, **eps) if family.norm_sized else cls(**eps))
         if checkpoint is not None:  # built norms are ones (and zeros), as transformers initialises them
             checkpoint.load_into(self, config.num_hidden_layers + 1)
 
@@ -589,7 +647,9 @@ class HFLMHead(nn.Module):
         if source is not None:
             self.lm_head = source
             return
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=self.family.head_bias)
+        bias = self.family.head_bias
+        bias = bool(getattr(config, bias)) if isinstance(bias, str) else bias
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=bias)
         _fill(self, config, config.num_hidden_layers + 2, seed, checkpoint)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
