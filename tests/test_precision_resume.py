@@ -10,7 +10,10 @@ dict where it indexes a list per data-parallel rank: ``KeyError: 0``); the engin
 weights
 equal to the loaded weights, which DeepSpeed leaves at their initial values without ZeRO. The step on which a
 dynamic fp16 scale doubles moves the weights as a static scale's does, and the csv monitor logs the doubled scale
-after it, as DeepSpeed's does.
+after it, as DeepSpeed's does. A step with an inf or nan gradient (from the data, on every replica or on one, or in
+one stage's gradient alone) is skipped on every rank as stock DeepSpeed 0.19.8 skips it, in fp16 (the scale halved
+or the hysteresis spent, down to ``min_loss_scale``, where ZeRO 1 raises DeepSpeed's error on every rank and ZeRO 0
+stays) and in bf16, with 3 slices and unsliced, and training goes on as DeepSpeed's does.
 
 fp16 on a CPU: DeepSpeed's CPU accelerator refuses it where oneDNN has no fp16 kernels ("Type fp16 is not
 supported on your device."); the suite lets DeepSpeed build its fp16 optimizers anyway (torch computes fp16 on any
@@ -32,6 +35,62 @@ FORMATS = {"bf16 zero0": ("bf16", "zero"), "bf16 zero1": ("zero", "bf16"), "fp16
            "fp16 zero1": ("zero", "fp16")}
 
 
+#: DeepSpeed 0.19.8 through the overflow cases' steps (OVERFLOW_STEPS in tests/suites/precision_resume.py): fp16 from
+#: a scale of 2^8 with min_loss_scale 64 and the default hysteresis 2. ZeRO 0 (FP16_UnfusedOptimizer) halves the
+#: scale on every overflow and stays at the minimum; ZeRO 1 (DynamicLossScaler) spends its hysteresis on the first
+#: overflow, halves on the next two, and raises on the overflow at the minimum, on every rank. bf16 skips every
+#: step with an inf or nan gradient (its ``check_grad_overflow``), with no scale.
+SKIPPED = {"fp16": [0, 1, 2, 3, 3, 4], "bf16": [0, 1, 2, 3, 3]}
+FP16_SCALES = {0: [256.0, 128.0, 64.0, 64.0, 64.0, 64.0], 1: [256.0, 256.0, 128.0, 64.0, 64.0]}
+FP16_HYSTERESIS = [2, 1, 1, 1, 1]
+AT_MINIMUM = "Exception: Current loss scale already at minimum - cannot decrease scale anymore. Exiting run."
+#: how far a run's fp32 master weights may end from stock DeepSpeed's at ZeRO 1 (slices round fp16/bf16 sums
+#: otherwise; measured 1.2e-5 and 6.6e-5; a step moves them about 1e-2)
+TOLERANCE = {"fp16": 2e-4, "bf16": 5e-4}
+
+
+def _check_overflow(case: dict, precision: str, rank: int) -> None:
+    """A step whose gradients hold an inf or nan anywhere (every replica's loss, one replica's loss, one gradient
+    element of stage 0 on replica 0) is skipped on every rank as stock DeepSpeed skips it, and training goes on as
+    DeepSpeed's does (tests/suites/precision_resume.py, ``_overflow_case``)."""
+    steps = case["steps"]
+    for name, run in case["runs"].items():
+        where = f"{precision} {name}, rank {rank}"
+        zero = int(name.split()[0].removeprefix("zero"))
+        stock = case["runs"][f"zero{zero} stock"]
+        raises = precision == "fp16" and zero == 1
+        count = len(steps) - raises
+        assert run["raised"] == ([count, AT_MINIMUM] if raises else None), (where, run["raised"])
+        assert run["skipped"] == SKIPPED[precision][:count], (where, run["skipped"])
+        assert run["global_steps"] == list(range(1, count + 1)), (where, run["global_steps"])
+        if precision == "fp16":
+            assert run["scales"] == FP16_SCALES[zero], (where, run["scales"])
+            if rank == 0:   # the monitor logs each step's next scale, as DeepSpeed's does
+                assert run["monitor_scales"] == run["scales"], (where, run["monitor_scales"])
+            if zero == 1:
+                assert run["hysteresis"] == FP16_HYSTERESIS, (where, run["hysteresis"])
+        for key in ("scales", "hysteresis", "lrs", "monitor_scales"):
+            assert run[key] == stock[key], (where, key, run[key], stock[key])
+        skipped = [0] + run["skipped"]
+        for step in range(count):
+            if skipped[step + 1] > skipped[step]:   # nothing moved: weights, optimizer state, lr scheduler
+                assert (run["weights_moved"][step], run["state_moved"][step]) == (0.0, 0.0), (where, step, run)
+                assert run["norms"][step] == float("inf"), (where, step, run["norms"])
+                assert run["lrs"][step] == run["lrs"][step - 1], (where, step, run["lrs"])
+            else:
+                assert run["weights_moved"][step] > 0.0, (where, step, run["weights_moved"])
+        # training goes on as stock DeepSpeed's does (whose fp16 at ZeRO 0 divides by a scale it never applied:
+        # the token pipeline's ZeRO 0 is held to its own ZeRO 1 instead)
+        if run is not stock:
+            assert run["vs_zero1" if zero == 0 and precision == "fp16" else "vs_stock"] < TOLERANCE[precision], (
+                where, run["vs_stock"], run["vs_zero1"])
+    if "zero1 unsliced" in case["runs"]:   # the same computation as DeepSpeed's, so the same numbers
+        unsliced, stock = case["runs"]["zero1 unsliced"], case["runs"]["zero1 stock"]
+        clean = [i for i, what in enumerate(steps[:len(unsliced["losses"])]) if what == "clean"]
+        assert [unsliced["losses"][i] for i in clean] == [stock["losses"][i] for i in clean], (unsliced, stock)
+        assert unsliced["vs_stock"] == 0.0, unsliced["vs_stock"]
+
+
 def _check(results: list[dict], world: int) -> None:
     errors = [r["error"] for r in results if "error" in r]
     assert not errors, errors[0]
@@ -39,6 +98,10 @@ def _check(results: list[dict], world: int) -> None:
         cases = {case["case"]: case for case in payload["results"]}
         assert cases.pop("host")["world"] == world
         growths = {zero: cases.pop(f"fp16 growth zero{zero}") for zero in (0, 1)}
+        for precision in ("fp16", "bf16") if world > 2 else ("fp16",):
+            overflow = cases.pop(f"{precision} overflow")
+            assert "error" not in overflow, f"{overflow.get('error')}\n{overflow.get('traceback')}"
+            _check_overflow(overflow, precision, rank)
         # get_global_grad_norm() is the unscaled gradients' norm at ZeRO 0 as at ZeRO 1 (FP16_UnfusedOptimizer
         # reports the scaled one, 256x; it also counts the tied embedding once per stage holding it: not equal)
         norms = [growths[zero].get("norms", [float("nan")])[0] for zero in (0, 1)]

@@ -8,7 +8,11 @@ and a warm-up learning rate make the optimizer and scheduler state matter; a dyn
 window makes the loss scaler's state matter. Case names are "<precision> zero<stage>", precision one of fp32, bf16,
 fp16 (``extra["cases"]``; the default leaves fp32 out, which other suites resume). Cases "fp16 growth zero<stage>"
 train a dynamic scale until it first doubles beside a run at that scale held, and record both runs' weights and
-the scales the dynamic run's csv monitor logged.
+the scales the dynamic run's csv monitor logged. Cases "fp16 overflow" and "bf16 overflow" feed steps whose
+gradients hold an inf or a nan (``OVERFLOW_STEPS``: the loss of every replica or of one, one gradient of one stage)
+to the token pipeline and to stock DeepSpeed's PipelineEngine at ZeRO 0 and 1, taking fp16's dynamic scale down to
+``min_loss_scale``, and record what each step did (skipped or not, scale, hysteresis, lr, weights and optimizer
+state moved, the error raised at the minimum).
 
 DeepSpeed's CPU accelerator reports fp16 only where oneDNN has fp16 kernels; with ``extra["force_fp16"]`` the suite
 lets DeepSpeed build its fp16 optimizers anyway (torch runs fp16 on any CPU, slowly), since what is tested here is
@@ -19,10 +23,11 @@ from __future__ import annotations
 
 import traceback
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
+import deepspeed
 import ds_terapipe
 from deepspeed.accelerator import get_accelerator
 from ds_terapipe.models.gpt import GPTConfig, causal_lm_loss, gpt_layer_specs
@@ -35,12 +40,26 @@ PRECISIONS = {"fp32": {}, "bf16": {"bf16": {"enabled": True}},
               # dynamic scale from 2^8, doubled after every 2 clean steps: the scale moves while the test runs
               "fp16": {"fp16": {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2}},
               # the dynamic scale's first value, held: a run that divides every step by the scale of its backward
-              "fp16 static": {"fp16": {"enabled": True, "loss_scale": 256}}}
+              "fp16 static": {"fp16": {"enabled": True, "loss_scale": 256}},
+              # DeepSpeed's default hysteresis (2) and a window no run reaches; overflows take it to its minimum
+              "fp16 overflow": {"fp16": {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 1000,
+                                         "min_loss_scale": 64}}}
+#: what each step of an overflow case feeds in: "huge", "inf", "nan" multiply the loss of micro-batch 1 by 1e30
+#: (finite, its fp16 gradients are not), inf or nan, on every replica or (``@0``) on replica 0 alone;
+#: "stage0 nan" puts a nan into one weight gradient of stage 0 on replica 0 alone, every other rank's being finite
+OVERFLOW_STEPS = {"fp16": ["clean", "huge", "stage0 nan", "nan@0", "clean", "inf"],
+                  "bf16": ["clean", "inf", "stage0 nan", "nan@0", "clean"]}
+FACTORS = {"huge": 1e30, "inf": float("inf"), "nan": float("nan")}
+#: the poison of the step being run, read by _poisoned_loss and _poison_grad
+_POISON: dict[str, Any] = {"loss": 1.0, "grad": None}
 
 
 def _engine(cfg: GPTConfig, precision: str, zero_stage: int, *, micro: int, batch: int, seq_len: int,
-            extra_config: dict | None = None) -> Any:
-    model = ds_terapipe.TokenPipelineModule(gpt_layer_specs(cfg), num_stages=STAGES, loss_fn=causal_lm_loss,
+            extra_config: dict | None = None, loss_fn: Callable = causal_lm_loss,
+            slices: list[int] | None = None) -> Any:
+    """The token pipeline over ``slices`` (default [16, 32, 16]); ``slices=[]``: stock DeepSpeed's
+    PipelineEngine (1F1B) on the same module."""
+    model = ds_terapipe.TokenPipelineModule(gpt_layer_specs(cfg), num_stages=STAGES, loss_fn=loss_fn,
                                             vocab_size=cfg.vocab_size, partition_method="uniform")
     dp = WORLD // STAGES
     config = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": micro,
@@ -48,10 +67,13 @@ def _engine(cfg: GPTConfig, precision: str, zero_stage: int, *, micro: int, batc
               "zero_optimization": {"stage": zero_stage}, "zero_allow_untested_optimizer": True,
               "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.05, "warmup_max_lr": 0.1,
                                                            "warmup_num_steps": 8, "warmup_type": "linear"}},
-              "terapipe": {"enabled": True, "seq_len": seq_len, "slices": [16, 32, 16], "schedule": "1f1b"},
               **PRECISIONS[precision], **(extra_config or {})}
+    slices = [16, 32, 16] if slices is None else slices
+    if slices:
+        config["terapipe"] = {"enabled": True, "seq_len": seq_len, "slices": slices, "schedule": "1f1b"}
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    engine, _, _, _ = ds_terapipe.initialize(model=model, optimizer=opt, config=config)
+    engine, _, _, _ = (ds_terapipe.initialize if slices else deepspeed.initialize)(model=model, optimizer=opt,
+                                                                                   config=config)
     ENGINE_REF["engine"] = engine
     return engine
 
@@ -144,6 +166,103 @@ def _growth_case(cfg: GPTConfig, zero_stage: int, out: Path) -> dict[str, Any]:
             "master_max_diff": _max_diff(runs["fp16"][1], runs["fp16 static"][1])}
 
 
+def _poisoned_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """``causal_lm_loss`` times ``_POISON["loss"]`` on a micro-batch whose row 0 has only -100 labels (the mark:
+    every slice of that micro-batch carries it)."""
+    loss = causal_lm_loss(logits, labels)
+    return loss * _POISON["loss"] if bool((labels[0] == -100).all()) else loss
+
+
+def _poison_grad(grad: torch.Tensor) -> torch.Tensor:
+    if _POISON["grad"] is None:
+        return grad
+    grad = grad.clone()
+    grad.view(-1)[0] = _POISON["grad"]
+    return grad
+
+
+def _optimizer_state(engine: Any) -> list[torch.Tensor]:
+    inner = engine.optimizer.optimizer   # the SGD each DeepSpeed optimizer wraps
+    return [v.detach().clone() for state in inner.state.values() for v in state.values() if torch.is_tensor(v)]
+
+
+def _overflow_run(cfg: GPTConfig, precision: str, zero_stage: int, slices: list[int], out: Path) -> dict[str, Any]:
+    """Train OVERFLOW_STEPS[precision] on the token pipeline over ``slices`` (``[]``: stock DeepSpeed); per step:
+    the loss, loss scale, hysteresis, skipped and global steps, lr, gradient norm, and how far the step moved the
+    fp32 master weights and the optimizer's state; where a step raised, its index and error."""
+    micro, batch, seq_len = 2, 2, 64
+    steps = OVERFLOW_STEPS[precision]
+    dp = WORLD // STAGES
+    data = make_batches(cfg, len(steps) * micro * dp, batch, seq_len, seed=37)
+    job = f"overflow_{precision}_zero{zero_stage}_{len(slices)}slices"   # 0 slices: stock DeepSpeed
+    monitor = {"csv_monitor": {"enabled": True, "output_path": str(out), "job_name": job}}
+    engine = _engine(cfg, f"{precision} overflow" if precision == "fp16" else precision, zero_stage, micro=micro,
+                     batch=batch, seq_len=seq_len, loss_fn=_poisoned_loss, slices=slices, extra_config=monitor)
+    dp_id = engine.grid.data_parallel_id
+    if (engine.stage_id, dp_id) == (0, 0):
+        next(p for n, p in engine.module.named_parameters() if not n.startswith("tied_modules")).register_hook(
+            _poison_grad)
+    run: dict[str, Any] = {key: [] for key in ("losses", "scales", "hysteresis", "skipped", "global_steps", "lrs",
+                                               "norms", "weights_moved", "state_moved")}
+    run["raised"] = None
+    for step, what in enumerate(steps):
+        group = list(data[(step * dp + dp_id) * micro:(step * dp + dp_id + 1) * micro])
+        kind, _, replica = what.partition("@")
+        if kind in FACTORS and replica in ("", str(dp_id)):
+            ids, labels = group[1]
+            labels = labels.clone()
+            labels[0] = -100
+            group[1] = (ids, labels)
+            _POISON["loss"] = FACTORS[kind]
+        _POISON["grad"] = float("nan") if kind == "stage0 nan" else None
+        weights, state = master_weights(engine), _optimizer_state(engine)
+        try:
+            run["losses"].append(float(engine.train_batch(iter(group))))
+        except Exception as err:  # noqa: BLE001 - the test compares it with stock DeepSpeed's
+            run["raised"] = [step, f"{type(err).__name__}: {err}"]
+            break
+        finally:
+            _POISON.update(loss=1.0, grad=None)
+        scaler = getattr(engine.optimizer, "loss_scaler", None)
+        run["scales"].append(_loss_scale(engine))
+        run["hysteresis"].append(getattr(scaler, "cur_hysteresis", None))
+        run["skipped"].append(engine.skipped_steps)
+        run["global_steps"].append(engine.global_steps)
+        run["lrs"].append(float(engine.get_lr()[0]))
+        run["norms"].append(float(engine.get_global_grad_norm()))
+        run["weights_moved"].append(_max_diff(master_weights(engine), weights)[0])
+        after = _optimizer_state(engine)
+        run["state_moved"].append(max((float((a - b).abs().max()) for a, b in zip(after, state)), default=0.0)
+                                  if len(after) == len(state) else float("inf"))
+    run["master"] = master_weights(engine)
+    ENGINE_REF.pop("engine", None)
+    logged = out / job / "Train_Samples_loss_scale.csv"
+    run["monitor_scales"] = ([float(line.split(",")[1]) for line in logged.read_text().splitlines()[1:]]
+                             if logged.exists() else None)
+    return run
+
+
+def _overflow_case(cfg: GPTConfig, precision: str, out: Path) -> dict[str, Any]:
+    """OVERFLOW_STEPS[precision] at ZeRO 0 and 1 on the token pipeline over 3 slices and on stock DeepSpeed (fp16 on
+    one replica also unsliced, which stock DeepSpeed at ZeRO 1 must equal bit for bit), each run's record
+    (``_overflow_run``) with its fp32 master weights at the end compared with stock DeepSpeed's at the same ZeRO
+    stage and (``vs_zero1``) with the same engine's at ZeRO 1."""
+    engines = {"3 slices": [16, 32, 16], "stock": []}
+    if precision == "fp16" and WORLD == STAGES:
+        engines["unsliced"] = [64]
+    runs: dict[str, dict[str, Any]] = {}
+    for zero_stage in (0, 1):
+        for label, slices in engines.items():
+            runs[f"zero{zero_stage} {label}"] = _overflow_run(cfg, precision, zero_stage, slices, out)
+    for name, run in runs.items():
+        zero, label = name.split(maxsplit=1)
+        run["vs_stock"] = _max_diff(run["master"], runs[f"{zero} stock"]["master"])[0]
+        run["vs_zero1"] = _max_diff(run["master"], runs[f"zero1 {label}"]["master"])[0]
+    for run in runs.values():
+        del run["master"]
+    return {"case": STATUS["case"], "steps": OVERFLOW_STEPS[precision], "runs": runs}
+
+
 @suite("precision_resume")
 def suite_precision_resume(extra: dict) -> list[dict]:
     cfg = GPTConfig(num_layers=2, hidden=32, num_heads=4, vocab_size=64, max_seq_len=64, seed=11)
@@ -152,11 +271,17 @@ def suite_precision_resume(extra: dict) -> list[dict]:
         get_accelerator().is_fp16_supported = lambda: True  # this process only: see the module docstring
     results: list[dict] = [{"case": "host", "fp16_supported": fp16, "world": WORLD}]
     for name in extra.get("cases", ["bf16 zero0", "bf16 zero1", "fp16 zero0", "fp16 zero1", "fp16 growth zero0",
-                                    "fp16 growth zero1"]):
-        precision, zero = name.rsplit(maxsplit=1)
-        zero_stage = int(zero.removeprefix("zero"))
+                                    "fp16 growth zero1", "fp16 overflow",
+                                    # bf16's skips come from DeepSpeed's or the engine's (flat gradients at ZeRO
+                                    # 0) reductions alike: tested where a replica must learn of another's
+                                    *(["bf16 overflow"] if WORLD > STAGES else [])]):
         STATUS["case"] = name
         try:
+            if name.endswith(" overflow"):
+                results.append(_overflow_case(cfg, name.split()[0], Path(extra["out"])))
+                continue
+            precision, zero = name.rsplit(maxsplit=1)
+            zero_stage = int(zero.removeprefix("zero"))
             if precision == "fp16 growth":
                 results.append(_growth_case(cfg, zero_stage, Path(extra["out"])))
                 continue
