@@ -110,3 +110,59 @@ def test_on_cuda_fp32_bias_gradients_go_into_grad_in_one_gemv(dtype: torch.dtype
     for name, want in exact.items():
         err_fused, err_plain = (got[name] - want).abs().max(), (ref[name] - want).abs().max()
         assert err_fused <= 2 * err_plain + 1e-6 * want.abs().max(), (name, float(err_fused), float(err_plain))
+
+
+def _variant_reference(q, k, v, visible, softcap=None, sinks=None):
+    """Dense attention in fp32 with transformers' eager order: scaled scores, cap, mask, the sink as one more logit,
+    softmax, the sink's column dropped, times the values (grouped-query k/v repeated to the query heads)."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = (t.float().repeat_interleave(groups, dim=1) for t in (k, v))
+    scores = q.float() @ k.transpose(2, 3) * q.shape[-1] ** -0.5
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is not None:
+        sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+        return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1] @ v
+    return torch.softmax(scores, dim=-1) @ v
+
+
+@pytest.mark.parametrize("variant", ["window", "window+softcap", "sinks", "window+sinks", "narrow values"])
+def test_attention_variants_on_cuda_in_bf16(variant: str, device: str = "cuda") -> None:
+    """The models' attention variants on the device, bf16, 3 slices of a 1024-token sequence (backward later slices
+    first): a window of 96 (binding slices run in query blocks of 256), Gemma 2's softcap, gpt-oss' sinks, keys of 96
+    dims over values of 64; output and q/k/v (and sink) gradients against the fp32 dense reference."""
+    from ds_terapipe import sliced_causal_attention
+
+    torch.manual_seed(0)
+    batch, heads, kv_heads, length, window = 2, 8, 2, 1024, 96
+    qk_dim, v_dim = (96, 64) if variant == "narrow values" else (64, 64)
+    opts = dict(device=device, dtype=torch.bfloat16)
+    q = torch.randn(batch, heads, length, qk_dim, **opts)
+    k = torch.randn(batch, kv_heads, length, qk_dim, **opts)
+    v = torch.randn(batch, kv_heads, length, v_dim, **opts)
+    kwargs = {"window": window if "window" in variant else None,
+              "softcap": 20.0 if "softcap" in variant else None}
+    sinks = torch.randn(heads, device=device, dtype=torch.float32).requires_grad_() if "sinks" in variant else None
+    idx = torch.arange(length, device=device)
+    visible = (idx[None] <= idx[:, None]) & (idx[:, None] - idx[None] < (kwargs["window"] or length))
+    ref_in = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    ref_sinks = None if sinks is None else sinks.detach().clone().requires_grad_()
+    ref = _variant_reference(*ref_in, visible, kwargs["softcap"], ref_sinks)
+    grad_out = torch.randn_like(ref)
+    ref_grads = torch.autograd.grad(ref, ref_in + ([ref_sinks] if sinks is not None else []), grad_out)
+    state = MicroBatchState(0, length, 3)
+    bounds, pieces, outs = [0, 200, 700, length], [], []
+    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        piece = [t[:, :, a:b].detach().requires_grad_() for t in (q, k, v)]
+        with slice_scope(SliceContext(0, i, a, b, state)):
+            outs.append(sliced_causal_attention(*piece, cache_key="attn", sinks=sinks, **kwargs))
+        pieces.append(piece)
+    for (a, b), out in reversed(list(zip(zip(bounds, bounds[1:]), outs))):
+        out.float().backward(grad_out[:, :, a:b])
+    got = [torch.cat(outs, dim=2), *(torch.cat([p[j].grad for p in pieces], dim=2) for j in range(3))]
+    if sinks is not None:
+        got.append(sinks.grad)
+    for name, a, b in zip(("out", "dq", "dk", "dv", "dsinks"), got, (ref, *ref_grads)):
+        err = float((a.detach().float() - b.float()).abs().max() / b.float().abs().max())
+        assert err < 3e-2, f"{variant} {name}: rel err {err:.2e}"
