@@ -30,19 +30,19 @@ from train_gpt import load_documents, parse_training_args, start, train, trainin
 
 
 def arch_settings(arch: str, args: argparse.Namespace, intermediate: int) -> dict[str, Any]:
-    """What ``arch`` needs beyond the size options so that the token pipeline runs it exactly and the small
-    shapes hold: a few small experts (the defaults have up to 256 experts, each as wide as a dense MLP), and
-    DeepSeek's latent attention sized to the heads (its keys and values have every head: num_key_value_heads is the
-    head count). Sliding windows, softcapping (Gemma 2) and attention sinks (gpt-oss) stay as the architecture sets
-    them."""
+    """What ``arch`` needs beyond the size options so that the token pipeline runs it exactly and the small shapes
+    hold: a few small experts (the defaults have up to 256 experts, each as wide as a dense MLP), and latent attention
+    (DeepSeek, Youtu, MiniCPM3, ...) sized to the heads (its keys and values have every head: num_key_value_heads is
+    the head count). Sliding windows, softcapping (Gemma 2) and attention sinks (gpt-oss) stay as the architecture
+    sets them."""
     experts = {"num_experts_per_tok": 2}
     small = {"moe_intermediate_size": intermediate // 2}
     head_dim = args.hidden // args.heads
     gemma = {"query_pre_attn_scalar": head_dim}
-    latent = {**experts, **small, "n_routed_experts": 8, "n_group": 4, "topk_group": 2, "n_shared_experts": 1,
-              "first_k_dense_replace": 1, "num_key_value_heads": args.heads, "q_lora_rank": args.hidden // 2,
-              "kv_lora_rank": args.hidden // 4, "qk_nope_head_dim": head_dim, "qk_rope_head_dim": head_dim // 2,
-              "v_head_dim": head_dim}
+    mla = {"num_key_value_heads": args.heads, "q_lora_rank": args.hidden // 2, "kv_lora_rank": args.hidden // 4,
+           "qk_nope_head_dim": head_dim, "qk_rope_head_dim": head_dim // 2, "v_head_dim": head_dim}
+    latent = {**experts, **small, **mla, "n_routed_experts": 8, "n_group": 4, "topk_group": 2, "n_shared_experts": 1,
+              "first_k_dense_replace": 1}
     return {
         "gemma2": gemma,
         "gemma3_text": gemma,
@@ -55,6 +55,18 @@ def arch_settings(arch: str, args: argparse.Namespace, intermediate: int) -> dic
         "gpt_oss": {**experts, "num_local_experts": 4},
         "deepseek_v3": latent,
         "deepseek_v2": {**latent, "topk_method": "group_limited_greedy"},
+        "sarvam_mla": latent,
+        "youtu": mla,
+        "minicpm3": mla,
+        "glm4_moe_lite": {**mla, **experts, "n_routed_experts": 4, **small},
+        "mimo_v2_flash": {**experts, "n_routed_experts": 4, **small, "v_head_dim": head_dim},
+        "granitemoe_swa": {**experts, "num_local_experts": 4},
+        "cohere2_moe": {**experts, "num_experts": 4},
+        "laguna": {**experts, "num_experts": 4, **small, "shared_expert_intermediate_size": intermediate},
+        # a rotary table per layer type (its default config names none; multimodal sections, one text position)
+        "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e4,
+                                                                       "mrope_section": [head_dim // 4, head_dim // 8,
+                                                                                         head_dim // 8]}}},
         "olmoe": {**experts, "num_experts": 4},
         "flex_olmo": {**experts, "num_experts": 4},
         "phimoe": {**experts, "num_local_experts": 4},

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
+import re
 import sys
 from functools import partial
 from pathlib import Path
@@ -178,6 +179,50 @@ OTHER_ARCHS = {
                                         num_experts_per_tok=2, moe_intermediate_size=32,
                                         shared_expert_intermediate_size=48, sliding_window=5,
                                         layer_types=SLIDING_FULL_SLIDING)),
+    # Attention sinks: Granite SWA's on every layer (sliding and full), with a rotary base per layer and a layer
+    # without rotary (theta 0), and Granite's multipliers; MiMo-V2-Flash's on the sliding layers, values narrower
+    # than keys, a rotary table per layer type
+    "granite_swa": ("GraniteSWAConfig", dict(num_key_value_heads=2, embedding_multiplier=3.0, logits_scaling=4.0,
+                                             residual_multiplier=0.5, attention_multiplier=0.2, sliding_window=5,
+                                             layer_types=SLIDING_FULL_SLIDING, layer_rope_theta=[1e4, 0, 5e5])),
+    "granitemoe_swa": ("GraniteMoeSWAConfig", dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                                                   embedding_multiplier=3.0, logits_scaling=4.0,
+                                                   residual_multiplier=0.5, attention_multiplier=0.2,
+                                                   sliding_window=5, layer_types=SLIDING_FULL_SLIDING,
+                                                   layer_rope_theta=[5e5, 1e4, 0])),
+    "mimo_v2_flash": ("MiMoV2FlashConfig", dict(num_key_value_heads=2, head_dim=16, v_head_dim=12, n_routed_experts=4,
+                                                num_experts_per_tok=2, moe_intermediate_size=32, sliding_window=5,
+                                                layer_types=SLIDING_FULL_SLIDING,
+                                                mlp_layer_types=["dense", "sparse", "sparse"])),
+    # latent attention (keys of 16 + 8 dims, values of 12): Youtu's dense, GLM-4-MoE-Lite's and Sarvam's experts,
+    # MiniCPM3's embedding scale, residual scale and hidden states scaled down before its (tied) head
+    "youtu": ("YoutuConfig", dict(num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
+                                  qk_rope_head_dim=8, v_head_dim=12)),
+    "glm4_moe_lite": ("Glm4MoeLiteConfig", dict(num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16,
+                                                qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+                                                n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                                mlp_layer_types=["dense", "sparse", "sparse"])),
+    "sarvam_mla": ("SarvamMLAConfig", dict(num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16,
+                                           qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=4,
+                                           num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1)),
+    "minicpm3": ("MiniCPM3Config", dict(num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
+                                        qk_rope_head_dim=8, v_head_dim=12, scale_emb=3.0, dim_model_base=16)),
+    # Cohere 2-MoE's final norm: an RMSNorm with rms_norm_eps set (the example trainer's default config: LayerNorm)
+    "cohere2_moe": ("Cohere2MoeConfig", dict(num_key_value_heads=2, head_dim=16, logit_scale=0.25, num_experts=4,
+                                             num_experts_per_tok=2, sliding_window=5, layer_types=SLIDING_FULL_SLIDING,
+                                             rms_norm_eps=1e-6)),
+    # Laguna: a softplus gate per head on the attention's output, a head count per layer
+    "laguna": ("LagunaConfig", dict(num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                    moe_intermediate_size=32, shared_expert_intermediate_size=48, sliding_window=5,
+                                    layer_types=SLIDING_FULL_SLIDING, num_attention_heads_per_layer=[4, 8, 4])),
+    "apertus1p5_text": ("Apertus1p5TextConfig", dict(num_key_value_heads=2)),
+    # multimodal rotary sections (one position per text token on every axis), no rotary on the full layers
+    "cohere_compass_text": ("CohereCompassTextConfig", dict(num_key_value_heads=2, sliding_window=5,
+                                                            layer_types=SLIDING_FULL_SLIDING, rope_parameters={
+                                                                "sliding_attention": {"rope_type": "default",
+                                                                                      "rope_theta": 1e4,
+                                                                                      "mrope_section": [2, 3, 3]},
+                                                                "full_attention": None})),
     # Sliding windows shorter than the sequence (5 of its 16 keys): the slicings cut slices shorter and longer
     # than the window. Mistral's on every layer; the others' on the 'sliding_attention' layers of layer_types, with
     # what else the type picks in play: Gemma 3's local rotary base, Cohere 2's and EXAONE 4's rotary on sliding
@@ -388,6 +433,9 @@ def test_from_config_is_deterministic_and_exact(arch: str) -> None:
     assert all(torch.equal(p, again[n]) for n, p in params.items())
     weights = {hf_param_name(n, config): p.detach() for n, p in params.items()}
     model = hf_model(arch, seed=99)
+    for name, param in model.named_parameters():   # attention sinks: zero where transformers builds them zero
+        if name.endswith("sinks"):
+            assert bool((weights[name] == 0).all()) == bool((param == 0).all()), name
     missing = model.load_state_dict(weights, strict=False)
     # only what is no parameter of its own: a tied head, persistent buffers (Apertus' xIELU constants)
     assert set(missing.missing_keys) == set(model.state_dict()) - set(dict(model.named_parameters())), missing
@@ -559,6 +607,9 @@ def run_sliced_forward_only(layers: list, ids: torch.Tensor, slices: list[int]):
     (lambda: transformers.Lfm2Config(**COMMON), "'lfm2' is not supported by ds_terapipe.models.hf (",
      "convolution layers carry a state along the sequence"),
     (lambda: transformers.Llama4TextConfig(**COMMON), "'llama4_text' is not supported", "chunked attention"),
+    (lambda: transformers.DeepseekV32Config(**COMMON), "'deepseek_v32' is not supported", "top index_topk keys"),
+    (lambda: transformers.GlmMoeDsaConfig(**COMMON), "'glm_moe_dsa' is not supported", "top index_topk keys"),
+    (lambda: transformers.ZayaConfig(**COMMON), "'zaya' is not supported", "carry a state along the sequence"),
 ])
 def test_unsupported_features_are_refused_when_building(make, feature: str, fix: str) -> None:
     with pytest.raises(UnsupportedModelError) as err:
@@ -566,17 +617,32 @@ def test_unsupported_features_are_refused_when_building(make, feature: str, fix:
     assert feature in str(err.value) and fix in str(err.value), str(err.value)
 
 
-@pytest.mark.parametrize("tied", [True, False])
-def test_vocab_parallelism_refuses_a_softcapped_head(tied: bool) -> None:
-    """The split head computes x @ W.T alone: a Gemma 2 head (final_logit_softcapping=30, tied or not) is refused
-    naming the cap, while the same head without a cap is taken."""
+CAPPED = (r"it computes 30 \* tanh\(that / 30\): a final-logit softcap, .*final_logit_softcapping .*set it to None "
+          r"or turn ")
+SCALED = r"it computes 0.25 times that: a logit scale, .*logits_scaling or logit_scale.*set it to 1 or turn "
+
+
+@pytest.mark.parametrize("name, kwargs, match, plain", [
+    ("Gemma2Config", dict(tie_word_embeddings=True), CAPPED, dict(final_logit_softcapping=None)),  # 30: the default
+    ("Gemma2Config", dict(tie_word_embeddings=False), CAPPED, dict(final_logit_softcapping=None)),
+    ("VaultGemmaConfig", dict(head_dim=16, final_logit_softcapping=30.0), CAPPED, dict(final_logit_softcapping=None)),
+    ("NanoChatConfig", dict(final_logit_softcapping=30.0), CAPPED, dict(final_logit_softcapping=None)),
+    ("HyperCLOVAXConfig", dict(head_dim=16, logits_scaling=0.25), SCALED, dict(logits_scaling=1.0)),
+    ("GraniteSWAConfig", dict(logits_scaling=4.0), SCALED, dict(logits_scaling=1.0)),
+    ("MiniCPM3Config", dict(dim_model_base=16), SCALED, dict(dim_model_base=64)),   # logits_scaling: hidden / 16
+    ("Cohere2MoeConfig", dict(head_dim=16, logit_scale=0.25), SCALED, dict(logit_scale=1.0)),
+], ids=["gemma2-tied", "gemma2", "vaultgemma", "nanochat", "hyperclovax", "granite_swa", "minicpm3", "cohere2_moe"])
+def test_vocab_parallelism_refuses_a_scaled_or_capped_head(name: str, kwargs: dict, match: str, plain: dict) -> None:
+    """The split head computes x @ W.T alone: a head that scales its logits (logits_scaling, logit_scale) or caps
+    them (final_logit_softcapping), tied or not, is refused naming the scale or the cap, while the same head
+    without it is taken."""
     from ds_terapipe.runtime.features.vocab_shard import build_full, split_output_layer
-    config = transformers.Gemma2Config(**COMMON, **TOKENS, tie_word_embeddings=tied)
+    config = getattr(transformers, name)(**COMMON, **TOKENS, **kwargs)
     _, head = split_output_layer(causal_lm_specs(config))
-    with pytest.raises(ValueError, match=r"it computes 30 \* tanh\(that / 30\): a final-logit softcap, .*"
-                                         r"final_logit_softcapping .*set it to None or turn terapipe.vocab_parallel"):
+    with pytest.raises(ValueError, match=match + "terapipe.vocab_parallel"):
         build_full(head)
-    config.final_logit_softcapping = None
+    for key, value in plain.items():
+        setattr(config, key, value)
     build_full(split_output_layer(causal_lm_specs(config))[1])
 
 
@@ -610,7 +676,8 @@ def test_each_family_slides_the_layers_its_model_masks_slide() -> None:
     for model_type, family in _FAMILIES.items():
         source = inspect.getsource(_modeling(family))
         assert ("create_sliding_window_causal_mask" in source) == (family.window is not None), model_type
-        assert ("config.layer_types[i]" in source) == (family.window == "layer_types"), model_type
+        by_type = re.search(r"config\.layer_types\[(i|layer_idx)\]", source) is not None   # a mask per layer type
+        assert by_type == (family.window == "layer_types"), model_type
 
 
 def test_the_window_bound_is_transformers_own() -> None:

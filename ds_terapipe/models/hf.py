@@ -12,19 +12,20 @@ set ``config._attn_implementation = "ds_terapipe"``, a function registered in ``
 module as cache key, so each slice attends over its micro-batch's cached prefix. Rotary positions are
 ``token_offset() + arange(slice_len)``, computed by the model's own rotary module in each decoder layer's
 wrapper. Grouped-query attention keeps the cache at ``num_key_value_heads``: k/v go to
-:func:`~ds_terapipe.sliced_causal_attention` with their own head count, and SDPA pairs the heads
-(``enable_gqa``). The pipeline layers are: embedding, the decoder layers, the final norm, the LM head
-(a ``TiedLayerSpec`` with the embedding when the weights are tied); the loss is :func:`causal_lm_loss`. What
-an architecture's ``*Model`` / ``*ForCausalLM`` does around its layers is redone here from the ``_FAMILIES``
-table: the embedding's scale (Gemma's sqrt(hidden), Granite's multiplier) or norm (NanoChat) and dropout, the final
-norm's class, the head's bias, logit scale (Granite, Cohere, HyperCLOVA X) and final-logit softcapping (Gemma 2/3),
-per-layer-type rotary tables (Gemma 3, OLMo 3), and each layer's sliding window: the one the model's own mask gives
-that layer (``sliding_window`` on every layer of Mistral, Mixtral, Phi-3, ...; on the ``'sliding_attention'`` layers of
-``layer_types`` in Gemma 2/3, Qwen, OLMo 3, Cohere 2, ...), handed to :func:`~ds_terapipe.sliced_causal_attention`
-as ``window``. Attention-logit softcapping (Gemma 2's ``attn_logit_softcapping``) goes to it as ``softcap``, and
-gpt-oss' attention sinks (the ``s_aux`` its attention passes) as ``sinks``. DeepSeek's latent attention hands over
-keys wider than its values (``qk_nope_head_dim + qk_rope_head_dim`` vs ``v_head_dim``), which the sliced attention
-and its KV buffers take as they are.
+:func:`~ds_terapipe.sliced_causal_attention` with their own head count, and SDPA pairs the heads (``enable_gqa``). The
+pipeline layers are: embedding, the decoder layers, the final norm, the LM head (a ``TiedLayerSpec`` with the embedding
+when the weights are tied); the loss is :func:`causal_lm_loss`. What an architecture's ``*Model`` / ``*ForCausalLM``
+does around its layers is redone here from the ``_FAMILIES`` table: the embedding's scale (Gemma's sqrt(hidden),
+Granite's multiplier) or norm (NanoChat) and dropout, the final norm's class (by the config for Cohere 2-MoE), the
+head's bias, logit scale (Granite, Cohere, HyperCLOVA X) and final-logit softcapping (Gemma 2/3), per-layer-type rotary
+tables (Gemma 3, OLMo 3), a rotary base per layer and layers without rotary (Granite SWA, Cohere Compass), and each
+layer's sliding window: the one the model's own mask gives that layer (``sliding_window`` on every layer of Mistral,
+Mixtral, Phi-3, ...; on the ``'sliding_attention'`` layers of ``layer_types`` in Gemma 2/3, Qwen, OLMo 3, Cohere 2,
+...), handed to :func:`~ds_terapipe.sliced_causal_attention` as ``window``. Attention-logit softcapping (Gemma 2's
+``attn_logit_softcapping``) goes to it as ``softcap``, and attention sinks (the ``s_aux`` gpt-oss', Granite SWA's and
+MiMo-V2-Flash's attention passes) as ``sinks``. Latent attention (DeepSeek, Youtu, MiniCPM3, ...) hands over keys wider
+than its values (``qk_nope_head_dim + qk_rope_head_dim`` vs ``v_head_dim``), which the sliced attention and its KV
+buffers take as they are.
 
 Features whose result would depend on the slicing, or that the token pipeline cannot feed, are refused when
 the specs are built (:class:`UnsupportedModelError`, naming the feature and the fix): cross-attention and
@@ -32,13 +33,15 @@ encoder-decoder models, bidirectional (non-causal) attention, rotary scalings th
 seen (``dynamic``, ``longrope``), a mixture-of-experts load-balancing loss (``output_router_logits``), layer types
 other than full and sliding attention, architectures outside
 :data:`SUPPORTED_MODEL_TYPES` (Bloom's and Falcon's attention bypasses ``AttentionInterface``, hybrids' recurrent
-or convolution layers carry state along the sequence, Llama 4 attends in chunks: the refusal says so).
+or convolution layers carry state along the sequence, Llama 4 attends in chunks, DeepSeek-V3.2's sparse attention
+picks its keys inside the layer: the refusal says so).
 Attention masks (padding) are data, so they are refused at the first forward that carries one.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib
 import inspect
 import json
@@ -101,8 +104,14 @@ def _nanochat_norm(config: PretrainedConfig, hidden: torch.Tensor) -> torch.Tens
     return norm(eps=config.rms_norm_eps)(hidden)
 
 
+def _times_scale_emb(config: PretrainedConfig, hidden: torch.Tensor) -> torch.Tensor:
+    """MiniCPM3: embeddings times ``config.scale_emb``, the factor in the weights' dtype (its embedding's buffer)."""
+    return hidden * torch.tensor(config.scale_emb).to(hidden.dtype)
+
+
 def _divide_by_logits_scaling(config: PretrainedConfig, logits: torch.Tensor) -> torch.Tensor:
-    """Granite: logits divided by ``config.logits_scaling`` (divided, not multiplied by the inverse: bit-equal)."""
+    """Granite: logits divided by ``config.logits_scaling`` (divided, not multiplied by the inverse: bit-equal).
+    MiniCPM3 divides the hidden states before its bias-free ``lm_head`` instead: the same up to rounding."""
     return logits / config.logits_scaling
 
 
@@ -114,6 +123,30 @@ def _times_logit_scale(config: PretrainedConfig, logits: torch.Tensor) -> torch.
 def _times_logits_scaling(config: PretrainedConfig, logits: torch.Tensor) -> torch.Tensor:
     """HyperCLOVA X: logits times ``config.logits_scaling`` (Granite divides by it)."""
     return logits * config.logits_scaling
+
+
+def _rotary_per_theta(config: PretrainedConfig, layer_idx: int) -> PretrainedConfig | None:
+    """Granite SWA: layer ``layer_idx`` rotates with base ``config.layer_rope_theta[layer_idx]``, none where it is 0
+    (the *Model builds one rotary module per base and hands a theta-0 layer no position embeddings)."""
+    theta = config.layer_rope_theta[layer_idx]
+    if not theta:
+        return None
+    config = copy.deepcopy(config)
+    config.rope_parameters = {**config.rope_parameters, "rope_theta": theta}
+    return config
+
+
+def _rotary_unless_nope(config: PretrainedConfig, layer_idx: int) -> PretrainedConfig | None:
+    """Cohere Compass: rotary as ``config`` gives it (a table per layer type), none for a layer type whose
+    ``rope_parameters`` entry is None (the *Model hands those layers no position embeddings)."""
+    return None if config.rope_parameters[config.layer_types[layer_idx]] is None else config
+
+
+def _rms_final_norm_if_rms_eps(config: PretrainedConfig) -> dict[str, Any]:
+    """Cohere 2-MoE: an RMSNorm final norm when ``config.rms_norm_eps`` is set, its LayerNorm otherwise."""
+    if config.rms_norm_eps is None:
+        return {}
+    return {"final_norm": "Cohere2MoeRMSNorm", "norm_eps": "rms_norm_eps"}
 
 
 @dataclass(frozen=True)
@@ -142,6 +175,18 @@ class _Family:
     # Which layers the *Model's mask gives config.sliding_window: "every layer" (when it is set), the
     # "sliding_attention" entries of config.layer_types, or None (the model has no sliding window).
     window: str | None = None
+    # The config each layer's rotary module is built from, None for a layer without rotary (Granite SWA's theta per
+    # layer, Cohere Compass' layer types without rope_parameters); None: every layer's is ``config``'s.
+    layer_rotary: Callable[[PretrainedConfig, int], PretrainedConfig | None] | None = None
+    zero_sinks: bool = False  # attention sinks initialised to zeros (Granite SWA), not normal (gpt-oss)
+    # Fields whose value depends on the config (Cohere 2-MoE's final norm class): the overrides for this config.
+    by_config: Callable[[PretrainedConfig], Mapping[str, Any]] | None = None
+
+
+def _family(config: PretrainedConfig) -> _Family:
+    """``config``'s family, with the fields that depend on the config (``_Family.by_config``) resolved."""
+    family = _FAMILIES[config.model_type]
+    return family if family.by_config is None else dataclasses.replace(family, **family.by_config(config))
 
 
 def _llama_like(module: str, prefix: str, **quirks: Any) -> _Family:
@@ -233,6 +278,26 @@ _FAMILIES: dict[str, _Family] = {
     "gpt_oss": _llama_like("gpt_oss", "GptOss", window=_LAYER_TYPES),   # attention sinks (s_aux)
     "deepseek_v2": _llama_like("deepseek_v2", "DeepseekV2"),   # latent attention: value dim != key dim
     "deepseek_v3": _llama_like("deepseek_v3", "DeepseekV3"),
+    "sarvam_mla": _llama_like("deepseek_v3", "DeepseekV3"),   # DeepSeek-V3's classes, its own config
+    "youtu": _llama_like("youtu", "Youtu"),   # latent attention
+    "glm4_moe_lite": _llama_like("glm4_moe_lite", "Glm4MoeLite"),   # latent attention
+    "minicpm3": _llama_like("minicpm3", "MiniCPM3", embed_scale=_times_scale_emb,   # latent attention
+                            logit_scale=_divide_by_logits_scaling),
+    "mimo_v2_flash": _llama_like("mimo_v2_flash", "MiMoV2Flash", window=_LAYER_TYPES),   # sinks on sliding layers
+    "granite_swa": _llama_like("granite_swa", "GraniteSWA", embed_scale=_embedding_multiplier,   # sinks
+                               logit_scale=_divide_by_logits_scaling, window=_LAYER_TYPES,
+                               layer_rotary=_rotary_per_theta, zero_sinks=True),
+    "granitemoe_swa": _llama_like("granitemoe_swa", "GraniteMoeSWA", embed_scale=_embedding_multiplier,
+                                  logit_scale=_divide_by_logits_scaling, window=_LAYER_TYPES,
+                                  layer_rotary=_rotary_per_theta, zero_sinks=True),
+    "cohere2_moe": _llama_like("cohere2_moe", "Cohere2Moe", final_norm="Cohere2MoeLayerNorm",
+                               norm_eps="layer_norm_eps", logit_scale=_times_logit_scale, window=_LAYER_TYPES,
+                               by_config=_rms_final_norm_if_rms_eps),
+    "laguna": _llama_like("laguna", "Laguna", window=_LAYER_TYPES),
+    "apertus1p5_text": _llama_like("apertus1p5", "Apertus1p5Text"),
+    "cohere_compass_text": _llama_like("cohere_compass", "CohereCompass", final_norm="CohereCompassLayerNorm",
+                                       norm_eps="layer_norm_eps", window=_LAYER_TYPES,
+                                       layer_rotary=_rotary_unless_nope),
 }
 
 # Architectures transformers has as causal LMs that cannot be routed here, and why (the generic refusal otherwise).
@@ -243,13 +308,28 @@ _UNROUTABLE = {
               "so its layers cannot attend over the earlier slices' keys",
     "llama4_text": "Llama 4's chunked attention (a query sees the keys of its own attention_chunk_size block only) "
                    "is not a causal or sliding-window mask the sliced attention takes",
+    "modernbert-decoder": "its embedding module normalises the token embeddings itself and its head runs a dense "
+                          "layer, an activation and a LayerNorm before the vocabulary projection, not the "
+                          "embedding, final norm and LM head the pipeline builds",
+    "diffllama": "not verified exact: the gradients of its differential-attention lambda vectors match "
+                 "transformers' to ~2e-4 in fp32 (even unsliced), above the 1e-5 every supported type is held to",
+    "emu3": "Emu3 is an image-and-text model (its config nests the text model's beside a VQ image tokenizer); "
+            "the pipeline takes decoder-only text configs",
 }
+# DeepSeek Sparse Attention: an indexer scores every visible key per query and the attention reads only the top
+# index_topk; per query it is exact in principle, but the indexer runs inside the layer, outside AttentionInterface.
+_UNROUTABLE.update(dict.fromkeys(
+    ("deepseek_v32", "glm_moe_dsa"),
+    "its sparse attention's indexer picks each query's top index_topk keys inside the layer, outside transformers' "
+    "AttentionInterface, from the keys of the running call and the model's mask, so a token slice would choose among "
+    "its own keys only, not the earlier slices'"))
 # Hybrids: state-space, linear-attention, recurrent or convolution layers carry a state along the sequence that a
 # slice would need from the slice before it; only attention layers read the earlier slices (through their keys).
 _UNROUTABLE.update(dict.fromkeys(
     ("mamba", "mamba2", "falcon_mamba", "jamba", "bamba", "zamba", "zamba2", "falcon_h1", "nemotron_h",
      "granitemoehybrid", "olmo_hybrid", "bailing_hybrid", "qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe",
-     "qwen3_5_moe_text", "kimi_linear", "minimax", "lfm2", "lfm2_moe", "lfm3", "recurrent_gemma", "rwkv", "xlstm"),
+     "qwen3_5_moe_text", "kimi_linear", "minimax", "lfm2", "lfm2_moe", "lfm3", "recurrent_gemma", "rwkv", "xlstm",
+     "zaya"),
     "its state-space, linear-attention, recurrent or convolution layers carry a state along the sequence that a "
     "token slice would need from the slice before it; only attention layers can be token-sliced"))
 
@@ -370,12 +450,12 @@ def _check_config(config: PretrainedConfig) -> _Family:
     if getattr(config, "use_bidirectional_attention", False) or getattr(config, "is_causal", True) is False:
         raise UnsupportedModelError(f"{model_type}: non-causal (bidirectional) attention mixes later tokens into "
                                     "earlier ones, so it cannot be token-sliced; use a causal LM config")
-    family = _FAMILIES.get(model_type)
-    if family is None:
+    if model_type not in _FAMILIES:
         why = f" ({_UNROUTABLE[model_type]})" if model_type in _UNROUTABLE else ""
         raise UnsupportedModelError(f"model_type {model_type!r} is not supported by ds_terapipe.models.hf{why}; "
                                     f"supported: {', '.join(SUPPORTED_MODEL_TYPES)} (or write the model as "
                                     "LayerSpecs with ds_terapipe.sliced_causal_attention, see README)")
+    family = _family(config)
     _layer_windows(config, family)  # refuses layer types it does not know, sliding layers without a window
     if family.rotary is not None:
         rope = getattr(config, "rope_parameters", None) or {}
@@ -408,11 +488,13 @@ def _attention_config(config: PretrainedConfig) -> PretrainedConfig:
 def _init_hf_style_(module: nn.Module, config: PretrainedConfig, seed: int, num_layers: int) -> None:
     """transformers' initialisation (normal(0, initializer_range) weights, zero biases, norms as built; GPT-2's
     residual projections scaled by 1/sqrt(2 n_layer); matrices held outside nn.Linear, as mixture-of-experts
-    routers and stacked experts are, normal too, biases held outside it zero, and gpt-oss' attention sinks normal)
-    from a private generator: weights depend only on (seed, layer), so any number of stages builds the same model."""
+    routers and stacked experts are, normal too, biases held outside it zero, attention sinks normal, or zero where
+    the family's are: Granite SWA's) from a private generator: weights depend only on (seed, layer), so any number
+    of stages builds the same model."""
     gen = torch.Generator().manual_seed(seed)
     std = getattr(config, "initializer_range", 0.02)
     gpt2 = config.model_type == "gpt2"
+    zero_sinks = _family(config).zero_sinks
     with torch.no_grad():
         for sub_name, sub in module.named_modules():
             if isinstance(sub, (nn.Linear, nn.Embedding)) or type(sub).__name__ == "Conv1D":
@@ -427,7 +509,7 @@ def _init_hf_style_(module: nn.Module, config: PretrainedConfig, seed: int, num_
                 continue
             # built empty (torch.empty) by their modules: matrices normal, biases zero, attention sinks normal
             for name, param in sub.named_parameters(recurse=False):
-                if name.endswith("bias"):
+                if name.endswith("bias") or (name == "sinks" and zero_sinks):
                     param.zero_()
                 elif param.dim() >= 2 or name == "sinks":
                     param.copy_(torch.randn(param.shape, generator=gen) * std)
@@ -473,7 +555,7 @@ class _Checkpoint:
         """Fill pipeline layer ``index`` (its parameters and persistent buffers) from the checkpoint."""
         from safetensors import safe_open
 
-        base = _FAMILIES[self.config.model_type].base + "."
+        base = _family(self.config).base + "."
         keys = {}
         for name in module.state_dict():
             key = hf_param_name(f"{index}.{name}", self.config)
@@ -523,7 +605,7 @@ class HFEmbedding(nn.Module):
     def __init__(self, config: PretrainedConfig, source: nn.Module | None = None, seed: int = 0,
                  checkpoint: _Checkpoint | None = None) -> None:
         super().__init__()
-        self.family = _FAMILIES[config.model_type]
+        self.family = _family(config)
         self.config = config
         self.is_gpt2 = self.family.rotary is None
         dropout = getattr(config, self.family.embed_dropout, 0.0) if self.family.embed_dropout else 0.0
@@ -586,14 +668,17 @@ class HFDecoderLayer(nn.Module):
     def __init__(self, config: PretrainedConfig, layer_idx: int, source: nn.Module | None = None,
                  seed: int = 0, checkpoint: _Checkpoint | None = None) -> None:
         super().__init__()
-        family = _FAMILIES[config.model_type]
+        family = _family(config)
         modeling = _modeling(family)
         if source is not None:
             self.layer = _adopt(source, config)
         else:
             self.layer = getattr(modeling, family.decoder_layer)(config, layer_idx=layer_idx)
-        # The rotary module has no parameters; each layer keeps its own, so a stage needs nothing from others.
-        self.rotary = getattr(modeling, family.rotary)(config=config) if family.rotary else None
+        # The rotary module has no parameters; each layer keeps its own, so a stage needs nothing from others. Built
+        # from the layer's rotary config where the family has one per layer (None: the layer rotates nothing).
+        rotary_config = config if family.layer_rotary is None else family.layer_rotary(config, layer_idx)
+        with_rotary = family.rotary is not None and rotary_config is not None
+        self.rotary = getattr(modeling, family.rotary)(config=rotary_config) if with_rotary else None
         # A rotary module with a table per layer type (Gemma 3: local and global bases) is asked for this layer's.
         self.rotary_kwargs: dict[str, str] = {}
         if self.rotary is not None and "layer_type" in inspect.signature(self.rotary.forward).parameters:
@@ -603,7 +688,7 @@ class HFDecoderLayer(nn.Module):
             _fill(self, config, 1 + layer_idx, seed, checkpoint)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.rotary is None:  # GPT-2: positions were added by the embedding
+        if self.rotary is None:  # GPT-2: positions were added by the embedding; Granite SWA's theta-0 layers: none
             with _layer_window(self.window):
                 return self.layer(hidden)
         position_ids = slice_positions(hidden.shape[1], hidden.device)  # (T,), or (B, T) for packed rows
@@ -621,7 +706,7 @@ class HFFinalNorm(nn.Module):
     def __init__(self, config: PretrainedConfig, source: nn.Module | None = None,
                  checkpoint: _Checkpoint | None = None) -> None:
         super().__init__()
-        family = _FAMILIES[config.model_type]
+        family = _family(config)
         self.attr = family.norm
         if source is not None:
             setattr(self, self.attr, source)
@@ -643,7 +728,7 @@ class HFLMHead(nn.Module):
     def __init__(self, config: PretrainedConfig, source: nn.Module | None = None, seed: int = 0,
                  checkpoint: _Checkpoint | None = None) -> None:
         super().__init__()
-        self.family, self.config = _FAMILIES[config.model_type], config
+        self.family, self.config = _family(config), config
         if source is not None:
             self.lm_head = source
             return
@@ -777,7 +862,7 @@ def hf_param_name(pipe_name: str, config: PretrainedConfig) -> str:
     ``"tied_modules.embed.wte.weight"`` -> ``"transformer.wte.weight"``; layer 0 is the embedding, 1..N the
     decoder layers, N+1 the final norm, N+2 the LM head (``"lm_head.weight"``, or the tied embedding's names).
     """
-    family = _FAMILIES[config.model_type]
+    family = _family(config)
     num_layers = config.num_hidden_layers
     if pipe_name.startswith("tied_modules.embed."):
         return f"{family.base}.{pipe_name[len('tied_modules.embed.'):]}"
@@ -798,7 +883,7 @@ def hf_state_dict(pipeline_state: Mapping[str, torch.Tensor], config: Pretrained
     as the ``transformers`` model's: ``AutoModelForCausalLM.from_config(config).load_state_dict(...)`` then
     ``save_pretrained`` writes the trained model back. Tied copies collapse into one; a tied LM head gets the
     embedding (transformers lists ``lm_head.weight`` too)."""
-    family = _FAMILIES[config.model_type]
+    family = _family(config)
     head_index = f"{config.num_hidden_layers + 2}."
     out: dict[str, torch.Tensor] = {}
     # The tied head's copy of the embedding last: GPT-2's position embedding is trained on the first stage only.
