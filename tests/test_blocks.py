@@ -338,6 +338,35 @@ def test_a_windowed_slice_longer_than_a_query_block_scores_each_block_over_its_o
     assert roofline.computed_pairs(13, 5, 3) == 13 * 15
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_masks_of_a_windowed_slice_are_built_once_for_all_its_layers(packed: bool,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Slice [5, 18) with a window of 3 in blocks of 3 queries, through 3 attention layers: plain rows build one
+    mask per block geometry (the interior blocks share one: 2 in all), packed rows one per block (5), not one per
+    block and layer."""
+    import ds_terapipe.runtime.slicing.attention as attention
+    import ds_terapipe.runtime.slicing.documents as documents_mod
+
+    monkeypatch.setattr(attention, "WINDOW_QUERY_BLOCK", 1)
+    monkeypatch.setattr(attention, "_MASKS", {})
+    builds = []
+    real = documents_mod.causal_visible
+    counting = lambda *a: builds.append(a[:2]) or real(*a)   # noqa: E731
+    monkeypatch.setattr(documents_mod, "causal_visible", counting)
+    monkeypatch.setattr(attention, "causal_visible", counting)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 24, 8, dtype=torch.float64) for _ in range(3))
+    docs = Documents(_positions([[0, 10], [0, 4, 15]], 24)) if packed else None
+    state = MicroBatchState(0, 24, 3)
+    for i, (start, end) in enumerate(((0, 5), (5, 18), (18, 24))):
+        builds.clear()
+        with slice_scope(SliceContext(0, i, start, end, state, documents=docs)):
+            for layer in range(3):
+                sliced_causal_attention(*(t[:, :, start:end] for t in (q, k, v)), cache_key=f"layer{layer}", window=3)
+        if i == 1:
+            assert len(builds) == (5 if packed else 2), builds
+
+
 def test_window_one_attends_to_itself_and_a_window_covering_the_sequence_is_causal() -> None:
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 2, 12, 8, dtype=torch.float64) for _ in range(3))
@@ -430,6 +459,31 @@ def _sinks_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: tor
     logits = torch.cat([scores, sinks.view(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[2], 1)], dim=-1)
     logits = logits - logits.max(dim=-1, keepdim=True).values
     return torch.softmax(logits, dim=-1)[..., :-1] @ v
+
+
+@pytest.mark.parametrize("special", ["sinks", "softcap"])
+def test_the_plain_math_keeps_one_copy_of_the_scores_and_never_repeats_keys(special: str) -> None:
+    """A bf16 slice on the plain-math path (an accelerator's path for sinks and softcap, run on the CPU) keeps for
+    backward one (heads, T, keys) tensor of probabilities in bf16 (softcap: and tanh's output), nothing in fp32 of
+    that size, and no key/value tensor repeated to the query heads (8 query heads over 2 key/value heads)."""
+    torch.manual_seed(0)
+    batch, heads, kv_heads, head_dim, length, start = 1, 8, 2, 16, 96, 64
+    q = torch.randn(batch, heads, length - start, head_dim, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(batch, kv_heads, length, head_dim, dtype=torch.bfloat16, requires_grad=True)
+            for _ in range(2))
+    kwargs = {"sinks": torch.randn(heads, requires_grad=True)} if special == "sinks" else {"softcap": 5.0}
+    import ds_terapipe.runtime.slicing.attention as attention
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x) or x, lambda x: x):
+        out = attention._eager(q, k, v, None, start, length, 0, None, kwargs.get("softcap"), kwargs.get("sinks"),
+                               0.0, None)
+    scores = batch * heads * (length - start) * length
+    big = {x.untyped_storage().data_ptr(): (x.dtype, x.numel()) for x in saved if x.numel() >= scores}
+    big = sorted(big.values(), key=str)   # one storage may be kept twice (the softmax's output, the matmul's input)
+    assert big == [(torch.bfloat16, scores)] * (1 if special == "sinks" else 2), big
+    repeated = batch * heads * length * head_dim   # a key/value tensor with a copy per query head
+    assert not any(x.numel() >= repeated and head_dim in x.shape for x in saved), "keys repeated per head"
+    out.float().sum().backward()
 
 
 @pytest.mark.parametrize("blocked", [False, True], ids=["whole", "query-blocks"])

@@ -88,7 +88,9 @@ def _prefix_causal_mask(start: int, end: int, dtype: torch.dtype, device: torch.
     Additive and already in the query dtype: SDPA would otherwise convert a boolean mask on every call, in
     every layer, and keep that copy for backward.
     """
-    key = (start, end, first_key, window, dtype, str(device))
+    # The mask depends on the geometry alone (the rows, where the keys start relative to the first query, the
+    # window): the interior query blocks of a windowed slice, and slices of the same length and offset, share one.
+    key = (end - start, start - first_key, window, dtype, str(device))
     mask = _MASKS.get(key)
     if mask is None:
         if len(_MASKS) > 256:
@@ -125,11 +127,12 @@ def sliced_causal_attention(q: torch.Tensor,
             gradients it carries back land only in those.
         softcap: attention-logit softcapping: the scores (``q @ k^T * scale``) become ``softcap * tanh(scores /
             softcap)`` before the mask and softmax, as ``transformers``' Gemma 2 eager attention; computed as plain
-            tensor math (dense (T, keys) scores per head) instead of SDPA. None: no capping.
+            tensor math (dense (T, keys) scores per head, per query block under a window that hides keys) instead of
+            SDPA. None: no capping.
         sinks: attention sinks, (nh,): head h's logit joins the denominator of every softmax of that head and
             contributes no value (``transformers``' gpt-oss ``s_aux``); the gradient reaches it. Exact on every path:
-            merged into the fused blocks' log-sum-exp on a CPU, plain math (dense (T, keys) scores per head)
-            elsewhere. None: no sinks.
+            merged into the fused blocks' log-sum-exp on a CPU, plain math (dense scores per head, as with
+            ``softcap``) elsewhere. None: no sinks.
 
     Returns:
         (B, nh, T, hs), equal to rows ``[start, end)`` of unsliced causal attention over the whole sequence.
@@ -283,32 +286,73 @@ def _eager(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, docs: "Doc
     """Queries ``[start, end)`` over ``keys``/``values`` ``[first, end)`` as plain tensor math, in the order of
     ``transformers``' eager attention (Gemma 2's with a softcap, gpt-oss' with sinks): scale, cap, add the mask
     (causal, the window, within each document), the sink as one more logit per row, softmax in fp32 (fp64 stays),
-    the sink's column dropped, back to the query dtype, dropout, times the values. Grouped-query k/v heads are
-    repeated to the query heads (head h reads k/v head h // (nh / nkv), as SDPA's ``enable_gqa`` pairs them).
-    Under a window that hides keys, per block of queries (:func:`window_query_blocks`)."""
+    the sink's column dropped, back to the query dtype, dropout, times the values. Head h reads k/v head
+    h // (nh / nkv), as SDPA's ``enable_gqa`` pairs them. Under a window that hides keys, per block of queries
+    (:func:`window_query_blocks`)."""
     if _binds(window, end):
         blocked = _in_query_blocks(lambda qb, kb, vb, q0, q1, k0: _eager(qb, kb, vb, docs, q0, q1, k0, window,
                                                                          softcap, sinks, dropout_p, scale),
                                    q, keys, values, start, end, first, window)
         if blocked is not None:
             return blocked
-    groups = q.shape[1] // keys.shape[1]
-    if groups > 1:
-        keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
-    mask = _visible_mask(q, docs, start, end, first, window)
-    scores = torch.matmul(q, keys.transpose(2, 3)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    batch, heads, tokens, _ = q.shape
+    kv_heads = keys.shape[1]
+    groups = heads // kv_heads
+    # Head h reads k/v head h // groups (as SDPA's enable_gqa pairs them): a k/v head's query heads side by side in
+    # one matmul, so the keys and values are read where they lie, never repeated per query head.
+    grouped = q.reshape(batch, kv_heads, groups * tokens, q.shape[-1])
+    scores = torch.matmul(grouped, keys.transpose(2, 3)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    scores = scores.view(batch, kv_heads, groups, tokens, -1)                 # (B, nkv, groups, T, end - first)
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    scores = scores + mask                                                # (B, nh, T, end - first)
-    dtype = torch.promote_types(q.dtype, torch.float32)
-    if sinks is None:
-        probs = F.softmax(scores, dim=-1, dtype=dtype).to(q.dtype)
-    else:
-        sink = sinks.to(dtype).view(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
-        probs = F.softmax(torch.cat([scores.to(dtype), sink], dim=-1), dim=-1)[..., :-1].to(q.dtype)
+    mask = _visible_mask(q, docs, start, end, first, window)                 # (T, keys) or (B, 1, T, keys)
+    scores = scores + (mask.unsqueeze(1) if mask.dim() == 4 else mask)
+    probs = _EagerSoftmax.apply(scores, None if sinks is None else sinks.view(1, kv_heads, groups, 1, 1))
     if dropout_p > 0.0:
         probs = F.dropout(probs, p=dropout_p)
-    return torch.matmul(probs, values)                                    # (B, nh, T, hs)
+    out = torch.matmul(probs.view(batch, kv_heads, groups * tokens, -1), values)
+    return out.view(batch, heads, tokens, values.shape[-1])                  # (B, nh, T, hs of v)
+
+
+class _EagerSoftmax(torch.autograd.Function):
+    """Softmax over the keys in fp32 (fp64 stays), with an optional sink logit per row that joins the denominator
+    and leaves no column in the output, returned in the scores' dtype. Backward from that output alone (and each
+    row's sink share): autograd's softmax would keep its fp32 output beside the cast copy the values' matmul keeps,
+    three times the scores' bytes in bf16."""
+
+    @staticmethod
+    def forward(ctx, scores: torch.Tensor, sinks: "torch.Tensor | None") -> torch.Tensor:
+        dtype = torch.promote_types(scores.dtype, torch.float32)
+        logits = scores.to(dtype)
+        top = logits.amax(-1, keepdim=True)
+        if sinks is not None:
+            sink = sinks.to(dtype)
+            top = torch.maximum(top, sink)
+        weights = torch.exp(logits - top)
+        total = weights.sum(-1, keepdim=True)
+        share = None
+        if sinks is not None:
+            sink_weight = torch.exp(sink - top)
+            total = total + sink_weight
+            share = sink_weight / total                                        # the sink's probability per row
+        probs = weights.div_(total).to(scores.dtype)
+        ctx.save_for_backward(probs, share)
+        ctx.sinks = None if sinks is None else (sinks.shape, sinks.dtype)
+        return probs
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        probs, share = ctx.saved_tensors
+        dtype = torch.promote_types(probs.dtype, torch.float32)
+        p = probs.to(dtype)
+        weighted = grad.to(dtype) * p
+        row = weighted.sum(-1, keepdim=True)                                   # sum_j grad_j p_j
+        d_scores = (weighted - p * row).to(probs.dtype)
+        d_sinks = None
+        if ctx.sinks is not None and ctx.needs_input_grad[1]:
+            shape, sink_dtype = ctx.sinks
+            d_sinks = (-(share * row)).sum_to_size(shape).to(sink_dtype)       # d p_j / d sink = -p_j p_sink
+        return d_scores, d_sinks
 
 
 def _within_documents(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, docs: "Documents", start: int,

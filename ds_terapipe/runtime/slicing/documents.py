@@ -157,10 +157,18 @@ class Documents:
             visible = (same & causal_visible(start, end, first_key, window, docs.device)).unsqueeze(1)
             mask = torch.zeros(visible.shape, dtype=dtype, device=docs.device).masked_fill(~visible, float("-inf"))
             # one slice at a time: the previous slice's masks are no longer needed (a slice's full and sliding
-            # layers each keep theirs)
-            self._masks = {k: m for k, m in self._masks.items() if k[:2] == (start, end)}
+            # layers, and the query blocks of its windowed layers, each keep theirs)
+            ctx = current_slice()
+            if ctx is not None:
+                self._masks = {k: m for k, m in self._masks.items() if ctx.start <= k[0] and k[1] <= ctx.end}
+            elif len(self._masks) >= _UNSLICED_MASKS:
+                self._masks.clear()
             self._masks[key] = mask
         return mask
+
+
+#: Masks kept outside a slice context (an unsliced forward over packed rows: its layers and query blocks).
+_UNSLICED_MASKS = 64
 
 
 def causal_visible(start: int, end: int, first_key: int, window: Optional[int], device: torch.device
