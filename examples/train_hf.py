@@ -29,12 +29,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_gpt import load_documents, parse_training_args, start, train, training_parser  # noqa: E402
 
 
-def arch_settings(arch: str, args: argparse.Namespace, intermediate: int) -> dict[str, Any]:
+def arch_settings(arch: str, args: argparse.Namespace, intermediate: int, seq_len: int) -> dict[str, Any]:
     """What ``arch`` needs beyond the size options so that the token pipeline runs it exactly and the small shapes
     hold: a few small experts (the defaults have up to 256 experts, each as wide as a dense MLP), and latent attention
     (DeepSeek, Youtu, MiniCPM3, ...) sized to the heads (its keys and values have every head: num_key_value_heads is
     the head count). Sliding windows, softcapping (Gemma 2) and attention sinks (gpt-oss) stay as the architecture
-    sets them."""
+    sets them; Llama 4's attention chunks (8192 tokens by default, longer than the example's rows) are a quarter of
+    the sequence, so its chunked layers attend in chunks."""
     experts = {"num_experts_per_tok": 2}
     small = {"moe_intermediate_size": intermediate // 2}
     head_dim = args.hidden // args.heads
@@ -83,6 +84,8 @@ def arch_settings(arch: str, args: argparse.Namespace, intermediate: int) -> dic
         "hy_v3": {**experts, "num_experts": 4, **small},
         "mellum": {**experts, "num_local_experts": 4, **small},
         "kolibri1": {**experts, "num_local_experts": 4, **small, "shared_expert_intermediate_size": intermediate},
+        "llama4_text": {**experts, "num_local_experts": 4, "intermediate_size_mlp": intermediate,
+                        "attention_chunk_size": max(1, seq_len // 4)},
     }.get(arch, {})
 
 
@@ -107,7 +110,7 @@ def model_config(args: argparse.Namespace, vocab: int, seq_len: int) -> transfor
                                        n_positions=seq_len, bos_token_id=0, eos_token_id=0)
     config_class = transformers.CONFIG_MAPPING[args.arch]
     intermediate = int(8 * args.hidden / 3) // 8 * 8
-    extra = arch_settings(args.arch, args, intermediate)
+    extra = arch_settings(args.arch, args, intermediate, seq_len)
     if "head_dim" in getattr(config_class, "__dataclass_fields__", {}):  # a fixed default (Gemma: 256) otherwise
         extra.setdefault("head_dim", args.hidden // args.heads)
     # pad_token_id None: byte-level text has no padding, and a padding row's embedding would never train

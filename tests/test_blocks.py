@@ -223,14 +223,20 @@ def _force_accelerator_paths(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _sliced_outputs_and_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor,
-                              slices: list[int], positions: torch.Tensor | None, **kwargs) -> list[torch.Tensor]:
+                              slices: list[int], positions: torch.Tensor | None, arriving: bool = False,
+                              **kwargs) -> list[torch.Tensor]:
     """Sliced attention over ``slices`` (forward in order, backward later slices first, as a stage runs them):
-    the output and the gradients of q, k, v, each concatenated over the slices."""
+    the output and the gradients of q, k, v, each concatenated over the slices. ``arriving``: packed rows' positions
+    written slice by slice, as a stage after the first learns them."""
     bounds = [sum(slices[:i]) for i in range(len(slices) + 1)]
     state = MicroBatchState(0, q.shape[2], len(slices))
     docs = None if positions is None else Documents(positions)
+    if positions is not None and arriving:
+        docs = Documents.empty(*positions.shape, positions.device)
     pieces, outs = [], []
     for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        if positions is not None and arriving:
+            docs.write(a, positions[:, a:b])
         piece = [t[:, :, a:b].detach().requires_grad_() for t in (q, k, v)]
         with slice_scope(SliceContext(0, i, a, b, state, documents=docs)):
             outs.append(sliced_causal_attention(*piece, cache_key="attn", **kwargs))
@@ -599,3 +605,128 @@ def test_values_of_another_width_than_keys_slice_exactly(special: str | None, wi
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, (ref.detach(), *ref_grads)):
         err = float((a - b).abs().max() / b.abs().max())
         assert err < TOL[torch.float64], f"{name}: rel err {err:.2e}"
+
+
+# -- chunked attention (Llama 4) --------------------------------------------------------------------------------
+def _chunked_visible(length: int, chunk: int, positions: torch.Tensor | None) -> torch.Tensor:
+    """(B or 1, 1, L, L) transformers' chunked causal mask (``kv_idx <= q_idx`` and ``kv_idx // chunk == q_idx //
+    chunk``; for packed rows on the position ids, within each document): the reference, built apart from the code
+    under test."""
+    query, key = torch.arange(length)[:, None], torch.arange(length)[None, :]
+    if positions is None:
+        return ((key <= query) & (key // chunk == query // chunk))[None, None]
+    ids, chunks = (positions == 0).cumsum(dim=1), positions // chunk
+    same = (ids[:, :, None] == ids[:, None, :]) & (chunks[:, :, None] == chunks[:, None, :])
+    return ((key <= query)[None] & same)[:, None]
+
+
+CHUNK_ROWS = {"one document": None, "packed": [[0, 6, 15], [0, 10]], "packed, arriving": [[0, 6, 15], [0, 10]]}
+
+
+@pytest.mark.parametrize("path", ["cpu", "accelerator"])
+@pytest.mark.parametrize("rows", list(CHUNK_ROWS))
+@pytest.mark.parametrize("chunk", [1, 4, 7, 24, 40])
+@pytest.mark.parametrize("slicing", list(WINDOW_SLICINGS))
+def test_chunked_sliced_attention_equals_sdpa_under_the_chunked_mask(slicing: str, chunk: int, rows: str, path: str,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sliced attention with ``chunk`` (slices forward in order, backward later slices first) against one SDPA call
+    under the dense chunked mask, fp64: output and the gradients of q, k, v. Chunks of one token, shorter and longer
+    than the slices, as long as the sequence and beyond it; grouped-query heads; rows of one document (chunks from
+    the row's start) and packed rows (chunks from each document's start), their positions known up front (the first
+    stage) or arriving slice by slice (a later stage); the CPU's fused blocks and the accelerator's one SDPA call per
+    block, each taken by every slice wherever a chunk boundary falls inside the sequence."""
+    import ds_terapipe.runtime.slicing.attention as attention
+    monkeypatch.setattr(blocks_mod, "MIN_PREFIX_TOKENS", 0)
+    if path == "accelerator":
+        _force_accelerator_paths(monkeypatch)
+    calls = []
+    fused, per_block = attention.block_attention, attention.sdpa_blocks
+    monkeypatch.setattr(attention, "block_attention", lambda *a: calls.append("fused") or fused(*a))
+    monkeypatch.setattr(attention, "sdpa_blocks", lambda *a: calls.append("per block") or per_block(*a))
+    torch.manual_seed(chunk)
+    batch, heads, kv_heads, head_dim, length = 2, 4, 2, 8, 24
+    q = torch.randn(batch, heads, length, head_dim, dtype=torch.float64)
+    k, v = (torch.randn(batch, kv_heads, length, head_dim, dtype=torch.float64) for _ in range(2))
+    grad = torch.randn(batch, length, heads, head_dim, dtype=torch.float64).transpose(1, 2)
+    positions = None if CHUNK_ROWS[rows] is None else _positions(CHUNK_ROWS[rows], length)
+    ref_in = [t.detach().requires_grad_() for t in (q, k, v)]
+    ref = _dense(*ref_in, _chunked_visible(length, chunk, positions))
+    ref_grads = torch.autograd.grad(ref, ref_in, grad)
+
+    slices = WINDOW_SLICINGS[slicing]
+    got = _sliced_outputs_and_grads(q, k, v, grad, slices, positions, arriving=rows.endswith("arriving"), chunk=chunk)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, (ref.detach(), *ref_grads)):
+        # relative to the reference's size, absolute below 1 (a chunk of one key has dq = 0: rounding alone)
+        err = float((a - b).abs().max() / max(float(b.abs().max()), 1.0))
+        assert err < TOL[torch.float64], f"{name}: err {err:.2e} (chunk {chunk}, slices {slices}, {rows})"
+    if chunk < length:
+        assert calls == [{"cpu": "fused", "accelerator": "per block"}[path]] * len(slices), calls
+
+
+def test_a_chunked_slice_reads_and_carries_back_only_the_rows_of_its_chunk() -> None:
+    """Chunks of 7, slices [0, 8), [8, 16), [16, 24): slice [8, 16) needs the keys [7, 16), slice [16, 24) the keys
+    [14, 24) (its first query's chunk starts at 14); neither saves a longer view of the buffers, and the last slice's
+    backward (the first, so the gradient buffers hold its part alone) writes nothing into rows [0, 14)."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 24, 8) for _ in range(3))
+    state = MicroBatchState(0, 24, 3)
+    outs = []
+    for i, start in enumerate((0, 8, 16)):
+        saved = []
+        piece = [t[:, :, start:start + 8].detach().requires_grad_() for t in (q, k, v)]
+        hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t)
+        with hooks, slice_scope(SliceContext(0, i, start, start + 8, state)):
+            outs.append(sliced_causal_attention(*piece, cache_key="attn", chunk=7))
+        keys = {1: 9, 2: 10}.get(i)
+        if keys is not None:
+            assert (1, 2, keys, 8) in saved and not any(s[2] > keys for s in saved if len(s) == 4), (i, saved)
+    outs[2].sum().backward()
+    (bufs,) = state.kv.values()
+    for grad in (bufs.grad_k, bufs.grad_v):
+        assert not grad[:, :, :14].any() and grad[:, :, 14:16].abs().sum() > 0
+
+
+@pytest.mark.parametrize("path", ["cpu", "accelerator"])
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("special", ["window", "softcap", "sinks"])
+def test_chunks_combine_exactly_with_a_window_a_softcap_and_sinks(special: str, packed: bool, path: str,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks of 7 with a window of 3, a softcap of 2 or sinks (slices [1, 9, 3, 6, 5]; each within the chunks, as
+    within documents) against the dense references of the window, Gemma 2 and gpt-oss tests under the chunked mask,
+    fp64: the output and the gradients of q, k, v (and of the sinks)."""
+    if path == "accelerator":
+        _force_accelerator_paths(monkeypatch)
+    torch.manual_seed(7)
+    batch, heads, kv_heads, head_dim, length, chunk = 2, 4, 2, 8, 24, 7
+    q = torch.randn(batch, heads, length, head_dim, dtype=torch.float64) * 2
+    k, v = (torch.randn(batch, kv_heads, length, head_dim, dtype=torch.float64) for _ in range(2))
+    sinks = torch.randn(heads, dtype=torch.float64) * 2
+    grad = torch.randn(batch, length, heads, head_dim, dtype=torch.float64).transpose(1, 2)
+    positions = _positions([[0, 6, 15], [0, 10]], length) if packed else None
+    visible = _chunked_visible(length, chunk, positions)
+    kwargs: dict = {"chunk": chunk}
+    ref_in = [t.detach().requires_grad_() for t in (q, k, v, sinks)]
+    if special == "window":
+        kwargs["window"] = 3
+        ref = _dense(*ref_in[:3], visible & _sliding_visible(length, 3, None))
+    elif special == "softcap":
+        kwargs["softcap"] = 2.0
+        ref = _softcapped_dense(*ref_in[:3], visible, 2.0)
+    else:
+        kwargs["sinks"] = sinks.detach().requires_grad_()
+        ref = _sinks_dense(*ref_in[:3], visible, ref_in[3])
+    wanted = ref_in if special == "sinks" else ref_in[:3]
+    ref_grads = torch.autograd.grad(ref, wanted, grad)
+    got = _sliced_outputs_and_grads(q, k, v, grad, WINDOW_SLICINGS["uneven"], positions, **kwargs)
+    if special == "sinks":
+        got.append(kwargs["sinks"].grad)
+    for name, a, b in zip(("out", "dq", "dk", "dv", "dsinks"), got, (ref.detach(), *ref_grads)):
+        err = float((a - b).abs().max() / b.abs().max())
+        assert err < TOL[torch.float64], f"{name}: rel err {err:.2e} ({special}, packed {packed})"
+
+
+@pytest.mark.parametrize("chunk", [0, -3, 2.5, True, "8"])
+def test_a_chunk_that_is_no_positive_int_is_refused(chunk) -> None:
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match=f"chunk={chunk!r}; chunked attention takes a positive int"):
+        sliced_causal_attention(q, q, q, cache_key="a", chunk=chunk)

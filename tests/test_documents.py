@@ -180,17 +180,26 @@ def test_slices_of_a_row_must_arrive_in_order_without_overlap() -> None:
     assert torch.equal(docs.positions, positions)
 
 
-def test_hugging_face_llama_sliced_packed_equals_transformers_packed_forward() -> None:
+@pytest.mark.parametrize("arch", ["llama", "llama4_text"])
+def test_hugging_face_llama_sliced_packed_equals_transformers_packed_forward(arch: str) -> None:
     """The Hugging Face layers (Llama, grouped-query attention, rotary) over packed rows, sliced, against
     ``transformers``' own packed forward (``position_ids`` that restart, no attention mask, no cache):
-    logits and every gradient."""
+    logits and every gradient. Llama 4: a chunked layer (chunks of 5 from each document's start, as its mask cuts
+    packed rows) and a NoPE layer whose temperature tuning scales queries by their index in the row (transformers'
+    ``arange``, not the position ids)."""
     transformers = pytest.importorskip("transformers")
     from deepspeed.pipe import TiedLayerSpec
 
     from ds_terapipe.models.hf import causal_lm_loss, causal_lm_specs, hf_param_name
 
-    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+    sizes = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+    if arch == "llama":
+        cfg = transformers.LlamaConfig(**sizes)
+    else:
+        cfg = transformers.Llama4TextConfig(**sizes, head_dim=16, attention_chunk_size=5, no_rope_layers=[1, 0],
+                                            floor_scale=2, attn_scale=0.5, num_local_experts=4, num_experts_per_tok=2,
+                                            pad_token_id=0)
     layers, tied, named = [], {}, {}
     for index, spec in enumerate(causal_lm_specs(cfg, seed=5)):
         if isinstance(spec, TiedLayerSpec):
@@ -202,7 +211,7 @@ def test_hugging_face_llama_sliced_packed_equals_transformers_packed_forward() -
             layers.append(module)
         named.update({f"{prefix}.{n}": p for n, p in module.named_parameters()})
     cfg._attn_implementation = "sdpa"
-    reference = transformers.LlamaForCausalLM(cfg)
+    reference = (transformers.LlamaForCausalLM if arch == "llama" else transformers.Llama4ForCausalLM)(cfg)
     reference.load_state_dict({hf_param_name(n, cfg): p.detach() for n, p in named.items()}, strict=True)
     gen = torch.Generator().manual_seed(3)
     ids, labels = torch.randint(0, 128, (2, 20), generator=gen), torch.randint(0, 128, (2, 20), generator=gen)

@@ -277,6 +277,16 @@ OTHER_ARCHS = {
     "qwen2_moe-window": ("Qwen2MoeConfig", dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
                                                 moe_intermediate_size=32, shared_expert_intermediate_size=48,
                                                 use_sliding_window=True, sliding_window=5, max_window_layers=3)),
+    # Llama 4: chunked attention (chunks of 5 over 16 tokens) on its RoPE layers 0 and 2, a NoPE full-attention layer
+    # 1 with temperature tuning that moves every few tokens (floor_scale 2), query/key L2 norms, llama3 rotary; a
+    # shared expert plus 4 experts under a sigmoid top-2 router on layers 0 and 2, a dense MLP on layer 1.
+    "llama4_text": ("Llama4TextConfig", dict(num_key_value_heads=2, head_dim=16, attention_chunk_size=5,
+                                             no_rope_layers=[1, 0, 1], attn_temperature_tuning=True, floor_scale=2,
+                                             attn_scale=0.5, num_local_experts=4, num_experts_per_tok=2,
+                                             moe_layers=[0, 2], intermediate_size_mlp=96, rope_parameters={
+                                                 "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8,
+                                                 "rope_theta": 5e5})),
 }
 # the model types listed by name above, from "hunyuan_v1_moe" on
 NEW_ARCHS = list(OTHER_ARCHS)[list(OTHER_ARCHS).index("hunyuan_v1_moe"):list(OTHER_ARCHS).index("mistral-window")]
@@ -297,7 +307,7 @@ MODEL_CLASSES = {"gpt2": "GPT2LMHeadModel", "llama-tied": "LlamaForCausalLM", "l
                  "granitemoe": "GraniteMoeForCausalLM", "granitemoeshared": "GraniteMoeSharedForCausalLM",
                  "gpt_oss": "GptOssForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
                  "deepseek_v2": "DeepseekV2ForCausalLM"}
-MODEL_CLASSES.update({arch: CAUSAL_LM_CLASSES[arch] for arch in NEW_ARCHS})
+MODEL_CLASSES.update({arch: CAUSAL_LM_CLASSES[arch] for arch in (*NEW_ARCHS, "llama4_text")})
 MODEL_CLASSES.update({arch: MODEL_CLASSES[arch.split("-")[0]] for arch in OTHER_ARCHS if "-" in arch})
 
 
@@ -480,7 +490,8 @@ def test_grouped_query_cache_holds_only_kv_heads() -> None:
                                                  *((arch, None, torch.float32) for arch in (
                                                      "mistral", "qwen2", "gemma2", "gemma3", "phi3", "olmo",
                                                      "olmo2", "granite", "smollm3", "stablelm", "starcoder2",
-                                                     "qwen3_moe", "gpt_oss", "deepseek_v3", *NEW_ARCHS))])
+                                                     "qwen3_moe", "gpt_oss", "deepseek_v3", *NEW_ARCHS,
+                                                     "llama4_text"))])
 def test_local_directory_loads_each_layer_from_safetensors(arch: str, shard, dtype, tmp_path) -> None:
     """A save_pretrained directory (one file, or sharded with an index): every layer reads its own tensors,
     in config.json's dtype; weights and outputs equal the saved model's. GPT-NeoX's and the mixture-of-experts
@@ -517,7 +528,7 @@ def test_a_converted_checkpoint_without_architectures_in_its_config_loads_throug
                                   "hunyuan_v1_dense", "cohere2", "qwen2_moe", "granitemoe", "granitemoeshared",
                                   "mistral", "qwen2", "qwen3", "cohere", "gemma2", "gemma3", "phi3", "olmo", "olmo2",
                                   "granite", "smollm3", "stablelm", "starcoder2", "qwen3_moe", "gpt_oss",
-                                  "deepseek_v3", "deepseek_v2", *NEW_ARCHS])
+                                  "deepseek_v3", "deepseek_v2", *NEW_ARCHS, "llama4_text"])
 def test_exported_pipeline_weights_load_into_transformers(arch: str) -> None:
     """export_state_dict's layout ("<layer>.<param>", a tied layer under each index that uses it) maps back to
     the transformers model: strict load, same weights."""
@@ -606,10 +617,14 @@ def run_sliced_forward_only(layers: list, ids: torch.Tensor, slices: list[int]):
      "AttentionInterface"),
     (lambda: transformers.Lfm2Config(**COMMON), "'lfm2' is not supported by ds_terapipe.models.hf (",
      "convolution layers carry a state along the sequence"),
-    (lambda: transformers.Llama4TextConfig(**COMMON), "'llama4_text' is not supported", "chunked attention"),
     (lambda: transformers.DeepseekV32Config(**COMMON), "'deepseek_v32' is not supported", "top index_topk keys"),
     (lambda: transformers.GlmMoeDsaConfig(**COMMON), "'glm_moe_dsa' is not supported", "top index_topk keys"),
     (lambda: transformers.ZayaConfig(**COMMON), "'zaya' is not supported", "carry a state along the sequence"),
+    (lambda: transformers.Llama4TextConfig(**COMMON, layer_types=["sliding_attention"] + ["full_attention"] * 2),
+     "other attention types (sliding_attention) are not supported", "'full_attention' or 'chunked_attention'"),
+    (lambda: transformers.Llama4TextConfig(**COMMON, attention_chunk_size=None,
+                                           layer_types=["chunked_attention"] + ["full_attention"] * 2),
+     "1 of 3 layers use chunked attention but attention_chunk_size=None", "make those layers 'full_attention'"),
 ])
 def test_unsupported_features_are_refused_when_building(make, feature: str, fix: str) -> None:
     with pytest.raises(UnsupportedModelError) as err:
@@ -668,7 +683,9 @@ def test_masks_and_headless_models_are_refused() -> None:
 def test_each_family_slides_the_layers_its_model_masks_slide() -> None:
     """The ``_FAMILIES`` table says which layers get ``config.sliding_window``: none, every layer (the *Model builds
     one sliding mask when it is set), or the 'sliding_attention' entries of ``layer_types`` (one mask per type);
-    transformers' modeling code must say the same."""
+    which get ``config.attention_chunk_size`` (the 'chunked_attention' entries: Llama 4); and whose attention reads
+    its position offset from the cache (Llama 4's temperature tuning): transformers' modeling code must say the
+    same."""
     import inspect
 
     from ds_terapipe.models.hf import _FAMILIES, _modeling
@@ -677,7 +694,29 @@ def test_each_family_slides_the_layers_its_model_masks_slide() -> None:
         source = inspect.getsource(_modeling(family))
         assert ("create_sliding_window_causal_mask" in source) == (family.window is not None), model_type
         by_type = re.search(r"config\.layer_types\[(i|layer_idx)\]", source) is not None   # a mask per layer type
-        assert by_type == (family.window == "layer_types"), model_type
+        assert by_type == (family.window == "layer_types" or family.chunked), model_type
+        assert ("create_chunked_causal_mask" in source) == family.chunked, model_type
+        assert ("get_seq_length(self.layer_idx)" in source) == family.offset_cache, model_type
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_chunk_rule_is_transformers_own(packed: bool) -> None:
+    """The chunked attention the sliced attention runs (``chunked_documents``: chunks as documents) equals the mask
+    ``transformers``' Llama 4 builds for its chunked layers, key by key: chunks of 5 from the row's start, and for
+    packed rows (position ids restarting) from each document's start, within it."""
+    from transformers.masking_utils import create_chunked_causal_mask
+
+    from ds_terapipe.runtime.slicing.documents import Documents, chunked_documents
+
+    config = transformers.Llama4TextConfig(**COMMON, attention_chunk_size=5)
+    config._attn_implementation = "sdpa"
+    positions = torch.tensor([list(range(7)) + list(range(13)), list(range(12)) + list(range(8))]) if packed \
+        else torch.arange(20).expand(2, -1)
+    theirs = create_chunked_causal_mask(config, torch.zeros(2, 20, 8), None, None, position_ids=positions,
+                                        allow_is_causal_skip=False)                     # (B, 1, L, L) booleans
+    docs = chunked_documents(Documents(positions) if packed else None, 5, 2, 20, torch.device("cpu"))
+    ours = docs.mask(0, 20, torch.float32) == 0
+    assert torch.equal(ours.expand_as(theirs), theirs), (ours.int(), theirs.int())
 
 
 def test_the_window_bound_is_transformers_own() -> None:
@@ -711,6 +750,20 @@ def test_an_attention_call_whose_window_disagrees_with_the_mask_is_refused() -> 
     visible = torch.ones(6, 6, dtype=torch.bool).tril() & ~torch.ones(6, 6, dtype=torch.bool).tril(-2)
     want = F.scaled_dot_product_attention(q, q, q, attn_mask=visible).transpose(1, 2)
     torch.testing.assert_close(terapipe_attention(torch.nn.Module(), q, q, q, None, sliding_window=2)[0], want)
+
+
+def test_a_whole_llama4_routed_to_the_sliced_attention_attends_in_chunks() -> None:
+    """Llama 4 run whole (not as pipeline layers) with its attention routed to ds_terapipe: outside the pipeline's
+    decoder layers each chunked layer takes its chunk from its own config and layer index, so the logits equal the
+    eager model's (whose mask cuts the chunks)."""
+    model = hf_model("llama4_text")
+    config = copy.deepcopy(model.config)
+    config._attn_implementation = "ds_terapipe"
+    routed = transformers.Llama4ForCausalLM(config).eval()
+    routed.load_state_dict(model.state_dict())
+    ids = make_batches()[0][0]
+    with torch.no_grad():
+        assert rel_err(routed(input_ids=ids).logits, model(input_ids=ids).logits) <= TOL
 
 
 @pytest.mark.multiproc

@@ -21,7 +21,8 @@ head's bias, logit scale (Granite, Cohere, HyperCLOVA X) and final-logit softcap
 tables (Gemma 3, OLMo 3), a rotary base per layer and layers without rotary (Granite SWA, Cohere Compass), and each
 layer's sliding window: the one the model's own mask gives that layer (``sliding_window`` on every layer of Mistral,
 Mixtral, Phi-3, ...; on the ``'sliding_attention'`` layers of ``layer_types`` in Gemma 2/3, Qwen, OLMo 3, Cohere 2,
-...), handed to :func:`~ds_terapipe.sliced_causal_attention` as ``window``. Attention-logit softcapping (Gemma 2's
+...), handed to :func:`~ds_terapipe.sliced_causal_attention` as ``window``, and Llama 4's chunk
+(``attention_chunk_size`` on the ``'chunked_attention'`` layers) as ``chunk``. Attention-logit softcapping (Gemma 2's
 ``attn_logit_softcapping``) goes to it as ``softcap``, and attention sinks (the ``s_aux`` gpt-oss', Granite SWA's and
 MiMo-V2-Flash's attention passes) as ``sinks``. Latent attention (DeepSeek, Youtu, MiniCPM3, ...) hands over keys wider
 than its values (``qk_nope_head_dim + qk_rope_head_dim`` vs ``v_head_dim``), which the sliced attention and its KV
@@ -31,9 +32,9 @@ Features whose result would depend on the slicing, or that the token pipeline ca
 the specs are built (:class:`UnsupportedModelError`, naming the feature and the fix): cross-attention and
 encoder-decoder models, bidirectional (non-causal) attention, rotary scalings that depend on the sequence length
 seen (``dynamic``, ``longrope``), a mixture-of-experts load-balancing loss (``output_router_logits``), layer types
-other than full and sliding attention, architectures outside
+other than full, sliding (and, for Llama 4, chunked) attention, architectures outside
 :data:`SUPPORTED_MODEL_TYPES` (Bloom's and Falcon's attention bypasses ``AttentionInterface``, hybrids' recurrent
-or convolution layers carry state along the sequence, Llama 4 attends in chunks, DeepSeek-V3.2's sparse attention
+or convolution layers carry state along the sequence, DeepSeek-V3.2's sparse attention
 picks its keys inside the layer: the refusal says so).
 Attention masks (padding) are data, so they are refused at the first forward that carries one.
 """
@@ -187,6 +188,12 @@ def _family(config: PretrainedConfig) -> _Family:
     """``config``'s family, with the fields that depend on the config (``_Family.by_config``) resolved."""
     family = _FAMILIES[config.model_type]
     return family if family.by_config is None else dataclasses.replace(family, **family.by_config(config))
+    # The *Model gives the "chunked_attention" entries of config.layer_types config.attention_chunk_size
+    # (create_chunked_causal_mask: Llama 4); the others are "full_attention".
+    chunked: bool = False
+    # The attention reads how many tokens precede the call from its cache's get_seq_length() (Llama 4's temperature
+    # tuning on NoPE layers): each layer is handed a _SliceOffset, which answers the slice's offset and holds nothing.
+    offset_cache: bool = False
 
 
 def _llama_like(module: str, prefix: str, **quirks: Any) -> _Family:
@@ -298,6 +305,7 @@ _FAMILIES: dict[str, _Family] = {
     "cohere_compass_text": _llama_like("cohere_compass", "CohereCompass", final_norm="CohereCompassLayerNorm",
                                        norm_eps="layer_norm_eps", window=_LAYER_TYPES,
                                        layer_rotary=_rotary_unless_nope),
+    "llama4_text": _llama_like("llama4", "Llama4Text", chunked=True, offset_cache=True),
 }
 
 # Architectures transformers has as causal LMs that cannot be routed here, and why (the generic refusal otherwise).
@@ -306,8 +314,6 @@ _UNROUTABLE = {
              "transformers' AttentionInterface, so its layers cannot attend over the earlier slices' keys",
     "falcon": "FalconAttention calls SDPA or its eager ALiBi path itself, not transformers' AttentionInterface, "
               "so its layers cannot attend over the earlier slices' keys",
-    "llama4_text": "Llama 4's chunked attention (a query sees the keys of its own attention_chunk_size block only) "
-                   "is not a causal or sliding-window mask the sliced attention takes",
     "modernbert-decoder": "its embedding module normalises the token embeddings itself and its head runs a dense "
                           "layer, an activation and a LayerNorm before the vocabulary projection, not the "
                           "embedding, final norm and LM head the pipeline builds",
@@ -357,47 +363,85 @@ def _modeling(family: _Family) -> Any:
     return importlib.import_module(f"transformers.models.{family.module}.modeling_{family.module}")
 
 
+def _layers_of_type(config: PretrainedConfig, kind: str) -> list[bool]:
+    """Which decoder layers ``config.layer_types`` makes ``kind`` (the others are 'full_attention'); or
+    :class:`UnsupportedModelError` for any other layer type."""
+    num_layers = config.num_hidden_layers
+    layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * num_layers)
+    unknown = sorted(set(layer_types) - {"full_attention", kind})
+    if unknown or len(layer_types) != num_layers:
+        raise UnsupportedModelError(f"{config.model_type}: layer_types={layer_types} must name each of the "
+                                    f"{num_layers} layers 'full_attention' or '{kind}'; other "
+                                    f"attention types ({', '.join(unknown) or 'none'}) are not supported")
+    return [layer_type == kind for layer_type in layer_types]
+
+
+def _sized(config: PretrainedConfig, layers: list[bool], attr: str, what: str, noun: str,
+           meaning: str) -> list[int | None]:
+    """``config.<attr>`` for the ``layers`` that use it, None for the others; :class:`UnsupportedModelError` when
+    some use it and it is no positive int."""
+    size = getattr(config, attr, None)
+    if any(layers) and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+        raise UnsupportedModelError(f"{config.model_type}: {sum(layers)} of {len(layers)} layers use {what} "
+                                    f"attention but {attr}={size!r}; set {attr} to the {noun} (a "
+                                    f"positive int: {meaning}) or make those layers 'full_attention'")
+    return [size if used else None for used in layers]
+
+
 def _layer_windows(config: PretrainedConfig, family: _Family) -> list[int | None]:
     """Each decoder layer's sliding window as the model's own mask gives it (``create_sliding_window_causal_mask``:
     ``config.sliding_window`` for the layers it covers), None for full causal attention; or
     :class:`UnsupportedModelError` for layer types this module does not know, or sliding layers without a window."""
-    num_layers = config.num_hidden_layers
-    window = getattr(config, "sliding_window", None)
     if family.window is None:
-        return [None] * num_layers
+        return [None] * config.num_hidden_layers
     if family.window == _EVERY_LAYER:
-        sliding = [window is not None] * num_layers
+        sliding = [getattr(config, "sliding_window", None) is not None] * config.num_hidden_layers
     else:
-        layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * num_layers)
-        unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
-        if unknown or len(layer_types) != num_layers:
-            raise UnsupportedModelError(f"{config.model_type}: layer_types={layer_types} must name each of the "
-                                        f"{num_layers} layers 'full_attention' or 'sliding_attention'; other "
-                                        f"attention types ({', '.join(unknown) or 'none'}) are not supported")
-        sliding = [kind == "sliding_attention" for kind in layer_types]
-    if any(sliding) and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-        raise UnsupportedModelError(f"{config.model_type}: {sum(sliding)} of {num_layers} layers use sliding-window "
-                                    f"attention but sliding_window={window!r}; set sliding_window to the window (a "
-                                    "positive int: the keys a query sees, itself included) or make those layers "
-                                    "'full_attention'")
-    return [window if slides else None for slides in sliding]
+        sliding = _layers_of_type(config, "sliding_attention")
+    return _sized(config, sliding, "sliding_window", "sliding-window", "window",
+                  "the keys a query sees, itself included")
 
 
-# The running decoder layer's window (HFDecoderLayer sets it around transformers' layer, which calls
-# terapipe_attention): the model's mask, not the attention call's ``sliding_window`` argument, decides it (some
-# layers pass none, Qwen2-MoE's).
+def _layer_chunks(config: PretrainedConfig, family: _Family) -> list[int | None]:
+    """Each decoder layer's attention chunk as the model's own mask gives it (``create_chunked_causal_mask``:
+    ``config.attention_chunk_size`` on the ``'chunked_attention'`` layers of ``layer_types``), None for full causal
+    attention; or :class:`UnsupportedModelError` for other layer types, or chunked layers without a chunk size."""
+    if not family.chunked:
+        return [None] * config.num_hidden_layers
+    return _sized(config, _layers_of_type(config, "chunked_attention"), "attention_chunk_size", "chunked", "chunk",
+                  "the tokens of a chunk")
+
+
+# The running decoder layer's window and chunk (HFDecoderLayer sets them around transformers' layer, which calls
+# terapipe_attention): the model's mask, not the attention call's ``sliding_window`` argument, decides them (some
+# layers pass none, Qwen2-MoE's; none passes a chunk).
 _LAYER = threading.local()
 _UNSET = object()
 
 
 @contextmanager
-def _layer_window(window: int | None) -> Iterator[None]:
-    previous = getattr(_LAYER, "window", _UNSET)
-    _LAYER.window = window
+def _layer_window(window: int | None, chunk: int | None = None) -> Iterator[None]:
+    previous = getattr(_LAYER, "window", _UNSET), getattr(_LAYER, "chunk", None)
+    _LAYER.window, _LAYER.chunk = window, chunk
     try:
         yield
     finally:
-        _LAYER.window = previous
+        _LAYER.window, _LAYER.chunk = previous
+
+
+class _SliceOffset:
+    """What Llama 4's attention asks of its cache, answered for the running slice: ``get_seq_length()`` is how many
+    tokens of the row precede this call's (``token_offset()``: the slice's start, its share's under sequence
+    parallelism; 0 outside a pipeline), so the temperature tuning of its NoPE layers scales each query by its true
+    position, as the unsliced model's ``arange(T)`` does; ``update`` keeps nothing (the slice's own KV buffers
+    carry the keys)."""
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return token_offset()
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return key, value
 
 
 # -- the attention function ------------------------------------------------------------------------------------
@@ -414,9 +458,9 @@ def terapipe_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor
             "feed full-length sequences without padding (pack documents, as pretraining does) and call the "
             "layers without attention_mask")
     given = kwargs.get("sliding_window")
-    window = getattr(_LAYER, "window", _UNSET)
-    if window is _UNSET:   # called outside the pipeline's decoder layers: the layer's own argument
-        window = given
+    window, chunk = getattr(_LAYER, "window", _UNSET), getattr(_LAYER, "chunk", None)
+    if window is _UNSET:   # called outside the pipeline's decoder layers: the layer's own argument and chunk
+        window, chunk = given, _own_chunk(module)
     elif given is not None and given != window:
         raise UnsupportedModelError(f"ds_terapipe attention: {type(module).__name__} passes sliding_window={given} "
                                     f"but the model's mask gives this layer window={window}; the pipeline follows "
@@ -429,12 +473,25 @@ def terapipe_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor
     # Softcapped scores (Gemma 2) take the plain-math path, in transformers' eager order; so do attention sinks
     # (gpt-oss passes its per-head logits as s_aux) except on the CPU's fused blocks. Keys wider than values
     # (DeepSeek's latent attention: qk_nope + qk_rope vs v_head_dim) pass as they are: SDPA and the cache take both.
+    # Llama 4's chunked layers attend within their chunks (the chunk the layer's mask gives, as the window).
     out = sliced_causal_attention(query, key, value, cache_key=module, dropout_p=dropout, scale=scaling,
-                                  window=window, softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux"))
+                                  window=window, softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux"),
+                                  chunk=chunk)
     return out.transpose(1, 2), None  # (B, T, nh, hs)
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, terapipe_attention)
+
+
+def _own_chunk(module: nn.Module) -> int | None:
+    """The chunk the model's mask gives the layer of ``module`` (Llama 4's attention holds its config and layer
+    index), for a call outside the pipeline's decoder layers (a whole model run with the attention routed here); None
+    for attention of other families."""
+    config, index = getattr(module, "config", None), getattr(module, "layer_idx", None)
+    family = _FAMILIES.get(getattr(config, "model_type", None))
+    if family is None or not family.chunked or not isinstance(index, int):
+        return None
+    return _layer_chunks(config, family)[index]
 
 
 # -- refusals --------------------------------------------------------------------------------------------------
@@ -457,6 +514,7 @@ def _check_config(config: PretrainedConfig) -> _Family:
                                     "LayerSpecs with ds_terapipe.sliced_causal_attention, see README)")
     family = _family(config)
     _layer_windows(config, family)  # refuses layer types it does not know, sliding layers without a window
+    _layer_chunks(config, family)   # and chunked layers without a chunk
     if family.rotary is not None:
         rope = getattr(config, "rope_parameters", None) or {}
         tables: list[Mapping] = []
@@ -684,20 +742,23 @@ class HFDecoderLayer(nn.Module):
         if self.rotary is not None and "layer_type" in inspect.signature(self.rotary.forward).parameters:
             self.rotary_kwargs["layer_type"] = config.layer_types[layer_idx]
         self.window = _layer_windows(config, family)[layer_idx]  # the sliding window of its mask, or None
+        self.chunk = _layer_chunks(config, family)[layer_idx]    # the attention chunk of its mask, or None
+        self.offset_cache = _SliceOffset() if family.offset_cache else None
         if source is None:
             _fill(self, config, 1 + layer_idx, seed, checkpoint)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.rotary is None:  # GPT-2: positions were added by the embedding; Granite SWA's theta-0 layers: none
-            with _layer_window(self.window):
+            with _layer_window(self.window, self.chunk):
                 return self.layer(hidden)
         position_ids = slice_positions(hidden.shape[1], hidden.device)  # (T,), or (B, T) for packed rows
         if position_ids.dim() == 1:
             position_ids = position_ids.unsqueeze(0)  # (1, T)
         position_embeddings = self.rotary(hidden, position_ids, **self.rotary_kwargs)  # cos, sin: (1 or B, T, hs)
-        with _layer_window(self.window):
+        cache = {} if self.offset_cache is None else {"cache": self.offset_cache}
+        with _layer_window(self.window, self.chunk):
             return self.layer(hidden, attention_mask=None, position_ids=position_ids,
-                              position_embeddings=position_embeddings)
+                              position_embeddings=position_embeddings, **cache)
 
 
 class HFFinalNorm(nn.Module):

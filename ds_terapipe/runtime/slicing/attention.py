@@ -17,6 +17,13 @@ longer than ``max(w, WINDOW_QUERY_BLOCK)`` runs its queries in blocks of that ma
 window leaves (:func:`window_query_blocks`): a band-masked call scores every query against every key it is handed,
 so the blocks keep that near ``T * 2w`` scores instead of ``T * (T + w)``.
 
+With chunked attention (``chunk=C``, Llama 4's chunked layers) a query sees the earlier keys of its own chunk only,
+chunks of ``C`` tokens counted from the start of its row (of its document, for packed rows), rotary positions running
+on across them. That is the shape of packed documents, so the slice runs as packed rows whose documents are the
+chunks (:func:`~ds_terapipe.runtime.slicing.documents.chunked_documents`): it reads the keys from the start of its
+first query's chunk on, each chunk of the slice is one fused causal block on a CPU and one SDPA call on an
+accelerator, and windows, softcaps and sinks apply within the chunks as they do within documents.
+
 With attention-logit softcapping (``softcap=``, Gemma 2's ``attn_logit_softcapping``) the scores are
 ``softcap * tanh(q @ k^T * scale / softcap)`` before the mask: no SDPA kernel takes that, so the slice runs the
 plain math over the same keys/values view, under the same additive mask.
@@ -47,7 +54,7 @@ from . import blocks as blocks_mod
 from .blocks import block_attention, fused_ok, gqa_kwargs, prefix_blocks, sdpa_blocks
 from .context import KVBuffers, SliceContext, current_slice
 from .devices import prefix_causal_bias
-from .documents import Documents, causal_visible, current_documents, slice_positions
+from .documents import Documents, causal_visible, chunked_documents, current_documents, slice_positions
 from .sequence import gather_heads, scatter_heads
 
 __all__ = ["CausalSelfAttention", "sliced_causal_attention"]
@@ -110,7 +117,8 @@ def sliced_causal_attention(q: torch.Tensor,
                             scale: float | None = None,
                             window: int | None = None,
                             softcap: float | None = None,
-                            sinks: torch.Tensor | None = None) -> torch.Tensor:
+                            sinks: torch.Tensor | None = None,
+                            chunk: int | None = None) -> torch.Tensor:
     """Causal attention of one slice over itself and the cached earlier slices of its micro-batch.
 
     Args:
@@ -133,6 +141,11 @@ def sliced_causal_attention(q: torch.Tensor,
             contributes no value (``transformers``' gpt-oss ``s_aux``); the gradient reaches it. Exact on every path:
             merged into the fused blocks' log-sum-exp on a CPU, plain math (dense scores per head, as with
             ``softcap``) elsewhere. None: no sinks.
+        chunk: chunked attention: query ``t`` sees key ``k`` iff ``k <= t`` and ``k // chunk == t // chunk`` (by
+            position ids: within each document of packed rows, from its start), ``transformers``' chunked causal
+            mask (Llama 4's ``attention_chunk_size``). A slice reads only the cached rows from the start of its first
+            query's chunk. Combines with ``window``, ``softcap`` and ``sinks``, all within the chunks. None: no
+            chunks.
 
     Returns:
         (B, nh, T, hs), equal to rows ``[start, end)`` of unsliced causal attention over the whole sequence.
@@ -143,6 +156,9 @@ def sliced_causal_attention(q: torch.Tensor,
     if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or softcap <= 0):
         raise ValueError(f"sliced_causal_attention: softcap={softcap!r}; attention-logit softcapping takes a positive "
                          "number (the cap of the scores, e.g. 50.0), or None for no capping")
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(f"sliced_causal_attention: chunk={chunk!r}; chunked attention takes a positive int (the "
+                         "tokens of a chunk, e.g. Llama 4's attention_chunk_size), or None for no chunks")
     _check_sinks(sinks, q)
     ctx = current_slice()
     share = None if ctx is None else ctx.sequence
@@ -150,8 +166,8 @@ def sliced_causal_attention(q: torch.Tensor,
         q, k, v = gather_heads(q, share, "q"), gather_heads(k, share, "k/v"), gather_heads(v, share, "k/v")
         if sinks is not None:   # the sinks of this rank's heads (gather_heads hands rank r the r-th head subset)
             sinks = sinks[share.rank * q.shape[1]:(share.rank + 1) * q.shape[1]]
-        return scatter_heads(_sliced(q, k, v, ctx, cache_key, dropout_p, scale, window, softcap, sinks), share)
-    return _sliced(q, k, v, ctx, cache_key, dropout_p, scale, window, softcap, sinks)
+        return scatter_heads(_sliced(q, k, v, ctx, cache_key, dropout_p, scale, window, softcap, sinks, chunk), share)
+    return _sliced(q, k, v, ctx, cache_key, dropout_p, scale, window, softcap, sinks, chunk)
 
 
 def _check_sinks(sinks: "torch.Tensor | None", q: torch.Tensor) -> None:
@@ -196,9 +212,11 @@ def _binds(window: "int | None", end: int) -> bool:
 
 def _sliced(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: "SliceContext | None", cache_key: Hashable,
             dropout_p: float, scale: "float | None", window: "int | None", softcap: "float | None" = None,
-            sinks: "torch.Tensor | None" = None) -> torch.Tensor:
+            sinks: "torch.Tensor | None" = None, chunk: "int | None" = None) -> torch.Tensor:
     gqa = gqa_kwargs(q, k, v)
     docs = current_documents()
+    if chunk is not None:   # the chunks as documents (within the documents of packed rows)
+        docs = chunked_documents(docs, chunk, q.shape[0], q.shape[2] if ctx is None else ctx.seq_len, q.device)
     if ctx is None or ctx.num_slices == 1:
         if softcap is not None or sinks is not None:
             return _softcap_or_sinks(q, k, v, docs, 0, q.shape[2], 0, window, softcap, sinks, dropout_p, scale)
@@ -217,8 +235,8 @@ def _sliced(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: "SliceContex
     # SDPA saves q for backward; q is usually a view of a fused qkv projection whose k/v parts now live in the
     # cache, so give q its own storage (same (B, nh, T, hs) strides as before) and let that projection go.
     q = q.transpose(1, 2).contiguous().transpose(1, 2)
-    # The first key any query of the slice sees: keys of documents that ended before the slice (packed rows), and
-    # keys a sliding window has left behind, are neither read nor handed gradients.
+    # The first key any query of the slice sees: keys of documents (or chunks) that ended before the slice, and keys
+    # a sliding window has left behind, are neither read nor handed gradients.
     first = 0 if docs is None else docs.first_visible(ctx.start)
     windowed = _binds(window, ctx.end)
     if windowed:

@@ -31,8 +31,8 @@ import torch
 from .blocks import MAX_BLOCKS, Block
 from .context import current_slice
 
-__all__ = ["Documents", "causal_visible", "check_position_ids", "current_documents", "packed_documents", "packed_rows",
-           "positions_of", "slice_positions"]
+__all__ = ["Documents", "causal_visible", "check_position_ids", "chunked_documents", "current_documents",
+           "packed_documents", "packed_rows", "positions_of", "slice_positions"]
 
 
 def check_position_ids(ids: Any, positions: Any, where: str = "batch") -> None:
@@ -85,6 +85,7 @@ class Documents:
         self._masks: dict[tuple, torch.Tensor] = {}
         self._blocks: dict[tuple, Optional[list[Block]]] = {}
         self._first: dict[int, int] = {}
+        self._chunked: dict[int, Documents] = {}
 
     @classmethod
     def empty(cls, batch: int, seq_len: int, device: torch.device) -> "Documents":
@@ -102,6 +103,16 @@ class Documents:
                                f"{self.filled}); slices of a micro-batch must arrive in order")
         self.positions[:, start:end] = positions
         self.filled = end
+
+    def chunked(self, chunk: int) -> "Documents":
+        """These rows under chunked attention: every document cut into chunks of ``chunk`` tokens counted from its
+        own start, as documents (their positions are the position ids modulo ``chunk``). Rebuilt when more rows
+        are known; the rows' masks and blocks are then cached on it."""
+        got = self._chunked.get(chunk)
+        if got is None or got.filled != self.filled:
+            got = Documents(self.positions % chunk, self.filled)
+            self._chunked[chunk] = got
+        return got
 
     def ids(self, end: int) -> torch.Tensor:
         """(B, end): the document index of each token of ``[0, end)`` (0 for the row's first document)."""
@@ -182,6 +193,32 @@ def causal_visible(start: int, end: int, first_key: int, window: Optional[int], 
     if window is not None:
         visible &= query - key < window
     return visible
+
+
+_ROWS: dict[tuple, Documents] = {}
+
+
+def chunked_documents(documents: Optional[Documents], chunk: int, batch: int, seq_len: int,
+                      device: torch.device) -> Optional[Documents]:
+    """The attention structure of chunked attention (Llama 4's ``attention_chunk_size``) as documents: query ``t``
+    sees key ``k`` iff ``k <= t``, both lie in the same document, and in the same chunk of it, chunk
+    ``position // chunk`` by their position ids (``transformers``' ``chunked_overlay`` over the positions it remaps
+    packed rows to). Rows of one document each are cut at the multiples of ``chunk``; packed rows within each
+    document, from its start. Either way block-diagonal causal attention, which every documents' path (the CPU's
+    fused blocks, one SDPA call per block on an accelerator, the dense mask) runs exactly. ``documents`` unchanged
+    (None: rows of one document) where no chunk boundary falls inside the ``seq_len`` tokens."""
+    if chunk >= seq_len:
+        return documents
+    if documents is not None:
+        return documents.chunked(chunk)
+    key = (batch, seq_len, chunk, str(device))
+    rows = _ROWS.get(key)
+    if rows is None:
+        if len(_ROWS) > 16:
+            _ROWS.clear()
+        rows = Documents((torch.arange(seq_len, device=device) % chunk).expand(batch, -1))   # (B, L), one copy
+        _ROWS[key] = rows
+    return rows
 
 
 _local = threading.local()
