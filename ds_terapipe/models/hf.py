@@ -182,18 +182,18 @@ class _Family:
     zero_sinks: bool = False  # attention sinks initialised to zeros (Granite SWA), not normal (gpt-oss)
     # Fields whose value depends on the config (Cohere 2-MoE's final norm class): the overrides for this config.
     by_config: Callable[[PretrainedConfig], Mapping[str, Any]] | None = None
-
-
-def _family(config: PretrainedConfig) -> _Family:
-    """``config``'s family, with the fields that depend on the config (``_Family.by_config``) resolved."""
-    family = _FAMILIES[config.model_type]
-    return family if family.by_config is None else dataclasses.replace(family, **family.by_config(config))
     # The *Model gives the "chunked_attention" entries of config.layer_types config.attention_chunk_size
     # (create_chunked_causal_mask: Llama 4); the others are "full_attention".
     chunked: bool = False
     # The attention reads how many tokens precede the call from its cache's get_seq_length() (Llama 4's temperature
     # tuning on NoPE layers): each layer is handed a _SliceOffset, which answers the slice's offset and holds nothing.
     offset_cache: bool = False
+
+
+def _family(config: PretrainedConfig) -> _Family:
+    """``config``'s family, with the fields that depend on the config (``_Family.by_config``) resolved."""
+    family = _FAMILIES[config.model_type]
+    return family if family.by_config is None else dataclasses.replace(family, **family.by_config(config))
 
 
 def _llama_like(module: str, prefix: str, **quirks: Any) -> _Family:
