@@ -39,7 +39,9 @@ CASES = [["gpt", "gpipe", 1, UNEQUAL], ["gpt", "1f1b", 3, UNEQUAL], ["gpt", "1f1
          # a sliding window (Mistral's, 10 keys) inside each rank's heads' attention over the whole slice
          ["mistral", "1f1b", 2, UNEQUAL],
          # attention sinks (each rank trains its heads'), latent attention (values narrower than keys)
-         ["gpt_oss", "gpipe", 2, UNEQUAL], ["deepseek_v3", "1f1b", 1, UNEQUAL]]
+         ["gpt_oss", "gpipe", 2, UNEQUAL], ["deepseek_v3", "1f1b", 1, UNEQUAL],
+         # chunked attention (chunks cut inside slices), temperature tuning at each rank's token offset
+         ["llama4_text", "1f1b", 2, UNEQUAL]]
 # [precision, ZeRO stage, model, schedule]: the master weights' change against the fp32 reference's
 # (+ clipped by the global norm: bf16 at ZeRO 0 takes DeepSpeed's norm over its model axis, the sequence ranks)
 PRECISION_CASES = [["bf16", 1, "llama", "gpipe"], ["bf16", 1, "gpt", "1f1b"], ["fp16", 0, "gpt", "gpipe"],

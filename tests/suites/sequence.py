@@ -30,8 +30,9 @@ def _model(name: str) -> tuple[list, int]:
     """(layer specs, vocabulary) of ``name``: the reference GPT (learned positions, 4 heads), a Hugging Face Llama
     (rotary positions, 4 query heads over 2 key/value heads: one KV head per sequence rank), the same as Mistral
     with a sliding window of 10 keys (shorter than some slices, longer than others), gpt-oss (attention sinks, one
-    per head: a rank trains its heads' sinks; sliding and full layers; 4 experts) or DeepSeek-V3 (latent attention,
-    keys of 8 + 4 dims and values of 6; a dense layer, then 4 experts in 2 groups)."""
+    per head: a rank trains its heads' sinks; sliding and full layers; 4 experts), DeepSeek-V3 (latent attention,
+    keys of 8 + 4 dims and values of 6; a dense layer, then 4 experts in 2 groups) or Llama 4 (chunks of 20 tokens,
+    a NoPE layer whose temperature tuning reads each rank's true token index; 4 experts)."""
     if name == "gpt":
         cfg = GPTConfig(num_layers=4, hidden=32, num_heads=4, vocab_size=64, max_seq_len=64, seed=11)
         return gpt_layer_specs(cfg), cfg.vocab_size
@@ -51,6 +52,12 @@ def _model(name: str) -> tuple[list, int]:
                                                qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
                                                n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
                                                n_shared_experts=1, moe_intermediate_size=16, first_k_dense_replace=1)
+    elif name == "llama4_text":
+        config = transformers.Llama4TextConfig(**sizes, head_dim=8, attention_chunk_size=20,
+                                               no_rope_layers=[1, 1, 0, 1], attn_temperature_tuning=True,
+                                               floor_scale=4, attn_scale=0.5,
+                                               num_local_experts=4, num_experts_per_tok=2, moe_layers=[1, 3],
+                                               intermediate_size_mlp=64)
     else:
         config = transformers.LlamaConfig(**sizes)
     return causal_lm_specs(config, seed=5), config.vocab_size
