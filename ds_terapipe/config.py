@@ -107,17 +107,19 @@ class ReplanConfig(DeepSpeedConfigModel):
 
 class AutoFreezeConfig(DeepSpeedConfigModel):
     """The automatic freezing policy (``runtime/features/freeze.py``, as in PipeTransformer): every ``check_interval``
-    steps each still-training layer's gradient norm is measured (after the data-parallel reduction, before the
-    optimizer step). A layer is *stable* when its norm changed by at most ``tolerance`` (relative) since the
-    previous check. The stable layers in a row right behind the frozen prefix freeze, at most
-    ``max(1, floor(aggressiveness x training layers))`` of them per check; a layer that is not stable stops the
-    run (front to back only), and nothing ever unfreezes. Layers count DeepSpeed's layer list (global indices, as
-    in checkpoint files), those without parameters ride along with the layer in front of them."""
+    optimizer steps taken each still-training layer's gradient norm is measured (after the data-parallel reduction,
+    before the optimizer step, unscaled; a step DeepSpeed skips is no check). A layer is *stable* when its norm
+    changed by at most ``tolerance`` (relative) since the previous check. The stable layers in a row right behind
+    the frozen prefix freeze, at most ``max(1, floor(aggressiveness x training layers))`` of them per check; a layer
+    that is not stable stops the run (front to back only), and nothing ever unfreezes. Layers count DeepSpeed's
+    layer list (global indices, as in checkpoint files), those without parameters ride along with the layer in front
+    of them."""
 
     model_config = ConfigDict(extra="forbid")
 
     check_interval: int = Field(10, ge=1, description=(
-        "training steps between two gradient-norm checks (the first check only records)"))
+        "optimizer steps taken between two gradient-norm checks (the first check only records; a step DeepSpeed "
+        "skips is not counted and is no check)"))
 
     warmup_steps: int = Field(0, ge=0, description=(
         "no check before this many steps (gradients of the first steps move a lot)"))
@@ -143,12 +145,14 @@ class FreezeConfig(DeepSpeedConfigModel):
     model_config = ConfigDict(extra="forbid")
 
     schedule: Optional[List[List[int]]] = Field(None, description=(
-        "`[[step, num_frozen_layers], ...]`: from training step `step` on, the first `num_frozen_layers` layers "
-        "(DeepSpeed's layer list: embedding = 0, blocks, ..., head) are frozen; steps strictly increasing, counts "
-        "never decreasing. See [Progressive freezing](freezing.md)"))
-    """``[[step, num_frozen_layers], ...]``: from training step ``step`` (optimizer steps done before the batch)
-    on, the first ``num_frozen_layers`` layers of the model (DeepSpeed's layer list, global indices) are frozen.
-    Steps strictly increase and counts never decrease (a layer never unfreezes)."""
+        "`[[step, num_frozen_layers], ...]`: from training step `step` on (optimizer steps taken: a step DeepSpeed "
+        "skips is not counted), the first `num_frozen_layers` layers (DeepSpeed's layer list: embedding = 0, blocks, "
+        "..., head) are frozen; steps strictly increasing, counts never decreasing. See [Progressive "
+        "freezing](freezing.md)"))
+    """``[[step, num_frozen_layers], ...]``: from training step ``step`` (optimizer steps taken before the batch:
+    DeepSpeed's ``global_steps`` less its ``skipped_steps``) on, the first ``num_frozen_layers`` layers of the model
+    (DeepSpeed's layer list, global indices) are frozen. Steps strictly increase and counts never decrease (a layer
+    never unfreezes)."""
 
     auto: Optional[AutoFreezeConfig] = Field(None, description=(
         "the gradient-norm policy instead of a schedule (its keys below); rule under [Progressive "

@@ -147,6 +147,10 @@ def test_layer_norms_sum_each_layer_s_split_rows_once_and_undo_the_loss_scale() 
     tables = [{0: 36.0, (1, 0): 16.0}, {0: 36.0, (1, 1): 48.0, 2: 4.0}]   # a replica repeats layer 0's value
     assert layer_norms(tables) == {0: 6.0, 1: 8.0, 2: 2.0}
     assert layer_norms(tables, scale=2.0) == {0: 3.0, 1: 4.0, 2: 1.0}
+    # ZeRO 1 on 2 replicas of one stage: each holds fragments of a layer's gradient (key (layer, stage, partition)),
+    # summed; a replica that holds none of layer 1 still names it (its own key, 0)
+    zero1 = [{0: 0.0, 1: 0.0, (0, 0, 0): 20.0, (1, 0, 0): 9.0}, {0: 0.0, 1: 0.0, (0, 0, 1): 16.0}]
+    assert layer_norms(zero1) == {0: 6.0, 1: 3.0}
 
 
 # -- 2 gloo ranks --------------------------------------------------------------------------------------------------

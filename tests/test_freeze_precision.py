@@ -14,6 +14,13 @@ Measured: master-weight updates within 1.8e-2 of the reference in bf16 (its roun
 fp32; losses within 2e-5. With the frozen elements not held, the frozen weights move at every step (13-37
 parameters on stage 0) and stage 0's update is off by 240%.
 
+Steps DeepSpeed skips (an fp16 overflow, bf16 inf/nan gradients; cases in the same launches): the auto policy
+compares the norms of the steps taken only, unscaled (fp16's scale halves at each overflow), read from ZeRO 1's
+partitions as from ZeRO 0's gradients: the same norms (within 2e-2 of the fp32 run's, measured 3.6e-3) and the same
+freezes at the same steps as a run of the clean steps alone; a freeze schedule counts the steps taken; a repack
+keeps the loss scaler's state and the step counters as they were. Without their rules: a nan norm read as stable
+(freezes), ZeRO 1's norms all 0 (a cleared ``.grad``), the scaled norms, schedules early by the skipped steps.
+
 The rules behind the launches (which optimizers freezing holds still and a repack moves, the repack factor, the
 auto policy's norm) are tier a: no process group, run by ``-m 'not multiproc'``.
 """
@@ -43,6 +50,14 @@ TWO_RANKS = [["bf16", 0, "1f1b", 1], ["bf16", 1, "gpipe", 1], ["fp32", 1, "1f1b"
              ["fp32", 0, "dualpipev", 2, False, "llama", True, True],
              # with vocabulary parallelism: the rows of the head (and of the input embedding) split again
              ["bf16", 1, "1f1b", 1, True, "gpt", True, True], ["fp32", 0, "gpipe", 1, True, "llama", True, True]]
+#: [policy, precision, ZeRO stage, steps] (tests/suites/freeze_precision.py, _skips_case): "nan" and "inf" are steps
+#: DeepSpeed skips; the first auto case, fp32 on the clean steps alone, is what the others must equal
+SKIPPING = ["clean", "clean", "nan", "clean", "inf", "clean"]
+SKIP_CASES = [["auto", "fp32", 0, ["clean"] * 4], ["auto", "fp16", 0, SKIPPING], ["auto", "fp16", 1, SKIPPING],
+              ["auto", "bf16", 0, SKIPPING],
+              ["schedule repack", "fp16", 0, ["clean", "nan", "clean", "clean", "inf", "clean"]],
+              ["schedule repack", "fp16", 1, ["clean", "nan", "clean", "clean", "inf", "clean"]]]
+FOUR_RANK_SKIP_CASES = [SKIP_CASES[0], ["auto", "bf16", 1, SKIPPING]]   # ZeRO 1 fragments on 2 replicas
 FOUR_RANKS = [["bf16", 1, "1f1b", 1], ["fp32", 1, "gpipe", 1], ["bf16", 0, "1f1b", 1], ["fp16", 1, "1f1b", 1],
               ["bf16", 1, "1f1b", 1, True, "llama"], ["bf16", 1, "1f1b", 1, False, "gpt", True, True],
               ["bf16", 1, "looped-bfs", 2, False, "gpt", True, True], ["bf16", 1, "1f1b", 1, True, "llama", True, True]]
@@ -52,7 +67,7 @@ def _check(results: list[dict], expected: int) -> None:
     errors = [r["error"] for r in results if "error" in r]
     assert not errors, errors[0]
     for rank, payload in enumerate(results):
-        cases = payload["results"]
+        cases = [c for c in payload["results"] if not c["case"].startswith("skips ")]
         assert len(cases) == expected, len(cases)
         for case in cases:
             where = f"{case['case']}, rank {rank}"
@@ -65,21 +80,65 @@ def _check(results: list[dict], expected: int) -> None:
             assert case["layout"] == ([1, len(results)] if case["case"].endswith("repack") else
                                       [2, len(results) // 2]), (where, case["layout"])
     # stage 0 holds the frozen layers: something froze there (else the checks above pass vacuously)
-    assert any(max(c["frozen_counts"]) > 0 for c in results[0]["results"])
+    assert any(max(c["frozen_counts"]) > 0 for c in results[0]["results"] if "frozen_counts" in c)
+
+
+def _check_skipped_steps(results: list[dict], expected: int) -> None:
+    """The skipped-step cases (SKIP_CASES): see the module docstring."""
+    per_rank = [[c for c in payload["results"] if c["case"].startswith("skips ")] for payload in results]
+    assert all(len(cases) == expected for cases in per_rank), [len(cases) for cases in per_rank]
+    errors = [(c["case"], c["traceback"]) for cases in per_rank for c in cases if "error" in c]
+    assert not errors, errors[0]
+    ref = per_rank[0][0]   # fp32 on the clean steps: the checks are rank 0's, where the rule runs
+    assert ref["precision"] == "fp32" and ref["skipped"][-1] == 0 and len(ref["checks"]) >= 2, ref
+    assert ref["events"] and max(ref["frozen"]) > 0, ref   # the auto policy froze something
+    for rank, cases in enumerate(per_rank):
+        for case, twin in zip(cases, per_rank[0]):
+            where = f"{case['case']}, rank {rank}"
+            poisoned = sum(what != "clean" for what in case["steps"])
+            assert case["skipped"][-1] == poisoned, (where, case["skipped"])   # DeepSpeed skipped each
+            # every rank decides the same: rank 0's frozen layers and events
+            assert (case["frozen"], case["events"]) == (twin["frozen"], twin["events"]), where
+            taken_before = [0] + case["taken"][:-1]
+            if case["policy"] == "auto":
+                # the same freezes at the same optimizer steps as the clean run (skipped steps not counted)
+                clean = [f for f, what in zip(case["frozen"], case["steps"]) if what == "clean"]
+                assert clean == ref["frozen"], (where, case["frozen"], ref["frozen"])
+                assert [e[::2] for e in case["events"]] == [e[::2] for e in ref["events"]], (where, case["events"])
+                if case["precision"] == "fp16" and rank == 0:   # the scale moved between checks
+                    assert len(set(case["scales"])) > 1, (where, case["scales"])
+                if rank == 0:
+                    assert len(case["checks"]) == len(ref["checks"]), (where, case["checks"])
+                    for mine, theirs in zip(case["checks"], ref["checks"]):
+                        assert sorted(mine) == sorted(theirs), (where, mine, theirs)
+                        worst = max(abs(mine[k] - theirs[k]) / theirs[k] for k in theirs)
+                        assert worst <= 2e-2, (where, worst, mine, theirs)
+            else:
+                # [[2, 4]]: from the third step taken, the global step after one skipped step
+                assert case["frozen"] == [4 if t >= 2 else 0 for t in taken_before], (where, case["frozen"])
+                assert case["events"] == [[2, 3, [0, 4]]], (where, case["events"])
+                assert case["layout"] == [1, len(results)], where
+                around = case["repack"]
+                assert around["before"]["skipped_steps"] == 1, (where, around)
+                assert around["after"] == around["before"], (where, around)
 
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(600)
 def test_freeze_with_master_copy_optimizers(tmp_path) -> None:
-    results = launch("freeze_precision", 2, tmp_path, timeout_s=540, extra={"cases": TWO_RANKS})
+    results = launch("freeze_precision", 2, tmp_path, timeout_s=540,
+                     extra={"cases": TWO_RANKS, "skip_cases": SKIP_CASES})
     _check(results, len(TWO_RANKS))
+    _check_skipped_steps(results, len(SKIP_CASES))
 
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(600)
 def test_freeze_with_master_copies_split_between_replicas(tmp_path) -> None:
-    results = launch("freeze_precision", 4, tmp_path, timeout_s=540, extra={"cases": FOUR_RANKS})
+    results = launch("freeze_precision", 4, tmp_path, timeout_s=540,
+                     extra={"cases": FOUR_RANKS, "skip_cases": FOUR_RANK_SKIP_CASES})
     _check(results, len(FOUR_RANKS))
+    _check_skipped_steps(results, len(FOUR_RANK_SKIP_CASES))
 
 
 def test_which_optimizers_freezing_can_hold_still() -> None:

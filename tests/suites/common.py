@@ -381,3 +381,38 @@ def run_until_error(run: Callable[[], Any], p2p_timeout_s: Optional[float] = Non
         notes = " ".join(getattr(err, "__notes__", []))
         return {"case": STATUS["case"], "raised": type(err).__name__, "message": f"{err} {notes}",
                 "seconds": time.perf_counter() - started, "raised_at": raised_at, "p2p_timeout_s": p2p_timeout_s}
+
+
+# -- steps whose gradients overflow: a loss times 1e30, inf or nan on one micro-batch ---------------------------------
+#: what a poisoned micro-batch's loss is multiplied by: "huge" (finite, its fp16 gradients are not), "inf", "nan"
+POISON_FACTORS = {"huge": 1e30, "inf": float("inf"), "nan": float("nan")}
+#: the poison of the step being run, read by poisoned_loss (and a suite's own gradient hooks: "grad")
+POISON: dict[str, Any] = {"loss": 1.0, "grad": None}
+
+
+def poisoned_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """``causal_lm_loss`` times ``POISON["loss"]`` on a micro-batch whose row 0 has only -100 labels (the mark:
+    every slice of that micro-batch carries it)."""
+    loss = causal_lm_loss(logits, labels)
+    return loss * POISON["loss"] if bool((labels[0] == -100).all()) else loss
+
+
+def poison(group: list[tuple], kind: str) -> list[tuple]:
+    """``group`` (a step's micro-batches) with micro-batch 1 marked and ``POISON["loss"]`` set for ``kind`` (a key
+    of POISON_FACTORS); reset ``POISON`` after the step."""
+    group = list(group)
+    ids, labels = group[1]
+    labels = labels.clone()
+    labels[0] = -100
+    group[1] = (ids, labels)
+    POISON["loss"] = POISON_FACTORS[kind]
+    return group
+
+
+def loss_scale(engine: Any) -> float:
+    """The fp16 loss scale the next step uses (1 without one); each DeepSpeed optimizer keeps it elsewhere."""
+    optimizer = engine.optimizer
+    for owner in (optimizer, getattr(optimizer, "loss_scale_config", None), getattr(optimizer, "loss_scaler", None)):
+        if getattr(owner, "cur_scale", None) is not None:
+            return float(owner.cur_scale)
+    return 1.0

@@ -9,6 +9,13 @@ whose momentum is not). Cases are ``extra["cases"]``: [precision, zero stage, sc
 parallelism: the head's shards, each compared with its rows of the reference's(, the model: "gpt", the reference GPT
 with its tied head, or "llama", a Hugging Face Llama from a config, untied head(, freeze: false runs the same case
 without freezing)))]. fp16 on a CPU: as tests/suites/vocab_precision.py, DeepSpeed is let build its fp16 optimizers.
+
+Steps DeepSpeed skips (``extra["skip_cases"]``: [policy, precision, zero stage, steps], :func:`_skips_case`): the
+steps are clean batches and poisoned ones (a micro-batch's loss times nan or inf), fp16 under a dynamic loss scale
+that the overflows halve. ``auto``: what the auto policy compared at each check (every layer's norm), what froze
+when, against a run of the clean batches alone (the test compares them with the fp32 run's). ``schedule repack``:
+a freeze schedule that repacks at step 2: the frozen count at each step against the optimizer steps taken, and the
+loss scaler's state and step counters right before and after the repack.
 """
 
 from __future__ import annotations
@@ -19,18 +26,24 @@ from typing import Any, Optional
 import torch
 
 import ds_terapipe
+import ds_terapipe.runtime.features.freeze as freeze_module
+import ds_terapipe.runtime.features.repack as repack_module
 from ds_terapipe.models.gpt import GPTConfig, causal_lm_loss, gpt_layer_specs
 from tests.suites import suite
-from tests.suites.common import (ENGINE_REF, STATUS, WORLD, allow_fp16_on_cpu, build_spec_layers, deltas,
-                                 frozen_reference, make_batches, master_weights, named_compare, replica_batches,
-                                 run_cases)
+from tests.suites.common import (ENGINE_REF, POISON, STATUS, WORLD, allow_fp16_on_cpu, build_spec_layers, deltas,
+                                 frozen_reference, loss_scale, make_batches, master_weights, named_compare, poison,
+                                 poisoned_loss, replica_batches, run_cases)
 
 STAGES = 2
 SCHEDULE = [[1, 2], [2, 4]]
 STEPS = 4
 WEIGHT_DECAY = 0.01
 PRECISIONS = {"fp32": {}, "bf16": {"bf16": {"enabled": True}},
-              "fp16": {"fp16": {"enabled": True, "loss_scale": 1024.0}}}
+              "fp16": {"fp16": {"enabled": True, "loss_scale": 1024.0}},
+              # from 2^8, never grown in these runs; an overflow halves it (ZeRO 1: after its hysteresis of 2)
+              "fp16 dynamic": {"fp16": {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 1000}}}
+#: the auto policy of the skipped-step cases: a check every step, every layer stable, 2 layers per check at first
+AUTO = {"check_interval": 1, "tolerance": 100.0, "aggressiveness": 0.34}
 
 
 def _frozen_at(step: int) -> int:
@@ -53,9 +66,10 @@ def _specs(model: str) -> tuple[list, int]:
 
 
 def _engine(specs: list, vocab_size: int, precision: str, zero: int, schedule: str, v: int, micro: int, batch: int,
-            vocab: bool = False, freeze: bool = True, repack: bool = False) -> Any:
+            vocab: bool = False, freeze: bool = True, repack: bool = False, freeze_section: Optional[dict] = None,
+            loss_fn: Any = causal_lm_loss) -> Any:
     chunks = {"virtual_stages": v, "schedule": schedule} if v > 1 else {}
-    model = ds_terapipe.TokenPipelineModule(specs, num_stages=STAGES, loss_fn=causal_lm_loss,
+    model = ds_terapipe.TokenPipelineModule(specs, num_stages=STAGES, loss_fn=loss_fn,
                                             vocab_size=vocab_size, partition_method="uniform",
                                             vocab_parallel=vocab, **chunks)
     dp = WORLD // STAGES
@@ -64,7 +78,8 @@ def _engine(specs: list, vocab_size: int, precision: str, zero: int, schedule: s
               "zero_optimization": {"stage": zero}, "zero_allow_untested_optimizer": True,
               "terapipe": {"enabled": True, "seq_len": 48, "slices": [8, 24, 16], "schedule": schedule,
                            "virtual_stages": v, "granularity": 8, "p2p_timeout_s": 60,
-                           **({"freeze": {"schedule": SCHEDULE, "repack": repack}} if freeze else {}),
+                           **({"freeze": freeze_section or {"schedule": SCHEDULE, "repack": repack}}
+                              if freeze else {}),
                            "vocab_parallel": vocab},
               **PRECISIONS[precision]}
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=WEIGHT_DECAY)
@@ -180,7 +195,68 @@ def _label(precision: str, zero: int, schedule: str, v: int, vocab: bool = False
             + ("" if freeze else " no-freeze") + (" repack" if repack else ""))
 
 
+def _scaler_state(engine: Any) -> dict[str, Any]:
+    """The step counters and the fp16 loss scaler's state (scale, hysteresis, iterations, last overflow)."""
+    state: dict[str, Any] = {c: getattr(engine, c) for c in ("global_steps", "skipped_steps")}
+    for name in ("loss_scaler", "loss_scale_config"):
+        owner = getattr(engine.optimizer, name, None)
+        if owner is not None:
+            state[name] = {k: v for k, v in sorted(vars(owner).items()) if isinstance(v, (bool, int, float))}
+    return state
+
+
+def _skips_case(policy: str, precision: str, zero: int, steps: list[str]) -> dict[str, Any]:
+    """``steps`` ("clean": the next clean batch; "nan", "inf": a poisoned batch DeepSpeed skips) on 2 stages under
+    ``policy`` ("auto": AUTO; "schedule repack": 4 layers frozen from step 2, repacked); per step the frozen layers
+    in effect, the steps taken and skipped after it and the loss scale; the norms each auto check compared; the
+    freeze events; the loss scaler's state around the repack."""
+    micro, batch = 2, 2
+    specs, vocab_size = _specs("gpt")
+    vocab = SimpleNamespace(vocab_size=vocab_size)
+    clean = iter(make_batches(vocab, steps.count("clean") * micro, batch, 48, seed=23))
+    bad = iter(make_batches(vocab, len(steps) * micro, batch, 48, seed=41))
+    section = {"auto": AUTO} if policy == "auto" else {"schedule": [[2, 4]], "repack": True}
+    engine = _engine(specs, vocab_size, "fp16 dynamic" if precision == "fp16" else precision, zero, "1f1b", 1,
+                     micro, batch, freeze_section=section, loss_fn=poisoned_loss)
+    checks: list[dict[str, float]] = []
+    around: dict[str, Any] = {}
+    rule, repack = freeze_module.auto_freeze_count, repack_module.repack
+
+    def recorded_rule(frozen: int, previous: Any, current: Any, *args: Any) -> int:
+        checks.append({str(k): v for k, v in sorted(current.items())})
+        return rule(frozen, previous, current, *args)
+
+    def recorded_repack(old: Any, k: int) -> Any:
+        around["before"] = _scaler_state(old)
+        event = repack(old, k)
+        around["after"] = _scaler_state(old)   # the engine object is the repacked one now
+        return event
+
+    freeze_module.auto_freeze_count, repack_module.repack = recorded_rule, recorded_repack
+    run: dict[str, list] = {"frozen": [], "taken": [], "skipped": [], "scales": [], "losses": []}
+    try:
+        for what in steps:
+            group = [next(clean) for _ in range(micro)] if what == "clean" else poison(
+                [next(bad) for _ in range(micro)], what)
+            try:
+                run["losses"].append(float(engine.train_batch(iter(group))))
+            finally:
+                POISON["loss"] = 1.0
+            run["frozen"].append(engine.freezer.num_frozen_layers)
+            run["taken"].append(engine.global_steps - engine.skipped_steps)
+            run["skipped"].append(engine.skipped_steps)
+            run["scales"].append(loss_scale(engine))
+    finally:
+        freeze_module.auto_freeze_count, repack_module.repack = rule, repack
+    return {"case": STATUS["case"], "policy": policy, "precision": precision, "zero": zero, "steps": steps, **run,
+            "checks": checks, "events": [[e["step"], e.get("global_step"), e["layers"]] for e in engine.freezer.events
+                                         if "layers" in e and not e.get("after_repack")],
+            "repack": around or None, "layout": [engine.num_stages, engine.dp_world_size]}
+
+
 @suite("freeze_precision")
 def suite_freeze_precision(extra: dict) -> list[dict]:
     allow_fp16_on_cpu()
-    return run_cases(extra["cases"], _label, _case)
+    return run_cases(extra["cases"], _label, _case) + run_cases(
+        extra.get("skip_cases", []), lambda policy, precision, zero, steps: f"skips {policy} {precision} zero{zero} "
+        + " ".join(steps), _skips_case)

@@ -32,7 +32,8 @@ import ds_terapipe
 from deepspeed.accelerator import get_accelerator
 from ds_terapipe.models.gpt import GPTConfig, causal_lm_loss, gpt_layer_specs
 from tests.suites import suite
-from tests.suites.common import ENGINE_REF, STATUS, WORLD, make_batches, master_weights
+from tests.suites.common import (ENGINE_REF, POISON, POISON_FACTORS, STATUS, WORLD, loss_scale, make_batches,
+                                 master_weights, poison, poisoned_loss)
 
 STAGES = 2
 STEPS_BEFORE, STEPS_AFTER = 2, 3
@@ -49,9 +50,6 @@ PRECISIONS = {"fp32": {}, "bf16": {"bf16": {"enabled": True}},
 #: "stage0 nan" puts a nan into one weight gradient of stage 0 on replica 0 alone, every other rank's being finite
 OVERFLOW_STEPS = {"fp16": ["clean", "huge", "stage0 nan", "nan@0", "clean", "inf"],
                   "bf16": ["clean", "inf", "stage0 nan", "nan@0", "clean"]}
-FACTORS = {"huge": 1e30, "inf": float("inf"), "nan": float("nan")}
-#: the poison of the step being run, read by _poisoned_loss and _poison_grad
-_POISON: dict[str, Any] = {"loss": 1.0, "grad": None}
 
 
 def _engine(cfg: GPTConfig, precision: str, zero_stage: int, *, micro: int, batch: int, seq_len: int,
@@ -82,21 +80,12 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[f
     return max(((float((a[n].float() - b[n].float()).abs().max()), n) for n in a), default=(0.0, ""))
 
 
-def _loss_scale(engine: Any) -> float:
-    """The fp16 loss scale the next step uses (1 without one); each DeepSpeed optimizer keeps it elsewhere."""
-    optimizer = engine.optimizer
-    for owner in (optimizer, getattr(optimizer, "loss_scale_config", None), getattr(optimizer, "loss_scaler", None)):
-        if getattr(owner, "cur_scale", None) is not None:
-            return float(owner.cur_scale)
-    return 1.0
-
-
 def _train(engine: Any, groups: Iterator[list[tuple]]) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {"losses": [], "scales": [], "lrs": [], "norms": []}
     for group in groups:
         out["losses"].append(float(engine.train_batch(iter(group))))
         out["norms"].append(float(engine.get_global_grad_norm()))
-        out["scales"].append(_loss_scale(engine))
+        out["scales"].append(loss_scale(engine))
         out["lrs"].append(float(engine.get_lr()[0]))
     return out
 
@@ -166,18 +155,11 @@ def _growth_case(cfg: GPTConfig, zero_stage: int, out: Path) -> dict[str, Any]:
             "master_max_diff": _max_diff(runs["fp16"][1], runs["fp16 static"][1])}
 
 
-def _poisoned_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """``causal_lm_loss`` times ``_POISON["loss"]`` on a micro-batch whose row 0 has only -100 labels (the mark:
-    every slice of that micro-batch carries it)."""
-    loss = causal_lm_loss(logits, labels)
-    return loss * _POISON["loss"] if bool((labels[0] == -100).all()) else loss
-
-
 def _poison_grad(grad: torch.Tensor) -> torch.Tensor:
-    if _POISON["grad"] is None:
+    if POISON["grad"] is None:
         return grad
     grad = grad.clone()
-    grad.view(-1)[0] = _POISON["grad"]
+    grad.view(-1)[0] = POISON["grad"]
     return grad
 
 
@@ -197,7 +179,7 @@ def _overflow_run(cfg: GPTConfig, precision: str, zero_stage: int, slices: list[
     job = f"overflow_{precision}_zero{zero_stage}_{len(slices)}slices"   # 0 slices: stock DeepSpeed
     monitor = {"csv_monitor": {"enabled": True, "output_path": str(out), "job_name": job}}
     engine = _engine(cfg, f"{precision} overflow" if precision == "fp16" else precision, zero_stage, micro=micro,
-                     batch=batch, seq_len=seq_len, loss_fn=_poisoned_loss, slices=slices, extra_config=monitor)
+                     batch=batch, seq_len=seq_len, loss_fn=poisoned_loss, slices=slices, extra_config=monitor)
     dp_id = engine.grid.data_parallel_id
     if (engine.stage_id, dp_id) == (0, 0):
         next(p for n, p in engine.module.named_parameters() if not n.startswith("tied_modules")).register_hook(
@@ -208,13 +190,9 @@ def _overflow_run(cfg: GPTConfig, precision: str, zero_stage: int, slices: list[
     for step, what in enumerate(steps):
         group = list(data[(step * dp + dp_id) * micro:(step * dp + dp_id + 1) * micro])
         kind, _, replica = what.partition("@")
-        if kind in FACTORS and replica in ("", str(dp_id)):
-            ids, labels = group[1]
-            labels = labels.clone()
-            labels[0] = -100
-            group[1] = (ids, labels)
-            _POISON["loss"] = FACTORS[kind]
-        _POISON["grad"] = float("nan") if kind == "stage0 nan" else None
+        if kind in POISON_FACTORS and replica in ("", str(dp_id)):
+            group = poison(group, kind)
+        POISON["grad"] = float("nan") if kind == "stage0 nan" else None
         weights, state = master_weights(engine), _optimizer_state(engine)
         try:
             run["losses"].append(float(engine.train_batch(iter(group))))
@@ -222,9 +200,9 @@ def _overflow_run(cfg: GPTConfig, precision: str, zero_stage: int, slices: list[
             run["raised"] = [step, f"{type(err).__name__}: {err}"]
             break
         finally:
-            _POISON.update(loss=1.0, grad=None)
+            POISON.update(loss=1.0, grad=None)
         scaler = getattr(engine.optimizer, "loss_scaler", None)
-        run["scales"].append(_loss_scale(engine))
+        run["scales"].append(loss_scale(engine))
         run["hysteresis"].append(getattr(scaler, "cur_hysteresis", None))
         run["skipped"].append(engine.skipped_steps)
         run["global_steps"].append(engine.global_steps)

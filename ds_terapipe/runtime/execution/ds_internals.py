@@ -160,6 +160,9 @@ INTERNALS: tuple[Internal, ...] = (
     _i(_DS_ENGINE, "device", "instance", f"{_E}, execution/p2p.py", "the accelerator device of every tensor"),
     _i(_DS_ENGINE, "global_rank", "instance", _E, "rank in logs, checkpoints and the length agreement"),
     _i(_DS_ENGINE, "dp_world_size", "instance", f"{_E} checkpoint manifest", "data-parallel size"),
+    _i(_DS_ENGINE, "skipped_steps", "instance", "features/freeze.py",
+       "the steps DeepSpeed skipped (overflow): freezing counts the optimizer steps taken, and a skipped step is no "
+       "gradient-norm check"),
     _i(_DS_ENGINE, "optimizer", "instance", f"{_E} WeightGradPass", "the bf16 optimizer's grad buffers"),
     _i(_DS_ENGINE, "_config", "instance", f"{_E} WeightGradPass", "bf16 immediate_grad_update"),
     _i(_CONFIG, "bfloat16_config", "instance", f"{_E} WeightGradPass", "bf16 immediate_grad_update"),
@@ -258,7 +261,11 @@ INTERNALS: tuple[Internal, ...] = (
        "fragment's param_group_index: the inner optimizer's group that holds it; BF16_Optimizer is recognised by "
        "bf16_groups, listed above)"),
     _i("deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer", "single_partition_of_fp32_groups", "instance",
-       "features/frozen_state.py", "ZeRO 1/2 is recognised by it"),
+       "features/frozen_state.py, features/freeze.py", "ZeRO 1/2 is recognised by it"),
+    _i("deepspeed.utils.tensor_fragment:tensor_fragment", "get_lp_grad_fragment", "attr", "features/freeze.py",
+       "under ZeRO 1 the reduced gradient of a parameter's fragment in this rank's partition (``.grad`` is cleared), "
+       "with the parameter's ``_index_in_param_group``, ``_dp_group`` and the fragment's ``lp_fragment_address``: "
+       "the auto freeze policy's gradient norms"),
     _i("deepspeed.runtime.fp16.unfused_optimizer:FP16_UnfusedOptimizer", "fp32_groups", "instance",
        "features/frozen_state.py", "its per-parameter fp32 copies, parallel to fp16_groups"),
     _i("deepspeed.runtime.fp16.unfused_optimizer:FP16_UnfusedOptimizer", "fp16_groups", "instance",

@@ -731,6 +731,8 @@ class TokenPipelineEngine(PipelineEngine):
             self.freezer.observe_gradients(self)
             self.freezer.before_optimizer_step(self)
         super()._exec_optimizer_step(*args, **kwargs)
+        if getattr(self, "freezer", None) is not None:   # the auto policy's check, unless DeepSpeed skipped the step
+            self.freezer.after_optimizer_step(self)
 
     def _take_model_step(self, *args: Any, **kwargs: Any) -> None:
         """DeepSpeed's step, with the fp16 scale moved once the step has divided the gradients by it and before

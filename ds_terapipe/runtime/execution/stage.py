@@ -37,7 +37,8 @@ class PipelineStage(Protocol):
     sequence: Any                    # runtime.slicing.sequence.SequenceShare under sequence parallelism, else None
     seq_len: int
     slices: tuple[int, ...]
-    global_steps: int
+    global_steps: int                # DeepSpeed's step count, the steps it skipped included
+    skipped_steps: int               # steps DeepSpeed skipped (fp16 overflow, bf16 inf/nan gradients)
 
     # -- the plan ---------------------------------------------------------------------------------------------
     plan: Any                        # runtime.planning.plan.ResolvedPlan in use

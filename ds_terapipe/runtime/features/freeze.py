@@ -22,9 +22,14 @@ the frozen layers are always a prefix ``[0, k)``):
 When (every rank the same step, decided before the batch): a ``schedule`` of ``[step, num_frozen_layers]`` is a
 function of the step count all ranks share (their configs were checked equal at init); the ``auto`` policy is
 decided on global rank 0 from the per-layer gradient norms all ranks gathered at the last check, and broadcast
-(the rule: :func:`auto_freeze_count`). Re-planning (``freeze.replan`` with ``slices: "auto"``): the costs
-profiled at init with each chunk's backward scaled by the share of its layers still training (0 for a frozen
-chunk; :func:`frozen_cost`), solved on rank 0 and installed on every rank with ``engine.install_plan``.
+(the rule: :func:`auto_freeze_count`). Steps count the optimizer steps taken (:meth:`Freezer.steps_taken`): a step
+DeepSpeed skips (fp16 overflow, bf16 inf/nan gradients) moves nothing, so it is not counted, and it is no check:
+its norms are inf or nan, which the rule would read as stable (nan) or as a change (inf). A check reads the
+gradients the optimizer steps with, after the data-parallel reduction: the whole gradient, or under ZeRO 1 this
+rank's fragment of each parameter's (summed over the replicas), divided by the fp16 loss scale of the backward.
+Re-planning (``freeze.replan`` with ``slices: "auto"``): the costs profiled at init with each chunk's backward
+scaled by the share of its layers still training (0 for a frozen chunk; :func:`frozen_cost`), solved on rank 0 and
+installed on every rank with ``engine.install_plan``.
 
 Optimizers: with fp32 at ZeRO stage 0 the optimizer holds the parameters themselves (the state is dropped, as
 above). bf16, fp16 and ZeRO 1 keep fp32 master copies, mostly flat, that their inner optimizer updates whole; there
@@ -34,6 +39,7 @@ the frozen elements are held still around each update and their state kept at ze
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import replace
 from typing import Any, Callable, Mapping, Optional
 
@@ -56,8 +62,10 @@ logger = logging.getLogger(__name__)
 
 def layer_norms(tables: list[Mapping[Any, float]], scale: float = 1.0) -> dict[int, float]:
     """Each layer's gradient norm from every rank's squared norms: ``{layer: squares}`` from the stage that holds
-    it (replicas send the same reduced values: counted once), ``{(layer, stage): squares}`` for rows of a layer's
-    table split over the pipeline (each stage's rows counted once, summed into the layer's); divided by ``scale``."""
+    it (replicas send the same reduced values: counted once), ``{(layer, *where): squares}`` for a piece of a
+    layer's gradient (rows of a table split over the pipeline: ``(layer, stage)``; a ZeRO 1 partition's fragments:
+    ``(layer, stage, partition)``), each distinct piece counted once and summed into the layer's; divided by
+    ``scale``."""
     merged: dict[Any, float] = {}
     for table in tables:
         merged.update(table)
@@ -113,6 +121,9 @@ class Freezer:
         self.events: list[dict[str, Any]] = []
         self._pending: Optional[int] = None  # the auto policy's decision, applied before the next batch
         self._previous_norms: Optional[dict[int, float]] = None
+        # a check's (DeepSpeed's step, squared norms, loss scale, skipped steps), taken before the optimizer step,
+        # until the step says whether it was skipped
+        self._check: Optional[tuple[int, dict[Any, float], float, int]] = None
         self._base_cost = engine.plan.cost  # the profiled costs (rank 0), before any freeze
         self.repacked: Optional[dict[str, Any]] = None  # the repack this run made (runtime/features/repack.py), if any
         self._masters: Optional[FrozenMasters] = None  # DeepSpeed's master copies of the frozen weights
@@ -199,8 +210,15 @@ class Freezer:
         return module.vocab_head.embedding.layer, list(table.parameters())
 
     # -- each step ------------------------------------------------------------------------------------------------
+    @staticmethod
+    def steps_taken(engine: "PipelineStage") -> int:
+        """The optimizer steps taken so far: DeepSpeed's ``global_steps`` less those it skipped (fp16 overflow,
+        bf16 inf/nan gradients: no optimizer step, no learning-rate step). ``freeze.schedule``, ``warmup_steps`` and
+        ``check_interval`` count these, as the learning-rate schedule does; every rank skips the same steps."""
+        return engine.global_steps - engine.skipped_steps
+
     def target(self, step: int) -> int:
-        """The frozen layer count the policy asks for before the batch of optimizer step ``step``."""
+        """The frozen layer count the policy asks for before the batch of optimizer step ``step`` (steps taken)."""
         if self.cfg.schedule is not None:
             return max([n for s, n in self.cfg.schedule if s <= step] + [self.num_frozen_layers])
         return max(self.num_frozen_layers, self._pending or 0)
@@ -213,7 +231,7 @@ class Freezer:
     def before_step(self, engine: "PipelineStage") -> None:
         """Freeze what the policy asks for at this step (every rank reaches the same count, see the module doc),
         then repack when ``repack`` is on and the rule says so (``engine`` is then the repacked engine)."""
-        target = self.target(engine.global_steps)
+        target = self.target(self.steps_taken(engine))
         if target > self.num_frozen_layers:
             self._check_counts(target)
             self.apply(engine, target)
@@ -282,7 +300,8 @@ class Freezer:
             logger.info("terapipe: step %d: stage %d froze %d parameter(s) of layers < %d, released %.1f MiB of "
                         "optimizer state%s", engine.global_steps, engine.stage_id, frozen_params, num_frozen_layers,
                         released / 2**20, kept)
-        event: dict[str, Any] = {"step": engine.global_steps, "layers": [before_layers, num_frozen_layers],
+        event: dict[str, Any] = {"step": self.steps_taken(engine), "global_step": engine.global_steps,
+                                 "layers": [before_layers, num_frozen_layers],
                                  "frozen_chunks": self.num_frozen_chunks, "slices_before": list(engine.slices)}
         if self.cfg.replan and engine.terapipe.slicing.is_auto:
             event.update(self._replan(engine, before_layers, before_chunks, may_switch=not keep_slices))
@@ -328,42 +347,91 @@ class Freezer:
             self.grads.buffer(optimizer.bf16_groups[0][0])
 
     def observe_gradients(self, engine: "PipelineStage") -> None:
-        """The auto policy's check (collective), right before the optimizer step of a check step: gather every
-        training layer's gradient norm on rank 0, decide there, broadcast the count for the next batch."""
+        """The auto policy's check, first half: right before the optimizer step of a check step, this rank's squared
+        gradient norm of every training layer it holds (local; :meth:`after_optimizer_step` decides)."""
         auto = self.cfg.auto
-        step = engine.global_steps
+        step = self.steps_taken(engine)
+        self._check = None
         if auto is None or step < auto.warmup_steps or (step - auto.warmup_steps) % auto.check_interval:
             return
         module = engine.module
-
-        def squares(params: list[torch.nn.Parameter]) -> float:
-            grads = [g for g in (self.grads.read(p) for p in params) if g is not None]
-            return float(sum((g.float() ** 2).sum() for g in grads)) if grads else 0.0
-
-        # squared norms: a layer's on the stage that holds it; a split table's rows (key (layer, stage)) on every rank
+        partitioned = self._partitioned(engine.optimizer)
+        # squared norms: a layer's on the stage that holds it, a split table's rows (key (layer, stage)) on every
+        # rank; under ZeRO 1 each fragment keyed by its partition too (the replicas hold different fragments), and
+        # the layer's own key holds 0 (every training layer has a norm, whichever rank holds its fragments)
         local: dict[Any, float] = {}
+
+        def add(key: Any, params: list[torch.nn.Parameter]) -> None:
+            for param in params:
+                grad = self._reduced_grad(param, partitioned)
+                if grad is not None:
+                    piece = key if not partitioned else (*key, dist.get_rank(param._dp_group))
+                    local[piece] = local.get(piece, 0.0) + float((grad.float() ** 2).sum())
+
         for idx in self._local_layers(module):
             if idx < self.num_frozen_layers or idx not in self.param_layers:
                 continue
-            local[idx] = squares(self._layer_params(module, idx))
+            local[idx] = 0.0
+            add(idx if not partitioned else (idx, engine.stage_id), self._layer_params(module, idx))
         rows_layer, rows = self._split_rows(module)
         if rows_layer is not None and rows_layer >= self.num_frozen_layers:
-            local[(rows_layer, engine.stage_id)] = squares(rows)
+            local.setdefault((rows_layer, engine.stage_id) if not partitioned else rows_layer, 0.0)
+            add((rows_layer, engine.stage_id), rows)
+        # fp16: the gradients carry the loss scale of their backward, which the step may move; the log names
+        # DeepSpeed's step, as the other log lines do
+        self._check = (engine.global_steps, local, self.grads.scale(), engine.skipped_steps)
+
+    def after_optimizer_step(self, engine: "PipelineStage") -> None:
+        """The auto policy's check, second half (collective on a check step): gather every rank's squared norms and
+        whether DeepSpeed skipped the step; a skipped step, or one whose norms are not all finite, is no check (the
+        previous norms stay, and the check comes again at the next step: the steps taken did not move); otherwise
+        decide on rank 0 and broadcast the count for the next batch."""
+        if self._check is None:
+            return
+        step, local, scale, skipped_before = self._check
+        self._check = None
         gathered: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, local)
-        norms = layer_norms(gathered, self.grads.scale())   # fp16: the gradients carry the loss scale, which moves
+        dist.all_gather_object(gathered, (local, engine.skipped_steps != skipped_before))
+        norms = layer_norms([table for table, _ in gathered], scale)
+        skipped = any(s for _, s in gathered)
+        if skipped or not all(math.isfinite(v) for v in norms.values()):
+            if engine.global_rank == 0:
+                logger.info("terapipe: step %d: no gradient norm check (%s); the previous norms stay", step,
+                            "DeepSpeed skipped the step" if skipped else
+                            f"non-finite norms of layers {sorted(k for k, v in norms.items() if not math.isfinite(v))}")
+            return
         previous, self._previous_norms = self._previous_norms, norms
         if previous is None:
             return
 
         self._pending = decided_on_rank0(
-            lambda: auto_freeze_count(self.num_frozen_layers, previous, norms, self.param_layers, auto))
+            lambda: auto_freeze_count(self.num_frozen_layers, previous, norms, self.param_layers, self.cfg.auto))
         if engine.global_rank == 0:
             logger.info("terapipe: step %d: gradient norms %s (previous %s): %s", step,
                         {k: round(v, 6) for k, v in sorted(norms.items())},
                         {k: round(v, 6) for k, v in sorted(previous.items())},
                         f"freezing {self._pending} layer(s) from the next step"
                         if self._pending > self.num_frozen_layers else "nothing to freeze")
+
+    @staticmethod
+    def _partitioned(optimizer: Any) -> bool:
+        """Whether ``optimizer`` keeps the reduced gradients in partitions over the replicas (ZeRO 1 and 2, which
+        clear ``.grad`` once they reduced it)."""
+        return hasattr(optimizer, "single_partition_of_fp32_groups")
+
+    def _reduced_grad(self, param: torch.nn.Parameter, partitioned: bool) -> Optional[torch.Tensor]:
+        """``param``'s gradient after the data-parallel reduction as far as this rank holds it: the whole gradient,
+        or under ZeRO 1 this rank's fragment of it (None where it holds none)."""
+        if not partitioned:
+            return self.grads.read(param)
+        mapping = getattr(param, "_hp_mapping", None)
+        if mapping is None:   # its partition lives on another replica
+            return None
+        fragment = mapping.get_lp_grad_fragment(param._index_in_param_group).reshape(-1)
+        address = mapping.lp_fragment_address
+        if fragment.numel() == param.numel() and address.numel != param.numel():   # a whole gradient: its fragment
+            fragment = fragment.narrow(0, address.start, address.numel)
+        return fragment
 
     # -- re-planning ---------------------------------------------------------------------------------------------
     def lowered(self, engine: "PipelineStage", num_slices: int, num_frozen_chunks: int) -> Schedule:

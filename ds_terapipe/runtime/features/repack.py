@@ -584,9 +584,9 @@ def repack(engine: "PipelineStage", k: int) -> dict[str, Any]:
     for counter in _COUNTERS:
         setattr(new, counter, getattr(engine, counter))
     new.repack_share = RepackShare(factor=k, index=expected[1] // old_replicas, old_replica=replica)
-    event = {"step": engine.global_steps, "repack": {"stages": [old_stages, new_stages],
-                                                       "replicas": [old_replicas, new_replicas], "parts": new_parts,
-                                                       "micro_batches": [engine.micro_batches, new.micro_batches]}}
+    event = {"step": freezer.steps_taken(engine), "global_step": engine.global_steps,
+             "repack": {"stages": [old_stages, new_stages], "replicas": [old_replicas, new_replicas],
+                        "parts": new_parts, "micro_batches": [engine.micro_batches, new.micro_batches]}}
     before_ms = freezer.predicted_ms()
     new.freezer.adopt(new, freezer, event)
     after_ms = new.freezer.predicted_ms()
