@@ -668,6 +668,11 @@ def test_vocab_parallelism_takes_the_heads_of_sinks_and_latent_attention_models(
     build_full(split_output_layer(causal_lm_specs(tiny_config(arch)))[1])
 
 
+def test_the_readme_counts_the_supported_model_types() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert f"Hugging Face causal LMs of {len(SUPPORTED_MODEL_TYPES)} model types" in readme
+
+
 def test_masks_and_headless_models_are_refused() -> None:
     stages, _ = build_stages(causal_lm_specs(tiny_config("llama")), num_stages=1)
     ids = make_batches()[0][0]
