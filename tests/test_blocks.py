@@ -541,10 +541,24 @@ def test_sinks_of_minus_infinity_are_plain_causal_attention_and_bad_sinks_are_re
     none = torch.full((2,), float("-inf"), dtype=torch.float64)
     torch.testing.assert_close(sliced_causal_attention(q, k, v, cache_key="a", sinks=none),
                                F.scaled_dot_product_attention(q, k, v, is_causal=True))
-    for sinks, got in ((torch.zeros(3), "shape (3,)"), ([0.0, 0.0], "a list"), (torch.zeros(2, 1), "shape (2, 1)")):
-        with pytest.raises(ValueError, match=rf"sinks is {re.escape(got)} but q has 2 heads; attention sinks are a "
-                                             r"floating-point tensor of shape \(2,\)"):
+    bad = ((torch.zeros(3), "of shape (3,)"), ([0.0, 0.0], "a list"), (torch.zeros(2, 1), "of shape (2, 1)"),
+           (torch.zeros(2, dtype=torch.int64), "of dtype torch.int64"))
+    for sinks, got in bad:
+        with pytest.raises(ValueError, match=rf"sinks is {re.escape(got)}, and q has 2 heads; attention sinks are "
+                                             r"a floating-point tensor of shape \(2,\)"):
             sliced_causal_attention(q, k, v, cache_key="a", sinks=sinks)
+
+
+def test_a_sink_far_above_the_scores_takes_every_row_whole_without_overflow() -> None:
+    """A sink logit of 1000 (its exp overflows even fp64) on the plain math (a window that hides keys): the sink
+    takes every row's whole weight, so the output and all gradients are 0, none nan."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 12, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    sinks = torch.full((2,), 1000.0, dtype=torch.float64, requires_grad=True)
+    out = sliced_causal_attention(q, k, v, cache_key="a", window=4, sinks=sinks)
+    out.sum().backward()
+    for got in (out, q.grad, k.grad, v.grad, sinks.grad):
+        assert torch.equal(got, torch.zeros_like(got)), got
 
 
 def test_sequence_parallel_ranks_attend_with_their_heads_sinks(monkeypatch: pytest.MonkeyPatch) -> None:

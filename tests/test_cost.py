@@ -18,7 +18,7 @@ from ds_terapipe.planner.presets import (
     DEVICE_PRESETS, MODEL_PRESETS, analytic_layer_costs, analytic_pipeline_cost, get_device_preset,
     get_model_preset, preset_memory_model, resolve_model, split_layers,
 )
-from ds_terapipe.planner.roofline import computed_pairs
+from ds_terapipe.planner.roofline import computed_pairs, visible_keys, visible_pairs
 from ds_terapipe.planner.schedule import ActionKind, build_gpipe, defer_weights
 from ds_terapipe.planner.simulate import simulate
 from ds_terapipe.planner.slicing import plan_slicing
@@ -368,8 +368,10 @@ def _computed_pairs(s: int, c: int, window: int | None, block: int = 256) -> int
 
 
 def test_blocked_band_scores_count_as_the_runtime_runs_them():
-    """computed_pairs against the block-by-block count, blocks of the window's size and longer."""
+    """computed_pairs against the block-by-block count, blocks of the window's size and longer (and the visible
+    pairs and keys it starts from, windows hiding keys included)."""
     for s, c, w in WINDOW_GRID:
+        assert (visible_pairs(s, c, w), visible_keys(s, c, w)) == (_visible_pairs(s, c, w), _visible_keys(s, c, w))
         for block in (1, 2, 4, 256):
             assert computed_pairs(s, c, w, block=block) == _computed_pairs(s, c, w, block), (s, c, w, block)
     assert computed_pairs(40, 100, 3, block=4) == 10 * 4 * 6    # every block over its own window

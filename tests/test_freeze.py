@@ -139,6 +139,37 @@ def test_auto_rule_is_monotone_over_a_run() -> None:
     assert history == sorted(history) and history[-1] <= 7 and history[-1] > 0
 
 
+def test_auto_checks_count_steps_taken_after_the_warmup_and_give_every_training_layer_a_norm() -> None:
+    """``Freezer.observe_gradients`` on one rank (no process group: the collective half is ``after_optimizer_step``)
+    with ``warmup_steps`` 3, ``check_interval`` 2 and one step DeepSpeed skipped: a check at steps taken 3, 5, 7
+    only (none pending between them), the squared norms of every training layer, 0 for a layer without gradients
+    (its gradient vanished: stable for the rule, not missing)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from ds_terapipe.runtime.features.freeze import Freezer
+
+    layers = [torch.nn.Linear(2, 1, bias=False) for _ in range(3)]
+    layers[1].weight.grad, layers[2].weight.grad = torch.full((1, 2), 2.0), torch.full((1, 2), 3.0)
+    module = SimpleNamespace(_local_start=0, _local_stop=3, _layer_specs=[None] * 3,
+                             _modules={str(i): layer for i, layer in enumerate(layers)})
+    freezer = object.__new__(Freezer)
+    freezer.cfg = SimpleNamespace(auto=_parse({"auto": {"warmup_steps": 3, "check_interval": 2}}).auto)
+    freezer.num_frozen_layers, freezer.param_layers = 0, (0, 1, 2)
+    freezer.grads = SimpleNamespace(read=lambda param: param.grad, scale=lambda: 1.0)
+    engine = SimpleNamespace(module=module, optimizer=object(), stage_id=0, skipped_steps=1)
+    checked = []
+    for taken in range(9):
+        engine.global_steps = taken + 1
+        freezer._check = "a check of an earlier step"
+        freezer.observe_gradients(engine)
+        if freezer._check is not None:
+            checked.append((taken, freezer._check))
+    assert [taken for taken, _ in checked] == [3, 5, 7]
+    assert checked[-1][1] == (8, {0: 0.0, 1: 8.0, 2: 18.0}, 1.0, 1)   # (DeepSpeed's step, squares, scale, skipped)
+
+
 def test_layer_norms_sum_each_layer_s_split_rows_once_and_undo_the_loss_scale() -> None:
     """``layer_norms``: a layer's squares from one stage, a split table's rows summed over the stages that hold
     them, the root divided by the loss scale (an fp16 gradient is the scaled one)."""

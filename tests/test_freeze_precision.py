@@ -15,7 +15,8 @@ fp32; losses within 2e-5. With the frozen elements not held, the frozen weights 
 parameters on stage 0) and stage 0's update is off by 240%.
 
 Steps DeepSpeed skips (an fp16 overflow, bf16 inf/nan gradients; cases in the same launches): the auto policy
-compares the norms of the steps taken only, unscaled (fp16's scale halves at each overflow), read from ZeRO 1's
+compares the norms of the steps taken only, unscaled by the scale of their backward (fp16's scale doubles at each
+step taken here, so each check's step moves it, and halves at each overflow), read from ZeRO 1's
 partitions as from ZeRO 0's gradients: the same norms (within 2e-2 of the fp32 run's, measured 3.6e-3) and the same
 freezes at the same steps as a run of the clean steps alone; a freeze schedule counts the steps taken; a repack
 keeps the loss scaler's state and the step counters as they were. Without their rules: a nan norm read as stable

@@ -625,6 +625,9 @@ def run_sliced_forward_only(layers: list, ids: torch.Tensor, slices: list[int]):
     (lambda: transformers.Llama4TextConfig(**COMMON, attention_chunk_size=None,
                                            layer_types=["chunked_attention"] + ["full_attention"] * 2),
      "1 of 3 layers use chunked attention but attention_chunk_size=None", "make those layers 'full_attention'"),
+    (lambda: transformers.Llama4TextConfig(**COMMON, attention_chunk_size=0,
+                                           layer_types=["chunked_attention"] + ["full_attention"] * 2),
+     "1 of 3 layers use chunked attention but attention_chunk_size=0", "(a positive int: the tokens of a chunk)"),
 ])
 def test_unsupported_features_are_refused_when_building(make, feature: str, fix: str) -> None:
     with pytest.raises(UnsupportedModelError) as err:

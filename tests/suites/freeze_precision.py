@@ -40,8 +40,9 @@ STEPS = 4
 WEIGHT_DECAY = 0.01
 PRECISIONS = {"fp32": {}, "bf16": {"bf16": {"enabled": True}},
               "fp16": {"fp16": {"enabled": True, "loss_scale": 1024.0}},
-              # from 2^8, never grown in these runs; an overflow halves it (ZeRO 1: after its hysteresis of 2)
-              "fp16 dynamic": {"fp16": {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 1000}}}
+              # from 2^8, doubled by every step taken (so a check's step moves the scale its gradients carry); an
+              # overflow halves it (ZeRO 1: after its hysteresis of 2)
+              "fp16 dynamic": {"fp16": {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 1}}}
 #: the auto policy of the skipped-step cases: a check every step, every layer stable, 2 layers per check at first
 AUTO = {"check_interval": 1, "tolerance": 100.0, "aggressiveness": 0.34}
 

@@ -173,9 +173,10 @@ def sliced_causal_attention(q: torch.Tensor,
 def _check_sinks(sinks: "torch.Tensor | None", q: torch.Tensor) -> None:
     if sinks is not None and (not torch.is_tensor(sinks) or sinks.shape != (q.shape[1],)
                               or not sinks.is_floating_point()):
-        got = f"a {type(sinks).__name__}" if not torch.is_tensor(sinks) else f"shape {tuple(sinks.shape)}"
-        raise ValueError(f"sliced_causal_attention: sinks is {got} but q has {q.shape[1]} heads; attention sinks are a "
-                         f"floating-point tensor of shape ({q.shape[1]},), one logit per query head, or None")
+        got = (f"a {type(sinks).__name__}" if not torch.is_tensor(sinks) else f"of shape {tuple(sinks.shape)}"
+               if sinks.shape != (q.shape[1],) else f"of dtype {sinks.dtype}")
+        raise ValueError(f"sliced_causal_attention: sinks is {got}, and q has {q.shape[1]} heads; attention sinks are "
+                         f"a floating-point tensor of shape ({q.shape[1]},), one logit per query head, or None")
 
 
 #: The fewest queries a block of a windowed slice holds (see :func:`window_query_blocks`): shorter blocks would
