@@ -33,9 +33,9 @@ def arch_settings(arch: str, args: argparse.Namespace, intermediate: int, seq_le
     """What ``arch`` needs beyond the size options so that the token pipeline runs it exactly and the small shapes
     hold: a few small experts (the defaults have up to 256 experts, each as wide as a dense MLP), and latent attention
     (DeepSeek, Youtu, MiniCPM3, ...) sized to the heads (its keys and values have every head: num_key_value_heads is
-    the head count). Sliding windows, softcapping (Gemma 2) and attention sinks (gpt-oss) stay as the architecture
-    sets them; Llama 4's attention chunks (8192 tokens by default, longer than the example's rows) are a quarter of
-    the sequence, so its chunked layers attend in chunks."""
+    the head count), and DBRX's nested attention and expert configs. Sliding windows, softcapping (Gemma 2) and
+    attention sinks (gpt-oss) stay as the architecture sets them; Llama 4's attention chunks (8192 tokens by default,
+    longer than the example's rows) are a quarter of the sequence, so its chunked layers attend in chunks."""
     experts = {"num_experts_per_tok": 2}
     small = {"moe_intermediate_size": intermediate // 2}
     head_dim = args.hidden // args.heads
@@ -86,6 +86,11 @@ def arch_settings(arch: str, args: argparse.Namespace, intermediate: int, seq_le
         "kolibri1": {**experts, "num_local_experts": 4, **small, "shared_expert_intermediate_size": intermediate},
         "llama4_text": {**experts, "num_local_experts": 4, "intermediate_size_mlp": intermediate,
                         "attention_chunk_size": max(1, seq_len // 4)},
+        # nested configs: the experts' width follows d_model (not hidden_size); transformers' attention needs
+        # attn_config's rope_theta (the rotary module takes rope_parameters') and clip_qkv (DBRX's: 8)
+        "dbrx": {"d_model": args.hidden, "attn_config": {"kv_n_heads": args.kv_heads, "rope_theta": 1e4,
+                                                         "clip_qkv": 8.0},
+                 "ffn_config": {"ffn_hidden_size": intermediate // 2, "moe_num_experts": 4, "moe_top_k": 2}},
     }.get(arch, {})
 
 

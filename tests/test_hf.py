@@ -223,6 +223,10 @@ OTHER_ARCHS = {
                                                                                       "rope_theta": 1e4,
                                                                                       "mrope_section": [2, 3, 3]},
                                                                 "full_attention": None})),
+    # DBRX: q/k/v clipped at 0.2 (a fifth of the tiny model's are larger), 4 experts under a top-2 router, 2 key/value
+    # heads; d_model set too (the experts' width follows it, not hidden_size), rope_theta (its attention reads it)
+    "dbrx": ("DbrxConfig", dict(d_model=64, attn_config=dict(kv_n_heads=2, clip_qkv=0.2, rope_theta=1e4),
+                                ffn_config=dict(ffn_hidden_size=32, moe_num_experts=4, moe_top_k=2))),
     # Sliding windows shorter than the sequence (5 of its 16 keys): the slicings cut slices shorter and longer
     # than the window. Mistral's on every layer; the others' on the 'sliding_attention' layers of layer_types, with
     # what else the type picks in play: Gemma 3's local rotary base, Cohere 2's and EXAONE 4's rotary on sliding
@@ -628,11 +632,35 @@ def run_sliced_forward_only(layers: list, ids: torch.Tensor, slices: list[int]):
     (lambda: transformers.Llama4TextConfig(**COMMON, attention_chunk_size=0,
                                            layer_types=["chunked_attention"] + ["full_attention"] * 2),
      "1 of 3 layers use chunked attention but attention_chunk_size=0", "(a positive int: the tokens of a chunk)"),
+    # what transformers' DBRX blocks cannot build or run (test_dbrx_refusals_are_transformers_own)
+    (lambda: transformers.DbrxConfig(hidden_size=64, n_heads=4, attn_config=dict(clip_qkv=8.0, rope_theta=1e4)),
+     "dbrx: ffn_config.hidden_size=2048 differs from d_model=64", "with d_model=... instead of hidden_size"),
+    (lambda: transformers.DbrxConfig(**DBRX_SIZES, attn_config=dict(clip_qkv=None, rope_theta=1e4)),
+     "dbrx: attn_config.clip_qkv=None", "set attn_config's clip_qkv to a positive number"),
+    (lambda: transformers.DbrxConfig(**DBRX_SIZES, attn_config=dict(clip_qkv=8.0)),
+     "dbrx: attn_config has no rope_theta", "'rope_theta': <rope_parameters' rope_theta>"),
 ])
 def test_unsupported_features_are_refused_when_building(make, feature: str, fix: str) -> None:
     with pytest.raises(UnsupportedModelError) as err:
         causal_lm_specs(make())
     assert feature in str(err.value) and fix in str(err.value), str(err.value)
+
+
+DBRX_SIZES = dict(d_model=64, n_layers=1, n_heads=4, vocab_size=VOCAB, ffn_config=dict(ffn_hidden_size=8))
+
+
+@pytest.mark.parametrize("kwargs, error", [
+    (dict(DBRX_SIZES, attn_config=dict(clip_qkv=None, rope_theta=1e4)), "'min' or 'max' must not be None"),
+    (dict(DBRX_SIZES, attn_config=dict(clip_qkv=8.0)), "no attribute 'rope_theta'"),
+    (dict(DBRX_SIZES, d_model=2048, hidden_size=64, attn_config=dict(clip_qkv=8.0, rope_theta=1e4)),
+     "cannot be multiplied"),
+], ids=["clip_qkv-none", "no-rope_theta", "hidden_size"])
+def test_dbrx_refusals_are_transformers_own(kwargs: dict, error: str) -> None:
+    """The DBRX configs refused above fail in transformers' own model too (built, or at its first forward): when
+    transformers runs one, this test fails, and its refusal should go."""
+    config = transformers.DbrxConfig(**kwargs)
+    with pytest.raises((AttributeError, RuntimeError), match=error):
+        transformers.DbrxForCausalLM(config)(input_ids=make_batches()[0][0])
 
 
 CAPPED = (r"it computes 30 \* tanh\(that / 30\): a final-logit softcap, .*final_logit_softcapping .*set it to None "

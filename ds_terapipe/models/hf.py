@@ -16,17 +16,17 @@ wrapper. Grouped-query attention keeps the cache at ``num_key_value_heads``: k/v
 pipeline layers are: embedding, the decoder layers, the final norm, the LM head (a ``TiedLayerSpec`` with the embedding
 when the weights are tied); the loss is :func:`causal_lm_loss`. What an architecture's ``*Model`` / ``*ForCausalLM``
 does around its layers is redone here from the ``_FAMILIES`` table: the embedding's scale (Gemma's sqrt(hidden),
-Granite's multiplier) or norm (NanoChat) and dropout, the final norm's class (by the config for Cohere 2-MoE), the
-head's bias, logit scale (Granite, Cohere, HyperCLOVA X) and final-logit softcapping (Gemma 2/3), per-layer-type rotary
-tables (Gemma 3, OLMo 3), a rotary base per layer and layers without rotary (Granite SWA, Cohere Compass), and each
-layer's sliding window: the one the model's own mask gives that layer (``sliding_window`` on every layer of Mistral,
-Mixtral, Phi-3, ...; on the ``'sliding_attention'`` layers of ``layer_types`` in Gemma 2/3, Qwen, OLMo 3, Cohere 2,
-...), handed to :func:`~ds_terapipe.sliced_causal_attention` as ``window``, and Llama 4's chunk
-(``attention_chunk_size`` on the ``'chunked_attention'`` layers) as ``chunk``. Attention-logit softcapping (Gemma 2's
-``attn_logit_softcapping``) goes to it as ``softcap``, and attention sinks (the ``s_aux`` gpt-oss', Granite SWA's and
-MiMo-V2-Flash's attention passes) as ``sinks``. Latent attention (DeepSeek, Youtu, MiniCPM3, ...) hands over keys wider
-than its values (``qk_nope_head_dim + qk_rope_head_dim`` vs ``v_head_dim``), which the sliced attention and its KV
-buffers take as they are.
+Granite's multiplier) or norm (NanoChat) and dropout, the final norm's class (by the config for Cohere 2-MoE) and
+bias (none in DBRX's), the head's bias, logit scale (Granite, Cohere, HyperCLOVA X) and final-logit softcapping
+(Gemma 2/3), per-layer-type rotary tables (Gemma 3, OLMo 3), a rotary base per layer and layers without rotary
+(Granite SWA, Cohere Compass), and each layer's sliding window: the one the model's own mask gives that layer
+(``sliding_window`` on every layer of Mistral, Mixtral, Phi-3, ...; on the ``'sliding_attention'`` layers of
+``layer_types`` in Gemma 2/3, Qwen, OLMo 3, Cohere 2, ...), handed to :func:`~ds_terapipe.sliced_causal_attention` as
+``window``, and Llama 4's chunk (``attention_chunk_size`` on the ``'chunked_attention'`` layers) as ``chunk``.
+Attention-logit softcapping (Gemma 2's ``attn_logit_softcapping``) goes to it as ``softcap``, and attention sinks
+(the ``s_aux`` gpt-oss', Granite SWA's and MiMo-V2-Flash's attention passes) as ``sinks``. Latent attention (DeepSeek,
+Youtu, MiniCPM3, ...) hands over keys wider than its values (``qk_nope_head_dim + qk_rope_head_dim`` vs
+``v_head_dim``), which the sliced attention and its KV buffers take as they are.
 
 Features whose result would depend on the slicing, or that the token pipeline cannot feed, are refused when
 the specs are built (:class:`UnsupportedModelError`, naming the feature and the fix): cross-attention and
@@ -150,6 +150,25 @@ def _rms_final_norm_if_rms_eps(config: PretrainedConfig) -> dict[str, Any]:
     return {"final_norm": "Cohere2MoeRMSNorm", "norm_eps": "rms_norm_eps"}
 
 
+def _dbrx_unrunnable(config: PretrainedConfig) -> str | None:
+    """DBRX: what in ``config`` transformers' DBRX blocks cannot run, with the fix; None if nothing. The experts and
+    router are sized by ``ffn_config.hidden_size``, which ``DbrxConfig`` sets from ``d_model`` before it reads a
+    ``hidden_size`` argument; the attention reads ``attn_config.rope_theta`` when built (the rotary module takes
+    ``rope_parameters``' base) and clamps q/k/v to ``[-clip_qkv, clip_qkv]``, which fails for None."""
+    attn, width = config.attn_config, config.ffn_config.hidden_size
+    if width != config.hidden_size:
+        return (f"ffn_config.hidden_size={width} differs from d_model={config.hidden_size}, so the experts cannot take "
+                "the hidden states (DbrxConfig(hidden_size=...) leaves them at the default width); build the config "
+                "with d_model=... instead of hidden_size")
+    if not hasattr(attn, "rope_theta"):
+        return ("attn_config has no rope_theta, which transformers' DbrxAttention reads when it is built; set "
+                "attn_config={..., 'rope_theta': <rope_parameters' rope_theta>} (DBRX checkpoints carry it)")
+    if attn.clip_qkv is None:
+        return ("attn_config.clip_qkv=None, which transformers' DbrxAttention passes to torch.clamp as both bounds "
+                "(it refuses); set attn_config's clip_qkv to a positive number (DBRX checkpoints: 8)")
+    return None
+
+
 @dataclass(frozen=True)
 class _Family:
     """Where one architecture keeps its parts, in ``transformers`` and in its checkpoints, and what its
@@ -165,6 +184,7 @@ class _Family:
     norm: str  # attribute of the base (and of HFFinalNorm) holding the final norm
     norm_eps: str | None = "rms_norm_eps"  # config attribute of the final norm's epsilon; None: it takes none
     norm_sized: bool = True  # the final norm's class takes hidden_size (NanoChat's weightless RMSNorm takes eps only)
+    norm_bias: bool = True  # the final norm has its class's default bias (DBRX's nn.LayerNorm(bias=False) has none)
     embed_padding: bool = True  # the embedding's padding_idx is config.pad_token_id (its row gets no gradient)
     embed_dropout: str | None = None  # config attribute of the dropout probability after the embedding
     # what the *Model does to the embeddings before the first layer: a scale (Gemma, Granite), a norm (NanoChat)
@@ -188,6 +208,9 @@ class _Family:
     # The attention reads how many tokens precede the call from its cache's get_seq_length() (Llama 4's temperature
     # tuning on NoPE layers): each layer is handed a _SliceOffset, which answers the slice's offset and holds nothing.
     offset_cache: bool = False
+    # What in the config the family's transformers classes cannot build or run (DBRX's sizes and attention): the
+    # reason and the fix, refused with the other features when the specs are built; None: nothing.
+    unrunnable: Callable[[PretrainedConfig], str | None] | None = None
 
 
 def _family(config: PretrainedConfig) -> _Family:
@@ -306,6 +329,10 @@ _FAMILIES: dict[str, _Family] = {
                                        norm_eps="layer_norm_eps", window=_LAYER_TYPES,
                                        layer_rotary=_rotary_unless_nope),
     "llama4_text": _llama_like("llama4", "Llama4Text", chunked=True, offset_cache=True),
+    # q/k/v clipped (clip_qkv) and experts routed per token inside the blocks; a bias-free LayerNorm final norm
+    "dbrx": _Family("dbrx", "DbrxBlock", None, "DbrxRotaryEmbedding", base="transformer", layers="blocks",
+                    embed="wte", norm="norm_f", norm_eps=None, norm_bias=False,
+                    unrunnable=_dbrx_unrunnable),
 }
 
 # Architectures transformers has as causal LMs that cannot be routed here, and why (the generic refusal otherwise).
@@ -513,6 +540,9 @@ def _check_config(config: PretrainedConfig) -> _Family:
                                     f"supported: {', '.join(SUPPORTED_MODEL_TYPES)} (or write the model as "
                                     "LayerSpecs with ds_terapipe.sliced_causal_attention, see README)")
     family = _family(config)
+    why = family.unrunnable(config) if family.unrunnable is not None else None
+    if why is not None:
+        raise UnsupportedModelError(f"{model_type}: {why}")
     _layer_windows(config, family)  # refuses layer types it does not know, sliding layers without a window
     _layer_chunks(config, family)   # and chunked layers without a chunk
     if family.rotary is not None:
@@ -762,7 +792,8 @@ class HFDecoderLayer(nn.Module):
 
 
 class HFFinalNorm(nn.Module):
-    """The final norm (the family's RMSNorm or LayerNorm class, or ``nn.LayerNorm``; GPT-2's ``ln_f``)."""
+    """The final norm (the family's RMSNorm or LayerNorm class, or ``nn.LayerNorm``, with or without a bias;
+    GPT-2's ``ln_f``)."""
 
     def __init__(self, config: PretrainedConfig, source: nn.Module | None = None,
                  checkpoint: _Checkpoint | None = None) -> None:
@@ -773,8 +804,10 @@ class HFFinalNorm(nn.Module):
             setattr(self, self.attr, source)
             return
         cls = nn.LayerNorm if family.final_norm is None else getattr(_modeling(family), family.final_norm)
-        eps = {} if family.norm_eps is None else {"eps": getattr(config, family.norm_eps)}
-        setattr(self, self.attr, cls(config.hidden_size, **eps) if family.norm_sized else cls(**eps))
+        kwargs = {} if family.norm_eps is None else {"eps": getattr(config, family.norm_eps)}
+        if not family.norm_bias:
+            kwargs["bias"] = False
+        setattr(self, self.attr, cls(config.hidden_size, **kwargs) if family.norm_sized else cls(**kwargs))
         if checkpoint is not None:  # built norms are ones (and zeros), as transformers initialises them
             checkpoint.load_into(self, config.num_hidden_layers + 1)
 
