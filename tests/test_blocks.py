@@ -469,7 +469,8 @@ def _sinks_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: tor
 
 @pytest.mark.parametrize("special", ["sinks", "softcap"])
 def test_the_plain_math_keeps_one_copy_of_the_scores_and_never_repeats_keys(special: str) -> None:
-    """A bf16 slice on the plain-math path (an accelerator's path for sinks and softcap, run on the CPU) keeps for
+    """A bf16 slice on the plain-math path (an accelerator's for softcaps, and for sinks under a window or in packed
+    rows; run on the CPU) keeps for
     backward one (heads, T, keys) tensor of probabilities in bf16 (softcap: and tanh's output), nothing in fp32 of
     that size, and no key/value tensor repeated to the query heads (8 query heads over 2 key/value heads)."""
     torch.manual_seed(0)
@@ -490,6 +491,55 @@ def test_the_plain_math_keeps_one_copy_of_the_scores_and_never_repeats_keys(spec
     repeated = batch * heads * length * head_dim   # a key/value tensor with a copy per query head
     assert not any(x.numel() >= repeated and head_dim in x.shape for x in saved), "keys repeated per head"
     out.float().sum().backward()
+
+
+@pytest.mark.parametrize("kv_heads, head_dim, v_dim", [(2, 16, 16), (4, 12, 20)], ids=["gqa", "narrow-keys"])
+def test_on_an_accelerator_sinks_ride_as_one_more_key_in_one_flash_eligible_call(
+        kv_heads: int, head_dim: int, v_dim: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The accelerator's path for sinks without a window or packed rows (run on the CPU): a bf16 slice runs one SDPA
+    call, no plain math, whose q, k and v share one width, a multiple of 8 with room for the sink's column, under
+    the lazy lower-right causal bias over the keys plus the sink key, as the flash kernel takes them; the result is
+    the dense reference's. Sinks of -inf give plain causal attention (not nan: -inf times a key's zero), and a sink
+    of 1e6 takes every row whole (0, not nan)."""
+    import ds_terapipe.runtime.slicing.attention as attention
+    from torch.nn.attention.bias import CausalBias
+    _force_accelerator_paths(monkeypatch)
+    calls, real = [], F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, **kw):   # the bias dispatches only to the real function: hand it the dense mask
+        calls.append((q, k, v, attn_mask))
+        return real(q, k, v, attn_mask=attn_mask._materialize(q.device), **kw)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(attention, "_eager", lambda *a: pytest.fail("the plain math ran"))
+    torch.manual_seed(2)
+    batch, heads, length, start = 2, 4, 40, 24
+    q = torch.randn(batch, heads, length - start, head_dim, dtype=torch.bfloat16)
+    k = torch.randn(batch, kv_heads, length, head_dim, dtype=torch.bfloat16)
+    v = torch.randn(batch, kv_heads, length, v_dim, dtype=torch.bfloat16)
+    sinks = torch.randn(heads) * 2
+    state = MicroBatchState(0, length, 2)
+    with slice_scope(SliceContext(0, 0, 0, start, state)):
+        sliced_causal_attention(q.new_zeros(batch, heads, start, head_dim), k[:, :, :start], v[:, :, :start],
+                                cache_key="a", sinks=sinks)
+    calls.clear()
+    with slice_scope(SliceContext(0, 1, start, length, state)):
+        out = sliced_causal_attention(q, k[:, :, start:], v[:, :, start:], cache_key="a", sinks=sinks)
+    (wq, wk, wv, bias), = calls
+    width = wq.shape[-1]
+    assert wk.shape[-1] == wv.shape[-1] == width and width % 8 == 0 and width > head_dim and width >= v_dim
+    assert wq.dtype == wk.dtype == wv.dtype == torch.bfloat16 and wk.shape[2] == length + 1
+    assert isinstance(bias, CausalBias) and bias.variant.name == "LOWER_RIGHT"
+    assert (bias.seq_len_q, bias.seq_len_kv) == (length - start, length + 1)
+    idx = torch.arange(length)
+    visible = (idx[None] <= idx[:, None])[start:]
+    ref = _sinks_dense(q.double(), k.double(), v.double(), visible, sinks.double())
+    assert float((out.double() - ref).abs().max() / ref.abs().max()) < 2e-2
+    whole = [t.double() for t in (q, k[:, :, :length - start], v[:, :, :length - start])]
+    plain = real(*whole, is_causal=True, enable_gqa=kv_heads != heads)
+    none = sliced_causal_attention(*whole, cache_key="b", sinks=torch.full((heads,), float("-inf")))
+    torch.testing.assert_close(none, plain)
+    taken = sliced_causal_attention(*whole, cache_key="c", sinks=torch.full((heads,), 1e6))
+    assert torch.equal(taken, torch.zeros_like(taken))
 
 
 @pytest.mark.parametrize("blocked", [False, True], ids=["whole", "query-blocks"])
