@@ -493,14 +493,15 @@ def test_the_plain_math_keeps_one_copy_of_the_scores_and_never_repeats_keys(spec
     out.float().sum().backward()
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
 @pytest.mark.parametrize("kv_heads, head_dim, v_dim", [(2, 16, 16), (4, 12, 20)], ids=["gqa", "narrow-keys"])
-def test_on_an_accelerator_sinks_ride_as_one_more_key_in_one_flash_eligible_call(
-        kv_heads: int, head_dim: int, v_dim: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The accelerator's path for sinks without a window or packed rows (run on the CPU): a bf16 slice runs one SDPA
-    call, no plain math, whose q, k and v share one width, a multiple of 8 with room for the sink's column, under
-    the lazy lower-right causal bias over the keys plus the sink key, as the flash kernel takes them; the result is
-    the dense reference's. Sinks of -inf give plain causal attention (not nan: -inf times a key's zero), and a sink
-    of 1e6 takes every row whole (0, not nan)."""
+def test_on_an_accelerator_sinks_ride_as_one_more_key_in_flash_eligible_calls(
+        kv_heads: int, head_dim: int, v_dim: int, packed: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The accelerator's path for sinks where no window hides a key (run on the CPU): a bf16 slice runs one SDPA
+    call (packed rows: one per document block), no plain math, whose q, k and v share one width, a multiple of 8
+    with room for the sink's column, under the lazy lower-right causal bias over its keys plus the sink key in front,
+    as the flash kernel takes them; the result is the dense reference's. Sinks of -inf give plain causal attention
+    (not nan: -inf times a key's zero), and a sink of 1e6 takes every row whole (0, not nan)."""
     import ds_terapipe.runtime.slicing.attention as attention
     from torch.nn.attention.bias import CausalBias
     _force_accelerator_paths(monkeypatch)
@@ -513,28 +514,25 @@ def test_on_an_accelerator_sinks_ride_as_one_more_key_in_one_flash_eligible_call
     monkeypatch.setattr(attention, "_eager", lambda *a: pytest.fail("the plain math ran"))
     torch.manual_seed(2)
     batch, heads, length, start = 2, 4, 40, 24
-    q = torch.randn(batch, heads, length - start, head_dim, dtype=torch.bfloat16)
+    q = torch.randn(batch, heads, length, head_dim, dtype=torch.bfloat16)
     k = torch.randn(batch, kv_heads, length, head_dim, dtype=torch.bfloat16)
     v = torch.randn(batch, kv_heads, length, v_dim, dtype=torch.bfloat16)
     sinks = torch.randn(heads) * 2
-    state = MicroBatchState(0, length, 2)
-    with slice_scope(SliceContext(0, 0, 0, start, state)):
-        sliced_causal_attention(q.new_zeros(batch, heads, start, head_dim), k[:, :, :start], v[:, :, :start],
-                                cache_key="a", sinks=sinks)
-    calls.clear()
-    with slice_scope(SliceContext(0, 1, start, length, state)):
-        out = sliced_causal_attention(q, k[:, :, start:], v[:, :, start:], cache_key="a", sinks=sinks)
-    (wq, wk, wv, bias), = calls
-    width = wq.shape[-1]
-    assert wk.shape[-1] == wv.shape[-1] == width and width % 8 == 0 and width > head_dim and width >= v_dim
-    assert wq.dtype == wk.dtype == wv.dtype == torch.bfloat16 and wk.shape[2] == length + 1
-    assert isinstance(bias, CausalBias) and bias.variant.name == "LOWER_RIGHT"
-    assert (bias.seq_len_q, bias.seq_len_kv) == (length - start, length + 1)
-    idx = torch.arange(length)
-    visible = (idx[None] <= idx[:, None])[start:]
-    ref = _sinks_dense(q.double(), k.double(), v.double(), visible, sinks.double())
+    positions = _positions([[0, 10, 30], [0, 33]], length) if packed else None
+    docs = None if positions is None else Documents(positions)
+    out = attention._softcap_or_sinks(q[:, :, start:], k, v, docs, start, length, 0, None, None, sinks, 0.0, None)
+    blocks = [Block(0, batch, 0, length - start, 0, start)] if docs is None else docs.blocks(start, length)
+    assert len(calls) == len(blocks) == (4 if packed else 1)   # packed: two documents in the slice of each row
+    for (wq, wk, wv, bias), b in zip(calls, blocks):
+        width = wq.shape[-1]
+        assert wk.shape[-1] == wv.shape[-1] == width and width % 8 == 0 and width > head_dim and width >= v_dim
+        assert wq.dtype == wk.dtype == wv.dtype == torch.bfloat16 and wk.shape[2] == b.k1 - b.p0 + 1
+        assert isinstance(bias, CausalBias) and bias.variant.name == "LOWER_RIGHT"
+        assert (bias.seq_len_q, bias.seq_len_kv) == (b.q1 - b.q0, b.k1 - b.p0 + 1)
+    ref = _sinks_dense(q.double(), k.double(), v.double(), _sliding_visible(length, length, positions), sinks.double())
+    ref = ref[:, :, start:]
     assert float((out.double() - ref).abs().max() / ref.abs().max()) < 2e-2
-    whole = [t.double() for t in (q, k[:, :, :length - start], v[:, :, :length - start])]
+    whole = [t.double() for t in (q, k, v)]
     plain = real(*whole, is_causal=True, enable_gqa=kv_heads != heads)
     none = sliced_causal_attention(*whole, cache_key="b", sinks=torch.full((heads,), float("-inf")))
     torch.testing.assert_close(none, plain)

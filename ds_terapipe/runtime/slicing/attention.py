@@ -33,8 +33,8 @@ and carries no value) the output is ``o * exp(lse - logaddexp(lse, sink))``, ``o
 log-sum-exp over the visible keys. Where a slice runs the CPU's fused blocks (``blocks.py``) the sink is merged into
 their log-sum-exp and the flash backward, handed the merged output and log-sum-exp, gives the exact q/k/v gradients.
 Public SDPA returns no log-sum-exp, so on an accelerator the sink rides as one more key whose value is zero
-(:func:`_sinks_as_key`: one fused call over widened q/k/v), and every other path (windows that hide keys, packed rows,
-the dense-mask fallbacks) runs the plain math with the sink as one more logit.
+(:func:`_sinks_as_key`: one fused call over widened q/k/v, one per document block for packed rows), and every other
+path (windows that hide keys, the dense-mask fallbacks) runs the plain math with the sink as one more logit.
 
 No graph is traversed twice and nothing full-length is copied per slice. Adapting an existing attention is a
 one-line change: replace ``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` with
@@ -140,9 +140,9 @@ def sliced_causal_attention(q: torch.Tensor,
             SDPA. None: no capping.
         sinks: attention sinks, (nh,): head h's logit joins the denominator of every softmax of that head and
             contributes no value (``transformers``' gpt-oss ``s_aux``); the gradient reaches it. Exact on every path:
-            merged into the fused blocks' log-sum-exp on a CPU, one more key in a fused SDPA call on an accelerator,
-            plain math (dense scores per head, as with ``softcap``) under a window that hides keys or in packed
-            rows. None: no sinks.
+            merged into the fused blocks' log-sum-exp on a CPU, one more key in fused SDPA calls on an accelerator,
+            plain math (dense scores per head, as with ``softcap``) under a window that hides keys. None: no
+            sinks.
         chunk: chunked attention: query ``t`` sees key ``k`` iff ``k <= t`` and ``k // chunk == t // chunk`` (by
             position ids: within each document of packed rows, from its start), ``transformers``' chunked causal
             mask (Llama 4's ``attention_chunk_size``). A slice reads only the cached rows from the start of its first
@@ -298,8 +298,12 @@ def _softcap_or_sinks(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
         blocks = docs.blocks(start, end, first) if docs is not None else prefix_blocks(q.shape[0], start, end - start)
         if blocks is not None:
             return block_attention(q, keys, values, blocks, scale, sinks)
-    if softcap is None and docs is None and first == 0 and not _binds(window, end) and blocks_mod.on_accelerator(q):
-        return _sinks_as_key(q, keys, values, sinks, dropout_p, scale)
+    if softcap is None and not _binds(window, end) and blocks_mod.on_accelerator(q):
+        if docs is None and first == 0:
+            return _sinks_as_key(q, keys, values, sinks, None, dropout_p, scale)
+        blocks = None if docs is None else docs.blocks(start, end, first)
+        if blocks is not None:
+            return _sinks_as_key(q, keys, values, sinks, blocks, dropout_p, scale)
     return _eager(q, keys, values, docs, start, end, first, window, softcap, sinks, dropout_p, scale)
 
 
@@ -309,16 +313,17 @@ def _softcap_or_sinks(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 SINK_LIMIT = 1e4
 
 
-def _sinks_as_key(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sinks: torch.Tensor, dropout_p: float,
-                  scale: "float | None") -> torch.Tensor:
-    """Causal attention of queries ``[end - T, end)`` over ``keys``/``values`` ``[0, end)`` with sinks, as one SDPA
-    call the accelerator's fused kernels take: the sink is one more key, first, whose value is zero. Its score must be
-    head h's sink for every query of head h, so q, k and v are widened by one column (then to a multiple of 8, one
-    width for all three, as the flash kernel wants): q's holds the sink, the sink key's holds 1 / scale, the real
-    keys' hold 0; the causal mask is the lazy lower-right one over ``end + 1`` keys (the sink key precedes the
-    first). The gradient reaches the sinks through q's column. What SDPA keeps for backward is the widened q, k
-    and v (copies of the keys and values the slice reads) and its log-sum-exp, against the (heads, T, keys) scores
-    the plain math keeps: at 64 query heads over 8 key/value heads, the scores cost more from about 20 queries on."""
+def _sinks_as_key(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sinks: torch.Tensor,
+                  blocks: "list | None", dropout_p: float, scale: "float | None") -> torch.Tensor:
+    """Causal attention of queries ``[end - T, end)`` over ``keys``/``values`` ``[0, end)`` with sinks, in SDPA
+    calls the accelerator's fused kernels take: one call, or one per block of packed rows (``blocks``, as
+    :func:`~ds_terapipe.runtime.slicing.blocks.sdpa_blocks` runs them). The sink is one more key, first, whose value
+    is zero. Its score must be head h's sink for every query of head h, so q, k and v are widened by one column (then
+    to a multiple of 8, one width for all three, as the flash kernel wants): q's holds the sink, the sink key's holds
+    1 / scale, the real keys' hold 0; the causal mask is the lazy lower-right one over the keys plus the sink key.
+    The gradient reaches the sinks through q's column. What SDPA keeps for backward is the widened q, k and v
+    (copies of the keys and values the slice reads) and its log-sum-exp, against the (heads, T, keys) scores the
+    plain math keeps: at 64 query heads over 8 key/value heads, the scores cost more from about 20 queries on."""
     batch, heads, tokens, head_dim = q.shape
     kv_heads, width = keys.shape[1], -(-(max(head_dim + 1, values.shape[-1])) // 8) * 8
     scale = head_dim ** -0.5 if scale is None else scale
@@ -330,8 +335,12 @@ def _sinks_as_key(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sin
     wide_k[:, :, 0, head_dim] = 1.0 / scale
     wide_v = values.new_zeros(batch, kv_heads, values.shape[2] + 1, width)
     wide_v[:, :, 1:, :values.shape[-1]] = values
-    out = F.scaled_dot_product_attention(wide_q, wide_k, wide_v, attn_mask=causal_lower_right(tokens, wide_k.shape[2]),
-                                         dropout_p=dropout_p, scale=scale, **gqa_kwargs(q, keys, values))
+    if blocks is not None:
+        out = sdpa_blocks(wide_q, wide_k, wide_v, blocks, scale, dropout_p, sink_key=True)
+    else:
+        out = F.scaled_dot_product_attention(wide_q, wide_k, wide_v,
+                                             attn_mask=causal_lower_right(tokens, wide_k.shape[2]),
+                                             dropout_p=dropout_p, scale=scale, **gqa_kwargs(q, keys, values))
     return out[..., :values.shape[-1]]
 
 
