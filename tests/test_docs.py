@@ -5,7 +5,8 @@ and no pointer to a file outside the repository (a reader of a clone has only wh
 lead to files (and headings) that exist. What a reader copies from the documents is checked against the code: the
 README's key table against the config model, every `"terapipe"` section shown, the `ds_terapipe.*` names and the
 repository's files named, the options given to a script or `ds-terapipe`, what `ds-terapipe` prints in a console
-block, docs/sharding.md's gathers per step against the lowering, and README's GPU table against the committed report.
+block, docs/sharding.md's gathers per step against the lowering, and README's GPU table and the docs' CPU speedup
+tables against the committed reports.
 """
 
 from __future__ import annotations
@@ -350,6 +351,49 @@ def test_readme_gpu_table_is_the_committed_report() -> None:
     stale = [row for row in _gpu_rows(report) if row not in readme]
     assert not stale, "README.md's GPU table differs from benchmarks/results/gpu_slices.json; its rows are:\n" + \
         "\n".join(_gpu_rows(report))
+
+
+SPEEDUP_HEADER = "| m | variant | slices | step ms | speedup vs stock |"
+
+
+def _speedup_drift(report_table: str, full: str, summary: str) -> list[str]:
+    """docs/performance.md's table holds every row of the committed pipeline_speedup.py report; the rows of
+    docs/performance_summary.md's shorter table give that report's slices, step, speedup, efficiency and memory."""
+    lines = report_table.splitlines()
+    first = lines[2:next((i for i, line in enumerate(lines) if not line.startswith("|")), len(lines))]  # 1st table
+    drift = [f"performance.md lacks the report's row {row}" for row in first if row not in full]
+    rows = {(cells[0], cells[1]): cells for cells in _table("\n" + report_table, "| m | variant |")}
+    for m, variant, slices, step, speedup, eff, _, act, peak in _table(summary, SPEEDUP_HEADER):
+        name = re.sub(r"\s*\(.*?\)", "", variant).replace("auto, ", "auto/")   # "auto, gpipe (...)": auto/gpipe
+        want = rows.get((m, name))
+        shown = [slices, step, speedup.strip("*"), eff, act, peak]
+        if want is None or shown != [want[2], want[3], want[4], want[6], want[11], want[12]]:
+            drift.append(f"performance_summary.md m = {m} {variant}: {shown}, the report {want and want[2:13]}")
+    return drift
+
+
+def test_pipeline_speedup_tables_are_the_committed_report() -> None:
+    report = json.loads((ROOT / "benchmarks" / "results" / "pipeline_speedup.json").read_text(encoding="utf-8"))
+    docs = ROOT / "docs"
+    drift = _speedup_drift(report["table"], (docs / "performance.md").read_text(encoding="utf-8"),
+                           (docs / "performance_summary.md").read_text(encoding="utf-8"))
+    assert not drift, "the speedup tables differ from benchmarks/results/pipeline_speedup.json's table:\n" + \
+        "\n".join(drift)
+
+
+def test_the_speedup_check_catches_what_it_is_for() -> None:
+    report = ("| m | variant | slices | step ms | speedup | bound ms | eff | pred ms | pred err | re-prof ms | "
+              "re-prof err | act MiB s0/s1 | peak MiB s0/s1 | rounds |\n|---|\n"
+              "| 1 | stock | 1 | 3631 | 1.00x | 1721 | 47% | - | - | - | - | 128/133 | 142/141 | 7 |\n"
+              "| 1 | auto/gpipe | 5 | 2269 | 1.60x | 1920 | 84% | 2324 | +2.4% | 2157 | -4.9% | 156/157 | 169/134 "
+              "| 7 |")
+    summary = (SPEEDUP_HEADER + " efficiency | planner error | activations | peak |\n|---|\n"
+               "| 1 | stock | 1 | 3631 | 1.00x | 47% | - | 128/133 | 142/141 |\n"
+               "| 1 | auto, gpipe (deferred W) | 5 | 2269 | **1.60x** | 84% | +2% | 156/157 | 169/134 |\n")
+    assert _speedup_drift(report, report, "\n" + summary) == []
+    assert len(_speedup_drift(report, report.replace("| 2269 |", "| 2296 |"), "\n" + summary)) == 1
+    assert len(_speedup_drift(report, report, "\n" + summary.replace("| 84% |", "| 85% |"))) == 1
+    assert len(_speedup_drift(report, report, "\n" + summary.replace("auto, gpipe", "auto, gpipf"))) == 1
 
 
 def _log_patterns() -> list[re.Pattern]:

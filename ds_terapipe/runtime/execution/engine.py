@@ -1107,8 +1107,7 @@ class TokenPipelineEngine(PipelineEngine):
 
     def _exec_weight_grad_pass(self, buffer_id: int, microbatch: int, slice_index: int, chunk: int) -> None:
         """Deferred weight gradients (``runtime/slicing/deferred.py``) of the micro-batch's backwards on ``chunk``: all
-        its
-        slices (a W per micro-batch, ``W<b>.0`` after the last backward) or slice ``slice_index`` alone (a W per
+        its slices (a W per micro-batch, ``W<b>.0`` after the last backward) or slice ``slice_index`` alone (a W per
         slice, wherever the schedule put it: right after its backward, or later, in a bubble)."""
         key = (chunk, microbatch)
         per_slice = self.running.schedule.weights_per_slice

@@ -21,8 +21,8 @@ parameter's running sum) and hands the sum to ``.grad`` once, before the step's 
 after an ordinary backward of the whole batch.
 
 Memory: each pending pair holds the Linear's input (which autograd would have saved anyway until the slice's
-backward) and its output gradient (new: about 9 x hidden floats per token per transformer block), from the
-slice's backward until its ``W``.
+backward) and its output gradient (held for deferral only: about 9 x hidden floats per token per transformer
+block), from the slice's backward until its ``W``.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ class WeightGradStash:
 
     Each pair remembers the slice whose forward made it, so a ``W`` per slice computes that slice's pairs and no
     others: a list-scheduled ``W`` (dualpipev's, placed in a bubble after several backwards of its chunk) must take
-    the time the plan gave it, not the whole chunk's (measured before this: the first ``W`` of a chunk ran every
-    slice's pairs, 5 times its planned span, and held up the backward behind it).
+    the time the plan gave it, not the whole chunk's (a first ``W`` of a chunk that ran every slice's pairs was
+    measured at 5 times its planned span, holding up the backward behind it).
     """
 
     def __init__(self) -> None:
