@@ -113,7 +113,11 @@ def train_steps(engine: Any, data: Iterator, num_steps: int) -> tuple[list[float
 def run_pipeline(cfg: GPTConfig, *, stages: int, micro_batches: int, batch: int, seq_len: int,
                  batches_for_rank: Callable[[int], list[tuple]], num_steps: int, lr: float, momentum: float,
                  terapipe: dict | None, zero_stage: int = 0, checkpoint_interval: int = 0,
-                 virtual_stages: int = 1, stock_dualpipev: bool = False, clipping: float = 0.0) -> dict[str, Any]:
+                 virtual_stages: int = 1, stock_dualpipev: bool = False, clipping: float = 0.0,
+                 compile_backend: str | None = None) -> dict[str, Any]:
+    """Train ``num_steps`` steps of the GPT ``cfg`` on ``stages`` stages (the rest of WORLD as replicas); the
+    loss, first step's gradients and final parameters. ``compile_backend``: ``engine.compile(backend=...)``
+    before the first step, as a DeepSpeed user compiles."""
     if stock_dualpipev:  # DeepSpeed's own DualPipeV: deepspeed.initialize picks its engine from the module class
         from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
         model = DualPipeVModule(gpt_layer_specs(cfg), num_stages=stages, loss_fn=causal_lm_loss,
@@ -137,6 +141,8 @@ def run_pipeline(cfg: GPTConfig, *, stages: int, micro_batches: int, batch: int,
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     init = ds_terapipe.initialize if terapipe is not None else deepspeed.initialize
     engine, _, _, _ = init(model=model, optimizer=opt, config=config)
+    if compile_backend is not None:
+        engine.compile(backend=compile_backend)
     ENGINE_REF["engine"] = engine
     data = iter(batches_for_rank(engine.grid.data_parallel_id))
     with first_step_grads(engine) as grads:

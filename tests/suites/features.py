@@ -122,6 +122,35 @@ class LearnedTemperatureLoss(ModuleLoss):
         return causal_lm_loss(logits / self.temperature, labels)
 
 
+def compile_cases() -> list[dict]:
+    """``engine.compile()`` as a DeepSpeed user calls it, backend ``aot_eager`` (dynamo and AOT autograd as inductor
+    runs them, without its code generation, which takes minutes on a CPU): slices [8, 24, 16] under gpipe (deferred
+    weight gradients) and 1f1b, and unsliced: loss, every gradient and every parameter after 3 steps against the
+    unsliced reference, and how many graphs dynamo compiled (the layers around each attention call; later engines
+    of the same model reuse them)."""
+    from torch._dynamo.utils import counters
+    cfg = GPTConfig(num_layers=4, hidden=32, num_heads=4, vocab_size=64, max_seq_len=64, seed=7)
+    seq_len, batch, micro, num_steps = 48, 2, 2, 3
+    batches = make_batches(cfg, num_steps * micro, batch, seq_len, seed=21)
+    ref_losses, ref_grads, ref_params = reference_step(cfg, batches, num_steps, lr=0.1, momentum=0.9)
+    results = []
+    for slices, sched in (([8, 24, 16], "gpipe"), ([8, 24, 16], "1f1b"), (1, "1f1b")):
+        STATUS["case"] = f"compiled slices={slices} schedule={sched}"
+        graphs = counters["stats"]["unique_graphs"]
+        run = run_pipeline(cfg, stages=WORLD, micro_batches=micro, batch=batch, seq_len=seq_len,
+                           batches_for_rank=lambda _dp: batches, num_steps=num_steps, lr=0.1, momentum=0.9,
+                           terapipe={"slices": slices, "schedule": sched, "granularity": 2, "p2p_timeout_s": 120},
+                           compile_backend="aot_eager")
+        grad_err, grad_name, _ = compare(run["grads"], ref_grads, run["stage"])
+        param_err, param_name, _ = compare(run["params"], ref_params, run["stage"])
+        results.append({"case": STATUS["case"], "slices": run["slices"], "losses": run["losses"],
+                        "ref_losses": ref_losses, "grad_rel_err": grad_err, "grad_worst": grad_name,
+                        "param_rel_err": param_err, "param_worst": param_name,
+                        "graphs": counters["stats"]["unique_graphs"] - graphs, "compiled": run["engine"].is_compiled,
+                        "deferred": any("W" in a for a in engine_train_actions(run["engine"]))})
+    return results
+
+
 def count_calls(obj: Any, name: str) -> list[int]:
     """Wrap ``obj.name`` (a method) on the instance; the returned list grows by one per call."""
     calls: list[int] = []
@@ -147,6 +176,7 @@ def suite_features(extra: dict) -> list[dict]:
     results: list[dict] = []
 
     results.extend(checkpointing_cases())
+    results.extend(compile_cases())
 
     # auto: profile, plan on rank 0, broadcast, cache; a second engine finds the plan in the cache
     cache = str(Path(extra["out"]) / "plan_cache")

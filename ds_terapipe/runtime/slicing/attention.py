@@ -109,6 +109,9 @@ def _prefix_causal_mask(start: int, end: int, dtype: torch.dtype, device: torch.
     return mask
 
 
+# Outside torch.compile's graphs (engine.compile()): the slice's keys/values are written into the KV buffers in place
+# and views of them handed on, which AOT autograd cannot trace; the layers around each call compile.
+@torch.compiler.disable
 def sliced_causal_attention(q: torch.Tensor,
                             k: torch.Tensor,
                             v: torch.Tensor,
