@@ -437,6 +437,29 @@ def test_sliced_equals_transformers(arch: str, slicing: str, schedule: str) -> N
     assert worst <= TOL, f"{arch} {slicing} {schedule}: gradient of {name} off by {worst:.2e}"
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt_oss"])
+def test_compiled_layers_equal_transformers_without_compiling_per_slice(arch: str) -> None:
+    """Every pipeline layer under ``torch.compile`` (backend ``aot_eager``: dynamo and AOT autograd; what
+    ``engine.compile()`` does per chunk), 2 stages, 1f1b over slices [3, 9, 4], [4, 4, 4, 4], then 8 x 2: the loss
+    and every gradient equal ``transformers``' within 1e-5, and once lengths are dynamic, slices at new offsets
+    compile nothing (the last slicing no graph): neither the slice's offset (its positions) nor the sliced attention
+    is traced into a graph."""
+    from torch._dynamo.utils import counters
+    model = hf_model(arch)
+    ref_loss, ref_grads = reference(model, make_batches())
+    torch._dynamo.reset()
+    for slices in (SLICINGS["unequal"], SLICINGS["equal"], [2] * 8):
+        stages, params = build_stages(causal_lm_specs(copy.deepcopy(model)), num_stages=2)
+        stages = [[torch.compile(layer, backend="aot_eager") if isinstance(layer, torch.nn.Module) else layer
+                   for layer in stage] for stage in stages]
+        graphs = counters["stats"]["unique_graphs"]
+        loss, _ = run_sliced(stages, make_batches(), slices, "1f1b")
+        assert abs(loss - ref_loss) <= TOL * abs(ref_loss), (slices, loss, ref_loss)
+        worst, name = compare(params, ref_grads, model.config)
+        assert worst <= TOL, f"{arch} {slices} compiled: gradient of {name} off by {worst:.2e}"
+    assert counters["stats"]["unique_graphs"] == graphs, "slices at new offsets compiled again"
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_from_config_is_deterministic_and_exact(arch: str) -> None:
     """From a config: seeded transformers-style init, the same for any stage count; equal to transformers on

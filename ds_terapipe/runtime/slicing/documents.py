@@ -246,9 +246,11 @@ def packed_documents(position_ids: Optional[torch.Tensor]) -> Iterator[Optional[
         _local.documents = previous
 
 
+@torch.compiler.disable
 def slice_positions(tokens: int, device: torch.device) -> torch.Tensor:
     """Position ids of the running slice's ``tokens`` tokens: (B, T) within their documents for packed rows,
-    else (T,) ``token_offset() + arange(T)``."""
+    else (T,) ``token_offset() + arange(T)``. Outside torch.compile's graphs: traced, the slice's offset would be
+    a constant of the graph, and every slice of a micro-batch would compile its layers again."""
     ctx = current_slice()
     docs = current_documents()
     start = 0 if ctx is None else ctx.position_start
