@@ -110,19 +110,20 @@ def test_activation_checkpointing_with_slices_equals_reference(features) -> None
 
 @pytest.mark.timeout(700)
 def test_a_compiled_engine_trains_exactly(features) -> None:
-    """``engine.compile()`` (dynamo and AOT autograd): slices [8, 24, 16] under gpipe with deferred weight gradients
-    and under 1f1b, and unsliced, give the reference's loss, gradients and 3 steps; dynamo compiled graphs (the
-    sliced attention is left out of them: it writes the KV buffers in place)."""
+    """``engine.compile()`` (dynamo and AOT autograd): slices [8, 24, 16] under gpipe with deferred weight gradients,
+    under 1f1b (also recomputing each slice: activation checkpointing) and dualpipev, and unsliced, give the
+    reference's loss, gradients and 3 steps; dynamo compiled graphs (the sliced attention is left out of them: it
+    writes the KV buffers in place)."""
     for rank in features:
         cases = {name: c for name, c in rank.items() if name.startswith("compiled ")}
-        assert len(cases) == 3, sorted(cases)
+        assert len(cases) == 5, sorted(cases)
         assert sum(c["graphs"] for c in cases.values()) > 0
         for name, case in cases.items():
             assert case["compiled"], name
             assert case["losses"] == pytest.approx(case["ref_losses"], rel=1e-5), name
             assert case["grad_rel_err"] <= 1e-5, (name, case["grad_worst"], case["grad_rel_err"])
             assert case["param_rel_err"] <= 1e-5, (name, case["param_worst"], case["param_rel_err"])
-        assert [c["deferred"] for c in cases.values()] == [True, False, False]
+        assert [c["deferred"] for c in cases.values()] == [True, False, False, False, True]
 
 
 @pytest.mark.timeout(700)

@@ -125,7 +125,8 @@ class LearnedTemperatureLoss(ModuleLoss):
 def compile_cases() -> list[dict]:
     """``engine.compile()`` as a DeepSpeed user calls it, backend ``aot_eager`` (dynamo and AOT autograd as inductor
     runs them, without its code generation, which takes minutes on a CPU): slices [8, 24, 16] under gpipe (deferred
-    weight gradients) and 1f1b, and unsliced: loss, every gradient and every parameter after 3 steps against the
+    weight gradients), 1f1b (also with activation checkpointing) and dualpipev (2 chunks per rank), and unsliced:
+    loss, every gradient and every parameter after 3 steps against the
     unsliced reference, and how many graphs dynamo compiled (the layers around each attention call; later engines
     of the same model reuse them)."""
     from torch._dynamo.utils import counters
@@ -134,13 +135,15 @@ def compile_cases() -> list[dict]:
     batches = make_batches(cfg, num_steps * micro, batch, seq_len, seed=21)
     ref_losses, ref_grads, ref_params = reference_step(cfg, batches, num_steps, lr=0.1, momentum=0.9)
     results = []
-    for slices, sched in (([8, 24, 16], "gpipe"), ([8, 24, 16], "1f1b"), (1, "1f1b")):
-        STATUS["case"] = f"compiled slices={slices} schedule={sched}"
+    for slices, sched, interval in (([8, 24, 16], "gpipe", 0), ([8, 24, 16], "1f1b", 0), (1, "1f1b", 0),
+                                    ([8, 24, 16], "1f1b", 1), ([8, 24, 16], "dualpipev", 0)):
+        STATUS["case"] = f"compiled slices={slices} schedule={sched} checkpoint_interval={interval}"
         graphs = counters["stats"]["unique_graphs"]
         run = run_pipeline(cfg, stages=WORLD, micro_batches=micro, batch=batch, seq_len=seq_len,
                            batches_for_rank=lambda _dp: batches, num_steps=num_steps, lr=0.1, momentum=0.9,
                            terapipe={"slices": slices, "schedule": sched, "granularity": 2, "p2p_timeout_s": 120},
-                           compile_backend="aot_eager")
+                           compile_backend="aot_eager", checkpoint_interval=interval,
+                           virtual_stages=2 if sched == "dualpipev" else 1)
         grad_err, grad_name, _ = compare(run["grads"], ref_grads, run["stage"])
         param_err, param_name, _ = compare(run["params"], ref_params, run["stage"])
         results.append({"case": STATUS["case"], "slices": run["slices"], "losses": run["losses"],
