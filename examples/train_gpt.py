@@ -76,6 +76,9 @@ def training_parser(doc: str) -> argparse.ArgumentParser:
     parser.add_argument("--pack", action="store_true",
                         help="packed documents (terapipe.packed): rows of whole files, position ids restarting at "
                              "each file, attention within each file, no loss across a file boundary")
+    parser.add_argument("--compile", default=None, metavar="BACKEND",
+                        help="engine.compile(backend=BACKEND) before training (torch.compile per chunk; e.g. inductor, "
+                             "aot_eager); the sliced attention stays outside the graphs")
     parser.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
     return parser
 
@@ -268,6 +271,10 @@ def train(engine: Any, args: argparse.Namespace, tokens: np.ndarray, seq_len: in
     else:
         train_data = Batches(tokens[:split], seq_len, micro, args.seed, dp_rank)
         held_out = Batches(tokens[split:], seq_len, micro, args.seed + 1, dp_rank)
+    if args.compile:
+        engine.compile(backend=args.compile)
+        if rank == 0:
+            print(f"engine.compile(backend={args.compile!r}): compiled={engine.is_compiled}", flush=True)
     plan = engine.plan_summary() if hasattr(engine, "plan_summary") else {"slices": [seq_len]}
     # the world is stages x sequence ranks (terapipe.sequence_parallel) x data-parallel replicas
     sequence = getattr(getattr(engine, "terapipe", None), "sequence_parallel", 1)

@@ -5,6 +5,7 @@
 * Resume is exact: 6 steps uninterrupted == 3 steps + checkpoint + new processes + --resume + 3 steps, to the
   last bit of every loss (with virtual stages: dualpipev, two chunks per rank, the loss on rank 0). The same
   checkpoint in bf16 (another optimizer format): --resume refused on both ranks, --resume-weights-only goes on.
+  ``--compile aot_eager`` trains the uninterrupted run's losses.
 * A rank killed mid-run: the survivor exits with an error (no hang), and --resume continues from the last
   checkpoint, losing at most the checkpoint interval.
 * Freezing with a repack (``--freeze 2:3 --repack``: stage 0 frozen, then 1 stage x 2 replicas): a rank killed
@@ -99,6 +100,13 @@ def test_resume_in_fresh_processes_is_bit_identical(tmp_path) -> None:
     assert [first[s] for s in (1, 2, 3)] == [full[s] for s in (1, 2, 3)]
     assert [second[s] for s in (4, 5, 6)] == [full[s] for s in (4, 5, 6)]  # exact float equality
     assert full[6] < full[1]
+    # --compile: engine.compile() before training (aot_eager: dynamo and AOT autograd), the same losses to rounding
+    codes, texts = run_ranks(trainer(tmp_path, "compiled", "--steps", "3", "--compile", "aot_eager", terapipe=v_shape),
+                             2, tmp_path / "compiled", timeout_s=240)
+    check(codes, texts)
+    assert "engine.compile(backend='aot_eager'): compiled=True" in texts[0], texts[0][-3000:]
+    compiled = losses(tmp_path, "compiled")
+    assert [compiled[s] for s in (1, 2, 3)] == pytest.approx([full[s] for s in (1, 2, 3)], rel=1e-5)
     # the same checkpoint in bf16: its optimizer keeps the state another way, so --resume is refused on both ranks
     # with the fix, and --resume-weights-only continues from the last one (step 6) with a fresh optimizer
     bf16 = {"bf16": {"enabled": True}}
