@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Everything this project checks and measures on one GPU, in the order that pays if the time runs out first:
 # the CUDA tests, the slice table with the cost model's prediction beside each point, the engine's host time and
-# kernels per slice on the example trainer's shape, and the example trainer in bf16 saving and resuming.
+# kernels per slice on the example trainer's shape, the example trainer in bf16 saving and resuming, and compiled.
 #
-#     bash benchmarks/on_gpu.sh [OUT_DIR]      # about 8 minutes on an H100; results JSON and logs in OUT_DIR
+#     bash benchmarks/on_gpu.sh [OUT_DIR]      # about 9 minutes on an H100; results JSON and logs in OUT_DIR
 #
 # Needs torch with CUDA and DeepSpeed importable; a DeepSpeed wheel built on a CPU-only machine records the CPU
 # accelerator, so DS_ACCELERATOR defaults to cuda here. docs/gpus.md reads the results.
@@ -56,5 +56,21 @@ assert steps, "no common steps: did both runs write --metrics?"
 worst = max(abs(resumed[s] - whole[s]) for s in steps)
 print(f"steps {steps[0]}..{steps[-1]}: largest loss difference after the resume {worst:.3g} (CUDA reductions are not "
       "bit-deterministic run to run: compare with two uninterrupted runs' differences)")
+PY
+# the same trainer compiled (engine.compile, inductor): its ms/step beside the uncompiled run's, the losses alike
+step trainer_bf16_compiled deepspeed --num_gpus 1 examples/train_gpt.py --deepspeed_config "$config" \
+  --stages 1 --steps 30 --compile "${ON_GPU_COMPILE_BACKEND:-inductor}" --metrics "$out/trainer_bf16_compiled.jsonl"
+step compiled_vs_whole python - "$out/trainer_bf16_whole.log" "$out/trainer_bf16_compiled.log" \
+  "$out/trainer_bf16_whole.jsonl" "$out/trainer_bf16_compiled.jsonl" <<'PY'
+import json, re, statistics, sys
+whole_log, compiled_log, whole_jsonl, compiled_jsonl = sys.argv[1:]
+ms = [[float(m) for m in re.findall(r"(\d+) ms/step", open(path).read())[1:]] for path in (whole_log, compiled_log)]
+assert all(ms), "no ms/step lines after the first window in one of the logs"
+whole, compiled = (statistics.median(m) for m in ms)
+losses = [{r["step"]: r["loss"] for r in map(json.loads, open(path))} for path in (whole_jsonl, compiled_jsonl)]
+steps = sorted(set(losses[0]) & set(losses[1]))
+worst = max(abs(losses[0][s] - losses[1][s]) for s in steps)
+print(f"ms/step (median of the logged windows after the first): uncompiled {whole:.0f}, compiled {compiled:.0f} "
+      f"({whole / compiled:.2f}x); largest loss difference over steps {steps[0]}..{steps[-1]}: {worst:.3g}")
 PY
 exit $status
