@@ -421,3 +421,33 @@ def test_log_lines_shown_in_the_documents_are_the_packages_messages() -> None:
 def test_the_log_line_check_catches_what_it_is_for() -> None:
     text = "terapipe: profiled 2 chunk(s) in 35.2s\nterapipe: profiled 2 stage(s) in 35.2s\nterapipe is a word"
     assert _unlogged(text, _log_patterns()) == ["terapipe: profiled 2 stage(s) in 35.2s"]
+
+
+def _unquoted_messages(page: str, source: str) -> list[str]:
+    """The messages a table of ``page`` quotes in its first column (`how it begins`) that the package's source does
+    not hold: each piece between placeholders (`<value>`, ` ... `) must be in a string of the source, adjacent
+    string literals joined as Python joins them, a quote as the source escapes it."""
+    joined = re.sub(r"\"\s*\n\s*[rf]*\"", "", source)
+    missing = []
+    for quoted in re.findall(r"^\| `([^`]+)` \|", page, flags=re.M):
+        pieces = [p.strip() for p in re.split(r"<[^>]+>| \.\.\. ", quoted)]
+        if any(piece and piece not in joined and piece.replace('"', '\\"') not in joined for piece in pieces):
+            missing.append(quoted)
+    return missing
+
+
+def test_the_errors_page_quotes_the_package_s_own_messages() -> None:
+    """docs/errors.md's first columns are how the package's messages begin: a reworded message breaks this test,
+    and the page is updated with it."""
+    source = "\n".join(path.read_text(encoding="utf-8") for path in (ROOT / "ds_terapipe").rglob("*.py"))
+    page = (ROOT / "docs" / "errors.md").read_text(encoding="utf-8")
+    assert len(re.findall(r"^\| `", page, flags=re.M)) >= 20
+    assert not _unquoted_messages(page, source), _unquoted_messages(page, source)
+
+
+def test_the_message_check_catches_what_it_is_for() -> None:
+    source = 'raise ValueError(f"terapipe.slices={s} sum to {n} but "\n    "terapipe.seq_len={L}; add them up")'
+    page = "| `terapipe.slices=<list> sum to <n> but terapipe.seq_len=<L>; add them up` | x | y |\n"
+    assert _unquoted_messages(page, source) == []
+    assert _unquoted_messages(page.replace("add them", "sum them"), source) == [
+        "terapipe.slices=<list> sum to <n> but terapipe.seq_len=<L>; sum them up"]
