@@ -160,9 +160,13 @@ def _add_planning_args(p: argparse.ArgumentParser, schedule: bool = True) -> Non
     g.add_argument("--window", type=_positive_int, metavar="W",
                    help="sliding-window attention of W keys on the --model preset's layers (Mistral's): a slice's "
                         "attention stops growing with its prefix past W")
+    g.add_argument("--attention-chunk", type=_positive_int, metavar="C",
+                   help="chunked attention of C tokens on the --model preset's layers (Llama 4's "
+                        "attention_chunk_size): a query sees the earlier keys of its own chunk only")
     g.add_argument("--full-every", type=_positive_int, metavar="K",
-                   help="with --window: full attention on every K-th layer, the window on the others (Gemma 2: 2, "
-                        "Gemma 3: 6; transformers' sliding_window_pattern)")
+                   help="with --window or --attention-chunk: full attention on every K-th layer, the window or "
+                        "chunks on the others (Gemma 2: 2, Gemma 3: 6, transformers' sliding_window_pattern; "
+                        "Llama 4: 4)")
     g.add_argument("--sequence-parallel", type=_count, default=1, metavar="N",
                    help="N sequence-parallel ranks inside each stage split every slice's tokens (Ulysses; with "
                         "--model): compute and activations / N, two all-to-alls per attention layer and direction "
@@ -262,7 +266,8 @@ def _load_cost(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     if args.vocab is not None:
         raise UsageError(f"--vocab {args.vocab} changes a --model preset; a --cost file already holds its head's "
                          "cost: drop --vocab or use --model")
-    for flag, value in (("--window", args.window), ("--full-every", args.full_every)):
+    for flag, value in (("--window", args.window), ("--attention-chunk", args.attention_chunk),
+                        ("--full-every", args.full_every)):
         if value is not None:
             raise UsageError(f"{flag} {value} changes a --model preset's attention; a --cost file's times were "
                              f"measured on the model's own layers, windows included: drop {flag} or use --model")
@@ -392,14 +397,21 @@ def _model_spec(args: argparse.Namespace) -> Any:
     """The --model preset with --vocab and --window / --full-every applied."""
     from .planner.presets import resolve_model
 
-    if args.full_every is not None and args.window is None:
-        raise UsageError(f"--full-every {args.full_every} picks the layers of full attention among windowed ones; "
-                         "add --window W (the other layers' window) or drop --full-every")
-    return resolve_model(args.model, args.vocab, window=args.window, full_every=args.full_every)
+    if args.window is not None and args.attention_chunk is not None:
+        raise UsageError(f"--window {args.window} and --attention-chunk {args.attention_chunk}: a layer attends "
+                         "within a sliding window or within chunks; drop one of them")
+    if args.full_every is not None and args.window is None and args.attention_chunk is None:
+        raise UsageError(f"--full-every {args.full_every} picks the layers of full attention among windowed (or "
+                         "chunked) ones; add --window W or --attention-chunk C (the other layers') or drop "
+                         "--full-every")
+    return resolve_model(args.model, args.vocab, window=args.window, full_every=args.full_every,
+                         attention_chunk=args.attention_chunk)
 
 
 def _window_source(args: argparse.Namespace) -> dict[str, Any]:
-    """--window and --full-every for the cost's description (nothing without a window)."""
+    """--window or --attention-chunk and --full-every for the cost's description (nothing without either)."""
+    if args.attention_chunk is not None:
+        return {"attention_chunk": args.attention_chunk, "full_every": args.full_every}
     return {} if args.window is None else {"window": args.window, "full_every": args.full_every}
 
 
@@ -540,9 +552,11 @@ def _describe(source: dict[str, Any], num_stages: int, virtual_stages: int = 1) 
     chunks = f" ({virtual_stages} chunks each)" if virtual_stages != 1 else ""
     if source["kind"] == "analytic":
         window = ""
-        if source.get("window") is not None:
+        kind = ("window", "window") if source.get("window") is not None else \
+            ("attention_chunk", "attention chunks of") if source.get("attention_chunk") is not None else None
+        if kind is not None:
             full = source.get("full_every")
-            window = f" (window {source['window']}" + (f", full attention every {full} layers)" if full else ")")
+            window = f" ({kind[1]} {source[kind[0]]}" + (f", full attention every {full} layers)" if full else ")")
         return f"{source['model']}{window} on {num_stages} x {source['device']}{chunks} (analytic cost)"
     return f"{num_stages} stages{chunks}, measured cost {source['file']}"
 

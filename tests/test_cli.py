@@ -611,3 +611,27 @@ def test_plan_prices_sliding_windows(capsys: pytest.CaptureFixture[str]) -> None
     rc, out, _ = run(capsys, "plan", *WIDE, "--window", "2048", "--full-every", "2")
     assert rc == 0 and "gpt3-1b (window 2048, full attention every 2 layers) on 8 x h100 (analytic cost)" in out
     assert run_json(capsys, "plan", *SMALL, "--window", "64", "--balance")["cost"]["window"] == 64
+
+
+def test_plan_prices_chunked_attention(capsys: pytest.CaptureFixture[str]) -> None:
+    """--attention-chunk C: chunked attention (Llama 4's) on the preset's layers, cheaper than full attention, with
+    --full-every K full attention on every K-th layer (in between); a chunk covering the sequence is full attention.
+    With --window, without --model, or --full-every alone: refused, naming the fix."""
+    def plan(*extra: str) -> dict:
+        return run_json(capsys, "plan", *WIDE, *extra)
+
+    full, covering = plan(), plan("--attention-chunk", "8192")
+    chunked, mixed = plan("--attention-chunk", "2048"), plan("--attention-chunk", "2048", "--full-every", "4")
+    assert covering["predicted_ms"] == pytest.approx(full["predicted_ms"], rel=1e-12)
+    assert chunked["predicted_ms"] < mixed["predicted_ms"] < full["predicted_ms"]
+    assert chunked["cost"] == {"kind": "analytic", "model": "gpt3-1b", "device": "h100", "attention_chunk": 2048,
+                               "full_every": None}
+    rc, out, _ = run(capsys, "plan", *WIDE, "--attention-chunk", "2048", "--full-every", "4")
+    assert rc == 0 and "gpt3-1b (attention chunks of 2048, full attention every 4 layers) on 8 x h100" in out, out
+    for extra, needle in ((["--window", "512"], "--window 512 and --attention-chunk 2048: a layer attends within a "
+                                               "sliding window or within chunks; drop one of them"),
+                          (["--full-every", "4"], None)):
+        rc, _, err = run(capsys, "plan", *WIDE, "--attention-chunk", "2048", *extra)
+        assert (rc == 2 and needle in err) if needle else rc == 0, err
+    rc, _, err = run(capsys, "plan", *WIDE, "--full-every", "4")
+    assert rc == 2 and "add --window W or --attention-chunk C" in err, err

@@ -18,7 +18,7 @@ from ds_terapipe.planner.presets import (
     DEVICE_PRESETS, MODEL_PRESETS, analytic_layer_costs, analytic_pipeline_cost, get_device_preset,
     get_model_preset, preset_memory_model, resolve_model, split_layers,
 )
-from ds_terapipe.planner.roofline import computed_pairs, visible_keys, visible_pairs
+from ds_terapipe.planner.roofline import Chunked, computed_pairs, visible_keys, visible_pairs
 from ds_terapipe.planner.schedule import ActionKind, build_gpipe, defer_weights
 from ds_terapipe.planner.simulate import simulate
 from ds_terapipe.planner.slicing import plan_slicing
@@ -478,12 +478,59 @@ def test_windows_are_priced_per_layer():
     (lambda: TransformerSpec(2, 64, 4, 10, 64, window=(8, 2.5)), r"TransformerSpec\.window\[1\] = 2\.5"),
     (lambda: AnalyticCost(TransformerSpec(2, 64, 4, 10, 64, window=(8, None)), get_device_preset("cpu"), 2,
                           first_layer=1), r"layers \[1, 3\) are not all among the 2 layers"),
-    (lambda: resolve_model("gpt3-1b", full_every=2), "full_every = 2 .* no window is given; pass window=W"),
+    (lambda: resolve_model("gpt3-1b", full_every=2), "full_every = 2 .* neither is given; pass window=W or "
+     "attention_chunk=C"),
+    (lambda: resolve_model("gpt3-1b", window=256, attention_chunk=512), "a layer attends within a sliding window or "
+     "within chunks; pass one of them"),
+    (lambda: resolve_model("gpt3-1b", attention_chunk=0), "attention_chunk = 0 must be >= 1"),
+    (lambda: TransformerSpec(2, 64, 4, 10, 64, window=(Chunked(0), None)), r"Chunked\.size = 0 must be >= 1"),
     (lambda: resolve_model("gpt3-1b", window=256, full_every=0), "full_every = 0 must be >= 1"),
 ])
 def test_window_errors_name_the_rule_and_the_fix(build, needle):
     with pytest.raises(ValueError, match=needle):
         build()
+
+
+CHUNK_GRID = [(s, c, size) for s in (1, 2, 3, 5, 8, 13) for c in (0, 1, 2, 4, 6, 7, 12, 19)
+              for size in (1, 2, 3, 5, 8, 64)]
+
+
+def test_chunked_attention_counts_the_pairs_and_keys_of_its_chunks():
+    """Chunked attention of C tokens (query t sees key k iff k <= t and k // C == t // C), counted pair by pair: the
+    visible pairs, the keys the slice reads (from the start of its first query's chunk, where the runtime's chunks
+    as documents start it), and the scores the runtime computes (causal blocks per chunk: the visible pairs)."""
+    import torch
+
+    from ds_terapipe.runtime.slicing.documents import chunked_documents
+    for s, c, size in CHUNK_GRID:
+        seen = [(t, k) for t in range(c, c + s) for k in range(t + 1) if k // size == t // size]
+        keys = len({k for _, k in seen})
+        assert (visible_pairs(s, c, Chunked(size)), visible_keys(s, c, Chunked(size))) == (len(seen), keys), (s, c, size)
+        assert computed_pairs(s, c, Chunked(size)) == len(seen)
+        docs = chunked_documents(None, size, 1, c + s, torch.device("cpu"))   # None: one chunk holds the sequence
+        assert c + s - (0 if docs is None else docs.first_visible(c)) == keys, (s, c, size)
+
+
+def test_chunked_layers_are_priced_per_layer_and_plan_cheaper_than_causal():
+    """Llama 4's layout (chunks of C on three layers of four, full attention on the fourth): each layer its own
+    attention; at 32K tokens a step with chunks of 8192 is cheaper than causal attention everywhere, and the
+    chunked-everywhere one cheaper still; a chunk covering the sequence costs what causal attention does; a slice's
+    chunked attention costs the same at the same place in any chunk."""
+    spec = resolve_model("gpt3-1b", attention_chunk=8192, full_every=4)
+    assert spec.layer_windows[:8] == (Chunked(8192),) * 3 + (None,) + (Chunked(8192),) * 3 + (None,)
+    assert resolve_model("gpt3-1b", attention_chunk=8192).window == Chunked(8192)
+    dev = get_device_preset("h100")
+    steps = [plan_slicing(analytic_pipeline_cost(resolve_model("gpt3-1b", attention_chunk=chunk, full_every=every),
+                                                 dev, 8), 32768, num_microbatches=1, granularity=128).predicted_ms
+             for chunk, every in ((None, None), (8192, 4), (8192, None), (32768, None))]
+    assert steps[2] < steps[1] < steps[0] and steps[3] == pytest.approx(steps[0], rel=1e-12)
+    cpu = get_device_preset("cpu")   # no launch floor: attention is its FLOPs or bytes at any size
+    one = AnalyticCost(TransformerSpec(**dict(get_model_preset("gpt3-1b").__dict__, window=Chunked(1024))), cpu, 1)
+    for method in ("forward_ms", "backward_ms"):
+        assert getattr(one, method)(256, 512) == getattr(one, method)(256, 3 * 1024 + 512)
+        assert getattr(one, method)(256, 512) > getattr(one, method)(256, 0)
+    counts = spec.window_counts(0, 8)
+    assert counts == ((None, 2), (Chunked(8192), 6))
 
 
 def test_small_slices_are_memory_bound_on_weights():

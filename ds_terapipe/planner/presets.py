@@ -28,8 +28,9 @@ efficiencies.
 The model presets attend over every earlier token. ``resolve_model(..., window=w)`` gives their layers a sliding
 window of w keys (Mistral's attention), and with ``full_every=k`` every k-th layer keeps full attention (Gemma 2:
 k = 2, Gemma 3 and Cohere 2: 6 and 4, as ``transformers``' ``sliding_window_pattern``); a ``TransformerSpec`` of
-your own takes any per-layer windows (``window``: one entry per layer). The costs are per layer: a stage's
-attention adds up its own layers' windows.
+your own takes any per-layer windows (``window``: one entry per layer). ``resolve_model(..., attention_chunk=C)``
+gives them chunked attention of C tokens instead (Llama 4's local layers; ``full_every=4`` as Llama 4). The costs
+are per layer: a stage's attention adds up its own layers' windows.
 
 Links are the stage-to-stage network a pipeline crossing nodes sees: V100 100 Gbit/s (AWS p3dn), A100 200 Gbit/s
 (HDR InfiniBand), H100 400 Gbit/s (NDR), CPU 10 Gbit/s Ethernet. These are estimates for ranking plans; profile
@@ -43,7 +44,7 @@ from typing import TYPE_CHECKING
 
 from ._checks import check_int
 from .cost import AnalyticCost, DeviceSpec, PipelineCost, TransformerSpec
-from .roofline import Windows
+from .roofline import Chunked, Windows
 
 if TYPE_CHECKING:
     from .slicing import MemoryModel
@@ -57,6 +58,7 @@ __all__ = [
     "get_device_preset",
     "split_layers",
     "sliding_windows",
+    "chunked_layers",
     "analytic_pipeline_cost",
     "analytic_layer_costs",
     "resolve_model",
@@ -129,19 +131,39 @@ def sliding_windows(num_layers: int, window: int, full_every: int | None = None)
     return tuple(None if (i + 1) % k == 0 else window for i in range(num_layers))
 
 
+def chunked_layers(num_layers: int, attention_chunk: int, full_every: int | None = None) -> Windows:
+    """``TransformerSpec.window`` for ``num_layers`` layers of chunked attention of ``attention_chunk`` tokens (not the
+    pipeline's chunks of layers): every layer's
+    (``full_every`` None), or, as Llama 4 (k = 4: its layers without rotary attend fully), full attention on every
+    k-th layer (layer i when (i + 1) % k == 0) and the chunks on the others."""
+    chunk = check_int(attention_chunk, "attention_chunk", fix="give the tokens of an attention chunk (Llama 4: 8192)",
+                      wrong_type=ValueError)
+    if full_every is None:
+        return Chunked(chunk)
+    k = check_int(full_every, "full_every", fix="give k for full attention on every k-th layer (Llama 4: 4), or "
+                  "None for the chunks on every layer", wrong_type=ValueError)
+    return tuple(None if (i + 1) % k == 0 else Chunked(chunk) for i in range(num_layers))
+
+
 def resolve_model(model: str | TransformerSpec, vocab: int | None = None, *, window: int | None = None,
-                  full_every: int | None = None) -> TransformerSpec:
+                  full_every: int | None = None, attention_chunk: int | None = None) -> TransformerSpec:
     """A preset by name (or a spec as is), with its vocabulary replaced by ``vocab`` when given (e.g. a 256k
     tokenizer on a GPT-3 body: the LM head and embedding grow, the blocks do not), and with ``window`` its layers'
-    sliding windows (``sliding_windows``: on every layer, or with ``full_every`` k full attention on every k-th)."""
+    sliding windows (``sliding_windows``: on every layer, or with ``full_every`` k full attention on every k-th),
+    or with ``attention_chunk`` chunked attention the same way (``chunked_layers``)."""
     spec = get_model_preset(model) if isinstance(model, str) else model
     if vocab is not None:
         spec = dataclasses.replace(spec, vocab=check_int(vocab, "vocab", fix="pass the tokenizer's vocabulary size"))
+    if window is not None and attention_chunk is not None:
+        raise ValueError(f"window = {window!r} and attention_chunk = {attention_chunk!r}: a layer attends within a "
+                         "sliding window or within chunks; pass one of them")
     if window is not None:
         spec = dataclasses.replace(spec, window=sliding_windows(spec.num_layers, window, full_every))
+    elif attention_chunk is not None:
+        spec = dataclasses.replace(spec, window=chunked_layers(spec.num_layers, attention_chunk, full_every))
     elif full_every is not None:
-        raise ValueError(f"full_every = {full_every!r} picks the layers of full attention among windowed ones, but "
-                         "no window is given; pass window=W too")
+        raise ValueError(f"full_every = {full_every!r} picks the layers of full attention among windowed (or "
+                         "chunked) ones, but neither is given; pass window=W or attention_chunk=C too")
     return spec
 
 

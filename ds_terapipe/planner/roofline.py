@@ -17,8 +17,10 @@ values it reads), so it grows with the context. With a sliding window of w keys 
 t - k < w) a slice [c, c + s) reads only the keys [max(0, c - w + 1), c + s), so its attention stops growing once
 the prefix passes w; where the window hides keys the runtime runs SDPA calls under a band mask per block of
 ``max(w, WINDOW_QUERY_BLOCK)`` queries, each scoring its queries against every key from its first query's window
-on (``computed_pairs``). ``TransformerSpec.window`` gives each
-layer's window. The small ops of a block are costed as a group: the larger of their launch floors and their bytes.
+on (``computed_pairs``). With chunked attention of C tokens (Llama 4's local layers: query t sees key k iff k <= t
+and k // C == t // C) a slice reads the keys from the start of its first query's chunk and attends causally within
+each chunk, so its attention never grows past one chunk's. ``TransformerSpec.window`` gives each layer's window or
+chunk (``Chunked``). The small ops of a block are costed as a group: the larger of their launch floors and their bytes.
 
 ``BLOCKS`` lists the block layouts: ``"gpt"`` (LayerNorm, GeLU MLP of two matrices, biases) and ``"llama"``
 (RMSNorm, rotary positions, SwiGLU MLP of three matrices, no biases). Their kernel counts were counted by
@@ -37,8 +39,8 @@ import numpy as np
 
 from ._checks import check_int, check_number
 
-__all__ = ["BLOCKS", "BlockKernels", "TransformerSpec", "DeviceSpec", "Roofline", "Windows", "computed_pairs",
-           "visible_pairs", "visible_keys"]
+__all__ = ["BLOCKS", "BlockKernels", "Chunked", "TransformerSpec", "DeviceSpec", "Roofline", "Windows",
+           "computed_pairs", "visible_pairs", "visible_keys"]
 
 
 @dataclass(frozen=True)
@@ -60,26 +62,54 @@ BLOCKS: dict[str, BlockKernels] = {
 _ATTENTION_BACKWARD_FLOPS = 2.5
 
 
-def visible_pairs(s: np.ndarray | float, c: np.ndarray | float, window: Optional[int] = None) -> np.ndarray:
+@dataclass(frozen=True)
+class Chunked:
+    """A layer of chunked attention (Llama 4's ``attention_chunk_size``): query t sees key k iff k <= t and
+    k // size == t // size, chunks counted from the start of the sequence. An entry of ``TransformerSpec.window``
+    beside a sliding window (an int) and full attention (None)."""
+
+    size: int
+
+    def __post_init__(self) -> None:
+        check_int(self.size, "Chunked.size", minimum=1, wrong_type=ValueError,
+                  fix="give the tokens of a chunk (Llama 4: 8192)")
+
+
+#: One layer's attention: None (full causal), a sliding window of that many keys, or ``Chunked``.
+Attention = Union[None, int, Chunked]
+
+
+def visible_pairs(s: np.ndarray | float, c: np.ndarray | float, window: Attention = None) -> np.ndarray:
     """(query, key) pairs a slice of ``s`` queries after ``c`` cached tokens attends over: query t sees key k iff
-    k <= t and, with a sliding ``window`` w, t - k < w; so query t sees min(t + 1, w) keys.
+    k <= t and, with a sliding ``window`` w, t - k < w (min(t + 1, w) keys), or with ``Chunked(C)`` k in t's chunk
+    (t mod C + 1 keys).
 
     Summed over the slice's queries t = c .. c + s - 1 that is F(c + s) - F(c), with F(n) = sum of min(u, w) over
-    u = 1 .. n = min(n, w) (min(n, w) + 1) / 2 + max(n - w, 0) w; without a window s c + s (s + 1) / 2."""
+    u = 1 .. n = min(n, w) (min(n, w) + 1) / 2 + max(n - w, 0) w; chunked, F(n) = (n // C) C (C + 1) / 2 +
+    r (r + 1) / 2 with r = n mod C; without either s c + s (s + 1) / 2."""
     s, c = np.asarray(s, float), np.asarray(c, float)
     if window is None:
         return s * c + s * (s + 1.0) / 2.0
+    if isinstance(window, Chunked):
+        size = float(window.size)
 
-    def triangle(n: np.ndarray) -> np.ndarray:
-        low = np.minimum(n, window)
-        return low * (low + 1.0) / 2.0 + np.maximum(n - window, 0.0) * window
+        def triangle(n: np.ndarray) -> np.ndarray:
+            rest = np.mod(n, size)
+            return np.floor_divide(n, size) * size * (size + 1.0) / 2.0 + rest * (rest + 1.0) / 2.0
+    else:
+        def triangle(n: np.ndarray) -> np.ndarray:
+            low = np.minimum(n, window)
+            return low * (low + 1.0) / 2.0 + np.maximum(n - window, 0.0) * window
 
     return triangle(c + s) - triangle(c)
 
 
-def visible_keys(s: np.ndarray | float, c: np.ndarray | float, window: Optional[int] = None) -> np.ndarray:
-    """Keys (and values) a slice of ``s`` queries after ``c`` cached tokens reads: [max(0, c - w + 1), c + s)."""
+def visible_keys(s: np.ndarray | float, c: np.ndarray | float, window: Attention = None) -> np.ndarray:
+    """Keys (and values) a slice of ``s`` queries after ``c`` cached tokens reads: [max(0, c - w + 1), c + s), or
+    chunked from the start of its first query's chunk."""
     s, c = np.asarray(s, float), np.asarray(c, float)
+    if isinstance(window, Chunked):
+        return s + np.mod(c, float(window.size))
     return s + (c if window is None else np.minimum(c, window - 1.0))
 
 
@@ -87,16 +117,17 @@ def visible_keys(s: np.ndarray | float, c: np.ndarray | float, window: Optional[
 WINDOW_QUERY_BLOCK = 256
 
 
-def computed_pairs(s: np.ndarray | float, c: np.ndarray | float, window: Optional[int] = None,
+def computed_pairs(s: np.ndarray | float, c: np.ndarray | float, window: Attention = None,
                    block: int = WINDOW_QUERY_BLOCK) -> np.ndarray:
     """(query, key) scores the runtime computes for a slice of ``s`` queries after ``c`` cached tokens: the visible
     pairs while the window hides no key from the slice (``c + s <= window``: the causal paths, which skip what the
     causal mask hides), else band-masked calls per block of ``max(window, block)`` queries, each scoring its
     queries against every key from its first query's window on: the first block ``b0 * (b0 + min(c, window - 1))``,
     every later one ``b * (b + window - 1)`` (a block of at least ``window`` queries leaves the next one's window
-    wholly inside the slice's keys)."""
+    wholly inside the slice's keys). Chunked attention runs each chunk of the slice as a causal block over its
+    chunk's keys (the packed rows' paths): the visible pairs."""
     pairs = visible_pairs(s, c, window)
-    if window is None:
+    if window is None or isinstance(window, Chunked):
         return pairs
     s, c = np.asarray(s, float), np.asarray(c, float)
     size = float(max(window, block))
@@ -109,9 +140,9 @@ def computed_pairs(s: np.ndarray | float, c: np.ndarray | float, window: Optiona
     return np.where(c + s > window, banded, pairs)
 
 
-#: A model's windows: None (full causal attention on every layer), one window for every layer, or one entry per
-#: layer (None for a layer of full attention).
-Windows = Union[None, int, Sequence[Optional[int]]]
+#: A model's windows: None (full causal attention on every layer), one window (or ``Chunked``) for every layer, or
+#: one entry per layer (None for a layer of full attention).
+Windows = Union[None, int, Chunked, Sequence[Attention]]
 
 
 @dataclass(frozen=True)
@@ -126,7 +157,8 @@ class TransformerSpec:
     ``window``: sliding-window attention, query t seeing key k iff k <= t and t - k < w (``transformers``' mask):
     None for full causal attention on every layer, an int w for every layer (Mistral), or one entry per layer,
     None for a layer of full attention (Gemma 2/3, Qwen2/3 and others, whose ``layer_types`` mix
-    ``'sliding_attention'`` and ``'full_attention'`` layers); ``layer_windows`` spells it out per layer.
+    ``'sliding_attention'`` and ``'full_attention'`` layers); an entry (or the whole) may be ``Chunked(C)`` for
+    chunked attention (Llama 4's ``'chunked_attention'`` layers); ``layer_windows`` spells it out per layer.
     """
 
     num_layers: int
@@ -162,35 +194,38 @@ class TransformerSpec:
 
     def _checked_window(self, window: Windows) -> Windows:
         fix = "give a window of at least 1 key, or None for full causal attention"
-        if window is None:
-            return None
+        if window is None or isinstance(window, Chunked):
+            return window
         if not isinstance(window, Sequence) or isinstance(window, str):
             return check_int(window, "TransformerSpec.window", fix=fix + " (a list: one per layer)",
                              wrong_type=ValueError)
         if len(window) != self.num_layers:
             raise ValueError(f"TransformerSpec.window has {len(window)} entries for num_layers = {self.num_layers}; "
                              "give one window (or None) per layer, or one int for every layer")
-        return tuple(None if w is None else check_int(w, f"TransformerSpec.window[{i}]", fix=fix,
-                                                      wrong_type=ValueError) for i, w in enumerate(window))
+        return tuple(w if w is None or isinstance(w, Chunked) else
+                     check_int(w, f"TransformerSpec.window[{i}]", fix=fix, wrong_type=ValueError)
+                     for i, w in enumerate(window))
 
     @property
-    def layer_windows(self) -> tuple[Optional[int], ...]:
-        """Each layer's sliding window, None for full causal attention."""
-        if self.window is None or isinstance(self.window, int):
+    def layer_windows(self) -> tuple[Attention, ...]:
+        """Each layer's sliding window (or ``Chunked``), None for full causal attention."""
+        if self.window is None or isinstance(self.window, (int, Chunked)):
             return (self.window,) * self.num_layers
         return tuple(self.window)
 
-    def window_counts(self, first_layer: int, num_layers: int) -> tuple[tuple[Optional[int], int], ...]:
-        """(window, how many layers) over the layers [first_layer, first_layer + num_layers), full attention first:
-        what a run of layers costs depends on this alone. A single window (or none) holds for any layer index."""
-        if self.window is None or isinstance(self.window, int):
+    def window_counts(self, first_layer: int, num_layers: int) -> tuple[tuple[Attention, int], ...]:
+        """(window, how many layers) over the layers [first_layer, first_layer + num_layers), full attention first,
+        then windows by size, then chunks: what a run of layers costs depends on this alone. A single window (or
+        none) holds for any layer index."""
+        if self.window is None or isinstance(self.window, (int, Chunked)):
             return ((self.window, num_layers),) if num_layers else ()
         if first_layer < 0 or first_layer + num_layers > self.num_layers:
             raise ValueError(f"layers [{first_layer}, {first_layer + num_layers}) are not all among the "
                              f"{self.num_layers} layers whose windows TransformerSpec.window gives; cost layers of "
                              "the model only")
         counts = Counter(self.window[first_layer:first_layer + num_layers])
-        return tuple(sorted(counts.items(), key=lambda item: -1 if item[0] is None else item[0]))
+        return tuple(sorted(counts.items(), key=lambda item: (0, 0) if item[0] is None else
+                            (2, item[0].size) if isinstance(item[0], Chunked) else (1, item[0])))
 
     @property
     def ffn(self) -> int:
@@ -321,18 +356,18 @@ class Roofline:
                    for k, n in zip(self._k, self._n))
 
     # -- passes of one layer ----------------------------------------------------------------------------------
-    def attention_flops(self, s: np.ndarray, c: np.ndarray, b: np.ndarray, window: Optional[int] = None
+    def attention_flops(self, s: np.ndarray, c: np.ndarray, b: np.ndarray, window: Attention = None
                         ) -> np.ndarray:
         """Scores and weights @ V over the (query, key) pairs the runtime computes for the slice
         (``computed_pairs``: the c cached keys and the causal triangle of the slice; under a sliding ``window``
         that hides keys, every key the slice reads for every query), 2 per FMA."""
         return 4.0 * b * self.model.hidden * computed_pairs(s, c, window)
 
-    def _attention_bytes(self, s: np.ndarray, c: np.ndarray, b: np.ndarray, window: Optional[int]) -> np.ndarray:
+    def _attention_bytes(self, s: np.ndarray, c: np.ndarray, b: np.ndarray, window: Attention) -> np.ndarray:
         # queries in, outputs out (b*s*h each); keys and values the slice sees (b*visible_keys*kv each)
         return (2.0 * b * s * self.model.hidden + 2.0 * b * visible_keys(s, c, window) * self.model.kv_width) * self.e
 
-    def layer_forward_ms(self, s: np.ndarray, c: np.ndarray, b: np.ndarray, window: Optional[int] = None
+    def layer_forward_ms(self, s: np.ndarray, c: np.ndarray, b: np.ndarray, window: Attention = None
                          ) -> np.ndarray:
         """One layer's forward whose attention has the sliding ``window`` (None: full causal attention)."""
         m = b * s
@@ -341,7 +376,7 @@ class Roofline:
         small = self.small_ops(self.kernels.forward, self.model.io_elements_per_token() * m * self.e)
         return self._gemms(m) + attention + small + self.device.per_layer_overhead_ms
 
-    def layer_input_grad_ms(self, s: np.ndarray, c: np.ndarray, b: np.ndarray, window: Optional[int] = None
+    def layer_input_grad_ms(self, s: np.ndarray, c: np.ndarray, b: np.ndarray, window: Attention = None
                             ) -> np.ndarray:
         """Backward without the Linears' weight gradients: dX GEMMs (each reads its weight), attention's
         backward (the visible prefix's K/V gradients added into the cache's: 3 more passes over them), the small
