@@ -1,7 +1,8 @@
 """Token pipeline vs stock DeepSpeed pipeline on CPU: step time, bubble-free bound, planner error, activation memory.
 
     python benchmarks/pipeline_speedup.py --quick                       # 1-2 minute smoke run
-    python benchmarks/pipeline_speedup.py                               # the full table (~15 min, 2 cores)
+    python benchmarks/pipeline_speedup.py                               # the full table (the committed run, 2 variants
+                                                                        # more: 39 min on 2 cores)
     python benchmarks/pipeline_speedup.py --plots docs                  # + timelines
 
 Two stages, one process per stage with ONE thread each (``OMP_NUM_THREADS=1``, ``torch.set_num_threads(1)``),

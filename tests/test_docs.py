@@ -5,8 +5,8 @@ and no pointer to a file outside the repository (a reader of a clone has only wh
 lead to files (and headings) that exist. What a reader copies from the documents is checked against the code: the
 README's key table against the config model, every `"terapipe"` section shown, the `ds_terapipe.*` names and the
 repository's files named, the options given to a script or `ds-terapipe`, what `ds-terapipe` prints in a console
-block, docs/sharding.md's gathers per step against the lowering, and README's GPU table and the docs' CPU speedup
-tables against the committed reports.
+block, docs/sharding.md's gathers per step against the lowering, README's GPU table and the docs' CPU speedup
+tables against the committed reports, and the error messages docs/errors.md quotes against the package's source.
 """
 
 from __future__ import annotations
@@ -423,31 +423,80 @@ def test_the_log_line_check_catches_what_it_is_for() -> None:
     assert _unlogged(text, _log_patterns()) == ["terapipe: profiled 2 stage(s) in 35.2s"]
 
 
-def _unquoted_messages(page: str, source: str) -> list[str]:
-    """The messages a table of ``page`` quotes in its first column (`how it begins`) that the package's source does
-    not hold: each piece between placeholders (`<value>`, ` ... `) must be in a string of the source, adjacent
-    string literals joined as Python joins them, a quote as the source escapes it."""
-    joined = re.sub(r"\"\s*\n\s*[rf]*\"", "", source)
-    missing = []
-    for quoted in re.findall(r"^\| `([^`]+)` \|", page, flags=re.M):
-        pieces = [p.strip() for p in re.split(r"<[^>]+>| \.\.\. ", quoted)]
-        if any(piece and piece not in joined and piece.replace('"', '\\"') not in joined for piece in pieces):
-            missing.append(quoted)
-    return missing
+# -- docs/errors.md quotes the messages the code raises --------------------------------------------------------------
+ERRORS_HEADER = "| the message starts with |"
+# where the quoted messages come from: the package, and the test launcher's watchdog the page explains
+MESSAGE_SOURCES = (*sorted((ROOT / "ds_terapipe").rglob("*.py")), ROOT / "tests" / "dist_worker.py")
 
 
-def test_the_errors_page_quotes_the_package_s_own_messages() -> None:
-    """docs/errors.md's first columns are how the package's messages begin: a reworded message breaks this test,
-    and the page is updated with it."""
-    source = "\n".join(path.read_text(encoding="utf-8") for path in (ROOT / "ds_terapipe").rglob("*.py"))
-    page = (ROOT / "docs" / "errors.md").read_text(encoding="utf-8")
-    assert len(re.findall(r"^\| `", page, flags=re.M)) >= 20
-    assert not _unquoted_messages(page, source), _unquoted_messages(page, source)
+def _source_strings(paths: tuple[Path, ...]) -> list[str]:
+    """Every string literal of ``paths`` but docstrings, an f-string's replacement fields written `…` (a run of them
+    as one; a module's own string constant, such as ``TERAPIPE_KEY``, as its value)."""
+    strings = []
+    for path in paths:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        constants = {node.targets[0].id: node.value.value for node in tree.body
+                     if isinstance(node, ast.Assign) and [type(target) for target in node.targets] == [ast.Name]
+                     and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str)}
+        skip = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Expr)}   # docstrings
+        skip |= {id(part) for node in ast.walk(tree) if isinstance(node, ast.JoinedStr) for part in node.values}
+
+        def field(part: ast.FormattedValue) -> str:
+            if isinstance(part.value, ast.Name) and part.value.id in constants and part.format_spec is None:
+                value = constants[part.value.id]
+                return repr(value) if part.conversion == ord("r") else value if part.conversion == -1 else "…"
+            return "…"
+
+        for node in ast.walk(tree):
+            if isinstance(node, ast.JoinedStr):
+                text = "".join(part.value if isinstance(part, ast.Constant) else field(part) for part in node.values)
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in skip:
+                text = node.value
+            else:
+                continue
+            strings.append(re.sub("…+", "…", text))
+    return strings
 
 
-def test_the_message_check_catches_what_it_is_for() -> None:
-    source = 'raise ValueError(f"terapipe.slices={s} sum to {n} but "\n    "terapipe.seq_len={L}; add them up")'
-    page = "| `terapipe.slices=<list> sum to <n> but terapipe.seq_len=<L>; add them up` | x | y |\n"
-    assert _unquoted_messages(page, source) == []
-    assert _unquoted_messages(page.replace("add them", "sum them"), source) == [
-        "terapipe.slices=<list> sum to <n> but terapipe.seq_len=<L>; sum them up"]
+def _error_quotes(text: str) -> list[str]:
+    """The first column's quote of every row of the page's tables headed ``| the message starts with |``."""
+    quotes = []
+    for table in text.split("\n" + ERRORS_HEADER)[1:]:
+        for line in table.splitlines()[2:]:
+            if not line.startswith("|"):
+                break
+            quotes += re.findall(r"`([^`]+)`", line.strip("|").split("|")[0])[:1]
+    return quotes
+
+
+def _unquoted_messages(quotes: list[str], strings: list[str]) -> list[str]:
+    """Quotes no source string starts with; a quote that starts with `…` (the message's start is filled in) is looked
+    for anywhere in a string."""
+    return [quote for quote in quotes
+            if not any(quote[1:] in s if quote.startswith("…") else s.startswith(quote) for s in strings)]
+
+
+def test_the_messages_docs_errors_quotes_are_the_packages() -> None:
+    quotes = _error_quotes((ROOT / "docs" / "errors.md").read_text(encoding="utf-8"))
+    assert len(quotes) >= 50, quotes   # every table was read
+    missing = _unquoted_messages(quotes, _source_strings(MESSAGE_SOURCES))
+    assert not missing, "docs/errors.md quotes messages the code no longer has (copy them from the code):\n" + \
+        "\n".join(missing)
+
+
+def test_the_error_quote_check_catches_what_it_is_for(tmp_path: Path) -> None:
+    source = tmp_path / "source.py"
+    source.write_text('KEY = "terapipe"\n\n\ndef f(x, n):\n    """terapipe: a docstring is no message."""\n'
+                      '    raise ValueError(f"{KEY}.slices={x!r} must be " f"{n}{n} or more; set it")\n\n\n'
+                      'def g(where):\n    return f"{KEY!r}: {where}: layer {where} gives different outputs"\n')
+    strings = _source_strings((source, ))
+    assert "terapipe.slices=… must be … or more; set it" in strings
+    assert "'terapipe': …: layer … gives different outputs" in strings
+    page = (f"\n{ERRORS_HEADER} meaning |\n| --- | --- |\n| `terapipe.slices=… must be … or more` | x |\n"
+            "| `terapipe.slices=… must be at least` | x |\n| `…layer … gives different outputs` | x |\n"
+            "| `…layer … gives other outputs` | x |\n\nprose `not a quote`\n"
+            f"{ERRORS_HEADER} meaning |\n| --- | --- |\n| `terapipe: a docstring is no message.` | x |\n")
+    quotes = _error_quotes(page)
+    assert len(quotes) == 5 and "not a quote" not in quotes
+    assert _unquoted_messages(quotes, strings) == [
+        "terapipe.slices=… must be at least", "…layer … gives other outputs", "terapipe: a docstring is no message."]

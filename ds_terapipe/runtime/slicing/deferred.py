@@ -1,5 +1,5 @@
-"""Deferred weight gradients: a slice's backward computes input gradients only; weights get theirs once per
-micro-batch.
+"""Deferred weight gradients: a slice's backward computes input gradients only; weights get theirs later, in a ``W``
+action per micro-batch or per slice, as the schedule places them (``ScheduleSpec.weights_per_slice``).
 
 Why: the weight gradient sits on the critical path of a sliced backward. The previous stage waits for this
 stage's input gradient, which does not need the weight gradient at all; at one micro-batch on 2 stages the
