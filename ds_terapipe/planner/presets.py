@@ -119,30 +119,31 @@ def split_layers(num_layers: int, num_stages: int) -> list[int]:
     return [base + (1 if s < extra else 0) for s in range(num_stages)]
 
 
+def _full_every(num_layers: int, attention: Windows, full_every: int | None, example: str, others: str) -> Windows:
+    """``attention`` on every layer (``full_every`` None), or full attention on every k-th layer (layer i when
+    (i + 1) % k == 0) and ``attention`` on the others."""
+    if full_every is None:
+        return attention
+    k = check_int(full_every, "full_every", fix=f"give k for full attention on every k-th layer ({example}), or "
+                  f"None for {others} on every layer", wrong_type=ValueError)
+    return tuple(None if (i + 1) % k == 0 else attention for i in range(num_layers))
+
+
 def sliding_windows(num_layers: int, window: int, full_every: int | None = None) -> Windows:
     """``TransformerSpec.window`` for ``num_layers`` layers with a sliding ``window``: every layer's (``full_every``
     None), or, as ``transformers``' ``sliding_window_pattern`` k of Gemma 2/3 and Cohere 2, full attention on every
     k-th layer (layer i when (i + 1) % k == 0) and the window on the others."""
     window = check_int(window, "window", fix="give the sliding window in keys (Mistral: 4096)", wrong_type=ValueError)
-    if full_every is None:
-        return window
-    k = check_int(full_every, "full_every", fix="give k for full attention on every k-th layer (Gemma 2: 2), or "
-                  "None for the window on every layer", wrong_type=ValueError)
-    return tuple(None if (i + 1) % k == 0 else window for i in range(num_layers))
+    return _full_every(num_layers, window, full_every, "Gemma 2: 2", "the window")
 
 
 def chunked_layers(num_layers: int, attention_chunk: int, full_every: int | None = None) -> Windows:
     """``TransformerSpec.window`` for ``num_layers`` layers of chunked attention of ``attention_chunk`` tokens (not the
-    pipeline's chunks of layers): every layer's
-    (``full_every`` None), or, as Llama 4 (k = 4: its layers without rotary attend fully), full attention on every
-    k-th layer (layer i when (i + 1) % k == 0) and the chunks on the others."""
+    pipeline's chunks of layers): every layer's (``full_every`` None), or, as Llama 4 (k = 4: its layers without
+    rotary attend fully), full attention on every k-th layer and the chunks on the others."""
     chunk = check_int(attention_chunk, "attention_chunk", fix="give the tokens of an attention chunk (Llama 4: 8192)",
                       wrong_type=ValueError)
-    if full_every is None:
-        return Chunked(chunk)
-    k = check_int(full_every, "full_every", fix="give k for full attention on every k-th layer (Llama 4: 4), or "
-                  "None for the chunks on every layer", wrong_type=ValueError)
-    return tuple(None if (i + 1) % k == 0 else Chunked(chunk) for i in range(num_layers))
+    return _full_every(num_layers, Chunked(chunk), full_every, "Llama 4: 4", "the chunks")
 
 
 def resolve_model(model: str | TransformerSpec, vocab: int | None = None, *, window: int | None = None,
