@@ -302,11 +302,13 @@ def _softcap_or_sinks(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
         if blocks is not None:
             return block_attention(q, keys, values, blocks, scale, sinks)
     if softcap is None and not _binds(window, end) and blocks_mod.on_accelerator(q):
-        if docs is None and first == 0:
-            return _sinks_as_key(q, keys, values, sinks, None, dropout_p, scale)
-        blocks = None if docs is None else docs.blocks(start, end, first)
+        def attend(qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor) -> torch.Tensor:
+            return _sinks_as_key(qb, kb, vb, sinks, dropout_p, scale)
+        if docs is None:   # no window binds and no documents: the keys start at 0
+            return attend(q, keys, values)
+        blocks = docs.blocks(start, end, first)
         if blocks is not None:
-            return _sinks_as_key(q, keys, values, sinks, blocks, dropout_p, scale)
+            return sdpa_blocks(q, keys, values, blocks, scale, dropout_p, attend=attend)
     return _eager(q, keys, values, docs, start, end, first, window, softcap, sinks, dropout_p, scale)
 
 
@@ -316,17 +318,18 @@ def _softcap_or_sinks(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 SINK_LIMIT = 1e4
 
 
-def _sinks_as_key(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sinks: torch.Tensor,
-                  blocks: "list | None", dropout_p: float, scale: "float | None") -> torch.Tensor:
-    """Causal attention of queries ``[end - T, end)`` over ``keys``/``values`` ``[0, end)`` with sinks, in SDPA
-    calls the accelerator's fused kernels take: one call, or one per block of packed rows (``blocks``, as
-    :func:`~ds_terapipe.runtime.slicing.blocks.sdpa_blocks` runs them). The sink is one more key, first, whose value
-    is zero. Its score must be head h's sink for every query of head h, so q, k and v are widened by one column (then
-    to a multiple of 8, one width for all three, as the flash kernel wants): q's holds the sink, the sink key's holds
-    1 / scale, the real keys' hold 0; the causal mask is the lazy lower-right one over the keys plus the sink key.
-    The gradient reaches the sinks through q's column. What SDPA keeps for backward is the widened q, k and v
-    (copies of the keys and values the slice reads) and its log-sum-exp, against the (heads, T, keys) scores the
-    plain math keeps: at 64 query heads over 8 key/value heads, the scores cost more from about 20 queries on."""
+def _sinks_as_key(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sinks: torch.Tensor, dropout_p: float,
+                  scale: "float | None") -> torch.Tensor:
+    """Attention with sinks of queries ``q`` over ``keys``/``values``, causal aligned to the lower right (the
+    queries are the last of the keys' positions), in one SDPA call the accelerator's fused kernels take (packed
+    rows: one per document block, through :func:`~ds_terapipe.runtime.slicing.blocks.sdpa_blocks`). The sink is one
+    more key, first, whose value is zero. Its score must be head h's sink for every query of head h, so q, k and v
+    are widened by one column (then to a multiple of 8, one width for all three, as the flash kernel wants): q's
+    holds the sink, the sink key's holds 1 / scale, the real keys' hold 0; the causal mask is the lazy lower-right
+    one over the keys plus the sink key. The gradient reaches the sinks through q's column. What SDPA keeps for
+    backward is the widened q, k and v (copies of the keys and values the call reads) and its log-sum-exp, against
+    the (heads, T, keys) scores the plain math keeps: at 64 query heads over 8 key/value heads, the scores cost more
+    from about 20 queries on."""
     batch, heads, tokens, head_dim = q.shape
     kv_heads, width = keys.shape[1], -(-(max(head_dim + 1, values.shape[-1])) // 8) * 8
     scale = head_dim ** -0.5 if scale is None else scale
@@ -338,12 +341,8 @@ def _sinks_as_key(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sin
     wide_k[:, :, 0, head_dim] = 1.0 / scale
     wide_v = values.new_zeros(batch, kv_heads, values.shape[2] + 1, width)
     wide_v[:, :, 1:, :values.shape[-1]] = values
-    if blocks is not None:
-        out = sdpa_blocks(wide_q, wide_k, wide_v, blocks, scale, dropout_p, sink_key=True)
-    else:
-        out = F.scaled_dot_product_attention(wide_q, wide_k, wide_v,
-                                             attn_mask=causal_lower_right(tokens, wide_k.shape[2]),
-                                             dropout_p=dropout_p, scale=scale, **gqa_kwargs(q, keys, values))
+    out = F.scaled_dot_product_attention(wide_q, wide_k, wide_v, attn_mask=causal_lower_right(tokens, wide_k.shape[2]),
+                                         dropout_p=dropout_p, scale=scale, **gqa_kwargs(q, keys, values))
     return out[..., :values.shape[-1]]
 
 

@@ -38,7 +38,7 @@ torch's lazy ``causal_lower_right`` bias, which the fused kernels take, and neve
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -133,25 +133,22 @@ def gqa_kwargs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict[str, b
 
 
 def sdpa_blocks(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, blocks: Sequence[Block],
-                scale: Optional[float], dropout_p: float = 0.0, sink_key: bool = False) -> torch.Tensor:
+                scale: Optional[float], dropout_p: float = 0.0,
+                attend: Optional[Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = None
+                ) -> torch.Tensor:
     """The same blocks for an accelerator, through public SDPA and no merge: a block's queries see the keys
     ``[p0, k0 + n)`` causally aligned to the lower right (their document's earlier part fully, their own keys
     causally), which is one SDPA call with torch's lazy ``causal_lower_right`` bias (``is_causal=True`` when the
     block has no prefix), a form the fused flash / memory-efficient kernels take. Each query lies in one block,
-    so dropout per call is dropout over its row. Autograd runs through SDPA's own backward. ``sink_key``: key 0 of
-    ``keys``/``values`` is an attention sink's key (the block indices count from key 1), which every block reads
-    first (a copy of the block's keys with it in front)."""
+    so dropout per call is dropout over its row. Autograd runs through SDPA's own backward. ``attend(qb, kb, vb)``:
+    a block's attention in place of that call, over the same keys aligned the same way (attention sinks)."""
     gqa = gqa_kwargs(q, keys, values)
     batch, heads, tokens, _ = q.shape
     out = q.new_empty(batch, tokens, heads, values.shape[-1]).transpose(1, 2)   # (B, nh, T, hs), as SDPA's
-    shift = int(sink_key)
     for b in blocks:
-        qb, kb, vb = (q[b.rows, :, b.q0:b.q1], keys[b.rows, :, shift + b.p0:shift + b.k1],
-                      values[b.rows, :, shift + b.p0:shift + b.k1])
-        if sink_key:
-            kb, vb = (torch.cat([t[b.rows, :, :1], part], dim=2) for t, part in ((keys, kb), (values, vb)))
-            o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=causal_lower_right(b.q1 - b.q0, kb.shape[2]),
-                                               dropout_p=dropout_p, scale=scale, **gqa)
+        qb, kb, vb = q[b.rows, :, b.q0:b.q1], keys[b.rows, :, b.p0:b.k1], values[b.rows, :, b.p0:b.k1]
+        if attend is not None:
+            o = attend(qb, kb, vb)
         elif b.p0 < b.k0:
             o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=causal_lower_right(b.q1 - b.q0, b.k1 - b.p0),
                                                dropout_p=dropout_p, scale=scale, **gqa)
