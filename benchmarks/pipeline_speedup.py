@@ -419,7 +419,8 @@ def check_targets(report: dict) -> list[dict]:
                            "value": r["efficiency"], "met": r["efficiency"] >= 0.90})
         if r["variant"] == "slices=1":
             # the engine's own overhead: one slice may not cost more than stock (it may cost less: one replica
-            # skips DeepSpeed's identity gradient reduction, runtime/execution/engine.py _dp_reduce_is_identity)
+            # skips DeepSpeed's identity gradient reduction, runtime/execution/grad_reduction.py
+            # _dp_reduce_is_identity)
             checks.append({"target": f"m={r['m']} slices=1 at most 3% slower than stock", "value": r["speedup"],
                            "met": 1.0 / r["speedup"] - 1.0 <= 0.03})
         stock = next((x for x in rows if x["m"] == r["m"] and x["variant"] == "stock"), None)

@@ -4,6 +4,8 @@
   (a cycle kept alive by a late import still ties the two modules' designs together).
 * No module outside the engine's reads an engine attribute that starts with ``_``: helpers take the narrow
   interface of ``runtime/execution/stage.py``.
+* The engine's mixins are plain classes that define no name in common with each other or with the engine, so the
+  order of its bases decides no lookup and each mixin's ``super()`` reaches DeepSpeed's ``PipelineEngine``.
 * ``runtime/`` holds sub-packages only, each with a docstring saying what it owns.
 * The schedule is lowered in one place (``planner/lowering.py``): the runtime builds no schedule itself, and the
   action kinds' instructions come from one table (``runtime/execution/schedule.py`` DISPATCH) that covers every
@@ -124,6 +126,25 @@ def test_no_private_engine_attribute_outside_the_engine() -> None:
     found = [f"{p.relative_to(PACKAGE.parent)}:{i}: {m.group(0)}" for p in sorted(PACKAGE.rglob("*.py")) if p != ENGINE
              for i, line in enumerate(p.read_text().splitlines(), 1) for m in pattern.finditer(line)]
     assert not found, "use the engine's public interface (runtime/execution/stage.py):\n" + "\n".join(found)
+
+
+def test_the_engine_mixins_define_each_name_once() -> None:
+    """What the engine's docstring promises of its bases: the mixins come before ``PipelineEngine``, derive from
+    nothing, and no name (method, property, class attribute) is defined twice among them and the engine's body."""
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    from ds_terapipe.runtime.execution.engine import TokenPipelineEngine
+
+    *mixins, base = TokenPipelineEngine.__bases__
+    assert base is PipelineEngine and mixins, TokenPipelineEngine.__bases__
+    owners: dict[str, list[str]] = {}
+    for cls in (TokenPipelineEngine, *mixins):
+        assert cls is TokenPipelineEngine or cls.__bases__ == (object, ), f"{cls.__name__} derives from {cls.__bases__}"
+        for name in vars(cls):
+            if not (name.startswith("__") and name.endswith("__")):
+                owners.setdefault(name, []).append(cls.__name__)
+    shared = {name: classes for name, classes in owners.items() if len(classes) > 1}
+    assert not shared, f"defined in more than one of the engine's classes (keep one): {shared}"
 
 
 def test_runtime_holds_documented_sub_packages_only() -> None:

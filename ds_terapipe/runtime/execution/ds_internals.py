@@ -78,6 +78,9 @@ def _i(owner: str, name: str, kind: str, used_in: str, why: str, params: tuple[s
 
 
 _E = "runtime/execution/engine.py"
+# the engine's mixins (engine.py's docstring)
+_PLAN, _BATCH = "runtime/execution/plan_selection.py", "runtime/execution/batch_loading.py"
+_GRADS, _CKPT = "runtime/execution/grad_reduction.py", "runtime/execution/engine_checkpoint.py"
 INTERNALS: tuple[Internal, ...] = (
     # -- PipelineEngine: the instruction map and the handlers the token engine extends -----------------------
     _i(_ENGINE, "_INSTRUCTION_MAP", "attr", _E, "extended with the slice-aware handlers"),
@@ -86,40 +89,40 @@ INTERNALS: tuple[Internal, ...] = (
     _i(_ENGINE, "_exec_backward_pass", "attr", f"{_E} BackwardPass", "DeepSpeed's backward of one slice",
        ("buffer_id", )),
     _i(_ENGINE, "_exec_schedule", "attr", f"{_E} (overridden)", "runs the token schedule", ("pipe_schedule", )),
-    _i(_ENGINE, "_exec_reduce_tied_grads", "attr", f"{_E} ReduceTiedGrads",
+    _i(_ENGINE, "_exec_reduce_tied_grads", "attr", f"{_GRADS} ReduceTiedGrads",
        "the step's deferred weight gradients reach .grad first (runtime/slicing/deferred.py); frozen layers: a zero "
        "gradient for a trained tied weight only frozen layers use here (features/freeze.py); then the vocabulary "
        "shards' exchange (runtime/features/vocab.py)"),
-    _i(_ENGINE, "_exec_reduce_grads", "attr", f"{_E} ReduceGrads",
+    _i(_ENGINE, "_exec_reduce_grads", "attr", f"{_GRADS} ReduceGrads",
        "the step's deferred weight gradients reach .grad before the data-parallel reduction (slicing/deferred.py)"),
-    _i(_ENGINE, "pipeline_enable_backward_allreduce", "instance", f"{_E} ReduceGrads",
+    _i(_ENGINE, "pipeline_enable_backward_allreduce", "instance", f"{_GRADS} ReduceGrads",
        "DeepSpeed's reduction is skipped where it would be an identity (one replica, fp32/fp16, no ZeRO)"),
-    *(_i(_DS_ENGINE, name, "attr", f"{_E} ReduceGrads", "decides whether the one-replica reduction is an identity")
+    *(_i(_DS_ENGINE, name, "attr", f"{_GRADS} ReduceGrads", "decides whether the one-replica reduction is an identity")
       for name in ("zero_optimization_stage", "communication_data_type", "postscale_gradients",
                    "gradient_predivide_factor")),
-    *(_i(_DS_ENGINE, name, "instance", f"{_E} ReduceGrads", "decides whether the one-replica reduction is an "
+    *(_i(_DS_ENGINE, name, "instance", f"{_GRADS} ReduceGrads", "decides whether the one-replica reduction is an "
          "identity") for name in ("has_moe_layers", "gradient_average")),
-    _i(_ENGINE, "_exec_optimizer_step", "attr", f"{_E} OptimizerStep",
+    _i(_ENGINE, "_exec_optimizer_step", "attr", f"{_GRADS} OptimizerStep",
        "the deferred weight gradients reach .grad (if no reduction came first); the auto freeze policy reads the "
        "reduced gradients right before the step (runtime/features/freeze.py)"),
     _i(_MODULE, "_synchronize_tied_weights", "attr", "execution/module.py",
        "overridden to broadcast the tied weights under no_grad"),
     _i(_MODULE, "get_tied_weights_and_groups", "attr", "features/freeze.py",
        "the tied weights DeepSpeed all-reduces, to give each a gradient"),
-    _i(_ENGINE, "_train_schedule", "attr", f"{_E} (overridden)", "returns the token schedule for training"),
-    _i(_ENGINE, "_inference_schedule", "attr", f"{_E} (overridden)", "returns the forward-only token schedule",
+    _i(_ENGINE, "_train_schedule", "attr", f"{_PLAN} (overridden)", "returns the token schedule for training"),
+    _i(_ENGINE, "_inference_schedule", "attr", f"{_PLAN} (overridden)", "returns the forward-only token schedule",
        ("micro_batches", )),
     _i(f"{_ENGINE}.train_batch", "_exec_schedule", "calls", f"{_E} _exec_schedule",
        "DeepSpeed's train_batch must run the schedule through the overridable _exec_schedule"),
-    _i(f"{_ENGINE}.train_batch", "_train_schedule", "calls", f"{_E} _train_schedule",
+    _i(f"{_ENGINE}.train_batch", "_train_schedule", "calls", f"{_PLAN} _train_schedule",
        "DeepSpeed's train_batch must take its schedule from _train_schedule"),
     _i(f"{_ENGINE}.eval_batch", "_exec_schedule", "calls", f"{_E} _exec_schedule",
        "DeepSpeed's eval_batch must run the schedule through _exec_schedule"),
-    _i(f"{_ENGINE}.eval_batch", "_inference_schedule", "calls", f"{_E} _inference_schedule",
+    _i(f"{_ENGINE}.eval_batch", "_inference_schedule", "calls", f"{_PLAN} _inference_schedule",
        "DeepSpeed's eval_batch must take its schedule from _inference_schedule"),
     _i(_ENGINE, "_reserve_pipe_buffers", "attr", f"{_E} _exec_schedule", "sizes pipe_buffers per batch",
        ("num_buffers", )),
-    _i(_ENGINE, "_next_batch", "attr", f"{_E} LoadMicroBatch", "reads a micro-batch from the data iterator"),
+    _i(_ENGINE, "_next_batch", "attr", f"{_BATCH} LoadMicroBatch", "reads a micro-batch from the data iterator"),
     _i(_ENGINE, "train_batch", "attr", f"{_E} train_batch", "super() after the per-batch plan switch",
        ("data_iter", )),
     _i(_ENGINE, "eval_batch", "attr", f"{_E} eval_batch", "super() after the per-batch plan switch",
@@ -140,7 +143,7 @@ INTERNALS: tuple[Internal, ...] = (
        at_init=False),
     _i(_ENGINE, "data_iterator", "instance", f"{_E} train_batch", "peeked for the sequence length"),
     _i(_ENGINE, "micro_batches", "instance", f"{_E}, planning/plan.py", "micro-batches per step"),
-    _i(_ENGINE, "micro_batch_size", "instance", f"{_E}, planning/plan.py", "sequences per micro-batch"),
+    _i(_ENGINE, "micro_batch_size", "instance", f"{_BATCH}, {_PLAN}, planning/plan.py", "sequences per micro-batch"),
     _i(_ENGINE, "is_pipe_partitioned", "instance", f"{_E} __init__", "refused: not supported"),
     _i(_ENGINE, "is_grad_partitioned", "instance", f"{_E} __init__", "refused: not supported"),
     _i(_ENGINE, "num_stages", "instance", _E, "pipeline depth"),
@@ -152,14 +155,14 @@ INTERNALS: tuple[Internal, ...] = (
     _i(_DS_ENGINE, "__init__", "attr", "initialize.py", "the keywords the engine is built with",
        ("args", "model", "optimizer", "model_parameters", "training_data", "lr_scheduler", "mpu",
         "dist_init_required", "collate_fn", "config", "config_class")),
-    _i(_DS_ENGINE, "save_checkpoint", "attr", f"{_E} save_checkpoint", "super() before the manifest",
+    _i(_DS_ENGINE, "save_checkpoint", "attr", f"{_CKPT} save_checkpoint", "super() before the manifest",
        ("save_dir", "tag", "client_state", "save_latest")),
-    _i(_DS_ENGINE, "load_checkpoint", "attr", f"{_E} load_checkpoint", "super() after the checks",
+    _i(_DS_ENGINE, "load_checkpoint", "attr", f"{_CKPT} load_checkpoint", "super() after the checks",
        ("load_dir", "tag", "load_optimizer_states", "load_lr_scheduler_states", "load_module_only")),
     _i(_DS_ENGINE, "_configure_python_gc", "attr", "initialize.py", "the last step of DeepSpeed's initialize"),
     _i(_DS_ENGINE, "device", "instance", f"{_E}, execution/p2p.py", "the accelerator device of every tensor"),
     _i(_DS_ENGINE, "global_rank", "instance", _E, "rank in logs, checkpoints and the length agreement"),
-    _i(_DS_ENGINE, "dp_world_size", "instance", f"{_E} checkpoint manifest", "data-parallel size"),
+    _i(_DS_ENGINE, "dp_world_size", "instance", f"{_CKPT} checkpoint manifest", "data-parallel size"),
     _i(_DS_ENGINE, "skipped_steps", "instance", "features/freeze.py",
        "the steps DeepSpeed skipped (overflow): freezing counts the optimizer steps taken, and a skipped step is no "
        "gradient-norm check"),
@@ -173,11 +176,11 @@ INTERNALS: tuple[Internal, ...] = (
     _i(_CONFIG, "_param_dict", "instance", f"{_E} init", "which key turned the timers on"),
     _i("deepspeed.runtime.config", "get_wall_clock_breakdown", "attr", f"{_E} init", "which key turned the timers on"),
     # -- gradient clipping (runtime/execution/clip.py) -------------------------------------------------------------
-    _i(_DS_ENGINE, "clip_fp32_gradients", "attr", f"{_E} (overridden)",
+    _i(_DS_ENGINE, "clip_fp32_gradients", "attr", f"{_GRADS} (overridden)",
        "fp32 clipping without ZeRO, by the whole model's norm instead of stage 0's"),
-    _i(f"{_DS_ENGINE}._take_model_step", "clip_fp32_gradients", "calls", f"{_E} clip_fp32_gradients",
+    _i(f"{_DS_ENGINE}._take_model_step", "clip_fp32_gradients", "calls", f"{_GRADS} clip_fp32_gradients",
        "DeepSpeed's optimizer step must clip fp32 gradients through the overridable clip_fp32_gradients"),
-    _i(_DS_ENGINE, "_global_grad_norm", "instance", f"{_E} clip_fp32_gradients",
+    _i(_DS_ENGINE, "_global_grad_norm", "instance", f"{_GRADS} clip_fp32_gradients",
        "the norm get_global_grad_norm() reports"),
     _i(_GRID, "get_model_parallel_group", "attr", "execution/clip.py", "the ranks the norm is summed over"),
     _i(_GRID, "get_slice_parallel_rank", "attr", "execution/clip.py", "tensor rank: who counts a replicated tensor"),
@@ -188,13 +191,13 @@ INTERNALS: tuple[Internal, ...] = (
     _i("deepspeed.runtime.fp16.unfused_optimizer", "FP16_UnfusedOptimizer", "attr", "execution/clip.py",
        "its norm counts a weight tied across ranks once per rank: refused with clipping"),
     # -- sharded data parallelism (runtime/features/sharding.py) ---------------------------------------------------
-    _i(_ENGINE, "module_state_dict", "attr", f"{_E} (overridden)",
+    _i(_ENGINE, "module_state_dict", "attr", f"{_CKPT} (overridden)",
        "a sharded layer's state_dict gives whole tensors while DeepSpeed writes the layer files"),
-    _i(_ENGINE, "load_module_state_dict", "attr", f"{_E} (overridden)",
+    _i(_ENGINE, "load_module_state_dict", "attr", f"{_CKPT} (overridden)",
        "a sharded layer's load_state_dict keeps its shard of the whole tensors DeepSpeed reads"),
-    _i(f"{_DS_ENGINE}._save_checkpoint", "module_state_dict", "calls", f"{_E} module_state_dict",
+    _i(f"{_DS_ENGINE}._save_checkpoint", "module_state_dict", "calls", f"{_CKPT} module_state_dict",
        "DeepSpeed's save must write the layers through the overridable module_state_dict"),
-    _i(f"{_DS_ENGINE}._load_checkpoint", "load_module_state_dict", "calls", f"{_E} load_module_state_dict",
+    _i(f"{_DS_ENGINE}._load_checkpoint", "load_module_state_dict", "calls", f"{_CKPT} load_module_state_dict",
        "DeepSpeed's load must read the layers through the overridable load_module_state_dict"),
     _i(_MODULE, "tied_comms", "instance", "execution/module.py",
        "the tied weights and their groups, broadcast shard-wise when sharded"),
@@ -205,9 +208,10 @@ INTERNALS: tuple[Internal, ...] = (
     _i(_GRID, "get_slice_parallel_world_size", "attr", _E, "the sequence-parallel degree the module was built with"),
     _i(_GRID, "stage_to_global", "attr", "execution/module.py", "the first sequence rank (model=0) of a stage",
        ("stage_id", )),
-    _i(_ENGINE, "_aggregate_total_loss", "attr", f"{_E} (overridden)",
+    _i(_ENGINE, "_aggregate_total_loss", "attr", f"{_GRADS} (overridden)",
        "the sequence ranks' losses summed before DeepSpeed averages over the replicas"),
-    _i(_ENGINE, "_reduce_outputs", "attr", f"{_E} (overridden)", "eval_batch's loss, summed over the sequence ranks",
+    _i(_ENGINE, "_reduce_outputs", "attr", f"{_GRADS} (overridden)",
+       "eval_batch's loss, summed over the sequence ranks",
        ("outputs", "reduce", "reduce_dp", "micro_batches")),
     # -- fp16 without ZeRO: the loss scale DeepSpeed's backward leaves out
     # (TokenPipelineEngine._loss_scale_deepspeed_leaves_out)
@@ -224,9 +228,9 @@ INTERNALS: tuple[Internal, ...] = (
       for name, why in (("refresh_fp32_params", "copies the fp16 weights into the masters the step moved"),
                         ("initialize_optimizer_states", "the constructor's zero-gradient step being undone"))),
     # -- fp16: the scale update held back until the step has divided the gradients (execution/loss_scale.py)
-    _i(_DS_ENGINE, "_take_model_step", "attr", f"{_E} (overridden)",
+    _i(_DS_ENGINE, "_take_model_step", "attr", f"{_GRADS} (overridden)",
        "the optimizer step the scale update is held back around, applied before the monitor logs the scale"),
-    _i(f"{_ENGINE}._exec_optimizer_step", "_take_model_step", "calls", f"{_E} _take_model_step",
+    _i(f"{_ENGINE}._exec_optimizer_step", "_take_model_step", "calls", f"{_GRADS} _take_model_step",
        "the pipeline's step must run through the overridable _take_model_step"),
     *(_i(owner, "_update_scale", "attr", "execution/loss_scale.py",
          "called by step before it divides the gradients by the scale; held back until after")
@@ -302,7 +306,7 @@ INTERNALS: tuple[Internal, ...] = (
     _i(_GRID, "get_pipe_parallel_group", "attr", "features/vocab.py", "the vocabulary passes' collectives"),
     _i(_GRID, "stage_to_global", "attr", _E, "global rank of a stage", ("stage_id", )),
     _i(_GRID, "data_parallel_id", "instance", f"{_E}, planning/profile.py", "this rank's replica"),
-    _i(_GRID, "data_parallel_size", "instance", _E, "replicas"),
+    _i(_GRID, "data_parallel_size", "instance", f"{_PLAN}, {_GRADS}", "replicas"),
     # -- schedule instructions ----------------------------------------------------------------------------------
     _i(f"{_SCHED}:PipeSchedule", "__init__", "attr", "execution/schedule.py", "TokenPipeSchedule's base",
        ("micro_batches", "stages", "stage_id")),
@@ -320,9 +324,9 @@ INTERNALS: tuple[Internal, ...] = (
        ("mesh_param", "config_params")),
     _i("deepspeed.comm", "init_distributed", "attr", "initialize.py", "process group set-up",
        ("dist_backend", "distributed_port", "dist_init_required")),
-    _i("deepspeed.comm", "broadcast", "attr", _E, "the loss aggregation's broadcast, issued async with a deadline",
+    _i("deepspeed.comm", "broadcast", "attr", _GRADS, "the loss aggregation's broadcast, issued async with a deadline",
        ("tensor", "src", "group", "async_op")),
-    _i("deepspeed.comm", "all_reduce", "attr", _E, "the loss aggregation's mean, issued async with a deadline",
+    _i("deepspeed.comm", "all_reduce", "attr", _GRADS, "the loss aggregation's mean, issued async with a deadline",
        ("tensor", "op", "group", "async_op")),
     _i("deepspeed", "set_optimizer_flags", "attr", "initialize.py", "config flags from the optimizer"),
     _i("deepspeed.runtime.zero.partition_parameters", "shutdown_init_context", "attr", "initialize.py",
