@@ -6,12 +6,22 @@ launch is far more). Ranks are started by :func:`ds_terapipe.runtime.execution.l
 log per rank, deadline, fail-fast, shm cleanup). Every rank of a suite of cases also arms tests/dist_worker.py's
 watchdog (``DS_TERAPIPE_WATCHDOG_S``, 15 s before the launch's deadline): past it the rank dumps its stack and the
 last instructions it ran to its log and exits, so a hang becomes a failure whose message shows where each rank was.
+
+A launch of a suite of cases whose first failure was a rank dying of SIGSEGV or SIGBUS (a crash inside native code:
+gloo, DeepSpeed, torch) is run once more, with a warning that carries the crashed rank's stacks; its logs stay in
+OUT_DIR, the second launch runs in OUT_DIR/rerun. Why: such a crash is rare, comes with load on the machine, and no
+fault of the project's is known behind it, while a failing CI run lets nothing land. Never run once more: a launch
+whose first failure was a Python exception (exit 1), a watchdog (exit 3), an abort (SIGABRT, what the fault-exit
+tests guard against) or the deadline, nor a second time. ``run_ranks`` never runs a launch again: its callers judge
+the exit codes themselves.
 """
 
 from __future__ import annotations
 
 import json
+import signal
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +29,8 @@ from ds_terapipe.runtime.execution.local_launch import LaunchResult, run_local
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNNER = Path(__file__).resolve().parent / "dist_worker.py"
+#: the signals of a crash in native code that a launch is run once more for (see the module docstring)
+CRASH_SIGNALS = (signal.SIGSEGV, signal.SIGBUS)
 
 
 def _run(argv: list[str], world_size: int, out_dir: Path, timeout_s: float, **options: Any) -> LaunchResult:
@@ -45,9 +57,23 @@ def suite_command(suite: str, out_dir: Path, extra: dict | None = None) -> list[
 
 def launch(suite: str, world_size: int, out_dir: Path, *, timeout_s: float = 600,
            extra: dict | None = None) -> list[dict[str, Any]]:
-    """Run the suite of cases ``suite`` on ``world_size`` ranks; return each rank's result dict."""
-    result = _run(suite_command(suite, out_dir, extra), world_size, out_dir, timeout_s)
+    """Run the suite of cases ``suite`` on ``world_size`` ranks; return each rank's result dict. A launch that
+    failed first by a rank's crash in native code runs once more (the module docstring says when and why)."""
+    result, rerun = _run(suite_command(suite, out_dir, extra), world_size, out_dir, timeout_s), ""
+    if crashed_first(result):
+        warnings.warn(f"suite {suite!r} on {world_size} rank(s): rank {result.first_failed} crashed in native code "
+                      "before any other failure; running the launch once more in "
+                      f"{out_dir / 'rerun'} (logs of the crashed launch: {out_dir})\n" + result.failure_report(10),
+                      RuntimeWarning, stacklevel=2)
+        out_dir, rerun = out_dir / "rerun", f" (run once more after a crash: logs of the first launch in {out_dir})"
+        result = _run(suite_command(suite, out_dir, extra), world_size, out_dir, timeout_s)
     if not result.ok:
-        raise AssertionError(f"suite {suite!r} on {world_size} rank(s) failed or timed out after {timeout_s}s\n"
-                             + result.failure_report(40))
+        raise AssertionError(f"suite {suite!r} on {world_size} rank(s) failed or timed out after {timeout_s}s"
+                             f"{rerun}\n" + result.failure_report(40))
     return [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(world_size)]
+
+
+def crashed_first(result: LaunchResult) -> bool:
+    """Whether a launch failed first by a crash in native code: the rank that failed first died of one of
+    ``CRASH_SIGNALS``."""
+    return result.first_failed is not None and result.codes[result.first_failed] in [-sig for sig in CRASH_SIGNALS]

@@ -23,6 +23,10 @@ from tests.suites import load
 
 
 def main() -> None:
+    # a fatal signal (SIGSEGV, SIGBUS, SIGABRT, ...) in native code prints every thread's Python stack to this
+    # rank's log before the process dies, so a crash inside torch, gloo or DeepSpeed shows where each thread was
+    # (run_local sets PYTHONFAULTHANDLER too; this covers a rank started by hand or by DeepSpeed's launcher)
+    faulthandler.enable(all_threads=True)
     args = [arg for arg in sys.argv[1:] if not arg.startswith("--local_rank")]  # DeepSpeed's launcher adds it
     name, out_dir, extra = args[0], Path(args[1]), json.loads(args[2])
     suite = load(name)

@@ -251,7 +251,7 @@ def _whole_bytes_held() -> Iterator[dict]:
         sharding._whole = original
         del ENGINE_REF["engine"].module_state_dict
         gc.collect()
-        held["left"] = held.pop("now")
+        held["left"] = held["now"]   # "now" stays: a whole tensor freed later (a traceback's) still counts down
 
 
 def _resume_one_replica(tmp: str, m_saved: int = 2) -> dict:
