@@ -9,10 +9,11 @@ gradient and the parameters after 3 SGD + momentum steps on every rank, fp32 rel
 clipped) and 1, fp16 at ZeRO 0 and 1 and fp32 at ZeRO 1 against the fp32 reference (the master weights' change
 within the precision's rounding); packed rows (document masks; gpipe, 1f1b, interleaved-1f1b; fp32 and bf16; a plan
 per batch) against the reference under the same masks; vocabulary parallelism (row shards against the reference's
-rows); freezing by schedule and by gradient norms, and a repack onto fewer stages; the re-planner switching plans;
-checkpoints (fp32, bf16 at ZeRO 0, vocabulary-parallel) resumed at the same layout, and at sequence degree 1 from 2
-and 2 from 1; eval_batch's loss; the refusals; activation and KV memory at degree 1 and 2
-(tests/suites/sequence.py). """
+rows); ``engine.compile()`` (aot_eager, also with a freeze); freezing by schedule and by gradient norms, and a
+repack onto fewer stages; the re-planner switching plans; checkpoints (fp32, bf16 at ZeRO 0, vocabulary-parallel)
+resumed at the same layout, and at sequence degree 1 from 2 and 2 from 1; eval_batch's loss; the refusals;
+activation and KV memory at degree 1 and 2 (tests/suites/sequence.py).
+"""
 
 from __future__ import annotations
 
@@ -41,7 +42,10 @@ CASES = [["gpt", "gpipe", 1, UNEQUAL], ["gpt", "1f1b", 3, UNEQUAL], ["gpt", "1f1
          # attention sinks (each rank trains its heads'), latent attention (values narrower than keys)
          ["gpt_oss", "gpipe", 2, UNEQUAL], ["deepseek_v3", "1f1b", 1, UNEQUAL],
          # chunked attention (chunks cut inside slices), temperature tuning at each rank's token offset
-         ["llama4_text", "1f1b", 2, UNEQUAL]]
+         ["llama4_text", "1f1b", 2, UNEQUAL],
+         # engine.compile() (aot_eager): the layers around each rank's all-to-alls and attention, with a freeze
+         ["llama", "1f1b", 2, UNEQUAL, 0, False, False, None, "aot_eager"],
+         ["gpt", "gpipe", 2, UNEQUAL, 0, False, False, [[1, 2]], "aot_eager"]]
 # [precision, ZeRO stage, model, schedule]: the master weights' change against the fp32 reference's
 # (+ clipped by the global norm: bf16 at ZeRO 0 takes DeepSpeed's norm over its model axis, the sequence ranks)
 PRECISION_CASES = [["bf16", 1, "llama", "gpipe"], ["bf16", 1, "gpt", "1f1b"], ["fp16", 0, "gpt", "gpipe"],
@@ -96,6 +100,7 @@ def test_sequence_parallel_equals_the_reference(tmp_path) -> None:
             assert case["grad_rel_err"] <= TOL, f"{where}: gradient of {case['grad_worst']} {case['grad_rel_err']}"
             assert case["param_rel_err"] <= TOL, f"{where}: {case['param_worst']} {case['param_rel_err']}"
             assert min(case["compared"]) > 0, where
+            assert case["compiled"] == ("compiled=" in case["case"]), where
             if "slices=auto" in case["case"]:
                 # (a freeze re-plans from the profiled costs, switching where that pays: "replanned")
                 assert case["source"] in ("profiled", "cache", "replanned") and sum(case["slices"]) == 48, (where, case)

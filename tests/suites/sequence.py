@@ -123,7 +123,8 @@ def _frozen_at(freeze: Optional[list]) -> Any:
 
 
 def _case(model: str, schedule: str, micro: int, slices: Any, zero: int = 0, clip: bool = False,
-          vocab_parallel: bool = False, freeze: Optional[list] = None) -> dict[str, Any]:
+          vocab_parallel: bool = False, freeze: Optional[list] = None, compile_backend: Optional[str] = None
+          ) -> dict[str, Any]:
     specs, vocab = _model(model)
     dp = WORLD // (STAGES * DEGREE)
     batches = make_batches(GPTConfig(vocab_size=vocab), STEPS * micro * dp, BATCH, SEQ_LEN, seed=77 + micro)
@@ -131,6 +132,8 @@ def _case(model: str, schedule: str, micro: int, slices: Any, zero: int = 0, cli
     extra = {**({"vocab_parallel": True} if vocab_parallel else {}),
              **({"freeze": {"schedule": freeze}} if freeze else {})}
     engine = _engine(specs, vocab, schedule, micro, slices, zero, CLIP if clip else 0.0, extra=extra or None)
+    if compile_backend is not None:   # as a DeepSpeed user compiles: the layers around each rank's attention call
+        engine.compile(backend=compile_backend)
     data = iter(replica_batches(batches, engine.grid.data_parallel_id, micro, dp, STEPS))
     with first_step_grads(engine) as grads:
         losses, _ = train_steps(engine, data, STEPS)
@@ -142,7 +145,7 @@ def _case(model: str, schedule: str, micro: int, slices: Any, zero: int = 0, cli
     return {"case": STATUS["case"], "stage": engine.stage_id, "sequence_rank": engine.sequence.rank,
             "slices": list(engine.slices), "source": engine.plan_source, "losses": losses, "ref_losses": ref["losses"], "grad_rel_err": g_err, "grad_worst": g_name,
             "param_rel_err": p_err, "param_worst": p_name, "compared": [g_count, p_count],
-            "layout": [engine.num_stages, DEGREE, dp], "kv_heads": kv}
+            "layout": [engine.num_stages, DEGREE, dp], "kv_heads": kv, "compiled": engine.is_compiled}
 
 
 # bf16, and fp16 with a static scale (no overflow can skip a step and leave the reference behind)
@@ -196,10 +199,10 @@ def _kv_heads(engine: Any, batches: list[tuple]) -> list[int]:
 
 
 def _label(model: str, schedule: str, micro: int, slices: Any, zero: int = 0, clip: bool = False,
-           vocab_parallel: bool = False, freeze: Optional[list] = None) -> str:
+           vocab_parallel: bool = False, freeze: Optional[list] = None, compile_backend: Optional[str] = None) -> str:
     return (f"sequence model={model} schedule={schedule} m={micro} slices={slices}" +
             (f" zero{zero}" if zero else "") + (" clip" if clip else "") + (" vocab_parallel" if vocab_parallel else "")
-            + (f" freeze={freeze}" if freeze else ""))
+            + (f" freeze={freeze}" if freeze else "") + (f" compiled={compile_backend}" if compile_backend else ""))
 
 
 def _checkpoint(out: Path, precision: str = "fp32", vocab_parallel: bool = False) -> dict[str, Any]:
