@@ -200,6 +200,13 @@ def test_save_16bit_model_is_refused_naming_the_export(features) -> None:
 
 
 @pytest.mark.timeout(700)
+def test_destroy_stops_the_thread_the_engine_waited_on(features) -> None:
+    """``engine.destroy()`` (DeepSpeed's) also stops the engine's transfer-waiting thread: a process that builds
+    engine after engine keeps none per engine."""
+    for rank in features:
+        assert rank["destroy"] == {"case": "destroy", "had_waiter": True, "stopped": True}, rank["destroy"]
+
+
 def test_a_module_loss_is_weighted_per_slice_and_one_with_parameters_is_refused(features) -> None:
     """DeepSpeed registers a loss_fn that is an nn.Module as a child of the pipeline module; the per-slice weighting
     must not assign over it (torch refuses that), and its trainable parameters, which no pipeline checkpoint holds,

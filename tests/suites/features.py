@@ -224,6 +224,14 @@ def suite_features(extra: dict) -> list[dict]:
                     "grad_rel_err": err, "grad_worst": name, "cost": engine_planner_costs(engine),
                     "actions": engine_train_actions(engine)})
 
+    # engine.destroy(): DeepSpeed's, and the thread the engine waited on for its transfers stopped
+    STATUS["case"] = "destroy"
+    from ds_terapipe.runtime.execution import p2p as p2p_mod
+    waiter = engine.p2p._waiter
+    engine.destroy()
+    results.append({"case": STATUS["case"], "had_waiter": waiter is not None,
+                    "stopped": waiter is not None and not waiter.is_alive() and waiter not in p2p_mod._WAITERS})
+
     # a loss_fn that is a module: sliced, weighted per slice, still the reference's loss and gradients, the module
     # still registered; one with trainable parameters is refused on every rank
     STATUS["case"] = "module loss"

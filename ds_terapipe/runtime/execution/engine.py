@@ -354,6 +354,15 @@ class TokenPipelineEngine(PlanSelection, BatchLoading, GradReduction, Checkpoint
                 self.p2p.abort.set(self.global_rank, self.stage_id, what, f"{type(err).__name__}: {err}")
             raise
 
+    def destroy(self) -> None:
+        """DeepSpeed's ``destroy()``, then the thread this engine's transfers wait on is stopped, for a process that
+        builds engine after engine (trials, notebooks). The process groups are DeepSpeed's (its module's grid) and
+        stay as DeepSpeed leaves them."""
+        try:
+            super().destroy()
+        finally:
+            self.p2p.close()
+
     # -- train and eval entry points -------------------------------------------------------------------------
     def train_batch(self, data_iter: Optional[Iterator] = None) -> torch.Tensor:
         with self._failing_fast("train_batch"):

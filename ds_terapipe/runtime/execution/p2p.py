@@ -272,6 +272,18 @@ class SliceP2P:
         self._waiter: Optional[_Waiter] = None
         self._threaded = dist.get_backend() == "gloo"
 
+    def close(self) -> None:
+        """Stop the thread this instance waits on (``engine.destroy()``), so that a process building engine after
+        engine keeps no idle thread per engine. One still inside a wait this rank gave up on stays with the exit hook,
+        which closes the connections it is blocked on first (:func:`_stop_waiters`)."""
+        waiter, self._waiter = self._waiter, None
+        if waiter is None or waiter.busy_until is not None:
+            return
+        waiter.jobs.put(None)
+        waiter.join(timeout=1.0)
+        if not waiter.is_alive():
+            _WAITERS.remove(waiter)
+
     # -- sending ---------------------------------------------------------------------------------------------
     def send(self, tensors: Sequence[torch.Tensor], stage: int, what: str, *, header: bool) -> None:
         """Start sending ``tensors`` to ``stage``; with ``header`` the receiver learns their shapes first."""
