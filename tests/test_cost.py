@@ -18,7 +18,7 @@ from ds_terapipe.planner.presets import (
     DEVICE_PRESETS, MODEL_PRESETS, analytic_layer_costs, analytic_pipeline_cost, get_device_preset,
     get_model_preset, preset_memory_model, resolve_model, split_layers,
 )
-from ds_terapipe.planner.roofline import Chunked, computed_pairs, visible_keys, visible_pairs
+from ds_terapipe.planner.roofline import MAX_CHUNK_BLOCKS, Chunked, computed_pairs, visible_keys, visible_pairs
 from ds_terapipe.planner.schedule import ActionKind, build_gpipe, defer_weights
 from ds_terapipe.planner.simulate import simulate
 from ds_terapipe.planner.slicing import plan_slicing
@@ -498,17 +498,27 @@ CHUNK_GRID = [(s, c, size) for s in (1, 2, 3, 5, 8, 13) for c in (0, 1, 2, 4, 6,
 def test_chunked_attention_counts_the_pairs_and_keys_of_its_chunks():
     """Chunked attention of C tokens (query t sees key k iff k <= t and k // C == t // C), counted pair by pair: the
     visible pairs, the keys the slice reads (from the start of its first query's chunk, where the runtime's chunks
-    as documents start it), and the scores the runtime computes (causal blocks per chunk: the visible pairs)."""
+    as documents start it), and the scores the runtime computes: causal blocks per chunk (the visible pairs), or
+    where the runtime's documents give no blocks (over its MAX_BLOCKS chunks) every query against every key read."""
     import torch
 
+    from ds_terapipe.runtime.slicing.blocks import MAX_BLOCKS
     from ds_terapipe.runtime.slicing.documents import chunked_documents
-    for s, c, size in CHUNK_GRID:
+    assert MAX_CHUNK_BLOCKS == MAX_BLOCKS
+    dense = 0
+    for s, c, size in CHUNK_GRID + [(s, c, size) for s in (31, 32, 33, 40, 70) for c in (0, 1, 5)
+                                    for size in (1, 2, 3)]:
         seen = [(t, k) for t in range(c, c + s) for k in range(t + 1) if k // size == t // size]
         keys = len({k for _, k in seen})
-        assert (visible_pairs(s, c, Chunked(size)), visible_keys(s, c, Chunked(size))) == (len(seen), keys), (s, c, size)
-        assert computed_pairs(s, c, Chunked(size)) == len(seen)
+        counted = visible_pairs(s, c, Chunked(size)), visible_keys(s, c, Chunked(size))
+        assert counted == (len(seen), keys), (s, c, size)
         docs = chunked_documents(None, size, 1, c + s, torch.device("cpu"))   # None: one chunk holds the sequence
-        assert c + s - (0 if docs is None else docs.first_visible(c)) == keys, (s, c, size)
+        first = 0 if docs is None else docs.first_visible(c)
+        assert c + s - first == keys, (s, c, size)
+        blocked = docs is None or docs.blocks(c, c + s, first) is not None
+        dense += not blocked
+        assert computed_pairs(s, c, Chunked(size)) == (len(seen) if blocked else s * keys), (s, c, size)
+    assert dense > 0
 
 
 def test_chunked_layers_are_priced_per_layer_and_plan_cheaper_than_causal():

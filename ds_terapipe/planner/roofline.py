@@ -116,6 +116,10 @@ def visible_keys(s: np.ndarray | float, c: np.ndarray | float, window: Attention
 #: The fewest queries in a block of a windowed slice: the runtime's rule (runtime/slicing/attention.py), mirrored.
 WINDOW_QUERY_BLOCK = 256
 
+#: The most chunks a slice of chunked attention runs as blocks of their own; over it one dense-mask call scores every
+#: query against every key the slice reads: the runtime's rule (runtime/slicing/blocks.py MAX_BLOCKS), mirrored.
+MAX_CHUNK_BLOCKS = 32
+
 
 def computed_pairs(s: np.ndarray | float, c: np.ndarray | float, window: Attention = None,
                    block: int = WINDOW_QUERY_BLOCK) -> np.ndarray:
@@ -125,9 +129,15 @@ def computed_pairs(s: np.ndarray | float, c: np.ndarray | float, window: Attenti
     queries against every key from its first query's window on: the first block ``b0 * (b0 + min(c, window - 1))``,
     every later one ``b * (b + window - 1)`` (a block of at least ``window`` queries leaves the next one's window
     wholly inside the slice's keys). Chunked attention runs each chunk of the slice as a causal block over its
-    chunk's keys (the packed rows' paths): the visible pairs."""
+    chunk's keys (the packed rows' paths): the visible pairs; a slice over more than ``MAX_CHUNK_BLOCKS`` chunks
+    scores each query against every key it reads in one call under the dense mask."""
     pairs = visible_pairs(s, c, window)
-    if window is None or isinstance(window, Chunked):
+    if isinstance(window, Chunked):
+        s, c = np.asarray(s, float), np.asarray(c, float)
+        before, size = np.mod(c, float(window.size)), float(window.size)
+        chunks = np.floor((before + s - 1.0) / size) + 1.0
+        return np.where(chunks > MAX_CHUNK_BLOCKS, s * (s + before), pairs)
+    if window is None:
         return pairs
     s, c = np.asarray(s, float), np.asarray(c, float)
     size = float(max(window, block))
