@@ -61,8 +61,9 @@ def run_cases(run: Callable[[dict], list[dict]], out_dir: Path, extra: dict) -> 
     os._exit(0 if "error" not in payload else 1)
 
 
-def watchdog(seconds: float) -> None:
-    """On a hang: print where this rank is (case, last pipeline instructions, stacks), then exit non-zero."""
+def watchdog(seconds: float) -> threading.Timer:
+    """On a hang: print where this rank is (case, last pipeline instructions, stacks), then exit non-zero. The
+    timer is returned started (a suite may arm one per case and cancel it when the case ends)."""
     from tests.suites.common import ENGINE_REF, RANK, STATUS
 
     def fire() -> None:
@@ -76,6 +77,7 @@ def watchdog(seconds: float) -> None:
     timer = threading.Timer(seconds, fire)
     timer.daemon = True
     timer.start()
+    return timer
 
 
 def leave_together(wait: bool, timeout_s: float = 120.0) -> None:

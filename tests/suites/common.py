@@ -212,6 +212,13 @@ def master_weights(engine: Any) -> dict[str, torch.Tensor]:
     return {n: safe_get_full_fp32_param(p).detach().clone() for n, p in engine.module.named_parameters()}
 
 
+def whole_tensors(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Whole fp32 copies of a rank's tensors, sharded ones (``shard_params``' DTensors) gathered: collective over
+    the replicas of each sharded tensor, so every rank calls it with its names in one order."""
+    return {n: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().float().clone()
+            for n, v in named.items()}
+
+
 def deltas(after: dict[str, torch.Tensor], before: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {n: after[n].float() - before[n].float() for n in after}
 
@@ -285,13 +292,15 @@ def build_spec_layers(specs: list) -> tuple[list[Callable], dict[str, torch.nn.P
 
 def frozen_reference(specs: list, batches: list[tuple], num_steps: int, frozen_at: Callable[[int], int],
                      lr: float = 0.1, momentum: float = 0.9, max_norm: float = 0.0,
-                     weight_decay: float = 0.0) -> dict[str, Any]:
+                     weight_decay: float = 0.0, evals: Optional[list[tuple]] = None) -> dict[str, Any]:
     """Single-process, unsliced training of the layer specs with the first ``frozen_at(step)`` layers frozen at
     each step: run under no_grad, their parameters out of training (a tied weight also used by a later layer
     keeps training through that use). With ``max_norm`` > 0 the gradients are clipped by torch's
     ``clip_grad_norm_`` over the trained parameters before each step (the gradients recorded are the unclipped
     ones, as the pipeline's snapshot before its step); ``weight_decay``: SGD's, on the trained parameters. Losses,
-    every step's gradients and the final parameters, under the pipeline module's parameter names."""
+    every step's gradients and the final parameters, under the pipeline module's parameter names. A micro-batch's
+    inputs may be ``(input_ids, position_ids)`` (packed documents: run under ``packed_documents``); ``evals``:
+    micro-batches evaluated after the last step, their mean loss as ``"eval"``."""
     steps, named, modules = build_spec_layers(specs)
     layer_params = list(zip(specs, modules))
     opt = torch.optim.SGD(list({id(p): p for p in named.values()}.values()), lr=lr, momentum=momentum,
@@ -314,13 +323,7 @@ def frozen_reference(specs: list, batches: list[tuple], num_steps: int, frozen_a
         opt.zero_grad(set_to_none=True)
         total = 0.0
         for x, y in batches[step * per_step:(step + 1) * per_step]:
-            for idx, f in enumerate(steps):
-                if idx < k:
-                    with torch.no_grad():
-                        x = f(x)
-                else:
-                    x = f(x)
-            loss = causal_lm_loss(x, y) / per_step
+            loss = _spec_loss(steps, x, y, k) / per_step
             loss.backward()
             total += float(loss)
         losses.append(total)
@@ -329,7 +332,27 @@ def frozen_reference(specs: list, batches: list[tuple], num_steps: int, frozen_a
             torch.nn.utils.clip_grad_norm_([p for p in {id(p): p for p in named.values()}.values()
                                             if p.grad is not None], max_norm)
         opt.step()
-    return {"losses": losses, "grads": grads, "params": {n: p.detach().clone() for n, p in named.items()}}
+    out = {"losses": losses, "grads": grads, "params": {n: p.detach().clone() for n, p in named.items()}}
+    if evals:
+        with torch.no_grad():
+            out["eval"] = float(sum(_spec_loss(steps, x, y, 0) for x, y in evals) / len(evals))
+    return out
+
+
+def _spec_loss(steps: list[Callable], inputs: Any, labels: torch.Tensor, num_frozen: int) -> torch.Tensor:
+    """One micro-batch's loss through the built layers, the first ``num_frozen`` of them under no_grad; inputs
+    ``(input_ids, position_ids)`` run under their packed documents."""
+    from ds_terapipe.runtime.slicing.documents import packed_documents
+
+    x, positions = inputs if isinstance(inputs, tuple) else (inputs, None)
+    with packed_documents(positions):
+        for idx, f in enumerate(steps):
+            if idx < num_frozen:
+                with torch.no_grad():
+                    x = f(x)
+            else:
+                x = f(x)
+    return causal_lm_loss(x, labels)
 
 
 def named_compare(named: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], stage_has_embed: bool

@@ -12,8 +12,8 @@ import torch
 import ds_terapipe
 from deepspeed.pipe import LayerSpec
 from ds_terapipe.models.gpt import GPTConfig, GPTReference, causal_lm_loss, gpt_layer_specs, reference_param_name
-from tests.suites.common import (CLIP, ENGINE_REF, STATUS, WORLD, clip_result, reference_step, rel_err,
-                                 replica_batches, train_steps)
+from tests.suites.common import (CLIP, ENGINE_REF, STATUS, WORLD, clip_result, named_compare, reference_step,
+                                 rel_err, replica_batches, train_steps)
 
 
 class SeededHead(torch.nn.Linear):
@@ -122,3 +122,41 @@ def vocab_engine(cfg: GPTConfig, tied: bool, terapipe: dict, *, stages: int, mic
     engine, _, _, _ = ds_terapipe.initialize(model=model, optimizer=opt, config=config)
     ENGINE_REF["engine"] = engine
     return engine
+
+
+def reference_rows(engine: Any) -> dict[str, tuple[str, Any]]:
+    """Under vocabulary parallelism: each row-split parameter's name -> (its table's name in the reference, the
+    shard holding this rank's rows), so a shard is compared with the reference's rows (under the pipeline
+    module's names, as :func:`tests.suites.common.build_spec_layers` gives them)."""
+    module = engine.module
+    head = getattr(module, "vocab_head", None)
+    if head is None:
+        return {}
+    spec = head.spec
+    owner = f"tied_modules.{spec.tied_key}" if spec.tied_key else str(spec.index)
+    names = {"vocab_head.weight": (f"{owner}.{spec.weight_name}", head)}
+    if spec.bias_name and head.bias is not None:
+        names["vocab_head.bias"] = (f"{owner}.{spec.bias_name}", head)
+    split = head.embedding
+    if split is not None and not split.tied:
+        embed_owner = f"tied_modules.{split.key}" if split.key is not None else str(split.layer)
+        names["vocab_embed.weight"] = (f"{embed_owner}.{split.name}", module.vocab_embed)
+    return names
+
+
+def rows_compare(engine: Any, named: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], has_embed: bool
+                 ) -> tuple[float, str, list[str]]:
+    """:func:`tests.suites.common.named_compare`, the row shards of vocabulary parallelism against the reference's
+    rows: the worst relative error, its name, and the reference names compared (a shard as its table's name)."""
+    split = reference_rows(engine)
+    plain = {n: t for n, t in named.items() if n not in split}
+    worst, worst_name, _ = named_compare(plain, ref, has_embed)
+    covered = [n for n in plain if has_embed or n != "tied_modules.embed.wpe.weight"]
+    for name, (table, shard) in split.items():
+        if name in named and shard.num_valid:
+            rows = slice(shard.offset, shard.offset + shard.num_valid)
+            err = rel_err(named[name][:shard.num_valid], ref[table][rows])
+            covered.append(table)
+            if err >= worst:
+                worst, worst_name = err, f"{name} (rows {rows.start}:{rows.stop} of {table})"
+    return worst, worst_name, covered

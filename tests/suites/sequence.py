@@ -20,6 +20,7 @@ from tests.suites import suite
 from tests.suites.common import (CLIP, ENGINE_REF, STATUS, WORLD, allow_fp16_on_cpu, build_spec_layers, deltas,
                                  first_step_grads, frozen_reference, make_batches, master_weights, named_compare,
                                  rel_err, replica_batches, run_cases, train_steps)
+from tests.suites.common_vocab import rows_compare
 
 STAGES, DEGREE = 2, 2
 SEQ_LEN, BATCH, STEPS = 48, 2, 3
@@ -85,38 +86,6 @@ def _engine(specs: list, vocab: int, schedule: str, micro: int, slices: Any, zer
     return engine
 
 
-def _reference_names(engine: Any) -> dict[str, tuple[str, Any]]:
-    """Under vocabulary parallelism: each row-split parameter's name -> (its table's name in the reference, the
-    shard holding this rank's rows), so a shard is compared with the reference's rows."""
-    module = engine.module
-    head = getattr(module, "vocab_head", None)
-    if head is None:
-        return {}
-    spec = head.spec
-    table = f"tied_modules.{spec.tied_key}.{spec.weight_name}" if spec.tied_key else f"{spec.index}.{spec.weight_name}"
-    names = {"vocab_head.weight": (table, head)}
-    split = head.embedding
-    if split is not None and not split.tied:
-        owner = f"tied_modules.{split.key}" if split.key is not None else str(split.layer)
-        names["vocab_embed.weight"] = (f"{owner}.{split.name}", module.vocab_embed)
-    return names
-
-
-def _rows_compare(engine: Any, named: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], has_embed: bool
-                  ) -> tuple[float, str, int]:
-    """:func:`named_compare`, the row shards of vocabulary parallelism against the reference's rows."""
-    split = _reference_names(engine)
-    worst, worst_name, count = named_compare({n: t for n, t in named.items() if n not in split}, ref, has_embed)
-    for name, (table, shard) in split.items():
-        if name in named and shard.num_valid:
-            rows = slice(shard.offset, shard.offset + shard.num_valid)
-            err = rel_err(named[name][:shard.num_valid], ref[table][rows])
-            count += 1
-            if err >= worst:
-                worst, worst_name = err, f"{name} (rows {rows.start}:{rows.stop} of {table})"
-    return worst, worst_name, count
-
-
 def _frozen_at(freeze: Optional[list]) -> Any:
     """The reference's count of frozen front layers at each step, from a ``freeze.schedule``."""
     return lambda step: max([count for at, count in (freeze or []) if at <= step], default=0)
@@ -139,8 +108,9 @@ def _case(model: str, schedule: str, micro: int, slices: Any, zero: int = 0, cli
         losses, _ = train_steps(engine, data, STEPS)
     params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     has_embed = 0 in engine.local_chunks
-    g_err, g_name, g_count = _rows_compare(engine, grads, ref["grads"][0], has_embed) if zero == 0 else (0.0, "", 0)
-    p_err, p_name, p_count = _rows_compare(engine, params, ref["params"], has_embed)
+    g_err, g_name, g_covered = rows_compare(engine, grads, ref["grads"][0], has_embed) if zero == 0 else (0.0, "", [])
+    p_err, p_name, p_covered = rows_compare(engine, params, ref["params"], has_embed)
+    g_count, p_count = len(g_covered), len(p_covered)
     kv = _kv_heads(engine, batches[:micro])
     return {"case": STATUS["case"], "stage": engine.stage_id, "sequence_rank": engine.sequence.rank,
             "slices": list(engine.slices), "source": engine.plan_source, "losses": losses, "ref_losses": ref["losses"], "grad_rel_err": g_err, "grad_worst": g_name,

@@ -25,16 +25,11 @@ from ds_terapipe.planner.sharding import shard_counts
 from tests.suites import suite
 from tests.suites.common import (CLIP, ENGINE_REF, STATUS, WORLD, compare, deltas, first_step_grads, make_batches,
                                  reference_step, run_cases, train_steps)
+from tests.suites.common import whole_tensors as _whole
 
 STAGES = 2
 SEQ_LEN, BATCH, STEPS, LR, MOMENTUM = 48, 2, 3, 0.1, 0.9
 CFG = GPTConfig(num_layers=4, hidden=32, num_heads=4, vocab_size=64, max_seq_len=64, seed=5)
-
-
-def _whole(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Whole tensors of a rank's (possibly sharded) tensors; collective over its replicas, one order on all."""
-    return {n: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().float().clone()
-            for n, v in named.items()}
 
 
 def _engine(schedule: str, v: int, m: int, *, precision: str = "fp32", clipping: float = 0.0,

@@ -63,6 +63,10 @@ class GradReduction:
             return
         if getattr(self, "freezer", None) is not None:   # a zero gradient where only frozen layers use the weight
             self.freezer.fill_tied_grads(self)
+        if self.using_bf16_optimizer:   # a tied weight frozen before BF16_Optimizer was built has no master gradient
+            for weight, _ in self.module.get_tied_weights_and_groups():
+                if not weight.requires_grad and not hasattr(weight, "_hp_grad"):
+                    weight._hp_grad = None   # DeepSpeed's reduction skips it, as on every rank that holds it
         super()._exec_reduce_tied_grads()
         if self._vocab is not None:
             self._vocab.reduce_tied_grads()

@@ -200,12 +200,16 @@ class PlanSelection:
                     logger.info("terapipe: sequence length %d -> %d slice(s) %s", length, len(resolved.slices),
                                 list(resolved.slices))
         self.plan = self.plans[mine[0]]
-        if per_batch:
+        planned = None
+        if per_batch:   # one length on every rank (replica 0's first): the replicas' profiles have one size
+            length = stage0[0][0]
             context = None
             if self.is_first_stage():
-                context = self.batch_planner.local_context([b[0] for b in peeked], mine[0])
-            self.plan = self.batch_planner.plan_step(self, self.plan, context)
-        self.step_slices = tuple(self.plan.slices if n == mine[0] else self.plans[n].slices for n in mine)
+                context = self.batch_planner.local_context([b[0] for b in peeked], length)
+            planned = self.batch_planner.plan_step(self, self.plans[length], context)
+            self.plan = planned if length == mine[0] else self.plan
+        self.step_slices = tuple(planned.slices if planned is not None and n == planned.seq_len
+                                 else self.plans[n].slices for n in mine)
         if len(set(mine)) > 1 and self.global_rank == 0 and mine != self._last_mixed:
             logger.debug("terapipe: a step of micro-batches of lengths %s", mine)
             self._last_mixed = mine

@@ -4,8 +4,9 @@ A slice of a packed row attends over the keys of its own document only, so what 
 the documents of the step's rows end, and so does the best slicing (``planner/documents.py``). Before every
 training step:
 
-1. the first stage of every pipeline replica, having peeked the step's micro-batches, reduces their position ids
-   to the document context at each grid start (:func:`~ds_terapipe.planner.documents.document_context`);
+1. the first stage of every pipeline replica, having peeked the step's micro-batches, reduces the position ids of
+   those of one length (replica 0's first micro-batch's, the same on every rank, so every replica's profile has
+   one size) to the document context at each grid start (:func:`~ds_terapipe.planner.documents.document_context`);
 2. every rank joins one all-reduce (MAX over the replicas: the slowest replica paces the step) of that profile;
 3. global rank 0 plans the step's slicing from the costs the length's plan was made from, memoised by document
    layout (:class:`~ds_terapipe.planner.documents.DocumentPlanner`), and broadcasts the slice lengths in one
