@@ -22,6 +22,9 @@ WORLD2 = [
     # own length's document profile, the all-reduces of different sizes deadlocked until the p2p timeout
     plain_case("per-batch plans, replicas of other lengths", stages=1, schedule="gpipe", slices="auto",
                granularity=8, micro=1, packed=True, per_batch=True, lengths=[16, 32, 48]),
+    # found: eval_batch(num_micro_batches=2) after a repack onto 2 replicas read 4 micro-batches (2 per replica)
+    # and ran out; it reads the 2 it read before the repack, one per replica
+    plain_case("eval count after a repack", freeze=3, repack=True, eval=True, eval_count=2),
     # broad: vocabulary parallelism (untied, a vocabulary not divisible by the ranks) over packed rows of mixed
     # lengths, interleaved chunks, activation checkpointing, clipping, an evaluation
     plain_case("vocab packed mixed", schedule="interleaved-1f1b", layers=4, vocab=63, tied=False, slices=3,

@@ -401,8 +401,25 @@ class TokenPipelineEngine(PlanSelection, BatchLoading, GradReduction, Checkpoint
             self._check_eval_arguments(bound.arguments)
             count = bound.arguments["num_micro_batches"] or self.micro_batches
             if self.repack_share is not None:
+                count = self._repacked_eval_share(bound.arguments["num_micro_batches"])
                 data_iter = self.repack_share.take(self, data_iter, count, "eval_batch")
+                bound.arguments["num_micro_batches"] = count
+                args, kwargs = bound.args[2:], bound.kwargs   # this replica's share, as DeepSpeed runs it
             return super().eval_batch(self._use_plan_for_next_batch(data_iter, count=count), *args, **kwargs)
+
+    def _repacked_eval_share(self, asked: Optional[int]) -> int:
+        """After a repack onto k times the replicas: the micro-batches of an evaluation each replica runs. The call
+        means what it meant before the repack (``num_micro_batches`` micro-batches read from the iterator, default
+        the step's), so each replica runs a k-th of them; a count k does not divide is refused on every rank."""
+        factor = self.repack_share.factor
+        if asked is None:
+            return self.micro_batches
+        if asked % factor:
+            raise mark_collective(ValueError(
+                f"token pipeline: eval_batch(num_micro_batches={asked}) after a repack onto {factor} times the "
+                f"data-parallel replicas: each replica runs a share of the micro-batches, and {asked} does not split "
+                f"over {factor}; pass a multiple of {factor}"))
+        return asked // factor
 
     def _check_eval_arguments(self, arguments: dict[str, Any]) -> None:
         """``eval_batch``'s arguments the token pipeline cannot honour, refused on every rank (the same arguments
