@@ -192,13 +192,18 @@ class PackedBatches(Batches):
 
 
 def apply_overrides(ds_config: dict, args: argparse.Namespace, name: str) -> bool:
-    """The command line's settings of the terapipe section, written into ``ds_config`` (in place) before it is
-    validated: ``--pack`` (terapipe.packed) and, where the trainer has them, ``--freeze`` (terapipe.freeze) and
-    ``--repack`` (terapipe.freeze.repack). True when one was given. ``--stages`` and ``--checkpoint-interval``
-    shape the module, not this section."""
+    """The command line's settings, written into ``ds_config`` (in place) before it is validated: ``--pack``
+    (terapipe.packed) and, where the trainer has them, ``--freeze`` (terapipe.freeze) and ``--repack``
+    (terapipe.freeze.repack); ``--stages`` over a ``pipeline.stages`` of another count (the engine refuses a
+    section that disagrees with the module it shapes). True when one was written. ``--checkpoint-interval`` shapes
+    the module only."""
+    pipeline, stages = ds_config.get("pipeline"), getattr(args, "stages", None)
+    restaged = isinstance(pipeline, dict) and stages is not None and pipeline.get("stages", stages) != stages
+    if restaged:
+        pipeline["stages"] = stages
     pack, freeze, repack = getattr(args, "pack", False), getattr(args, "freeze", None), getattr(args, "repack", False)
     if not (pack or freeze or repack):
-        return False
+        return restaged
     section = ds_config.get("terapipe")
     if section is None:
         section = ds_config["terapipe"] = {}

@@ -141,3 +141,69 @@ def test_shard_params_refuses_what_would_bypass_its_reduce_scatter() -> None:
     assert sharding_problem(ds()) is None
     assert "zero_optimization.stage=1" in sharding_problem(ds(stage=1))
     assert "fp16" in sharding_problem(ds(fp16=True))
+
+
+def unhonoured(ds_config: dict, interval: int = 0, num_stages: int = 2, seed_layers: bool = False):
+    from types import SimpleNamespace
+
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from ds_terapipe.runtime.execution.ds_config_checks import unhonoured_config_problem
+
+    ds_config = {"train_batch_size": 1, **ds_config}
+    module = SimpleNamespace(num_stages=num_stages, seed_layers=seed_layers, activation_checkpoint_interval=interval)
+    return unhonoured_config_problem(ds_config, DeepSpeedConfig(ds_config), module)
+
+
+def test_deepspeed_keys_no_pipeline_engine_reads_are_refused_with_the_fix() -> None:
+    """The rest of the DeepSpeed config (runtime/execution/ds_config_checks.py): DeepSpeed's defaults pass, a value a
+    pipeline engine would not read is refused with the key, the value and the fix."""
+    assert unhonoured({}) is None
+    assert unhonoured({"sequence_parallel_size": 1, "pipeline": {"stages": "auto", "partition": "best",
+                       "seed_layers": False, "activation_checkpoint_interval": 2, "pipe_partitioned": False,
+                       "grad_partitioned": False, "use_reentrant": False}}) is None
+    message = unhonoured({"sequence_parallel_size": 4})
+    assert "sequence_parallel_size=4 is DeepSpeed's Ulysses degree" in message
+    assert "set terapipe.sequence_parallel=4" in message and "drop sequence_parallel_size" in message
+    # what the module was built with passes: the stages and seeding are the module's
+    assert unhonoured({"pipeline": {"stages": 4, "seed_layers": True}}, num_stages=4, seed_layers=True) is None
+    for key, value, fix in (("stages", 4, "num_stages=4"), ("partition", "uniform", "partition_method='...'"),
+                            ("seed_layers", True, "seed_layers=True")):
+        message = unhonoured({"pipeline": {key: value}})
+        assert f"pipeline.{key}={value!r} is read by no pipeline engine" in message, message
+        assert f"pass {fix}" in message and f"drop pipeline.{key}" in message
+    message = unhonoured({"pipeline": {"seed_layer": True, "activation_checkpoint_intervall": 1}})
+    assert "pipeline: unknown key(s) ['activation_checkpoint_intervall', 'seed_layer']" in message
+    assert "'activation_checkpoint_interval'" in message and "'seed_layers'" in message
+
+
+def test_deepspeed_checkpoint_options_are_refused_where_the_token_pipeline_checkpoints(monkeypatch) -> None:
+    """DeepSpeed's checkpoint options, from the config section or from ``deepspeed.checkpointing.configure``, are
+    what DeepSpeed's checkpoint functions apply; the token pipeline's recompute does not: refused with checkpointing
+    on, left alone without it (nothing is checkpointed, as in DeepSpeed's pipeline)."""
+    from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
+
+    section = {"activation_checkpointing": {"partition_activations": True, "cpu_checkpointing": True}}
+    assert unhonoured(section, interval=0) is None
+    message = unhonoured(section, interval=2)
+    # the config's interval turns checkpointing on as DeepSpeed's pipeline engine does, over the module's 0
+    assert unhonoured({**section, "pipeline": {"activation_checkpoint_interval": 2}}) == message
+    assert message.startswith("terapipe: activation_checkpointing partition_activations=true, cpu_checkpointing=true "
+                              "is not honoured by the token pipeline (activation_checkpoint_interval=2)"), message
+    assert "set them to false" in message and "deepspeed.checkpointing.configure" in message
+    assert unhonoured({}, interval=1) is None
+    monkeypatch.setattr(ds_checkpointing, "CPU_CHECKPOINT", True)   # what configure(checkpoint_in_cpu=True) sets
+    assert "cpu_checkpointing=true is not honoured" in unhonoured({}, interval=1)
+
+
+def test_float16_autocast_is_refused_on_more_than_one_stage() -> None:
+    """DeepSpeed's GradScaler for float16 autocast sees the last stage's loss only (its own pipeline fails at the
+    first step); one stage, and bfloat16 autocast, train as in DeepSpeed's pipeline."""
+    autocast = {"torch_autocast": {"enabled": True, "dtype": "float16"}}
+    message = unhonoured(autocast)
+    assert message.startswith("terapipe: torch_autocast.dtype=float16 fails at the first step on more than one "
+                              "pipeline stage"), message
+    assert "set torch_autocast.dtype to bfloat16" in message and "fp16.enabled" in message
+    assert unhonoured(autocast, num_stages=1) is None
+    assert unhonoured({"torch_autocast": {"enabled": True, "dtype": "bfloat16"}}) is None
+    assert unhonoured({"torch_autocast": {"enabled": False, "dtype": "float16"}}) is None

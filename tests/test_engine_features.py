@@ -431,3 +431,24 @@ def test_zero_stage_2_and_wall_clock_breakdown_are_refused_with_the_fix(features
         case = rank["flops profiler"]
         assert case["raised"] == "ValueError" and "terapipe: flops_profiler.enabled=true is" in case["message"], case
         assert "set flops_profiler.enabled to false" in case["message"]
+
+
+@pytest.mark.timeout(700)
+def test_deepspeed_keys_the_token_pipeline_would_not_honour_are_refused_on_every_rank(features) -> None:
+    """Keys no pipeline engine reads (DeepSpeed's own ignores them too), DeepSpeed's checkpoint options, which the
+    token pipeline's recompute does not apply, and float16 autocast, which fails at the first step on a stage that
+    is not the last (in DeepSpeed's pipeline too): a ValueError at build on every rank, with the key and the fix."""
+    expected = {"sequence_parallel_size": ("sequence_parallel_size=2 is DeepSpeed's Ulysses degree",
+                                           "set terapipe.sequence_parallel=2"),
+                "pipeline.seed_layers": ("pipeline.seed_layers=True is read by no pipeline engine",
+                                         "pass seed_layers=True to ds_terapipe.TokenPipelineModule"),
+                "pipeline typo": ("pipeline: unknown key(s) ['activation_checkpoint_intervall']",
+                                  "'activation_checkpoint_interval'"),
+                "cpu_checkpointing": ("activation_checkpointing cpu_checkpointing=true is not honoured",
+                                      "set them to false"),
+                "float16 autocast": ("torch_autocast.dtype=float16 fails at the first step on more than one",
+                                     "set torch_autocast.dtype to bfloat16")}
+    for rank in features:
+        for label, (rule, fix) in expected.items():
+            case = rank[label]
+            assert case["raised"] == "ValueError" and rule in case["message"] and fix in case["message"], case

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from ds_terapipe.runtime.execution.local_launch import free_port
 from tests.dist_harness import ROOT, run_ranks
 
 pytestmark = pytest.mark.multiproc
@@ -126,12 +127,13 @@ def test_resume_in_fresh_processes_is_bit_identical(tmp_path) -> None:
 @pytest.mark.timeout(300)
 def test_one_stage_with_slices_auto_reuses_its_cached_plan(tmp_path) -> None:
     """One stage (one process, as on a single GPU) profiles equal stages, which the plan cache stores written once;
-    the second launch hits the cache and re-times those costs before it trains."""
+    the second launch hits the cache and re-times those costs before it trains. The second config keeps
+    ``pipeline.stages: 2``: ``--stages 1`` is written over it (the engine refuses a section that disagrees with the
+    module)."""
     auto = {"slices": "auto", "plan_cache": str(tmp_path / "cache"),
             "profile": {"slice_lengths": [16, 32, 64], "num_contexts": 2, "warmup": 0, "repeats": 1}}
-    one = {"pipeline": {"stages": 1}}
-    for name in ("profiled", "cached"):
-        codes, texts = run_ranks(trainer(tmp_path, name, "--steps", "2", "--stages", "1", terapipe=auto, ds=one), 1,
+    for name, ds in (("profiled", {"pipeline": {"stages": 1}}), ("cached", None)):
+        codes, texts = run_ranks(trainer(tmp_path, name, "--steps", "2", "--stages", "1", terapipe=auto, ds=ds), 1,
                                  tmp_path / name, timeout_s=120)
         assert codes == [0], texts[0][-3000:]
         assert sorted(losses(tmp_path, name)) == [1, 2]
@@ -190,8 +192,8 @@ def test_a_rank_killed_right_after_a_repack_fails_fast_and_resume_repacks_identi
 @pytest.mark.timeout(400)
 def test_the_gpu_script_s_trainer_steps_run_here(tmp_path) -> None:
     """benchmarks/on_gpu.sh is run where device time is short: its trainer steps (save, resume, the uninterrupted
-    run, the comparison, the compiled run) are tried here on the CPU with a small bf16 config, so a change to the trainer's options
-    fails here rather than on a lent GPU."""
+    run, the comparison, the compiled run) are tried here on the CPU with a small bf16 config, so a change to the
+    trainer's options fails here rather than on a lent GPU. The launcher gets a free port (29500 may be taken)."""
     import os
     import subprocess
 
@@ -199,7 +201,8 @@ def test_the_gpu_script_s_trainer_steps_run_here(tmp_path) -> None:
     config.write_text(json.dumps({**CONFIG, "pipeline": {"stages": 1}, "bf16": {"enabled": True},
                                   "terapipe": dict(CONFIG["terapipe"], seq_len=64, slices=2)}))
     env = dict(os.environ, ON_GPU_TRAINER_ONLY="1", ON_GPU_CONFIG=str(config), DS_ACCELERATOR="cpu",
-               ON_GPU_COMPILE_BACKEND="aot_eager")   # inductor's C++ code generation takes minutes on a CPU
+               ON_GPU_COMPILE_BACKEND="aot_eager",   # inductor's C++ code generation takes minutes on a CPU
+               ON_GPU_MASTER_PORT=str(free_port()))
     done = subprocess.run(["bash", str(ROOT / "benchmarks" / "on_gpu.sh"), str(tmp_path / "out")], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=380)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]

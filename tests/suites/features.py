@@ -364,6 +364,20 @@ def suite_features(extra: dict) -> list[dict]:
         except ValueError as err:
             results.append({"case": label, "raised": "ValueError", "message": str(err)})
 
+    # DeepSpeed config keys that no pipeline engine reads, that only DeepSpeed's checkpoint functions apply, or that
+    # fail at the first step on one stage (float16 autocast): refused at build on every rank, naming the key and the
+    # fix (runtime/execution/ds_config_checks.py)
+    for label, unread in (("sequence_parallel_size", {"sequence_parallel_size": 2}),
+                          ("pipeline.seed_layers", {"pipeline": {"seed_layers": True}}),
+                          ("pipeline typo", {"pipeline": {"activation_checkpoint_intervall": 1}}),
+                          ("float16 autocast", {"torch_autocast": {"enabled": True, "dtype": "float16"}}),
+                          ("cpu_checkpointing", {"pipeline": {"activation_checkpoint_interval": 1},
+                                                 "activation_checkpointing": {"cpu_checkpointing": True}})):
+        STATUS["case"] = label
+        results.append(run_until_error(lambda: pipeline_engine(cfg, gpt_layer_specs(cfg), {"seq_len": seq_len,
+                                                                                           "slices": 2},
+                                                                extra_config=unread)))
+
     # bf16 on CPU with ZeRO 1 (and deferred weight gradients): runs, finite, close to the fp32 reference
     STATUS["case"] = "bf16"
     engine = pipeline_engine(cfg, gpt_layer_specs(cfg), {"seq_len": seq_len, "slices": [16, 32, 16],

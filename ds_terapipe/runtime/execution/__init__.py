@@ -10,5 +10,6 @@ layers cut into chunks), ``checkpoint`` and ``errors``, ``collective`` (verdicts
 gradients into DeepSpeed's optimizers), ``clip``, ``bf16_grads`` (bf16 gradients in one flat buffer per group),
 ``loss_scale`` (fp16: the scale moved after the step), ``optimizer_init`` (fp16 at ZeRO 0: the construction's
 optimizer step undone), ``batch_checks`` (token ids outside the vocabulary), ``ds_internals`` (the DeepSpeed
-internals relied on, checked at init), ``shm`` and ``local_launch`` (process hygiene, in-process launches).
+internals relied on, checked at init), ``ds_config_checks`` (DeepSpeed config keys the token pipeline would not
+honour, refused at build), ``shm`` and ``local_launch`` (process hygiene, in-process launches).
 """

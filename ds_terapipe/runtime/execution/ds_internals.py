@@ -160,6 +160,7 @@ INTERNALS: tuple[Internal, ...] = (
     _i(_DS_ENGINE, "load_checkpoint", "attr", f"{_CKPT} load_checkpoint", "super() after the checks",
        ("load_dir", "tag", "load_optimizer_states", "load_lr_scheduler_states", "load_module_only")),
     _i(_DS_ENGINE, "_configure_python_gc", "attr", "initialize.py", "the last step of DeepSpeed's initialize"),
+    _i(_DS_ENGINE, "destroy", "attr", f"{_E} destroy", "super() before the thread the transfers waited on stops"),
     _i(_DS_ENGINE, "device", "instance", f"{_E}, execution/p2p.py", "the accelerator device of every tensor"),
     _i(_DS_ENGINE, "global_rank", "instance", _E, "rank in logs, checkpoints and the length agreement"),
     _i(_DS_ENGINE, "dp_world_size", "instance", f"{_CKPT} checkpoint manifest", "data-parallel size"),
@@ -175,6 +176,18 @@ INTERNALS: tuple[Internal, ...] = (
     _i(_CONFIG, "flops_profiler_config", "instance", f"{_E} init", "the flops profiler turns the timers on"),
     _i(_CONFIG, "_param_dict", "instance", f"{_E} init", "which key turned the timers on"),
     _i("deepspeed.runtime.config", "get_wall_clock_breakdown", "attr", f"{_E} init", "which key turned the timers on"),
+    # -- the config keys nothing would read, refused at build (runtime/execution/ds_config_checks.py) ---------------
+    _i(_CONFIG, "pipeline", "instance", "execution/ds_config_checks.py", "the pipeline section with its defaults"),
+    *(_i(_MODULE, name, "instance", "execution/ds_config_checks.py", "what the pipeline section's key would set")
+      for name in ("num_stages", "seed_layers")),
+    *(_i(_CONFIG, name, "instance", "execution/ds_config_checks.py", "float16 autocast refused on several stages")
+      for name in ("torch_autocast_enabled", "torch_autocast_dtype")),
+    _i(_CONFIG, "activation_checkpointing_config", "instance", "execution/ds_config_checks.py",
+       "DeepSpeed's checkpoint options, refused with activation checkpointing"),
+    *(_i("deepspeed.runtime.activation_checkpointing.checkpointing", flag, "attr", "execution/ds_config_checks.py",
+         "the checkpoint options deepspeed.checkpointing.configure set, refused with activation checkpointing")
+      for flag in ("PARTITION_ACTIVATIONS", "CONTIGUOUS_CHECKPOINTING", "CPU_CHECKPOINT", "SYNCHRONIZE",
+                   "PROFILE_TIME")),
     # -- gradient clipping (runtime/execution/clip.py) -------------------------------------------------------------
     _i(_DS_ENGINE, "clip_fp32_gradients", "attr", f"{_GRADS} (overridden)",
        "fp32 clipping without ZeRO, by the whole model's norm instead of stage 0's"),

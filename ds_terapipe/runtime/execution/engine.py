@@ -92,6 +92,7 @@ from .batch_loading import BatchLoading, put_back
 from .bf16_grads import FlatBf16Grads, count_norm_once_per_sequence_group
 from .clip import clipping_problem
 from .collective import agree_or_raise, mark_collective
+from .ds_config_checks import unhonoured_config_problem
 from .ds_internals import check_deepspeed_internals
 from .engine_checkpoint import Checkpointing, _set_scheduled_lr, _unusable_directory
 from .grad_reduction import GradReduction
@@ -181,6 +182,9 @@ class TokenPipelineEngine(PlanSelection, BatchLoading, GradReduction, Checkpoint
         if stage >= 2:
             raise ValueError(f"terapipe: zero_optimization.stage={stage} is not supported with pipeline parallelism "
                              "(DeepSpeed partitions gradients across a pipeline it does not own); use stage 0 or 1")
+        problem = unhonoured_config_problem(ds_config, config_class, model)   # keys nothing would honour
+        if problem:
+            raise ValueError(problem)
         deepspeed.set_optimizer_flags(config_class, model)
         engine = cls(model=model, mpu=pipe_mpu, config=ds_config, config_class=config_class, terapipe_config=terapipe,
                      bf16_shards=bf16_shards, **kwargs)
