@@ -41,12 +41,15 @@ if [ "$only_trainer" = 0 ]; then
     --dtype bf16 --slices 1,4 --per-parameter-bf16 --json "$out/host_overhead.json"
 fi
 ckpt=$(mktemp -d)
-step trainer_bf16 deepspeed --num_gpus 1 examples/train_gpt.py --deepspeed_config "$config" \
-  --stages 1 --steps 20 --save-dir "$ckpt" --save-every 10 --metrics "$out/trainer_bf16.jsonl"
-step trainer_bf16_resume deepspeed --num_gpus 1 examples/train_gpt.py --deepspeed_config "$config" \
-  --stages 1 --steps 30 --save-dir "$ckpt" --save-every 10 --resume --metrics "$out/trainer_bf16_resume.jsonl"
-step trainer_bf16_whole deepspeed --num_gpus 1 examples/train_gpt.py --deepspeed_config "$config" \
-  --stages 1 --steps 30 --metrics "$out/trainer_bf16_whole.jsonl"
+port=${ON_GPU_MASTER_PORT:-29500}   # the deepspeed launcher's rendezvous port (a test passes a free one)
+step trainer_bf16 deepspeed --num_gpus 1 --master_port "$port" examples/train_gpt.py \
+  --deepspeed_config "$config" --stages 1 --steps 20 --save-dir "$ckpt" --save-every 10 \
+  --metrics "$out/trainer_bf16.jsonl"
+step trainer_bf16_resume deepspeed --num_gpus 1 --master_port "$port" examples/train_gpt.py \
+  --deepspeed_config "$config" --stages 1 --steps 30 --save-dir "$ckpt" --save-every 10 --resume \
+  --metrics "$out/trainer_bf16_resume.jsonl"
+step trainer_bf16_whole deepspeed --num_gpus 1 --master_port "$port" examples/train_gpt.py \
+  --deepspeed_config "$config" --stages 1 --steps 30 --metrics "$out/trainer_bf16_whole.jsonl"
 rm -rf "$ckpt"
 step resume_vs_whole python - "$out/trainer_bf16_resume.jsonl" "$out/trainer_bf16_whole.jsonl" <<'PY'
 import json, sys
@@ -58,8 +61,9 @@ print(f"steps {steps[0]}..{steps[-1]}: largest loss difference after the resume 
       "bit-deterministic run to run: compare with two uninterrupted runs' differences)")
 PY
 # the same trainer compiled (engine.compile, inductor): its ms/step beside the uncompiled run's, the losses alike
-step trainer_bf16_compiled deepspeed --num_gpus 1 examples/train_gpt.py --deepspeed_config "$config" \
-  --stages 1 --steps 30 --compile "${ON_GPU_COMPILE_BACKEND:-inductor}" --metrics "$out/trainer_bf16_compiled.jsonl"
+step trainer_bf16_compiled deepspeed --num_gpus 1 --master_port "$port" examples/train_gpt.py \
+  --deepspeed_config "$config" --stages 1 --steps 30 --compile "${ON_GPU_COMPILE_BACKEND:-inductor}" \
+  --metrics "$out/trainer_bf16_compiled.jsonl"
 step compiled_vs_whole python - "$out/trainer_bf16_whole.log" "$out/trainer_bf16_compiled.log" \
   "$out/trainer_bf16_whole.jsonl" "$out/trainer_bf16_compiled.jsonl" <<'PY'
 import json, re, statistics, sys
