@@ -133,10 +133,9 @@ def computed_pairs(s: np.ndarray | float, c: np.ndarray | float, window: Attenti
     scores each query against every key it reads in one call under the dense mask."""
     pairs = visible_pairs(s, c, window)
     if isinstance(window, Chunked):
-        s, c = np.asarray(s, float), np.asarray(c, float)
-        before, size = np.mod(c, float(window.size)), float(window.size)
-        chunks = np.floor((before + s - 1.0) / size) + 1.0
-        return np.where(chunks > MAX_CHUNK_BLOCKS, s * (s + before), pairs)
+        s, keys = np.asarray(s, float), visible_keys(s, c, window)   # keys: the slice and its chunk's earlier part
+        chunks = np.floor((keys - 1.0) / window.size) + 1.0
+        return np.where(chunks > MAX_CHUNK_BLOCKS, s * keys, pairs)
     if window is None:
         return pairs
     s, c = np.asarray(s, float), np.asarray(c, float)

@@ -70,13 +70,13 @@ def unhonoured_config_problem(ds_config: dict, config: Any, module: Any) -> Opti
             return (f"terapipe: pipeline.{key}={section[key]!r} is read by no pipeline engine (DeepSpeed's neither): "
                     f"the PipelineModule is cut and seeded when it is built, by its own arguments; pass "
                     f"{fixes[key]} to ds_terapipe.TokenPipelineModule, and drop pipeline.{key}")
-    checkpoint_interval = config.pipeline["activation_checkpoint_interval"] or module.activation_checkpoint_interval
     if config.torch_autocast_enabled and config.torch_autocast_dtype == torch.float16 and module.num_stages > 1:
         return ("terapipe: torch_autocast.dtype=float16 fails at the first step on more than one pipeline stage: "
                 "DeepSpeed's GradScaler for it scales the loss on the last stage only, and every other stage's "
                 "optimizer step raises (AssertionError 'Attempted step but _scale is None', in DeepSpeed's own "
                 "PipelineEngine too); set torch_autocast.dtype to bfloat16, or train in fp16 with fp16.enabled "
                 "instead of torch_autocast")
+    checkpoint_interval = config.pipeline["activation_checkpoint_interval"] or module.activation_checkpoint_interval
     if checkpoint_interval > 0:
         from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
 
