@@ -1,8 +1,9 @@
-"""Tier b: a fixed selection of the randomized cross-feature cases (tests/fuzz.py, suite ``fuzz``): the combinations
-the fuzzer found broken, each now a regression case, and a few broad ones that switch many features on at once.
-One launch per world size; every case must match the unsliced reference (loss, every first-step gradient in fp32
-at ZeRO 0, the parameters or the fp32 master weights' change after 2 steps, an evaluation where asked, tied and
-replicated copies equal). ``python -m tests.fuzz --seeds 0-40 --world 2`` runs random ones.
+"""Tier b: a fixed selection of the randomized cross-feature cases (tests/fuzz.py, suite ``fuzz``): combinations
+that need an engine rule of their own (each rule named beside its case), and a few broad ones that switch many
+features on at once. One launch per world size; every case must match the unsliced reference (loss, every
+first-step gradient in fp32 at ZeRO 0, the parameters or the fp32 master weights' change after 2 steps, an
+evaluation where asked, tied and replicated copies equal). ``python -m tests.fuzz --seeds 0-40 --world 2`` runs
+random ones.
 """
 
 from __future__ import annotations
@@ -14,16 +15,17 @@ from tests.fuzz import describe, plain_case, run_cases
 pytestmark = pytest.mark.multiproc
 
 WORLD2 = [
-    # found: bf16 at ZeRO 0 with the embedding frozen from step 0 and an untied head (the embedding's tied key on
-    # one stage only): DeepSpeed's tied-gradient reduction read the frozen weight's bf16 master gradient, which
-    # BF16_Optimizer never made (AttributeError on stage 0; stage 1 waited in the optimizer's norm for good)
+    # bf16 at ZeRO 0 with the embedding frozen from step 0 and an untied head (the embedding's tied key on one
+    # stage only): BF16_Optimizer makes no master gradient for the frozen weight, which DeepSpeed's tied-gradient
+    # reduction reads; the engine gives it None, which the reduction skips (else AttributeError on stage 0, and
+    # stage 1 waits in the optimizer's norm)
     plain_case("bf16 frozen untied embedding", precision="bf16", tied=False, freeze=1, freeze_at=0),
-    # found: plan_per_batch with replicas whose micro-batches have different lengths: each replica agreed its
-    # own length's document profile, the all-reduces of different sizes deadlocked until the p2p timeout
+    # plan_per_batch with replicas whose micro-batches have different lengths: every rank plans replica 0's first
+    # length (a replica agreeing its own length's document profile would all-reduce another size and hang)
     plain_case("per-batch plans, replicas of other lengths", stages=1, schedule="gpipe", slices="auto",
                granularity=8, micro=1, packed=True, per_batch=True, lengths=[16, 32, 48]),
-    # found: eval_batch(num_micro_batches=2) after a repack onto 2 replicas read 4 micro-batches (2 per replica)
-    # and ran out; it reads the 2 it read before the repack, one per replica
+    # eval_batch(num_micro_batches=2) after a repack onto 2 replicas reads the 2 micro-batches it read before the
+    # repack, one per replica (not 2 per replica, which runs out)
     plain_case("eval count after a repack", freeze=3, repack=True, eval=True, eval_count=2),
     # broad: vocabulary parallelism (untied, a vocabulary not divisible by the ranks) over packed rows of mixed
     # lengths, interleaved chunks, activation checkpointing, clipping, an evaluation
