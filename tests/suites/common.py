@@ -383,15 +383,19 @@ def allow_fp16_on_cpu() -> None:
 
 def run_cases(cases: list, label: Callable[..., str], run: Callable[..., dict]) -> list[dict]:
     """``run(*case)`` for each case of a suite, named ``label(*case)``: a case that raises is reported with its
-    traceback and the suite goes on (every rank runs the same cases, so they fail alike)."""
+    traceback and the suite goes on (every rank runs the same cases, so they fail alike). Each result gets the
+    case's wall time, ``case_s``."""
     results: list[dict] = []
     for case in cases:
         STATUS["case"] = label(*case)
+        started = time.perf_counter()
         try:
             results.append(run(*case))
         except Exception as err:  # noqa: BLE001 - reported per case; the test reads it
             results.append({"case": STATUS["case"], "error": f"{type(err).__name__}: {err}",
                             "traceback": traceback.format_exc()})
+        if isinstance(results[-1], dict):   # where the suite's time goes (rank{R}.json), for keeping it short
+            results[-1].setdefault("case_s", round(time.perf_counter() - started, 2))
         ENGINE_REF.pop("engine", None)
     return results
 
