@@ -175,6 +175,22 @@ def test_a_rank_failing_in_save_checkpoint_stops_every_rank_within_seconds(launc
     _stopped_by(launch_checkpoint, "checkpoint", 1, "save_checkpoint", "OSError: simulated disk failure")
 
 
+@pytest.fixture(scope="module")
+def launch_optimizer(tmp_path_factory) -> list[dict[str, dict]]:
+    return _fault_only(tmp_path_factory, "optimizer")
+
+
+@pytest.mark.timeout(500)
+def test_a_rank_failing_in_its_optimizer_step_stops_every_rank_within_seconds(launch_optimizer) -> None:
+    # its peers wait inside DeepSpeed's loss broadcast, which cannot watch the flag: the collective watch does
+    _stopped_by(launch_optimizer, "optimizer", 1, "train_batch",
+                "RuntimeError: simulated out of memory in the optimizer step")
+    for rank in (0, 2):
+        case = launch_optimizer[rank]["optimizer"]
+        assert "inside DeepSpeed's gradient reduction" in case["message"], case
+        assert case["raised_at"] < launch_optimizer[1]["optimizer"]["left_at"], case   # before the origin exited
+
+
 @pytest.mark.timeout(500)
 def test_a_rank_failing_while_profiling_stops_every_rank_within_seconds(launch_profile) -> None:
     _stopped_by(launch_profile, "profile", 1, "engine init", "RuntimeError: simulated layer failure while profiling")

@@ -2,13 +2,15 @@
 tests/test_engine_faults.py: the init-time slice check refusing attention that mixes tokens wrongly when sliced
 (hidden from the outputs by a zero-initialised projection; also checked on the first batch where no input can be
 sampled), a planner failure raised on every rank, a constant KV-cache key and one block shared at three depths
-trained exactly; then ONE fault, ``extra["fault"]`` ("loss", "length", "init", "profile" or "checkpoint"): a fault
+trained exactly; then ONE fault, ``extra["fault"]`` ("loss", "length", "init", "profile", "checkpoint" or
+"optimizer"): a fault
 leaves transfers half done, so it ends the launch, and every rank must stop within seconds, naming it.
 ``extra["cases"]=False`` runs the fault alone.
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -206,6 +208,24 @@ def suite_faults(extra: dict) -> list[dict]:
 
             engine.plan_summary = broken_summary
         results.append(until_error(lambda: engine.save_checkpoint(str(Path(extra["out"]) / "ckpt"))))
+    elif fault == "optimizer":
+        # the middle stage raises in its optimizer step (as an out-of-memory would) before the gradient norm's
+        # all-reduce: its peers are inside that all-reduce (DeepSpeed's _take_model_step), which it never joins,
+        # and it stays alive (a caller that catches)
+        STATUS["case"] = "optimizer"
+        engine = pipeline_engine(cfg, gpt_layer_specs(cfg), {"seq_len": seq_len, "slices": 3, "granularity": 4,
+                                                             "p2p_timeout_s": FAULT_P2P_TIMEOUT_S},
+                                 extra_config={"gradient_clipping": 1.0})
+        engine.train_batch(iter(batches))
+        if RANK == 1:
+            def out_of_memory() -> None:
+                raise RuntimeError("simulated out of memory in the optimizer step")
+
+            engine.clip_fp32_gradients = out_of_memory
+        results.append(until_error(lambda: engine.train_batch(iter(batches))))
+        if RANK == 1:   # alive a while after raising: its peers must stop without its exit closing connections
+            time.sleep(3)
+            results[-1]["left_at"] = time.monotonic()
     return results
 
 

@@ -34,7 +34,9 @@ raises the job's abort flag (:class:`~ds_terapipe.runtime.execution.p2p.AbortFla
 this rank and its error, and every other rank's waits turn it into a ``PeerFailedError`` naming both within
 about a second. Errors that every rank raises together (a collective verdict) do not raise the flag. So that
 no rank sits in one of DeepSpeed's own blocking collectives (tied and data-parallel gradient reduction, the
-loss broadcast) while a peer fails behind it, the end of every schedule is one abort-aware all-reduce.
+loss broadcast) while a peer fails behind it, the end of every schedule is one abort-aware all-reduce; a rank that
+fails inside those collectives stops its peers through a thread that watches the flag meanwhile
+(``collective_watch.py``).
 
 The engine is one class in five parts, so that this module holds its core: construction, ``train_batch`` and
 ``eval_batch``, the instruction map, and the handlers of the schedule's actions (forward, backward, W, transfers,
@@ -99,6 +101,7 @@ from .grad_reduction import GradReduction
 from .grad_sink import GradSink
 from .module import chunk_layout, loss_fn_problem, loss_fn_replaced
 from .optimizer_init import undo_construction_step
+from .collective_watch import CollectiveWatch
 from .p2p import AbortFlag, PeerFailedError, SliceP2P, as_tuple
 from .plan_selection import PlanSelection
 from .schedule import DISPATCH, TokenPipeSchedule
@@ -221,6 +224,8 @@ class TokenPipelineEngine(PlanSelection, BatchLoading, GradReduction, Checkpoint
         self.p2p = SliceP2P([self.grid.stage_to_global(s) for s in range(self.num_stages)], self.device,
                              self.terapipe.p2p_timeout_s,
                              abort=AbortFlag.on_default_group(f"ds_terapipe/abort/{next(_ENGINE_SERIAL)}"))
+        # the flag watched while inside DeepSpeed's collectives after each schedule (collective_watch.py)
+        self.collective_watch = CollectiveWatch(self.p2p.abort, self.global_rank, self.p2p.poll_s)
         self._states: dict[tuple[int, int], MicroBatchState] = {}  # (chunk, micro-batch) ->
         self.loaded: dict[int, Any] = {}
         # Packed rows (terapipe.packed): each micro-batch's documents on this rank (runtime/slicing/documents.py)
@@ -365,6 +370,7 @@ class TokenPipelineEngine(PlanSelection, BatchLoading, GradReduction, Checkpoint
         try:
             super().destroy()
         finally:
+            self.collective_watch.leave()
             self.p2p.close()
 
     # -- train and eval entry points -------------------------------------------------------------------------
@@ -391,7 +397,8 @@ class TokenPipelineEngine(PlanSelection, BatchLoading, GradReduction, Checkpoint
                 self.data_iterator = peeked
             if self.replanner is not None:
                 self.replanner.before_step(self)
-            loss = super().train_batch()
+            with self.collective_watch.around():   # entered after the schedule's last barrier
+                loss = super().train_batch()
             if self.record_timeline:
                 self.last_step_terms["step"] = synchronized_ms() - entered
             if self.replanner is not None:
@@ -409,7 +416,8 @@ class TokenPipelineEngine(PlanSelection, BatchLoading, GradReduction, Checkpoint
                 data_iter = self.repack_share.take(self, data_iter, count, "eval_batch")
                 bound.arguments["num_micro_batches"] = count
                 args, kwargs = bound.args[2:], bound.kwargs   # this replica's share, as DeepSpeed runs it
-            return super().eval_batch(self._use_plan_for_next_batch(data_iter, count=count), *args, **kwargs)
+            with self.collective_watch.around():   # entered after the schedule's last barrier
+                return super().eval_batch(self._use_plan_for_next_batch(data_iter, count=count), *args, **kwargs)
 
     def _repacked_eval_share(self, asked: Optional[int]) -> int:
         """After a repack onto k times the replicas: the micro-batches of an evaluation each replica runs. The call
@@ -839,8 +847,10 @@ class TokenPipelineEngine(PlanSelection, BatchLoading, GradReduction, Checkpoint
         self.p2p.drain()
         if self.p2p.abort is not None:
             # Every rank finished its schedule before any enters DeepSpeed's blocking collectives, which cannot
-            # watch the abort flag: a rank failing in its last backward stops its peers here, not there.
+            # watch the abort flag: a rank failing in its last backward stops its peers here, not there. A rank
+            # failing inside them (an optimizer step out of memory) stops its peers through the watch.
             self.barrier("the schedule of this batch")
+            self.collective_watch.enter("DeepSpeed's gradient reduction, optimizer step and loss broadcast")
 
     _INSTRUCTION_MAP = {
         **PipelineEngine._INSTRUCTION_MAP,

@@ -104,10 +104,12 @@ class Checkpointing:
                            "the check of the checkpoint directory")
             if self.global_rank == 0 and os.path.exists(os.path.join(tag_dir, ckpt.MANIFEST)):
                 os.remove(os.path.join(tag_dir, ckpt.MANIFEST))  # being rewritten: incomplete until the end
-            self.barrier("starting a checkpoint")  # DeepSpeed's own barriers in the save cannot watch the flag
-            with self.sharded.saving() if self.sharded is not None else nullcontext():
-                result = super().save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=False,
-                                                 **kwargs)
+            self.barrier("starting a checkpoint")  # DeepSpeed's own barriers in the save cannot watch the flag,
+            with self.collective_watch.around():   # so a thread watches it for them
+                self.collective_watch.enter("DeepSpeed's checkpoint save")
+                with self.sharded.saving() if self.sharded is not None else nullcontext():
+                    result = super().save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=False,
+                                                     **kwargs)
             self.barrier("saving a checkpoint")
             if self.global_rank == 0:
                 ckpt.write_manifest(tag_dir, {"num_stages": self.num_stages, "dp": self.dp_world_size,

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["AbortFlag", "P2PTimeoutError", "PeerFailedError", "SliceP2P", "as_tuple",
-           "linger_for_peers"]
+           "linger_for_peers", "peer_failed"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +62,13 @@ class P2PTimeoutError(RuntimeError):
 class PeerFailedError(RuntimeError):
     """Another rank of the job raised (in ``train_batch``, ``eval_batch``, engine init or checkpointing), so
     this rank stops too; the message names the origin rank and its error."""
+
+
+def peer_failed(failure: dict[str, Any], doing: str) -> PeerFailedError:
+    """The error of a rank stopped by ``failure`` (an :meth:`AbortFlag.get`) while ``doing`` something."""
+    stage = "" if failure.get("stage") is None else f" (stage {failure.get('stage')})"
+    return PeerFailedError(f"rank {dist.get_rank()}: stopped while {doing}, because rank {failure.get('rank')}{stage} "
+                           f"failed in {failure.get('what')}: {failure.get('error')}")
 
 
 class AbortFlag:
@@ -422,7 +429,4 @@ class SliceP2P:
             self._raise_peer_failed(what)
 
     def _raise_peer_failed(self, what: str) -> None:
-        failure = self.failure or {}
-        stage = "" if failure.get("stage") is None else f" (stage {failure.get('stage')})"
-        raise PeerFailedError(f"rank {dist.get_rank()}: stopped while waiting for {what}, because rank "
-                              f"{failure.get('rank')}{stage} failed in {failure.get('what')}: {failure.get('error')}")
+        raise peer_failed(self.failure or {}, f"waiting for {what}")

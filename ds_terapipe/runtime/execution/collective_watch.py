@@ -1,0 +1,118 @@
+"""Watching the abort flag while a rank is inside collectives that cannot watch it.
+
+Why: the engine's own waits (transfers, barriers, agreements: ``p2p.py``) look at the job's abort flag while
+they are blocked, so a peer that raised stops them within a second. DeepSpeed's collectives after the schedule
+(the tied and data-parallel gradient reductions, the optimizer step's norms and ZeRO's gathers, the loss
+broadcast) and its barriers inside a checkpoint save block in the backend and look at nothing: a rank failing
+there (an out-of-memory in its first optimizer step is the common case) leaves its peers inside them until the
+process group's timeout, tens of minutes; under NCCL even when the failing process exits.
+
+How: the engine enters such a stretch only after an abort-aware barrier that every rank passed, and for as long as
+it is inside, a thread (:class:`CollectiveWatch`) reads the flag every ``poll_s``. When another rank raised it,
+the thread closes this rank's connections (:func:`close_connections`), so the collective the main thread is
+blocked in fails at once (and its peers' collectives with this rank), and the engine raises ``PeerFailedError``
+naming the origin from that failure. The
+process groups are unusable afterwards, which is what a failed step leaves anyway: the job restarts from its last
+checkpoint. Outside these stretches the thread does not run: a healthy step pays one thread start and a store read
+per ``poll_s`` of the stretch.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
+
+import torch.distributed as dist
+
+from .p2p import AbortFlag, PeerFailedError, _break_connections, peer_failed
+
+__all__ = ["CollectiveWatch", "close_connections"]
+
+logger = logging.getLogger(__name__)
+
+
+def close_connections() -> None:
+    """Fail every collective this process is blocked in, in every process group it belongs to. NCCL: its
+    communicators are aborted (torch's ``_abort_process_group``). gloo: its connections are closed (a receive that
+    times out, :func:`~ds_terapipe.runtime.execution.p2p._break_connections`; gloo's own abort leaves a blocked
+    collective of a group that is still referenced blocked). Other backends: nothing (their collectives end at the
+    process group's timeout)."""
+    if not dist.is_initialized():
+        return
+    from torch.distributed import distributed_c10d as c10d
+
+    groups = list(getattr(getattr(c10d, "_world", None), "pg_names", {}) or [])
+    backends = set()
+    for group in groups:
+        try:
+            backends.add(str(dist.get_backend(group)))
+        except Exception:  # noqa: BLE001 - a group already destroyed
+            continue
+    if any("nccl" in backend for backend in backends) and hasattr(c10d, "_abort_process_group"):
+        c10d._abort_process_group()
+    if any("gloo" in backend for backend in backends):
+        _break_connections([g for g in groups if g is not dist.GroupMember.WORLD])
+
+
+class CollectiveWatch:
+    """The abort flag watched on a thread while the main thread is inside collectives that cannot watch it (the
+    module docstring says why). The engine runs ``train_batch``, ``eval_batch`` and DeepSpeed's checkpoint save
+    inside :meth:`around`, and calls :meth:`enter` where the stretch starts (after the barrier that ends each
+    schedule; before the save); the stretch ends with the block. ``tripped`` is the failure the thread acted on."""
+
+    def __init__(self, abort: Optional[AbortFlag], rank: int, poll_s: float) -> None:
+        self.abort, self.rank, self.poll_s = abort, rank, poll_s
+        self.tripped: Optional[dict[str, Any]] = None
+        self.what = ""
+        self._stop: Optional[threading.Event] = None
+        self._thread: Optional[threading.Thread] = None
+
+    def enter(self, what: str) -> None:
+        """Start watching (a no-op without a flag, or when already watching)."""
+        if self.abort is None or self._thread is not None:
+            return
+        self.what, self._stop = what, threading.Event()
+        self._thread = threading.Thread(target=self._watch, args=(self._stop, ), name="terapipe-collective-watch",
+                                        daemon=True)
+        self._thread.start()
+
+    def leave(self) -> None:
+        """Stop watching (returns at once: the thread wakes on the stop event)."""
+        if self._thread is None:
+            return
+        assert self._stop is not None
+        self._stop.set()
+        self._thread.join()
+        self._thread = self._stop = None
+
+    @contextmanager
+    def around(self) -> Iterator[None]:
+        """Leave the stretch when the block ends. An error raised inside the stretch while another rank's failure
+        is on the flag (this rank's collective failed because a watch, this rank's or a peer's, closed the
+        connections) is raised as that rank's ``PeerFailedError``, naming the origin."""
+        try:
+            yield
+        except Exception as err:
+            inside = self._thread is not None
+            self.leave()
+            if inside and not isinstance(err, PeerFailedError) and self.abort is not None:
+                failure = self.tripped or self.abort.get()
+                if failure is not None and failure.get("rank") != self.rank:
+                    raise peer_failed(failure, f"inside {self.what}") from err
+            raise
+        finally:
+            self.leave()
+
+    def _watch(self, stop: threading.Event) -> None:
+        assert self.abort is not None
+        while not stop.wait(self.poll_s):
+            failure = self.abort.get()
+            if failure is not None and failure.get("rank") != self.rank:
+                self.tripped = failure
+                logger.error("terapipe: rank %s failed in %s while rank %s is inside %s; closing this rank's "
+                             "connections so it stops too", failure.get("rank"), failure.get("what"), self.rank,
+                             self.what)
+                close_connections()
+                return
