@@ -51,6 +51,8 @@ def draw_case(seed: int, world: int) -> dict[str, Any]:
     free = rng.random() < 0.15
     schedule = rng.choice(schedule_names())
     seq = 2 if world % 2 == 0 and rng.random() < 0.2 else 1
+    if seq == 2 and world % 4 == 0 and rng.random() < 0.4:
+        seq = 4
     stage_choices = [s for s in (1, 2, 4) if (world // seq) % s == 0 and s <= world // seq]
     stages = rng.choices(stage_choices, weights=[1 if s == 1 else 4 for s in stage_choices])[0]
     if not free and get_schedule(schedule).virtual_stages > 1 and stages == 1:
@@ -67,12 +69,17 @@ def draw_case(seed: int, world: int) -> dict[str, Any]:
     unit = seq
     kind = rng.choices(["int", "list", "auto", "one"], weights=[40, 35, 15, 10])[0]
     granularity = 8 if kind == "auto" else rng.choice([2, 2, 8])
+    if not free:   # sequence ranks split each slice: lengths (and the granularity) multiples of their count
+        granularity = max(granularity, seq)
     if kind == "int":
         slices: Any = rng.choice([2, 3, 4, 6])
         if not free and (SEQ_LEN // slices) % granularity:
-            granularity = 2
+            granularity = max(2, seq)
     elif kind == "list":
-        slices = _composition(rng, SEQ_LEN, rng.choice([2, 3, 4]), unit * rng.choice([1, 1, 2, 4]))
+        parts, mult = rng.choice([2, 3, 4]), rng.choice([1, 1, 2, 4])
+        while SEQ_LEN // (unit * mult) < parts:   # 4 sequence ranks: 48 tokens are 12 units of 4
+            mult //= 2
+        slices = _composition(rng, SEQ_LEN, parts, unit * mult)
     elif kind == "auto":
         slices = "auto"
     else:
@@ -88,34 +95,68 @@ def draw_case(seed: int, world: int) -> dict[str, Any]:
         lengths = [rng.choice([16, 32, 48, 64]) for _ in range(3)]
         lengths[rng.randrange(3)] = SEQ_LEN
     packed = rng.random() < 0.25
-    more = {"model": "llama" if rng.random() < 0.12 else "gpt", "resume": rng.random() < 0.15,
-            "repack": bool(freeze) and stages >= 2 and rng.random() < 0.4,
+    more = {"model": "llama" if rng.random() < 0.12 and (free or seq < 4) else "gpt",   # 2 KV heads
+            "resume": rng.random() < 0.15, "repack": bool(freeze) and stages >= 2 and rng.random() < 0.4,
             "release": rng.choice([None, "step"]) if shard else None,
             "prefetch": False if shard and rng.random() < 0.3 else None,
             "fuse": False if rng.random() < 0.1 else None,
             "per_batch": True if packed and kind == "auto" and rng.random() < 0.5 else None,
             "freeze_at": rng.choice([0, 1]) if freeze else None, "wd": 0.01 if rng.random() < 0.2 else None}
-    return {
+    case = {
         "id": f"s{seed}w{world}", "seed": seed, "world": world, "stages": stages, "seq": seq,
         "schedule": schedule, "v": v, "layers": layers, "vocab": rng.choice([64, 64, 63]),
         "tied": rng.random() < 0.7, "slices": slices, "granularity": granularity,
         "micro": rng.choice([1, 2, 3, 4]) if free or schedule not in V_SHAPED else rng.choice([2, 4]),
         "deferred": deferred, "ckpt": rng.choices([0, 1, 2], weights=[6, 3, 1])[0],
         "zero": 1 if rng.random() < 0.25 and (free or not shard) else 0,
-        "precision": rng.choices(["fp32", "bf16", "fp16"], weights=[14, 5, 1])[0],
+        "precision": rng.choices(["fp32", "bf16", "fp16"], weights=[12, 5, 3])[0],
         "vocab_parallel": vocab_parallel, "packed": packed, "lengths": lengths,
         "ignored": rng.random() < 0.3, "clip": rng.random() < 0.25, "shard": shard, "freeze": freeze,
         "eval": rng.random() < 0.6, "free": free, **more,
     }
+    return _draw_training(rng, case)
+
+
+def _draw_training(rng: random.Random, case: dict[str, Any]) -> dict[str, Any]:
+    """The training loop's features of a drawn case: steps, optimizer, fp16's dynamic loss scale and a step that
+    overflows, the ``auto`` freeze policy, online re-planning. Valid combinations unless the case is ``free``:
+    the auto policy decides from the second check on (3 steps at least: two checks, then a step frozen), a
+    re-plan switches before the last step, an overflow is a marked micro-batch that ``poisoned_loss`` multiplies
+    (not with vocabulary parallelism, whose sharded loss is ``causal_lm_loss`` itself, nor with ignored labels,
+    whose first 8 positions of a row look like the mark to a slice of 8 tokens)."""
+    free = case["free"]
+    steps = rng.choices([2, 3, 4], weights=[5, 3, 2])[0]
+    optimizer = rng.choices(["sgd", "adam", "adamw"], weights=[6, 2, 2])[0]
+    auto = None
+    if not case["freeze"] and rng.random() < 0.15 and (free or not (case["shard"] or case.get("per_batch"))):
+        auto = {"check_interval": 1, "warmup_steps": rng.choice([0, 0, 1]),
+                "tolerance": rng.choice([1e-6, 0.05, 0.3, 1e6]), "aggressiveness": rng.choice([0.3, 0.5, 1.0])}
+        if rng.random() < 0.3:
+            auto["max_frozen_layers"] = rng.randint(1, case["layers"] + 1)
+        steps = max(steps, auto["warmup_steps"] + 3)
+        case["repack"] = case["stages"] >= 2 and rng.random() < 0.4
+    replan = None
+    if case["slices"] == "auto" and (free or not case.get("per_batch")) and rng.random() < 0.5:
+        replan = {"warmup_steps": rng.choice([0, 1]), "measure_steps": 1, "min_gain": rng.choice([0.0, 0.0, 1.0])}
+        steps = max(steps, replan["warmup_steps"] + 2)
+    scale, overflow = None, None
+    if case["precision"] == "fp16" and rng.random() < 0.7:   # scales at which no clean step of these models overflows
+        scale = {"initial_scale_power": rng.choice([8, 12]), "loss_scale_window": rng.choice([1, 2, 1000]),
+                 "hysteresis": rng.choice([1, 2])}
+        if rng.random() < 0.5 and not case["ignored"] and (free or not case["vocab_parallel"]):
+            overflow = rng.randrange(steps)
+    return {**case, "steps": steps, "optimizer": optimizer, "auto_freeze": auto, "replan": replan,
+            "scale": scale, "overflow": overflow}
 
 
 def plain_case(case_id: str, **features: Any) -> dict[str, Any]:
-    """A case written out by hand: 2 stages of a 2-block GPT, 1f1b, slices [8, 24, 16], 2 micro-batches, fp32,
-    ZeRO 0, every other feature off, with ``features`` on top."""
+    """A case written out by hand: 2 stages of a 2-block GPT, 1f1b, slices [8, 24, 16], 2 micro-batches, 2 SGD
+    steps, fp32, ZeRO 0, every other feature off, with ``features`` on top."""
     base = {"id": case_id, "seed": 0, "stages": 2, "seq": 1, "schedule": "1f1b", "v": None, "layers": 2,
             "vocab": 64, "tied": True, "slices": [8, 24, 16], "granularity": 2, "micro": 2, "deferred": None,
             "ckpt": 0, "zero": 0, "precision": "fp32", "vocab_parallel": False, "packed": False, "lengths": None,
-            "ignored": False, "clip": False, "shard": False, "freeze": None, "eval": False}
+            "ignored": False, "clip": False, "shard": False, "freeze": None, "eval": False, "steps": 2,
+            "optimizer": "sgd"}
     return {**base, **features}
 
 
@@ -123,14 +164,16 @@ def describe(case: dict) -> str:
     """A case in one line: the keys that are not at their plain value."""
     keys = ("stages", "seq", "schedule", "v", "layers", "vocab", "tied", "slices", "granularity", "micro",
             "deferred", "ckpt", "zero", "precision", "vocab_parallel", "packed", "lengths", "ignored", "clip",
-            "shard", "release", "prefetch", "fuse", "per_batch", "freeze", "freeze_at", "repack", "resume", "wd",
-            "eval", "eval_count", "free")
+            "shard", "release", "prefetch", "fuse", "per_batch", "freeze", "freeze_at", "auto_freeze", "repack",
+            "replan", "resume", "steps", "optimizer", "scale", "overflow", "wd", "eval", "eval_count", "free")
     always = {"zero", "tied", "freeze_at" if case.get("freeze") else "zero"}
     case = dict(case, freeze_at=1) if case.get("freeze") and case.get("freeze_at") is None else case
 
     def shown(k: str) -> bool:
         value = case.get(k)
-        return k in always or value not in (None, False, 0) or (k in ("prefetch", "fuse") and value is False)
+        if k in always or (k in ("prefetch", "fuse") and value is False) or (k == "overflow" and value == 0):
+            return True
+        return value not in (None, False, 0, {"steps": 2, "optimizer": "sgd"}.get(k))
 
     model = [f"model={case['model']}"] if case.get("model", "gpt") != "gpt" else []
     return " ".join(model + [f"{k}={json.dumps(case.get(k), separators=(',', ':'))}" for k in keys if shown(k)])
@@ -150,6 +193,9 @@ def verdict(case: dict, per_rank: list[Optional[dict]], log_tail: str = "") -> d
                          for rank, r in enumerate(per_rank) if r is not None and r["status"] == "error")
         return {**out, "outcome": "FAIL", "why": f"{'hang' if hung else 'crash'} of rank(s) {unfinished}",
                 "message": (seen + "\n" if seen else "") + log_tail[-3000:]}
+    tolerance = per_rank[0].get("auto_tolerance")   # as the ranks ran it, clear of the reference's norm changes
+    if tolerance is not None and tolerance != case["auto_freeze"]["tolerance"]:
+        out["case"] = dict(case, auto_freeze={**case["auto_freeze"], "tolerance": tolerance})
     errors = [r for r in per_rank if r["status"] == "error"]
     if errors:
         types = {r["type"] for r in errors}
@@ -165,7 +211,7 @@ def verdict(case: dict, per_rank: list[Optional[dict]], log_tail: str = "") -> d
     half = case["precision"] != "fp32"
     worst: dict[str, float] = {}
     ref_losses = per_rank[0]["ref_losses"]
-    worst["loss"] = max(_rel(a, b) for r in per_rank for a, b in zip(r["losses"], ref_losses))
+    worst["loss"] = max(_rel(a, b) for r in per_rank for a, b in zip(r["losses"], ref_losses) if b is not None)
     for key in ("grad_err", "param_err", "update_err"):
         if key in per_rank[0]:
             worst[key.removesuffix("_err")] = max(r[key] for r in per_rank)
@@ -176,14 +222,17 @@ def verdict(case: dict, per_rank: list[Optional[dict]], log_tail: str = "") -> d
               "update": UPDATE_TOL.get(case["precision"], FP32_TOL), "eval": HALF_EVAL_TOL if half else FP32_TOL,
               "copies": FP32_TOL}
     missing = sorted({n for r in per_rank for n in r.get("missing", []) + r.get("grads_missing", [])})
+    # the steps DeepSpeed skipped and the frozen count each step taken trained with, as the reference's
+    steps = [f"{key} {r[key]} on rank {rank}, the reference's {r[f'ref_{key}']}" for rank, r in enumerate(per_rank)
+             for key in ("skipped", "frozen") if key in r and r[key] != r[f"ref_{key}"]]
     over = {k: v for k, v in worst.items() if not v <= limits[k]}   # not <=: a NaN is over
     out.update(errors=worst, slices=per_rank[0].get("slices"), seconds=max(r["seconds"] for r in per_rank))
-    if over or missing:
+    if over or missing or steps:
         where = {k: max(per_rank, key=lambda r: r.get(f"{k}_err", 0.0)).get(f"{k}_worst") for k in over
                  if k in ("grad", "param", "update")}
         return {**out, "outcome": "FAIL", "why": f"off {over} at {where}" + (f"; never compared: {missing}"
-                                                                               if missing else ""),
-                "losses": per_rank[0]["losses"], "ref_losses": ref_losses}
+                                                                               if missing else "")
+                + "".join(f"; {line}" for line in steps[:2]), "losses": per_rank[0]["losses"], "ref_losses": ref_losses}
     return {**out, "outcome": "pass"}
 
 

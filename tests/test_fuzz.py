@@ -1,9 +1,10 @@
 """Tier b: a fixed selection of the randomized cross-feature cases (tests/fuzz.py, suite ``fuzz``): combinations
 that need an engine rule of their own (each rule named beside its case), and a few broad ones that switch many
 features on at once. One launch per world size; every case must match the unsliced reference (loss, every
-first-step gradient in fp32 at ZeRO 0, the parameters or the fp32 master weights' change after 2 steps, an
-evaluation where asked, tied and replicated copies equal). ``python -m tests.fuzz --seeds 0-40 --world 2`` runs
-random ones.
+first-step gradient in fp32 at ZeRO 0, the parameters or the fp32 master weights' change after the case's steps,
+an evaluation where asked, tied and replicated copies equal, the same steps skipped and layers frozen); a few
+cases must be refused on every rank with the rule in the message. ``python -m tests.fuzz --seeds 0-40 --world 2``
+runs random ones.
 """
 
 from __future__ import annotations
@@ -37,6 +38,19 @@ WORLD2 = [
     # broad: each chunk sharded over 2 replicas, looped-bfs, weight decay, clipping, kept whole for the step
     plain_case("sharded looped-bfs", stages=1, schedule="looped-bfs", layers=3, slices=4, shard=True,
                release="step", clip=True, wd=0.01, eval=True),
+    # a sharded Llama resumed from a checkpoint: a layer loads its parameters and persistent buffers, not the
+    # rotary embedding's inv_freq, which no state dict holds (else RuntimeError: missing keys in load_checkpoint)
+    plain_case("sharded llama resume", model="llama", stages=1, schedule="gpipe", slices=6, shard=True, resume=True),
+    # the auto freeze policy with vocabulary parallelism: the output layer's rows train beside the last chunk's
+    # backward, so the layer with parameters in front of it never freezes (counting the head's rows as that
+    # layer freezes the final norm, the last chunk drops its backward and the head stops training); AdamW
+    plain_case("vocab auto freeze", vocab_parallel=True, optimizer="adamw", steps=3,
+               auto_freeze={"check_interval": 1, "warmup_steps": 0, "tolerance": 1e6, "aggressiveness": 1.0}),
+    # fp16 under a dynamic loss scale, Adam, 4 steps: the second overflows, skipped on every rank and not counted
+    # by the freeze schedule (its layers freeze, and repack, before the fourth batch: the third step taken)
+    plain_case("fp16 overflow freeze", precision="fp16", optimizer="adam", steps=4, overflow=1,
+               scale={"initial_scale_power": 8, "loss_scale_window": 1, "hysteresis": 1}, freeze=3, freeze_at=2,
+               repack=True),
 ]
 
 WORLD4 = [
@@ -51,6 +65,15 @@ WORLD4 = [
 ]
 
 
+#: cases the engine must refuse on every rank at init, each with the words its message must hold
+REFUSED2 = [
+    # vocabulary parallelism with every layer that has parameters in front of the output layer frozen: the output
+    # layer's rows train beside the last chunk's backward, which that freeze would remove
+    (plain_case("vocab freeze up to the head", vocab_parallel=True, freeze=4),
+     "with vocab_parallel the output layer's rows train through the vocabulary passes"),
+]
+
+
 def _check(verdicts: list[dict], cases: list[dict]) -> None:
     assert [v["id"] for v in verdicts] == [c["id"] for c in cases], [v["id"] for v in verdicts]
     bad = [f"{v['id']}: {v['outcome']} {v.get('why', '')} {v.get('message', '')[:400]} -- {describe(v['case'])}"
@@ -59,7 +82,10 @@ def _check(verdicts: list[dict], cases: list[dict]) -> None:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world, cases", [(2, WORLD2), (4, WORLD4)], ids=["world2", "world4"])
-def test_fuzz_selection(world: int, cases: list[dict], tmp_path) -> None:
-    verdicts = run_cases(cases, world, tmp_path, per_launch=len(cases), case_timeout_s=120, echo=False)
-    _check(verdicts, cases)
+@pytest.mark.parametrize("world, cases, refused", [(2, WORLD2, REFUSED2), (4, WORLD4, [])], ids=["world2", "world4"])
+def test_fuzz_selection(world: int, cases: list[dict], refused: list[tuple[dict, str]], tmp_path) -> None:
+    verdicts = run_cases(cases + [case for case, _ in refused], world, tmp_path, per_launch=len(cases) + len(refused),
+                         case_timeout_s=120, echo=False)
+    _check(verdicts[:len(cases)], cases)
+    for v, (case, words) in zip(verdicts[len(cases):], refused):
+        assert v["id"] == case["id"] and v["outcome"] == "refused" and words in v.get("message", ""), v

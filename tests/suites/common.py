@@ -13,7 +13,7 @@ import os
 import time
 import traceback
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -82,21 +82,28 @@ def replica_batches(batches: list[tuple], dp_id: int, micro: int, dp: int, num_s
 
 @contextmanager
 def first_step_grads(engine: Any) -> Iterator[dict[str, torch.Tensor]]:
-    """Inside the block, snapshot parameter gradients right before the first optimizer step."""
+    """Inside the block, snapshot parameter gradients right before the first optimizer step. The hook sits on the
+    engine's class, for this engine only: a repack before the first step (runtime/features/repack.py) gives the
+    engine object the repacked engine's ``__dict__``, which would drop a hook set on the instance."""
     grads: dict[str, torch.Tensor] = {}
-    original = engine._take_model_step
+    cls = type(engine)
+    own = cls.__dict__.get("_take_model_step")
+    original = cls._take_model_step
 
-    def snapshot_then_step(*args, **kwargs):
-        if not grads:
-            grads.update({n: p.grad.detach().clone() for n, p in engine.module.named_parameters()
+    def snapshot_then_step(self, *args, **kwargs):
+        if self is engine and not grads:
+            grads.update({n: p.grad.detach().clone() for n, p in self.module.named_parameters()
                           if p.grad is not None})
-        return original(*args, **kwargs)
+        return original(self, *args, **kwargs)
 
-    engine._take_model_step = snapshot_then_step
+    cls._take_model_step = snapshot_then_step
     try:
         yield grads
     finally:
-        engine._take_model_step = original
+        if own is None:
+            del cls._take_model_step
+        else:
+            cls._take_model_step = own
 
 
 def train_steps(engine: Any, data: Iterator, num_steps: int) -> tuple[list[float], list[Optional[float]]]:
@@ -292,7 +299,10 @@ def build_spec_layers(specs: list) -> tuple[list[Callable], dict[str, torch.nn.P
 
 def frozen_reference(specs: list, batches: list[tuple], num_steps: int, frozen_at: Callable[[int], int],
                      lr: float = 0.1, momentum: float = 0.9, max_norm: float = 0.0,
-                     weight_decay: float = 0.0, evals: Optional[list[tuple]] = None) -> dict[str, Any]:
+                     weight_decay: float = 0.0, evals: Optional[list[tuple]] = None, *,
+                     optimizer: Optional[Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]] = None,
+                     skipped: Sequence[int] = (), on_grads: Optional[Callable[[int, dict], None]] = None
+                     ) -> dict[str, Any]:
     """Single-process, unsliced training of the layer specs with the first ``frozen_at(step)`` layers frozen at
     each step: run under no_grad, their parameters out of training (a tied weight also used by a later layer
     keeps training through that use). With ``max_norm`` > 0 the gradients are clipped by torch's
@@ -300,15 +310,28 @@ def frozen_reference(specs: list, batches: list[tuple], num_steps: int, frozen_a
     ones, as the pipeline's snapshot before its step); ``weight_decay``: SGD's, on the trained parameters. Losses,
     every step's gradients and the final parameters, under the pipeline module's parameter names. A micro-batch's
     inputs may be ``(input_ids, position_ids)`` (packed documents: run under ``packed_documents``); ``evals``:
-    micro-batches evaluated after the last step, their mean loss as ``"eval"``."""
+    micro-batches evaluated after the last step, their mean loss as ``"eval"``.
+
+    ``optimizer``: builds the optimizer from the parameters instead of SGD (``lr``, ``momentum`` and
+    ``weight_decay`` then unused). ``skipped``: the steps (batch indices) DeepSpeed skips (an fp16 overflow): no
+    optimizer step, loss None, no gradients; ``frozen_at`` is called with the optimizer steps taken before the
+    batch, as the engine counts them. ``on_grads(steps_taken, grads)``: every step taken's unclipped gradients
+    (under the pipeline module's names), before its optimizer step."""
     steps, named, modules = build_spec_layers(specs)
     layer_params = list(zip(specs, modules))
-    opt = torch.optim.SGD(list({id(p): p for p in named.values()}.values()), lr=lr, momentum=momentum,
-                          weight_decay=weight_decay)
+    params = list({id(p): p for p in named.values()}.values())
+    opt = optimizer(params) if optimizer is not None else torch.optim.SGD(params, lr=lr, momentum=momentum,
+                                                                            weight_decay=weight_decay)
     per_step = len(batches) // num_steps
-    losses, grads = [], []
+    losses: list[Optional[float]] = []
+    grads: list[dict[str, torch.Tensor]] = []
     for step in range(num_steps):
-        k = frozen_at(step)
+        if step in skipped:
+            losses.append(None)
+            grads.append({})
+            continue
+        taken = step - sum(1 for s in skipped if s < step)
+        k = frozen_at(taken)
         for idx in range(k):
             spec, module = layer_params[idx]
             keep: set[int] = set()
@@ -328,6 +351,8 @@ def frozen_reference(specs: list, batches: list[tuple], num_steps: int, frozen_a
             total += float(loss)
         losses.append(total)
         grads.append({n: p.grad.detach().clone() for n, p in named.items() if p.grad is not None})
+        if on_grads is not None:
+            on_grads(taken, grads[-1])
         if max_norm > 0:
             torch.nn.utils.clip_grad_norm_([p for p in {id(p): p for p in named.values()}.values()
                                             if p.grad is not None], max_norm)

@@ -114,7 +114,11 @@ class Freezer:
         assert cfg is not None
         self.cfg = cfg
         module = engine.module
-        self.num_layers = len(module._layer_specs)
+        # vocabulary parallelism takes the output layer out of the layers DeepSpeed builds (it is still the model's
+        # last layer); its rows train through the vocabulary passes, which run beside the last chunk's backward, so
+        # the last built layer with parameters is the one that never freezes
+        self.vocab_parallel = getattr(module, "vocab_head_spec", None) is not None
+        self.num_layers = len(module._layer_specs) + self.vocab_parallel
         self.parts = tuple(int(p) for p in module.parts)
         self.num_frozen_layers = 0
         self.num_frozen_chunks = 0
@@ -169,6 +173,13 @@ class Freezer:
             raise mark_collective(ValueError(
                 f"terapipe.freeze asks to freeze {requested} layers but the model has {self.num_layers} (DeepSpeed "
                 f"layer list: embedding, blocks, head, ...); use at most {self.num_layers - 1}"))
+        if requested and not any(layer >= requested for layer in self.param_layers) and self.vocab_parallel:
+            raise mark_collective(ValueError(
+                f"terapipe.freeze asks to freeze {requested} layers of {self.num_layers}: with vocab_parallel the "
+                "output layer's rows train through the vocabulary passes beside the last chunk's backward, so a "
+                f"layer with parameters in front of the output layer must train (the last is layer "
+                f"{self.param_layers[-1] if self.param_layers else None}); freeze at most "
+                f"{self.param_layers[-1] if self.param_layers else 0} layers, or set vocab_parallel to false"))
         if requested and not any(layer >= requested for layer in self.param_layers):
             raise mark_collective(ValueError(
                 f"terapipe.freeze asks to freeze {requested} layers of {self.num_layers}: that freezes every layer "

@@ -442,9 +442,13 @@ def _shard_like(value: Any, param: torch.Tensor) -> Any:
 
 
 def _load_whole(layer: torch.nn.Module, state: dict, strict: bool) -> Any:
-    """Copy whole tensors of ``state`` into ``layer``'s parameters and buffers: each sharded one takes its shard."""
+    """Copy whole tensors of ``state`` into ``layer``'s parameters and persistent buffers: each sharded one takes
+    its shard. A non-persistent buffer (a rotary embedding's ``inv_freq``) is in no state dict, as in torch's
+    ``load_state_dict``: the layer rebuilds it."""
     own = dict(layer.named_parameters())
-    own.update(dict(layer.named_buffers()))
+    own.update({f"{prefix}.{name}" if prefix else name: buf for prefix, module in layer.named_modules()
+                for name, buf in module.named_buffers(recurse=False)
+                if name not in module._non_persistent_buffers_set})
     missing = sorted(set(own) - set(state))
     unexpected = sorted(set(state) - set(own))
     if strict and (missing or unexpected):
