@@ -41,11 +41,12 @@ class ProfileConfig(DeepSpeedConfigModel):
     model_config = ConfigDict(extra="forbid")
 
     slice_lengths: Optional[List[int]] = Field(None, description=(
-        "slice lengths timed at context 0; the plan has no slice shorter than the shortest of them"),
-        json_schema_extra={"doc_default": "powers of 2"})
-    """Slice lengths (tokens) to time at context 0; default: powers of two from ``granularity`` to ``seq_len``
-    (at most 6 of them), which brackets every slice the planner may pick. Given, the planner picks no slice
-    shorter than the shortest (the fit knows nothing below it)."""
+        "slice lengths timed at context 0, each a multiple of `granularity` and at most `seq_len`; the plan has no "
+        "slice shorter than the shortest of them"),
+        json_schema_extra={"doc_default": "`granularity` x powers of 2, and `seq_len` (at most 6)"})
+    """Slice lengths (tokens) to time at context 0; default: ``granularity`` times powers of two below ``seq_len``,
+    and ``seq_len`` (at most 6 of them), which brackets every slice the planner may pick. Given, the planner picks no
+    slice shorter than the shortest (the fit knows nothing below it)."""
 
     num_contexts: int = Field(3, ge=1, description=(
         "prefix lengths timed per slice length (for the context term of the cost model)"))
@@ -477,9 +478,18 @@ class TeraPipeConfig(DeepSpeedConfigModel):
                              f"is not supported with {', '.join(clash)} (their gradients bypass the per-chunk "
                              "reduce-scatter); turn those off, or shard_params off")
 
+    def _check_profile_lengths(self) -> None:
+        lengths = self.profile.slice_lengths
+        off_grid = [n for n in lengths or () if n < 1 or n % self.granularity]
+        if off_grid:
+            raise ValueError(f"terapipe.profile.slice_lengths={lengths}: every length must be a positive multiple of "
+                             f"terapipe.granularity={self.granularity} (the grid the planner cuts slices on), got "
+                             f"{off_grid}; use multiples of {self.granularity} or drop the key for the default")
+
     @model_validator(mode="after")
     def _check_consistency(self) -> "TeraPipeConfig":
         spec = get_schedule(self.schedule)
+        self._check_profile_lengths()
         if self.replan.enabled and self.slices != "auto":
             raise ValueError(f"terapipe.replan.enabled needs slices \"auto\" (re-planning refits the costs an "
                              f"\"auto\" plan was made from), got slices={self.slices!r}; set slices to \"auto\" or "

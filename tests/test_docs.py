@@ -3,10 +3,11 @@
 README, docs/ and the code describe the project as it is: no issue numbers (the tracker's history belongs in git),
 and no pointer to a file outside the repository (a reader of a clone has only what it holds). Their relative links
 lead to files (and headings) that exist. What a reader copies from the documents is checked against the code: the
-README's key table against the config model, every `"terapipe"` section shown, the `ds_terapipe.*` names and the
-repository's files named, the options given to a script or `ds-terapipe`, what `ds-terapipe` prints in a console
-block, docs/sharding.md's gathers per step against the lowering, README's GPU table and the docs' CPU speedup
-tables against the committed reports, and the error messages docs/errors.md quotes against the package's source.
+README's key table against the config model, every `"terapipe"` section shown, the `ds_terapipe.*` names (also
+those a `from ds_terapipe... import` line imports) and the repository's files named, the options given to a script or
+`ds-terapipe`, what `ds-terapipe` prints in a console block, docs/sharding.md's gathers per step against the
+lowering, README's GPU table, the docs' CPU speedup tables and every table headed as a committed report's table
+against the reports, and the error messages docs/errors.md quotes against the package's source.
 """
 
 from __future__ import annotations
@@ -170,9 +171,13 @@ def test_terapipe_sections_shown_in_the_documents_are_valid() -> None:
 
 
 def _unresolved_names(text: str) -> list[str]:
-    """``ds_terapipe.a.b.c`` names in ``text`` that neither import nor are attributes of what imports."""
+    """``ds_terapipe.a.b.c`` names in ``text``, and the names a ``from ds_terapipe.a import b, c`` line imports, that
+    neither import nor are attributes of what imports."""
+    names = set(re.findall(r"\bds_terapipe(?:\.[A-Za-z_]\w*)+", text))
+    for module, imported in re.findall(r"^\s*from (ds_terapipe(?:\.\w+)*) import ([\w, ]+)", text, re.MULTILINE):
+        names |= {f"{module}.{name.split(' as ')[0].strip()}" for name in imported.split(",") if name.strip()}
     missing = []
-    for name in sorted(set(re.findall(r"\bds_terapipe(?:\.[A-Za-z_]\w*)+", text))):
+    for name in sorted(names):
         parts = name.split(".")
         for cut in range(len(parts), 0, -1):
             try:
@@ -212,8 +217,11 @@ def test_names_and_files_the_documents_give_exist() -> None:
 
 def test_the_name_check_catches_what_it_is_for() -> None:
     text = "ds_terapipe.initialize, ds_terapipe.planner.sharding.shard_counts, ds_terapipe.initialise, " \
-           "ds_terapipe.planner.shardng.x"
-    assert _unresolved_names(text) == ["ds_terapipe.initialise", "ds_terapipe.planner.shardng.x"]
+           "ds_terapipe.planner.shardng.x\n" \
+           "from ds_terapipe.models.gpt import GPTConfig, gpt_layer_spec  # a comment\n" \
+           "from ds_terapipe import initialize as init, Freezr"
+    assert _unresolved_names(text) == ["ds_terapipe.Freezr", "ds_terapipe.initialise",
+                                       "ds_terapipe.models.gpt.gpt_layer_spec", "ds_terapipe.planner.shardng.x"]
     files = "`runtime/features/freeze.py` `runtime/features/frozen.py` `tests/test_docs.py` `planner/lowering.py` " \
             "`ds_configs/cpu_2stage.json` `ds_configs/cpu_2stages.json` `pipeline_parallel/schedules.py`"
     assert _missing_files(files) == ["runtime/features/frozen.py", "ds_configs/cpu_2stages.json"]
@@ -279,9 +287,17 @@ def _console_drift(path: Path) -> list[str]:
     return drift
 
 
-@pytest.mark.parametrize("page", ["planning.md", "gpus.md"])
-def test_command_lines_shown_in_the_documents_print_what_they_show(page: str) -> None:
-    drift = _console_drift(ROOT / "docs" / page)
+# the pages with a ```console block: every one is checked, these two at least
+CONSOLE_PAGES = [path for path in _documents() if "```console\n" in path.read_text(encoding="utf-8")]
+
+
+def test_the_console_pages_are_found() -> None:
+    assert {"planning.md", "gpus.md"} <= {path.name for path in CONSOLE_PAGES}
+
+
+@pytest.mark.parametrize("page", CONSOLE_PAGES, ids=lambda path: str(path.relative_to(ROOT)))
+def test_command_lines_shown_in_the_documents_print_what_they_show(page: Path) -> None:
+    drift = _console_drift(page)
     assert not drift, "\n".join(drift) + "\n(run the command and paste what it prints)"
 
 
@@ -394,6 +410,75 @@ def test_the_speedup_check_catches_what_it_is_for() -> None:
     assert len(_speedup_drift(report, report.replace("| 2269 |", "| 2296 |"), "\n" + summary)) == 1
     assert len(_speedup_drift(report, report, "\n" + summary.replace("| 84% |", "| 85% |"))) == 1
     assert len(_speedup_drift(report, report, "\n" + summary.replace("auto, gpipe", "auto, gpipf"))) == 1
+
+
+def _report_tables() -> dict[str, list[str]]:
+    """The markdown table of each committed report that prints one (its ``table``), by the report's file name."""
+    tables = {}
+    for path in sorted((ROOT / "benchmarks" / "results").glob("*.json")):
+        table = json.loads(path.read_text(encoding="utf-8")).get("table")
+        if table:
+            tables[path.name] = table if isinstance(table, list) else table.splitlines()
+    return tables
+
+
+def _numbers(row: str) -> tuple[str, ...]:
+    """A table row's cells that hold numbers, bold dropped; a cell with a word in it (a variant's name, which a page
+    may spell its own way) is left out."""
+    cells = [cell.strip().replace("*", "") for cell in row.strip().strip("|").split("|")]
+    return tuple(cell for cell in cells if re.search(r"\d", cell) and not re.search(r"[A-Za-z]{2}", cell))
+
+
+def _report_table_drift(text: str, reports: dict[str, list[str]]) -> tuple[int, list[str]]:
+    """How many tables of ``text`` are headed as a report's table, and which of them show a row whose numbers are not,
+    in the page's order, those of a row of one such report."""
+    lines, found, drift = text.splitlines(), 0, []
+    for n, line in enumerate(lines):
+        names = [name for name, table in reports.items() if table[0] == line]
+        if not names:
+            continue
+        found += 1
+        rows = []
+        for row in lines[n + 2:]:
+            if not row.startswith("|"):
+                break
+            rows.append(row)
+        stray = []
+        for name in names:
+            left = iter(_numbers(row) for row in reports[name][2:])   # each row matched once, in the page's order
+            stray.append([row for row in rows if not any(_numbers(row) == numbers for numbers in left)])
+        if all(stray):
+            drift.append(f"line {n + 1}: a table of {' or '.join(names)} shows {min(stray, key=len)[0]!r}, "
+                         "not a row of the report")
+    return found, drift
+
+
+def test_tables_headed_as_a_committed_report_show_its_rows() -> None:
+    """A table a page copies from a benchmark's report (same header) shows that report's numbers, row by row."""
+    reports, found, drift = _report_tables(), 0, []
+    for path in _documents():
+        count, stale = _report_table_drift(path.read_text(encoding="utf-8"), reports)
+        found += count
+        drift += [f"{path.relative_to(ROOT)}: {d}" for d in stale]
+    assert found >= 7, found   # the pages' report tables were found
+    assert not drift, "tables that differ from the committed report they copy (copy its rows again):\n" + \
+        "\n".join(drift)
+
+
+def test_the_report_table_check_catches_what_it_is_for() -> None:
+    header = "| m | variant | step s | vs stock | MiB stage 0 / 1 |"
+    reports = {"a.json": [header, "|---|", "| 1 | deepspeed uniform | 1.06 | 1.00x | 74+74 / 68+68 |",
+                          "| 1 | token: vocab parallel | 0.71 | 1.49x | 39+39 / 38+38 |",
+                          "| 4 | token: vocab parallel | 2.65 | 1.30x | 39+39 / 38+38 |"]}
+    page = (f"prose\n{header}\n|---|\n| 1 | DeepSpeed 1F1B uniform | 1.06 | 1.00x | 74+74 / 68+68 |\n"
+            "| 4 | token, vocab parallel | **2.65** | **1.30x** | 39+39 / 38+38 |\n\n| 9 | not | a | table | row |\n")
+    assert _report_table_drift(page, reports) == (1, [])
+    assert _report_table_drift(page.replace("**2.65**", "2.56"), reports)[1] == [
+        "line 2: a table of a.json shows '| 4 | token, vocab parallel | 2.56 | **1.30x** | 39+39 / 38+38 |', "
+        "not a row of the report"]
+    assert len(_report_table_drift(page.replace("| 1 | DeepSpeed", "| 9 | DeepSpeed"), reports)[1]) == 1   # m
+    rows = page.split("\n")
+    assert len(_report_table_drift("\n".join([*rows[:3], rows[4], rows[3], *rows[5:]]), reports)[1]) == 1   # order
 
 
 def _log_patterns() -> list[re.Pattern]:
