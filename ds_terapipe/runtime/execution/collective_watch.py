@@ -43,7 +43,7 @@ def close_connections() -> None:
         return
     from torch.distributed import distributed_c10d as c10d
 
-    groups = list(getattr(getattr(c10d, "_world", None), "pg_names", {}) or [])
+    groups = _process_groups()
     backends = set()
     for group in groups:
         try:
@@ -51,9 +51,18 @@ def close_connections() -> None:
         except Exception:  # noqa: BLE001 - a group already destroyed
             continue
     if any("nccl" in backend for backend in backends) and hasattr(c10d, "_abort_process_group"):
-        c10d._abort_process_group()
+        c10d._abort_process_group()   # every group, the default one included
     if any("gloo" in backend for backend in backends):
-        _break_connections([g for g in groups if g is not dist.GroupMember.WORLD])
+        _break_connections(groups[1:])   # the default group's, and these
+
+
+def _process_groups() -> list[Any]:
+    """Every process group of this process, the default one first (torch's registry of them)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    default = dist.GroupMember.WORLD
+    registered = getattr(getattr(c10d, "_world", None), "pg_names", None) or {}
+    return [default] + [group for group in registered if group is not default]
 
 
 class CollectiveWatch:
@@ -90,8 +99,10 @@ class CollectiveWatch:
     @contextmanager
     def around(self) -> Iterator[None]:
         """Leave the stretch when the block ends. An error raised inside the stretch while another rank's failure
-        is on the flag (this rank's collective failed because a watch, this rank's or a peer's, closed the
-        connections) is raised as that rank's ``PeerFailedError``, naming the origin."""
+        is on the flag is raised as that rank's ``PeerFailedError``, naming the origin, when the failure explains
+        it: this rank's watch closed the connections, or the error is a ``RuntimeError`` (a collective failed
+        because a peer's watch closed them first). The error the origin raised, raised here too, stays this rank's
+        own: a verdict every rank reached (DeepSpeed's fp16 scaler at its minimum) is no peer's fault."""
         try:
             yield
         except Exception as err:
@@ -99,7 +110,9 @@ class CollectiveWatch:
             self.leave()
             if inside and not isinstance(err, PeerFailedError) and self.abort is not None:
                 failure = self.tripped or self.abort.get()
-                if failure is not None and failure.get("rank") != self.rank:
+                if failure is not None and failure.get("rank") != self.rank and \
+                        failure.get("error") != f"{type(err).__name__}: {err}"[:2000] and \
+                        (self.tripped is not None or isinstance(err, RuntimeError)):
                     raise peer_failed(failure, f"inside {self.what}") from err
             raise
         finally:
