@@ -1,4 +1,4 @@
-"""Tier b, five 3-rank launches: no silent wrong gradients, and one rank's error stops every rank in seconds.
+"""Tier b, six 3-rank launches: no silent wrong gradients, and one rank's error stops every rank in seconds.
 
 * The init-time slice check refuses attention that a zero-initialised output projection hides from the
   outputs (bidirectional, or causal over the slice alone), naming the layer.
@@ -8,8 +8,10 @@
 * A fault ends a launch (it leaves transfers half done): a loss function raising on the last stage (launch 1),
   data that runs out in the middle of a step (launch 2: every rank stops before the step, together), a layer
   raising in the init-time slice check on the middle stage (launch 3), a rank failing in save_checkpoint
-  (launch 4) and a layer raising while slices "auto" are profiled (launch 5). Every rank raises naming the
-  origin rank and its error, and stops
+  (launch 4), a layer raising while slices "auto" are profiled (launch 5) and the middle stage raising in its
+  optimizer step while its peers are inside DeepSpeed's all-reduce of the gradient norm (launch 6: they stop
+  through the collective watch, before the failing rank exits). Every rank raises naming the origin rank and its
+  error, and stops
   through the abort flag (about a second after the origin raised, timed on the host's one monotonic clock; the
   bound is a quarter of ``p2p_timeout_s`` = 120 s, the wait it replaces, and leaves DeepSpeed's init and the
   profiling out of the window). A killed process, which raises nothing, is caught by the p2p deadline:

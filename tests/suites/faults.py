@@ -3,9 +3,8 @@ tests/test_engine_faults.py: the init-time slice check refusing attention that m
 (hidden from the outputs by a zero-initialised projection; also checked on the first batch where no input can be
 sampled), a planner failure raised on every rank, a constant KV-cache key and one block shared at three depths
 trained exactly; then ONE fault, ``extra["fault"]`` ("loss", "length", "init", "profile", "checkpoint" or
-"optimizer"): a fault
-leaves transfers half done, so it ends the launch, and every rank must stop within seconds, naming it.
-``extra["cases"]=False`` runs the fault alone.
+"optimizer"): a fault leaves transfers half done, so it ends the launch, and every rank must stop within seconds,
+naming it. ``extra["cases"]=False`` runs the fault alone.
 """
 
 from __future__ import annotations

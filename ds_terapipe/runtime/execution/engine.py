@@ -94,6 +94,7 @@ from .batch_loading import BatchLoading, put_back
 from .bf16_grads import FlatBf16Grads, count_norm_once_per_sequence_group
 from .clip import clipping_problem
 from .collective import agree_or_raise, mark_collective
+from .collective_watch import CollectiveWatch
 from .ds_config_checks import unhonoured_config_problem
 from .ds_internals import check_deepspeed_internals
 from .engine_checkpoint import Checkpointing, _set_scheduled_lr, _unusable_directory
@@ -101,7 +102,6 @@ from .grad_reduction import GradReduction
 from .grad_sink import GradSink
 from .module import chunk_layout, loss_fn_problem, loss_fn_replaced
 from .optimizer_init import undo_construction_step
-from .collective_watch import CollectiveWatch
 from .p2p import AbortFlag, PeerFailedError, SliceP2P, as_tuple
 from .plan_selection import PlanSelection
 from .schedule import DISPATCH, TokenPipeSchedule
