@@ -134,7 +134,8 @@ def _draw_training(rng: random.Random, case: dict[str, Any]) -> dict[str, Any]:
         if rng.random() < 0.3:
             auto["max_frozen_layers"] = rng.randint(1, case["layers"] + 1)
         steps = max(steps, auto["warmup_steps"] + 3)
-        case["repack"] = case["stages"] >= 2 and rng.random() < 0.4
+        # a repack splits each step's micro-batches over the replicas it adds (one per stage)
+        case["repack"] = case["stages"] >= 2 and (free or case["micro"] % case["stages"] == 0) and rng.random() < 0.4
     replan = None
     if case["slices"] == "auto" and (free or not case.get("per_batch")) and rng.random() < 0.5:
         replan = {"warmup_steps": rng.choice([0, 1]), "measure_steps": 1, "min_gain": rng.choice([0.0, 0.0, 1.0])}
