@@ -134,8 +134,7 @@ def _draw_training(rng: random.Random, case: dict[str, Any]) -> dict[str, Any]:
         if rng.random() < 0.3:
             auto["max_frozen_layers"] = rng.randint(1, case["layers"] + 1)
         steps = max(steps, auto["warmup_steps"] + 3)
-        # a repack splits each step's micro-batches over the replicas it adds (one per stage)
-        case["repack"] = case["stages"] >= 2 and (free or case["micro"] % case["stages"] == 0) and rng.random() < 0.4
+        case["repack"] = case["stages"] >= 2 and rng.random() < 0.4
     replan = None
     if case["slices"] == "auto" and (free or not case.get("per_batch")) and rng.random() < 0.5:
         replan = {"warmup_steps": rng.choice([0, 1]), "measure_steps": 1, "min_gain": rng.choice([0.0, 0.0, 1.0])}
@@ -146,6 +145,8 @@ def _draw_training(rng: random.Random, case: dict[str, Any]) -> dict[str, Any]:
                  "hysteresis": rng.choice([1, 2])}
         if rng.random() < 0.5 and not case["ignored"] and (free or not case["vocab_parallel"]):
             overflow = rng.randrange(steps)
+    if not free and case["micro"] % case["stages"]:   # a repack splits each step's micro-batches over its replicas
+        case["repack"] = False
     return {**case, "steps": steps, "optimizer": optimizer, "auto_freeze": auto, "replan": replan,
             "scale": scale, "overflow": overflow}
 
