@@ -1,4 +1,4 @@
-"""Tier b, six 3-rank launches: no silent wrong gradients, and one rank's error stops every rank in seconds.
+"""Tier b, seven 3-rank launches: no silent wrong gradients, and one rank's error stops every rank in seconds.
 
 * The init-time slice check refuses attention that a zero-initialised output projection hides from the
   outputs (bidirectional, or causal over the slice alone), naming the layer.
@@ -9,7 +9,8 @@
   data that runs out in the middle of a step (launch 2: every rank stops before the step, together), a layer
   raising in the init-time slice check on the middle stage (launch 3), a rank failing in save_checkpoint
   (launch 4), a layer raising while slices "auto" are profiled (launch 5) and the middle stage raising in its
-  optimizer step while its peers are inside DeepSpeed's all-reduce of the gradient norm (launch 6: they stop
+  optimizer step while its peers are inside DeepSpeed's all-reduce of the gradient norm (launch 6), rank 0
+  failing inside DeepSpeed's save while its peers wait in that save's barrier (launch 7; in 6 and 7 the peers stop
   through the collective watch, before the failing rank exits). Every rank raises naming the origin rank and its
   error, and stops
   through the abort flag (about a second after the origin raised, timed on the host's one monotonic clock; the
@@ -182,15 +183,34 @@ def launch_optimizer(tmp_path_factory) -> list[dict[str, dict]]:
     return _fault_only(tmp_path_factory, "optimizer")
 
 
+@pytest.fixture(scope="module")
+def launch_deepspeed_save(tmp_path_factory) -> list[dict[str, dict]]:
+    return _fault_only(tmp_path_factory, "deepspeed save")
+
+
+def _stopped_by_the_watch(results: list[dict[str, dict]], case: str, origin: int, inside: str) -> None:
+    """Every peer of the origin stopped inside DeepSpeed's collectives, before the origin's process left (its
+    exit would have closed the connections anyway)."""
+    for rank, result in enumerate(results):
+        if rank != origin:
+            assert f"inside DeepSpeed's {inside}" in result[case]["message"], result[case]
+            assert result[case]["raised_at"] < results[origin][case]["left_at"], result[case]
+
+
 @pytest.mark.timeout(500)
 def test_a_rank_failing_in_its_optimizer_step_stops_every_rank_within_seconds(launch_optimizer) -> None:
-    # its peers wait inside DeepSpeed's loss broadcast, which cannot watch the flag: the collective watch does
+    # its peers wait inside the all-reduce of the gradient norm, which cannot watch the flag: the collective watch does
     _stopped_by(launch_optimizer, "optimizer", 1, "train_batch",
                 "RuntimeError: simulated out of memory in the optimizer step")
-    for rank in (0, 2):
-        case = launch_optimizer[rank]["optimizer"]
-        assert "inside DeepSpeed's gradient reduction" in case["message"], case
-        assert case["raised_at"] < launch_optimizer[1]["optimizer"]["left_at"], case   # before the origin exited
+    _stopped_by_the_watch(launch_optimizer, "optimizer", 1, "gradient reduction")
+
+
+@pytest.mark.timeout(500)
+def test_a_rank_failing_inside_deepspeed_s_save_stops_every_rank_within_seconds(launch_deepspeed_save) -> None:
+    # its peers wait in the barrier of DeepSpeed's save
+    _stopped_by(launch_deepspeed_save, "deepspeed save", 0, "save_checkpoint",
+                "OSError: simulated disk failure in DeepSpeed's save")
+    _stopped_by_the_watch(launch_deepspeed_save, "deepspeed save", 0, "checkpoint save")
 
 
 @pytest.mark.timeout(500)

@@ -2,9 +2,9 @@
 tests/test_engine_faults.py: the init-time slice check refusing attention that mixes tokens wrongly when sliced
 (hidden from the outputs by a zero-initialised projection; also checked on the first batch where no input can be
 sampled), a planner failure raised on every rank, a constant KV-cache key and one block shared at three depths
-trained exactly; then ONE fault, ``extra["fault"]`` ("loss", "length", "init", "profile", "checkpoint" or
-"optimizer"): a fault leaves transfers half done, so it ends the launch, and every rank must stop within seconds,
-naming it. ``extra["cases"]=False`` runs the fault alone.
+trained exactly; then ONE fault, ``extra["fault"]`` ("loss", "length", "init", "profile", "checkpoint",
+"deepspeed save" or "optimizer"): a fault leaves transfers half done, so it ends the launch, and every rank must stop
+within seconds, naming it. ``extra["cases"]=False`` runs the fault alone.
 """
 
 from __future__ import annotations
@@ -198,34 +198,49 @@ def suite_faults(extra: dict) -> list[dict]:
     elif fault == "checkpoint":
         # one rank fails while saving (here: its plan summary raises); the others stop within seconds
         STATUS["case"] = "checkpoint"
-        engine = pipeline_engine(cfg, gpt_layer_specs(cfg), {"seq_len": seq_len, "slices": 3, "granularity": 4,
-                                                             "p2p_timeout_s": FAULT_P2P_TIMEOUT_S})
-        engine.train_batch(iter(batches))
-        if RANK == 1:
-            def broken_summary() -> dict:
-                raise OSError("simulated disk failure")
-
-            engine.plan_summary = broken_summary
-        results.append(until_error(lambda: engine.save_checkpoint(str(Path(extra["out"]) / "ckpt"))))
+        results.append(_one_rank_breaks(cfg, batches, seq_len, 1, lambda e: e, "plan_summary",
+                                        OSError("simulated disk failure"),
+                                        lambda e: e.save_checkpoint(str(Path(extra["out"]) / "ckpt"))))
+    elif fault == "deepspeed save":
+        # rank 0 fails inside DeepSpeed's own save (creating the directory) while its peers wait in that save's
+        # barrier, which cannot watch the flag
+        STATUS["case"] = "deepspeed save"
+        results.append(_one_rank_breaks(cfg, batches, seq_len, 0, lambda e: e.checkpoint_engine, "makedirs",
+                                        OSError("simulated disk failure in DeepSpeed's save"),
+                                        lambda e: e.save_checkpoint(str(Path(extra["out"]) / "ckpt")),
+                                        stays_alive=True))
     elif fault == "optimizer":
         # the middle stage raises in its optimizer step (as an out-of-memory would) before the gradient norm's
-        # all-reduce: its peers are inside that all-reduce (DeepSpeed's _take_model_step), which it never joins,
-        # and it stays alive (a caller that catches)
+        # all-reduce: its peers are inside that all-reduce (DeepSpeed's _take_model_step), which it never joins
         STATUS["case"] = "optimizer"
-        engine = pipeline_engine(cfg, gpt_layer_specs(cfg), {"seq_len": seq_len, "slices": 3, "granularity": 4,
-                                                             "p2p_timeout_s": FAULT_P2P_TIMEOUT_S},
-                                 extra_config={"gradient_clipping": 1.0})
-        engine.train_batch(iter(batches))
-        if RANK == 1:
-            def out_of_memory() -> None:
-                raise RuntimeError("simulated out of memory in the optimizer step")
-
-            engine.clip_fp32_gradients = out_of_memory
-        results.append(until_error(lambda: engine.train_batch(iter(batches))))
-        if RANK == 1:   # alive a while after raising: its peers must stop without its exit closing connections
-            time.sleep(3)
-            results[-1]["left_at"] = time.monotonic()
+        results.append(_one_rank_breaks(cfg, batches, seq_len, 1, lambda e: e, "clip_fp32_gradients",
+                                        RuntimeError("simulated out of memory in the optimizer step"),
+                                        lambda e: e.train_batch(iter(batches)),
+                                        extra_config={"gradient_clipping": 1.0}, stays_alive=True))
     return results
+
+
+def _one_rank_breaks(cfg: GPTConfig, batches: list[tuple], seq_len: int, origin: int, owner: Callable[[Any], Any],
+                     attr: str, error: Exception, run: Callable[[Any], Any], extra_config: dict | None = None,
+                     stays_alive: bool = False) -> dict[str, Any]:
+    """An engine trained one step, whose rank ``origin`` gets ``attr`` of ``owner(engine)`` replaced by a function
+    raising ``error``; then ``run(engine)`` on every rank until it raises. ``stays_alive``: the origin lives on 3 s
+    after raising (a caller that catches), so its peers must stop without its exit closing their connections;
+    ``left_at`` is when it leaves."""
+    engine = pipeline_engine(cfg, gpt_layer_specs(cfg), {"seq_len": seq_len, "slices": 3, "granularity": 4,
+                                                         "p2p_timeout_s": FAULT_P2P_TIMEOUT_S},
+                             extra_config=extra_config)
+    engine.train_batch(iter(batches))
+    if RANK == origin:
+        def raising(*args: Any, **kwargs: Any) -> Any:
+            raise error
+
+        setattr(owner(engine), attr, raising)
+    result = run_until_error(lambda: run(engine), FAULT_P2P_TIMEOUT_S)
+    if RANK == origin and stays_alive:
+        time.sleep(3)
+        result["left_at"] = time.monotonic()
+    return result
 
 
 class RaisingWhenSliced(torch.nn.Module):
