@@ -11,10 +11,9 @@ How: the engine enters such a stretch only after an abort-aware barrier that eve
 it is inside, a thread (:class:`CollectiveWatch`) reads the flag every ``poll_s``. When another rank raised it,
 the thread closes this rank's connections (:func:`close_connections`), so the collective the main thread is
 blocked in fails at once (and its peers' collectives with this rank), and the engine raises ``PeerFailedError``
-naming the origin from that failure. The
-process groups are unusable afterwards, which is what a failed step leaves anyway: the job restarts from its last
-checkpoint. Outside these stretches the thread does not run: a healthy step pays one thread start and a store read
-per ``poll_s`` of the stretch.
+naming the origin from that failure. The process groups are unusable afterwards, which is what a failed step
+leaves anyway: the job restarts from its last checkpoint. Outside these stretches the thread does not run: a
+healthy step pays one thread start and a store read per ``poll_s`` of the stretch.
 """
 
 from __future__ import annotations
