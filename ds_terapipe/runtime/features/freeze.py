@@ -173,18 +173,18 @@ class Freezer:
             raise mark_collective(ValueError(
                 f"terapipe.freeze asks to freeze {requested} layers but the model has {self.num_layers} (DeepSpeed "
                 f"layer list: embedding, blocks, head, ...); use at most {self.num_layers - 1}"))
-        if requested and not any(layer >= requested for layer in self.param_layers) and self.vocab_parallel:
-            raise mark_collective(ValueError(
-                f"terapipe.freeze asks to freeze {requested} layers of {self.num_layers}: with vocab_parallel the "
-                "output layer's rows train through the vocabulary passes beside the last chunk's backward, so a "
-                f"layer with parameters in front of the output layer must train (the last is layer "
-                f"{self.param_layers[-1] if self.param_layers else None}); freeze at most "
-                f"{self.param_layers[-1] if self.param_layers else 0} layers, or set vocab_parallel to false"))
         if requested and not any(layer >= requested for layer in self.param_layers):
+            last = self.param_layers[-1] if self.param_layers else None
+            if self.vocab_parallel:
+                raise mark_collective(ValueError(
+                    f"terapipe.freeze asks to freeze {requested} layers of {self.num_layers}: with vocab_parallel the "
+                    "output layer's rows train through the vocabulary passes beside the last chunk's backward, so a "
+                    f"layer with parameters in front of the output layer must train (the last is layer {last}); "
+                    f"freeze at most {last or 0} layers, or set vocab_parallel to false"))
             raise mark_collective(ValueError(
                 f"terapipe.freeze asks to freeze {requested} layers of {self.num_layers}: that freezes every layer "
-                f"with parameters (the last is layer {self.param_layers[-1] if self.param_layers else None}) and "
-                f"nothing would train; freeze at most {self.param_layers[-1] if self.param_layers else 0} layers"))
+                f"with parameters (the last is layer {last}) and nothing would train; freeze at most {last or 0} "
+                "layers"))
 
     # -- layers of this rank ------------------------------------------------------------------------------------
     @staticmethod
