@@ -485,6 +485,11 @@ class TeraPipeConfig(DeepSpeedConfigModel):
             raise ValueError(f"terapipe.profile.slice_lengths={lengths}: every length must be a positive multiple of "
                              f"terapipe.granularity={self.granularity} (the grid the planner cuts slices on), got "
                              f"{off_grid}; use multiples of {self.granularity} or drop the key for the default")
+        too_long = [n for n in lengths or () if self.seq_len is not None and n > self.seq_len]
+        if too_long:
+            raise ValueError(f"terapipe.profile.slice_lengths={lengths}: a slice holds at most terapipe.seq_len="
+                             f"{self.seq_len} tokens, got {too_long}; use lengths up to {self.seq_len} or drop the key "
+                             "for the default")
 
     @model_validator(mode="after")
     def _check_consistency(self) -> "TeraPipeConfig":

@@ -60,10 +60,12 @@ def test_equal_slices(seq_len: int, granularity: int, n: int, expected: list[int
     ({"replan": {"enabled": True, "min_gain": float("inf")}}, "terapipe.replan.min_gain=inf: Input should be a finite"),
     ({"seq_len": 64, "slices": 4, "max_slices": 2}, 'max_slices=2 bounds the slicing "auto" chooses, but slices=4'),
     ({"slices": [32, 32], "memory_limit_gb": 1}, "memory_limit_gb=1.0 bounds the slicing \"auto\" chooses"),
-    # profiled lengths off the granularity's grid: refused here, not after the engine is built and profiling starts
+    # profiled lengths off the granularity's grid or over seq_len: refused here, not when profiling starts
     ({"seq_len": 64, "profile": {"slice_lengths": [12, 16]}},
      "terapipe.profile.slice_lengths=[12, 16]: every length must be a positive multiple of terapipe.granularity=8"),
     ({"seq_len": 64, "granularity": 4, "profile": {"slice_lengths": [0, 16]}}, "got [0]; use multiples of 4"),
+    ({"seq_len": 64, "profile": {"slice_lengths": [16, 128]}},
+     "a slice holds at most terapipe.seq_len=64 tokens, got [128]; use lengths up to 64"),
 ])
 def test_errors_name_key_value_and_fix(section: dict, needle: str) -> None:
     with pytest.raises(ValueError) as info:
