@@ -51,6 +51,11 @@ WORLD2 = [
     plain_case("fp16 overflow freeze", precision="fp16", optimizer="adam", steps=4, overflow=1,
                scale={"initial_scale_power": 8, "loss_scale_window": 1, "hysteresis": 1}, freeze=3, freeze_at=2,
                repack=True),
+    # bf16 at ZeRO 0, looped-bfs, every layer of stage 1's own frozen (its chunks: a block, the final norm and the
+    # tied head, whose copy DeepSpeed leaves out of the norm): that rank lists no gradient for BF16_Optimizer's norm,
+    # which then adds a zero (else RuntimeError: stack expects a non-empty TensorList, and its peers wait)
+    plain_case("bf16 looped-bfs stage frozen but its tied copy", schedule="looped-bfs", precision="bf16", freeze=3,
+               freeze_at=1, micro=1, steps=3),
 ]
 
 WORLD4 = [

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["FlatBf16Grads"]
+__all__ = ["FlatBf16Grads", "norm_of_no_gradient_is_zero"]
 
 logger = logging.getLogger(__name__)
 
@@ -118,15 +118,17 @@ class FlatBf16Grads:
             flat.zero_()
 
 
-def count_norm_once_per_sequence_group(optimizer: Any) -> None:
-    """Let ``BF16_Optimizer``'s gradient norm run on sequence-parallel ranks (on this instance).
+def norm_of_no_gradient_is_zero(optimizer: Any) -> None:
+    """Let ``BF16_Optimizer``'s gradient norm run on a rank that lists no gradient for it (on this instance).
 
-    Why: DeepSpeed sees the sequence ranks as its model axis, that is as tensor-parallel ranks, so for the norm
-    only model rank 0 lists a replicated parameter's gradient (the others would count it again) and the squares
-    are summed over the model-parallel group (the stages and the sequence ranks). That is the right norm here:
-    the engine has summed each gradient over the sequence ranks before the step, so they all hold the same one.
-    But on the other sequence ranks the list is empty, and DeepSpeed's norm stacks an empty list and fails. They
-    get one zero instead, which adds nothing to the sum.
+    Why: DeepSpeed's norm stacks the gradients it lists and fails on an empty list, while every other rank waits
+    for this one in the norm's all-reduce over the model-parallel group (the stages and the sequence ranks). It
+    lists a gradient that is present, not ``ds_pipe_replicated``, and, since it sees the sequence ranks as
+    tensor-parallel ones, on model rank 0 only. That is the right norm here (the engine has summed each gradient
+    over the sequence ranks before the step, so they all hold the same one, and a tied weight's copies hold the
+    same gradient), but the list is empty on the other sequence ranks, and on a rank whose own layers are all
+    frozen (its only gradients those of tied copies, or none). Those get one zero instead, which adds nothing to
+    the sum.
     """
     listed = type(optimizer).get_grads_for_norm.__get__(optimizer)
 

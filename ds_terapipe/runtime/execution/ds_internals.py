@@ -262,8 +262,7 @@ INTERNALS: tuple[Internal, ...] = (
     _i(_BF16, "update_hp_grads", "calls", "execution/bf16_grads.py",
        "replaced on the instance, so the optimizer's backward must call it through self"),
     _i(_BF16, "get_grads_for_norm", "calls", "execution/bf16_grads.py",
-       "replaced on the instance under sequence parallelism (never an empty list), so its step must call it "
-       "through self"),
+       "replaced on the instance (never an empty list), so its step must call it through self"),
     # -- gradients computed by hand (the vocabulary passes), put where each optimizer reads them (grad_sink.py)
     _i(_BF16, "bf16_groups", "instance", "execution/grad_sink.py", "which master gradient belongs to a parameter"),
     _i(_BF16, "fp32_groups_gradients", "instance", "execution/grad_sink.py",

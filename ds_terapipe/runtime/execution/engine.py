@@ -91,7 +91,7 @@ from ..slicing.devices import synchronized_ms
 from ..slicing.documents import Documents
 from ..slicing.sequence import SequenceShare
 from .batch_loading import BatchLoading, put_back
-from .bf16_grads import FlatBf16Grads, count_norm_once_per_sequence_group
+from .bf16_grads import FlatBf16Grads, norm_of_no_gradient_is_zero
 from .clip import clipping_problem
 from .collective import agree_or_raise, mark_collective
 from .collective_watch import CollectiveWatch
@@ -258,6 +258,8 @@ class TokenPipelineEngine(PlanSelection, BatchLoading, GradReduction, Checkpoint
         with self._failing_fast("engine init"):
             agree_or_raise(self._directories_problem(), ValueError, self.p2p, "the check of terapipe's directories")
             check_replicated_only(self)  # bf16: a stage of tied copies only cannot step (features/partition.py)
+            if self.using_bf16_optimizer:   # a rank listing no gradient for the norm adds a zero (bf16_grads.py)
+                norm_of_no_gradient_is_zero(self.optimizer)
             if self.terapipe.deferred_weight_grads:  # before profiling, which measures the split backward
                 count = enable_deferred_weight_grads(self.module)
                 logger.info("terapipe: stage %d defers the weight gradients of %d nn.Linear module(s)",
@@ -826,8 +828,6 @@ class TokenPipelineEngine(PlanSelection, BatchLoading, GradReduction, Checkpoint
                              f"sequence_parallel={degree}) (or **ds_terapipe.module_chunk_kwargs(terapipe))")
         if degree == 1:
             return None
-        if self.using_bf16_optimizer:   # its norm treats the sequence ranks as tensor-parallel ones
-            count_norm_once_per_sequence_group(self.optimizer)
         return SequenceShare(self.grid.get_slice_parallel_group(), self.grid.get_slice_parallel_rank(), degree)
 
     # -- sharded data parallelism (runtime/features/sharding.py) ----------------------------------------------

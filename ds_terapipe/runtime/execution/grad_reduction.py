@@ -85,7 +85,6 @@ class GradReduction:
         self._hand_over_weight_grads()
         if getattr(self, "freezer", None) is not None:
             self.freezer.observe_gradients(self)
-            self.freezer.before_optimizer_step(self)
         super()._exec_optimizer_step(*args, **kwargs)
         if getattr(self, "freezer", None) is not None:   # the auto policy's check, unless DeepSpeed skipped the step
             self.freezer.after_optimizer_step(self)

@@ -347,16 +347,6 @@ class Freezer:
             if weight.requires_grad and self.grads.read(weight) is None:
                 self.grads.buffer(weight)  # zeros, where DeepSpeed's reduction reads (the bf16 master gradient)
 
-    def before_optimizer_step(self, engine: "PipelineStage") -> None:
-        """DeepSpeed's BF16_Optimizer takes its gradient norm over the gradients flagged present and fails on none
-        (``torch.stack`` of an empty list): a rank whose layers are all frozen flags one zero gradient, which adds
-        nothing to the norm and moves nothing (its frozen master elements are held still)."""
-        optimizer = engine.optimizer
-        if not self.num_frozen_layers or not engine.using_bf16_optimizer:
-            return
-        if not any(any(flags) for flags in optimizer.fp32_groups_has_gradients):
-            self.grads.buffer(optimizer.bf16_groups[0][0])
-
     def observe_gradients(self, engine: "PipelineStage") -> None:
         """The auto policy's check, first half: right before the optimizer step of a check step, this rank's squared
         gradient norm of every training layer it holds (local; :meth:`after_optimizer_step` decides)."""
