@@ -1,7 +1,6 @@
 """Tier a, one process: the parts of runtime/execution/clip.py that need no process group. Which copy of a parameter
-counts
-in the norm, the arithmetic against torch's clip_grad_norm_ (the all-reduce stubbed: one rank), the tied weights
-every rank sees the same, and which configurations are refused. The multi-process checks against the reference
+counts in the norm, the arithmetic against torch's clip_grad_norm_ (the all-reduce stubbed: one rank), and the mark
+that lets fp16's unfused optimizer skip a tied copy. The multi-process checks against the reference
 (tests/clipping.py) run in the launches of test_engine_features, test_engine_equivalence (2 x 2 replicas),
 test_engine_virtual (features) and test_vocab_parallel."""
 
@@ -11,11 +10,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from deepspeed.pipe import LayerSpec, TiedLayerSpec
 from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 
 from ds_terapipe.runtime.execution import clip
-from ds_terapipe.runtime.execution.clip import clip_grad_norm_over, clipping_problem, counted_in_norm, weights_tied_across_ranks
+from ds_terapipe.runtime.execution.clip import clip_grad_norm_over, counted_in_norm, mark_replicated_grads
 
 
 def _param(values: list[float], **marks: object) -> torch.nn.Parameter:
@@ -61,47 +59,25 @@ def test_a_rank_without_gradients_joins_with_zero(one_rank) -> None:
     assert float(clip_grad_norm_over([frozen], 1.0, None, torch.device("cpu"))) == 0.0
 
 
-def _module(specs: list, owner: dict[int, int]) -> SimpleNamespace:
-    return SimpleNamespace(_layer_specs=specs, stage_owner=lambda idx: owner[idx])
+def test_fp16_unfused_norm_skips_the_gradient_of_a_tied_copy() -> None:
+    """FP16_UnfusedOptimizer hands DeepSpeed's norm the gradients, not the parameters: the engine marks the gradient
+    of every parameter marked ``ds_pipe_replicated`` right before each step, so the norm counts a tied weight once
+    (on the rank holding its first copy), as torch's clip_grad_norm_ does on the whole model."""
+    from deepspeed.runtime.utils import get_weight_norm
 
-
-def _gpt_like() -> list:
-    embed = TiedLayerSpec("embed", torch.nn.Embedding, 8, 4, tied_weight_attr="weight")
-    return [embed, LayerSpec(torch.nn.Linear, 4, 4), LayerSpec(torch.nn.Linear, 4, 4), embed]
-
-
-def test_tied_weights_across_ranks_are_read_from_the_specs() -> None:
-    specs = _gpt_like()
-    assert weights_tied_across_ranks(_module(specs, {0: 0, 1: 0, 2: 1, 3: 1})) == {"embed": [0, 1]}
-    # the V placement: embedding and head both on rank 0, one parameter there
-    assert weights_tied_across_ranks(_module(specs, {0: 0, 1: 1, 2: 1, 3: 0})) == {}
-
-
-class SGD:
-    """Stands for the client's optimizer (only its name is read; a torch one takes seconds to create first)."""
-
-
-def _engine(*, clipping: float = 1.0, fp16: bool = True, zero: int = 0, unfused: bool = True,
-            owner: dict[int, int] | None = None) -> SimpleNamespace:
-    optimizer: object = SGD()
-    if unfused:
-        wrapper = object.__new__(FP16_UnfusedOptimizer)  # only its type matters here
-        wrapper.optimizer = optimizer
-        optimizer = wrapper
-    return SimpleNamespace(gradient_clipping=lambda: clipping, fp16_enabled=lambda: fp16,
-                           zero_optimization_stage=lambda: zero, optimizer=optimizer,
-                           module=_module(_gpt_like(), owner or {0: 0, 1: 0, 2: 1, 3: 1}))
-
-
-def test_fp16_clipping_that_would_count_a_tied_weight_twice_is_refused_with_the_fix() -> None:
-    problem = clipping_problem(_engine())
-    assert problem is not None
-    for part in ("gradient_clipping=1.0", "FP16_UnfusedOptimizer (used with SGD)", "'embed' on ranks [0, 1]",
-                 "use bf16, or zero_optimization.stage 1, or set gradient_clipping to 0"):
-        assert part in problem, problem
-
-
-@pytest.mark.parametrize("change", [{"clipping": 0.0}, {"fp16": False}, {"zero": 1}, {"unfused": False},
-                                    {"owner": {0: 0, 1: 1, 2: 1, 3: 0}}])
-def test_fp16_combinations_deepspeed_clips_right_are_accepted(change: dict) -> None:
-    assert clipping_problem(_engine(**change)) is None
+    owned, copy = _param([3.0]), _param([4.0], ds_pipe_replicated=True)
+    wrapper = object.__new__(FP16_UnfusedOptimizer)   # only its type, groups and step are used here
+    wrapper.fp16_groups = [[owned, copy]]
+    norms = []
+    wrapper.step = lambda: norms.append(get_weight_norm([p.grad for group in wrapper.fp16_groups for p in group]))
+    assert get_weight_norm([owned.grad, copy.grad]) == pytest.approx(5.0)   # unmarked: the copy counts too
+    mark_replicated_grads(wrapper)
+    wrapper.step()
+    assert norms == [pytest.approx(3.0)]
+    copy.grad = torch.tensor([4.0])   # autograd's next step makes new gradients: marked again before the step
+    wrapper.step()
+    assert norms[-1] == pytest.approx(3.0)
+    assert not hasattr(owned.grad, "ds_pipe_replicated")
+    other = SimpleNamespace(step=print)   # any other optimizer is left as it is
+    mark_replicated_grads(other)
+    assert other.step is print

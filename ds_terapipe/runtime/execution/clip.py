@@ -25,34 +25,33 @@ the same rule DeepSpeed's ZeRO and bf16 optimizers apply:
   model-parallel counts on tensor rank 0 only, and the sum runs over the pipeline x tensor group (the grid's
   ``get_model_parallel_group``).
 
-The other paths clip inside DeepSpeed's optimizers; :func:`clipping_problem` checks them at engine init:
+The other paths clip inside DeepSpeed's optimizers:
 
 * ZeRO 1, any precision (``DeepSpeedZeroOptimizer``): its model-parallel rank is the tensor rank, so every stage
   counts its partitions (``ds_pipe_replicated`` skipped), summed over data parallelism then the pipeline: right.
 * bf16 with ZeRO 0 (``BF16_Optimizer``): the same rule over the pipeline: right.
 * fp16 with ZeRO 0: ``FP16_Optimizer`` (DeepSpeed's FusedAdam) masks the marked copies: right.
   ``FP16_UnfusedOptimizer`` (any other optimizer) takes the norm of the gradient tensors, which do not carry the
-  mark, so a weight tied across ranks counts once per rank holding it (measured: 0.875 for a true 0.760):
-  refused when the model has one, with the fix.
+  mark, so a weight tied across ranks would count once per rank holding it (measured: 0.875 for a true 0.760).
+  :func:`mark_replicated_grads` gives the gradient of every marked parameter the mark before each step, so its
+  norm skips the copies too: right.
 
 Tested against ``clip_grad_norm_`` on the unsliced single-process model (tests/clipping.py and its callers).
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
-from deepspeed.pipe import TiedLayerSpec
 from deepspeed.runtime.constants import PIPE_REPLICATED
 from deepspeed.runtime.utils import is_model_parallel_parameter
 from ..features.sharding import is_sharded, local_shard
 from .stage import PipelineStage
 
 
-__all__ = ["clip_by_global_norm", "clip_grad_norm_over", "clipping_problem", "counted_in_norm",
-           "weights_tied_across_ranks"]
+__all__ = ["clip_by_global_norm", "clip_grad_norm_over", "counted_in_norm", "mark_replicated_grads"]
 
 # torch.nn.utils.clip_grad_norm_'s: the coefficient is max_norm / (norm + EPS), at most 1.
 EPS = 1e-6
@@ -112,30 +111,24 @@ def clip_by_global_norm(engine: "PipelineStage") -> torch.Tensor:
                                shard_group=sharded.group if sharded is not None else None)
 
 
-def weights_tied_across_ranks(module: Any) -> dict[str, list[int]]:
-    """``TiedLayerSpec`` keys whose layers live on more than one pipeline rank, with those ranks. Read from the
-    layer specs every rank holds, so every rank gets the same answer (a rank holding none of them included)."""
-    owners: dict[str, set[int]] = {}
-    for idx, spec in enumerate(getattr(module, "_layer_specs", [])):
-        if isinstance(spec, TiedLayerSpec):
-            owners.setdefault(spec.key, set()).add(module.stage_owner(idx))
-    return {key: sorted(ranks) for key, ranks in sorted(owners.items()) if len(ranks) > 1}
+def mark_replicated_grads(optimizer: Any) -> None:
+    """Let ``FP16_UnfusedOptimizer``'s gradient norm skip the copies of a weight tied across ranks (on this instance).
 
-
-def clipping_problem(engine: "PipelineStage") -> Optional[str]:
-    """Why the configured clipping would use a wrong norm (rule, value, fix), or None. The same on every rank:
-    it reads the config, the optimizer DeepSpeed chose from it and the layer specs."""
-    max_norm = engine.gradient_clipping()
-    if not max_norm or max_norm <= 0.0 or not engine.fp16_enabled() or engine.zero_optimization_stage() != 0:
-        return None
+    Its step hands DeepSpeed's norm each parameter's ``.grad`` (the fp16 gradient itself: ``.to`` its own dtype),
+    and the norm skips a tensor marked ``ds_pipe_replicated``; the mark is on the parameter, and autograd makes a
+    new ``.grad`` every step. So before each step the gradient of every marked parameter is marked too. Any other
+    optimizer is left as it is."""
     from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 
-    tied = weights_tied_across_ranks(engine.module)
-    if not isinstance(engine.optimizer, FP16_UnfusedOptimizer) or not tied:
-        return None
-    where = ", ".join(f"{key!r} on ranks {ranks}" for key, ranks in tied.items())
-    inner = type(getattr(engine.optimizer, "optimizer", engine.optimizer)).__name__
-    return (f"terapipe: gradient_clipping={max_norm} with fp16 and ZeRO stage 0 would clip by a wrong norm: "
-            f"DeepSpeed's FP16_UnfusedOptimizer (used with {inner}) counts the "
-            f"gradient of a weight tied across pipeline ranks ({where}) once per rank that holds it; use bf16, or "
-            "zero_optimization.stage 1, or set gradient_clipping to 0")
+    if not isinstance(optimizer, FP16_UnfusedOptimizer):
+        return
+    step = optimizer.step
+
+    def marked_step(*args: Any, **kwargs: Any) -> Any:
+        for group in optimizer.fp16_groups:
+            for param in group:
+                if getattr(param, PIPE_REPLICATED, False) and param.grad is not None:
+                    setattr(param.grad, PIPE_REPLICATED, True)
+        return step(*args, **kwargs)
+
+    optimizer.step = marked_step

@@ -202,7 +202,7 @@ INTERNALS: tuple[Internal, ...] = (
     _i("deepspeed.runtime.constants", "PIPE_REPLICATED", "attr", "execution/clip.py, features/vocab.py",
        "the mark of a parameter copy that norms skip (tied weights off their first rank, a tied head's shards)"),
     _i("deepspeed.runtime.fp16.unfused_optimizer", "FP16_UnfusedOptimizer", "attr", "execution/clip.py",
-       "its norm counts a weight tied across ranks once per rank: refused with clipping"),
+       "its norm takes the gradients, whose tied copies the engine marks before each step"),
     # -- sharded data parallelism (runtime/features/sharding.py) ---------------------------------------------------
     _i(_ENGINE, "module_state_dict", "attr", f"{_CKPT} (overridden)",
        "a sharded layer's state_dict gives whole tensors while DeepSpeed writes the layer files"),
@@ -285,7 +285,8 @@ INTERNALS: tuple[Internal, ...] = (
     _i("deepspeed.runtime.fp16.unfused_optimizer:FP16_UnfusedOptimizer", "fp32_groups", "instance",
        "features/frozen_state.py", "its per-parameter fp32 copies, parallel to fp16_groups"),
     _i("deepspeed.runtime.fp16.unfused_optimizer:FP16_UnfusedOptimizer", "fp16_groups", "instance",
-       "features/frozen_state.py", "the parameters the fp32 copies belong to"),
+       "features/frozen_state.py, execution/clip.py", "the parameters the fp32 copies belong to, whose gradients "
+       "its norm takes"),
     # -- PipelineModule and the grid ----------------------------------------------------------------------------
     _i(_MODULE, "_local_start", "instance", "planning/slice_check.py, execution/checkpoint.py",
        "global index of the stage's first layer"),

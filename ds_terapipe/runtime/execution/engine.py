@@ -92,7 +92,7 @@ from ..slicing.documents import Documents
 from ..slicing.sequence import SequenceShare
 from .batch_loading import BatchLoading, put_back
 from .bf16_grads import FlatBf16Grads, norm_of_no_gradient_is_zero
-from .clip import clipping_problem
+from .clip import mark_replicated_grads
 from .collective import agree_or_raise, mark_collective
 from .collective_watch import CollectiveWatch
 from .ds_config_checks import unhonoured_config_problem
@@ -208,8 +208,8 @@ class TokenPipelineEngine(PlanSelection, BatchLoading, GradReduction, Checkpoint
         check_deepspeed_internals(self)  # a DeepSpeed that moved what we rely on fails here, naming it
         undo_construction_step(self.optimizer)   # fp16 at ZeRO 0: the step DeepSpeed took on zero gradients
         VocabParallel.check_engine(self)
-        problem = clipping_problem(self)  # a clipping DeepSpeed's optimizer would get wrong (runtime/execution/clip.py)
-        problem = problem or loss_fn_problem(self.module)   # trained loss parameters no checkpoint would hold
+        mark_replicated_grads(self.optimizer)   # fp16 at ZeRO 0: its norm skips tied copies (runtime/execution/clip.py)
+        problem = loss_fn_problem(self.module)   # trained loss parameters no checkpoint would hold
         if problem:
             raise ValueError(problem)
         problem = _wall_clock_problem(self._config)
