@@ -296,7 +296,8 @@ def test_one_replica_skips_deepspeeds_reduction_only_where_it_is_an_identity(fea
 def _skip_without_fp16(features) -> None:
     if not features[0]["precisions"]["fp16"]:
         pytest.skip("DeepSpeed's accelerator here offers no fp16 (its CPU accelerator needs oneDNN fp16 kernels: "
-                    "AVX512-FP16 or AMX); tests/test_clip.py checks the mark on a tied copy's gradient without an engine")
+                    "AVX512-FP16 or AMX); tests/test_clip.py checks the mark on a tied copy's gradient without an "
+                    "engine")
 
 
 @pytest.mark.timeout(700)
