@@ -34,6 +34,10 @@ FP32_TOL = 1e-5
 #: gradient clipping the fp16 updates of the LayerNorm weights, the smallest, are off by up to 1.3e-2 on one stage
 #: without slices too); the evaluation after the steps runs in half precision against the fp32 reference
 HALF_LOSS_TOL, UPDATE_TOL, HALF_EVAL_TOL = 1e-4, {"bf16": 5e-2, "fp16": 5e-2}, 1e-2
+#: the master weights' change under Adam or AdamW in half precision: Adam divides each element's step by the running
+#: RMS of its gradient, so an element whose gradient is near the precision's rounding (a bias, a LayerNorm weight)
+#: takes a step of another size; the same cases unsliced (slices 1, one stage too) are off by up to 1.9e-1
+ADAM_HALF_UPDATE_TOL = 3e-1
 REFUSALS = ("ValueError", "TypeError", "CheckpointError")
 V_SHAPED = ("dualpipev", "zbv")
 
@@ -221,7 +225,8 @@ def verdict(case: dict, per_rank: list[Optional[dict]], log_tail: str = "") -> d
         worst["eval"] = max(_rel(r["eval"], r["ref_eval"]) for r in per_rank)
     worst["copies"] = max(r.get(k, 0.0) for r in per_rank for k in ("grad_copies_err", "param_copies_err"))
     limits = {"loss": HALF_LOSS_TOL if half else FP32_TOL, "grad": FP32_TOL, "param": FP32_TOL,
-              "update": UPDATE_TOL.get(case["precision"], FP32_TOL), "eval": HALF_EVAL_TOL if half else FP32_TOL,
+              "update": (ADAM_HALF_UPDATE_TOL if half and case.get("optimizer") in ("adam", "adamw") else
+                         UPDATE_TOL.get(case["precision"], FP32_TOL)), "eval": HALF_EVAL_TOL if half else FP32_TOL,
               "copies": FP32_TOL}
     missing = sorted({n for r in per_rank for n in r.get("missing", []) + r.get("grads_missing", [])})
     # the steps DeepSpeed skipped and the frozen count each step taken trained with, as the reference's
