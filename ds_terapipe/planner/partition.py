@@ -23,16 +23,7 @@ window of that optimum (:func:`enumerate_partitions`, depth-first with a feasibi
 lower bound on the step time (no rank can finish before its own work) and simulated in that order until the bound
 exceeds the best makespan. With an unbounded window that search is exact over all partitions for the slicing
 (tests check it against brute force). Then the slicing is re-planned for the winner, and this alternates until
-the step time stops improving. The naive layout is always a candidate (with ``owners`` below: when it satisfies
-them): never worse than it.
-
-**Owner layers** (``owners``, optional everywhere): with it every chunk must hold at least one layer flagged as an
-owner -- a layer with trainable parameters of its own, not only a tied copy. Why: DeepSpeed's ``BF16_Optimizer``
-(bf16 training) takes the gradient norm over a stage's parameters that are not ``ds_pipe_replicated`` (the copies
-of tied modules past the first stage holding them), and on a stage with none it takes the norm of no tensor and
-fails in its first step. A cheap stage holding only the tied head is exactly what balancing a heavy head favours, so
-the runtime passes the flags under bf16. Counted with a prefix sum of the flags, a chunk without an owner is
-infeasible like an empty one; without ``owners`` (None) the search is unconstrained, as before.
+the step time stops improving. The naive layout is always a candidate: never worse than it.
 This module imports numpy and the planner only.
 """
 from __future__ import annotations
@@ -117,32 +108,6 @@ class ChunkCost(StageCost):
         return self._key
 
 
-def _owner_prefix(owners: Sequence[bool] | None, num_layers: int, num_chunks: int) -> np.ndarray | None:
-    """The prefix count of owner layers (``prefix[b] - prefix[a]``: owners in layers ``a:b``), None without a
-    constraint. Every chunk holds an owner iff there are >= ``num_chunks`` owners (cut between them), so that is
-    checked here once: the error names the rule, the value and the fix."""
-    if owners is None:
-        return None
-    flags = np.asarray([bool(o) for o in owners], dtype=int)
-    if len(flags) != num_layers:
-        raise ValueError(f"owners has {len(flags)} flags for {num_layers} layers; pass one flag per layer")
-    count = int(flags.sum())
-    if count < num_chunks:
-        where = [i for i, o in enumerate(flags) if o]
-        raise ValueError(f"every chunk must hold a layer with trainable parameters of its own (an owner: not only a "
-                         f"tied copy, which DeepSpeed's BF16_Optimizer leaves out of the gradient norm and then fails "
-                         f"on a stage with none), but only {count} of the {num_layers} layers are owners (layers "
-                         f"{where}) for {num_chunks} chunks; use at most {max(count, 1)} chunks (fewer pipeline "
-                         "stages or virtual stages), or train in fp32")
-    return np.concatenate([[0], np.cumsum(flags)])
-
-
-def _owned(parts: Sequence[int], prefix: np.ndarray | None) -> bool:
-    """Whether every chunk of ``parts`` holds an owner layer (always, without a constraint)."""
-    p = np.asarray(parts)
-    return prefix is None or bool(np.all(prefix[p[1:]] - prefix[p[:-1]] > 0))
-
-
 def _check_parts(parts: Sequence[int], num_layers: int, num_chunks: int) -> tuple[int, ...]:
     parts = tuple(int(x) for x in parts)
     if len(parts) != num_chunks + 1 or parts[0] != 0 or parts[-1] != num_layers or \
@@ -202,23 +167,16 @@ def layer_work(layers: Sequence[StageCost], slices: Sequence[int], units: int, b
     return out
 
 
-def minmax_partition(work: Sequence[float], num_chunks: int, extra: float = 0.0,
-                     owners: Sequence[bool] | None = None) -> tuple[float, tuple[int, ...]]:
+def minmax_partition(work: Sequence[float], num_chunks: int, extra: float = 0.0) -> tuple[float, tuple[int, ...]]:
     """(smallest possible largest chunk work, a partition reaching it): exact DP over contiguous chunks of >= 1
-    layer; each chunk's work is the sum of its layers' plus ``extra``. With ``owners`` (one flag per layer) every
-    chunk also holds an owner layer (see the module docstring: bf16 fails on a stage of tied copies only);
-    ValueError if no partition can."""
+    layer; each chunk's work is the sum of its layers' plus ``extra``."""
     w = np.asarray(work, dtype=float)
     n = len(w)
     if not 1 <= num_chunks <= n:
         raise ValueError(f"{n} layers cannot be cut into {num_chunks} chunks of at least one layer")
-    own = _owner_prefix(owners, n, num_chunks)
     prefix = np.concatenate([[0.0], np.cumsum(w)])
     seg = prefix[None, :] - prefix[:, None] + extra          # seg[a, b]: chunk [a, b)
-    allowed = np.triu(np.ones((n + 1, n + 1), bool), 1)      # a chunk holds >= 1 layer
-    if own is not None:
-        allowed &= own[None, :] - own[:, None] > 0             # ... and >= 1 owner
-    seg = np.where(allowed, seg, math.inf)
+    seg = np.where(np.triu(np.ones((n + 1, n + 1), bool), 1), seg, math.inf)   # a chunk holds >= 1 layer
     g = np.full(n + 1, math.inf)
     g[0] = 0.0
     args = []
@@ -234,20 +192,15 @@ def minmax_partition(work: Sequence[float], num_chunks: int, extra: float = 0.0,
 
 
 def enumerate_partitions(work: Sequence[float], num_chunks: int, cap: float, extra: float = 0.0,
-                         limit: int | None = None, owners: Sequence[bool] | None = None
-                         ) -> Iterator[tuple[int, ...]]:
+                         limit: int | None = None) -> Iterator[tuple[int, ...]]:
     """Every partition into ``num_chunks`` chunks whose chunk works (layers + ``extra``) are all <= ``cap``, depth
-    first, at most ``limit`` of them; with ``owners``, only those whose every chunk holds an owner layer. A
-    feasibility table (can layers j.. be cut into k chunks under the cap?) keeps every branch productive, so the
-    time is proportional to the partitions produced."""
+    first, at most ``limit`` of them. A feasibility table (can layers j.. be cut into k chunks under the cap?)
+    keeps every branch productive, so the time is proportional to the partitions produced."""
     w = np.asarray(work, dtype=float)
     n = len(w)
-    own = _owner_prefix(owners, n, num_chunks)
     prefix = np.concatenate([[0.0], np.cumsum(w)])
     tol = 1e-9 * max(1.0, abs(cap))
     ok = prefix[None, :] - prefix[:, None] + extra <= cap + tol      # ok[a, b]: chunk [a, b) fits (b > a)
-    if own is not None:
-        ok &= own[None, :] - own[:, None] > 0                        # ... and holds an owner
     feas = np.zeros((num_chunks + 1, n + 1), bool)
     feas[0, n] = True
     for k in range(1, num_chunks + 1):
@@ -289,14 +242,12 @@ def _rank_work(chunk_work: np.ndarray, placement: Sequence[int], num_ranks: int)
 def best_partition(layers: Sequence[StageCost], slices: Sequence[int], *, num_ranks: int, num_microbatches: int = 1,
                    micro_batch_size: int = 1, schedule: str = "gpipe", virtual_stages: int | None = None,
                    extra: Sequence[StageCost] = (), window: float = _WINDOW,
-                   max_candidates: int | None = _MAX_CANDIDATES, include: Sequence[Sequence[int]] = (),
-                   owners: Sequence[bool] | None = None) -> tuple[tuple[int, ...], SimResult, bool]:
+                   max_candidates: int | None = _MAX_CANDIDATES, include: Sequence[Sequence[int]] = ()
+                   ) -> tuple[tuple[int, ...], SimResult, bool]:
     """The partition of ``layers`` with the smallest simulated makespan for this slicing, among the candidates:
     every partition whose largest chunk work is within ``window`` of the min-max optimum (``math.inf``: all), at
     most ``max_candidates`` of them, plus ``include``. Returns (parts, its SimResult, exhaustive) where exhaustive
     means no candidate was cut by ``max_candidates`` (with ``window=inf`` the result is then the exact optimum).
-    ``owners``: one flag per layer; every candidate's chunks then each hold an owner layer (bf16: see the module
-    docstring), ``include`` entries that do not are dropped.
 
     Candidates are simulated in increasing order of a sound bound (a rank cannot finish before its own work), and
     the search stops once that bound reaches the best makespan found.
@@ -308,16 +259,13 @@ def best_partition(layers: Sequence[StageCost], slices: Sequence[int], *, num_ra
     units = num_microbatches
     work = layer_work(layers, slices, units, micro_batch_size)
     extra_work = float(layer_work(list(extra), slices, units, micro_batch_size).sum()) / v if extra else 0.0
-    opt, opt_parts = minmax_partition(work, num_chunks, extra_work, owners)
+    opt, opt_parts = minmax_partition(work, num_chunks, extra_work)
     cap = opt * (1.0 + window) if math.isfinite(window) else math.inf
     limit = max_candidates
-    found = list(enumerate_partitions(work, num_chunks, cap, extra_work, None if limit is None else limit + 1,
-                                      owners))
+    found = list(enumerate_partitions(work, num_chunks, cap, extra_work, None if limit is None else limit + 1))
     exhaustive = limit is None or len(found) <= limit
     found = found[:limit] if limit is not None else found
-    own = _owner_prefix(owners, len(layers), num_chunks)
-    included = [tuple(p) for p in include if _owned(p, own)]
-    candidates = list(dict.fromkeys([opt_parts, *included, *found]))
+    candidates = list(dict.fromkeys([opt_parts, *(tuple(p) for p in include), *found]))
     prefix = np.concatenate([[0.0], np.cumsum(work)])
     bounds = []
     for parts in candidates:
@@ -420,7 +368,7 @@ def plan_partition(layers: Sequence[StageCost], seq_len: int, *, num_ranks: int,
                    virtual_stages: int | None = None, first: int = 1, last: int = 1,
                    vocab_share: StageCost | None = None, max_slices: int | None = None,
                    window: float = _WINDOW, max_candidates: int | None = _MAX_CANDIDATES,
-                   max_rounds: int = _MAX_ROUNDS, owners: Sequence[bool] | None = None) -> PartitionPlan:
+                   max_rounds: int = _MAX_ROUNDS) -> PartitionPlan:
     """Layer boundaries and slicing that minimise the simulated step time of ``layers`` on ``num_ranks`` ranks.
 
     ``layers``: one cost per layer in model order (``presets.analytic_layer_costs``, or per-layer profiles).
@@ -430,9 +378,6 @@ def plan_partition(layers: Sequence[StageCost], seq_len: int, *, num_ranks: int,
     partition (compare ``plan.predicted_ms`` of two calls to see what VP buys).
     Slicing arguments are ``plan_slicing``'s. Alternates: best partition for the current slicing
     (:func:`best_partition`), best slicing for that partition, until no round improves by more than 1e-9.
-    ``owners``: one flag per entry of ``layers``; every chunk of the chosen partition then holds an owner layer
-    (bf16: see the module docstring; ValueError if none can). The naive layout stays the baseline ``speedup`` is
-    measured against, but is chosen only if it satisfies the flags.
     """
     num_ranks = check_int(num_ranks, "num_ranks", fix="pass the pipeline ranks")
     spec = get_schedule(schedule)
@@ -446,23 +391,19 @@ def plan_partition(layers: Sequence[StageCost], seq_len: int, *, num_ranks: int,
     naive = naive_partition(len(layers), num_ranks * v, first=first, last=last)
     naive_cost = chunk_costs(layers, naive, extra, 1.0 / v)
     naive_plan = plan_slicing(naive_cost, seq_len, **kw)
-    # the naive layout is where the search starts, unless it leaves a chunk without an owner layer
-    naive_ok = _owned(naive, _owner_prefix(owners, len(layers), num_ranks * v))
-    best_parts, best_plan, exhaustive = (naive, naive_plan, True) if naive_ok else (None, None, True)
+    best_parts, best_plan, exhaustive = naive, naive_plan, True
     slices = naive_plan.slices
-    for round_ in range(max_rounds if best_parts is not None else max(max_rounds, 1)):
+    for round_ in range(max_rounds):
         parts, _, exhaustive = best_partition(layers, slices, num_ranks=num_ranks, num_microbatches=num_microbatches,
                                               micro_batch_size=micro_batch_size, schedule=schedule,
                                               virtual_stages=v, extra=extra, window=window,
-                                              max_candidates=max_candidates,
-                                              include=[] if best_parts is None else [best_parts], owners=owners)
+                                              max_candidates=max_candidates, include=[best_parts])
         plan = plan_slicing(chunk_costs(layers, parts, extra, 1.0 / v), seq_len, **kw)
         logger.debug("plan_partition round %d: parts %s, %d slices, %.4g ms", round_, parts, plan.num_slices,
                      plan.predicted_ms)
-        if best_plan is not None and plan.predicted_ms >= best_plan.predicted_ms - 1e-9:
+        if plan.predicted_ms >= best_plan.predicted_ms - 1e-9:
             break
         best_parts, best_plan, slices = parts, plan, plan.slices
-    assert best_parts is not None and best_plan is not None
     cost = chunk_costs(layers, best_parts, extra, 1.0 / v)
     result = PartitionPlan(best_parts, best_plan, _busy(cost, best_plan), naive, naive_plan,
                            _busy(naive_cost, naive_plan), vocab_share is not None, exhaustive, cost)

@@ -2,9 +2,10 @@
 ``partition_method="terapipe"`` (layer kinds profiled at init, boundaries and slicing planned together, broadcast,
 cached) and ``"parts:..."`` (the user's own), trained 3 steps and compared with the single-process unsliced
 reference (loss, every gradient, parameters), under gpipe, 1f1b and interleaved-1f1b, and with ``vocab_parallel``
-under gpipe and 1f1b; each followed by the cache hit; then the refusals; then bf16: the cost-based partition of
-the same setting as the first case (its fp32 partition cached) gives every stage a layer with parameters of its
-own and trains, and a user's layout with the tied head alone on a stage is refused on every rank.
+under gpipe and 1f1b; each followed by the cache hit; then the refusals; then bf16 (DeepSpeed's BF16_Optimizer) with
+clipping by the global norm, against the fp32 reference: the cost-based partition of the same setting as the first
+case (its fp32 partition cached: the tied head alone on the last stage), and the user's ``parts:0,6,7`` (the same
+stage of tied copies only).
 ``extra``: ``dp``, ``cases`` ([schedule, slices, virtual stages(, vocab_parallel)]), ``zero_stage``.
 """
 
@@ -18,9 +19,10 @@ import torch
 
 import ds_terapipe
 from ds_terapipe.runtime.features import partition as _partition
-from ds_terapipe.models.gpt import GPTConfig, causal_lm_loss, gpt_layer_specs
+from ds_terapipe.models.gpt import GPTConfig, GPTReference, causal_lm_loss, gpt_layer_specs
 from tests.suites import suite
-from tests.suites.common import ENGINE_REF, STATUS, WORLD, compare, first_step_grads, make_batches, reference_step
+from tests.suites.common import (CLIP, ENGINE_REF, STATUS, WORLD, clip_result, compare, deltas, first_step_grads,
+                                 make_batches, master_weights, reference_step, train_steps)
 from tests.suites.common_vocab import vocab_compare
 
 # The head's measured points are made this much dearer before the partition is planned. Measured alone its margin
@@ -99,32 +101,33 @@ def _case(cfg: GPTConfig, terapipe: dict, method: str, *, stages: int, micro: in
             "param_worst": param_name, "covered": covered, "init_s": init_s}
 
 
-def _bf16_engine(cfg: GPTConfig, terapipe: dict, method: str, *, micro: int, batch: int, seq_len: int) -> Any:
+def _bf16_case(cfg: GPTConfig, terapipe: dict, method: str, *, micro: int, batch: int, seq_len: int,
+               steps: int = 3) -> dict:
+    """``method``'s layout trained under bf16 with clipping by the global norm (its every step clips), against the
+    fp32 unsliced reference clipped by torch's ``clip_grad_norm_``: losses, norms and the fp32 master weights' update
+    (tests/precision.py, tests/clipping.py); whether this rank's optimizer holds a parameter that is not a tied
+    copy (on a stage of tied copies only it lists no gradient for the norm)."""
+    batches = make_batches(cfg, steps * micro, batch, seq_len, seed=500)
+    reference = GPTReference(cfg)
+    ref_start = {n: p.detach().clone() for n, p in reference.named_parameters()}
+    ref_norms: list[float] = []
+    ref_losses, _, ref_params = reference_step(cfg, batches, steps, lr=0.1, momentum=0.9, model=reference,
+                                               max_norm=CLIP, norms=ref_norms)
     config = _config(dict(terapipe, seq_len=seq_len), micro=micro, batch=batch, dp=1, zero_stage=0)
-    config["bf16"] = {"enabled": True}   # DeepSpeed's BF16_Optimizer
+    config.update(bf16={"enabled": True}, gradient_clipping=CLIP)   # DeepSpeed's BF16_Optimizer clips
     model = _module(cfg, config, 2, method)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     engine, _, _, _ = ds_terapipe.initialize(model=model, optimizer=opt, config=config)
-    ENGINE_REF["engine"] = engine   # the engine's init refused a stage of tied copies only on every rank
-    return engine
-
-
-def _bf16_case(cfg: GPTConfig, terapipe: dict, *, micro: int, batch: int, seq_len: int) -> dict:
-    """The cost-based partition under bf16 (the head made dearer: unconstrained, it gets a stage alone), trained
-    2 steps; whether this rank's optimizer holds a parameter that is not a tied copy; the refusal of the user's
-    ``parts:0,6,7`` (the tied head alone on stage 1)."""
-    engine = _bf16_engine(cfg, terapipe, "terapipe", micro=micro, batch=batch, seq_len=seq_len)
-    data = iter(make_batches(cfg, 2 * micro, batch, seq_len, seed=500))
-    losses = [float(engine.train_batch(data)) for _ in range(2)]
+    ENGINE_REF["engine"] = engine
+    start = master_weights(engine)
+    losses, norms = train_steps(engine, iter(batches), steps)
+    update_err, update_worst, _ = compare(deltas(master_weights(engine), start), deltas(ref_params, ref_start),
+                                          engine.stage_id)
     owned = any(not p.ds_pipe_replicated for g in engine.optimizer.bf16_groups for p in g)
-    parts, report = list(engine.module.parts), engine.module.partition_report
     ENGINE_REF.pop("engine", None)
-    del engine
-    refused = _error(lambda: _bf16_engine(cfg, {"slices": [8, 24, 16], "schedule": "1f1b"}, "parts:0,6,7",
-                                          micro=micro, batch=batch, seq_len=seq_len))
-    ENGINE_REF.pop("engine", None)
-    return {"case": STATUS["case"], "parts": parts, "report": report, "loss": losses, "owned": owned,
-            "refused": refused}
+    return {**clip_result(STATUS["case"], engine, losses, norms, (ref_losses, ref_norms), (update_err, update_worst)),
+            "optimizer": type(engine.optimizer).__name__, "update_rel_err": update_err, "update_worst": update_worst,
+            "parts": list(model.parts), "report": model.partition_report, "owned": owned}
 
 
 def _error(run: Any) -> dict:
@@ -172,8 +175,11 @@ def suite_partition(extra: dict) -> list[dict]:
         no_seq_len = _error(lambda: ds_terapipe.partition_kwargs({"terapipe": {"enabled": True}}))
         results.append({"case": "refusals", "no_settings": no_settings, "bad_parts": bad_parts,
                         "no_seq_len": no_seq_len})
-        STATUS["case"] = "bf16"   # the first case's setting: its fp32 partition is in the cache
+        STATUS["case"] = "bf16 zero0 terapipe"   # the first case's setting: its fp32 partition is in the cache
         sched, slices, _ = first_case
         results.append(_bf16_case(cfg, {"slices": slices, "schedule": sched, "granularity": 8, "plan_cache": cache,
-                                        "profile": profile}, micro=2, batch=2, seq_len=48))
+                                        "profile": profile}, "terapipe", micro=2, batch=2, seq_len=48))
+        STATUS["case"] = "bf16 zero0 parts:0,6,7"   # the tied head alone on stage 1
+        results.append(_bf16_case(cfg, {"slices": [8, 24, 16], "schedule": "1f1b"}, "parts:0,6,7", micro=2, batch=2,
+                                  seq_len=48))
     return results

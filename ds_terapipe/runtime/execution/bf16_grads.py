@@ -126,9 +126,9 @@ def norm_of_no_gradient_is_zero(optimizer: Any) -> None:
     lists a gradient that is present, not ``ds_pipe_replicated``, and, since it sees the sequence ranks as
     tensor-parallel ones, on model rank 0 only. That is the right norm here (the engine has summed each gradient
     over the sequence ranks before the step, so they all hold the same one, and a tied weight's copies hold the
-    same gradient), but the list is empty on the other sequence ranks, and on a rank whose own layers are all
-    frozen (its only gradients those of tied copies, or none). Those get one zero instead, which adds nothing to
-    the sum.
+    same gradient), but the list is empty on the other sequence ranks, on a stage that holds only copies of tied
+    modules (the tied head alone), and on a rank whose own layers are all frozen (its only gradients those of tied
+    copies, or none). Those get one zero instead, which adds nothing to the sum.
     """
     listed = type(optimizer).get_grads_for_norm.__get__(optimizer)
 

@@ -78,7 +78,6 @@ from ...planner.schedule import Action, ScheduleError
 from ...planner.simulate import TimedAction
 from ...trace import events_to_chrome_trace
 from ..features.freeze import Freezer
-from ..features.partition import check_replicated_only
 from ..features.recompute import install_sliced_checkpointing
 from ..features.sharding import ShardedChunks, sharding_problem
 from ..features.vocab import VocabParallel
@@ -257,7 +256,6 @@ class TokenPipelineEngine(PlanSelection, BatchLoading, GradReduction, Checkpoint
         self._dp_identity_by_config = self._dp_reduce_identity_by_config()
         with self._failing_fast("engine init"):
             agree_or_raise(self._directories_problem(), ValueError, self.p2p, "the check of terapipe's directories")
-            check_replicated_only(self)  # bf16: a stage of tied copies only cannot step (features/partition.py)
             if self.using_bf16_optimizer:   # a rank listing no gradient for the norm adds a zero (bf16_grads.py)
                 norm_of_no_gradient_is_zero(self.optimizer)
             if self.terapipe.deferred_weight_grads:  # before profiling, which measures the split backward

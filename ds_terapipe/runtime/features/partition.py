@@ -24,13 +24,6 @@ gradient per slice, and its ``profile`` method raises NotImplementedError. This 
 * ``"parts:0,5,9,12"``: the user's own boundaries (DeepSpeed's ``parts``: stage s holds layers
   ``parts[s]:parts[s+1]``), checked.
 
-Under bf16 (``"bf16": {"enabled": true}``) every chunk of the cost-based partition holds an *owner* layer, one
-with trainable parameters of its own (:func:`layer_owners`). Why: DeepSpeed marks the copies of a tied module past
-the first stage that holds it ``ds_pipe_replicated``, and its ``BF16_Optimizer`` takes the gradient norm over a
-stage's other parameters; on a stage of tied copies only (the tied head alone: just what balancing a heavy head
-favours) that is the norm of no tensor, and the first step fails. Layouts the user chose (``"parts:..."``,
-DeepSpeed's methods) are checked at engine init instead (:func:`check_replicated_only`), on every rank together.
-
 The engine's ``slices: "auto"`` still profiles the chosen stages and plans their slicing as usual (the same
 planner, now from whole-stage measurements); the slicing chosen here is logged for comparison.
 Profiling builds extra layer instances under ``torch.random.fork_rng``, so the model's own weights are the same
@@ -55,13 +48,12 @@ from ...planner.cost import MeasuredCost
 from ...planner.partition import VocabShareCost, plan_partition
 from ...planner.registry import get_schedule
 from ..slicing.context import current_slice, slice_scope
-from ..execution.collective import agree_or_raise, mark_collective
+from ..execution.collective import mark_collective
 from ..planning.plan_cache import CacheEntry, load_cached, partition_cache_entry, store_partition
 from ..planning.profile import median_link, median_points, profile_stage
 from .vocab_cost import profiling_shard, share_runner, split_embedding_runner, time_links
 
-__all__ = ["TERAPIPE_METHOD", "PartitionSettings", "partition_kwargs", "custom_parts", "layer_kinds", "layer_owners",
-           "check_replicated_only"]
+__all__ = ["TERAPIPE_METHOD", "PartitionSettings", "partition_kwargs", "custom_parts", "layer_kinds"]
 
 logger = logging.getLogger(__name__)
 
@@ -77,10 +69,7 @@ class PartitionSettings:
     ``seq_len``: tokens per sequence; ``num_microbatches``: ``gradient_accumulation_steps``;
     ``micro_batch_size``: ``train_micro_batch_size_per_gpu``; ``schedule``, ``granularity``, ``max_slices``:
     as the ``terapipe`` keys; ``plan_cache``: the cache directory (None: no cache); ``slice_lengths``,
-    ``num_contexts``, ``warmup``, ``repeats``: the profiler's grid (``terapipe.profile``). ``owners_required``:
-    every chunk must hold a layer with parameters of its own (:func:`layer_owners`); set under bf16, where DeepSpeed's
-    BF16_Optimizer fails on a stage of tied copies only. It is part of the settings the cache is keyed by, so a
-    partition planned for fp32 is not reused for bf16.
+    ``num_contexts``, ``warmup``, ``repeats``: the profiler's grid (``terapipe.profile``).
     """
 
     seq_len: int
@@ -94,7 +83,6 @@ class PartitionSettings:
     num_contexts: int = 3
     warmup: int = 1
     repeats: int = 3
-    owners_required: bool = False
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "num_microbatches", "micro_batch_size", "granularity"):
@@ -119,15 +107,7 @@ class PartitionSettings:
                    schedule=cfg.schedule, granularity=cfg.granularity, max_slices=cfg.max_slices,
                    plan_cache=cfg.plan_cache,
                    slice_lengths=None if prof.slice_lengths is None else tuple(prof.slice_lengths),
-                   num_contexts=prof.num_contexts, warmup=prof.warmup, repeats=prof.repeats,
-                   owners_required=_bf16_enabled(ds_config))
-
-
-def _bf16_enabled(ds_config: dict) -> bool:
-    """Whether the DeepSpeed config trains in bf16 (read by DeepSpeed's own parser: ``bf16`` or ``bfloat16``)."""
-    from deepspeed.runtime.precision_config import get_bfloat16_config
-
-    return bool(get_bfloat16_config(ds_config).enabled)
+                   num_contexts=prof.num_contexts, warmup=prof.warmup, repeats=prof.repeats)
 
 
 def partition_kwargs(ds_config: dict) -> dict[str, Any]:
@@ -164,26 +144,6 @@ def layer_kinds(specs: Sequence[Any]) -> list[str]:
     return [_layer_kind(s) for s in specs]
 
 
-def layer_owners(specs: Sequence[Any], has_params: dict[str, bool], one_chunk_per_rank: bool) -> list[bool]:
-    """Per layer, whether its stage holds trainable parameters of it that are not ``ds_pipe_replicated``: what
-    DeepSpeed's BF16_Optimizer takes the gradient norm over (a stage with none fails its first step).
-
-    ``has_params``: per layer kind, whether an instance has trainable parameters (the profile builds each kind
-    once). A layer without them is no owner. A tied layer (``TiedLayerSpec``) owns its module only on the first
-    rank holding the key: DeepSpeed marks the copies on the others replicated. With one chunk per rank that rank
-    holds the key's first layer, so that layer is an owner; with virtual stages the first rank is not known before
-    the partition, so no tied layer counts (stricter than needed, never wrong).
-    """
-    owners, seen = [], set()
-    for spec, kind in zip(specs, layer_kinds(specs)):
-        own = bool(has_params[kind])
-        if isinstance(spec, TiedLayerSpec):
-            own = own and one_chunk_per_rank and spec.key not in seen
-            seen.add(spec.key)
-        owners.append(own)
-    return owners
-
-
 def _runner(spec: Any, device: torch.device, prepare: Optional[Any] = None) -> tuple[Any, list[torch.nn.Parameter]]:
     """A callable ``x -> y`` running one instance of the layer, and its parameters; ``prepare(module)`` changes
     a built instance first (the split input embedding under vocabulary parallelism)."""
@@ -213,8 +173,7 @@ def _profile_kinds(module: "torch.nn.Module", settings: PartitionSettings, devic
     """This rank's points per layer kind (``{"kinds": {kind: points}}``), in the cost-file format. With vocabulary
     parallelism (``shard``: this rank's head shard, ``split``: the input embedding split with it, or None) the
     layers run as they will (the last one without the loss, the split embedding without its table) and
-    ``"share"`` holds the points of this rank's vocabulary work per slice (``runtime/features/vocab_cost.py``).
-    ``"params"``: per kind, whether its instance has trainable parameters (:func:`layer_owners`)."""
+    ``"share"`` holds the points of this rank's vocabulary work per slice (``runtime/features/vocab_cost.py``)."""
     specs = module._layer_specs
     kinds = layer_kinds(specs)
     seq_len, batch = settings.seq_len, settings.micro_batch_size
@@ -247,13 +206,12 @@ def _profile_kinds(module: "torch.nn.Module", settings: PartitionSettings, devic
             if kind == last and shard is None and module.loss_fn is not None and labels is not None:
                 run = _with_loss(run, module.loss_fn, labels.to(device))
             points[kind] = profile(run, params, inputs[kind])
-        has_params = {kind: any(p.requires_grad for p in params) for kind, (_, params) in runners.items()}
         if shard is None:
-            return {"kinds": points, "params": has_params}
+            return {"kinds": points}
         if labels is None:
             labels = torch.randint(0, shard.vocab_size, (batch, seq_len), generator=gen)
         run, params = share_runner(shard, labels.to(device), ids, table)
-        return {"kinds": points, "params": has_params, "share": profile(run, params, x), "hidden": int(x.shape[-1])}
+        return {"kinds": points, "share": profile(run, params, x), "hidden": int(x.shape[-1])}
 
 
 def _naive_ends(kinds: Sequence[str]) -> tuple[int, int]:
@@ -284,9 +242,7 @@ def _cache_entry(module: "torch.nn.Module", settings: PartitionSettings, kinds: 
                  num_chunks: int) -> CacheEntry:
     material = {"kinds": kinds, "num_ranks": module.num_stages, "num_chunks": num_chunks,
                 "placement": list(module.placement), "world": dist.get_world_size(),
-                # owners_required only when set: the partitions cached without it keep their keys
-                "settings": {k: v for k, v in asdict(settings).items()
-                             if k != "plan_cache" and (k != "owners_required" or v)},
+                "settings": {k: v for k, v in asdict(settings).items() if k != "plan_cache"},
                 "loss": getattr(module.loss_fn, "__qualname__", repr(module.loss_fn)),
                 "vocab_parallel": None if module.vocab_head_spec is None else
                 _layer_kind(module.vocab_head_spec.layer),
@@ -349,15 +305,11 @@ def _cost_partition(module: "torch.nn.Module", num_chunks: int) -> tuple[tuple[i
                                    head_is_shard=True, split_embedding=split is not None)
             last += 1  # plan_partition's naive layout counts the head among the last chunk's pinned layers
             stored = {"vocab_share": share_points, "links": link, "split_embedding": split is not None}
-        owners = None
-        if settings.owners_required:   # bf16: no stage of tied copies only
-            owners = layer_owners(module._layer_specs, gathered[0][1]["params"], v == 1)
-            stored["owners"] = owners
         plan = plan_partition([costs[k] for k in kinds], settings.seq_len, num_ranks=num_ranks,
                               num_microbatches=settings.num_microbatches,
                               micro_batch_size=settings.micro_batch_size, granularity=settings.granularity,
                               schedule=settings.schedule, virtual_stages=v, first=first, last=last,
-                              vocab_share=share, max_slices=settings.max_slices, owners=owners)
+                              vocab_share=share, max_slices=settings.max_slices)
         report = {**plan.to_dict(), "source": "profiled"}
         store_partition(entry, report, {"layer_kinds": kinds, "points": points, **stored})
         return report
@@ -404,43 +356,3 @@ def custom_parts(module: "torch.nn.Module", method: Union[str, Any], num_chunks:
                     report["slices"], report["predicted_ms"], report["naive_ms"], report["speedup"],
                     [round(b, 3) for b in report["busy_ms"]], report["imbalance"], report["naive_imbalance"])
     return parts
-
-
-# --------------------------------------------------------------------------------------------------------------
-# A stage of tied copies only, under bf16
-
-def _layer_name(spec: Any) -> str:
-    if isinstance(spec, TiedLayerSpec):
-        return f"{spec.typename.__name__} (tied {spec.key!r})"
-    if isinstance(spec, LayerSpec):
-        return spec.typename.__name__
-    return type(spec).__name__ if isinstance(spec, torch.nn.Module) else getattr(spec, "__qualname__", repr(spec))
-
-
-def _replicated_only_problem(engine: Any) -> Optional[str]:
-    """Why this rank's BF16_Optimizer cannot step (rule, value, fix), or None."""
-    params = [p for group in engine.optimizer.bf16_groups for p in group]
-    if any(not getattr(p, "ds_pipe_replicated", False) for p in params):
-        return None
-    module = engine.module
-    bounds = getattr(module, "chunk_bounds", None) or [(module._local_start, module._local_stop)]
-    layers = ", ".join(f"{i} {_layer_name(module._layer_specs[i])}" for a, b in bounds for i in range(a, b))
-    return (f"terapipe: with bf16, pipeline stage {engine.stage_id} holds layers [{layers}] (parts "
-            f"{[int(x) for x in module.parts]}) and no parameters of its own: all its parameters are copies of tied "
-            "modules (ds_pipe_replicated), which DeepSpeed's BF16_Optimizer leaves out of the gradient norm, so its "
-            "first step would take the norm of no tensor and fail; give every stage a layer with parameters of its "
-            "own (another partition: partition_method=\"terapipe\" does so under bf16, or \"parts:...\" with the "
-            "tied layer next to another layer), or train in fp32")
-
-
-def check_replicated_only(engine: Any) -> None:
-    """Refuse at init, on every rank together, a stage whose parameters under DeepSpeed's BF16_Optimizer are all
-    pipeline-replicated (only tied copies, e.g. the tied head alone): the optimizer's first step would fail there
-    taking the gradient norm of no tensor, and the other ranks would wait for it. Any partition method.
-
-    Collective when the optimizer is DeepSpeed's BF16_Optimizer (its ``bf16_groups``: the same on every rank, from
-    the same config); nothing to do, and no collective, otherwise."""
-    if not hasattr(engine.optimizer, "bf16_groups"):
-        return
-    agree_or_raise(_replicated_only_problem(engine), ValueError, getattr(engine, "p2p", None),
-                   "the check of every stage's bf16 parameters")
