@@ -237,6 +237,9 @@ def verdict(case: dict, per_rank: list[Optional[dict]], log_tail: str = "") -> d
     if over or missing or steps:
         where = {k: max(per_rank, key=lambda r: r.get(f"{k}_err", 0.0)).get(f"{k}_worst") for k in over
                  if k in ("grad", "param", "update")}
+        if "copies" in over:   # the tensor whose copies (replicas, tied copies) disagree most, and its two ranks
+            where["copies"] = max(((r.get(f"{k}_copies_err", 0.0), r.get(f"{k}_copies_worst")) for r in per_rank
+                                   for k in ("grad", "param")), key=lambda pair: pair[0])[1]
         return {**out, "outcome": "FAIL", "why": f"off {over} at {where}" + (f"; never compared: {missing}"
                                                                                if missing else "")
                 + "".join(f"; {line}" for line in steps[:2]), "losses": per_rank[0]["losses"], "ref_losses": ref_losses}

@@ -302,7 +302,7 @@ def run_case(case: dict, out_dir: Path) -> dict[str, Any]:
             out["losses"] = [step(0)]
         if not half and case["zero"] == 0 and ref["grads"][0]:   # ZeRO 1 keeps reduced gradients in its partitions
             phase = "compare"
-            got, out["grad_copies_err"] = whole_model(engine, grads)
+            got, out["grad_copies_err"], out["grad_copies_worst"] = whole_model(engine, grads)
             out["grad_err"], out["grad_worst"], out["grads_missing"] = compare_whole(got, ref["grads"][0])
         if case.get("resume"):   # saved after the first step, the second run by a new engine that loads it
             phase = "checkpoint"
@@ -317,11 +317,12 @@ def run_case(case: dict, out_dir: Path) -> dict[str, Any]:
         out["step_slices"] = [list(map(int, s)) for s in getattr(engine, "step_slices", [])]
         phase = "compare"
         if half:   # half precision cannot show an update below its rounding: the fp32 master weights' change
-            got, out["param_copies_err"] = whole_model(engine, master_weights(engine))
+            got, out["param_copies_err"], out["param_copies_worst"] = whole_model(engine, master_weights(engine))
             out["update_err"], out["update_worst"], out["missing"] = compare_whole(
                 deltas(got, start), deltas(ref["params"], ref_start))
         else:
-            got, out["param_copies_err"] = whole_model(engine, dict(engine.module.named_parameters()))
+            got, out["param_copies_err"], out["param_copies_worst"] = whole_model(
+                engine, dict(engine.module.named_parameters()))
             out["param_err"], out["param_worst"], out["missing"] = compare_whole(got, ref["params"])
         if case["eval"]:
             phase = "eval"
@@ -338,12 +339,13 @@ def run_case(case: dict, out_dir: Path) -> dict[str, Any]:
     return out
 
 
-def whole_model(engine: Any, named: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], float]:
+def whole_model(engine: Any, named: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], float, str]:
     """Every rank's ``named`` tensors gathered on every rank (collective), under the reference's names: a
     vocabulary-parallel shard joins its table (its rows of all ranks, under ``"<table>#rows"`` where the table's
     own tensor exists too). So a comparison does not depend on the layout, which a repack changes mid-run. Also
     the largest relative difference between two ranks' copies of one tensor (replicas, tied copies): 0 when the
-    copies agree. The head stage's copy of the tied embedding's position table is left out (unused)."""
+    copies agree, and where (the tensor, the two ranks). The head stage's copy of the tied embedding's position
+    table is left out (unused)."""
     split = reference_rows(engine)
     has_embed = 0 in engine.local_chunks
     mine: list[tuple[str, int, torch.Tensor]] = []
@@ -357,17 +359,20 @@ def whole_model(engine: Any, named: dict[str, torch.Tensor]) -> tuple[dict[str, 
     parts: list = [None] * WORLD
     torch.distributed.all_gather_object(parts, mine)
     copies: dict[str, dict[int, torch.Tensor]] = {}
-    disagree = 0.0
-    for part in parts:
+    disagree, where = 0.0, ""
+    holder: dict[tuple[str, int], int] = {}
+    for rank, part in enumerate(parts):
         for name, offset, value in part:
             seen = copies.setdefault(name, {})
             if offset in seen:
-                disagree = max(disagree, rel_err(value, seen[offset]))
-            seen[offset] = value
+                err = rel_err(value, seen[offset])
+                if err > disagree:
+                    disagree, where = err, f"{name} (ranks {holder[name, offset]} and {rank})"
+            seen[offset], holder[name, offset] = value, rank
     out = {name: pieces[-1] if -1 in pieces else torch.cat([pieces[o] for o in sorted(pieces)])
            for name, pieces in copies.items()}
     return {(n.removesuffix("#rows") if n.endswith("#rows") and n.removesuffix("#rows") not in out else n): t
-            for n, t in out.items()}, disagree
+            for n, t in out.items()}, disagree, where
 
 
 def compare_whole(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]
