@@ -5,7 +5,7 @@
   order can show it).
 * On an accelerator the prefix-causal mask is a lazy lower-right ``CausalBias`` (fused SDPA kernels stay
   eligible), and that form gives the same outputs and gradients as the CPU's additive mask, sliced attention
-  included.
+  included; it is made outside an active ``TorchDispatchMode`` (torch cannot make it inside one).
 
 The collectives' devices are checked with processes: tests/test_device_collectives.py.
 """
@@ -78,6 +78,28 @@ def test_accelerator_mask_is_a_lazy_lower_right_causal_bias(device: str) -> None
     assert isinstance(bias, CausalBias) and bias.variant == CausalVariant.LOWER_RIGHT
     assert (bias.seq_len_q, bias.seq_len_kv) == (24, 40)
     assert devices.prefix_causal_bias(16, 40, torch.device("cpu")) is None  # CPU keeps the cached additive mask
+
+
+def test_the_bias_is_made_under_a_dispatch_mode_and_attention_runs_under_it() -> None:
+    """torch cannot make a CausalBias while a TorchDispatchMode runs (FlopCounterMode, a kernel counter); the
+    bias is made outside the mode, and SDPA with it still runs, and is seen, under the mode."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            Count.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, n, 8, generator=gen) for n in (4, 8, 8))
+    with Count():
+        bias = devices.prefix_causal_bias(4, 8, torch.device("cuda"))   # metadata only: nothing on the device
+        assert isinstance(bias, CausalBias) and (bias.seq_len_q, bias.seq_len_kv) == (4, 8)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=devices.lower_right_bias(4, 8))
+    assert Count.calls > 0
+    assert torch.equal(out, F.scaled_dot_product_attention(q, k, v, attn_mask=bias))
 
 
 @pytest.mark.parametrize("start, end", [(1, 2), (8, 24), (16, 20), (5, 40)])

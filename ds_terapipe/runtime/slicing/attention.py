@@ -52,9 +52,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import blocks as blocks_mod
-from .blocks import block_attention, causal_lower_right, fused_ok, gqa_kwargs, prefix_blocks, sdpa_blocks
+from .blocks import block_attention, fused_ok, gqa_kwargs, prefix_blocks, sdpa_blocks
 from .context import KVBuffers, SliceContext, current_slice
-from .devices import prefix_causal_bias
+from .devices import lower_right_bias, prefix_causal_bias
 from .documents import Documents, causal_visible, chunked_documents, current_documents, slice_positions
 from .sequence import gather_heads, scatter_heads
 
@@ -341,7 +341,7 @@ def _sinks_as_key(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sin
     wide_k[:, :, 0, head_dim] = 1.0 / scale
     wide_v = values.new_zeros(batch, kv_heads, values.shape[2] + 1, width)
     wide_v[:, :, 1:, :values.shape[-1]] = values
-    out = F.scaled_dot_product_attention(wide_q, wide_k, wide_v, attn_mask=causal_lower_right(tokens, wide_k.shape[2]),
+    out = F.scaled_dot_product_attention(wide_q, wide_k, wide_v, attn_mask=lower_right_bias(tokens, wide_k.shape[2]),
                                          dropout_p=dropout_p, scale=scale, **gqa_kwargs(q, keys, values))
     return out[..., :values.shape[-1]]
 

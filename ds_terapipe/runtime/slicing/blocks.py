@@ -48,6 +48,8 @@ try:  # torch >= 2.3
 except ImportError:  # pragma: no cover - older torch: the dense mask everywhere
     causal_lower_right = None
 
+from .devices import lower_right_bias
+
 __all__ = ["Block", "MAX_BLOCKS", "MIN_PREFIX_TOKENS", "block_attention", "fused_ok", "gqa_kwargs", "on_accelerator",
            "prefix_blocks", "sdpa_blocks"]
 
@@ -150,7 +152,7 @@ def sdpa_blocks(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, block
         if attend is not None:
             o = attend(qb, kb, vb)
         elif b.p0 < b.k0:
-            o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=causal_lower_right(b.q1 - b.q0, b.k1 - b.p0),
+            o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=lower_right_bias(b.q1 - b.q0, b.k1 - b.p0),
                                                dropout_p=dropout_p, scale=scale, **gqa)
         else:
             o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, dropout_p=dropout_p, scale=scale, **gqa)

@@ -22,12 +22,14 @@ from typing import Optional
 import torch
 from deepspeed.accelerator import get_accelerator
 
+from torch.utils._python_dispatch import _disable_current_modes
+
 try:  # torch >= 2.3
     from torch.nn.attention.bias import CausalBias, causal_lower_right
 except ImportError:  # pragma: no cover - older torch: the additive mask everywhere
     CausalBias, causal_lower_right = None, None
 
-__all__ = ["prefix_causal_bias", "synchronize", "synchronized_ms"]
+__all__ = ["lower_right_bias", "prefix_causal_bias", "synchronize", "synchronized_ms"]
 
 
 def synchronize() -> None:
@@ -41,6 +43,15 @@ def synchronized_ms() -> float:
     return time.time() * 1e3
 
 
+def lower_right_bias(queries: int, keys: int) -> "CausalBias":
+    """torch's lazy causal bias aligned to the lower right, ``queries`` over ``keys``, made outside any active
+    ``TorchDispatchMode``: torch cannot make the ``CausalBias`` tensor subclass while one runs (FlopCounterMode, a
+    kernel counter: "Creating a new Tensor subclass CausalBias but the raw Tensor object is already associated"),
+    and the bias holds no data, so the mode misses nothing; the attention that takes it runs under the mode."""
+    with _disable_current_modes():
+        return causal_lower_right(queries, keys)
+
+
 def prefix_causal_bias(start: int, end: int, device: torch.device) -> Optional["CausalBias"]:
     """For an accelerator, the mask of a slice's queries ``[start, end)`` over keys ``[0, end)`` as a lazy
     ``CausalBias`` (query row r sees keys ``<= start + r``: causal aligned to the lower right), so SDPA can
@@ -51,4 +62,4 @@ def prefix_causal_bias(start: int, end: int, device: torch.device) -> Optional["
     """
     if device.type == "cpu" or causal_lower_right is None:
         return None
-    return causal_lower_right(end - start, end)
+    return lower_right_bias(end - start, end)
