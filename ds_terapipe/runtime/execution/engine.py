@@ -208,6 +208,8 @@ class TokenPipelineEngine(PlanSelection, BatchLoading, GradReduction, Checkpoint
         undo_construction_step(self.optimizer)   # fp16 at ZeRO 0: the step DeepSpeed took on zero gradients
         VocabParallel.check_engine(self)
         mark_replicated_grads(self.optimizer)   # fp16 at ZeRO 0: its norm skips tied copies (runtime/execution/clip.py)
+        if self.using_bf16_optimizer:   # a rank listing no gradient for the norm adds a zero (bf16_grads.py)
+            norm_of_no_gradient_is_zero(self.optimizer)
         problem = loss_fn_problem(self.module)   # trained loss parameters no checkpoint would hold
         if problem:
             raise ValueError(problem)
@@ -256,8 +258,6 @@ class TokenPipelineEngine(PlanSelection, BatchLoading, GradReduction, Checkpoint
         self._dp_identity_by_config = self._dp_reduce_identity_by_config()
         with self._failing_fast("engine init"):
             agree_or_raise(self._directories_problem(), ValueError, self.p2p, "the check of terapipe's directories")
-            if self.using_bf16_optimizer:   # a rank listing no gradient for the norm adds a zero (bf16_grads.py)
-                norm_of_no_gradient_is_zero(self.optimizer)
             if self.terapipe.deferred_weight_grads:  # before profiling, which measures the split backward
                 count = enable_deferred_weight_grads(self.module)
                 logger.info("terapipe: stage %d defers the weight gradients of %d nn.Linear module(s)",

@@ -43,12 +43,7 @@ from typing import Callable, NamedTuple, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-try:  # torch >= 2.3
-    from torch.nn.attention.bias import causal_lower_right
-except ImportError:  # pragma: no cover - older torch: the dense mask everywhere
-    causal_lower_right = None
-
-from .devices import lower_right_bias
+from .devices import causal_lower_right, lower_right_bias   # causal_lower_right: None on a torch without it
 
 __all__ = ["Block", "MAX_BLOCKS", "MIN_PREFIX_TOKENS", "block_attention", "fused_ok", "gqa_kwargs", "on_accelerator",
            "prefix_blocks", "sdpa_blocks"]
