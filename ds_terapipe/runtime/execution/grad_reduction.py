@@ -2,8 +2,9 @@
 
 What it owns: the instructions after the schedule (``ReduceTiedGrads``, ``ReduceGrads``, ``OptimizerStep``) as
 the TokenPipelineEngine runs them: the step's deferred weight gradients handed to ``.grad`` once, before anything
-reads them; the sums over a stage's sequence ranks, over tied weights (with the vocabulary shards' exchange) and
-over data-parallel replicas, DeepSpeed's skipped where it is an exact identity; clipping by the whole model's
+reads them; the sums over a stage's sequence ranks, over data-parallel replicas (DeepSpeed's, skipped where it is
+an exact identity) and over tied weights (with the vocabulary shards' exchange; after the data-parallel average
+where that keeps the copies equal); clipping by the whole model's
 norm; the fp16 scale moved once the step has used it. Also the Linears' gradient accumulation inside their GEMMs
 (on unless something hooks every accumulation), and the step's loss: summed over the sequence ranks, then
 DeepSpeed's aggregation under the engine's deadlines and abort flag.
@@ -67,6 +68,12 @@ class GradReduction:
             for weight, _ in self.module.get_tied_weights_and_groups():
                 if not weight.requires_grad and not hasattr(weight, "_hp_grad"):
                     weight._hp_grad = None   # DeepSpeed's reduction skips it, as on every rank that holds it
+        if not self._tied_sum_after_dp:
+            self._sum_tied_grads()
+
+    def _sum_tied_grads(self) -> None:
+        """DeepSpeed's sum of each tied weight's gradient over the ranks that hold a copy (with the vocabulary
+        shards' exchange)."""
         super()._exec_reduce_tied_grads()
         if self._vocab is not None:
             self._vocab.reduce_tied_grads()
@@ -77,9 +84,40 @@ class GradReduction:
             self.sharded.finish_step()
             return
         self._reduce_sequence_grads()
-        if self._dp_reduce_is_identity():
-            return
-        super()._exec_reduce_grads()
+        if not self._dp_reduce_is_identity():
+            super()._exec_reduce_grads()
+        if self._tied_sum_after_dp:
+            self._sum_tied_grads()
+
+    def _tied_sum_after_dp_by_config(self) -> bool:
+        """Whether the tied weights' sum runs after the data-parallel reduction (in ``ReduceGrads``) instead of
+        before it (DeepSpeed's order, in ``ReduceTiedGrads``); decided once at init.
+
+        Why: the copies of a tied weight must stay equal bit for bit. In DeepSpeed's order each stage averages
+        its copy's (already summed, equal) gradient over its replicas inside its own buckets, where the weight
+        lies at a different offset, so the all-reduce may add the replicas in another order on each stage: with 3
+        or more replicas the copies drift apart by rounding (measured: 1.8e-4 relative after 3 bf16 steps at 2
+        stages x 4 replicas). Summed after the average, the copies get one all-reduce's result, the same on every
+        rank of the tied group; the sum is linear, so the gradient is the same up to rounding. Possible where the
+        data-parallel reduction leaves every replica the whole gradient: ZeRO 0 and DeepSpeed's bf16 optimizer
+        (ZeRO 0 and 1). ZeRO 1's fp32/fp16 optimizer keeps only its partition of the reduced gradient, at offsets
+        that differ per stage, so there the order stays DeepSpeed's, with a warning where it drifts."""
+        if self.terapipe.shard_params:   # the reduce-scatter ran in the schedule already: dp, then tied
+            return False
+        if self.using_bf16_optimizer or self.zero_optimization_stage() == 0:
+            return True
+        replicas = self.grid.data_parallel_size
+        tied = self.module.get_tied_weights_and_groups()
+        if tied and replicas > 2:
+            logger.warning("terapipe: stage %d holds a copy of %d weight(s) tied across stages; ZeRO %d's optimizer "
+                           "(%s) averages each copy over the %d replicas in its own buckets, which may add them in "
+                           "another order on each stage, so the copies drift apart by rounding (measured after 3 "
+                           "steps at 4 replicas: 2e-4 relative in bf16, 1e-8 in fp32). To keep them equal bit for "
+                           "bit, use ZeRO 0, or with bf16 set \"data_types\": {\"grad_accum_dtype\": \"fp32\"} "
+                           "(DeepSpeed's bf16 optimizer): there the engine sums the tied weights after the average",
+                           self.stage_id, len(tied), self.zero_optimization_stage(), type(self.optimizer).__name__,
+                           replicas)
+        return False
 
     def _exec_optimizer_step(self, *args: Any, **kwargs: Any) -> None:
         self._hand_over_weight_grads()
