@@ -34,7 +34,9 @@ class _Engine(GradReduction, _DeepSpeed):
                  replicas: int = 2, tied: int = 0) -> None:
         self.calls: list[str] = []
         self.grid = SimpleNamespace(data_parallel_size=replicas)
-        self._tied = [(object(), None)] * tied
+        # one key held by this rank and another (``tied``), one held by this rank alone: DeepSpeed lists both
+        self._tied = {"embed": {"ranks": [0, 1]}} if tied else {}
+        self._tied["alone"] = {"ranks": [0]}
         self.terapipe = SimpleNamespace(shard_params=shard_params)
         self.using_bf16_optimizer = bf16
         self._zero = zero
@@ -50,7 +52,7 @@ class _Engine(GradReduction, _DeepSpeed):
 
     @property
     def module(self) -> SimpleNamespace:
-        return SimpleNamespace(get_tied_weights_and_groups=lambda: self._tied)
+        return SimpleNamespace(get_tied_weights_and_groups=lambda: [], tied_comms=self._tied)
 
     def tail(self) -> list[str]:
         self._exec_reduce_tied_grads()
@@ -73,11 +75,14 @@ def test_tied_sum_runs_with_one_replica_too():
     assert _Engine(zero=0, bf16=False, one_replica=True).tail() == ["tied"]
 
 
-@pytest.mark.parametrize("replicas, zero, warned", [(3, 1, True), (2, 1, False), (4, 0, False)])
-def test_a_tied_copy_left_to_drift_is_warned_about(replicas, zero, warned, caplog):
+@pytest.mark.parametrize("replicas, zero, tied, warned", [(3, 1, 1, True), (2, 1, 1, False), (4, 0, 1, False),
+                                                           (4, 1, 0, False)])
+def test_a_tied_copy_left_to_drift_is_warned_about(replicas, zero, tied, warned, caplog):
     """ZeRO 1's optimizer with 3 or more replicas keeps DeepSpeed's order, where the copies may drift: said once, at
-    init, with the two settings that keep them equal (2 replicas add in one order: a + b = b + a)."""
+    init, with the two settings that keep them equal (2 replicas add in one order: a + b = b + a). A tied key one
+    rank holds alone has no copy to drift from."""
     with caplog.at_level(logging.WARNING, logger="ds_terapipe.runtime.execution.engine"):
-        _Engine(zero=zero, bf16=False, replicas=replicas, tied=1)
+        _Engine(zero=zero, bf16=False, replicas=replicas, tied=tied)
     text = " ".join(r.getMessage() for r in caplog.records)
     assert ("drift apart" in text and "grad_accum_dtype" in text and "ZeRO 0" in text) == warned, text
+    assert "'alone'" not in text

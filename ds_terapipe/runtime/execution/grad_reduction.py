@@ -100,23 +100,25 @@ class GradReduction:
         stages x 4 replicas). Summed after the average, the copies get one all-reduce's result, the same on every
         rank of the tied group; the sum is linear, so the gradient is the same up to rounding. Possible where the
         data-parallel reduction leaves every replica the whole gradient: ZeRO 0 and DeepSpeed's bf16 optimizer
-        (ZeRO 0 and 1). ZeRO 1's fp32/fp16 optimizer keeps only its partition of the reduced gradient, at offsets
-        that differ per stage, so there the order stays DeepSpeed's, with a warning where it drifts."""
+        (ZeRO 0 and 1). ZeRO 1's own optimizer (fp32, fp16, bf16 accumulating in bf16) keeps only its partition of
+        the reduced gradient, at offsets that differ per stage, so there the order stays DeepSpeed's, with a warning
+        where it drifts."""
         if self.terapipe.shard_params:   # the reduce-scatter ran in the schedule already: dp, then tied
             return False
         if self.using_bf16_optimizer or self.zero_optimization_stage() == 0:
             return True
         replicas = self.grid.data_parallel_size
-        tied = self.module.get_tied_weights_and_groups()
+        # the tied keys held on more than one rank (DeepSpeed lists a key that one rank holds alone too)
+        tied = [key for key, comm in self.module.tied_comms.items() if len(comm["ranks"]) > 1]
         if tied and replicas > 2:
-            logger.warning("terapipe: stage %d holds a copy of %d weight(s) tied across stages; ZeRO %d's optimizer "
-                           "(%s) averages each copy over the %d replicas in its own buckets, which may add them in "
-                           "another order on each stage, so the copies drift apart by rounding (measured after 3 "
-                           "steps at 4 replicas: 2e-4 relative in bf16, 1e-8 in fp32). To keep them equal bit for "
-                           "bit, use ZeRO 0, or with bf16 set \"data_types\": {\"grad_accum_dtype\": \"fp32\"} "
-                           "(DeepSpeed's bf16 optimizer): there the engine sums the tied weights after the average",
-                           self.stage_id, len(tied), self.zero_optimization_stage(), type(self.optimizer).__name__,
-                           replicas)
+            logger.warning("terapipe: stage %d holds a copy of tied %s, also held by another stage; ZeRO %d's "
+                           "optimizer (%s) averages each copy over the %d replicas in its own buckets, which may add "
+                           "them in another order on each stage, so the copies drift apart by rounding (measured "
+                           "after 3 steps at 4 replicas: 2e-4 relative in bf16, 1e-8 in fp32). To keep them equal "
+                           "bit for bit, use ZeRO 0, or with bf16 set \"data_types\": {\"grad_accum_dtype\": "
+                           "\"fp32\"} (DeepSpeed's bf16 optimizer): there the engine sums the tied weights after the "
+                           "average", self.stage_id, ", ".join(map(repr, tied)), self.zero_optimization_stage(),
+                           type(self.optimizer).__name__, replicas)
         return False
 
     def _exec_optimizer_step(self, *args: Any, **kwargs: Any) -> None:
