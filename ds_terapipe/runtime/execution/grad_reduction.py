@@ -4,10 +4,10 @@ What it owns: the instructions after the schedule (``ReduceTiedGrads``, ``Reduce
 the TokenPipelineEngine runs them: the step's deferred weight gradients handed to ``.grad`` once, before anything
 reads them; the sums over a stage's sequence ranks, over data-parallel replicas (DeepSpeed's, skipped where it is
 an exact identity) and over tied weights (with the vocabulary shards' exchange; after the data-parallel average
-where that keeps the copies equal); clipping by the whole model's
-norm; the fp16 scale moved once the step has used it. Also the Linears' gradient accumulation inside their GEMMs
-(on unless something hooks every accumulation), and the step's loss: summed over the sequence ranks, then
-DeepSpeed's aggregation under the engine's deadlines and abort flag.
+where that keeps the copies equal); clipping by the whole model's norm; the fp16 scale moved once the step has
+used it. Also the Linears' gradient accumulation inside their GEMMs (on unless something hooks every
+accumulation), and the step's loss: summed over the sequence ranks, then DeepSpeed's aggregation under the
+engine's deadlines and abort flag.
 
 Why apart from the engine's core: the core runs slices; this runs once per step over whole gradients, extending
 DeepSpeed's own handlers (each ``super()`` reaches ``PipelineEngine``'s), and the rules that keep it exact (when
