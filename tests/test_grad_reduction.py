@@ -1,8 +1,10 @@
 """The order of a step's gradient sums (``runtime/execution/grad_reduction.py``): where the data-parallel
 reduction leaves every replica the whole gradient (ZeRO 0, DeepSpeed's bf16 optimizer), the tied weights are
-summed after it, so every copy of a tied weight gets one all-reduce's result; elsewhere DeepSpeed's order stays.
-Copies that drift apart show only with 3 or more replicas (world 6 or more, too many processes for the suite);
-the fuzzer checks them bit for bit (``copies``; 1.8e-4 apart in the tied order, 0 after the average)::
+summed after it, so every copy of a tied weight gets one all-reduce's result; under ZeRO 1's own optimizer with 3
+or more replicas, the copies are summed over the replicas onto the first one, tied-summed there alone and zeroed
+elsewhere before DeepSpeed's average; fp16 there, and 2 replicas, keep DeepSpeed's order. Copies that drift apart
+show only with 3 or more replicas (world 6 or more, too many processes for the suite); the fuzzer checks them bit
+for bit (``copies``; 1.8e-4 apart in DeepSpeed's order, 0 in the engine's; ``"zero": 1`` for the first replica)::
 
     python -m tests.fuzz --world 8 --case '{"stages": 2, "layers": 2, "vocab": 63, "slices": 1, "granularity": 8,
         "micro": 3, "precision": "bf16", "steps": 3}'
@@ -11,7 +13,9 @@ import logging
 from types import SimpleNamespace
 
 import pytest
+import torch
 
+from ds_terapipe.runtime.execution import grad_reduction
 from ds_terapipe.runtime.execution.grad_reduction import GradReduction
 
 
@@ -25,34 +29,61 @@ class _DeepSpeed:
         self.calls.append("data-parallel")
 
 
+class _Dist:
+    """``torch.distributed`` as the first-replica sum calls it: the reduce onto the first replica multiplies by
+    the replicas' count (as if every replica held the same gradient) on that replica, and is recorded."""
+
+    def __init__(self, engine: "_Engine") -> None:
+        self.engine = engine
+
+    def get_global_rank(self, group: str, rank: int) -> int:
+        return 10 + rank
+
+    def reduce(self, tensor, dst, group, async_op):
+        assert tensor.dtype == torch.float32 and dst == 10 and group == "dp" and async_op
+        self.engine.calls.append("reduce")
+        if self.engine.grid.data_parallel_id == 0:
+            tensor.mul_(self.engine.grid.data_parallel_size)
+        return "work"
+
+
 class _Engine(GradReduction, _DeepSpeed):
     sharded = sequence = _vocab = freezer = None
 
     stage_id, optimizer = 0, object()
 
     def __init__(self, *, zero: int, bf16: bool, shard_params: bool = False, one_replica: bool = False,
-                 replicas: int = 2, tied: int = 0) -> None:
+                 replicas: int = 2, tied: int = 0, fp16: bool = False, replica: int = 0) -> None:
         self.calls: list[str] = []
-        self.grid = SimpleNamespace(data_parallel_size=replicas)
+        self.grid = SimpleNamespace(data_parallel_size=replicas, data_parallel_id=replica,
+                                    get_data_parallel_group=lambda: "dp")
         # one key held by this rank and another (``tied``), one held by this rank alone: DeepSpeed lists both
-        self._tied = {"embed": {"ranks": [0, 1]}} if tied else {}
-        self._tied["alone"] = {"ranks": [0]}
+        self.weights = {"embed": torch.nn.Linear(2, 3, bias=False), "alone": torch.nn.Linear(2, 2, bias=False)}
+        for weight in self.weights.values():
+            weight.weight.grad = torch.ones_like(weight.weight)
+        self._tied = {"embed": {"ranks": [0, 1], "weight_attr": ["weight"]}} if tied else {}
+        self._tied["alone"] = {"ranks": [0], "weight_attr": ["weight"]}
         self.terapipe = SimpleNamespace(shard_params=shard_params)
         self.using_bf16_optimizer = bf16
-        self._zero = zero
+        self._zero, self._fp16 = zero, fp16
         self._stashes, self._weight_grads = {}, []
         self._one_replica = one_replica
-        self._tied_sum_after_dp = self._tied_sum_after_dp_by_config()
+        self.grad_sink = SimpleNamespace(buffer=lambda p: p.grad)
+        self.p2p = SimpleNamespace(wait=lambda work, what, group: None)
+        self._tied_order = self._tied_order_by_config()
 
     def zero_optimization_stage(self) -> int:
         return self._zero
+
+    def fp16_enabled(self) -> bool:
+        return self._fp16
 
     def _dp_reduce_is_identity(self) -> bool:
         return self._one_replica
 
     @property
     def module(self) -> SimpleNamespace:
-        return SimpleNamespace(get_tied_weights_and_groups=lambda: [], tied_comms=self._tied)
+        return SimpleNamespace(tied_comms=self._tied, tied_modules=self.weights, get_tied_weights_and_groups=lambda: [])
 
     def tail(self) -> list[str]:
         self._exec_reduce_tied_grads()
@@ -64,10 +95,10 @@ class _Engine(GradReduction, _DeepSpeed):
     (0, False, ["data-parallel", "tied"]),    # fp32/fp16 at ZeRO 0: the fallback all-reduces whole gradients
     (0, True, ["data-parallel", "tied"]),     # BF16_Optimizer at ZeRO 0 ...
     (1, True, ["data-parallel", "tied"]),     # ... and at ZeRO 1: it all-reduces its whole fp32 gradients
-    (1, False, ["tied", "data-parallel"]),    # ZeRO 1's optimizer keeps its partition only: DeepSpeed's order
+    (1, False, ["tied", "data-parallel"]),    # ZeRO 1's optimizer, 2 replicas: DeepSpeed's order (a + b = b + a)
 ], ids=["zero0", "bf16-zero0", "bf16-zero1", "zero1"])
 def test_tied_sum_runs_after_the_data_parallel_reduction_where_replicas_keep_whole_gradients(zero, bf16, order):
-    assert _Engine(zero=zero, bf16=bf16).tail() == order
+    assert _Engine(zero=zero, bf16=bf16, tied=1).tail() == order
 
 
 def test_tied_sum_runs_with_one_replica_too():
@@ -75,14 +106,36 @@ def test_tied_sum_runs_with_one_replica_too():
     assert _Engine(zero=0, bf16=False, one_replica=True).tail() == ["tied"]
 
 
-@pytest.mark.parametrize("replicas, zero, tied, warned", [(3, 1, 1, True), (2, 1, 1, False), (4, 0, 1, False),
-                                                           (4, 1, 0, False)])
-def test_a_tied_copy_left_to_drift_is_warned_about(replicas, zero, tied, warned, caplog):
-    """ZeRO 1's optimizer with 3 or more replicas keeps DeepSpeed's order, where the copies may drift: said once, at
-    init, with the two settings that keep them equal (2 replicas add in one order: a + b = b + a). A tied key one
-    rank holds alone has no copy to drift from."""
+@pytest.mark.parametrize("replica", [0, 1, 2])
+def test_zero1_sums_the_tied_copies_onto_the_first_replica(replica, monkeypatch):
+    """ZeRO 1's own optimizer with 3 replicas: the copies' gradients reduced onto the first replica in fp32, the tied
+    sum there alone, zeros elsewhere, all before DeepSpeed's average (which then adds a sum to zeros, exactly); the
+    key one rank holds alone is left to DeepSpeed."""
+    engine = _Engine(zero=1, bf16=False, replicas=3, tied=1, replica=replica)
+    monkeypatch.setattr(grad_reduction, "dist", _Dist(engine))
+    assert engine._tied_order == "first replica"
+    order = engine.tail()
+    assert order == (["reduce", "tied", "data-parallel"] if replica == 0 else ["reduce", "data-parallel"]), order
+    assert engine.weights["embed"].weight.grad.eq(3.0 if replica == 0 else 0.0).all()
+    assert engine.weights["alone"].weight.grad.eq(1.0).all()
+
+
+@pytest.mark.parametrize("replicas, tied, fp16, order", [
+    (3, 1, False, "first replica"), (2, 1, False, "before"), (4, 0, False, "before"), (4, 1, True, "before")])
+def test_zero1_first_replica_only_where_copies_would_drift(replicas, tied, fp16, order, monkeypatch):
+    """3 or more replicas and a tied key on more than one rank (a key one rank holds alone has no copy); fp16
+    keeps DeepSpeed's order (the undivided sum could overflow where the average would not)."""
+    assert _Engine(zero=1, bf16=False, replicas=replicas, tied=tied, fp16=fp16)._tied_order == order
+
+
+@pytest.mark.parametrize("replicas, zero, tied, fp16, warned", [
+    (3, 1, 1, True, True), (2, 1, 1, True, False), (4, 0, 1, True, False), (4, 1, 0, True, False),
+    (3, 1, 1, False, False)])
+def test_a_tied_copy_left_to_drift_is_warned_about(replicas, zero, tied, fp16, warned, caplog):
+    """fp16 at ZeRO 1 with 3 or more replicas keeps DeepSpeed's order, where the copies may drift: said once, at init,
+    with the settings that keep them equal. A tied key one rank holds alone has no copy to drift from."""
     with caplog.at_level(logging.WARNING, logger="ds_terapipe.runtime.execution.engine"):
-        _Engine(zero=zero, bf16=False, replicas=replicas, tied=tied)
+        _Engine(zero=zero, bf16=False, replicas=replicas, tied=tied, fp16=fp16)
     text = " ".join(r.getMessage() for r in caplog.records)
-    assert ("drift apart" in text and "grad_accum_dtype" in text and "ZeRO 0" in text) == warned, text
+    assert ("drift apart" in text and "bf16, fp32 or ZeRO 0" in text) == warned, text
     assert "'alone'" not in text

@@ -343,9 +343,9 @@ def whole_model(engine: Any, named: dict[str, torch.Tensor]) -> tuple[dict[str, 
     """Every rank's ``named`` tensors gathered on every rank (collective), under the reference's names: a
     vocabulary-parallel shard joins its table (its rows of all ranks, under ``"<table>#rows"`` where the table's
     own tensor exists too). So a comparison does not depend on the layout, which a repack changes mid-run. Also
-    the largest relative difference between two ranks' copies of one tensor (replicas, tied copies): 0 when the
-    copies agree, and where (the tensor, the two ranks). The head stage's copy of the tied embedding's position
-    table is left out (unused)."""
+    the largest relative difference between two copies of one tensor (replicas, tied copies, a tied head's shards
+    against their rows of the table): 0 when the copies agree, and where (the tensor, the two ranks). The head
+    stage's copy of the tied embedding's position table is left out (unused)."""
     split = reference_rows(engine)
     has_embed = 0 in engine.local_chunks
     mine: list[tuple[str, int, torch.Tensor]] = []
@@ -369,6 +369,12 @@ def whole_model(engine: Any, named: dict[str, torch.Tensor]) -> tuple[dict[str, 
                 if err > disagree:
                     disagree, where = err, f"{name} (ranks {holder[name, offset]} and {rank})"
             seen[offset], holder[name, offset] = value, rank
+    for name, pieces in copies.items():   # a tied head's shards: copies of their rows of the embedding
+        table = copies.get(name.removesuffix("#rows"), {}).get(-1) if name.endswith("#rows") else None
+        for offset, value in ([] if table is None else pieces.items()):
+            err = rel_err(value, table[offset:offset + len(value)])
+            if err > disagree:
+                disagree, where = err, f"{name} at row {offset} (rank {holder[name, offset]}) and its table"
     out = {name: pieces[-1] if -1 in pieces else torch.cat([pieces[o] for o in sorted(pieces)])
            for name, pieces in copies.items()}
     return {(n.removesuffix("#rows") if n.endswith("#rows") and n.removesuffix("#rows") not in out else n): t

@@ -256,7 +256,7 @@ class TokenPipelineEngine(PlanSelection, BatchLoading, GradReduction, Checkpoint
         self.grad_sink = GradSink(self)
         self._vocab = VocabParallel(self) if self.terapipe.vocab_parallel else None
         self._dp_identity_by_config = self._dp_reduce_identity_by_config()
-        self._tied_sum_after_dp = self._tied_sum_after_dp_by_config()
+        self._tied_order = self._tied_order_by_config()
         with self._failing_fast("engine init"):
             agree_or_raise(self._directories_problem(), ValueError, self.p2p, "the check of terapipe's directories")
             if self.terapipe.deferred_weight_grads:  # before profiling, which measures the split backward

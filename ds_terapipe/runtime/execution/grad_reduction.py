@@ -3,8 +3,8 @@
 What it owns: the instructions after the schedule (``ReduceTiedGrads``, ``ReduceGrads``, ``OptimizerStep``) as
 the TokenPipelineEngine runs them: the step's deferred weight gradients handed to ``.grad`` once, before anything
 reads them; the sums over a stage's sequence ranks, over data-parallel replicas (DeepSpeed's, skipped where it is
-an exact identity) and over tied weights (with the vocabulary shards' exchange; after the data-parallel average
-where that keeps the copies equal); clipping by the whole model's norm; the fp16 scale moved once the step has
+an exact identity) and over tied weights (with the vocabulary shards' exchange; ordered around the data-parallel
+average so that the copies stay equal); clipping by the whole model's norm; the fp16 scale moved once the step has
 used it. Also the Linears' gradient accumulation inside their GEMMs (on unless something hooks every
 accumulation), and the step's loss: summed over the sequence ranks, then DeepSpeed's aggregation under the
 engine's deadlines and abort flag.
@@ -24,6 +24,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from ..features.vocab_shard import get_dotted
 from ..slicing.deferred import enable_fused_grad_accumulation, fused_parameters
 from .clip import clip_by_global_norm
 from .loss_scale import reports_scaled_norm, scale_moved_after_step
@@ -68,7 +69,7 @@ class GradReduction:
             for weight, _ in self.module.get_tied_weights_and_groups():
                 if not weight.requires_grad and not hasattr(weight, "_hp_grad"):
                     weight._hp_grad = None   # DeepSpeed's reduction skips it, as on every rank that holds it
-        if not self._tied_sum_after_dp:
+        if self._tied_order == "before":
             self._sum_tied_grads()
 
     def _sum_tied_grads(self) -> None:
@@ -84,42 +85,108 @@ class GradReduction:
             self.sharded.finish_step()
             return
         self._reduce_sequence_grads()
+        if self._tied_order == "first replica":
+            self._sum_tied_grads_on_the_first_replica()
         if not self._dp_reduce_is_identity():
             super()._exec_reduce_grads()
-        if self._tied_sum_after_dp:
+        if self._tied_order == "after":
             self._sum_tied_grads()
 
-    def _tied_sum_after_dp_by_config(self) -> bool:
-        """Whether the tied weights' sum runs after the data-parallel reduction (in ``ReduceGrads``) instead of
-        before it (DeepSpeed's order, in ``ReduceTiedGrads``); decided once at init.
+    def _tied_copies(self) -> list[torch.nn.Parameter]:
+        """The trainable tensors whose gradient the tied sum writes on more than one rank of a replica: DeepSpeed's
+        tied weights held by more than one rank, and with vocabulary parallelism and a tied head, the embedding
+        and the output layer's shard (the exchange writes the embedding's rows into the shards)."""
+        copies = [weight for weight, key in self._tied_weights_and_keys() if weight.requires_grad
+                  and len(self.module.tied_comms[key]["ranks"]) > 1]
+        if self._vocab is not None and self._vocab.tied_holders:
+            vocab = self._vocab.exchanged_parameters()
+            copies += [p for p in vocab if p.requires_grad and all(p is not c for c in copies)]
+        return copies
+
+    def _tied_weights_and_keys(self) -> list[tuple[torch.nn.Parameter, str]]:
+        """DeepSpeed's tied weights on this rank with their keys, in DeepSpeed's order (its keys', sorted)."""
+        found = []
+        for key in sorted(self.module.tied_comms):
+            comm = self.module.tied_comms[key]
+            for name in comm["weight_attr"]:
+                found.append((get_dotted(self.module.tied_modules[key], name), key))
+        return found
+
+    def _sum_tied_grads_on_the_first_replica(self) -> None:
+        """ZeRO 1's own optimizer with 3 or more replicas: each copy of a tied weight summed over the replicas onto
+        the first one (one fp32 reduce per stage), the tied sum there alone (one collective's result in every
+        copy), zeros in the other replicas. DeepSpeed's average then adds the sum to zeros, which is exact, so
+        the copies stay equal bit for bit whatever order each stage's buckets add the replicas in
+        (:meth:`_tied_order_by_config` says why they would not otherwise). Collective over the stage's
+        data-parallel group, then over the first replica's tied groups."""
+        grads = [self.grad_sink.buffer(p) for p in self._tied_copies()]
+        group = self.grid.get_data_parallel_group()
+        first = dist.get_global_rank(group, 0)
+        if grads:
+            flat = torch.cat([g.reshape(-1).float() for g in grads])
+            self.p2p.wait(dist.reduce(flat, first, group=group, async_op=True),
+                          "the tied weights' sum over the replicas", group)
+        if self.grid.data_parallel_id != 0:
+            for grad in grads:
+                grad.zero_()
+            return
+        offset = 0
+        for grad in grads:
+            grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
+        self._sum_tied_grads()
+
+    def _tied_order_by_config(self) -> str:
+        """Where the tied weights' sum runs, decided once at init: ``"after"`` the data-parallel reduction (in
+        ``ReduceGrads``), on ``"first replica"`` only, before it, or ``"before"`` it on every replica (DeepSpeed's
+        order, in ``ReduceTiedGrads``).
 
         Why: the copies of a tied weight must stay equal bit for bit. In DeepSpeed's order each stage averages
         its copy's (already summed, equal) gradient over its replicas inside its own buckets, where the weight
         lies at a different offset, so the all-reduce may add the replicas in another order on each stage: with 3
         or more replicas the copies drift apart by rounding (measured: 1.8e-4 relative after 3 bf16 steps at 2
-        stages x 4 replicas). Summed after the average, the copies get one all-reduce's result, the same on every
-        rank of the tied group; the sum is linear, so the gradient is the same up to rounding. Possible where the
-        data-parallel reduction leaves every replica the whole gradient: ZeRO 0 and DeepSpeed's bf16 optimizer
-        (ZeRO 0 and 1). ZeRO 1's own optimizer (fp32, fp16, bf16 accumulating in bf16) keeps only its partition of
-        the reduced gradient, at offsets that differ per stage, so there the order stays DeepSpeed's, with a warning
-        where it drifts."""
+        stages x 4 replicas; 2 replicas add in one order, a + b = b + a).
+
+        - ``"after"``: where the data-parallel reduction leaves every replica the whole gradient (ZeRO 0,
+          DeepSpeed's bf16 optimizer at ZeRO 0 and 1), the copies are summed after the average and get one
+          all-reduce's result, the same on every rank of the tied group; the sum is linear, so the gradient is
+          the same up to rounding. No extra communication.
+        - ``"first replica"``: ZeRO 1's own optimizer (fp32, bf16 accumulating in bf16) keeps only its partition
+          of the average, at offsets that differ per stage, so nothing can run after it. With tied copies and 3 or
+          more replicas, each stage sums its copies over the replicas onto the first one (one fp32 reduce, the
+          size of the copies), the first replica alone runs the tied sum, and the others hand DeepSpeed zeros:
+          its average adds one sum to zeros, which is exact (:meth:`_sum_tied_grads_on_the_first_replica`).
+        - ``"before"``: shard_params (its reduce-scatter ran in the schedule), 2 replicas or fewer, and fp16 at
+          ZeRO 1, whose scaled gradients could overflow in the first replica's undivided sum where DeepSpeed's
+          average would not; with tied copies and 3 or more replicas fp16 warns of the drift."""
         if self.terapipe.shard_params:   # the reduce-scatter ran in the schedule already: dp, then tied
-            return False
+            return "before"
         if self.using_bf16_optimizer or self.zero_optimization_stage() == 0:
-            return True
+            return "after"
         replicas = self.grid.data_parallel_size
-        # the tied keys held on more than one rank (DeepSpeed lists a key that one rank holds alone too)
-        tied = [key for key, comm in self.module.tied_comms.items() if len(comm["ranks"]) > 1]
-        if tied and replicas > 2:
-            logger.warning("terapipe: stage %d holds a copy of tied %s, also held by another stage; ZeRO %d's "
-                           "optimizer (%s) averages each copy over the %d replicas in its own buckets, which may add "
-                           "them in another order on each stage, so the copies drift apart by rounding (measured "
-                           "after 3 steps at 4 replicas: 2e-4 relative in bf16, 1e-8 in fp32). To keep them equal "
-                           "bit for bit, use ZeRO 0, or with bf16 set \"data_types\": {\"grad_accum_dtype\": "
-                           "\"fp32\"} (DeepSpeed's bf16 optimizer): there the engine sums the tied weights after the "
-                           "average", self.stage_id, ", ".join(map(repr, tied)), self.zero_optimization_stage(),
-                           type(self.optimizer).__name__, replicas)
-        return False
+        if replicas <= 2 or not self._tied_copies():
+            return "before"
+        if not self.fp16_enabled():
+            logger.info("terapipe: stage %d sums the gradients of its tied copies (%s) over the %d replicas onto the "
+                        "first replica before ZeRO %d's average (one fp32 reduce of %d elements per step), so that the "
+                        "copies stay equal bit for bit", self.stage_id, ", ".join(self._tied_names()), replicas,
+                        self.zero_optimization_stage(), sum(p.numel() for p in self._tied_copies()))
+            return "first replica"
+        logger.warning("terapipe: stage %d holds a copy of a tied weight (%s), also held by another stage; with fp16, "
+                       "ZeRO %d's optimizer (%s) averages each copy over the %d replicas in its own buckets, which may "
+                       "add them in another order on each stage, so the copies drift apart by rounding (measured in "
+                       "that order after 3 steps at 4 replicas: 2e-4 relative in bf16). To keep them equal bit for "
+                       "bit, use bf16, fp32 or ZeRO 0: there the engine orders the sums so that every copy gets one "
+                       "collective's result", self.stage_id, ", ".join(self._tied_names()),
+                       self.zero_optimization_stage(), type(self.optimizer).__name__, replicas)
+        return "before"
+
+    def _tied_names(self) -> list[str]:
+        """Names of :meth:`_tied_copies` for a message: DeepSpeed's tied keys, and the vocabulary shard's."""
+        names = [repr(key) for key, comm in sorted(self.module.tied_comms.items()) if len(comm["ranks"]) > 1]
+        if self._vocab is not None and self._vocab.tied_holders:
+            names.append("the output layer's vocabulary shard")
+        return names
 
     def _exec_optimizer_step(self, *args: Any, **kwargs: Any) -> None:
         self._hand_over_weight_grads()

@@ -443,5 +443,15 @@ class VocabParallel:
             self.grads.write(tied, total[:head.vocab_size])
         self.grads.write(head.weight, total[head.offset:head.offset + head.rows])
 
+    def exchanged_parameters(self) -> list[torch.nn.Parameter]:
+        """The tensors whose gradients :meth:`reduce_tied_grads` writes on this rank: its copy of the tied embedding
+        (where it holds one) and its shard of the output layer; none with an untied head."""
+        if not self.tied_holders:
+            return []
+        spec, found = self.head.spec, [self.head.weight]
+        if self.engine.stage_id in self.tied_holders:
+            found.insert(0, get_dotted(self.engine.module.tied_modules[spec.tied_key], spec.weight_name))
+        return found
+
     def _wait(self, works: list, what: str) -> None:
         self.engine.p2p.wait_all(works, what, self.group)
