@@ -38,6 +38,9 @@ HALF_LOSS_TOL, UPDATE_TOL, HALF_EVAL_TOL = 1e-4, {"bf16": 5e-2, "fp16": 5e-2}, 1
 #: RMS of its gradient, so an element whose gradient is near the precision's rounding (a bias, a LayerNorm weight)
 #: takes a step of another size; the same cases unsliced (slices 1, one stage too) are off by up to 1.9e-1
 ADAM_HALF_UPDATE_TOL = 3e-1
+#: the copies of a tied weight under fp16 at ZeRO 1 with 3 or more replicas, left in DeepSpeed's order (warned at
+#: init): they drift by fp16 rounding (measured: 1.0e-4 after 6 steps at 2 stages x 3 replicas)
+FP16_ZERO1_COPIES_TOL = 1e-3
 REFUSALS = ("ValueError", "TypeError", "CheckpointError")
 V_SHAPED = ("dualpipev", "zbv")
 
@@ -185,6 +188,13 @@ def describe(case: dict) -> str:
     return " ".join(model + [f"{k}={json.dumps(case.get(k), separators=(',', ':'))}" for k in keys if shown(k)])
 
 
+def _copies_left_to_drift(case: dict, world: int) -> bool:
+    """fp16 at ZeRO 1 with 3 or more replicas keeps DeepSpeed's order of the tied and data-parallel sums, where a
+    tied weight's copies drift apart by rounding (the engine warns at init: runtime/execution/grad_reduction.py)."""
+    replicas = world // (case["stages"] * case["seq"])
+    return case["precision"] == "fp16" and case["zero"] == 1 and replicas > 2 and not case.get("shard")
+
+
 def _rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
 
@@ -227,7 +237,7 @@ def verdict(case: dict, per_rank: list[Optional[dict]], log_tail: str = "") -> d
     limits = {"loss": HALF_LOSS_TOL if half else FP32_TOL, "grad": FP32_TOL, "param": FP32_TOL,
               "update": (ADAM_HALF_UPDATE_TOL if half and case.get("optimizer") in ("adam", "adamw") else
                          UPDATE_TOL.get(case["precision"], FP32_TOL)), "eval": HALF_EVAL_TOL if half else FP32_TOL,
-              "copies": FP32_TOL}
+              "copies": FP16_ZERO1_COPIES_TOL if _copies_left_to_drift(case, len(per_rank)) else FP32_TOL}
     missing = sorted({n for r in per_rank for n in r.get("missing", []) + r.get("grads_missing", [])})
     # the steps DeepSpeed skipped and the frozen count each step taken trained with, as the reference's
     steps = [f"{key} {r[key]} on rank {rank}, the reference's {r[f'ref_{key}']}" for rank, r in enumerate(per_rank)
