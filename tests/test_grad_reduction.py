@@ -53,7 +53,7 @@ class _Engine(GradReduction, _DeepSpeed):
     stage_id, optimizer = 0, object()
 
     def __init__(self, *, zero: int, bf16: bool, shard_params: bool = False, one_replica: bool = False,
-                 replicas: int = 2, tied: int = 0, fp16: bool = False, replica: int = 0) -> None:
+                 replicas: int = 2, tied: int = 0, fp16: bool = False, replica: int = 0, frozen: bool = False) -> None:
         self.calls: list[str] = []
         self.grid = SimpleNamespace(data_parallel_size=replicas, data_parallel_id=replica,
                                     get_data_parallel_group=lambda: "dp")
@@ -61,6 +61,7 @@ class _Engine(GradReduction, _DeepSpeed):
         self.weights = {"embed": torch.nn.Linear(2, 3, bias=False), "alone": torch.nn.Linear(2, 2, bias=False)}
         for weight in self.weights.values():
             weight.weight.grad = torch.ones_like(weight.weight)
+        self.weights["embed"].weight.requires_grad_(not frozen)
         self._tied = {"embed": {"ranks": [0, 1], "weight_attr": ["weight"]}} if tied else {}
         self._tied["alone"] = {"ranks": [0], "weight_attr": ["weight"]}
         self.terapipe = SimpleNamespace(shard_params=shard_params)
@@ -118,6 +119,18 @@ def test_zero1_sums_the_tied_copies_onto_the_first_replica(replica, monkeypatch)
     assert order == (["reduce", "tied", "data-parallel"] if replica == 0 else ["reduce", "data-parallel"]), order
     assert engine.weights["embed"].weight.grad.eq(3.0 if replica == 0 else 0.0).all()
     assert engine.weights["alone"].weight.grad.eq(1.0).all()
+
+
+@pytest.mark.parametrize("replica", [0, 1])
+def test_a_frozen_copy_keeps_the_order_its_tied_group_takes(replica, monkeypatch):
+    """The order is decided by structure: a copy frozen before the engine was built still takes the first-replica
+    order (its tied group's other ranks take it too, and the first replica's tied sum waits for theirs); it is left
+    out of the reduce, which then has nothing to send."""
+    engine = _Engine(zero=1, bf16=False, replicas=3, tied=1, replica=replica, frozen=True)
+    monkeypatch.setattr(grad_reduction, "dist", _Dist(engine))
+    assert engine._tied_order == "first replica"
+    assert engine.tail() == (["tied", "data-parallel"] if replica == 0 else ["data-parallel"])
+    assert engine.weights["embed"].weight.grad.eq(1.0).all()
 
 
 @pytest.mark.parametrize("replicas, tied, fp16, order", [

@@ -164,7 +164,9 @@ class GradReduction:
         if self.using_bf16_optimizer or self.zero_optimization_stage() == 0:
             return "after"
         replicas = self.grid.data_parallel_size
-        if replicas <= 2 or not self._tied_copies():
+        # by structure, not by requires_grad: every rank of a tied group (and of the vocabulary exchange's
+        # pipeline group) must take the same order, or the first replica's tied sum would wait for the others
+        if replicas <= 2 or not self._tied_names():
             return "before"
         if not self.fp16_enabled():
             logger.info("terapipe: stage %d sums the gradients of its tied copies (%s) over the %d replicas onto the "
@@ -182,7 +184,9 @@ class GradReduction:
         return "before"
 
     def _tied_names(self) -> list[str]:
-        """Names of :meth:`_tied_copies` for a message: DeepSpeed's tied keys, and the vocabulary shard's."""
+        """What this rank holds copies of, by structure (trainable or not), for the order's decision and its
+        messages: DeepSpeed's tied keys held by more than one rank, and the output layer's vocabulary shard where
+        the exchange writes a whole embedding's rows into it."""
         names = [repr(key) for key, comm in sorted(self.module.tied_comms.items()) if len(comm["ranks"]) > 1]
         if self._vocab is not None and self._vocab.tied_holders:
             names.append("the output layer's vocabulary shard")
