@@ -39,6 +39,9 @@ class _Dist:
     def get_global_rank(self, group: str, rank: int) -> int:
         return 10 + rank
 
+    def get_rank(self) -> int:
+        return 10 + self.engine.grid.data_parallel_id
+
     def reduce(self, tensor, dst, group, async_op):
         assert tensor.dtype == torch.float32 and dst == 10 and group == "dp" and async_op
         self.engine.calls.append("reduce")
@@ -62,8 +65,9 @@ class _Engine(GradReduction, _DeepSpeed):
         for weight in self.weights.values():
             weight.weight.grad = torch.ones_like(weight.weight)
         self.weights["embed"].weight.requires_grad_(not frozen)
-        self._tied = {"embed": {"ranks": [0, 1], "weight_attr": ["weight"]}} if tied else {}
-        self._tied["alone"] = {"ranks": [0], "weight_attr": ["weight"]}
+        self._tied = {"embed": {"ranks": [0, 1], "weight_attr": ["weight"], "module": self.weights["embed"]}} \
+            if tied else {}
+        self._tied["alone"] = {"ranks": [0], "weight_attr": ["weight"], "module": self.weights["alone"]}
         self.terapipe = SimpleNamespace(shard_params=shard_params)
         self.using_bf16_optimizer = bf16
         self._zero, self._fp16 = zero, fp16

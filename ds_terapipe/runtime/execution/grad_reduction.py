@@ -92,25 +92,20 @@ class GradReduction:
         if self._tied_order == "after":
             self._sum_tied_grads()
 
+    def _copied_tied_keys(self) -> list[tuple[str, dict]]:
+        """DeepSpeed's tied keys (with their entries of ``tied_comms``) that this rank holds and another rank too, by
+        key (DeepSpeed lists a key that one rank holds alone as well: it has no copy)."""
+        return [(key, comm) for key, comm in sorted(self.module.tied_comms.items()) if len(comm["ranks"]) > 1]
+
     def _tied_copies(self) -> list[torch.nn.Parameter]:
         """The trainable tensors whose gradient the tied sum writes on more than one rank of a replica: DeepSpeed's
         tied weights held by more than one rank, and with vocabulary parallelism and a tied head, the embedding
         and the output layer's shard (the exchange writes the embedding's rows into the shards)."""
-        copies = [weight for weight, key in self._tied_weights_and_keys() if weight.requires_grad
-                  and len(self.module.tied_comms[key]["ranks"]) > 1]
-        if self._vocab is not None and self._vocab.tied_holders:
-            vocab = self._vocab.exchanged_parameters()
-            copies += [p for p in vocab if p.requires_grad and all(p is not c for c in copies)]
-        return copies
-
-    def _tied_weights_and_keys(self) -> list[tuple[torch.nn.Parameter, str]]:
-        """DeepSpeed's tied weights on this rank with their keys, in DeepSpeed's order (its keys', sorted)."""
-        found = []
-        for key in sorted(self.module.tied_comms):
-            comm = self.module.tied_comms[key]
-            for name in comm["weight_attr"]:
-                found.append((get_dotted(self.module.tied_modules[key], name), key))
-        return found
+        copies = [get_dotted(comm["module"], name) for _, comm in self._copied_tied_keys()
+                  for name in comm["weight_attr"]]
+        if self._vocab is not None:
+            copies += [p for p in self._vocab.exchanged_parameters() if all(p is not c for c in copies)]
+        return [p for p in copies if p.requires_grad]
 
     def _sum_tied_grads_on_the_first_replica(self) -> None:
         """ZeRO 1's own optimizer with 3 or more replicas: each copy of a tied weight summed over the replicas onto
@@ -121,19 +116,12 @@ class GradReduction:
         data-parallel group, then over the first replica's tied groups."""
         grads = [self.grad_sink.buffer(p) for p in self._tied_copies()]
         group = self.grid.get_data_parallel_group()
-        first = dist.get_global_rank(group, 0)
-        if grads:
-            flat = torch.cat([g.reshape(-1).float() for g in grads])
-            self.p2p.wait(dist.reduce(flat, first, group=group, async_op=True),
-                          "the tied weights' sum over the replicas", group)
+        self.sum_gradients_over(grads, group, "the tied weights' sum over the replicas",
+                                onto=dist.get_global_rank(group, 0))
         if self.grid.data_parallel_id != 0:
             for grad in grads:
                 grad.zero_()
             return
-        offset = 0
-        for grad in grads:
-            grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
-            offset += grad.numel()
         self._sum_tied_grads()
 
     def _tied_order_by_config(self) -> str:
@@ -166,12 +154,13 @@ class GradReduction:
         replicas = self.grid.data_parallel_size
         # by structure, not by requires_grad: every rank of a tied group (and of the vocabulary exchange's
         # pipeline group) must take the same order, or the first replica's tied sum would wait for the others
-        if replicas <= 2 or not self._tied_names():
+        names = self._tied_names()
+        if replicas <= 2 or not names:
             return "before"
         if not self.fp16_enabled():
             logger.info("terapipe: stage %d sums the gradients of its tied copies (%s) over the %d replicas onto the "
                         "first replica before ZeRO %d's average (one fp32 reduce of %d elements per step), so that the "
-                        "copies stay equal bit for bit", self.stage_id, ", ".join(self._tied_names()), replicas,
+                        "copies stay equal bit for bit", self.stage_id, ", ".join(names), replicas,
                         self.zero_optimization_stage(), sum(p.numel() for p in self._tied_copies()))
             return "first replica"
         logger.warning("terapipe: stage %d holds a copy of a tied weight (%s), also held by another stage; with fp16, "
@@ -179,7 +168,7 @@ class GradReduction:
                        "add them in another order on each stage, so the copies drift apart by rounding (measured in "
                        "that order after 3 steps at 4 replicas: 2e-4 relative in bf16). To keep them equal bit for "
                        "bit, use bf16, fp32 or ZeRO 0: there the engine orders the sums so that every copy gets one "
-                       "collective's result", self.stage_id, ", ".join(self._tied_names()),
+                       "collective's result", self.stage_id, ", ".join(names),
                        self.zero_optimization_stage(), type(self.optimizer).__name__, replicas)
         return "before"
 
@@ -187,7 +176,7 @@ class GradReduction:
         """What this rank holds copies of, by structure (trainable or not), for the order's decision and its
         messages: DeepSpeed's tied keys held by more than one rank, and the output layer's vocabulary shard where
         the exchange writes a whole embedding's rows into it."""
-        names = [repr(key) for key, comm in sorted(self.module.tied_comms.items()) if len(comm["ranks"]) > 1]
+        names = [repr(key) for key, _ in self._copied_tied_keys()]
         if self._vocab is not None and self._vocab.tied_holders:
             names.append("the output layer's vocabulary shard")
         return names
@@ -227,14 +216,21 @@ class GradReduction:
         grads = [self.grad_sink.buffer(p) for p in self.module.parameters() if p.requires_grad]
         self.sum_gradients_over(grads, self.sequence.group, "the sequence-parallel gradient sum")
 
-    def sum_gradients_over(self, grads: list[torch.Tensor], group: Any, what: str, divide: int = 1) -> None:
+    def sum_gradients_over(self, grads: list[torch.Tensor], group: Any, what: str, divide: int = 1,
+                           onto: int | None = None) -> None:
         """Sum ``grads`` in place over ``group`` (then divide by ``divide``) as one fp32 buffer, one all-reduce
-        waited with the p2p deadline and abort flag (``what`` names it in a failure). Collective: every rank of
-        the group passes the same layout."""
+        waited with the p2p deadline and abort flag (``what`` names it in a failure); with ``onto`` (a global
+        rank) one reduce instead, the sum written on that rank alone. Collective: every rank of the group passes
+        the same layout."""
         if not grads:
             return
         flat = torch.cat([g.reshape(-1).float() for g in grads])
-        self.p2p.wait(dist.all_reduce(flat, group=group, async_op=True), what, group)
+        if onto is None:
+            self.p2p.wait(dist.all_reduce(flat, group=group, async_op=True), what, group)
+        else:
+            self.p2p.wait(dist.reduce(flat, onto, group=group, async_op=True), what, group)
+            if dist.get_rank() != onto:
+                return
         if divide != 1:
             flat.div_(divide)
         offset = 0

@@ -429,9 +429,8 @@ class VocabParallel:
         padded = head.rows * head.num_shards
         total = torch.zeros((padded, self.hidden_size), dtype=torch.float32, device=engine.device)
         stage = engine.stage_id
-        tied = None
-        if stage in self.tied_holders:
-            tied = get_dotted(engine.module.tied_modules[head.spec.tied_key], head.spec.weight_name)
+        tied = self._held_embedding()
+        if tied is not None:
             tied_grad = self.grads.read(tied)
             if stage == self.tied_holders[0] and tied_grad is not None:
                 total[:head.vocab_size] += tied_grad
@@ -448,10 +447,15 @@ class VocabParallel:
         (where it holds one) and its shard of the output layer; none with an untied head."""
         if not self.tied_holders:
             return []
-        spec, found = self.head.spec, [self.head.weight]
-        if self.engine.stage_id in self.tied_holders:
-            found.insert(0, get_dotted(self.engine.module.tied_modules[spec.tied_key], spec.weight_name))
-        return found
+        tied = self._held_embedding()
+        return [self.head.weight] if tied is None else [tied, self.head.weight]
+
+    def _held_embedding(self) -> Optional[torch.nn.Parameter]:
+        """This rank's copy of the whole tied embedding the shards exchange gradients with (None: it holds none)."""
+        if self.engine.stage_id not in self.tied_holders:
+            return None
+        spec = self.head.spec
+        return get_dotted(self.engine.module.tied_modules[spec.tied_key], spec.weight_name)
 
     def _wait(self, works: list, what: str) -> None:
         self.engine.p2p.wait_all(works, what, self.group)
