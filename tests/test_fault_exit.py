@@ -1,4 +1,5 @@
-"""Tier b, four 2-rank launches of tests/suites/fault_exit.py: after a fault every rank leaves cleanly.
+"""Tier b, four 2-rank launches and one 3-rank launch of tests/suites/fault_exit.py: after a fault every rank
+leaves cleanly, and closing a rank's connections ends its waits even after a peer closed its own first.
 
 A rank that stopped for a fault leaves the way a user's script does (the exception escapes, the interpreter
 finalises): it must print the exception and exit 1, never abort ("terminate called without an active
@@ -80,3 +81,15 @@ def test_a_killed_peer_ends_the_survivor_with_its_error(tmp_path) -> None:
     assert codes[1] is None, "rank 1 should have been killed"
     _left_cleanly(codes, texts, {0: "P2PTimeoutError: rank 0: waiting for header of gradients of micro-batch 0 "
                                     "from stage 1 (rank 1) failed"})
+
+
+@pytest.mark.timeout(120)
+def test_closing_the_connections_after_a_peer_closed_its_own_ends_every_wait(tmp_path) -> None:
+    """Two collective watches act milliseconds apart (rank 0 first): rank 2's connection to rank 0 is already
+    closed when its own watch closes its connections, and its wait on rank 1 (alive, silent) must still end then,
+    not when rank 1 exits (seen under load in the optimizer-fault launch of tests/test_engine_faults.py)."""
+    codes, texts = run_ranks(suite_command("fault_exit", tmp_path, {"case": "closed_first"}), 3, tmp_path,
+                             timeout_s=90, fail_fast=False)
+    assert codes == [0, 0, 0], (codes, texts)
+    waited = float(texts[2].split("rank 2: the wait for rank 1 ended after ")[1].split(" s")[0])
+    assert waited < 10, f"rank 2's wait ended after {waited} s, when rank 1 left, not when rank 2 closed:\n{texts[2]}"

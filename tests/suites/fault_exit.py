@@ -18,6 +18,8 @@ exits 1. Two ranks, gloo. Cases:
 * ``hung``: a 2-stage engine whose last stage stops itself (SIGSTOP: hung, not dead, its connections stay open)
   after the schedule, where DeepSpeed aggregates the step's loss: rank 0 raises ``P2PTimeoutError`` at
   ``p2p_timeout_s`` and exits, though the broadcast it gave up on is still inside gloo.
+* ``closed_first`` (3 ranks): a rank closes its connections after a peer closed its own to it; its wait on a
+  third rank, alive and silent, must still end.
 
 Last of the ``atexit`` hooks (registered first), each rank prints the Python threads still alive besides the
 main thread: ``threads at exit: [...]``.
@@ -120,7 +122,41 @@ def hung(out: Path) -> None:
     engine.train_batch(iter(make_batches(cfg, 2, 2, 48, seed=21)))
 
 
-CASES = {"abandoned": abandoned, "killed": killed, "engine": engine, "hung": hung}
+def closed_first(out: Path) -> None:
+    """Three ranks. Rank 2 waits for a transfer from rank 1, which never sends and stays alive (as a rank that
+    failed and caught its error does) until rank 2 has stopped, at most ``HOLD_S``. Rank 0 closes its connections
+    first (its collective watch acted first); then rank 2's watch thread closes rank 2's, whose connection to rank 0
+    is already closed. Rank 2 prints how long its wait lasted."""
+    from ds_terapipe.runtime.execution.p2p import _break_connections
+
+    dist.init_process_group("gloo")
+    dist.barrier()
+    if RANK == 0:
+        _break_connections()
+        (out / "rank0_closed").write_text("closed")
+        wait_for(out / "rank2_stopped", CLOSED_FIRST_HOLD_S)
+    elif RANK == 1:
+        wait_for(out / "rank2_stopped", CLOSED_FIRST_HOLD_S)
+    else:
+        def close_after_rank_0() -> None:
+            wait_for(out / "rank0_closed")
+            time.sleep(0.2)   # rank 0's closed connection has arrived here
+            _break_connections()
+
+        threading.Thread(target=close_after_rank_0, daemon=True).start()
+        started = time.monotonic()
+        try:
+            dist.recv(torch.zeros(1), 1)
+        except RuntimeError:
+            pass
+        print(f"rank 2: the wait for rank 1 ended after {time.monotonic() - started:.1f} s", flush=True)
+        (out / "rank2_stopped").write_text("stopped")
+
+
+#: how long ranks 0 and 1 of ``closed_first`` stay alive at most (their exit would end rank 2's wait anyway)
+CLOSED_FIRST_HOLD_S = 30.0
+
+CASES = {"abandoned": abandoned, "killed": killed, "engine": engine, "hung": hung, "closed_first": closed_first}
 
 
 @suite("fault_exit", standalone=True)

@@ -19,8 +19,8 @@ import ds_terapipe
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 from ds_terapipe.models.gpt import GPTBlock, GPTConfig, causal_lm_loss, gpt_layer_specs
 from tests.suites import suite
-from tests.suites.common import (RANK, STATUS, build_spec_layers, first_step_grads, make_batches, pipeline_engine,
-                                 rel_err, run_until_error)
+from tests.suites.common import (RANK, STATUS, WORLD, build_spec_layers, first_step_grads, make_batches,
+                                 pipeline_engine, rel_err, run_until_error)
 
 
 class ZeroProjMixer(torch.nn.Module):
@@ -208,7 +208,7 @@ def suite_faults(extra: dict) -> list[dict]:
         results.append(_one_rank_breaks(cfg, batches, seq_len, 0, lambda e: e.checkpoint_engine, "makedirs",
                                         OSError("simulated disk failure in DeepSpeed's save"),
                                         lambda e: e.save_checkpoint(str(Path(extra["out"]) / "ckpt")),
-                                        stays_alive=True))
+                                        stays_alive=Path(extra["out"])))
     elif fault == "optimizer":
         # the middle stage raises in its optimizer step (as an out-of-memory would) before the gradient norm's
         # all-reduce: its peers are inside that all-reduce (DeepSpeed's _take_model_step), which it never joins
@@ -216,17 +216,18 @@ def suite_faults(extra: dict) -> list[dict]:
         results.append(_one_rank_breaks(cfg, batches, seq_len, 1, lambda e: e, "clip_fp32_gradients",
                                         RuntimeError("simulated out of memory in the optimizer step"),
                                         lambda e: e.train_batch(iter(batches)),
-                                        extra_config={"gradient_clipping": 1.0}, stays_alive=True))
+                                        extra_config={"gradient_clipping": 1.0}, stays_alive=Path(extra["out"])))
     return results
 
 
 def _one_rank_breaks(cfg: GPTConfig, batches: list[tuple], seq_len: int, origin: int, owner: Callable[[Any], Any],
                      attr: str, error: Exception, run: Callable[[Any], Any], extra_config: dict | None = None,
-                     stays_alive: bool = False) -> dict[str, Any]:
+                     stays_alive: Path | None = None) -> dict[str, Any]:
     """An engine trained one step, whose rank ``origin`` gets ``attr`` of ``owner(engine)`` replaced by a function
-    raising ``error``; then ``run(engine)`` on every rank until it raises. ``stays_alive``: the origin lives on 3 s
-    after raising (a caller that catches), so its peers must stop without its exit closing their connections;
-    ``left_at`` is when it leaves."""
+    raising ``error``; then ``run(engine)`` on every rank until it raises. ``stays_alive`` (a shared directory):
+    the origin lives on after raising (a caller that catches) until every peer has stopped, at most a quarter of
+    ``p2p_timeout_s``, so its peers must stop without its exit closing their connections; ``left_at`` is when it
+    leaves. Why not a fixed time: on a loaded machine a fixed few seconds would measure the machine."""
     engine = pipeline_engine(cfg, gpt_layer_specs(cfg), {"seq_len": seq_len, "slices": 3, "granularity": 4,
                                                          "p2p_timeout_s": FAULT_P2P_TIMEOUT_S},
                              extra_config=extra_config)
@@ -237,8 +238,13 @@ def _one_rank_breaks(cfg: GPTConfig, batches: list[tuple], seq_len: int, origin:
 
         setattr(owner(engine), attr, raising)
     result = run_until_error(lambda: run(engine), FAULT_P2P_TIMEOUT_S)
-    if RANK == origin and stays_alive:
-        time.sleep(3)
+    if stays_alive is not None and RANK != origin:
+        (stays_alive / f"stopped_{RANK}").write_text("stopped")
+    elif stays_alive is not None:
+        deadline = time.monotonic() + FAULT_P2P_TIMEOUT_S / 4
+        while time.monotonic() < deadline and \
+                not all((stays_alive / f"stopped_{rank}").exists() for rank in range(WORLD) if rank != origin):
+            time.sleep(0.05)
         result["left_at"] = time.monotonic()
     return result
 

@@ -235,12 +235,19 @@ def _break_connections(groups: Sequence[Any] = ()) -> None:
         try:
             ranks = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
             peers = [r for r in ranks if r != me]
-            if not peers or dist.get_backend(group) != "gloo":
+            if dist.get_backend(group) != "gloo":
                 continue
-            work = dist.irecv(torch.zeros(1), peers[0], group=group, tag=_BREAK_TAG)
-            work.wait(timeout=datetime.timedelta(milliseconds=1))
-        except Exception:  # noqa: BLE001 - the expected outcome: the receive timed out and the connections closed
-            pass
+        except Exception:  # noqa: BLE001 - a group already destroyed
+            continue
+        # Peer by peer until one receive times out: a peer that closed its own connection to this rank first (its
+        # watch acted a moment earlier) fails the receive at once, without the timeout that closes the others.
+        for peer in peers:
+            try:
+                work = dist.irecv(torch.zeros(1), peer, group=group, tag=_BREAK_TAG)
+                work.wait(timeout=datetime.timedelta(milliseconds=1))
+            except Exception as err:  # noqa: BLE001 - the expected outcome: a timeout, or a connection closed
+                if "timed out" in str(err).lower():
+                    break
 
 
 def _stop_waiters() -> None:
