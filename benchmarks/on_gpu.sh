@@ -42,14 +42,17 @@ if [ "$only_trainer" = 0 ]; then
 fi
 ckpt=$(mktemp -d)
 port=${ON_GPU_MASTER_PORT:-29500}   # the deepspeed launcher's rendezvous port (a test passes a free one)
+# further trainer options for every trainer step (a test on the CPU passes a small model and corpus)
+read -r -a trainer_args <<< "${ON_GPU_TRAINER_ARGS:-}"
 step trainer_bf16 deepspeed --num_gpus 1 --master_port "$port" examples/train_gpt.py \
   --deepspeed_config "$config" --stages 1 --steps 20 --save-dir "$ckpt" --save-every 10 \
-  --metrics "$out/trainer_bf16.jsonl"
+  --metrics "$out/trainer_bf16.jsonl" "${trainer_args[@]}"
 step trainer_bf16_resume deepspeed --num_gpus 1 --master_port "$port" examples/train_gpt.py \
   --deepspeed_config "$config" --stages 1 --steps 30 --save-dir "$ckpt" --save-every 10 --resume \
-  --metrics "$out/trainer_bf16_resume.jsonl"
+  --metrics "$out/trainer_bf16_resume.jsonl" "${trainer_args[@]}"
 step trainer_bf16_whole deepspeed --num_gpus 1 --master_port "$port" examples/train_gpt.py \
-  --deepspeed_config "$config" --stages 1 --steps 30 --metrics "$out/trainer_bf16_whole.jsonl"
+  --deepspeed_config "$config" --stages 1 --steps 30 --metrics "$out/trainer_bf16_whole.jsonl" \
+  "${trainer_args[@]}"
 rm -rf "$ckpt"
 step resume_vs_whole python - "$out/trainer_bf16_resume.jsonl" "$out/trainer_bf16_whole.jsonl" <<'PY'
 import json, sys
@@ -63,7 +66,7 @@ PY
 # the same trainer compiled (engine.compile, inductor): its ms/step beside the uncompiled run's, the losses alike
 step trainer_bf16_compiled deepspeed --num_gpus 1 --master_port "$port" examples/train_gpt.py \
   --deepspeed_config "$config" --stages 1 --steps 30 --compile "${ON_GPU_COMPILE_BACKEND:-inductor}" \
-  --metrics "$out/trainer_bf16_compiled.jsonl"
+  --metrics "$out/trainer_bf16_compiled.jsonl" "${trainer_args[@]}"
 step compiled_vs_whole python - "$out/trainer_bf16_whole.log" "$out/trainer_bf16_compiled.log" \
   "$out/trainer_bf16_whole.jsonl" "$out/trainer_bf16_compiled.jsonl" <<'PY'
 import json, re, statistics, sys

@@ -202,7 +202,8 @@ def test_the_gpu_script_s_trainer_steps_run_here(tmp_path) -> None:
                                   "terapipe": dict(CONFIG["terapipe"], seq_len=64, slices=2)}))
     env = dict(os.environ, ON_GPU_TRAINER_ONLY="1", ON_GPU_CONFIG=str(config), DS_ACCELERATOR="cpu",
                ON_GPU_COMPILE_BACKEND="aot_eager",   # inductor's C++ code generation takes minutes on a CPU
-               ON_GPU_MASTER_PORT=str(free_port()))
+               ON_GPU_MASTER_PORT=str(free_port()),
+               ON_GPU_TRAINER_ARGS="--layers 2 --hidden 32 --heads 4 --max-corpus-mb 0.3")
     done = subprocess.run(["bash", str(ROOT / "benchmarks" / "on_gpu.sh"), str(tmp_path / "out")], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=380)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
