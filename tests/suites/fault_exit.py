@@ -124,9 +124,9 @@ def hung(out: Path) -> None:
 
 def closed_first(out: Path) -> None:
     """Three ranks. Rank 2 waits for a transfer from rank 1, which never sends and stays alive (as a rank that
-    failed and caught its error does) until rank 2 has stopped, at most ``HOLD_S``. Rank 0 closes its connections
-    first (its collective watch acted first); then rank 2's watch thread closes rank 2's, whose connection to rank 0
-    is already closed. Rank 2 prints how long its wait lasted."""
+    failed and caught its error does) until rank 2 has stopped, at most ``CLOSED_FIRST_HOLD_S``. Rank 0 closes its
+    connections first (its collective watch acted first); then rank 2's watch thread closes rank 2's, whose
+    connection to rank 0 is already closed. Rank 2 prints how long its wait lasted."""
     from ds_terapipe.runtime.execution.p2p import _break_connections
 
     dist.init_process_group("gloo")
