@@ -196,9 +196,11 @@ def main() -> None:
     from deepspeed.accelerator import get_accelerator
     accel = get_accelerator()
     on_cpu = accel.device_name() == "cpu"
+    # DeepSpeed's process group first: on a fresh machine it compiles its CPU comm op, which a pinned process would
+    # compile on one core
+    _init_single_process()
     if on_cpu:
         pin_one_core(args.core)
-    _init_single_process()
     counts = [int(c) for c in args.slices.split(",")]
     variants = [(n, d, True) for n in counts for d in ((False, True) if n > 1 else (False,))]
     if args.dtype == "bf16" and not args.zero and args.per_parameter_bf16:
