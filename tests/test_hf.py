@@ -14,7 +14,7 @@ import importlib.util
 import json
 import re
 import sys
-from functools import partial
+from functools import cache, partial
 from pathlib import Path
 
 import pytest
@@ -404,6 +404,17 @@ def reference(model, batches: list) -> tuple[float, dict[str, torch.Tensor]]:
     return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
+@cache
+def model_and_reference(arch: str) -> tuple["transformers.PreTrainedModel", float, dict[str, torch.Tensor]]:
+    """``hf_model(arch)`` and its ``reference`` on ``make_batches()``, once per architecture for the slicings and
+    schedules that compare with them (a fifth of the module's time). The model is left without gradients and is
+    never trained: a test builds its stages from a copy."""
+    model = hf_model(arch)
+    ref_loss, ref_grads = reference(model, make_batches())
+    model.zero_grad(set_to_none=True)
+    return model, ref_loss, ref_grads
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / max(float(b.norm()), 1e-12))
 
@@ -428,8 +439,7 @@ def compare(params: dict, ref_grads: dict, config) -> tuple[float, str]:
 @pytest.mark.parametrize("arch", ARCHS)
 def test_sliced_equals_transformers(arch: str, slicing: str, schedule: str) -> None:
     """A loaded model's weights (kept), 2 in-process stages, 2 micro-batches: loss and every gradient."""
-    model = hf_model(arch)
-    ref_loss, ref_grads = reference(model, make_batches())
+    model, ref_loss, ref_grads = model_and_reference(arch)
     stages, params = build_stages(causal_lm_specs(copy.deepcopy(model)), num_stages=2)
     loss, _ = run_sliced(stages, make_batches(), SLICINGS[slicing], schedule)
     assert abs(loss - ref_loss) <= TOL * abs(ref_loss), (loss, ref_loss)

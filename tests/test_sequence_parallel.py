@@ -9,10 +9,10 @@ gradient and the parameters after 3 SGD + momentum steps on every rank, fp32 rel
 clipped) and 1, fp16 at ZeRO 0 and 1 and fp32 at ZeRO 1 against the fp32 reference (the master weights' change
 within the precision's rounding); packed rows (document masks; gpipe, 1f1b, interleaved-1f1b; fp32 and bf16; a plan
 per batch) against the reference under the same masks; vocabulary parallelism (row shards against the reference's
-rows); ``engine.compile()`` (aot_eager, also with a freeze); freezing by schedule and by gradient norms, and a
-repack onto fewer stages; the re-planner switching plans; checkpoints (fp32, bf16 at ZeRO 0, vocabulary-parallel)
-resumed at the same layout, and at sequence degree 1 from 2 and 2 from 1; eval_batch's loss; the refusals;
-activation and KV memory at degree 1 and 2 (tests/suites/sequence.py).
+rows); ``engine.compile()`` (aot_eager, a Llama compiled again after a freeze); freezing by schedule and by
+gradient norms, and a repack onto fewer stages; the re-planner switching plans; checkpoints (fp32, bf16 at ZeRO 0,
+vocabulary-parallel) resumed at the same layout, and at sequence degree 1 from 2 and 2 from 1; eval_batch's loss; the
+refusals; activation and KV memory at degree 1 and 2 (tests/suites/sequence.py).
 """
 
 from __future__ import annotations
@@ -43,10 +43,9 @@ CASES = [["gpt", "gpipe", 1, UNEQUAL], ["gpt", "1f1b", 3, UNEQUAL], ["gpt", "1f1
          ["gpt_oss", "gpipe", 2, UNEQUAL], ["deepseek_v3", "1f1b", 1, UNEQUAL],
          # chunked attention (chunks cut inside slices), temperature tuning at each rank's token offset
          ["llama4_text", "1f1b", 2, UNEQUAL],
-         # engine.compile() (aot_eager): the layers around each rank's all-to-alls and attention, with a freeze
-         # (one slice length each: every further length is a recompile, 15-30 s each on 2 cores)
-         ["llama", "1f1b", 1, 2, 0, False, False, None, "aot_eager"],
-         ["gpt", "gpipe", 2, 2, 0, False, False, [[1, 2]], "aot_eager"]]
+         # engine.compile() (aot_eager): the layers around each rank's all-to-alls and attention, compiled again
+         # after a freeze (one slice length: every further length is a recompile, 15-30 s on 2 cores)
+         ["llama", "1f1b", 1, 2, 0, False, False, [[1, 2]], "aot_eager"]]
 # [precision, ZeRO stage, model, schedule]: the master weights' change against the fp32 reference's
 # (+ clipped by the global norm: bf16 at ZeRO 0 takes DeepSpeed's norm over its model axis, the sequence ranks)
 PRECISION_CASES = [["bf16", 1, "llama", "gpipe"], ["bf16", 1, "gpt", "1f1b"], ["fp16", 0, "gpt", "gpipe"],
@@ -112,7 +111,7 @@ def test_sequence_parallel_equals_the_reference(tmp_path) -> None:
             # Hugging Face models: 2 KV heads -> 1); one slice (a plan may choose it) keeps no KV carry
             model = case["case"].split("model=")[1].split()[0]
             want = ([2] if model in ("gpt", "deepseek_v3") else [1]) if len(case["slices"]) > 1 else []
-            assert case["kv_heads"] == want, (where, case["kv_heads"])
+            assert case["kv_heads"] == (None if case["compiled"] else want), (where, case["kv_heads"])
         for ck in cases[len(CASES):len(CASES) + 3]:   # fp32, bf16 at ZeRO 0, fp32 with vocab_parallel
             assert ck["resumed"] == ck["uninterrupted"] and ck["resume_err"] == 0.0, ck
             assert ck["eval_loss"] == pytest.approx(ck["first_train_loss"], rel=1e-6), ck
