@@ -19,7 +19,8 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
-from tests.suites import load
+from tests.fork_server import FORK_SERVER_ENV, FORKED_ENV, request_fork
+from tests.suites import is_standalone, load
 
 
 def main() -> None:
@@ -29,7 +30,12 @@ def main() -> None:
     faulthandler.enable(all_threads=True)
     args = [arg for arg in sys.argv[1:] if not arg.startswith("--local_rank")]  # DeepSpeed's launcher adds it
     name, out_dir, extra = args[0], Path(args[1]), json.loads(args[2])
+    if os.environ.get(FORK_SERVER_ENV) and not is_standalone(name):
+        request_fork(os.environ[FORK_SERVER_ENV])   # tests/fork_server.py runs this rank (returns where it does not)
     suite = load(name)
+    if suite.standalone and os.environ.get(FORKED_ENV):
+        raise SystemExit(f"suite {name!r} is standalone (it decides what is imported before it starts): start it "
+                         "with tests/dist_harness.py's run_ranks, not through the fork server")
     if suite.standalone:
         suite.run(out_dir, extra)
     else:

@@ -269,7 +269,7 @@ def run_cases(cases: list[dict], world: int, out: Path, *, per_launch: int = 6, 
         where.mkdir(parents=True, exist_ok=True)
         extra = {"cases": batch, "case_timeout_s": case_timeout_s}
         _, texts = run_ranks(suite_command("fuzz", where, extra), world, where,
-                             timeout_s=case_timeout_s * len(batch) + 120)
+                             timeout_s=case_timeout_s * len(batch) + 120, forked=True)
         lines = [_read_lines(where / f"fuzz_rank{rank}.jsonl") for rank in range(world)]
         done = 0
         for case in batch:

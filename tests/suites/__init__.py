@@ -15,11 +15,13 @@ parallelism. This module imports nothing heavy: a standalone suite decides what 
 
 from __future__ import annotations
 
+import ast
 import importlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
-__all__ = ["Suite", "load", "suite"]
+__all__ = ["Suite", "is_standalone", "load", "suite"]
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,19 @@ def suite(name: str, *, standalone: bool = False) -> Callable[[Callable], Callab
         return fn
 
     return register
+
+
+def is_standalone(name: str) -> bool:
+    """Whether suite ``name`` is standalone, read from its module's source without importing it (a standalone
+    suite decides what is imported before it starts: tests/dist_worker.py starts it in a process of its own, never
+    through tests/fork_server.py)."""
+    tree = ast.parse((Path(__file__).parent / f"{name}.py").read_text())
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "suite" and node.args
+                and isinstance(node.args[0], ast.Constant) and node.args[0].value == name):
+            return any(k.arg == "standalone" and isinstance(k.value, ast.Constant) and k.value.value is True
+                       for k in node.keywords)
+    raise KeyError(f"tests/suites/{name}.py registers no suite {name!r} (@suite({name!r}))")
 
 
 def load(name: str) -> Suite:

@@ -1,0 +1,121 @@
+"""tests/fork_server.py: a rank run as a fork of the server ends, to the launcher, as the same script run as a
+process of its own would (exit code, uncaught exception, fatal signal, its log), dies when the launcher kills it,
+and is refused (started as its own process) where its environment differs from the one the server imported in.
+Plain Python ranks on the session's server, a few seconds in all."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ds_terapipe.runtime.execution.local_launch import run_local
+from tests.dist_harness import ROOT, fork_server
+from tests.fork_server import FORK_SERVER_ENV, FORKED_ENV, env_difference
+
+RANK_SCRIPT = f"""
+import os, signal, sys, time
+sys.path.insert(0, {str(ROOT)!r})
+from tests.fork_server import request_fork
+print("client", os.getpid(), flush=True)
+if os.environ.get({FORK_SERVER_ENV!r}):
+    request_fork(os.environ[{FORK_SERVER_ENV!r}])
+print("rank", os.environ["RANK"], "pid", os.getpid(), "forked", os.environ.get({FORKED_ENV!r}), "torch loaded",
+      "torch" in sys.modules, "threads", os.environ["OMP_NUM_THREADS"], flush=True)
+how = sys.argv[1]
+if how == "exit 3":
+    sys.exit(3)
+if how == "raise":
+    raise ValueError("raised in the rank")
+if how == "segv" and os.environ["RANK"] == "0":
+    os.kill(os.getpid(), signal.SIGSEGV)
+if how == "hang":   # each rank notes its pid; rank 0 says when both have
+    pids = os.path.join(os.path.dirname(os.path.abspath(sys.argv[0])), "pids")
+    os.makedirs(pids, exist_ok=True)
+    open(os.path.join(pids, os.environ["RANK"]), "w").write(str(os.getpid()))
+    while os.environ["RANK"] == "0" and len(os.listdir(pids)) < 2:
+        time.sleep(0.05)
+    print("both started", flush=True)
+    time.sleep(600)
+"""
+
+
+@pytest.fixture(scope="module")
+def server() -> str:
+    path = fork_server()
+    if path is None:
+        pytest.skip("the fork server is off (DS_TERAPIPE_TEST_FORK_SERVER=0) or did not start")
+    return path
+
+
+def _launch(tmp_path: Path, server: str, how: str, **options) -> tuple[list, list[str]]:
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    env = {FORK_SERVER_ENV: server, **options.pop("env", {})}
+    result = run_local([sys.executable, str(script), how], 2, tmp_path / "logs", env=env, pythonpath=[ROOT],
+                       cwd=ROOT, fail_fast=False, **options)
+    return result.codes, result.texts()
+
+
+def _pids(texts: list[str]) -> list[tuple[int, int]]:
+    """(client pid, rank pid) of each rank."""
+    return [(int(t.split("client ")[1].split()[0]), int(t.split(" pid ")[1].split()[0])) for t in texts]
+
+
+@pytest.mark.parametrize("how, codes, shown", [
+    ("exit 0", [0, 0], None), ("exit 3", [3, 3], None),
+    ("raise", [1, 1], "ValueError: raised in the rank"),
+    ("segv", [-signal.SIGSEGV, 0], "Fatal Python error: Segmentation fault")])
+def test_a_forked_rank_ends_as_its_own_process_would(tmp_path, server, how, codes, shown) -> None:
+    got, texts = _launch(tmp_path, server, how)
+    assert got == codes, (got, texts)
+    for rank, text in enumerate(texts):
+        assert f"rank {rank} pid" in text and "forked 1 torch loaded True threads 1" in text, text
+        client, pid = _pids([text])[0]
+        assert client != pid, text   # a fork of the server, not the launched process
+    if shown:
+        # the rank's own report, once (the client mirrors the signal without a second dump), nothing of the server
+        assert texts[0].count(shown) == 1 and "_Start" not in texts[0], texts[0]
+
+
+@pytest.mark.parametrize("stop", ["kill", "deadline"])
+def test_a_forked_rank_dies_with_the_process_the_launcher_killed(tmp_path, server, stop) -> None:
+    """``kill=``: rank 1 as soon as both run (rank 0 at the deadline); the deadline: both."""
+    options = {"kill": (1, "both started"), "timeout_s": 6} if stop == "kill" else {"timeout_s": 5}
+    codes, texts = _launch(tmp_path, server, "hang", **options)
+    assert codes == ([-signal.SIGKILL, None] if stop == "kill" else [-signal.SIGKILL] * 2), (codes, texts)
+    deadline = time.monotonic() + 5
+    for rank in range(2):
+        pid = int((tmp_path / "pids" / str(rank)).read_text())
+        assert pid not in [client for client, _ in _pids(texts)]
+        while time.monotonic() < deadline and _alive(pid):
+            time.sleep(0.05)
+        assert not _alive(pid), f"rank {rank}'s process {pid} outlived its killed client"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_a_rank_whose_environment_differs_is_its_own_process(tmp_path, server) -> None:
+    codes, texts = _launch(tmp_path, server, "exit 0", env={"DS_ACCELERATOR": "cpu-but-another-value"})
+    assert codes == [0, 0], texts
+    for text in texts:
+        assert "fork server not used (the environment differs in ['DS_ACCELERATOR'])" in text, text
+        client, pid = _pids([text])[0]
+        assert client == pid and "forked None torch loaded False" in text, text
+
+
+def test_only_what_differs_per_rank_may_differ() -> None:
+    base = {"PATH": "/bin", "RANK": "0", "OMP_NUM_THREADS": "1"}
+    assert env_difference({**base, "RANK": "3", "MASTER_PORT": "1", "DS_TERAPIPE_WATCHDOG_S": "5"}, base) == []
+    assert env_difference({**base, "TORCH_LOGS": "dynamo"}, base) == ["TORCH_LOGS"]
+    assert env_difference({k: v for k, v in base.items() if k != "PATH"}, base) == ["PATH"]
