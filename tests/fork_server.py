@@ -2,7 +2,7 @@
 
 Why: a rank of a suite spends 5-9 s of CPU importing torch, DeepSpeed, dynamo (which DeepSpeed's optimizers import)
 and transformers before its first case, and a launch of 4 ranks on 2 cores waits for four of them; over the suite's
-~190 ranks that is about a third of its time. This process imports them once; each rank is then a fork of it.
+~190 ranks that is about a fifth of its time. This process imports them once; each rank is then a fork of it.
 
 How: tests/dist_worker.py, started by the launcher as usual (its own process, its own log, its exit code, killed as
 any process is), connects to ``SOCKET`` when ``FORK_SERVER_ENV`` names it, and sends its argv, environment, working
@@ -189,8 +189,9 @@ def run_child(start: _Start) -> None:
     request = start.request
     os.environ.clear()
     # what the imports set (torch, dynamo: PYTORCH_NVML_BASED_CUDA_CHECK, TORCHINDUCTOR_CACHE_DIR), then the request's
-    os.environ.update({k: v for k, v in _SET_BY_IMPORTS.items()})
-    os.environ.update({k: v for k, v in request["env"].items() if k != FORK_SERVER_ENV}, **{FORKED_ENV: "1"})
+    os.environ.update(_SET_BY_IMPORTS)
+    os.environ.update({k: v for k, v in request["env"].items() if k != FORK_SERVER_ENV})
+    os.environ[FORKED_ENV] = "1"
     os.chdir(request["cwd"])
     threads = os.environ.get("OMP_NUM_THREADS")
     if threads and threads.isdigit():
@@ -231,7 +232,7 @@ def _exit(code: int) -> None:
     os._exit(code)
 
 
-def request_fork(path: str) -> int | None:
+def request_fork(path: str) -> None:
     """Client side (tests/dist_worker.py): have the server at ``path`` run this process's argv; mirror how the
     child ended (this function does not return then). Returns None, having printed why, where the server refused
     or cannot be reached: the caller runs the script itself."""
