@@ -40,6 +40,7 @@ from tests.fork_server import FORK_SERVER_ENV
 ROOT = Path(__file__).resolve().parent.parent
 RUNNER = Path(__file__).resolve().parent / "dist_worker.py"
 SERVER = Path(__file__).resolve().parent / "fork_server.py"
+FORK_RUN = Path(__file__).resolve().parent / "fork_run.py"
 #: the signals of a crash in native code that a launch is run once more for (see the module docstring)
 CRASH_SIGNALS = (signal.SIGSEGV, signal.SIGBUS)
 
@@ -50,6 +51,8 @@ def _run(argv: list[str], world_size: int, out_dir: Path, timeout_s: float, *, f
     server = fork_server() if forked else None
     if server is not None:
         env[FORK_SERVER_ENV] = server
+        if argv[1:2] != [str(RUNNER)]:   # dist_worker.py asks the server itself; another script through the client
+            argv = [argv[0], str(FORK_RUN), *argv[1:]]
     return run_local(argv, world_size, out_dir, timeout_s=timeout_s, pythonpath=[ROOT], cwd=ROOT, env=env, **options)
 
 
@@ -100,8 +103,9 @@ def run_ranks(argv: list[str], world_size: int, out_dir: Path, *, timeout_s: flo
 
     ``kill=(rank, text)``: SIGKILL that rank once ``text`` appears in rank 0's output (a crash mid-run).
     Past ``timeout_s`` every rank still running is killed; with ``fail_fast``, so is every rank still running
-    5 s after one failed (it would only wait for its peer until its own p2p timeout). ``forked``: ranks of
-    tests/dist_worker.py's suites of cases are forks of the session's fork server (``launch`` always does that).
+    5 s after one failed (it would only wait for its peer until its own p2p timeout). ``forked``: the ranks are forks of
+    the session's fork server (``launch`` always does that): tests/dist_worker.py's suites of cases (a standalone
+    suite is never forked), and any other script through tests/fork_run.py.
     """
     result = _run(argv, world_size, out_dir, timeout_s, kill=kill, fail_fast=fail_fast, forked=forked)
     return result.codes, result.texts()

@@ -4,13 +4,14 @@ Why: a rank of a suite spends 5-9 s of CPU importing torch, DeepSpeed, dynamo (w
 and transformers before its first case, and a launch of 4 ranks on 2 cores waits for four of them; over the suite's
 ~190 ranks that is about a fifth of its time. This process imports them once; each rank is then a fork of it.
 
-How: tests/dist_worker.py, started by the launcher as usual (its own process, its own log, its exit code, killed as
-any process is), connects to ``SOCKET`` when ``FORK_SERVER_ENV`` names it, and sends its argv, environment, working
-directory and its stdin/stdout/stderr (file descriptors over the Unix socket). The server forks; the child takes
-those descriptors, that environment and directory and runs the script as ``__main__``, as ``python script.py``
-would (exit codes, uncaught exceptions, atexit, fatal signals alike). The server reports the child's pid, then its
-wait status; the client ends the same way (the same exit code, or the same signal). A client that dies (the
-launcher's deadline, fail-fast or ``kill=``) gets its child SIGKILLed at once: the server watches the connection.
+How: tests/dist_worker.py (or tests/fork_run.py, for any other script), started by the launcher as usual (its own
+process, its own log, its exit code, killed as any process is), connects to ``SOCKET`` when ``FORK_SERVER_ENV``
+names it, and sends its argv, environment, working directory and its stdin/stdout/stderr (file descriptors over the
+Unix socket). The server forks; the child takes those descriptors, that environment and directory and runs the
+script as ``__main__``, as ``python script.py`` would (exit codes, uncaught exceptions, atexit, fatal signals
+alike). The server reports the child's pid, then its wait status; the client ends the same way (the same exit code,
+or the same signal). A client that dies (the launcher's deadline, fail-fast or ``kill=``) gets its child SIGKILLed
+at once: the server watches the connection.
 
 What could differ from a fresh process, and how it is kept the same or refused:
 * the environment the imports saw: a request whose environment differs from the server's in anything but the
@@ -203,6 +204,7 @@ def run_child(start: _Start) -> None:
 
         faulthandler.enable(all_threads=True)
     sys.argv = list(request["argv"])
+    sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))   # as `python SCRIPT` sets it (the server's: tests/)
     try:
         runpy.run_path(sys.argv[0], run_name="__main__")
         code = 0

@@ -41,6 +41,15 @@ def trainer(tmp: Path, name: str, *extra: str, terapipe: dict | None = None, ds:
             "--max-corpus-mb", "0.3", "--metrics", str(tmp / f"{name}.jsonl"), *extra]
 
 
+def run_forks(argv: list[str], world_size: int, out_dir: Path, **options) -> tuple[list[int | None], list[str]]:
+    """``run_ranks`` with each rank a fork of the session's fork server (tests/fork_run.py): the trainer's options,
+    checkpoints and faults are what these tests check, not the interpreter's start, which costs each rank 5 s of
+    CPU. One launch below and benchmarks/on_gpu.sh's (through the ``deepspeed`` launcher) start as a user's do."""
+    codes, texts = run_ranks(argv, world_size, out_dir, forked=True, **options)
+    assert not any("fork server not used" in text for text in texts), texts[0][-3000:]   # refused: slow, not wrong
+    return codes, texts
+
+
 def losses(tmp: Path, name: str) -> dict[int, float]:
     return {row["step"]: row["loss"] for row in map(json.loads, (tmp / f"{name}.jsonl").read_text().splitlines())}
 
@@ -86,12 +95,13 @@ def test_command_line_overrides_are_in_the_config_before_it_is_validated(tmp_pat
 @pytest.mark.timeout(600)
 def test_resume_in_fresh_processes_is_bit_identical(tmp_path) -> None:
     v_shape = {"schedule": "dualpipev", "virtual_stages": 2}
-    check(*run_ranks(trainer(tmp_path, "full", "--steps", "6", terapipe=v_shape), 2, tmp_path / "full",
+    check(*run_forks(trainer(tmp_path, "full", "--steps", "6", terapipe=v_shape), 2, tmp_path / "full",
                      timeout_s=240))
     ckpt = str(tmp_path / "ckpt")
-    check(*run_ranks(trainer(tmp_path, "first", "--steps", "3", "--save-dir", ckpt, "--save-every", "3",
+    check(*run_forks(trainer(tmp_path, "first", "--steps", "3", "--save-dir", ckpt, "--save-every", "3",
                              terapipe=v_shape), 2, tmp_path / "first", timeout_s=240))
-    # the resumed run also pins its processes to cores (--bind-cores): same threads per process, same numbers
+    # the resumed run also pins its processes to cores (--bind-cores): same threads per process, same numbers; its
+    # ranks are processes of their own, as a user's are (the trainer sets their threads before torch starts any)
     codes, texts = run_ranks(trainer(tmp_path, "second", "--steps", "6", "--save-dir", ckpt, "--resume",
                                      "--bind-cores", terapipe=v_shape), 2, tmp_path / "second", timeout_s=240)
     check(codes, texts)
@@ -102,7 +112,7 @@ def test_resume_in_fresh_processes_is_bit_identical(tmp_path) -> None:
     assert [second[s] for s in (4, 5, 6)] == [full[s] for s in (4, 5, 6)]  # exact float equality
     assert full[6] < full[1]
     # --compile: engine.compile() before training (aot_eager: dynamo and AOT autograd), the same losses to rounding
-    codes, texts = run_ranks(trainer(tmp_path, "compiled", "--steps", "3", "--compile", "aot_eager", terapipe=v_shape),
+    codes, texts = run_forks(trainer(tmp_path, "compiled", "--steps", "3", "--compile", "aot_eager", terapipe=v_shape),
                              2, tmp_path / "compiled", timeout_s=240)
     check(codes, texts)
     assert "engine.compile(backend='aot_eager'): compiled=True" in texts[0], texts[0][-3000:]
@@ -111,13 +121,13 @@ def test_resume_in_fresh_processes_is_bit_identical(tmp_path) -> None:
     # the same checkpoint in bf16: its optimizer keeps the state another way, so --resume is refused on both ranks
     # with the fix, and --resume-weights-only continues from the last one (step 6) with a fresh optimizer
     bf16 = {"bf16": {"enabled": True}}
-    codes, texts = run_ranks(trainer(tmp_path, "bf16", "--steps", "8", "--save-dir", ckpt, "--resume",
+    codes, texts = run_forks(trainer(tmp_path, "bf16", "--steps", "8", "--save-dir", ckpt, "--resume",
                                      terapipe=v_shape, ds=bf16), 2, tmp_path / "bf16", timeout_s=240)
     assert codes[0] != 0 and codes[1] != 0, codes
     for text in texts:
         assert "holds its optimizer state as the torch optimizer's" in text and "DeepSpeed's bf16 optimizer" in text, (
             text[-3000:])
-    codes, texts = run_ranks(trainer(tmp_path, "bf16_weights", "--steps", "8", "--save-dir", ckpt,
+    codes, texts = run_forks(trainer(tmp_path, "bf16_weights", "--steps", "8", "--save-dir", ckpt,
                                      "--resume-weights-only", terapipe=v_shape, ds=bf16),
                              2, tmp_path / "bf16_weights", timeout_s=240)
     check(codes, texts)
@@ -133,7 +143,7 @@ def test_one_stage_with_slices_auto_reuses_its_cached_plan(tmp_path) -> None:
     auto = {"slices": "auto", "plan_cache": str(tmp_path / "cache"),
             "profile": {"slice_lengths": [16, 32, 64], "num_contexts": 2, "warmup": 0, "repeats": 1}}
     for name, ds in (("profiled", {"pipeline": {"stages": 1}}), ("cached", None)):
-        codes, texts = run_ranks(trainer(tmp_path, name, "--steps", "2", "--stages", "1", terapipe=auto, ds=ds), 1,
+        codes, texts = run_forks(trainer(tmp_path, name, "--steps", "2", "--stages", "1", terapipe=auto, ds=ds), 1,
                                  tmp_path / name, timeout_s=120)
         assert codes == [0], texts[0][-3000:]
         assert sorted(losses(tmp_path, name)) == [1, 2]
@@ -143,13 +153,13 @@ def test_one_stage_with_slices_auto_reuses_its_cached_plan(tmp_path) -> None:
 @pytest.mark.timeout(600)
 def test_killed_rank_fails_fast_and_resume_loses_at_most_one_interval(tmp_path) -> None:
     ckpt = str(tmp_path / "ckpt")
-    codes, texts = run_ranks(trainer(tmp_path, "crash", "--steps", "200", "--save-dir", ckpt, "--save-every", "2"),
+    codes, texts = run_forks(trainer(tmp_path, "crash", "--steps", "200", "--save-dir", ckpt, "--save-every", "2"),
                              2, tmp_path / "crash", timeout_s=240, kill=(1, "step     5 "), fail_fast=False)
     assert codes[1] is None, "rank 1 should have been killed"
     assert codes[0] not in (0, None), f"rank 0 should fail, not finish or hang:\n{texts[0][-3000:]}"
     assert re.search(r"P2PTimeoutError|Connection closed|Connection reset|failed in step", texts[0]), texts[0][-3000:]
     crashed_at = max(losses(tmp_path, "crash"))
-    codes, texts = run_ranks(trainer(tmp_path, "resume", "--steps", str(crashed_at + 2), "--save-dir", ckpt,
+    codes, texts = run_forks(trainer(tmp_path, "resume", "--steps", str(crashed_at + 2), "--save-dir", ckpt,
                                      "--resume"), 2, tmp_path / "resume", timeout_s=240)
     check(codes, texts)
     resumed_at = int(re.search(r"at step (\d+)", texts[0]).group(1))
@@ -163,7 +173,7 @@ def test_a_rank_killed_right_after_a_repack_fails_fast_and_resume_repacks_identi
     # holds frozen layers only and the run repacks to 1 stage x 2 replicas
     freeze = ("--freeze", "2:3", "--repack")
     ckpt = str(tmp_path / "ckpt")
-    codes, texts = run_ranks(trainer(tmp_path, "crash", "--steps", "200", "--save-dir", ckpt, "--save-every", "2",
+    codes, texts = run_forks(trainer(tmp_path, "crash", "--steps", "200", "--save-dir", ckpt, "--save-every", "2",
                                      *freeze), 2, tmp_path / "crash", timeout_s=240, kill=(1, "repacked"),
                              fail_fast=False)
     assert codes[1] is None, "rank 1 should have been killed"
@@ -174,12 +184,12 @@ def test_a_rank_killed_right_after_a_repack_fails_fast_and_resume_repacks_identi
     # model): either way the resumed run repacks (at step 2, or while loading) and goes on
     crashed_at = max(losses(tmp_path, "crash"))
     end = str(crashed_at + 2)
-    codes, texts = run_ranks(trainer(tmp_path, "resume", "--steps", end, "--save-dir", ckpt, "--resume", *freeze),
+    codes, texts = run_forks(trainer(tmp_path, "resume", "--steps", end, "--save-dir", ckpt, "--resume", *freeze),
                              2, tmp_path / "resume", timeout_s=240)
     check(codes, texts)
     resumed_at = int(re.search(r"at step (\d+)", texts[0]).group(1))
     assert crashed_at - 2 <= resumed_at <= crashed_at and "repacked" in texts[0], texts[0][-3000:]
-    codes, texts = run_ranks(trainer(tmp_path, "full", "--steps", end, *freeze), 2, tmp_path / "full",
+    codes, texts = run_forks(trainer(tmp_path, "full", "--steps", end, *freeze), 2, tmp_path / "full",
                              timeout_s=240)
     check(codes, texts)
     assert "step 2: repacked 2 stage(s) x 1 replica(s) -> 1 x 2" in texts[0], texts[0][-3000:]

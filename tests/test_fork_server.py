@@ -119,3 +119,27 @@ def test_only_what_differs_per_rank_may_differ() -> None:
     assert env_difference({**base, "RANK": "3", "MASTER_PORT": "1", "DS_TERAPIPE_WATCHDOG_S": "5"}, base) == []
     assert env_difference({**base, "TORCH_LOGS": "dynamo"}, base) == ["TORCH_LOGS"]
     assert env_difference({k: v for k, v in base.items() if k != "PATH"}, base) == ["PATH"]
+
+
+SCRIPT = """
+import os, sys
+print("script argv", sys.argv[1:], "path0", sys.path[0], "forked", os.environ.get({forked!r}), "as", __name__,
+      flush=True)
+sys.exit(int(sys.argv[1]))
+"""
+
+
+@pytest.mark.parametrize("refused", [False, True])
+def test_a_script_through_the_client_runs_as_python_would_run_it(tmp_path, server, refused) -> None:
+    """tests/fork_run.py SCRIPT ARGS (how run_ranks(forked=True) starts a script other than tests/dist_worker.py):
+    the script's argv, its directory first on sys.path and its exit code, forked or, refused, in the client."""
+    script = tmp_path / "scripts" / "rank.py"
+    script.parent.mkdir()
+    script.write_text(SCRIPT.format(forked=FORKED_ENV))
+    env = {FORK_SERVER_ENV: server, **({"DS_ACCELERATOR": "another"} if refused else {})}
+    result = run_local([sys.executable, str(ROOT / "tests" / "fork_run.py"), str(script), "4", "x"], 2,
+                       tmp_path / "logs", env=env, pythonpath=[ROOT], cwd=ROOT, fail_fast=False)
+    assert result.codes == [4, 4], result.texts()
+    shown = f"script argv ['4', 'x'] path0 {script.parent} forked {None if refused else '1'} as __main__"
+    for text in result.texts():
+        assert shown in text, text
