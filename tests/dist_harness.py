@@ -34,7 +34,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from ds_terapipe.runtime.execution.local_launch import LaunchResult, rank_env, run_local
+from ds_terapipe.runtime.execution.local_launch import LaunchResult, process_env, run_local
 from tests.fork_server import FORK_SERVER_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,9 +69,8 @@ def fork_server() -> str | None:
         _SERVER["path"] = None
         where = Path(tempfile.mkdtemp(prefix="ds_terapipe_fork_"))
         path, log = where / "socket", where / "server.log"
-        # the environment every rank gets apart from what differs per rank (fork_server.PER_RANK)
-        env = {**os.environ, **rank_env(0, 1, 0),
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        # the environment every rank of _run gets, apart from what differs per rank (fork_server.PER_RANK)
+        env = process_env(0, 1, 0, pythonpath=[ROOT])
         with open(log, "w") as out:
             proc = subprocess.Popen([sys.executable, str(SERVER), str(path)], env=env, cwd=ROOT, stdout=out,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)

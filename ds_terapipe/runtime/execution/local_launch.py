@@ -29,7 +29,7 @@ from pathlib import Path
 
 from ds_terapipe.runtime.execution.shm import remove_shm_segments
 
-__all__ = ["LaunchResult", "free_port", "rank_env", "run_local"]
+__all__ = ["LaunchResult", "free_port", "process_env", "rank_env", "run_local"]
 
 #: the first line of faulthandler's dump (``PYTHONFAULTHANDLER``), then one block per Python thread, newest first,
 #: the crashing one headed "Current thread" (none of them when a native thread crashed)
@@ -56,6 +56,18 @@ def rank_env(rank: int, world_size: int, port: int, *, host: str = "127.0.0.1",
     if threads is not None:
         env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     return env
+
+
+def process_env(rank: int, world_size: int, port: int, *, env: Mapping[str, str] | None = None,
+                pythonpath: Sequence[Path | str] = (), threads: int | None = 1) -> dict[str, str]:
+    """The whole environment :func:`run_local` gives ``rank``: this process's (``PYTHONFAULTHANDLER=1`` where it
+    does not say otherwise: a rank that dies of a fatal signal prints every thread's Python stack to its log),
+    :func:`rank_env` on top, ``env`` on top of that, and ``pythonpath`` prepended to ``PYTHONPATH``."""
+    out = {"PYTHONFAULTHANDLER": "1", **os.environ, **rank_env(rank, world_size, port, threads=threads), **(env or {})}
+    extra_path = os.pathsep.join(str(p) for p in pythonpath)
+    if extra_path:
+        out["PYTHONPATH"] = os.pathsep.join(filter(None, [extra_path, out.get("PYTHONPATH")]))
+    return out
 
 
 @dataclass(frozen=True)
@@ -128,10 +140,8 @@ def run_local(argv: Sequence[str], world_size: int, log_dir: Path, *, timeout_s:
               on_poll: Callable[[], None] | None = None, poll_s: float = 0.2) -> LaunchResult:
     """Run ``argv`` as ``world_size`` local ranks; wait for them; return their exit codes and logs.
 
-    Each rank gets this process's environment (``PYTHONFAULTHANDLER=1`` where it does not say otherwise: a rank
-    that dies of a fatal signal prints every thread's Python stack to its log), :func:`rank_env` on top and ``env``
-    on top of that; ``pythonpath`` entries are prepended to ``PYTHONPATH``. Rank r writes stdout and stderr to
-    ``log_dir/rank{r}.log``.
+    Each rank gets :func:`process_env` (this process's environment, :func:`rank_env`, ``env``, ``pythonpath``).
+    Rank r writes stdout and stderr to ``log_dir/rank{r}.log``.
     Past ``timeout_s`` every rank still running is killed. With ``fail_fast``, so is every rank still running
     ``fail_fast_grace_s`` after one exited non-zero (time to write its traceback). ``kill=(rank, text)``:
     SIGKILL that rank once ``text`` appears in rank 0's log (its code is then None). ``on_poll`` is called
@@ -142,7 +152,6 @@ def run_local(argv: Sequence[str], world_size: int, log_dir: Path, *, timeout_s:
     log_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     paths = [log_dir / f"rank{rank}.log" for rank in range(world_size)]
-    extra_path = os.pathsep.join(str(p) for p in pythonpath)
     procs: list[subprocess.Popen] = []
     killed: set[int] = set()     # by kill=
     stopped: set[int] = set()    # by the deadline or fail-fast
@@ -150,10 +159,7 @@ def run_local(argv: Sequence[str], world_size: int, log_dir: Path, *, timeout_s:
     watchers: list[threading.Thread] = []
     try:
         for rank in range(world_size):
-            rank_vars = {"PYTHONFAULTHANDLER": "1", **os.environ, **rank_env(rank, world_size, port, threads=threads),
-                         **(env or {})}
-            if extra_path:
-                rank_vars["PYTHONPATH"] = os.pathsep.join(filter(None, [extra_path, rank_vars.get("PYTHONPATH")]))
+            rank_vars = process_env(rank, world_size, port, env=env, pythonpath=pythonpath, threads=threads)
             with open(paths[rank], "w") as log:   # the child keeps its own copy of the descriptor
                 procs.append(subprocess.Popen(list(argv), env=rank_vars, stdout=log, stderr=subprocess.STDOUT,
                                               cwd=cwd))
