@@ -16,7 +16,8 @@ at once: the server watches the connection.
 What could differ from a fresh process, and how it is kept the same or refused:
 * the environment the imports saw: a request whose environment differs from the server's in anything but the
   variables a rank gets (``RANK`` and the rest of ``local_launch.rank_env``, threads, faulthandler, the project's
-  ``DS_TERAPIPE_*``, pytest's current test) is refused, and the client runs the script itself;
+  ``DS_TERAPIPE_*``, pytest's current test, or a value the server's own imports set) is refused, and the client
+  runs the script itself;
 * threads: the server runs no torch op (OpenMP never starts) and is single-threaded (select and a SIGCHLD wakeup
   fd); the child sets torch's thread count from its ``OMP_NUM_THREADS``;
 * nothing of the project is imported here (its modules read ``RANK`` and the like at import): each child imports
@@ -62,11 +63,16 @@ class _Start(BaseException):
         self.request, self.fds = request, fds
 
 
-def env_difference(theirs: dict[str, str], ours: dict[str, str]) -> list[str]:
-    """The variables (sorted) by which a request's environment differs from the server's where that matters."""
-    names = set(theirs) | set(ours)
+def env_difference(theirs: dict[str, str], ours: dict[str, str], set_by_imports: dict[str, str] | None = None
+                   ) -> list[str]:
+    """The variables (sorted) by which a request's environment differs from the server's where that matters.
+
+    ``ours`` is the server's environment before its imports; ``set_by_imports`` what those imports set. A request
+    that already holds a value the imports set (the test process imported torch's inductor too, which sets
+    ``TORCHINDUCTOR_CACHE_DIR``) differs in nothing the child would not have: it starts from those values anyway."""
+    names, made = set(theirs) | set(ours), set_by_imports or {}
     return sorted(n for n in names if theirs.get(n) != ours.get(n) and n not in PER_RANK
-                  and not n.startswith(PER_RANK_PREFIXES))
+                  and not n.startswith(PER_RANK_PREFIXES) and not (n in made and theirs.get(n) == made[n]))
 
 
 def _preload() -> None:
@@ -133,7 +139,7 @@ def _fork(listener: socket.socket, clients: dict[int, socket.socket | None], wak
         print(f"fork server: unreadable request ({err})", flush=True)
         conn.close()
         return
-    refused = env_difference(request["env"], _BEFORE_IMPORTS)
+    refused = env_difference(request["env"], _BEFORE_IMPORTS, _SET_BY_IMPORTS)
     if refused or len(fds) != 3:
         _send(conn, {"refused": f"the environment differs in {refused}" if refused else "3 descriptors needed"})
         conn.close()

@@ -119,6 +119,10 @@ def test_only_what_differs_per_rank_may_differ() -> None:
     assert env_difference({**base, "RANK": "3", "MASTER_PORT": "1", "DS_TERAPIPE_WATCHDOG_S": "5"}, base) == []
     assert env_difference({**base, "TORCH_LOGS": "dynamo"}, base) == ["TORCH_LOGS"]
     assert env_difference({k: v for k, v in base.items() if k != "PATH"}, base) == ["PATH"]
+    # a value the server's imports set is no difference (the test process imported the same); another value is
+    made = {"TORCHINDUCTOR_CACHE_DIR": "/tmp/inductor"}
+    assert env_difference({**base, **made}, base, made) == []
+    assert env_difference({**base, "TORCHINDUCTOR_CACHE_DIR": "/elsewhere"}, base, made) == ["TORCHINDUCTOR_CACHE_DIR"]
 
 
 SCRIPT = """
