@@ -20,6 +20,8 @@ What could differ from a fresh process, and how it is kept the same or refused:
   runs the script itself;
 * threads: the server runs no torch op (OpenMP never starts) and is single-threaded (select and a SIGCHLD wakeup
   fd); the child sets torch's thread count from its ``OMP_NUM_THREADS``;
+* the garbage collector: what the server imported is frozen (``gc.freeze``); a fresh process's collector walks
+  those objects in every full collection, and never frees them either;
 * nothing of the project is imported here (its modules read ``RANK`` and the like at import): each child imports
   them itself, in well under a second.
 The server leaves when its parent (the pytest process) does, or on SIGTERM.
@@ -27,6 +29,7 @@ The server leaves when its parent (the pytest process) does, or on SIGTERM.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import select
@@ -89,6 +92,11 @@ def _preload() -> None:
             getattr(transformers, cls)
         except (AttributeError, ImportError):
             pass
+    # What the imports made lives as long as the server: frozen (out of the collector's sight), a full collection in
+    # a child no longer walks those ~400k objects. Each rank's first one (keep_collections_cheap in
+    # tests/suites/common.py) took 0.5-1.2 s of CPU, and its walk copied ~110 MB of the server's pages into the rank.
+    gc.collect()
+    gc.freeze()
 
 
 def serve(path: str) -> None:

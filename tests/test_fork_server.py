@@ -18,14 +18,15 @@ from tests.dist_harness import ROOT, fork_server
 from tests.fork_server import FORK_SERVER_ENV, FORKED_ENV, env_difference
 
 RANK_SCRIPT = f"""
-import os, signal, sys, time
+import gc, os, signal, sys, time
 sys.path.insert(0, {str(ROOT)!r})
 from tests.fork_server import request_fork
 print("client", os.getpid(), flush=True)
 if os.environ.get({FORK_SERVER_ENV!r}):
     request_fork(os.environ[{FORK_SERVER_ENV!r}])
 print("rank", os.environ["RANK"], "pid", os.getpid(), "forked", os.environ.get({FORKED_ENV!r}), "torch loaded",
-      "torch" in sys.modules, "threads", os.environ["OMP_NUM_THREADS"], flush=True)
+      "torch" in sys.modules, "threads", os.environ["OMP_NUM_THREADS"], "imports frozen", gc.get_freeze_count() > 0,
+      flush=True)
 how = sys.argv[1]
 if how == "exit 3":
     sys.exit(3)
@@ -74,7 +75,7 @@ def test_a_forked_rank_ends_as_its_own_process_would(tmp_path, server, how, code
     got, texts = _launch(tmp_path, server, how)
     assert got == codes, (got, texts)
     for rank, text in enumerate(texts):
-        assert f"rank {rank} pid" in text and "forked 1 torch loaded True threads 1" in text, text
+        assert f"rank {rank} pid" in text and "forked 1 torch loaded True threads 1 imports frozen True" in text, text
         client, pid = _pids([text])[0]
         assert client != pid, text   # a fork of the server, not the launched process
     if shown:
