@@ -610,7 +610,7 @@ def test_a_sink_far_above_the_scores_takes_every_row_whole_without_overflow() ->
 
 
 def test_sequence_parallel_ranks_attend_with_their_heads_sinks(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Under sequence parallelism rank r attends with the r-th subset of the heads (gather_heads' split), so it
+    """Under sequence parallelism rank r attends with the r-th subset of the heads (gather_qkv's split), so it
     takes those heads' sinks: each of 2 emulated ranks (the all-to-alls replaced by the head split they make)
     equals the reference's heads, and the sink gradients of the ranks add up to the reference's."""
     import ds_terapipe.runtime.slicing.attention as attention
@@ -625,7 +625,7 @@ def test_sequence_parallel_ranks_attend_with_their_heads_sinks(monkeypatch: pyte
     for rank in range(2):
         share = SequenceShare(group=None, rank=rank, degree=2)
         mine = slice(rank * heads // 2, (rank + 1) * heads // 2)
-        monkeypatch.setattr(attention, "gather_heads", lambda x, share, what: x[:, mine])
+        monkeypatch.setattr(attention, "gather_qkv", lambda tensors, share: tuple(x[:, mine] for x in tensors))
         monkeypatch.setattr(attention, "scatter_heads", lambda y, share: y)
         ranked = sinks.detach().requires_grad_()
         with slice_scope(SliceContext(0, 0, 0, length, MicroBatchState(0, length, 2), sequence=share)):
@@ -635,6 +635,49 @@ def test_sequence_parallel_ranks_attend_with_their_heads_sinks(monkeypatch: pyte
         assert not ranked.grad[[h for h in range(heads) if h not in range(mine.start, mine.stop)]].any()
         total += ranked.grad
     torch.testing.assert_close(total, ref_grad)
+
+
+@pytest.mark.parametrize("mixed_dtypes", [False, True])
+def test_q_k_v_cross_to_the_sequence_ranks_in_one_all_to_all_per_direction(mixed_dtypes: bool,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """gather_qkv packs queries, keys and values (4 query heads, 2 KV heads, values wider than keys) into one
+    all-to-all, forward and backward (tensors of different dtypes: one each). The collective emulated as the identity
+    (what a rank would receive if every rank held its tokens): token block i of each result is head subset i of
+    that tensor, so a mix-up between q, k and v or their heads shows; scatter_heads undoes it."""
+    from ds_terapipe.runtime.slicing import sequence
+    from ds_terapipe.runtime.slicing.sequence import SequenceShare, gather_qkv, scatter_heads
+    calls = []
+
+    def identity(out: torch.Tensor, inp: torch.Tensor, group: object = None) -> None:
+        assert out.is_contiguous() and inp.is_contiguous()
+        calls.append(inp.shape)
+        out.copy_(inp)
+
+    monkeypatch.setattr(sequence.dist, "all_to_all_single", identity)
+    torch.manual_seed(7)
+    n, batch, length = 2, 2, 3
+    q = torch.randn(batch, 4, length, 12, dtype=torch.float64)
+    k = torch.randn(batch, 2, length, 12, dtype=torch.float64)
+    v = torch.randn(batch, 2, length, 20, dtype=torch.float32 if mixed_dtypes else torch.float64)
+    leaves = [x.requires_grad_() for x in (q, k, v)]
+    got = gather_qkv(leaves, SequenceShare(group=None, rank=0, degree=n))
+    assert len(calls) == (2 if mixed_dtypes else 1), calls
+
+    def emulated(x: torch.Tensor) -> torch.Tensor:
+        part = x.shape[1] // n
+        return torch.cat([x[:, i * part:(i + 1) * part] for i in range(n)], dim=2)
+
+    refs = [x.detach().clone().requires_grad_() for x in leaves]
+    for g, r in zip(got, refs):
+        assert torch.equal(g, emulated(r))
+    weights = [torch.randn_like(g) for g in got]
+    sum((g * w).sum() for g, w in zip(got, weights)).backward()
+    assert len(calls) == (4 if mixed_dtypes else 2), calls
+    sum((emulated(r) * w).sum() for r, w in zip(refs, weights)).backward()
+    for leaf, ref in zip(leaves, refs):
+        assert torch.equal(leaf.grad, ref.grad)
+    for g, x in zip(got, leaves):
+        assert torch.equal(scatter_heads(g, SequenceShare(group=None, rank=0, degree=n)), x)
 
 
 # -- values narrower than keys (DeepSeek's latent attention) ---------------------------------------------------

@@ -13,7 +13,9 @@ optimizer state sharded over both (ZeRO 1 over data x sequence ranks, as DeepSpe
 
 :class:`SequenceParallelCost` wraps a chunk's cost with that arithmetic, so ``plan_slicing`` and ``simulate`` plan a
 sequence-parallel pipeline unchanged; :func:`plan_layouts` enumerates the layouts of a world and plans each.
-The engine does not run sequence parallelism yet: this is the planner's estimate.
+The engine runs it as this arithmetic has it (:mod:`ds_terapipe.runtime.slicing.sequence`: queries, keys and
+values in one all-to-all, the output in another); with ``slices: "auto"`` it plans from each rank's measured
+share instead.
 """
 
 from __future__ import annotations

@@ -56,7 +56,7 @@ from .blocks import block_attention, fused_ok, gqa_kwargs, prefix_blocks, sdpa_b
 from .context import KVBuffers, SliceContext, current_slice
 from .devices import lower_right_bias, prefix_causal_bias
 from .documents import Documents, causal_visible, chunked_documents, current_documents, slice_positions
-from .sequence import gather_heads, scatter_heads
+from .sequence import gather_qkv, scatter_heads
 
 __all__ = ["CausalSelfAttention", "sliced_causal_attention"]
 
@@ -168,8 +168,8 @@ def sliced_causal_attention(q: torch.Tensor,
     ctx = current_slice()
     share = None if ctx is None else ctx.sequence
     if share is not None and share.degree > 1:   # this rank's tokens, all heads -> the whole slice, its heads
-        q, k, v = gather_heads(q, share, "q"), gather_heads(k, share, "k/v"), gather_heads(v, share, "k/v")
-        if sinks is not None:   # the sinks of this rank's heads (gather_heads hands rank r the r-th head subset)
+        q, k, v = gather_qkv((q, k, v), share)   # one all-to-all
+        if sinks is not None:   # the sinks of this rank's heads (gather_qkv hands rank r the r-th head subset)
             sinks = sinks[share.rank * q.shape[1]:(share.rank + 1) * q.shape[1]]
         return scatter_heads(_sliced(q, k, v, ctx, cache_key, dropout_p, scale, window, softcap, sinks, chunk), share)
     return _sliced(q, k, v, ctx, cache_key, dropout_p, scale, window, softcap, sinks, chunk)

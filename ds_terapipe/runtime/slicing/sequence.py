@@ -6,10 +6,10 @@ sequence. With ``N`` sequence-parallel ranks per stage, every slice's tokens ``[
 norms, MLPs, projections) run on the rank's share alone, and around attention two all-to-alls (DeepSpeed Ulysses'
 pattern) turn the share of all heads into the whole slice for ``1/N`` of the heads and back:
 
-* :func:`gather_heads` (before attention): q, k, v (B, heads, T/N, hs) -> (B, heads/N, T, hs). Attention then
-  runs exactly as without sequence parallelism, over the slice and the KV carry of earlier slices, for this
-  rank's heads (the carry holds only them: 1/N of the KV memory). Grouped-query K/V are split by their own heads
-  (KV heads must divide by N).
+* :func:`gather_qkv` (before attention): q, k, v (B, heads, T/N, hs) -> (B, heads/N, T, hs), the three in one
+  all-to-all. Attention then runs exactly as without sequence parallelism, over
+  the slice and the KV carry of earlier slices, for this rank's heads (the carry holds only them: 1/N of the KV
+  memory). Grouped-query K/V are split by their own heads (KV heads must divide by N).
 * :func:`scatter_heads` (after it): (B, heads/N, T, hs) -> (B, heads, T/N, hs).
 
 Both are autograd functions whose backward is the opposite all-to-all, so gradients (and the KV-gradient carry,
@@ -26,13 +26,14 @@ sequence-parallel without a change.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["SequenceShare", "gather_heads", "scatter_heads"]
+__all__ = ["SequenceShare", "gather_qkv", "scatter_heads"]
 
 
 @dataclass(frozen=True)
@@ -51,26 +52,44 @@ class SequenceShare:
 
 
 class _AllToAll(torch.autograd.Function):
-    """Chunk ``i`` of dim 0 goes to rank ``i`` of the group, chunk ``i`` of the result came from rank ``i``; the
-    backward is the same exchange of the gradient."""
+    """For each tensor: chunk ``i`` of dim 0 goes to rank ``i`` of the group, chunk ``i`` of its result came from
+    rank ``i``; every tensor in one exchange. The backward is the same exchange of the gradients."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+    def forward(ctx: Any, group: Any, *parts: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.group = group
-        return _exchange(x, group)
+        return _exchange(parts, group)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _exchange(grad, ctx.group), None
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        return (None, *_exchange(grads, ctx.group))
 
 
-def _exchange(x: torch.Tensor, group: Any) -> torch.Tensor:
-    # Both buffers dense in row-major order: the collective reads and writes storage in that order, and a
-    # gradient arriving through a permute has other strides, which empty_like would keep.
-    x = x.contiguous()
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    dist.all_to_all_single(out, x, group=group)
-    return out
+def _exchange(parts: tuple[torch.Tensor, ...], group: Any) -> tuple[torch.Tensor, ...]:
+    """One all-to-all for every tensor of ``parts`` (each (N, ...), dim 0 the ranks; one per dtype): rank ``i``'s row of
+    a dense (N, total) buffer holds chunk ``i`` of each tensor side by side, so q, k and v (whatever their head
+    counts and widths) cost one collective per direction, not three: a small slice's all-to-all is latency, not
+    bandwidth. Both buffers dense in row-major order: the collective reads and writes storage in that order (a
+    gradient arriving through a permute has other strides; the copy into the buffer is the one copy each tensor
+    takes, as ``contiguous()`` would)."""
+    dtypes = list(dict.fromkeys(p.dtype for p in parts))
+    if len(dtypes) > 1:   # one exchange per dtype
+        out: list[Any] = [None] * len(parts)
+        for dtype in dtypes:
+            where = [i for i, p in enumerate(parts) if p.dtype == dtype]
+            for i, got in zip(where, _exchange(tuple(parts[i] for i in where), group)):
+                out[i] = got
+        return tuple(out)
+    n = parts[0].shape[0]
+    sizes = [p[0].numel() for p in parts]
+    send = torch.empty((n, sum(sizes)), dtype=parts[0].dtype, device=parts[0].device)
+    received = torch.empty_like(send)
+    offsets = list(itertools.accumulate([0, *sizes]))
+    for offset, size, part in zip(offsets, sizes, parts):
+        send[:, offset:offset + size].view(part.shape).copy_(part)
+    dist.all_to_all_single(received, send, group=group)
+    return tuple(received[:, offset:offset + size].view(part.shape)
+                 for offset, size, part in zip(offsets, sizes, parts))
 
 
 def _check_heads(x: torch.Tensor, share: SequenceShare, what: str) -> None:
@@ -80,21 +99,23 @@ def _check_heads(x: torch.Tensor, share: SequenceShare, what: str) -> None:
                          "heads); use a sequence-parallel degree that divides the (key/value) head count")
 
 
-def gather_heads(x: torch.Tensor, share: SequenceShare, what: str = "q/k/v") -> torch.Tensor:
-    """(B, heads, T/N, hs) of this rank's tokens -> (B, heads/N, T, hs): the whole slice for this rank's heads."""
-    _check_heads(x, share, what)
+def gather_qkv(tensors: Sequence[torch.Tensor], share: SequenceShare,
+               whats: Sequence[str] = ("q", "k/v", "k/v")) -> tuple[torch.Tensor, ...]:
+    """Each (B, heads, T/N, hs) of this rank's tokens -> (B, heads/N, T, hs): the whole slice for this rank's heads.
+    For queries, keys and values (their head counts and widths may differ), all in one all-to-all."""
+    for x, what in zip(tensors, whats):
+        _check_heads(x, share, what)
     n = share.degree
-    b, h, t, d = x.shape
-    parts = x.reshape(b, n, h // n, t, d).transpose(0, 1)                  # (N, B, h/N, t, hs): to rank i
-    got = _AllToAll.apply(parts, share.group)   # dense in _exchange; (N, B, h/N, t, hs): from rank i
-    return got.permute(1, 2, 0, 3, 4).reshape(b, h // n, n * t, d)
+    parts = [x.reshape(x.shape[0], n, x.shape[1] // n, *x.shape[2:]).transpose(0, 1) for x in tensors]
+    got = _AllToAll.apply(share.group, *parts)   # (N, B, h/N, t, hs) each: to rank i, then from rank i
+    return tuple(g.permute(1, 2, 0, 3, 4).reshape(g.shape[1], g.shape[2], n * g.shape[3], g.shape[4]) for g in got)
 
 
 def scatter_heads(x: torch.Tensor, share: SequenceShare) -> torch.Tensor:
     """(B, heads/N, T, hs) -> (B, heads, T/N, hs): every head of this rank's tokens (the inverse of
-    :func:`gather_heads`)."""
+    :func:`gather_qkv`)."""
     n = share.degree
     b, hn, tt, d = x.shape
     parts = x.reshape(b, hn, n, tt // n, d).permute(2, 0, 1, 3, 4)       # (N, B, h/N, t, hs): rank i's tokens
-    got = _AllToAll.apply(parts, share.group)   # dense in _exchange; (N, B, h/N, t, hs): head subset i
+    (got,) = _AllToAll.apply(share.group, parts)   # (N, B, h/N, t, hs): head subset i
     return got.transpose(0, 1).reshape(b, n * hn, tt // n, d)
