@@ -113,3 +113,40 @@ def test_ids_outside_the_vocabulary_are_named_and_the_last_id_and_ignored_labels
     assert out_of_range_ids(torch.tensor([[3, -100]]), 10, "input id") == "input id -100 at (0, 1) of the next " \
         "batch is outside the vocabulary [0, 10)"
     assert out_of_range_ids(torch.tensor([[0.5]]), 10, "input id") is None   # other kinds: their own checks
+
+
+def test_the_split_log_sum_exp_takes_one_all_reduce_and_equals_the_whole_vocabulary(monkeypatch) -> None:
+    """VF's softmax statistics: each of 4 emulated shards of a 9-word vocabulary (3 rows each; the last shard holds
+    padding rows only) puts its max, sum of exponentials and target into its row of one all-reduce; every shard then
+    has the log-sum-exp and the target logit of the whole vocabulary (torch.logsumexp over the unsplit logits)."""
+    from types import SimpleNamespace
+
+    from ds_terapipe.runtime.features import vocab
+
+    torch.manual_seed(3)
+    shards, rows_per_shard, vocab_size = 4, 3, 9
+    logits = torch.randn(2, 5, vocab_size) * 30   # spread out: the max matters
+    labels = torch.randint(0, vocab_size, (2, 5))
+    padded = torch.cat([logits, torch.full((2, 5, shards * rows_per_shard - vocab_size), float("-inf"))], dim=-1)
+    calls, rows_of = [], {}
+
+    def run(rank: int, reduce) -> tuple[torch.Tensor, ...]:
+        monkeypatch.setattr(vocab.dist, "get_rank", lambda group=None: rank)
+        monkeypatch.setattr(vocab.dist, "get_world_size", lambda group=None: shards)
+        monkeypatch.setattr(vocab.dist, "all_reduce", reduce)
+        part = padded[..., rank * rows_per_shard:(rank + 1) * rows_per_shard]
+        index = labels - rank * rows_per_shard
+        mine = (index >= 0) & (index < rows_per_shard)
+        target = torch.where(mine, part.gather(-1, index.clamp(0, rows_per_shard - 1).unsqueeze(-1)).squeeze(-1), 0.0)
+        fake = SimpleNamespace(group=None, _wait=lambda works, what: None)
+        return vocab.VocabParallel._log_sum_exp(fake, part, target, "test")
+
+    for rank in range(shards):   # what each shard contributes
+        run(rank, lambda rows, group=None, async_op=False: (calls.append(rank), rows_of.setdefault(rank, rows.clone())))
+    total = sum(rows_of.values())
+    assert calls == list(range(shards))   # one all-reduce per shard
+    want_lse, want_target = torch.logsumexp(logits, dim=-1), logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    for rank in range(shards):
+        lse, target = run(rank, lambda rows, group=None, async_op=False: rows.copy_(total))
+        torch.testing.assert_close(lse, want_lse)
+        assert torch.equal(target, want_target)

@@ -536,9 +536,9 @@ class VocabShareCost(StageCost):
 
     Collectives among the p ranks of a pipeline over a link of ``link_latency_ms`` and ``link_gbps`` (Gbit/s):
     each costs ceil(log2 p) latencies plus 2(p-1)/p of its bytes over the link (a ring's volume). Forward: the
-    hidden states (b*s*h*bytes_per_element) broadcast from the last stage, then an all-reduce of the max and one of
-    (sum of exp, target logit) in fp32 (b*s*4 and b*s*8 bytes). Backward: the hidden-state gradient reduced to the
-    last stage. ``comm_ms`` is 0 (the share sends nothing along the pipeline itself). ``head_is_shard``: ``head``
+    hidden states and labels (b*s*h*bytes_per_element + b*s*8) broadcast from the last stage, then one all-reduce
+    of every rank's (max, sum of exp, target logit) in fp32 (p*b*s*12 bytes: each rank's row, the others zeros).
+    Backward: the hidden-state gradient reduced to the last stage. ``comm_ms`` is 0 (the share sends nothing along the pipeline itself). ``head_is_shard``: ``head``
     is one rank's shard as measured on it (the runtime's cost-based partition), not divided by ``num_ranks``.
     ``split_embedding``: a tied input embedding split with the head adds EF (token ids, int64, broadcast; the
     partial embeddings reduced) and EB (the embedding's gradient broadcast) per slice.
@@ -566,13 +566,14 @@ class VocabShareCost(StageCost):
         return math.ceil(math.log2(p)) * self.latency + 2.0 * (p - 1) / p * num_bytes * 8.0 / (self.gbps * 1e6)
 
     def _pass_collectives(self, kind: str, slice_len: ArrayLike, batch: ArrayLike) -> Any:
-        """The collectives of one pass of a slice: VF the hidden states' broadcast and two all-reduces (fp32 max;
-        sum of exp and target logit), VB the hidden gradient's reduce; with the split embedding EF the ids'
+        """The collectives of one pass of a slice: VF the broadcast of the hidden states and labels and one all-reduce
+        (every rank's fp32 max, sum of exp and target logit), VB the hidden gradient's reduce; with the split embedding EF the ids'
         broadcast and the partial lookups' reduce, EB the embedding gradient's broadcast (else nothing)."""
         tokens = np.asarray(slice_len, float) * np.asarray(batch, float)
         hidden = self._collective(tokens * self.hidden * self.bytes_per_element)
         if kind == "VF":
-            return hidden + self._collective(tokens * 4.0) + self._collective(tokens * 8.0)
+            return self._collective(tokens * (self.hidden * self.bytes_per_element + 8.0)) + \
+                self._collective(tokens * 12.0 * self.num_ranks)
         if kind == "VB":
             return hidden
         if kind not in ("EF", "EB"):
@@ -582,7 +583,7 @@ class VocabShareCost(StageCost):
         return hidden + self._collective(tokens * 8.0) if kind == "EF" else hidden
 
     def collective_ms(self, slice_len: ArrayLike, batch: ArrayLike = 1, backward: bool = False) -> Any:
-        """The collectives' time of one slice (forward: broadcast + two all-reduces; backward: one reduce), with
+        """The collectives' time of one slice (forward: a broadcast and an all-reduce; backward: one reduce), with
         the split embedding's (EF, EB) added."""
         kinds = ("VB", "EB") if backward else ("VF", "EF")
         return sum(self._pass_collectives(k, slice_len, batch) for k in kinds)

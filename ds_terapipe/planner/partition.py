@@ -10,9 +10,9 @@ slice on one rank. Two remedies are costed here:
   minimise the simulated step time. The layers are costs (``StageCost`` per layer, e.g.
   ``presets.analytic_layer_costs`` or per-layer profiles), a chunk costs the sum of its layers (:class:`ChunkCost`).
 * **Vocabulary parallelism** (VP, Yeung et al., MLSys 2025): the head is split by vocabulary rows over all p ranks;
-  per slice every rank pays head/p plus the collectives (:class:`VocabShareCost`): the final hidden states
-  broadcast from the last stage, two small all-reduces of softmax statistics (max; sum of exp and target logit),
-  and in backward a reduce of the hidden-state gradient back to the last stage. The share is charged inside each
+  per slice every rank pays head/p plus the collectives (:class:`VocabShareCost`): the final hidden states and the
+  labels broadcast from the last stage, one small all-reduce of softmax statistics (every rank's max, sum of exp and
+  target logit), and in backward a reduce of the hidden-state gradient back to the last stage. The share is charged inside each
   rank's per-slice compute, as if the vocabulary passes were interleaved with the stage's own work; the runtime
   would run them as separate actions in the schedule, so this is the balanced ideal, not a simulated schedule.
 

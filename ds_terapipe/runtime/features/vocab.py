@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import glob
 import logging
+import math
 import os
 import re
 from contextlib import contextmanager
@@ -361,35 +362,52 @@ class VocabParallel:
                 raise ValueError(f"terapipe.vocab_parallel: the last stage must output hidden states of shape "
                                  f"{(*shape, self.hidden_size)} and read labels {shape}; got {got} and "
                                  f"{tuple(labels.shape) if torch.is_tensor(labels) else type(labels).__name__}")
-            hidden = outputs.detach().to(head.weight.dtype).contiguous()
-            labels = labels.to(torch.int64).contiguous()
-        else:
-            hidden = torch.empty((*shape, self.hidden_size), dtype=head.weight.dtype, device=engine.device)
-            labels = torch.empty(shape, dtype=torch.int64, device=engine.device)
-        self._wait([dist.broadcast(hidden, self.src, group=self.group, async_op=True),
-                    dist.broadcast(labels, self.src, group=self.group, async_op=True)], what)
+        # the labels and the hidden states in one broadcast (int64 first: the hidden states' offset stays aligned)
+        tokens = math.prod(shape)
+        wire = torch.empty(tokens * (8 + head.weight.element_size() * self.hidden_size), dtype=torch.uint8,
+                           device=engine.device)
+        received = wire[:8 * tokens].view(torch.int64).view(shape)
+        hidden = wire[8 * tokens:].view(head.weight.dtype).view(*shape, self.hidden_size)
+        if self.is_last:
+            received.copy_(labels)
+            hidden.copy_(outputs.detach())
+        self._wait([dist.broadcast(wire, self.src, group=self.group, async_op=True)], what)
+        labels = received
         logits = F.linear(hidden, head.weight, head.bias).float()  # (B, T, R)
         if head.num_valid < head.rows:
             logits[..., head.num_valid:] = float("-inf")
-        top = logits.amax(dim=-1)  # (B, T)
-        self._wait([dist.all_reduce(top, op=dist.ReduceOp.MAX, group=self.group, async_op=True)], what)
         index = labels - head.offset
         in_shard = (index >= 0) & (index < head.num_valid)
         index = index.clamp(0, head.rows - 1)
         target = torch.where(in_shard, logits.gather(-1, index.unsqueeze(-1)).squeeze(-1), 0.0)
-        stats = torch.stack([torch.exp(logits - top.unsqueeze(-1)).sum(dim=-1), target])  # (2, B, T)
-        self._wait([dist.all_reduce(stats, group=self.group, async_op=True)], what)
-        lse = top + torch.log(stats[0])
+        lse, target = self._log_sum_exp(logits, target, what)
         counted = labels != -100
         # causal_lm_loss (sum / label positions) times the slice's share of the tokens, as _weighted_loss does
         scale = (end - start) / engine.seq_len_of(microbatch) / labels.numel()
-        loss = torch.where(counted, lse - stats[1], 0.0).sum() * scale
+        loss = torch.where(counted, lse - target, 0.0).sum() * scale
         if self.is_last:
             placeholder.copy_(loss)  # DeepSpeed's loss list holds it (detached, same storage)
             engine.total_loss += loss
         if training:
             self._units[(microbatch, slice_index)] = _Unit(hidden, logits, lse, index, in_shard,
                                                            counted.float() * scale)
+
+    def _log_sum_exp(self, logits: torch.Tensor, target: torch.Tensor, what: str) -> tuple[torch.Tensor, ...]:
+        """The log-sum-exp over the whole vocabulary and the target logit of every token (B, T), from this shard's
+        logits (B, T, R) and target (0 where the label is another shard's), in one all-reduce: each rank's row of
+        a (shards, 3, B, T) buffer holds its max ``m``, its sum of ``exp(logit - m)`` and its target, the others'
+        rows zeros, so the sum is every shard's row (x + 0 is exact); then ``M = max m`` and ``lse = M + log sum
+        exp(m - M) * s``. One synchronisation of the pipeline per slice, not two (an all-reduce of the max, then of
+        the sums): the second would wait on the first."""
+        top = logits.amax(dim=-1).clamp_min(torch.finfo(logits.dtype).min)   # a shard of padding rows only: -inf
+        rows = torch.zeros((dist.get_world_size(self.group), 3, *top.shape), dtype=logits.dtype, device=top.device)
+        mine = rows[dist.get_rank(self.group)]
+        mine[0], mine[2] = top, target
+        torch.sum(torch.exp(logits - top.unsqueeze(-1)), dim=-1, out=mine[1])
+        self._wait([dist.all_reduce(rows, group=self.group, async_op=True)], what)
+        tops, sums, targets = rows.unbind(dim=1)
+        best = tops.amax(dim=0)
+        return best + torch.log((sums * torch.exp(tops - best)).sum(dim=0)), targets.sum(dim=0)
 
     def backward_pass(self, buffer_id: int, microbatch: int, slice_index: int) -> None:
         with torch.no_grad():

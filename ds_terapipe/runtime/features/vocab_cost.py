@@ -18,7 +18,7 @@ vocabulary parallelism and add the same share to every rank (``planner/partition
 * :func:`time_links`: one broadcast of a slice's hidden states and one of a single value over the pipeline's
   group, fitted to the (latency, bandwidth) the planner's collective model takes.
 
-The collectives (a broadcast of the hidden states and labels, two small all-reduces, a reduce of the hidden
+The collectives (one broadcast of the hidden states and labels, one small all-reduce, a reduce of the hidden
 gradient; with the split embedding a broadcast of ids, a reduce and a broadcast of (B, T, H)) are modelled from
 the links, not timed one by one; the planner charges them inside each rank's per-slice compute.
 """
