@@ -538,8 +538,9 @@ class VocabShareCost(StageCost):
     each costs ceil(log2 p) latencies plus 2(p-1)/p of its bytes over the link (a ring's volume). Forward: the
     hidden states and labels (b*s*h*bytes_per_element + b*s*8) broadcast from the last stage, then one all-reduce
     of every rank's (max, sum of exp, target logit) in fp32 (p*b*s*12 bytes: each rank's row, the others zeros).
-    Backward: the hidden-state gradient reduced to the last stage. ``comm_ms`` is 0 (the share sends nothing along the pipeline itself). ``head_is_shard``: ``head``
-    is one rank's shard as measured on it (the runtime's cost-based partition), not divided by ``num_ranks``.
+    Backward: the hidden-state gradient reduced to the last stage. ``comm_ms`` is 0 (the share sends nothing along
+    the pipeline itself). ``head_is_shard``: ``head`` is one rank's shard as measured on it (the runtime's
+    cost-based partition), not divided by ``num_ranks``.
     ``split_embedding``: a tied input embedding split with the head adds EF (token ids, int64, broadcast; the
     partial embeddings reduced) and EB (the embedding's gradient broadcast) per slice.
     """
@@ -567,8 +568,9 @@ class VocabShareCost(StageCost):
 
     def _pass_collectives(self, kind: str, slice_len: ArrayLike, batch: ArrayLike) -> Any:
         """The collectives of one pass of a slice: VF the broadcast of the hidden states and labels and one all-reduce
-        (every rank's fp32 max, sum of exp and target logit), VB the hidden gradient's reduce; with the split embedding EF the ids'
-        broadcast and the partial lookups' reduce, EB the embedding gradient's broadcast (else nothing)."""
+        (every rank's fp32 max, sum of exp and target logit), VB the hidden gradient's reduce; with the split
+        embedding EF the ids' broadcast and the partial lookups' reduce, EB the embedding gradient's broadcast (else
+        nothing)."""
         tokens = np.asarray(slice_len, float) * np.asarray(batch, float)
         hidden = self._collective(tokens * self.hidden * self.bytes_per_element)
         if kind == "VF":

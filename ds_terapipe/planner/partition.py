@@ -12,9 +12,10 @@ slice on one rank. Two remedies are costed here:
 * **Vocabulary parallelism** (VP, Yeung et al., MLSys 2025): the head is split by vocabulary rows over all p ranks;
   per slice every rank pays head/p plus the collectives (:class:`VocabShareCost`): the final hidden states and the
   labels broadcast from the last stage, one small all-reduce of softmax statistics (every rank's max, sum of exp and
-  target logit), and in backward a reduce of the hidden-state gradient back to the last stage. The share is charged inside each
-  rank's per-slice compute, as if the vocabulary passes were interleaved with the stage's own work; the runtime
-  would run them as separate actions in the schedule, so this is the balanced ideal, not a simulated schedule.
+  target logit), and in backward a reduce of the hidden-state gradient back to the last stage. The share is charged
+  inside each rank's per-slice compute, as if the vocabulary passes were interleaved with the stage's own work; the
+  runtime would run them as separate actions in the schedule, so this is the balanced ideal, not a simulated
+  schedule.
 
 How (:func:`plan_partition`): start from the naive layout and its best slicing (``plan_slicing``). For a fixed
 slicing, a chunk's work is additive over its layers (prefix sums), so the min-max partition is an exact O(K L^2)
