@@ -7,9 +7,9 @@ norms, MLPs, projections) run on the rank's share alone, and around attention tw
 pattern) turn the share of all heads into the whole slice for ``1/N`` of the heads and back:
 
 * :func:`gather_qkv` (before attention): q, k, v (B, heads, T/N, hs) -> (B, heads/N, T, hs), the three in one
-  all-to-all. Attention then runs exactly as without sequence parallelism, over
-  the slice and the KV carry of earlier slices, for this rank's heads (the carry holds only them: 1/N of the KV
-  memory). Grouped-query K/V are split by their own heads (KV heads must divide by N).
+  all-to-all. Attention then runs exactly as without sequence parallelism, over the slice and the KV carry of
+  earlier slices, for this rank's heads (the carry holds only them: 1/N of the KV memory). Grouped-query K/V are
+  split by their own heads (KV heads must divide by N).
 * :func:`scatter_heads` (after it): (B, heads/N, T, hs) -> (B, heads, T/N, hs).
 
 Both are autograd functions whose backward is the opposite all-to-all, so gradients (and the KV-gradient carry,
