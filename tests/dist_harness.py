@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from ds_terapipe.runtime.execution.local_launch import LaunchResult, process_env, run_local
-from tests.fork_server import FORK_SERVER_ENV
+from tests.fork_server import FORK_SERVER_ENV, REFUSED
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNNER = Path(__file__).resolve().parent / "dist_worker.py"
@@ -130,6 +130,10 @@ def launch(suite: str, world_size: int, out_dir: Path, *, timeout_s: float = 600
     if not result.ok:
         raise AssertionError(f"suite {suite!r} on {world_size} rank(s) failed or timed out after {timeout_s}s"
                              f"{rerun}\n" + result.failure_report(40))
+    refused = [line for text in result.texts() for line in text.splitlines() if line.startswith(REFUSED)]
+    if refused:   # correct, only slow (each such rank imported torch, DeepSpeed and transformers itself)
+        warnings.warn(f"suite {suite!r}: {len(refused)} of {world_size} rank(s) started as their own process: "
+                      f"{refused[0]}", RuntimeWarning, stacklevel=2)
     return [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(world_size)]
 
 

@@ -44,6 +44,8 @@ from typing import Any
 FORK_SERVER_ENV = "DS_TERAPIPE_TEST_FORK_SERVER"
 #: set in a forked rank's environment (tests/dist_worker.py refuses to run a standalone suite there)
 FORKED_ENV = "DS_TERAPIPE_TEST_FORKED"
+#: how a rank's log begins the line saying it was not forked (refused, or no server), and why
+REFUSED = "fork server not used"
 #: variables a request may set to other values than the server's: what differs from rank to rank or test to test
 #: and is read after the imports
 PER_RANK = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -259,10 +261,10 @@ def request_fork(path: str) -> None:
         socket.send_fds(conn, [json.dumps(request).encode()], [0, 1, 2])
         reply = json.loads(conn.recv(MAX_REQUEST) or b"{}")
     except (OSError, ValueError) as err:
-        print(f"fork server at {path} not used ({err}): starting this rank in its own process", flush=True)
+        print(f"{REFUSED} (the server at {path}: {err}): starting this rank in its own process", flush=True)
         return None
     if "pid" not in reply:
-        print(f"fork server not used ({reply.get('refused', 'no reply')}): starting this rank in its own process",
+        print(f"{REFUSED} ({reply.get('refused', 'no reply')}): starting this rank in its own process",
               flush=True)
         return None
     pid = reply["pid"]

@@ -5,6 +5,7 @@ Plain Python ranks on the session's server, a few seconds in all."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -15,7 +16,7 @@ import pytest
 
 from ds_terapipe.runtime.execution.local_launch import run_local
 from tests.dist_harness import ROOT, fork_server
-from tests.fork_server import FORK_SERVER_ENV, FORKED_ENV, env_difference
+from tests.fork_server import FORK_SERVER_ENV, FORKED_ENV, REFUSED, env_difference
 
 RANK_SCRIPT = f"""
 import gc, os, signal, sys, time
@@ -113,6 +114,31 @@ def test_a_rank_whose_environment_differs_is_its_own_process(tmp_path, server) -
         assert "fork server not used (the environment differs in ['DS_ACCELERATOR'])" in text, text
         client, pid = _pids([text])[0]
         assert client == pid and "forked None torch loaded False" in text, text
+
+
+@pytest.mark.parametrize("refused", [False, True])
+def test_a_suite_whose_rank_was_refused_warns(tmp_path, monkeypatch, refused) -> None:
+    """launch() (a suite of cases) warns when a rank's log says the server did not fork it: correct, only slow, and
+    otherwise silent. The launch itself is faked: two ranks' logs and results as run_local leaves them."""
+    import warnings
+
+    from ds_terapipe.runtime.execution.local_launch import LaunchResult
+    from tests import dist_harness
+
+    logs = []
+    for rank in range(2):
+        (tmp_path / f"rank{rank}.json").write_text(json.dumps({"rank": rank, "results": []}))
+        logs.append(tmp_path / f"rank{rank}.log")
+        said = f"{REFUSED} (the environment differs in ['X']): starting" if refused and rank == 1 else "forked"
+        logs[-1].write_text(f"some output\n{said}\nmore output\n")
+    monkeypatch.setattr(dist_harness, "_run", lambda *args, **kwargs: LaunchResult([0, 0], logs, 0, 60.0))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        results = dist_harness.launch("any", 2, tmp_path)
+    assert [r["rank"] for r in results] == [0, 1]
+    shown = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert shown == ([f"suite 'any': 1 of 2 rank(s) started as their own process: {REFUSED} (the environment "
+                      "differs in ['X']): starting"] if refused else []), shown
 
 
 def test_only_what_differs_per_rank_may_differ() -> None:
