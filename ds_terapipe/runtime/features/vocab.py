@@ -400,8 +400,9 @@ class VocabParallel:
         exp(m - M) * s``. One synchronisation of the pipeline per slice, not two (an all-reduce of the max, then of
         the sums): the second would wait on the first."""
         top = logits.amax(dim=-1).clamp_min(torch.finfo(logits.dtype).min)   # a shard of padding rows only: -inf
-        rows = torch.zeros((dist.get_world_size(self.group), 3, *top.shape), dtype=logits.dtype, device=top.device)
-        mine = rows[dist.get_rank(self.group)]
+        # one row per shard: shard r is the pipeline group's rank r (stage r)
+        rows = torch.zeros((self.head.num_shards, 3, *top.shape), dtype=logits.dtype, device=top.device)
+        mine = rows[self.head.rank]
         mine[0], mine[2] = top, target
         torch.sum(torch.exp(logits - top.unsqueeze(-1)), dim=-1, out=mine[1])
         self._wait([dist.all_reduce(rows, group=self.group, async_op=True)], what)
