@@ -89,13 +89,13 @@ def _build(variant: str, cfg: Any, opts: dict, num_frozen: int) -> Any:
 def worker_main(out_dir: Path, opts: dict) -> None:
     rank = int(os.environ["RANK"])
     pin_and_single_thread(rank, True)
-    import deepspeed
+    import ds_terapipe
     import torch
     import torch.distributed as dist
 
     from ds_terapipe.models.gpt import GPTConfig
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    ds_terapipe.init_distributed(dist_backend="gloo")
     seq_len, m = opts["seq_len"], opts["m"]
     cfg = GPTConfig(num_layers=opts["layers"], hidden=opts["hidden"], num_heads=opts["heads"],
                     vocab_size=opts["vocab"], max_seq_len=seq_len, seed=1234)

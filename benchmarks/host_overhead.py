@@ -95,11 +95,11 @@ class KernelCount(TorchDispatchMode):
 
 
 def _init_single_process() -> None:
-    import deepspeed
+    import ds_terapipe
     from ds_terapipe.runtime.execution.local_launch import free_port, rank_env
     for key, value in rank_env(0, 1, free_port(), threads=None).items():   # what a launcher would give rank 0
         os.environ.setdefault(key, value)
-    deepspeed.init_distributed(verbose=False)
+    ds_terapipe.init_distributed(verbose=False)
 
 
 def build_engine(args: argparse.Namespace, slices: int, deferred: bool) -> Any:

@@ -184,12 +184,12 @@ def _predicted_ms(engine: Any, batches: list, slices: list[int], m: int) -> floa
 def worker_main(out_dir: Path, opts: dict) -> None:
     rank = int(os.environ["RANK"])
     pin_and_single_thread(rank, True)
-    import deepspeed
+    import ds_terapipe
     import torch.distributed as dist
 
     from ds_terapipe.models.gpt import GPTConfig
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    ds_terapipe.init_distributed(dist_backend="gloo")
     seq_len = opts["seq_len"]
     cfg = GPTConfig(num_layers=opts["layers"], hidden=opts["hidden"], num_heads=opts["heads"],
                     vocab_size=256, max_seq_len=seq_len, seed=1234)

@@ -214,12 +214,13 @@ def worker_main(out_dir: Path, opts: dict) -> None:
     rank = int(os.environ["RANK"])
     pin_and_single_thread(rank, opts.get("bind_cores", False))   # before torch starts any thread
     import deepspeed
+    import ds_terapipe
     import torch
     import torch.distributed as dist
 
     from ds_terapipe.models.gpt import GPTConfig
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    ds_terapipe.init_distributed(dist_backend="gloo")
     world = dist.get_world_size()
     assert world == NUM_STAGES, f"this benchmark runs {NUM_STAGES} stages, got world size {world}"
     seq_len = opts["seq_len"]

@@ -180,11 +180,12 @@ def worker_main(out_dir: Path, opts: dict) -> None:
     import json
 
     import deepspeed
+    import ds_terapipe
     import torch
 
     from ds_terapipe.models.gpt import GPTConfig
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    ds_terapipe.init_distributed(dist_backend="gloo")
     seq_len = opts["seq_len"]
     cfg = GPTConfig(num_layers=8, hidden=128, num_heads=4, vocab_size=256, max_seq_len=seq_len, seed=1234)
     gen = torch.Generator().manual_seed(7)

@@ -133,13 +133,14 @@ def worker_main(out_dir: Path, opts: dict) -> None:
     # one core per pipeline stage (its replicas share it): the pipeline's bubbles are idle cores, as on devices
     pin_and_single_thread(rank // DP if opts["pin"] == "stage" else rank, True)
     import deepspeed
+    import ds_terapipe
     import torch
     import torch.distributed as dist
 
     from benchlib.peers import TorchPipelineEngine
     from ds_terapipe.models.gpt import GPTConfig, causal_lm_loss, gpt_layer_specs
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    ds_terapipe.init_distributed(dist_backend="gloo")
     assert dist.get_world_size() == STAGES * DP, f"this benchmark runs {STAGES * DP} processes"
     seq_len, m = opts["seq_len"], opts["micro_batches"]
     cfg = GPTConfig(num_layers=opts["layers"], hidden=opts["hidden"], num_heads=opts["heads"],

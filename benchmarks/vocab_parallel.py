@@ -182,12 +182,13 @@ def worker_main(out_dir: Path, opts: dict) -> None:
     import json
 
     import deepspeed
+    import ds_terapipe
     import torch
     import torch.distributed as dist
 
     from ds_terapipe.models.gpt import GPTConfig
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    ds_terapipe.init_distributed(dist_backend="gloo")
     seq_len = opts["seq_len"]
     cfg = GPTConfig(num_layers=4, hidden=256, num_heads=4, vocab_size=opts["vocab"], max_seq_len=seq_len, seed=1234)
     pids: list[Any] = [None] * NUM_STAGES

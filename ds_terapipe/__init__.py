@@ -17,6 +17,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "initialize": ".initialize",
+    "init_distributed": ".initialize",
     "TeraPipeConfig": ".config",
     "parse_terapipe_config": ".config",
     "FreezeConfig": ".config",
@@ -49,9 +50,14 @@ __all__ = sorted(_LAZY) + ["__version__"]
 
 def __getattr__(name: str):
     if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
-        globals()[name] = value
-        return value
+        module = importlib.import_module(_LAZY[name], __name__)
+        globals()[name] = getattr(module, name)
+        # importing a submodule binds it on the package under its own name; where that is also an export's name
+        # (ds_terapipe.initialize: the function, in ds_terapipe/initialize.py), the export keeps it
+        leaf = _LAZY[name][1:]
+        if _LAZY.get(leaf) == _LAZY[name]:
+            globals()[leaf] = getattr(module, leaf)
+        return globals()[name]
     raise AttributeError(f"module 'ds_terapipe' has no attribute {name!r}")
 
 

@@ -251,7 +251,7 @@ def start(args: argparse.Namespace, name: str) -> tuple[dict, Optional[dict], An
             threads = len(mine)
         if "OMP_NUM_THREADS" not in os.environ:  # an explicit thread count stays the user's
             torch.set_num_threads(threads)
-    deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else None)
+    ds_terapipe.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else None)
     ds_config, config, terapipe = read_config(args, name)
     stages = args.stages or ds_config.get("pipeline", {}).get("stages") or 2
     if not isinstance(stages, int) or stages < 1:

@@ -46,14 +46,14 @@ def run_cases(run: Callable[[dict], list[dict]], out_dir: Path, extra: dict) -> 
     # imported here, not above: a standalone suite decides what is imported before it starts
     import torch
 
-    import deepspeed
+    import ds_terapipe
     from ds_terapipe.runtime.execution.p2p import linger_for_peers
     from tests.suites.common import RANK, keep_collections_cheap
 
     extra.setdefault("out", str(out_dir))
     watchdog(float(os.environ.get("DS_TERAPIPE_WATCHDOG_S", "600")))
     torch.manual_seed(0)
-    deepspeed.init_distributed(dist_backend="gloo")
+    ds_terapipe.init_distributed(dist_backend="gloo")
     keep_collections_cheap()   # suites that build engines outside tests/suites/common.py's run_cases too
     payload: dict[str, Any] = {"rank": RANK}
     try:

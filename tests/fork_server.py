@@ -94,6 +94,11 @@ def _preload() -> None:
             getattr(transformers, cls)
         except (AttributeError, ImportError):
             pass
+    # DeepSpeed's table of the ops this machine can build, probed once here (compiler subprocesses, ~0.15 s a
+    # process) with the shared-memory all-reduce marked as each rank's ds_terapipe.init_distributed marks it
+    from ds_terapipe.runtime.execution.shm import skip_shm_allreduce_op
+
+    skip_shm_allreduce_op()
     # What the imports made lives as long as the server: frozen (out of the collector's sight), a full collection in
     # a child no longer walks those ~400k objects. Each rank's first one (keep_collections_cheap in
     # tests/suites/common.py) took 0.5-1.2 s of CPU, and its walk copied ~110 MB of the server's pages into the rank.

@@ -30,6 +30,9 @@ def test_every_distributed_tensor_is_on_the_accelerator_device(tmp_path) -> None
         for name in ("all_reduce", "isend", "irecv", "broadcast", "all_gather_object", "broadcast_object_list"):
             assert checked.get(name, 0) > 0, (rank, name, checked)
         assert result["set_device"] == rank  # DeepSpeed set the current device before any *_object collective
+        # ds_terapipe.init_distributed kept DeepSpeed from building its shared-memory all-reduce (a C++ build on a
+        # machine's first run, a 66 MB /dev/shm segment per process); its inference all-reduce still sums
+        assert result["shm"] == {"op_built": False, "inference_sum": [3.0] * 3, "segments": []}, result["shm"]
         assert len(result["losses"]) == 6 and all(loss == loss for loss in result["losses"])  # no NaN
         for seq_len in (32, 16):  # the timeline syncs before and after each timed action (DeepSpeed adds a few)
             assert result[f"timed_{seq_len}"] > 0

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import re
+import sys
 from pathlib import Path
 
 from ds_terapipe.planner.schedule import ActionKind
@@ -167,3 +168,23 @@ def test_one_lowering_and_one_dispatch_table() -> None:
               if re.search(r"\b(build_schedule|add_communication|freeze_lowered|add_vocab_passes)\(", line)]
     assert not builds, f"the runtime lowers schedules through planner.lowering.lower only: {builds}"
     assert set(DISPATCH) == set(ActionKind), set(ActionKind) - set(DISPATCH)
+
+
+
+def test_every_public_name_is_what_its_module_defines_whichever_is_read_first(monkeypatch) -> None:
+    """``ds_terapipe.X`` loads its module on first use; importing ``ds_terapipe/initialize.py`` for another name
+    (``init_distributed``) binds the module on the package as ``initialize``, where the function must stay."""
+    import importlib
+
+    import ds_terapipe
+
+    # as in a fresh process: ds_terapipe/initialize.py not imported yet, none of its names read (the package's
+    # namespace edited as a dict: hasattr would load the names)
+    for name, module in ds_terapipe._LAZY.items():
+        if module == ".initialize":
+            monkeypatch.delitem(vars(ds_terapipe), name, raising=False)
+    monkeypatch.delitem(sys.modules, "ds_terapipe.initialize", raising=False)
+    assert callable(ds_terapipe.init_distributed)
+    wrong = [n for n, m in ds_terapipe._LAZY.items()
+             if getattr(ds_terapipe, n) is not getattr(importlib.import_module(m, "ds_terapipe"), n)]
+    assert not wrong, wrong

@@ -17,8 +17,8 @@ from ds_terapipe.runtime.execution.local_launch import free_port
 from ds_terapipe.runtime.execution.shm import remove_shm_segments
 
 SCRIPT = textwrap.dedent("""
-    import json, torch, deepspeed
-    deepspeed.init_distributed(dist_backend="gloo")
+    import json, torch, ds_terapipe
+    ds_terapipe.init_distributed(dist_backend="gloo")
     from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
     from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
     from ds_terapipe.runtime.execution.optimizer_init import undo_construction_step

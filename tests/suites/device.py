@@ -29,6 +29,7 @@ and before the process group starts.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 from pathlib import Path
@@ -211,9 +212,15 @@ def run(out_dir: Path) -> dict[str, Any]:
     import ds_terapipe
     from ds_terapipe.models.gpt import GPTConfig, causal_lm_loss, gpt_layer_specs
 
-    import deepspeed
+    ds_terapipe.init_distributed(dist_backend="gloo")
+    # DeepSpeed's shared-memory all-reduce (CPU, inference only) was not built: no /dev/shm segment of this run, and
+    # deepspeed.comm's inference all-reduce takes the process group's
+    from deepspeed.comm import comm as ds_comm
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    summed = torch.full((3,), float(RANK + 1), device=FAKE_DEVICE)
+    ds_comm.inference_all_reduce(summed)
+    shm = {"op_built": ds_comm.cdb.shm_comm_op is not None, "inference_sum": summed.tolist(),
+           "segments": sorted(glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{os.environ['MASTER_PORT']}_*"))}
     cfg = GPTConfig(num_layers=2, hidden=32, num_heads=4, vocab_size=64, max_seq_len=64, seed=3)
 
     def engine_for(terapipe: dict) -> Any:
@@ -230,7 +237,7 @@ def run(out_dir: Path) -> dict[str, Any]:
     auto = engine_for({"slices": "auto", "profile": {"slice_lengths": [8, 32], "num_contexts": 2, "warmup": 0,
                                                      "repeats": 1}})
     losses = [float(auto.train_batch(iter(batches(cfg.vocab_size, length, 2, length)))) for length in (32, 16)]
-    result: dict[str, Any] = {"auto_slices": list(auto.slices)}
+    result: dict[str, Any] = {"auto_slices": list(auto.slices), "shm": shm}
     # two slices (the KV prefix, unequal per-length shapes on the wire), eval, checkpoints, the timeline
     engine = engine_for({"slices": 2, "schedule": "1f1b", "trace_dir": str(out_dir / "traces")})
     for seq_len, seed in ((32, 1), (16, 2)):

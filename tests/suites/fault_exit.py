@@ -90,12 +90,12 @@ def killed(out: Path) -> None:
 
 
 def engine(out: Path) -> None:
-    import deepspeed
+    import ds_terapipe
 
     from ds_terapipe.models.gpt import GPTConfig, gpt_layer_specs
     from tests.suites.common import make_batches, pipeline_engine
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    ds_terapipe.init_distributed(dist_backend="gloo")
     cfg = GPTConfig(num_layers=2, hidden=32, num_heads=4, vocab_size=64, max_seq_len=64, seed=13)
     engine = pipeline_engine(cfg, gpt_layer_specs(cfg), {"seq_len": 48, "slices": 3, "schedule": "gpipe",
                                                          "granularity": 4, "p2p_timeout_s": 60})
@@ -107,12 +107,12 @@ def engine(out: Path) -> None:
 def hung(out: Path) -> None:
     import signal
 
-    import deepspeed
+    import ds_terapipe
 
     from ds_terapipe.models.gpt import GPTConfig, gpt_layer_specs
     from tests.suites.common import make_batches, pipeline_engine
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    ds_terapipe.init_distributed(dist_backend="gloo")
     cfg = GPTConfig(num_layers=2, hidden=32, num_heads=4, vocab_size=64, max_seq_len=64, seed=13)
     engine = pipeline_engine(cfg, gpt_layer_specs(cfg), {"seq_len": 48, "slices": 3, "schedule": "gpipe",
                                                          "granularity": 4, "p2p_timeout_s": 3})

@@ -19,7 +19,6 @@ from typing import Any
 import torch
 import transformers
 
-import deepspeed
 import ds_terapipe
 from ds_terapipe.models.hf import causal_lm_loss, causal_lm_specs, hf_param_name
 from tests.suites import suite
@@ -112,7 +111,7 @@ def run_case(config: transformers.LlamaConfig, schedule: str, vocab_parallel: bo
 @suite("hf", standalone=True)
 def suite_hf(out_dir: Path, extra: dict) -> None:
     torch.manual_seed(0)
-    deepspeed.init_distributed(dist_backend="gloo")
+    ds_terapipe.init_distributed(dist_backend="gloo")
     config = tiny_llama()
     config._attn_implementation = "eager"  # the reference's attention; the pipeline's specs use their own
     all_params = sorted(n for n, _ in transformers.LlamaForCausalLM(config).named_parameters())
