@@ -9,6 +9,7 @@ watchdog prints both when a rank hangs.
 
 from __future__ import annotations
 
+import datetime
 import gc
 import os
 import time
@@ -126,6 +127,9 @@ def run_pipeline(cfg: GPTConfig, *, stages: int, micro_batches: int, batch: int,
     """Train ``num_steps`` steps of the GPT ``cfg`` on ``stages`` stages (the rest of WORLD as replicas); the
     loss, first step's gradients and final parameters. ``compile_backend``: ``engine.compile(backend=...)``
     before the first step, as a DeepSpeed user compiles."""
+    if _FINISHED["armed"]:
+        release_process_groups(_FINISHED["groups"])
+    before = set(_process_groups())
     if stock_dualpipev:  # DeepSpeed's own DualPipeV: deepspeed.initialize picks its engine from the module class
         from deepspeed.runtime.pipe.dualpipev import DualPipeVModule
         model = DualPipeVModule(gpt_layer_specs(cfg), num_stages=stages, loss_fn=causal_lm_loss,
@@ -159,6 +163,8 @@ def run_pipeline(cfg: GPTConfig, *, stages: int, micro_batches: int, batch: int,
     result = {"stage": engine.stage_id, "losses": losses, "norms": norms, "grads": grads, "params": params,
               "engine": engine, "slices": list(getattr(engine, "slices", [seq_len]))}
     ENGINE_REF.pop("engine", None)
+    _FINISHED["groups"].extend(pg for pg in _process_groups() if pg not in before)
+    _FINISHED["armed"] = True
     return result
 
 
@@ -407,13 +413,16 @@ def allow_fp16_on_cpu() -> None:
         get_accelerator().is_fp16_supported = lambda: True
 
 
-def run_cases(cases: list, label: Callable[..., str], run: Callable[..., dict]) -> list[dict]:
+def run_cases(cases: list, label: Callable[..., str], run: Callable[..., dict], release_groups: bool = True
+              ) -> list[dict]:
     """``run(*case)`` for each case of a suite, named ``label(*case)``: a case that raises is reported with its
     traceback and the suite goes on (every rank runs the same cases, so they fail alike). Each result gets the
-    case's wall time, ``case_s``."""
+    case's wall time, ``case_s``. The process groups a case made are released after it (``release_groups``:
+    :func:`release_process_groups`)."""
     results: list[dict] = []
     for case in cases:
         STATUS["case"] = label(*case)
+        before = set(_process_groups())
         keep_collections_cheap()
         started = time.perf_counter()
         try:
@@ -424,7 +433,33 @@ def run_cases(cases: list, label: Callable[..., str], run: Callable[..., dict]) 
         if isinstance(results[-1], dict):   # where the suite's time goes (rank{R}.json), for keeping it short
             results[-1].setdefault("case_s", round(time.perf_counter() - started, 2))
         ENGINE_REF.pop("engine", None)
+        if release_groups:
+            release_process_groups([pg for pg in _process_groups() if pg not in before])
     return results
+
+
+# the process groups of the engines run_pipeline ran to the end, released when the next one starts
+_FINISHED: dict[str, Any] = {"groups": [], "armed": False}
+
+
+def _process_groups() -> list:
+    return list(torch.distributed.distributed_c10d._world.pg_map)
+
+
+def release_process_groups(groups: list) -> None:
+    """Destroy ``groups`` (made by engines this rank is done with) once every rank is done with them. Why: every
+    gloo group keeps a thread that wakes every 10 ms for as long as the process lives, and each engine's grid makes
+    its own groups: left alive, a suite of 40 engines keeps ~100 such threads per rank, and waking them takes a
+    quarter of the CPU. Every rank calls this at the same point of the same cases; the barrier keeps a rank from
+    closing connections a peer still reads from. Not for engines with
+    ``shard_params``: torch caches DTensor redistribution plans by mesh value (equal for the same ranks whatever
+    the group), so a later engine's gathers would run on a released group."""
+    _FINISHED.update(groups=[], armed=False)
+    torch.distributed.monitored_barrier(timeout=datetime.timedelta(seconds=120))
+    live = set(_process_groups())
+    for pg in groups:
+        if pg in live:   # (a group run_pipeline left may be released by the case around it already)
+            deepspeed.comm.destroy_process_group(pg)   # torch's, and DeepSpeed forgets any it cached
 
 
 def keep_collections_cheap() -> None:
