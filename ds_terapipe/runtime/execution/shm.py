@@ -48,8 +48,9 @@ def remove_shm_segments(master_port: int | str, local_rank: int | None = None) -
 def skip_shm_allreduce_op() -> bool:
     """Keep DeepSpeed from building its shared-memory all-reduce op when its communication backend starts next;
     True when the op is marked so. Call it before the backend starts (after, the op is built and this changes
-    nothing). A no-op (False) where the accelerator has no such op (CUDA) or DeepSpeed no longer reads the mark: the
-    op is then built as DeepSpeed decides."""
+    nothing). A no-op (False) where the accelerator has no such op (CUDA) or DeepSpeed keeps no table of buildable
+    ops with it: the op is then built as DeepSpeed decides (tests/test_device_collectives.py checks this
+    DeepSpeed)."""
     from deepspeed.accelerator import get_accelerator
 
     builder = get_accelerator().get_op_builder("ShareMemCommBuilder")
