@@ -170,7 +170,6 @@ def test_one_lowering_and_one_dispatch_table() -> None:
     assert set(DISPATCH) == set(ActionKind), set(ActionKind) - set(DISPATCH)
 
 
-
 def test_every_public_name_is_what_its_module_defines_whichever_is_read_first(monkeypatch) -> None:
     """``ds_terapipe.X`` loads its module on first use; importing ``ds_terapipe/initialize.py`` for another name
     (``init_distributed``) binds the module on the package as ``initialize``, where the function must stay."""

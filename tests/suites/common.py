@@ -451,9 +451,9 @@ def release_process_groups(groups: list) -> None:
     gloo group keeps a thread that wakes every 10 ms for as long as the process lives, and each engine's grid makes
     its own groups: left alive, a suite of 40 engines keeps ~100 such threads per rank, and waking them takes a
     quarter of the CPU. Every rank calls this at the same point of the same cases; the barrier keeps a rank from
-    closing connections a peer still reads from. Not for engines with
-    ``shard_params``: torch caches DTensor redistribution plans by mesh value (equal for the same ranks whatever
-    the group), so a later engine's gathers would run on a released group."""
+    closing connections a peer still reads from. Not for engines with ``shard_params``: torch caches DTensor
+    redistribution plans by mesh value (equal for the same ranks whatever the group), so a later engine's gathers
+    would run on a released group."""
     _FINISHED.update(groups=[], armed=False)
     torch.distributed.monitored_barrier(timeout=datetime.timedelta(seconds=120))
     live = set(_process_groups())
