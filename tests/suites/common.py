@@ -438,7 +438,9 @@ def run_cases(cases: list, label: Callable[..., str], run: Callable[..., dict], 
     return results
 
 
-# the process groups of the engines run_pipeline ran to the end, released when the next one starts
+# the process groups of the engines run_pipeline ran to the end, released when the next one starts; "armed" is
+# not "groups is non-empty": a rank outside every group an engine made has none, and every rank must still take part
+# in the release's barrier
 _FINISHED: dict[str, Any] = {"groups": [], "armed": False}
 
 
