@@ -207,6 +207,18 @@ def test_destroy_stops_the_thread_the_engine_waited_on(features) -> None:
         assert rank["destroy"] == {"case": "destroy", "had_waiter": True, "stopped": True}, rank["destroy"]
 
 
+@pytest.mark.timeout(700)
+def test_an_engine_the_script_drops_is_freed_on_every_rank(features) -> None:
+    """After a training step and ``del engine``, nothing keeps the engine (its model, its optimizer state) alive:
+    not the last loss, whose spent graph holds DeepSpeed's backward hooks (closures over the engine, in C++,
+    where the collector cannot see the cycle), on the rank that computes the loss; under every schedule family,
+    V-shaped ones (the first rank computes the loss) and deferred weight gradients included. Collected, it runs
+    ``destroy()`` (DeepSpeed's ``__del__``), so the thread it waited on for its transfers stops too."""
+    for rank in features:
+        assert rank["freed"]["freed"] == {sched: [True, True] for sched in ("gpipe", "1f1b", "dualpipev", "zbv")}, \
+            rank["freed"]
+
+
 def test_a_module_loss_is_weighted_per_slice_and_one_with_parameters_is_refused(features) -> None:
     """DeepSpeed registers a loss_fn that is an nn.Module as a child of the pipeline module; the per-slice weighting
     must not assign over it (torch refuses that), and its trainable parameters, which no pipeline checkpoint holds,

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import copy
 import datetime
+import gc
 import json
 import os
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -231,6 +233,26 @@ def suite_features(extra: dict) -> list[dict]:
     engine.destroy()
     results.append({"case": STATUS["case"], "had_waiter": waiter is not None,
                     "stopped": waiter is not None and not waiter.is_alive() and waiter not in p2p_mod._WAITERS})
+    del engine
+
+    # an engine the script drops after training is freed on every rank (the rank computing the loss included):
+    # nothing it made, DeepSpeed's backward hooks on its outputs included, keeps it and its model alive
+    freed_cfg = GPTConfig(num_layers=4, hidden=32, num_heads=4, vocab_size=64, max_seq_len=32, seed=3)
+    freed = {}
+    for sched, chunks, options in (("gpipe", 1, {"deferred_weight_grads": True}), ("1f1b", 1, {}),
+                                   ("dualpipev", 2, {}), ("zbv", 2, {})):
+        STATUS["case"] = f"freed {sched}"
+        run = run_pipeline(freed_cfg, stages=WORLD, micro_batches=2, batch=2, seq_len=32,
+                           batches_for_rank=lambda _dp: make_batches(freed_cfg, 2, 2, 32, seed=9), num_steps=1,
+                           lr=0.1, momentum=0.0, terapipe={"schedule": sched, "slices": [8, 16, 8], **options},
+                           virtual_stages=chunks)
+        waiter = run["engine"].p2p._waiter
+        alive = weakref.ref(run.pop("engine"))
+        del run
+        gc.collect()
+        waiter.join(timeout=5.0)   # the thread it waited on for its transfers stops with it
+        freed[sched] = [alive() is None, not waiter.is_alive() and waiter not in p2p_mod._WAITERS]
+    results.append({"case": "freed", "freed": freed})
 
     # a loss_fn that is a module: sliced, weighted per slice, still the reference's loss and gradients, the module
     # still registered; one with trainable parameters is refused on every rank

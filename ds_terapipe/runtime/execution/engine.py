@@ -111,6 +111,15 @@ __all__ = ["TokenPipelineEngine", "put_back", "_set_scheduled_lr"]
 logger = logging.getLogger(__name__)
 
 
+def _detached(value: Any) -> Any:
+    """``value`` (a tensor, or a list or tuple of them, as a loss may be) without its autograd graph."""
+    if torch.is_tensor(value):
+        return value.detach()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_detached(item) for item in value)
+    return value
+
+
 def _wall_clock_problem(config: DeepSpeedConfig) -> Optional[str]:
     """Why DeepSpeed's wall-clock timers cannot run in this pipeline (rule, value, fix), or None.
 
@@ -699,6 +708,11 @@ class TokenPipelineEngine(PlanSelection, BatchLoading, GradReduction, Checkpoint
             else:
                 self.grad_layer = self._unit_grads.pop(buffer_id)
             super()._exec_backward_pass(buffer_id)
+            if self.is_last_stage():
+                # Keep the value, not the spent graph: DeepSpeed's forward hooks its outputs with closures over this
+                # engine, and the graph's nodes hold them in C++, a cycle the collector cannot see. Kept, the last
+                # loss would keep the engine (model, optimizer state) alive after the script drops it.
+                self.loss = _detached(self.loss)
             self.grad_layer = None
             state.backward_done.add(slice_index)
             # DeepSpeed relies on cyclic buffer reuse to drop these; units are not reused, so drop them here.
