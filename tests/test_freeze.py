@@ -309,6 +309,7 @@ def test_a_repack_continues_on_fewer_stages_and_trains_as_if_nothing_moved(freez
             assert got == pytest.approx(plain, rel=1e-5) and got == pytest.approx(ref, rel=1e-5), where
         assert case["param_rel_err"] <= 1e-5 and case["ref_param_rel_err"] <= 1e-5, (where, case["ref_worst"])
         assert case["evals"][1] == pytest.approx(case["evals"][0], rel=1e-5), (where, case["evals"])
+        assert case["stray_waiters"] == 0, where   # the replaced engine's transfer thread was stopped
         # frozen weights moved bit-identical (both runs trained them with the same slices before they froze);
         # only the trained layers carry optimizer state
         assert case["first_slices"][0] == case["first_slices"][1], (where, case["first_slices"])

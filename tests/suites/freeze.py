@@ -16,6 +16,7 @@ import torch
 import ds_terapipe
 from deepspeed.pipe import LayerSpec
 from ds_terapipe.models.gpt import GPTConfig, causal_lm_loss, gpt_layer_specs
+from ds_terapipe.runtime.execution import p2p as p2p_mod
 from tests.suites import suite
 from tests.suites.common import (ENGINE_REF, STATUS, WORLD, frozen_reference, make_batches, named_compare, rel_err,
                                  run_until_error)
@@ -134,8 +135,12 @@ def repack_cases(extra: dict, cfg: GPTConfig, batches: list[tuple], num_steps: i
                                     "recheck_cached": False},
                         "freeze": {"schedule": [[1, 2], [2, 4]], "repack": repack},
                         **({"plan_cache": cache} if slices == "auto" else {})}
+            before = set(p2p_mod._WAITERS)
             runs[repack] = run_frozen(cfg, terapipe, batches, num_steps)
         plain, packed = runs[False], runs[True]
+        # the thread the engine before the repack waited on for its transfers: stopped (no idle thread per repack)
+        stray_waiters = sum(w not in before and w is not packed["engine"].p2p._waiter and w.is_alive()
+                            for w in p2p_mod._WAITERS)
         engine = packed["engine"]
         worst = max(rel_err(packed["params"][n], plain["params"][n]) for n in plain["params"]
                     if n in packed["params"] and (n != "tied_modules.embed.wpe.weight" or plain["has_embed"]))
@@ -149,7 +154,7 @@ def repack_cases(extra: dict, cfg: GPTConfig, batches: list[tuple], num_steps: i
         results.append({"case": f"repack {sched} slices={slices}", "losses": packed["losses"],
                         "plain_losses": plain["losses"], "ref_losses": ref["losses"], "param_rel_err": worst,
                         "ref_param_rel_err": ref_err, "ref_worst": ref_name, "events": packed["events"],
-                        "frozen_differ": frozen_moved, "evals": evals,
+                        "frozen_differ": frozen_moved, "evals": evals, "stray_waiters": stray_waiters,
                         "first_slices": [plain["slices"][0], packed["slices"][0]],
                         "num_stages": engine.num_stages, "replicas": engine.dp_world_size,
                         "micro_batches": engine.micro_batches, "stage": engine.stage_id,

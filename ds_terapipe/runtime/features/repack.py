@@ -597,5 +597,7 @@ def repack(engine: "PipelineStage", k: int) -> dict[str, Any]:
         logger.info("terapipe: step %d: repacked %d stage(s) x %d replica(s) -> %d x %d (layer boundaries %s; "
                     "%d micro-batch(es) per replica per step); plan %s%s", engine.global_steps, old_stages,
                     old_replicas, new_stages, new_replicas, new_parts, new.micro_batches, list(new.slices), speed)
+    if engine.p2p is not new.p2p:
+        engine.p2p.close()   # the thread the replaced engine waited on for its transfers: the new one has its own
     engine.__dict__ = new.__dict__  # the script's engine object is the repacked engine from here on
     return event
