@@ -44,15 +44,33 @@ ckpt=$(mktemp -d)
 port=${ON_GPU_MASTER_PORT:-29500}   # the deepspeed launcher's rendezvous port (a test passes a free one)
 # further trainer options for every trainer step (a test on the CPU passes a small model and corpus)
 read -r -a trainer_args <<< "${ON_GPU_TRAINER_ARGS:-}"
-step trainer_bf16 deepspeed --num_gpus 1 --master_port "$port" examples/train_gpt.py \
-  --deepspeed_config "$config" --stages 1 --steps 20 --save-dir "$ckpt" --save-every 10 \
-  --metrics "$out/trainer_bf16.jsonl" "${trainer_args[@]}"
-step trainer_bf16_resume deepspeed --num_gpus 1 --master_port "$port" examples/train_gpt.py \
-  --deepspeed_config "$config" --stages 1 --steps 30 --save-dir "$ckpt" --save-every 10 --resume \
-  --metrics "$out/trainer_bf16_resume.jsonl" "${trainer_args[@]}"
-step trainer_bf16_whole deepspeed --num_gpus 1 --master_port "$port" examples/train_gpt.py \
-  --deepspeed_config "$config" --stages 1 --steps 30 --metrics "$out/trainer_bf16_whole.jsonl" \
-  "${trainer_args[@]}"
+trainer() {   # name, rendezvous port, then the run's own options
+  local name=$1 rendezvous=$2
+  shift 2
+  step "$name" deepspeed --num_gpus 1 --master_port "$rendezvous" examples/train_gpt.py --deepspeed_config "$config" \
+    --stages 1 --metrics "$out/$name.jsonl" "$@" "${trainer_args[@]}"
+}
+compile=(--compile "${ON_GPU_COMPILE_BACKEND:-inductor}")
+side=""
+if [ "${ON_GPU_CONCURRENT:-0}" = 1 ]; then
+  # Where the timings mean nothing (the test that tries these steps on a CPU), the uninterrupted and compiled runs
+  # go beside the save and resume, on a second port; on a GPU they run one after another, as timed.
+  side_port=${ON_GPU_MASTER_PORT2:-$((port + 1))}
+  (
+    trainer trainer_bf16_whole "$side_port" --steps 30
+    trainer trainer_bf16_compiled "$side_port" --steps 30 "${compile[@]}"
+    exit $status
+  ) > "$out/side_runs.out" 2>&1 &
+  side=$!
+fi
+trainer trainer_bf16 "$port" --steps 20 --save-dir "$ckpt" --save-every 10
+trainer trainer_bf16_resume "$port" --steps 30 --save-dir "$ckpt" --save-every 10 --resume
+if [ -n "$side" ]; then
+  wait "$side" || status=1
+  cat "$out/side_runs.out"
+else
+  trainer trainer_bf16_whole "$port" --steps 30
+fi
 rm -rf "$ckpt"
 step resume_vs_whole python - "$out/trainer_bf16_resume.jsonl" "$out/trainer_bf16_whole.jsonl" <<'PY'
 import json, sys
@@ -64,9 +82,7 @@ print(f"steps {steps[0]}..{steps[-1]}: largest loss difference after the resume 
       "bit-deterministic run to run: compare with two uninterrupted runs' differences)")
 PY
 # the same trainer compiled (engine.compile, inductor): its ms/step beside the uncompiled run's, the losses alike
-step trainer_bf16_compiled deepspeed --num_gpus 1 --master_port "$port" examples/train_gpt.py \
-  --deepspeed_config "$config" --stages 1 --steps 30 --compile "${ON_GPU_COMPILE_BACKEND:-inductor}" \
-  --metrics "$out/trainer_bf16_compiled.jsonl" "${trainer_args[@]}"
+[ -n "$side" ] || trainer trainer_bf16_compiled "$port" --steps 30 "${compile[@]}"
 step compiled_vs_whole python - "$out/trainer_bf16_whole.log" "$out/trainer_bf16_compiled.log" \
   "$out/trainer_bf16_whole.jsonl" "$out/trainer_bf16_compiled.jsonl" <<'PY'
 import json, re, statistics, sys

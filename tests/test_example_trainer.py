@@ -204,16 +204,21 @@ def test_a_rank_killed_right_after_a_repack_fails_fast_and_resume_repacks_identi
 def test_the_gpu_script_s_trainer_steps_run_here(tmp_path) -> None:
     """benchmarks/on_gpu.sh is run where device time is short: its trainer steps (save, resume, the uninterrupted
     run, the comparison, the compiled run) are tried here on the CPU with a small bf16 config, so a change to the
-    trainer's options fails here rather than on a lent GPU. The launcher gets a free port (29500 may be taken)."""
+    trainer's options fails here rather than on a lent GPU. The launcher gets a free port (29500 may be taken), and
+    the uninterrupted and compiled runs go beside the save and resume on a second one (``ON_GPU_CONCURRENT``: on a
+    CPU the timings they print mean nothing)."""
     import os
     import subprocess
 
+    ports = [free_port()]
+    while len(ports) < 2:
+        ports += [port for port in [free_port()] if port not in ports]
     config = tmp_path / "bf16.json"
     config.write_text(json.dumps({**CONFIG, "pipeline": {"stages": 1}, "bf16": {"enabled": True},
                                   "terapipe": dict(CONFIG["terapipe"], seq_len=64, slices=2)}))
     env = dict(os.environ, ON_GPU_TRAINER_ONLY="1", ON_GPU_CONFIG=str(config), DS_ACCELERATOR="cpu",
                ON_GPU_COMPILE_BACKEND="aot_eager",   # inductor's C++ code generation takes minutes on a CPU
-               ON_GPU_MASTER_PORT=str(free_port()),
+               ON_GPU_MASTER_PORT=str(ports[0]), ON_GPU_CONCURRENT="1", ON_GPU_MASTER_PORT2=str(ports[1]),
                ON_GPU_TRAINER_ARGS="--layers 2 --hidden 32 --heads 4 --max-corpus-mb 0.3")
     done = subprocess.run(["bash", str(ROOT / "benchmarks" / "on_gpu.sh"), str(tmp_path / "out")], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=380)
