@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import gc
 import os
+import sys
 import time
 import traceback
 from contextlib import contextmanager
@@ -413,12 +414,11 @@ def allow_fp16_on_cpu() -> None:
         get_accelerator().is_fp16_supported = lambda: True
 
 
-def run_cases(cases: list, label: Callable[..., str], run: Callable[..., dict], release_groups: bool = True
-              ) -> list[dict]:
+def run_cases(cases: list, label: Callable[..., str], run: Callable[..., dict]) -> list[dict]:
     """``run(*case)`` for each case of a suite, named ``label(*case)``: a case that raises is reported with its
     traceback and the suite goes on (every rank runs the same cases, so they fail alike). Each result gets the
-    case's wall time, ``case_s``. The process groups a case made are released after it (``release_groups``:
-    :func:`release_process_groups`)."""
+    case's wall time, ``case_s``. The process groups a case made are released after it
+    (:func:`release_process_groups`)."""
     results: list[dict] = []
     for case in cases:
         STATUS["case"] = label(*case)
@@ -433,8 +433,7 @@ def run_cases(cases: list, label: Callable[..., str], run: Callable[..., dict], 
         if isinstance(results[-1], dict):   # where the suite's time goes (rank{R}.json), for keeping it short
             results[-1].setdefault("case_s", round(time.perf_counter() - started, 2))
         ENGINE_REF.pop("engine", None)
-        if release_groups:
-            release_process_groups([pg for pg in _process_groups() if pg not in before])
+        release_process_groups([pg for pg in _process_groups() if pg not in before])
     return results
 
 
@@ -453,15 +452,31 @@ def release_process_groups(groups: list) -> None:
     gloo group keeps a thread that wakes every 10 ms for as long as the process lives, and each engine's grid makes
     its own groups: left alive, a suite of 40 engines keeps ~100 such threads per rank, and waking them takes a
     quarter of the CPU. Every rank calls this at the same point of the same cases; the barrier keeps a rank from
-    closing connections a peer still reads from. Not for engines with ``shard_params``: torch caches DTensor
-    redistribution plans by mesh value (equal for the same ranks whatever the group), so a later engine's gathers
-    would run on a released group."""
+    closing connections a peer still reads from. Engines with ``shard_params`` too: see
+    :func:`_forget_dtensor_plans`."""
     _FINISHED.update(groups=[], armed=False)
     torch.distributed.monitored_barrier(timeout=datetime.timedelta(seconds=120))
     live = set(_process_groups())
+    _forget_dtensor_plans()
     for pg in groups:
         if pg in live:   # (a group run_pipeline left may be released by the case around it already)
             deepspeed.comm.destroy_process_group(pg)   # torch's, and DeepSpeed forgets any it cached
+
+
+def _forget_dtensor_plans() -> None:
+    """Empty torch's caches of DTensor sharding and redistribution plans (Python and C++). Why: they are keyed by
+    ``DeviceMesh`` value, and a mesh compares equal for the same ranks whatever its process group, so a later
+    engine's FSDP2 gathers would take a plan holding a released group ("Could not resolve the process group
+    registered under the name 4"), or, with the groups kept, silently run on an earlier engine's group."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._redistribute import _gen_transform_infos
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    propagator._propagate_tensor_meta_cached.cache_clear()
+    _gen_transform_infos.cache_clear()
+    torch._C._clear_DTensor_sharding_propagator_cache()
 
 
 def keep_collections_cheap() -> None:

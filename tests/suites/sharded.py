@@ -367,9 +367,7 @@ def suite_sharded(extra: dict) -> list[dict]:
               f"{' no-prefetch' if len(c) > 5 and not c[5] else ''}{' no-sampler' if len(c) > 6 and not c[6] else ''}"
               f"{' release=' + c[7] if len(c) > 7 else ''}{' ' + str(c[8]) if len(c) > 8 else ''}"
               for c in extra.get("cases", [])]
-    # (the groups stay: FSDP2's meshes, see release_process_groups)
-    results = run_cases(list(zip(labels, cases)), label=lambda name, fn: name, run=lambda name, fn: fn(),
-                        release_groups=False)
+    results = run_cases(list(zip(labels, cases)), label=lambda name, fn: name, run=lambda name, fn: fn())
     if extra.get("gathers"):
         results.append(_gathers("looped-bfs", 2))
         results.append(_gathers("interleaved-1f1b", 2))
@@ -380,6 +378,5 @@ def suite_sharded(extra: dict) -> list[dict]:
         results.append(_checkpoint(extra["checkpoint"], parallel_write=True))
         checks = [("checkpoint across optimizer formats", _across_formats),
                   ("checkpoint between sharded and plain runs", _plain_and_sharded)]
-        results += run_cases(checks, label=lambda name, fn: name, run=lambda name, fn: fn(extra["checkpoint"]),
-                             release_groups=False)
+        results += run_cases(checks, label=lambda name, fn: name, run=lambda name, fn: fn(extra["checkpoint"]))
     return results
