@@ -1,9 +1,9 @@
 """Suite ``features`` (2 ranks), asserted on by tests/test_engine_features.py: activation checkpointing (fixed
 intervals and "auto" with a memory cap that binds or cannot be met), slices "auto" (profile, plan on rank 0,
-broadcast, plan cache, re-timing of a cached plan, deferred weight gradients), eval_batch, the refusals of a
-non-causal layer and of ZeRO 2, bf16 with ZeRO 0 and 1, gradient clipping in fp32, bf16 and fp16, checkpoints
-(resume with the same and another slicing, export, another stage count, corrupt files, other dimensions) and a
-peer that goes silent mid-batch (the p2p timeout).
+broadcast, plan cache, re-timing of a cached plan, deferred weight gradients), engines destroyed and dropped (freed
+on every rank), eval_batch, the refusals of a non-causal layer and of ZeRO 2, bf16 with ZeRO 0 and 1, gradient
+clipping in fp32, bf16 and fp16, checkpoints (resume with the same and another slicing, export, another stage
+count, corrupt files, other dimensions) and a peer that goes silent mid-batch (the p2p timeout).
 """
 
 from __future__ import annotations
