@@ -239,19 +239,20 @@ def suite_features(extra: dict) -> list[dict]:
     # nothing it made, DeepSpeed's backward hooks on its outputs included, keeps it and its model alive
     freed_cfg = GPTConfig(num_layers=4, hidden=32, num_heads=4, vocab_size=64, max_seq_len=32, seed=3)
     freed = {}
-    for sched, chunks, options in (("gpipe", 1, {"deferred_weight_grads": True}), ("1f1b", 1, {}),
-                                   ("dualpipev", 2, {}), ("zbv", 2, {})):
-        STATUS["case"] = f"freed {sched}"
+    for sched, chunks, zero, options in (("gpipe", 1, 0, {"deferred_weight_grads": True}), ("1f1b", 1, 0, {}),
+                                         ("dualpipev", 2, 0, {}), ("zbv", 2, 0, {}), ("1f1b", 1, 1, {})):
+        name = sched + (f" zero{zero}" if zero else "")
+        STATUS["case"] = f"freed {name}"
         run = run_pipeline(freed_cfg, stages=WORLD, micro_batches=2, batch=2, seq_len=32,
                            batches_for_rank=lambda _dp: make_batches(freed_cfg, 2, 2, 32, seed=9), num_steps=1,
                            lr=0.1, momentum=0.0, terapipe={"schedule": sched, "slices": [8, 16, 8], **options},
-                           virtual_stages=chunks)
+                           virtual_stages=chunks, zero_stage=zero)
         waiter = run["engine"].p2p._waiter
         alive = weakref.ref(run.pop("engine"))
         del run
         gc.collect()
         waiter.join(timeout=5.0)   # the thread it waited on for its transfers stops with it
-        freed[sched] = [alive() is None, not waiter.is_alive() and waiter not in p2p_mod._WAITERS]
+        freed[name] = [alive() is None, not waiter.is_alive() and waiter not in p2p_mod._WAITERS]
     results.append({"case": "freed", "freed": freed})
 
     # a loss_fn that is a module: sliced, weighted per slice, still the reference's loss and gradients, the module

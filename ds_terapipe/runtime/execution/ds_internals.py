@@ -234,6 +234,12 @@ INTERNALS: tuple[Internal, ...] = (
        "the scale its step divides the gradients by"),
     _i("deepspeed.runtime.fp16.fused_optimizer:FP16_Optimizer", "loss_scale", "attr", f"{_E} BackwardPass",
        "the scale its step divides the gradients by"),
+    # -- a dropped engine is freed: ZeRO's optimizer holds the engine's hook weakly (execution/lifetime.py)
+    _i(_DS_ENGINE, "_backward_post_hook", "attr", "execution/lifetime.py",
+       "the engine's hook ZeRO's optimizer holds, replaced by one through a weak reference"),
+    *(_i("deepspeed.runtime.base_optimizer:ZeROOptimizer", name, "attr", "execution/lifetime.py",
+         "the optimizer's hooks run when every gradient is ready, where the engine's is replaced")
+      for name in ("_grad_acc_post_hooks", "register_grad_acc_post_hook", "unregister_grad_acc_post_hooks")),
     # -- fp16 at ZeRO 0: the optimizer step taken at construction, undone (execution/optimizer_init.py)
     *(_i(owner, name, "attr", "execution/optimizer_init.py", why)
       for owner in ("deepspeed.runtime.fp16.unfused_optimizer:FP16_UnfusedOptimizer",

@@ -99,6 +99,7 @@ from .ds_internals import check_deepspeed_internals
 from .engine_checkpoint import Checkpointing, _set_scheduled_lr, _unusable_directory
 from .grad_reduction import GradReduction
 from .grad_sink import GradSink
+from .lifetime import hold_engine_weakly
 from .module import chunk_layout, loss_fn_problem, loss_fn_replaced
 from .optimizer_init import undo_construction_step
 from .p2p import AbortFlag, PeerFailedError, SliceP2P, as_tuple
@@ -214,6 +215,8 @@ class TokenPipelineEngine(PlanSelection, BatchLoading, GradReduction, Checkpoint
         super().__init__(*args, **kwargs)
         self._chunk = None  # the chunk an instruction runs on, while it runs (see on_chunk)
         check_deepspeed_internals(self)  # a DeepSpeed that moved what we rely on fails here, naming it
+        # ZeRO's optimizer would keep a dropped engine alive (runtime/execution/lifetime.py)
+        hold_engine_weakly(self.optimizer, self._backward_post_hook)
         undo_construction_step(self.optimizer)   # fp16 at ZeRO 0: the step DeepSpeed took on zero gradients
         VocabParallel.check_engine(self)
         mark_replicated_grads(self.optimizer)   # fp16 at ZeRO 0: its norm skips tied copies (runtime/execution/clip.py)
@@ -711,7 +714,7 @@ class TokenPipelineEngine(PlanSelection, BatchLoading, GradReduction, Checkpoint
             if self.is_last_stage():
                 # Keep the value, not the spent graph: DeepSpeed's forward hooks its outputs with closures over this
                 # engine, and the graph's nodes hold them in C++, a cycle the collector cannot see. Kept, the last
-                # loss would keep the engine (model, optimizer state) alive after the script drops it.
+                # loss would keep the engine (model, optimizer state) alive after the script drops it (lifetime.py).
                 self.loss = _detached(self.loss)
             self.grad_layer = None
             state.backward_done.add(slice_index)
