@@ -599,5 +599,9 @@ def repack(engine: "PipelineStage", k: int) -> dict[str, Any]:
                     old_replicas, new_stages, new_replicas, new_parts, new.micro_batches, list(new.slices), speed)
     if engine.p2p is not new.p2p:
         engine.p2p.close()   # the thread the replaced engine waited on for its transfers: the new one has its own
+    # DeepSpeed's hooks (on the new module; at ZeRO 1 the optimizer's, held weakly: runtime/execution/lifetime.py)
+    # are bound to the new object, whose state the script's object shares from here on: it lives as long as that
+    # state, never collected (and destroyed) on its own
+    new.hooks_bound_to = new
     engine.__dict__ = new.__dict__  # the script's engine object is the repacked engine from here on
     return event
