@@ -214,8 +214,8 @@ def test_an_engine_the_script_drops_is_freed_on_every_rank(features) -> None:
     where the collector cannot see the cycle), on the rank that computes the loss; under every schedule family,
     V-shaped ones (the first rank computes the loss) and deferred weight gradients included; nor, at ZeRO 1,
     DeepSpeed's optimizer, which hooks every parameter's gradient accumulation and holds the engine's
-    ``_backward_post_hook`` (runtime/execution/lifetime.py). Collected, it runs
-    ``destroy()`` (DeepSpeed's ``__del__``), so the thread it waited on for its transfers stops too."""
+    ``_backward_post_hook`` (runtime/execution/lifetime.py). Collected, it runs ``destroy()`` (DeepSpeed's
+    ``__del__``), so the thread it waited on for its transfers stops too."""
     for rank in features:
         assert rank["freed"]["freed"] == {name: [True, True] for name in ("gpipe", "1f1b", "dualpipev", "zbv",
                                                                           "1f1b zero1")}, rank["freed"]
