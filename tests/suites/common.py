@@ -457,10 +457,12 @@ def release_process_groups(groups: list) -> None:
     _FINISHED.update(groups=[], armed=False)
     torch.distributed.monitored_barrier(timeout=datetime.timedelta(seconds=120))
     live = set(_process_groups())
-    _forget_dtensor_plans()
-    for pg in groups:
-        if pg in live:   # (a group run_pipeline left may be released by the case around it already)
-            deepspeed.comm.destroy_process_group(pg)   # torch's, and DeepSpeed forgets any it cached
+    # (a group run_pipeline left may be released by the case around it already)
+    released = [pg for pg in groups if pg in live]
+    if released:
+        _forget_dtensor_plans()
+    for pg in released:
+        deepspeed.comm.destroy_process_group(pg)   # torch's, and DeepSpeed forgets any it cached
 
 
 def _forget_dtensor_plans() -> None:
