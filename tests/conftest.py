@@ -11,8 +11,8 @@ on the other worker(s). A pipeline launch keeps its cores only partly busy (a st
 cores idle during the equivalence grid), and the in-process tests are single-threaded Python, so alone each left
 a core idle for much of its run; side by side the suite took 850-870 s where it took 1077 s one test at a time
 (2 cores). Two launches never run at once (their ranks would share the cores with another suite's and stretch
-its deadlines), and each worker runs torch on one thread: two workers with 2 intra-op threads each on 2 cores
-spin against each other (that arrangement ran slower than no xdist at all)."""
+its deadlines), and each worker runs torch on one thread: with 2 intra-op threads each, two workers on 2 cores
+would contend for them."""
 
 from __future__ import annotations
 
