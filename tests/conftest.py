@@ -9,8 +9,8 @@ Under pytest-xdist with ``--dist loadgroup`` (the README's command: ``-n 2 --dis
 test (marker ``multiproc``) goes to one worker, one after another as without xdist, while the in-process tests run
 on the other worker(s). A pipeline launch keeps its cores only partly busy (a stage waits on its peer: ~40% of 2
 cores idle during the equivalence grid), and the in-process tests are single-threaded Python, so alone each left
-a core idle for much of its run; side by side the suite took 850-870 s where it took 1077 s one test at a time
-(2 cores). Two launches never run at once (their ranks would share the cores with another suite's and stretch
+a core idle for much of its run; side by side the suite took 850-955 s where it took 1046-1077 s one test at a
+time (2 cores). Two launches never run at once (their ranks would share the cores with another suite's and stretch
 its deadlines), and each worker runs torch on one thread: with 2 intra-op threads each, two workers on 2 cores
 would contend for them."""
 
