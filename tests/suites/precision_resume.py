@@ -149,10 +149,18 @@ def _growth_case(cfg: GPTConfig, zero_stage: int, out: Path) -> dict[str, Any]:
     logged = out / f"growth_zero{zero_stage}" / "Train_Samples_loss_scale.csv"
     return {"case": STATUS["case"], "scales": {name: run[0]["scales"] for name, run in runs.items()},
             "losses": {name: run[0]["losses"] for name, run in runs.items()},
-            "monitor_scales": ([float(line.split(",")[1]) for line in logged.read_text().splitlines()[1:]]
-                               if logged.exists() else None),
+            "monitor_scales": _monitor_scales(logged),
             "norms": runs["fp16"][0]["norms"],
             "master_max_diff": _max_diff(runs["fp16"][1], runs["fp16 static"][1])}
+
+
+def _monitor_scales(logged: Path) -> list[float] | None:
+    """The loss scales DeepSpeed's csv monitor logged, read on global rank 0, the one rank that writes them (it
+    appends each step's row after that step, so another rank reading at its own end may miss rank 0's last row);
+    None elsewhere or when nothing was logged."""
+    if torch.distributed.get_rank() != 0 or not logged.exists():
+        return None
+    return [float(line.split(",")[1]) for line in logged.read_text().splitlines()[1:]]
 
 
 def _poison_grad(grad: torch.Tensor) -> torch.Tensor:
@@ -215,8 +223,7 @@ def _overflow_run(cfg: GPTConfig, precision: str, zero_stage: int, slices: list[
     run["master"] = master_weights(engine)
     ENGINE_REF.pop("engine", None)
     logged = out / job / "Train_Samples_loss_scale.csv"
-    run["monitor_scales"] = ([float(line.split(",")[1]) for line in logged.read_text().splitlines()[1:]]
-                             if logged.exists() else None)
+    run["monitor_scales"] = _monitor_scales(logged)
     return run
 
 
