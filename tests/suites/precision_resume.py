@@ -32,8 +32,8 @@ import ds_terapipe
 from deepspeed.accelerator import get_accelerator
 from ds_terapipe.models.gpt import GPTConfig, causal_lm_loss, gpt_layer_specs
 from tests.suites import suite
-from tests.suites.common import (ENGINE_REF, POISON, POISON_FACTORS, STATUS, WORLD, loss_scale, make_batches,
-                                 master_weights, poison, poisoned_loss)
+from tests.suites.common import (ENGINE_REF, POISON, POISON_FACTORS, RANK, STATUS, WORLD, loss_scale,
+                                 make_batches, master_weights, poison, poisoned_loss)
 
 STAGES = 2
 STEPS_BEFORE, STEPS_AFTER = 2, 3
@@ -158,7 +158,7 @@ def _monitor_scales(logged: Path) -> list[float] | None:
     """The loss scales DeepSpeed's csv monitor logged, read on global rank 0, the one rank that writes them (it
     appends each step's row after that step, so another rank reading at its own end may miss rank 0's last row);
     None elsewhere or when nothing was logged."""
-    if torch.distributed.get_rank() != 0 or not logged.exists():
+    if RANK != 0 or not logged.exists():
         return None
     return [float(line.split(",")[1]) for line in logged.read_text().splitlines()[1:]]
 
