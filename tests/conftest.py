@@ -21,10 +21,14 @@ import gc
 import pytest
 
 
+def xdist_workers(config) -> int:
+    """How many pytest-xdist workers run the session (1 without xdist, and in xdist's controller)."""
+    return getattr(config, "workerinput", {}).get("workercount", 1)
+
+
 @pytest.hookimpl(tryfirst=True)   # before xdist's own hook, which reads the group marks to schedule by them
 def pytest_collection_modifyitems(config, items) -> None:
-    workers = getattr(config, "workerinput", {}).get("workercount", 1)
-    if workers < 2:
+    if xdist_workers(config) < 2:
         return
     import torch
     torch.set_num_threads(1)

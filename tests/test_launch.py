@@ -109,7 +109,8 @@ def test_a_launch_that_crashes_again_fails_naming_both_runs(tmp_path: Path) -> N
 def test_under_xdist_every_launch_runs_on_one_worker_and_torch_on_one_thread(request) -> None:
     """The README's ``-n 2 --dist loadgroup``: tests/conftest.py puts every multi-process test in one xdist group
     (xdist marks its node id), so no two launches share the cores, and runs torch on one thread per worker."""
-    if getattr(request.config, "workerinput", {}).get("workercount", 1) < 2:
+    from tests.conftest import xdist_workers
+    if xdist_workers(request.config) < 2:
         pytest.skip("not run by two or more pytest-xdist workers")
     import torch
     launches = [item for item in request.session.items if item.get_closest_marker("multiproc")]
