@@ -494,3 +494,25 @@ def test_the_profile_takes_the_cache_gradient_in_as_training_does(monkeypatch) -
                            warmup=0, repeats=1)
     assert {(p["slice"], p["context"]) for p in points} == {(8, 0), (8, 24), (16, 0), (16, 16)}
     assert fills == []
+
+
+def test_compiled_blocks_leave_the_accumulation_to_autograd_and_break_only_at_the_attention() -> None:
+    """Under ``torch.compile`` (``engine.compile()``) a Linear whose backward would add into ``.grad`` in its GEMM
+    takes autograd's path instead: dynamo cannot trace that backward, and each Linear would otherwise break the
+    graph (a compiled piece per GEMM, slower than eager where the host is the bound). The gradients are
+    autograd's, and the graphs break at the sliced attention alone."""
+    from torch._dynamo.utils import counters
+    from ds_terapipe.runtime.slicing.deferred import enable_fused_grad_accumulation
+    model = _blocks()
+    gen = torch.Generator().manual_seed(6)
+    xs = [torch.randn(2, 40, 32, dtype=torch.float64, generator=gen) for _ in range(2)]
+    ref = _fused_run(model, xs, [40], fuse=False)
+    enable_fused_grad_accumulation(model)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="aot_eager")
+    got = {n.removeprefix("_orig_mod."): g for n, g in _fused_run(compiled, xs, [8, 24, 8], fuse=True).items()}
+    for name, g in ref.items():
+        assert torch.allclose(got[name], g, rtol=1e-10, atol=1e-12), name
+    breaks = [reason.split("\n")[0] for reason in counters["graph_break"]]
+    assert breaks and all("sliced_causal_attention" in reason for reason in counters["graph_break"]), breaks

@@ -255,3 +255,27 @@ def test_packed_rows_follow_the_convention_and_predict_within_documents() -> Non
     # labels: the next token, -100 before each document start (positions 10 and 37 of the corpus)
     assert labels.tolist() == [[6, 7, 8, 9, -100, 11, 12, 13, 14, 15, 16, 17],
                                [31, 32, 33, 34, 35, 36, -100, 38, 39, 40, 41, 42], list(range(12, 24))]
+
+
+def test_an_embedding_compiles_once_for_every_slice_offset_and_still_refuses_too_many_positions() -> None:
+    """The learned position embedding reads its slice's offset only inside ``slice_positions`` (outside
+    torch.compile's graphs): compiled, slices of 16 tokens at offsets 16 and 32 compile no frame after the first
+    slice's (the offset is no guard of the graph), and a slice reaching past ``max_seq_len`` is refused with the
+    positions' end."""
+    from torch._dynamo.utils import counters
+    cfg = GPTConfig(num_layers=1, hidden=16, num_heads=2, vocab_size=32, max_seq_len=48, seed=5)
+    emb = GPTEmbedding(cfg)
+    compiled = torch.compile(emb, backend="aot_eager")
+    ids = torch.randint(0, 32, (2, 48), generator=torch.Generator().manual_seed(0))
+    state = MicroBatchState(0, 48, 3)
+    torch._dynamo.reset()
+    frames = []
+    for i, (start, end) in enumerate(((0, 16), (16, 32), (32, 48))):
+        with slice_scope(SliceContext(0, i, start, end, state)):
+            out = compiled(ids[:, start:end])
+        assert torch.equal(out, emb.wte(ids[:, start:end]) + emb.wpe(torch.arange(start, end)))
+        frames.append(counters["frames"]["total"])
+    assert frames[0] > 0 and frames[1:] == [frames[0]] * 2, frames
+    with slice_scope(SliceContext(0, 2, 40, 56, MicroBatchState(0, 56, 3))), \
+            pytest.raises(ValueError, match=r"positions up to 56 exceed max_seq_len=48; raise GPTConfig.max_seq_len"):
+        emb(torch.zeros(2, 16, dtype=torch.long))

@@ -22,7 +22,6 @@ import torch.nn.functional as F
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
 from ..runtime.slicing.attention import CausalSelfAttention
-from ..runtime.slicing.context import token_offset
 from ..runtime.slicing.documents import slice_positions
 
 __all__ = ["GPTConfig", "GPTEmbedding", "GPTBlock", "GPTFinalNorm", "gpt_layer_specs", "causal_lm_loss",
@@ -76,12 +75,10 @@ class GPTEmbedding(nn.Module):
         _init_(self, cfg.seed, cfg.num_layers)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        tokens = ids.shape[1]  # ids: (B, T)
-        offset = token_offset()
-        if offset + tokens > self.cfg.max_seq_len:
-            raise ValueError(f"GPTEmbedding: positions up to {offset + tokens} exceed max_seq_len="
-                             f"{self.cfg.max_seq_len}; raise GPTConfig.max_seq_len")
-        pos = slice_positions(tokens, ids.device)  # (T,), or (B, T) within each packed document
+        # (T,), or (B, T) within each packed document; ids: (B, T)
+        pos = slice_positions(ids.shape[1], ids.device, self.cfg.max_seq_len,
+                              "GPTEmbedding: positions up to {end} exceed max_seq_len="
+                              f"{self.cfg.max_seq_len}; raise GPTConfig.max_seq_len")
         return self.drop(self.wte(ids) + self.wpe(pos))  # (B, T, C)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:

@@ -724,11 +724,10 @@ class HFEmbedding(nn.Module):
             hidden = self.family.embed_scale(self.config, hidden)
         if not self.is_gpt2:
             return self.drop(hidden)
-        tokens, offset = ids.shape[1], token_offset()
-        if offset + tokens > self.wpe.num_embeddings:
-            raise ValueError(f"HFEmbedding: positions up to {offset + tokens} exceed n_positions="
-                             f"{self.wpe.num_embeddings}; use shorter sequences or a config with more positions")
-        pos = slice_positions(tokens, ids.device)  # (T,), or (B, T) within each packed document
+        # (T,), or (B, T) within each packed document
+        pos = slice_positions(ids.shape[1], ids.device, self.wpe.num_embeddings,
+                              "HFEmbedding: positions up to {end} exceed n_positions="
+                              f"{self.wpe.num_embeddings}; use shorter sequences or a config with more positions")
         return self.drop(hidden + self.wpe(pos))
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:

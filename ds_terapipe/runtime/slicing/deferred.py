@@ -297,8 +297,11 @@ def _token_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if stash is not None and x.requires_grad and wants:
         bias = self.bias.detach() if self.bias is not None else None
         return _DeferredLinear.apply(x, self.weight.detach(), bias, self, stash, ctx.slice_index)
+    # Not under autocast (its casts, autograd's backward), nor under torch.compile: dynamo cannot trace the
+    # backward's look at ``.grad``, so every Linear would break the graph (a compiled piece per GEMM, each with its
+    # own call overhead: slower than eager on a host-bound GPU); autograd's accumulation is exact.
     if ctx.state.fuse_grad_accumulation and self.weight.requires_grad and getattr(self, "_terapipe_fused", False) \
-            and not torch.is_autocast_enabled(x.device.type):   # autocast: its casts, autograd's backward
+            and not torch.is_autocast_enabled(x.device.type) and not torch.compiler.is_compiling():
         return _AccumulatingLinear.apply(x, self.weight, self.bias)
     return F.linear(x, self.weight, self.bias)
 
@@ -336,7 +339,8 @@ def enable_fused_grad_accumulation(module: nn.Module) -> int:
     of a GPT block launches 4 kernels fewer. The sum is the same up to the order of the additions (fp32: within
     rounding). The hooks autograd runs after accumulating are skipped for these additions, so the engine turns
     this on only where none are registered (not under DeepSpeed's ZeRO optimizer, which hooks every
-    accumulation), and a parameter with a ``register_post_accumulate_grad_hook`` keeps the ordinary path."""
+    accumulation), and a parameter with a ``register_post_accumulate_grad_hook`` keeps the ordinary path, and so
+    does a Linear inside a ``torch.compile`` graph (``engine.compile()``)."""
     return _wrap_linears(module, "_terapipe_fused")
 
 
