@@ -102,6 +102,33 @@ def _init_single_process() -> None:
     ds_terapipe.init_distributed(verbose=False)
 
 
+def model_arguments(ap: argparse.ArgumentParser) -> None:
+    """The options :func:`build_engine` reads (the model, its batches, the schedule, precision and ZeRO stage), and
+    :func:`start_process`'s core and the report's path."""
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--micro-batches", type=int, default=4)
+    ap.add_argument("--schedule", default="1f1b")
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    ap.add_argument("--zero", type=int, default=0)
+    ap.add_argument("--core", type=int, default=None, help="pin to this CPU core (default: the last one)")
+    ap.add_argument("--json", default=None)
+
+
+def start_process(args: argparse.Namespace) -> Any:
+    """World size 1 in this process, pinned to one core on a CPU; returns DeepSpeed's accelerator."""
+    from deepspeed.accelerator import get_accelerator
+    # DeepSpeed's process group first: on a fresh machine it compiles its CPU comm op, which a pinned process would
+    # compile on one core
+    _init_single_process()
+    if get_accelerator().device_name() == "cpu":
+        pin_one_core(args.core)
+    return get_accelerator()
+
+
 def build_engine(args: argparse.Namespace, slices: int, deferred: bool) -> Any:
     import ds_terapipe
     from ds_terapipe.models.gpt import GPTConfig, causal_lm_loss, gpt_layer_specs
@@ -175,32 +202,14 @@ def batches(args: argparse.Namespace, gen: torch.Generator):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--hidden", type=int, default=64)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--micro-batches", type=int, default=4)
-    ap.add_argument("--schedule", default="1f1b")
+    model_arguments(ap)
     ap.add_argument("--slices", default="1,4,8", help="slice counts, comma-separated")
-    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
-    ap.add_argument("--zero", type=int, default=0)
     ap.add_argument("--steps", type=int, default=9, help="measured steps per variant (after 2 warm-up steps)")
     ap.add_argument("--per-parameter-bf16", action="store_true",
                     help="bf16 at ZeRO 0: also each variant without the flat bf16 gradients (DeepSpeed's own loop)")
     ap.add_argument("--profile", action="store_true", help="cProfile one step of the largest slice count")
-    ap.add_argument("--core", type=int, default=None, help="pin to this CPU core (default: the last one)")
-    ap.add_argument("--json", default=None)
     args = ap.parse_args()
-
-    from deepspeed.accelerator import get_accelerator
-    accel = get_accelerator()
-    on_cpu = accel.device_name() == "cpu"
-    # DeepSpeed's process group first: on a fresh machine it compiles its CPU comm op, which a pinned process would
-    # compile on one core
-    _init_single_process()
-    if on_cpu:
-        pin_one_core(args.core)
+    accel = start_process(args)
     counts = [int(c) for c in args.slices.split(",")]
     variants = [(n, d, True) for n in counts for d in ((False, True) if n > 1 else (False,))]
     if args.dtype == "bf16" and not args.zero and args.per_parameter_bf16:
