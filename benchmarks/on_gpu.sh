@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Everything this project checks and measures on one GPU, in the order that pays if the time runs out first:
 # the CUDA tests, the slice table with the cost model's prediction beside each point, the engine's host time and
-# kernels per slice on the example trainer's shape, the example trainer in bf16 saving and resuming, and compiled.
+# kernels per slice on the example trainer's shape and its steps compiled, the example trainer in bf16 saving and
+# resuming, and compiled.
 #
-#     bash benchmarks/on_gpu.sh [OUT_DIR]      # about 9 minutes on an H100; results JSON and logs in OUT_DIR
+#     bash benchmarks/on_gpu.sh [OUT_DIR]      # ~12 minutes (its steps' times added up); results JSON and logs in OUT_DIR
 #
 # Needs torch with CUDA and DeepSpeed importable; a DeepSpeed wheel built on a CPU-only machine records the CPU
 # accelerator, so DS_ACCELERATOR defaults to cuda here. docs/gpus.md reads the results.
@@ -39,6 +40,8 @@ if [ "$only_trainer" = 0 ]; then
   step gpu_slices python benchmarks/gpu_slices.py --json "$out/gpu_slices.json"
   step host_overhead python benchmarks/host_overhead.py --hidden 1024 --heads 16 --batch 8 --seq-len 1024 \
     --dtype bf16 --slices 1,4 --per-parameter-bf16 --json "$out/host_overhead.json"
+  step compiled_steps python benchmarks/compiled_steps.py --hidden 1024 --heads 16 --batch 8 --seq-len 1024 \
+    --dtype bf16 --json "$out/compiled_steps.json"
 fi
 ckpt=$(mktemp -d)
 port=${ON_GPU_MASTER_PORT:-29500}   # the deepspeed launcher's rendezvous port (a test passes a free one)

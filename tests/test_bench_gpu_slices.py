@@ -1,5 +1,5 @@
 """Tier a: benchmarks/gpu_slices.py runs where CI has no GPU: its measuring path on a small CPU shape, and the
-re-print of the committed H100 report with the current code's predictions (no device needed)."""
+re-print of the committed H200 and H100 reports with the current code's predictions (no device needed)."""
 
 from __future__ import annotations
 
@@ -71,8 +71,20 @@ def test_steady_points_take_the_burst_start_out() -> None:
     assert noisy["forward_ms"] == 0.5
 
 
-def test_the_committed_report_reprints_with_the_current_predictions() -> None:
-    text = _run("--report", str(ROOT / "benchmarks" / "results" / "gpu_slices.json"))
+def test_the_committed_h200_report_reprints_with_every_column() -> None:
+    """The latest run (one H200, the two largest shapes) has every column: the steady profile, the engine's in-GEMM
+    accumulation and the h200 preset's prediction."""
+    report = ROOT / "benchmarks" / "results" / "gpu_slices.json"
+    assert json.loads(report.read_text())["device_name"] == "NVIDIA H200"
+    text = _run("--report", str(report))
+    for shape in ("llama70b-x1", "gpt3-175b-x1"):
+        assert f"{shape}:" in text, shape
+    rows = [line for line in text.splitlines() if line.startswith("| 8 |")]
+    assert len(rows) == 2 and all("-" not in [cell.strip() for cell in row.split("|")] for row in rows), rows
+
+
+def test_the_committed_h100_report_reprints_with_the_current_predictions() -> None:
+    text = _run("--report", str(ROOT / "benchmarks" / "results" / "gpu_slices_h100.json"))
     for shape in ("trainer-gpt-8x1024", "llama8b-x2", "gpt3-13b-x2", "llama70b-x1", "gpt3-175b-x1"):
         assert f"{shape}:" in text, shape
     # the h100 preset's column is filled on a report from an H100 (a missing preset would print "-")

@@ -354,10 +354,10 @@ def _gpu_rows(report: dict) -> list[str]:
     total = {(r["n"], r["variant"]): r["total_ms"] for r in report["shapes"][shape]["rows"]}
     checks = {(c["n"], c["variant"], c["what"]): c for c in report["checks"] if c["shape"] == shape}
     rows = []
-    for n in (1, 4, 8, 16):
+    for n in (1, 2, 4, 8, 16):
         cells = [f"{total[n, v]:.1f} / {checks[n, v, 'profile-predicted micro-batch']['predicted_ms']:.1f}"
-                 for v in ("unsynced", "fused")]
-        rows.append(f"| {n} | {cells[0]} | {cells[1]} | {checks[n, 'fused', 'W(n)/W(1)']['ratio']:.2f} |")
+                 for v in ("in-gemm", "unsynced", "fused")]
+        rows.append(f"| {n} | {' | '.join(cells)} | {checks[n, 'fused', 'W(n)/W(1)']['ratio']:.2f} |")
     return rows
 
 

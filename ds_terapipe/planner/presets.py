@@ -9,7 +9,7 @@ longest of its FLOPs at ``peak * efficiency``, its bytes at ``bandwidth * bandwi
 their weights whole, so a short slice costs a read of the weights) and a launch floor; small ops stream at
 ``stream_efficiency`` of the bandwidth; attention runs at ``attention_efficiency`` of peak. Peaks and bandwidths
 are the vendor data sheets' dense 16-bit figures (V100 SXM2 125 TFLOPS / 900 GB/s, A100 SXM 312 / 1555 (40 GB),
-H100 SXM 989 / 3350); ``cpu`` is a modest fp32 server socket (0.2 TFLOPS, 20 GB/s, a fixed cost per layer and no
+H100 SXM 989 / 3350, H200 989 / 4800); ``cpu`` is a modest fp32 server socket (0.2 TFLOPS, 20 GB/s, a fixed cost per layer and no
 launch floor).
 
 ``h100`` is calibrated on one H100 80GB HBM3 (torch 2.11, bf16, batch 1; ``data/h100_measured.json``): Llama-3-8B,
@@ -23,7 +23,10 @@ block (``roofline.BLOCKS``) they are what a slice of a few hundred tokens pays b
 and ``v100`` are not calibrated: they keep their data-sheet peaks and bandwidths and their earlier GEMM
 efficiencies (0.55, 0.5), read weights at the full bandwidth, and take a launch floor of their earlier per-layer
 overhead spread over a block's ~15 kernels (5.3 and 6.7 us); attention and streaming ops run at those same
-efficiencies.
+efficiencies. ``h200`` is the H100's chip with faster memory: ``h100``'s fractions and floors at the H200's
+data-sheet bandwidth, not fitted again. Against one H200 (``benchmarks/results/gpu_slices.json``: the GPT-3-175B-
+and Llama-70B-shaped layers' micro-batches in 1-16 slices, deferred and not) it predicts within 12%
+(``tests/test_presets.py``).
 
 The model presets attend over every earlier token. ``resolve_model(..., window=w)`` gives their layers a sliding
 window of w keys (Mistral's attention), and with ``full_every=k`` every k-th layer keeps full attention (Gemma 2:
@@ -84,6 +87,10 @@ DEVICE_PRESETS: dict[str, DeviceSpec] = {
     "a100": DeviceSpec("a100", peak_tflops=312.0, mem_bw_gbps=1555.0, per_layer_overhead_ms=0.0, efficiency=0.55,
                        link_gbps=200.0, link_latency_ms=0.01, kernel_launch_ms=0.0053),
     "h100": DeviceSpec("h100", peak_tflops=989.0, mem_bw_gbps=3350.0, per_layer_overhead_ms=0.0, efficiency=0.75,
+                       link_gbps=400.0, link_latency_ms=0.01, bandwidth_efficiency=0.8, stream_efficiency=0.9,
+                       attention_efficiency=0.3, kernel_launch_ms=0.024, backward_launch_ms=0.012),
+    # H100's fractions at the H200's data-sheet bandwidth (same chip, faster memory); checked, not fitted
+    "h200": DeviceSpec("h200", peak_tflops=989.0, mem_bw_gbps=4800.0, per_layer_overhead_ms=0.0, efficiency=0.75,
                        link_gbps=400.0, link_latency_ms=0.01, bandwidth_efficiency=0.8, stream_efficiency=0.9,
                        attention_efficiency=0.3, kernel_launch_ms=0.024, backward_launch_ms=0.012),
     "cpu": DeviceSpec("cpu", peak_tflops=0.2, mem_bw_gbps=20.0, per_layer_overhead_ms=0.02,
