@@ -9,8 +9,8 @@ longest of its FLOPs at ``peak * efficiency``, its bytes at ``bandwidth * bandwi
 their weights whole, so a short slice costs a read of the weights) and a launch floor; small ops stream at
 ``stream_efficiency`` of the bandwidth; attention runs at ``attention_efficiency`` of peak. Peaks and bandwidths
 are the vendor data sheets' dense 16-bit figures (V100 SXM2 125 TFLOPS / 900 GB/s, A100 SXM 312 / 1555 (40 GB),
-H100 SXM 989 / 3350, H200 989 / 4800); ``cpu`` is a modest fp32 server socket (0.2 TFLOPS, 20 GB/s, a fixed cost per layer and no
-launch floor).
+H100 SXM 989 / 3350, H200 989 / 4800); ``cpu`` is a modest fp32 server socket (0.2 TFLOPS, 20 GB/s, a fixed cost
+per layer and no launch floor).
 
 ``h100`` is calibrated on one H100 80GB HBM3 (torch 2.11, bf16, batch 1; ``data/h100_measured.json``): Llama-3-8B,
 GPT-3-13B, Llama-70B and GPT-3-175B-shaped layers, one sequence cut into 1 to 32 slices. Its fractions were chosen
@@ -24,9 +24,9 @@ and ``v100`` are not calibrated: they keep their data-sheet peaks and bandwidths
 efficiencies (0.55, 0.5), read weights at the full bandwidth, and take a launch floor of their earlier per-layer
 overhead spread over a block's ~15 kernels (5.3 and 6.7 us); attention and streaming ops run at those same
 efficiencies. ``h200`` is the H100's chip with faster memory: ``h100``'s fractions and floors at the H200's
-data-sheet bandwidth, not fitted again. Against one H200 (``benchmarks/results/gpu_slices.json``: the GPT-3-175B-
-and Llama-70B-shaped layers' micro-batches in 1-16 slices, deferred and not) it predicts within 12%
-(``tests/test_presets.py``).
+data-sheet bandwidth, not fitted again. It predicts one H200's micro-batches of a GPT-3-175B-shaped and a
+Llama-70B-shaped layer in 1-16 slices, deferred and not, within 12% (``benchmarks/results/gpu_slices.json``,
+``tests/test_presets.py``).
 
 The model presets attend over every earlier token. ``resolve_model(..., window=w)`` gives their layers a sliding
 window of w keys (Mistral's attention), and with ``full_every=k`` every k-th layer keeps full attention (Gemma 2:
