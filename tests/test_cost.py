@@ -576,8 +576,9 @@ def test_model_presets_follow_the_paper():
 
 def test_device_presets():
     assert {k: (d.peak_tflops, d.mem_bw_gbps) for k, d in DEVICE_PRESETS.items()} == {
-        "v100": (125.0, 900.0), "a100": (312.0, 1555.0), "h100": (989.0, 3350.0), "cpu": (0.2, 20.0)}
-    with pytest.raises(ValueError, match="device preset 'tpu' is unknown; valid names: v100, a100, h100, cpu"):
+        "v100": (125.0, 900.0), "a100": (312.0, 1555.0), "h100": (989.0, 3350.0), "h200": (989.0, 4800.0),
+        "cpu": (0.2, 20.0)}
+    with pytest.raises(ValueError, match="device preset 'tpu' is unknown; valid names: v100, a100, h100, h200, cpu"):
         get_device_preset("tpu")
 
 
