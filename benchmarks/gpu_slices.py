@@ -22,8 +22,10 @@ backwards later slices first). Four variants, alternated round by round, medians
 Beside each: what the engine's own profile predicts (``profile_stage`` points fitted as ``slices: "auto"``
 fits them, plus the measured accumulation into ``.grad`` per backward); on an accelerator (or with
 ``--steady``) also the same from points whose burst start is taken out (``steady``: bursts of 3 and of 6 copies,
-the difference per extra copy; :func:`steady_points`); and, where the device has a preset, the analytic preset's
-prediction. ``W(n)/W(1)`` shows whether a W pass over n slices reads the weights once.
+the difference per extra copy; :func:`steady_points`) and from points timed after an untimed lead-in copy on
+device events (``lead-in``: the timed copies start on a busy device, as a slice in a run of slices does); and,
+where the device has a preset, the analytic preset's prediction. ``W(n)/W(1)`` shows whether a W pass over n
+slices reads the weights once.
 
 Why: the planner cuts a micro-batch as finely as its cost model says pays. On a GPU a small slice is bound by
 reading the weights and by kernel launches, not by FLOPs; a model that misses either cuts too fine.
@@ -88,7 +90,7 @@ def _slice_lengths(seq_len: int, counts: list[int], granularity: int) -> list[in
 def measure_shape(shape: dict[str, Any], counts: list[int], rounds: int, device: torch.device,
                   dtype: torch.dtype, steady: bool | None = None) -> dict[str, Any]:
     """Profile points (as the engine's profile takes them), accumulation terms, and the four variants' medians.
-    ``steady`` (default: on an accelerator): also the points of :func:`steady_points`."""
+    ``steady`` (default: on an accelerator): also the points of :func:`steady_points` and the lead-in points."""
     from ds_terapipe.runtime.slicing.deferred import (enable_deferred_weight_grads, enable_fused_grad_accumulation,
                                                       fused_parameters)
     from ds_terapipe.runtime.planning.profile import profile_stage
@@ -120,6 +122,13 @@ def measure_shape(shape: dict[str, Any], counts: list[int], rounds: int, device:
             stage, params, x0, seq_len, granularity, batch, burst=2 * PROFILE_BURST, **grid))
         out["profile_deferred_steady"] = steady_points(out["profile_deferred"], profile_stage(
             stage, params, x0, seq_len, granularity, batch, deferred=True, burst=2 * PROFILE_BURST, **grid))
+        # the burst timed after an untimed lead-in copy, on device events: the timed copies start on a busy device
+        lead = dict(grid, burst=PROFILE_BURST, lead_in=True)
+        out["profile_lead_in"] = profile_stage(stage, params, x0, seq_len, granularity, batch, **lead)
+        out["profile_deferred_lead_in"] = profile_stage(stage, params, x0, seq_len, granularity, batch,
+                                                        deferred=True, **lead)
+        out["profile_in_gemm_lead_in"] = profile_stage(stage, params, x0, seq_len, granularity, batch,
+                                                       fused=fused_parameters(stage), **lead)
     out["accumulate_ms"] = {
         "all": time_grad_accumulation(params),
         "not_linear": time_grad_accumulation([p for p in params if id(p) not in linear]),
@@ -171,21 +180,24 @@ def _total(r: dict[str, Any]) -> float:
     return sum(r["F"]) + sum(r["B"]) + r["W"] if isinstance(r["F"], list) else r["F"] + r["B"] + r["W"]
 
 
-def profile_prediction(rec: dict[str, Any], n: int, variant: str, steady: bool = False) -> dict[str, float]:
+def profile_prediction(rec: dict[str, Any], n: int, variant: str, steady: bool = False,
+                       lead_in: bool = False) -> dict[str, float]:
     """What the engine's profile says the micro-batch takes: per-slice F and B from the fitted points, plus the
     measured accumulation into ``.grad`` for every backward that adds to a gradient already there (the first one
     of the micro-batch, here slice n-1's, finds none: the runs start from ``.grad = None``), W from the deferred
-    fit (one pass, one GEMM per Linear over the W's tokens). ``steady``: from :func:`steady_points` instead."""
+    fit (one pass, one GEMM per Linear over the W's tokens). ``steady``: from :func:`steady_points` instead;
+    ``lead_in``: from the points timed after a lead-in copy (``profile_stage``'s ``lead_in``)."""
     from ds_terapipe.planner.cost import MeasuredCost
     from ds_terapipe.runtime.planning.profile import weight_cost
     shape = rec["shape"]
     seq_len, batch = shape["seq_len"], shape["batch"]
     cuts = bounds(seq_len, n)
     deferred = variant in ("fused", "per-slice W")
+    suffix = "_steady" if steady else "_lead_in" if lead_in else ""
     if variant == "in-gemm":   # the Linears' weights add into .grad inside the profiled backward
-        points = rec["profile_in_gemm"]
+        points = rec["profile_in_gemm" + suffix]
     else:
-        points = rec[("profile_deferred" if deferred else "profile") + ("_steady" if steady else "")]
+        points = rec[("profile_deferred" if deferred else "profile") + suffix]
     cost = MeasuredCost([{k: v for k, v in p.items() if k != "weight_ms"} for p in points])
     acc = rec["accumulate_ms"]["not_linear"] + (0.0 if deferred or variant == "in-gemm" else
                                                 rec["accumulate_ms"]["linear"])
@@ -249,11 +261,14 @@ def render(report: dict[str, Any]) -> tuple[list[str], list[dict[str, Any]]]:
             preset = {v: preset_prediction(rec, device, n, v) for v in ("unsynced", "fused")}
             gemm = rows.get((n, "in-gemm"))   # (reports before the variant existed have none)
             gemm_pred = profile_prediction(rec, n, "in-gemm")["total_ms"] if "profile_in_gemm" in rec else None
+            lead = {v: profile_prediction(rec, n, v, lead_in=True)["total_ms"] if "profile_lead_in" in rec else None
+                    for v in ("unsynced", "fused", "in-gemm")}   # (reports before the lead-in have none)
             table.append([str(n), f"{statistics.median(sl['F']):.2f}", f"{statistics.median(sl['B']):.2f}",
                           f"{un['total_ms']:.1f}", f"{pred['unsynced']:.1f}", _ms(steady["unsynced"]),
-                          _ms(preset["unsynced"]), _ms(gemm and gemm["total_ms"]), _ms(gemm_pred),
+                          _ms(lead["unsynced"]), _ms(preset["unsynced"]), _ms(gemm and gemm["total_ms"]),
+                          _ms(gemm_pred), _ms(lead["in-gemm"]),
                           f"{fu['F']:.1f} / {fu['B']:.1f} / {fu['W']:.1f}", f"{fu['total_ms']:.1f}",
-                          f"{pred['fused']:.1f}", _ms(steady["fused"]), _ms(preset["fused"]),
+                          f"{pred['fused']:.1f}", _ms(steady["fused"]), _ms(lead["fused"]), _ms(preset["fused"]),
                           f"{ps['W']:.1f}", "-" if not w1 else f"{fu['W'] / w1:.2f}",
                           "-" if not w1 else f"{ps['W'] / w1:.2f}"])
             if gemm is not None and gemm_pred is not None:
@@ -269,6 +284,11 @@ def render(report: dict[str, Any]) -> tuple[list[str], list[dict[str, Any]]]:
                     checks.append({"shape": name, "n": n, "variant": variant,
                                    "what": "steady-profile-predicted micro-batch", "measured_ms": measured,
                                    "predicted_ms": steady[variant], "rel_err": steady[variant] / measured - 1})
+            for variant, row in (("unsynced", un), ("fused", fu), ("in-gemm", gemm)):
+                if lead[variant] is not None and row is not None:
+                    checks.append({"shape": name, "n": n, "variant": variant,
+                                   "what": "lead-in-profile-predicted micro-batch", "measured_ms": row["total_ms"],
+                                   "predicted_ms": lead[variant], "rel_err": lead[variant] / row["total_ms"] - 1})
             if w1:
                 checks.append({"shape": name, "n": n, "variant": "fused", "what": "W(n)/W(1)",
                                "ratio": fu["W"] / w1, "per_slice_ratio": ps["W"] / w1})
@@ -277,9 +297,9 @@ def render(report: dict[str, Any]) -> tuple[list[str], list[dict[str, Any]]]:
                 f"n = {n}: {v:.1f} (eager {rows[(int(n), 'unsynced')]['total_ms']:.1f})" if isinstance(v, float)
                 else f"n = {n}: {v}" for n, v in rec["graphed"].items())]
         lines += markdown_table(
-            ["n", "F/slice", "B/slice", "not deferred", "profile", "steady", "preset", "in GEMM", "profile",
-             "deferred F / B / W",
-             "deferred", "profile", "steady", "preset", "W per slice", "W(n)/W(1)", "per-slice W(n)/W(1)"], table)
+            ["n", "F/slice", "B/slice", "not deferred", "profile", "steady", "lead-in", "preset", "in GEMM", "profile",
+             "lead-in", "deferred F / B / W", "deferred", "profile", "steady", "lead-in", "preset", "W per slice",
+             "W(n)/W(1)", "per-slice W(n)/W(1)"], table)
     return lines, checks
 
 
@@ -295,8 +315,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5, help="rounds after one warm-up round")
     ap.add_argument("--device", default=None, help="default: the DeepSpeed accelerator's device")
     ap.add_argument("--dtype", default=None, choices=("bf16", "fp16", "fp32"), help="default: bf16 on a GPU")
-    ap.add_argument("--steady", action="store_true", help="also the steady profile on a CPU (an accelerator "
-                                                          "always takes it)")
+    ap.add_argument("--steady", action="store_true",
+                    help="also the steady and lead-in profiles on a CPU (an accelerator always takes them)")
     ap.add_argument("--report", default=None, help="re-print this report with the current code's predictions")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()

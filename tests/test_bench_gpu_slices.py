@@ -51,6 +51,14 @@ def test_the_steady_profile_is_measured_on_request_and_predicts_beside_the_profi
         assert all(p["forward_ms"] > 0 and p["backward_ms"] > 0 for p in rec[key + "_steady"])
     steady = [c for c in report["checks"] if c["what"] == "steady-profile-predicted micro-batch"]
     assert {(c["n"], c["variant"]) for c in steady} == {(n, v) for n in (1, 2) for v in ("unsynced", "fused")}
+    # the lead-in points: the same grid, every kind of pass, each with its prediction
+    for key in ("profile", "profile_deferred", "profile_in_gemm"):
+        assert [(p["slice"], p["context"]) for p in rec[key + "_lead_in"]] == [(p["slice"], p["context"])
+                                                                              for p in rec[key]]
+        assert all(p["forward_ms"] > 0 and p["backward_ms"] > 0 for p in rec[key + "_lead_in"])
+    assert all(p["weight_ms"] > 0 for p in rec["profile_deferred_lead_in"])
+    lead = [c for c in report["checks"] if c["what"] == "lead-in-profile-predicted micro-batch"]
+    assert {(c["n"], c["variant"]) for c in lead} == {(n, v) for n in (1, 2) for v in ("unsynced", "fused", "in-gemm")}
 
 
 def test_steady_points_take_the_burst_start_out() -> None:
@@ -72,23 +80,27 @@ def test_steady_points_take_the_burst_start_out() -> None:
 
 
 def test_the_committed_h200_report_reprints_with_every_column() -> None:
-    """The latest run (one H200, the two largest shapes) has every column: the steady profile, the engine's in-GEMM
-    accumulation and the h200 preset's prediction."""
+    """The latest run (one H200, the two largest shapes) has every column but the lead-in profile's (measured
+    since): the steady profile, the engine's in-GEMM accumulation and the h200 preset's prediction."""
     report = ROOT / "benchmarks" / "results" / "gpu_slices.json"
     assert json.loads(report.read_text())["device_name"] == "NVIDIA H200"
     text = _run("--report", str(report))
     for shape in ("llama70b-x1", "gpt3-175b-x1"):
         assert f"{shape}:" in text, shape
+    header = next(line for line in text.splitlines() if line.startswith("| n |"))
+    lead_in = {k for k, cell in enumerate(header.split("|")) if cell.strip() == "lead-in"}
     rows = [line for line in text.splitlines() if line.startswith("| 8 |")]
-    assert len(rows) == 2 and all("-" not in [cell.strip() for cell in row.split("|")] for row in rows), rows
+    assert len(lead_in) == 3 and len(rows) == 2, (header, rows)
+    assert all(cell.strip() != "-" for row in rows for k, cell in enumerate(row.split("|")) if k not in lead_in), rows
 
 
 def test_the_committed_h100_report_reprints_with_the_current_predictions() -> None:
     text = _run("--report", str(ROOT / "benchmarks" / "results" / "gpu_slices_h100.json"))
     for shape in ("trainer-gpt-8x1024", "llama8b-x2", "gpt3-13b-x2", "llama70b-x1", "gpt3-175b-x1"):
         assert f"{shape}:" in text, shape
+    header = next(line for line in text.splitlines() if line.startswith("| n |")).split("|")
+    row = next(line for line in text.splitlines() if line.startswith("| 8 |") and "|" in line).split("|")
     # the h100 preset's column is filled on a report from an H100 (a missing preset would print "-")
-    row = next(line for line in text.splitlines() if line.startswith("| 8 |") and "|" in line)
-    assert row.split("|")[7].strip() != "-", row
-    # a report measured without the steady profile prints "-" in its column
-    assert row.split("|")[6].strip() == "-", row
+    assert header[8].strip() == "preset" and row[8].strip() != "-", row
+    # a report measured without the steady and lead-in profiles prints "-" in their columns
+    assert [header[6].strip(), header[7].strip()] == ["steady", "lead-in"] and row[6:8] == [" - ", " - "], row

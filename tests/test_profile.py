@@ -162,9 +162,22 @@ def test_a_burst_times_copies_back_to_back_so_the_idle_start_is_paid_once(monkey
     # On an accelerator the first kernels after a sync wait for the host (a head start the runtime's stream of
     # slices does not pay per slice). Model it: the first timed forward after each device sync costs 40 ms more.
     # With burst=3 each point's 3 copies run between two syncs: the head start is a third per copy.
-    import ds_terapipe.runtime.planning.profile as profile_module
-
     clock = FakeClock()
+    alone = _profile(_head_start_stage(clock, monkeypatch), warmup=0, repeats=1, burst=1)
+    stage = _head_start_stage(clock, monkeypatch)
+    burst = _profile(stage, warmup=0, repeats=1, burst=3)
+    for a, b in zip(alone, burst):
+        f = _forward_ms(a["slice"], a["context"])
+        assert a["forward_ms"] == pytest.approx(f + 40.0) and b["forward_ms"] == pytest.approx(f + 40.0 / 3)
+        assert b["backward_ms"] == pytest.approx(_backward_ms(b["slice"], b["context"]))
+    grid = [(c, c + s) for s in LENGTHS for c in sorted({0, SEQ - s})]
+    assert stage.timed == [unit for unit in grid for _ in range(3)]   # each point's copies back to back
+
+
+def _head_start_stage(clock: FakeClock, monkeypatch) -> type:   # noqa: ANN001
+    """A stage whose first timed forward after each device sync costs 40 ms more (the host's head start on an
+    accelerator, which a run of slices does not pay per slice)."""
+    import ds_terapipe.runtime.planning.profile as profile_module
     idle = {"after_sync": True}
     monkeypatch.setattr(profile_module, "synchronize", lambda: idle.update(after_sync=True))
 
@@ -175,13 +188,35 @@ def test_a_burst_times_copies_back_to_back_so_the_idle_start_is_paid_once(monkey
                 self.clock.advance_ms(40.0)
                 idle["after_sync"] = False
             return super().__call__(x)
+    return _HeadStart(clock)
 
-    alone = _profile(_HeadStart(clock), warmup=0, repeats=1, burst=1)
-    stage = _HeadStart(clock)
-    burst = _profile(stage, warmup=0, repeats=1, burst=3)
-    for a, b in zip(alone, burst):
-        f = _forward_ms(a["slice"], a["context"])
-        assert a["forward_ms"] == pytest.approx(f + 40.0) and b["forward_ms"] == pytest.approx(f + 40.0 / 3)
-        assert b["backward_ms"] == pytest.approx(_backward_ms(b["slice"], b["context"]))
+
+@pytest.mark.parametrize("on", ["cpu clock", "accelerator events"])
+def test_a_lead_in_copy_takes_the_burst_start_and_is_not_timed(on: str, monkeypatch) -> None:
+    """``lead_in``: each point runs one more copy first in each phase; the burst is timed from that copy's end,
+    so the head start falls on it and each timed copy reports its own cost exactly (deferred W included). With
+    accelerator events the marks are events recorded after the copies and read after the sync."""
+    import ds_terapipe.runtime.planning.profile as profile_module
+    clock = FakeClock()
+    if on == "accelerator events":
+        class _Event:
+            def __init__(self, enable_timing: bool) -> None:
+                assert enable_timing
+                self.at = None
+
+            def record(self) -> None:
+                self.at = clock()
+
+            def elapsed_time(self, end: "_Event") -> float:
+                return (end.at - self.at) * 1e3
+
+        monkeypatch.setattr(profile_module, "get_accelerator", lambda: type("A", (), {"Event": _Event}))
+        real = profile_module._marks
+        monkeypatch.setattr(profile_module, "_marks", lambda device, clk: real(torch.device("meta"), clk))
+    stage = _head_start_stage(clock, monkeypatch)
+    enable_deferred_weight_grads(stage.layer)
+    points = _profile(stage, warmup=0, repeats=1, burst=3, lead_in=True, deferred=True)
+    assert _exact(points), points
+    assert all(p["weight_ms"] >= 0 for p in points)
     grid = [(c, c + s) for s in LENGTHS for c in sorted({0, SEQ - s})]
-    assert stage.timed == [unit for unit in grid for _ in range(3)]   # each point's copies back to back
+    assert stage.timed == [unit for unit in grid for _ in range(4)]   # the lead-in copy and the burst of 3

@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence, Unio
 import numpy as np
 import torch
 import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
 
 from ...planner.cost import PipelineCost
 from ...planner.refit import measured_over_predicted
@@ -78,7 +79,7 @@ def profile_stage(run: Callable[[Any], Any], params: list[torch.nn.Parameter], s
                   granularity: int, batch: int, *, slice_lengths: Optional[list[int]] = None, num_contexts: int = 3,
                   warmup: int = 1, repeats: int = 3, deferred: bool = False, burst: Optional[int] = None,
                   clock: Callable[[], float] = time.perf_counter, sequence: Any = None,
-                  fused: Sequence[torch.nn.Parameter] = ()) -> list[dict]:
+                  fused: Sequence[torch.nn.Parameter] = (), lead_in: bool = False) -> list[dict]:
     """Time forward and backward of this stage's layers for slices of length s after a prefix of c tokens.
 
     Backward uses ``torch.autograd.grad``, so parameter ``.grad`` (and DeepSpeed's gradient hooks) are never
@@ -99,6 +100,12 @@ def profile_stage(run: Callable[[Any], Any], params: list[torch.nn.Parameter], s
     against 3.0 ms in a run of 16 slices, and the plan that summed such points over-predicted the sliced
     micro-batch by 20-50%). Default: 3 on an accelerator, 1 on a CPU, where nothing runs asynchronously.
 
+    ``lead_in``: one more copy runs first in each phase (forward, backward, W), untimed, and the burst is timed from
+    its end to the last copy's end on the device (accelerator events; the host clock on a CPU). The timed copies
+    then start with the device already busy, as a slice does in a run of slices, so the burst's start (the sync and
+    the host's head start) is not spread over them. Used by ``benchmarks/gpu_slices.py`` to measure whether it
+    predicts short slices better than the default; the engine's own profile does not use it.
+
     ``fused`` (the engine's :meth:`fused_parameters`): the Linears' weights (and biases) whose gradients training
     adds into ``.grad`` inside their GEMMs. The backward is then timed that way, adding into stand-in ``.grad``
     tensors that replace theirs while the profile runs (the real ones are put back untouched), so its points
@@ -109,7 +116,7 @@ def profile_stage(run: Callable[[Any], Any], params: list[torch.nn.Parameter], s
     fuse = bool(fused) and not deferred
     with _stand_in_grads(fused if fuse else ()):
         return _profile_points(run, params, stage_input, seq_len, granularity, batch, slice_lengths, num_contexts,
-                               warmup, repeats, deferred, burst, clock, sequence, fuse)
+                               warmup, repeats, deferred, burst, clock, sequence, fuse, lead_in)
 
 
 @contextmanager
@@ -128,7 +135,7 @@ def _stand_in_grads(weights: Sequence[torch.nn.Parameter]) -> Iterator[None]:
 def _profile_points(run: Callable[[Any], Any], params: list[torch.nn.Parameter], stage_input: Any, seq_len: int,
                     granularity: int, batch: int, slice_lengths: Optional[list[int]], num_contexts: int,
                     warmup: int, repeats: int, deferred: bool, burst: Optional[int], clock: Callable[[], float],
-                    sequence: Any, fuse: bool) -> list[dict]:
+                    sequence: Any, fuse: bool, lead_in: bool = False) -> list[dict]:
     lengths = slice_lengths or _default_lengths(seq_len, granularity)
     grid = []
     for length in lengths:
@@ -146,13 +153,14 @@ def _profile_points(run: Callable[[Any], Any], params: list[torch.nn.Parameter],
     # Rounds over the whole grid, not a point's repeats back to back: on a shared host a burst of foreign load
     # then spoils one sample of many points, which the median rejects, instead of every sample of a few points,
     # which skews the fitted model and with it the plan (seen: 4 or 13 slices where 6-8 are best).
+    first = as_tuple(stage_input)[0]
     if burst is None:
-        first = as_tuple(stage_input)[0]
         burst = 1 if first.device.type == "cpu" else 3
+    mark, elapsed_ms = _marks(first.device, clock)
     for rep in range(warmup + repeats):
         for length, context in grid:
             states = []
-            for _ in range(burst):
+            for _ in range(burst + lead_in):
                 # the timed slice ends its micro-batch: its backward takes the KV cache's gradient in with one
                 # kernel, as every slice's does in training (a cache reaching further would be filled first)
                 state = MicroBatchState(0, context + length, 2)
@@ -165,6 +173,13 @@ def _profile_points(run: Callable[[Any], Any], params: list[torch.nn.Parameter],
                 states.append(state)
             lo, hi = (context, context + length) if sequence is None else sequence.bounds(context, context + length)
             units = [_slice_leaves(stage_input, lo, hi, seq_len) for _ in states]
+            if lead_in:
+                times = _lead_in_burst(run, params, states, units, length, context, sequence, deferred, into, mark,
+                                       elapsed_ms)
+                if rep >= warmup:
+                    for sample, ms in zip(samples[(length, context)], times):
+                        sample.append(ms / burst)
+                continue
             synchronize()
             t0 = clock()
             outs = []
@@ -192,6 +207,50 @@ def _profile_points(run: Callable[[Any], Any], params: list[torch.nn.Parameter],
     return [{"batch": batch, "slice": length, "context": context, "forward_ms": statistics.median(fwd),
              "backward_ms": statistics.median(bwd), **({"weight_ms": statistics.median(wgt)} if deferred else {})}
             for (length, context), (fwd, bwd, wgt) in samples.items()]
+
+
+def _marks(device: torch.device, clock: Callable[[], float]) -> tuple[Callable[[], Any], Callable[[Any, Any], float]]:
+    """``(mark, elapsed_ms)`` for :func:`_lead_in_burst`: events recorded on the accelerator's current stream (read
+    after a sync), or the host clock on a CPU, where work is done when its call returns."""
+    if device.type == "cpu":
+        return clock, lambda a, b: (b - a) * 1e3
+    accelerator = get_accelerator()
+
+    def mark() -> Any:
+        event = accelerator.Event(enable_timing=True)
+        event.record()
+        return event
+    return mark, lambda a, b: a.elapsed_time(b)
+
+
+def _lead_in_burst(run: Callable[[Any], Any], params: list[torch.nn.Parameter], states: list[MicroBatchState],
+                   units: list[tuple[Any, Any]], length: int, context: int, sequence: Any, deferred: bool,
+                   into: Optional[WeightGradAccumulator], mark: Callable[[], Any],
+                   elapsed_ms: Callable[[Any, Any], float]) -> tuple[float, float, float]:
+    """One point's burst with a lead-in copy per phase (``profile_stage``'s ``lead_in``): the total ms of the
+    copies after the first, forward, backward and W (0 without ``deferred``)."""
+    synchronize()
+    outs, marks = [], []
+    for k, (state, (inputs, _)) in enumerate(zip(states, units)):
+        with slice_scope(SliceContext(0, 1, context, context + length, state, sequence=sequence)):
+            outs.append(_differentiable(run(inputs)))
+        if k == 0:
+            marks.append(mark())
+    marks.append(mark())
+    for k, (out, (_, leaves)) in enumerate(zip(outs, units)):
+        _backward(out, params, leaves)
+        if k == 0:
+            marks.append(mark())
+    marks.append(mark())
+    if deferred:
+        for k, state in enumerate(states):
+            state.weight_stash.compute(into)
+            if k == 0:
+                marks.append(mark())
+        marks.append(mark())
+    synchronize()
+    fwd, bwd = elapsed_ms(marks[0], marks[1]), elapsed_ms(marks[2], marks[3])
+    return fwd, bwd, elapsed_ms(marks[4], marks[5]) if deferred else 0.0
 
 
 def weight_cost(points: list[dict], batch: int) -> tuple[float, float]:
