@@ -193,10 +193,10 @@ def profile_prediction(rec: dict[str, Any], n: int, variant: str, steady: bool =
     seq_len, batch = shape["seq_len"], shape["batch"]
     cuts = bounds(seq_len, n)
     deferred = variant in ("fused", "per-slice W")
-    suffix = "_steady" if steady else "_lead_in" if lead_in else ""
-    if variant == "in-gemm":   # the Linears' weights add into .grad inside the profiled backward
-        points = rec["profile_in_gemm" + suffix]
+    if variant == "in-gemm":   # the Linears' weights add into .grad inside the profiled backward (no steady points)
+        points = rec["profile_in_gemm" + ("_lead_in" if lead_in else "")]
     else:
+        suffix = "_steady" if steady else "_lead_in" if lead_in else ""
         points = rec[("profile_deferred" if deferred else "profile") + suffix]
     cost = MeasuredCost([{k: v for k, v in p.items() if k != "weight_ms"} for p in points])
     acc = rec["accumulate_ms"]["not_linear"] + (0.0 if deferred or variant == "in-gemm" else

@@ -80,8 +80,8 @@ def test_steady_points_take_the_burst_start_out() -> None:
 
 
 def test_the_committed_h200_report_reprints_with_every_column() -> None:
-    """The latest run (one H200, the two largest shapes) has every column but the lead-in profile's (measured
-    since): the steady profile, the engine's in-GEMM accumulation and the h200 preset's prediction."""
+    """The latest run (one H200, the two largest shapes) has every column but the lead-in profile's (which it
+    did not take): the steady profile, the engine's in-GEMM accumulation and the h200 preset's prediction."""
     report = ROOT / "benchmarks" / "results" / "gpu_slices.json"
     assert json.loads(report.read_text())["device_name"] == "NVIDIA H200"
     text = _run("--report", str(report))

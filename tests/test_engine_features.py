@@ -120,6 +120,7 @@ def test_a_compiled_engine_trains_exactly(features) -> None:
         assert sum(c["graphs"] for c in cases.values()) > 0
         for name, case in cases.items():
             assert case["compiled"], name
+            assert case["fused_once_compiled"] == 0, name   # inside the graphs autograd accumulates every .grad
             assert case["losses"] == pytest.approx(case["ref_losses"], rel=1e-5), name
             assert case["grad_rel_err"] <= 1e-5, (name, case["grad_worst"], case["grad_rel_err"])
             assert case["param_rel_err"] <= 1e-5, (name, case["param_worst"], case["param_rel_err"])

@@ -194,8 +194,9 @@ def _head_start_stage(clock: FakeClock, monkeypatch) -> type:   # noqa: ANN001
 @pytest.mark.parametrize("on", ["cpu clock", "accelerator events"])
 def test_a_lead_in_copy_takes_the_burst_start_and_is_not_timed(on: str, monkeypatch) -> None:
     """``lead_in``: each point runs one more copy first in each phase; the burst is timed from that copy's end,
-    so the head start falls on it and each timed copy reports its own cost exactly (deferred W included). With
-    accelerator events the marks are events recorded after the copies and read after the sync."""
+    so the head start falls on it and each timed copy reports its own cost exactly (deferred W too, whose first
+    pass is dearer). With accelerator events the marks are events recorded after the copies and read after the
+    sync."""
     import ds_terapipe.runtime.planning.profile as profile_module
     clock = FakeClock()
     if on == "accelerator events":
@@ -214,9 +215,19 @@ def test_a_lead_in_copy_takes_the_burst_start_and_is_not_timed(on: str, monkeypa
         real = profile_module._marks
         monkeypatch.setattr(profile_module, "_marks", lambda device, clk: real(torch.device("meta"), clk))
     stage = _head_start_stage(clock, monkeypatch)
+    original = WeightGradStash.compute
+    passes = []
+
+    def charged(self, into=None, slice_index=None):   # W of a slice of s tokens takes s ms, the first one 40 more
+        rows = next(x.reshape(-1, x.shape[-1]).shape[0] for _, x, _ in self._pairs[stage.layer])
+        clock.advance_ms(rows + (40.0 if not passes else 0.0))
+        passes.append(rows)
+        return original(self, into, slice_index)
+
+    monkeypatch.setattr(WeightGradStash, "compute", charged)
     enable_deferred_weight_grads(stage.layer)
     points = _profile(stage, warmup=0, repeats=1, burst=3, lead_in=True, deferred=True)
     assert _exact(points), points
-    assert all(p["weight_ms"] >= 0 for p in points)
+    assert [p["weight_ms"] for p in points] == pytest.approx([s for s, _ in GRID], abs=1e-9)
     grid = [(c, c + s) for s in LENGTHS for c in sorted({0, SEQ - s})]
     assert stage.timed == [unit for unit in grid for _ in range(4)]   # the lead-in copy and the burst of 3

@@ -77,8 +77,8 @@ class GPTEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         # (T,), or (B, T) within each packed document; ids: (B, T)
         pos = slice_positions(ids.shape[1], ids.device, self.cfg.max_seq_len,
-                              "GPTEmbedding: positions up to {end} exceed max_seq_len="
-                              f"{self.cfg.max_seq_len}; raise GPTConfig.max_seq_len")
+                              "GPTEmbedding: positions up to {end} exceed max_seq_len={max_positions}; "
+                              "raise GPTConfig.max_seq_len")
         return self.drop(self.wte(ids) + self.wpe(pos))  # (B, T, C)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:

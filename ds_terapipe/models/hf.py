@@ -726,8 +726,8 @@ class HFEmbedding(nn.Module):
             return self.drop(hidden)
         # (T,), or (B, T) within each packed document
         pos = slice_positions(ids.shape[1], ids.device, self.wpe.num_embeddings,
-                              "HFEmbedding: positions up to {end} exceed n_positions="
-                              f"{self.wpe.num_embeddings}; use shorter sequences or a config with more positions")
+                              "HFEmbedding: positions up to {end} exceed n_positions={max_positions}; use shorter "
+                              "sequences or a config with more positions")
         return self.drop(hidden + self.wpe(pos))
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:

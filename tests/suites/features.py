@@ -152,6 +152,7 @@ def compile_cases() -> list[dict]:
                         "ref_losses": ref_losses, "grad_rel_err": grad_err, "grad_worst": grad_name,
                         "param_rel_err": param_err, "param_worst": param_name,
                         "graphs": counters["stats"]["unique_graphs"] - graphs, "compiled": run["engine"].is_compiled,
+                        "fused_once_compiled": len(run["engine"].fused_parameters()),
                         "deferred": any("W" in a for a in engine_train_actions(run["engine"]))})
     return results
 

@@ -297,8 +297,10 @@ class GradReduction:
 
     def fused_parameters(self) -> list[torch.nn.Parameter]:
         """The Linears' weights and biases whose gradients training adds into ``.grad`` inside their GEMMs (none when
-        it does not)."""
-        return fused_parameters(self.module) if self.fused_grad_accumulation else []
+        it does not, nor once ``engine.compile()`` ran: inside a compiled graph autograd accumulates them)."""
+        if not self.fused_grad_accumulation or getattr(self, "is_compiled", False):
+            return []
+        return fused_parameters(self.module)
 
     # -- the step's loss -------------------------------------------------------------------------------------
     def _aggregate_total_loss(self) -> Any:

@@ -248,19 +248,19 @@ def packed_documents(position_ids: Optional[torch.Tensor]) -> Iterator[Optional[
 
 @torch.compiler.disable
 def slice_positions(tokens: int, device: torch.device, max_positions: Optional[int] = None,
-                    refusal: str = "") -> torch.Tensor:
+                    refusal: str = "positions up to {end} exceed the position table's {max_positions}") -> torch.Tensor:
     """Position ids of the running slice's ``tokens`` tokens: (B, T) within their documents for packed rows,
     else (T,) ``token_offset() + arange(T)``. Outside torch.compile's graphs: traced, the slice's offset would be
     a constant of the graph, and every slice of a micro-batch would compile its layers again.
 
     ``max_positions``: a position table's length; a slice reaching past it raises ``ValueError(refusal)``, with
-    ``{end}`` in ``refusal`` the end of the slice's positions (checked here, outside the graphs, for the same
-    reason: the check reads the offset)."""
+    ``{end}`` in ``refusal`` the end of the slice's positions and ``{max_positions}`` the length (checked here,
+    outside the graphs, for the same reason: the check reads the offset)."""
     ctx = current_slice()
     docs = current_documents()
     start = 0 if ctx is None else ctx.position_start
     if max_positions is not None and start + tokens > max_positions:
-        raise ValueError(refusal.format(end=start + tokens))
+        raise ValueError(refusal.format(end=start + tokens, max_positions=max_positions))
     if docs is not None:
         return docs.positions[:, start:start + tokens].to(device)
     return torch.arange(start, start + tokens, device=device)
