@@ -213,7 +213,8 @@ def test_a_lead_in_copy_takes_the_burst_start_and_is_not_timed(on: str, monkeypa
 
         monkeypatch.setattr(profile_module, "get_accelerator", lambda: type("A", (), {"Event": _Event}))
         real = profile_module._marks
-        monkeypatch.setattr(profile_module, "_marks", lambda device, clk: real(torch.device("meta"), clk))
+        monkeypatch.setattr(profile_module, "_marks",
+                            lambda device, clk, lead_in: real(torch.device("meta"), clk, lead_in))
     stage = _head_start_stage(clock, monkeypatch)
     original = WeightGradStash.compute
     passes = []

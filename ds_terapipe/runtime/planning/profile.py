@@ -15,7 +15,7 @@ from __future__ import annotations
 import statistics
 import time
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Iterator, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -156,7 +156,7 @@ def _profile_points(run: Callable[[Any], Any], params: list[torch.nn.Parameter],
     first = as_tuple(stage_input)[0]
     if burst is None:
         burst = 1 if first.device.type == "cpu" else 3
-    mark, elapsed_ms = _marks(first.device, clock)
+    mark, elapsed_ms = _marks(first.device, clock, lead_in)
     for rep in range(warmup + repeats):
         for length, context in grid:
             states = []
@@ -173,45 +173,27 @@ def _profile_points(run: Callable[[Any], Any], params: list[torch.nn.Parameter],
                 states.append(state)
             lo, hi = (context, context + length) if sequence is None else sequence.bounds(context, context + length)
             units = [_slice_leaves(stage_input, lo, hi, seq_len) for _ in states]
-            if lead_in:
-                times = _lead_in_burst(run, params, states, units, length, context, sequence, deferred, into, mark,
-                                       elapsed_ms)
-                if rep >= warmup:
-                    for sample, ms in zip(samples[(length, context)], times):
-                        sample.append(ms / burst)
-                continue
-            synchronize()
-            t0 = clock()
-            outs = []
-            for state, (inputs, _) in zip(states, units):
-                with slice_scope(SliceContext(0, 1, context, context + length, state, sequence=sequence)):
-                    outs.append(_differentiable(run(inputs)))
-            synchronize()
-            t1 = clock()
-            for out, (_, leaves) in zip(outs, units):
-                _backward(out, params, leaves)
-            synchronize()
-            t2 = clock()
-            t3 = t2
-            if deferred:
-                for state in states:
-                    state.weight_stash.compute(into)
-                synchronize()
-                t3 = clock()
-            del outs, units, states
+            times = _time_burst(run, params, states, units, length, context, sequence, deferred, into, lead_in,
+                                mark, elapsed_ms)
+            del units, states   # this point's KV buffers and inputs, before the next point builds its own
             if rep >= warmup:
-                fwd, bwd, wgt = samples[(length, context)]
-                fwd.append((t1 - t0) * 1e3 / burst)
-                bwd.append((t2 - t1) * 1e3 / burst)
-                wgt.append((t3 - t2) * 1e3 / burst)
+                for sample, ms in zip(samples[(length, context)], times):
+                    sample.append(ms / burst)
     return [{"batch": batch, "slice": length, "context": context, "forward_ms": statistics.median(fwd),
              "backward_ms": statistics.median(bwd), **({"weight_ms": statistics.median(wgt)} if deferred else {})}
             for (length, context), (fwd, bwd, wgt) in samples.items()]
 
 
-def _marks(device: torch.device, clock: Callable[[], float]) -> tuple[Callable[[], Any], Callable[[Any, Any], float]]:
-    """``(mark, elapsed_ms)`` for :func:`_lead_in_burst`: events recorded on the accelerator's current stream (read
-    after a sync), or the host clock on a CPU, where work is done when its call returns."""
+def _marks(device: torch.device, clock: Callable[[], float],
+           lead_in: bool) -> tuple[Callable[[], Any], Callable[[Any, Any], float]]:
+    """``(mark, elapsed_ms)`` for :func:`_time_burst`: the host clock read after a device sync; with ``lead_in``
+    events recorded on the accelerator's current stream (read after the burst's last sync), or on a CPU, where work
+    is done when its call returns, the host clock without a sync."""
+    if not lead_in:
+        def synced() -> float:
+            synchronize()
+            return clock()
+        return synced, lambda a, b: (b - a) * 1e3
     if device.type == "cpu":
         return clock, lambda a, b: (b - a) * 1e3
     accelerator = get_accelerator()
@@ -223,34 +205,42 @@ def _marks(device: torch.device, clock: Callable[[], float]) -> tuple[Callable[[
     return mark, lambda a, b: a.elapsed_time(b)
 
 
-def _lead_in_burst(run: Callable[[Any], Any], params: list[torch.nn.Parameter], states: list[MicroBatchState],
-                   units: list[tuple[Any, Any]], length: int, context: int, sequence: Any, deferred: bool,
-                   into: Optional[WeightGradAccumulator], mark: Callable[[], Any],
-                   elapsed_ms: Callable[[Any, Any], float]) -> tuple[float, float, float]:
-    """One point's burst with a lead-in copy per phase (``profile_stage``'s ``lead_in``): the total ms of the
-    copies after the first, forward, backward and W (0 without ``deferred``)."""
-    synchronize()
-    outs, marks = [], []
-    for k, (state, (inputs, _)) in enumerate(zip(states, units)):
+def _time_burst(run: Callable[[Any], Any], params: list[torch.nn.Parameter], states: list[MicroBatchState],
+                units: list[tuple[Any, Any]], length: int, context: int, sequence: Any, deferred: bool,
+                into: Optional[WeightGradAccumulator], lead_in: bool, mark: Callable[[], Any],
+                elapsed_ms: Callable[[Any, Any], float]) -> tuple[float, float, float]:
+    """One point's burst, phase by phase (its copies' forwards, backwards, then W passes): each phase's total ms
+    (W 0 without ``deferred``). A phase runs from the previous phase's end mark to its own; with ``lead_in`` it
+    runs from the end of its first copy instead, that copy untimed (``profile_stage``'s ``lead_in``)."""
+    outs: list[list[torch.Tensor]] = []
+    spans: list[tuple[Any, Any]] = []
+    start = None
+    if lead_in:
+        synchronize()
+    else:
+        start = mark()
+
+    def phase(items: Iterable[tuple[Any, ...]], step: Callable[..., Any]) -> None:
+        nonlocal start
+        for k, item in enumerate(items):
+            step(*item)
+            if lead_in and k == 0:
+                start = mark()
+        end = mark()
+        spans.append((start, end))
+        start = end
+
+    def forward(state: MicroBatchState, unit: tuple[Any, Any]) -> None:
         with slice_scope(SliceContext(0, 1, context, context + length, state, sequence=sequence)):
-            outs.append(_differentiable(run(inputs)))
-        if k == 0:
-            marks.append(mark())
-    marks.append(mark())
-    for k, (out, (_, leaves)) in enumerate(zip(outs, units)):
-        _backward(out, params, leaves)
-        if k == 0:
-            marks.append(mark())
-    marks.append(mark())
+            outs.append(_differentiable(run(unit[0])))
+
+    phase(zip(states, units), forward)
+    phase(zip(outs, units), lambda out, unit: _backward(out, params, unit[1]))
     if deferred:
-        for k, state in enumerate(states):
-            state.weight_stash.compute(into)
-            if k == 0:
-                marks.append(mark())
-        marks.append(mark())
+        phase(((state,) for state in states), lambda state: state.weight_stash.compute(into))
     synchronize()
-    fwd, bwd = elapsed_ms(marks[0], marks[1]), elapsed_ms(marks[2], marks[3])
-    return fwd, bwd, elapsed_ms(marks[4], marks[5]) if deferred else 0.0
+    times = [elapsed_ms(a, b) for a, b in spans]
+    return times[0], times[1], times[2] if deferred else 0.0
 
 
 def weight_cost(points: list[dict], batch: int) -> tuple[float, float]:
