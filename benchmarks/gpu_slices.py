@@ -112,23 +112,20 @@ def measure_shape(shape: dict[str, Any], counts: list[int], rounds: int, device:
     steady = device.type != "cpu" if steady is None else steady
     burst = PROFILE_BURST if steady else None   # None: profile_stage's own (3 on an accelerator, 1 on a CPU)
     grid = dict(slice_lengths=lengths, num_contexts=3, warmup=1, repeats=3)
-    out["profile"] = profile_stage(stage, params, x0, seq_len, granularity, batch, burst=burst, **grid)
-    out["profile_deferred"] = profile_stage(stage, params, x0, seq_len, granularity, batch, deferred=True,
-                                            burst=burst, **grid)
-    out["profile_in_gemm"] = profile_stage(stage, params, x0, seq_len, granularity, batch, burst=burst,
-                                           fused=fused_parameters(stage), **grid)
+    # the three passes the engine profiles: weight gradients in the backward, deferred, added in the GEMMs
+    passes = {"profile": {}, "profile_deferred": {"deferred": True},
+              "profile_in_gemm": {"fused": fused_parameters(stage)}}
+    for key, kind in passes.items():
+        out[key] = profile_stage(stage, params, x0, seq_len, granularity, batch, burst=burst, **kind, **grid)
     if steady:   # bursts of twice the copies: the cost of the extra copies, without the burst's start
         out["profile_steady"] = steady_points(out["profile"], profile_stage(
             stage, params, x0, seq_len, granularity, batch, burst=2 * PROFILE_BURST, **grid))
         out["profile_deferred_steady"] = steady_points(out["profile_deferred"], profile_stage(
             stage, params, x0, seq_len, granularity, batch, deferred=True, burst=2 * PROFILE_BURST, **grid))
         # the burst timed after an untimed lead-in copy, on device events: the timed copies start on a busy device
-        lead = dict(grid, burst=PROFILE_BURST, lead_in=True)
-        out["profile_lead_in"] = profile_stage(stage, params, x0, seq_len, granularity, batch, **lead)
-        out["profile_deferred_lead_in"] = profile_stage(stage, params, x0, seq_len, granularity, batch,
-                                                        deferred=True, **lead)
-        out["profile_in_gemm_lead_in"] = profile_stage(stage, params, x0, seq_len, granularity, batch,
-                                                       fused=fused_parameters(stage), **lead)
+        for key, kind in passes.items():
+            out[key + "_lead_in"] = profile_stage(stage, params, x0, seq_len, granularity, batch, burst=PROFILE_BURST,
+                                                  lead_in=True, **kind, **grid)
     out["accumulate_ms"] = {
         "all": time_grad_accumulation(params),
         "not_linear": time_grad_accumulation([p for p in params if id(p) not in linear]),
