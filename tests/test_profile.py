@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from ds_terapipe.runtime.slicing.context import current_slice
 from ds_terapipe.runtime.slicing.deferred import WeightGradStash, enable_deferred_weight_grads
-from ds_terapipe.runtime.planning.profile import profile_stage, weight_cost
+from ds_terapipe.runtime.planning.profile import RECHECK_ROUNDS, profile_stage, weight_cost
 
 SEQ, HIDDEN = 64, 16
 LENGTHS = [8, 16, 32]
@@ -124,6 +124,18 @@ def test_the_median_rejects_one_slow_sample() -> None:
     stage = _Recorder(FakeClock(), stalls={len(GRID) + 1: 90.0})   # the first timed sample of point 0
     points = _profile(stage, warmup=1, repeats=3)
     assert _exact(points), points
+
+
+def test_a_plan_cache_recheck_rejects_one_slow_sample() -> None:
+    # the recheck times one slice length at two contexts; one stalled sample of either point (the first timed round,
+    # or the last) must not move what it reports, or a cache hit rescales every cached cost by the stall
+    for call in (3, 6):
+        stage = _Recorder(FakeClock(), stalls={call: 40.0})
+        x = torch.randn(1, SEQ, HIDDEN)
+        points = profile_stage(stage, list(stage.layer.parameters()), x, SEQ, 8, 1, slice_lengths=[16],
+                               num_contexts=2, clock=stage.clock, **RECHECK_ROUNDS)
+        assert [(p["slice"], p["context"]) for p in points] == [(16, 0), (16, 48)]
+        assert _exact(points), (call, points)
 
 
 def test_deferred_points_time_each_slices_weight_grads_and_fit_a_cost_per_slice_and_token(monkeypatch) -> None:

@@ -408,10 +408,16 @@ def median_link(per_rank: list[Optional[dict]]) -> dict[str, float]:
     return {k: statistics.median(x[k] for x in links) for k in ("latency_ms", "gbps")}
 
 
+#: How a plan-cache hit re-times its slice length: one warm-up round, then three timed ones whose median is kept.
+#: Three, not two: a median of two is their mean, and one stall of the host (a sub-millisecond point on a shared
+#: CPU, once stalled by 40 ms) would then rescale every cached cost of the chunk 30x.
+RECHECK_ROUNDS = {"warmup": 1, "repeats": 3}
+
+
 def recheck_costs(engine: "PipelineStage", stage_input: dict[int, Any], seq_len: int,
                   cost: dict, slice_len: int) -> Optional[dict[int, dict[str, float]]]:
     """How fast this device runs now relative to ``cost`` (collective): every chunk times slices of
-    ``slice_len`` tokens at two contexts once more (one warm-up, two timed rounds) and global rank 0 returns,
+    ``slice_len`` tokens at two contexts once more (:data:`RECHECK_ROUNDS`) and global rank 0 returns,
     per chunk, measured / predicted for forward, backward and (deferred) weight gradients; None elsewhere.
 
     Why: a plan-cache hit reuses costs profiled in an earlier launch; on a shared host (or another host of the
@@ -426,7 +432,7 @@ def recheck_costs(engine: "PipelineStage", stage_input: dict[int, Any], seq_len:
         with engine.on_chunk(chunk):
             mine.append((chunk, profile_stage(engine.module, params, stage_input[chunk], seq_len, cfg.granularity,
                                               engine.micro_batch_size, slice_lengths=[slice_len], num_contexts=2,
-                                              warmup=1, repeats=2, deferred=cfg.deferred_weight_grads,
+                                              **RECHECK_ROUNDS, deferred=cfg.deferred_weight_grads,
                                               sequence=engine.sequence, fused=engine.fused_parameters())))
     engine.barrier("re-timing the cached costs")
     gathered: list[Any] = [None] * dist.get_world_size()
