@@ -47,7 +47,7 @@ def test_refit_scales_each_chunk_and_kind_by_measured_over_predicted() -> None:
     b = float(model.chunk(1).backward_ms(32, 0, 1))
     w = float(model.chunk(1).weight_ms(64, 1))
     samples = [(0, "F", 16, 16, 2, 2 * f * 1.5), (1, "B", 32, 0, 1, b * 0.5), (1, "W", 64, 0, 1, w * 2.0)]
-    refit, ratios = refit_cost(cost, samples, batch=1)
+    refit, ratios = refit_cost(cost, [samples], batch=1)
     assert ratios[0] == pytest.approx({"F": 1.5, "B": 1.0, "W": 1.0})   # no samples: the scale stays
     assert ratios[1] == pytest.approx({"F": 1.0, "B": 0.5, "W": 2.0})
     new = PipelineCost.from_dict(refit)
@@ -58,6 +58,24 @@ def test_refit_scales_each_chunk_and_kind_by_measured_over_predicted() -> None:
     assert cost == _cost()   # the plan's own costs are not modified
 
 
+def test_a_stall_in_one_measured_step_does_not_move_the_refit() -> None:
+    # three measured steps of 16 forwards each, 1.5x the model; in one step a 40 ms stall of the host lands in one
+    # forward (and the backward of another step runs 0.9x): each kind takes the median of its steps' ratios
+    cost = _cost()
+    model = PipelineCost.from_dict(cost)
+    f = float(model.chunk(0).forward_ms(16, 16, 1))
+    b = float(model.chunk(1).backward_ms(32, 0, 1))
+    steps = [[(0, "F", 16, 16, 16, 16 * f * 1.5), (1, "B", 32, 0, 4, 4 * b)] for _ in range(3)]
+    steps[1][0] = (0, "F", 16, 16, 16, 16 * f * 1.5 + 40.0)
+    steps[2][1] = (1, "B", 32, 0, 4, 4 * b * 0.9)
+    _, ratios = refit_cost(cost, steps, batch=1)
+    assert ratios[0]["F"] == pytest.approx(1.5) and ratios[1]["B"] == pytest.approx(1.0)
+    assert ratios[0]["B"] == ratios[1]["F"] == ratios[1]["W"] == 1.0   # no samples: the scale stays
+    # a kind measured in one step only takes that step's ratio
+    _, ratios = refit_cost(cost, [steps[0][:1], steps[0][1:]], batch=1)
+    assert ratios[0]["F"] == pytest.approx(1.5) and ratios[1]["B"] == pytest.approx(1.0)
+
+
 def test_refit_predicts_one_w_per_micro_batch_as_its_slices_w_work() -> None:
     cost = _cost()
     for stage in cost["stages"]:
@@ -65,7 +83,7 @@ def test_refit_predicts_one_w_per_micro_batch_as_its_slices_w_work() -> None:
     model = PipelineCost.from_dict(cost)
     slices = (16, 16, 32)
     w = sum(float(model.chunk(1).weight_ms(s, 1)) for s in slices)   # 3 fixed parts + 64 tokens
-    refit, ratios = refit_cost(cost, [(1, "W", 64, 0, 2, 2 * w * 1.25)], batch=1, slices=slices)
+    refit, ratios = refit_cost(cost, [[(1, "W", 64, 0, 2, 2 * w * 1.25)]], batch=1, slices=slices)
     assert ratios[1]["W"] == pytest.approx(1.25)
     assert refit["stages"][1]["weight_ms_per_slice"] == pytest.approx(1.25)
     assert refit["stages"][1]["weight_ms_per_token"] == pytest.approx(0.05 * 1.25)
@@ -97,7 +115,7 @@ def test_equal_stages_written_once_are_refit_and_rescaled_per_stage(num_stages: 
     f = float(model.chunk(0).forward_ms(16, 16, 1))
     ratios = measured_over_predicted(uniform, [(0, "F", 16, 16, 1, 2 * f)], 1, per_action=False)
     assert sorted(ratios) == list(range(num_stages)) and ratios[0]["F"] == pytest.approx(2.0)
-    refit, _ = refit_cost(uniform, [(0, "F", 16, 16, 1, 2 * f)], batch=1)
+    refit, _ = refit_cost(uniform, [[(0, "F", 16, 16, 1, 2 * f)]], batch=1)
     scaled = PipelineCost.from_dict(scaled_cost(uniform, {0: {"F": 3.0}}))
     assert float(scaled.chunk(0).forward_ms(16, 16, 1)) == pytest.approx(3 * f, rel=1e-6)
     if num_stages == 2:
@@ -203,7 +221,7 @@ def test_the_replanner_measures_only_the_steps_after_its_warmup() -> None:
         engine.last_timeline = [_event(0, ActionKind.FORWARD, 0, 0, float(step))]
         engine.last_step_terms = {"optimizer_ms": float(step)}
         if step == 4:
-            assert [ms for *_, ms in replanner.samples] == [3.0] and \
+            assert [[ms for *_, ms in samples] for samples in replanner.samples] == [[3.0]] and \
                 [t["optimizer_ms"] for _, t in replanner.step_terms] == [3.0]
         replanner.after_step(engine)
     assert recorded == [False, False, True, True, False] and decided == [engine]

@@ -166,7 +166,7 @@ def test_the_refit_scales_the_points_and_keeps_the_fixed_cost_per_action() -> No
     f, b = float(model.forward_ms(128, 256)), float(model.backward_ms(128, 256))
     # measured: the points' time x 1.5, plus the per-action cost: the refit scales the points by 1.5 exactly
     samples = [(0, "F", 128, 256, 4, 4 * (1.5 * f + 1.0)), (0, "B", 128, 256, 4, 4 * (1.5 * b + 2.0))]
-    refit, ratios = refit_cost(_per_stage(cost), samples, 1)
+    refit, ratios = refit_cost(_per_stage(cost), [samples], 1)
     assert ratios[0]["F"] == pytest.approx(1.5) and ratios[0]["B"] == pytest.approx(1.5)
     assert refit["step"] == cost.to_dict()["step"]
 

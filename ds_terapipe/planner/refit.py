@@ -3,8 +3,9 @@
 Why in the planner: these are pure functions of a cost file and measurements (no process group, no engine), so
 the tests call them directly and the runtime's re-planner (runtime/planning/replan.py) and profiler only gather the
 samples and hand them in. The rules: each chunk's cost points scaled by measured / predicted, per kind (F, B, W;
-:func:`refit_cost`); the whole-step terms replaced by the measured medians (:func:`refit_step`); the engine's time
-between actions fitted as a fixed cost per action (:func:`calibrate_action_gap`).
+the median over the measured steps, :func:`refit_cost`); the whole-step terms replaced by the measured medians
+(:func:`refit_step`); the engine's time between actions fitted as a fixed cost per action
+(:func:`calibrate_action_gap`).
 """
 
 from __future__ import annotations
@@ -64,17 +65,23 @@ def _predicted_ms(cost: PipelineCost, chunk: int, kind: str, slice_len: int, con
     return float(stage.weight_ms(slice_len, batch))
 
 
-def refit_cost(cost: Mapping[str, Any], samples: Iterable[tuple[int, str, int, int, int, float]],
+def refit_cost(cost: Mapping[str, Any], steps: Iterable[Iterable[tuple[int, str, int, int, int, float]]],
                batch: int, slices: Optional[tuple[int, ...]] = None
                ) -> tuple[dict[str, Any], dict[int, dict[str, float]]]:
-    """Scale each chunk's cost points by what the samples measured over what ``cost`` predicts for them.
+    """Scale each chunk's cost points by what the measured steps took over what ``cost`` predicts for them.
 
-    ``slices``: the plan the samples ran (a ``W`` sample covering ``sum(slices)`` tokens is one W per micro-batch,
-    predicted as the sum of its slices' W work). Returns the refit cost (the cost-file dict, as plans and the
-    plan cache store it) and the ratios per chunk and kind. A kind without samples, or whose prediction is zero,
-    keeps its scale (ratio 1).
+    ``steps``: each measured step's samples (:func:`measured_sums` of that step's timeline, every rank's).
+    Each step gives its own measured / predicted per chunk and kind, and the median over the steps is kept: a
+    stall of the host inside one action lands whole in its step's sum (40 ms among 48 forwards of 0.7 ms doubles
+    it), so one step of three must not decide the refit. ``slices``: the plan the samples ran (a ``W`` sample
+    covering ``sum(slices)`` tokens is one W per micro-batch, predicted as the sum of its slices' W work).
+    Returns the refit cost (the cost-file dict, as plans and the plan cache store it) and the ratios per chunk
+    and kind. A kind without samples, or whose prediction is zero, keeps its scale (ratio 1).
     """
-    ratios = measured_over_predicted(cost, samples, batch, slices)
+    model = PipelineCost.from_dict(cost)
+    per_step = [_ratios(model, samples, batch, slices, per_action=True) for samples in steps]
+    ratios = {chunk: {k: statistics.median(seen) if (seen := [r[(chunk, k)] for r in per_step if (chunk, k) in r])
+                      else 1.0 for k in ("F", "B", "W")} for chunk in range(model.num_chunks)}
     return scaled_cost(cost, ratios), ratios
 
 
@@ -86,14 +93,20 @@ def measured_over_predicted(cost: Mapping[str, Any], samples: Iterable[tuple[int
     the model's fixed cost per action (``cost.step``) comes off them first; a profile's points (the plan cache's
     re-timing, ``runtime/planning/profile.recheck_costs``) contain none."""
     model = PipelineCost.from_dict(cost)
+    ratios = _ratios(model, samples, batch, slices, per_action)
+    return {chunk: {k: ratios.get((chunk, k), 1.0) for k in ("F", "B", "W")} for chunk in range(model.num_chunks)}
+
+
+def _ratios(model: PipelineCost, samples: Iterable[tuple[int, str, int, int, int, float]], batch: int,
+            slices: Optional[tuple[int, ...]], per_action: bool) -> dict[tuple[int, str], float]:
+    """Measured / predicted for each (chunk, kind) the samples hold and the model predicts above zero."""
     measured: dict[tuple[int, str], float] = defaultdict(float)
     predicted: dict[tuple[int, str], float] = defaultdict(float)
     for chunk, kind, length, context, count, ms in samples:
         fixed = count * _action_ms(model, chunk, kind) if per_action else 0.0
         measured[(chunk, kind)] += max(0.0, ms - fixed)   # the points' share
         predicted[(chunk, kind)] += count * _predicted_ms(model, chunk, kind, length, context, batch, slices)
-    return {chunk: {k: measured[(chunk, k)] / predicted[(chunk, k)] if predicted.get((chunk, k), 0.0) > 0
-                    else 1.0 for k in ("F", "B", "W")} for chunk in range(model.num_chunks)}
+    return {key: measured[key] / p for key, p in predicted.items() if p > 0}
 
 
 def refit_step(step: Optional[Mapping[str, Any]], terms: Iterable[tuple[int, Mapping[str, float]]],

@@ -10,17 +10,18 @@ How (``terapipe.replan``; every rank takes the same steps, so every rank switche
 
 1. After ``warmup_steps`` training steps, the engine records its timeline for ``measure_steps`` steps (the
    accelerator-synchronised spans ``trace_dir`` writes; nothing is recorded otherwise).
-2. Each rank sums, per chunk and kind (F, B, W), what its actions took, and keeps what the rest of each step took
-   (the tail instructions: tied and data-parallel gradient reduction, optimizer step; and the step outside the
-   instruction loop); one ``all_gather_object`` brings both to global rank 0, which also predicts the same
-   actions from the cost model the plan was made from.
+2. Each rank sums, per step, chunk and kind (F, B, W), what its actions took, and keeps what the rest of each
+   step took (the tail instructions: tied and data-parallel gradient reduction, optimizer step; and the step
+   outside the instruction loop); one ``all_gather_object`` brings both to global rank 0, which also predicts the
+   same actions from the cost model the plan was made from.
 3. Rank 0 scales each chunk's measured cost points by measured / predicted (forward, backward and the deferred
-   weight-gradient rate separately), replaces the whole-step terms (``cost.step``: optimizer, reductions, sync)
-   by the measured ones (:func:`refit_step`), fits the time the engine spends between actions
-   (:func:`calibrate_action_gap`), re-solves the slicing under the refit model, predicts the current
-   slicing under the same model, and switches when the new plan's predicted step is at least ``min_gain``
-   faster. The log shows the refit prediction of the current plan beside the measured step, split into the
-   schedule and what follows it, so what the model still misses is visible.
+   weight-gradient rate separately; the median over the measured steps, so one step a stall fell into is
+   outvoted), replaces the whole-step terms (``cost.step``: optimizer, reductions, sync) by the measured ones
+   (:func:`refit_step`), fits the time the engine spends between actions (:func:`calibrate_action_gap`),
+   re-solves the slicing under the refit model, predicts the current slicing under the same model, and switches
+   when the new plan's predicted step is at least ``min_gain`` faster. The log shows the refit prediction of the
+   current plan beside the measured step, split into the schedule and what follows it, so what the model still
+   misses is visible.
 4. The decision is broadcast; every rank installs the plan before the next step, and the refit costs are kept
    for sequence lengths planned later. Then the re-planner is idle: one integer comparison per step.
 
@@ -56,7 +57,7 @@ class Replanner:
         self.measure_steps = cfg.measure_steps
         self.min_gain = cfg.min_gain
         self.steps = 0
-        self.samples: list[tuple[int, str, int, int, int, float]] = []
+        self.samples: list[list[tuple[int, str, int, int, int, float]]] = []   # one list per measured step
         self.step_terms: list[tuple[int, dict[str, float]]] = []   # (pipeline rank, engine.last_step_terms)
         self.done = False
         self._recording_was = engine.record_timeline
@@ -76,7 +77,7 @@ class Replanner:
             return
         plan = engine.plan
         if engine.uniform_step:   # a step of micro-batches of other lengths times other slices: not this plan's
-            self.samples.extend(measured_sums(engine.last_timeline, plan.slices, plan.seq_len,
+            self.samples.append(measured_sums(engine.last_timeline, plan.slices, plan.seq_len,
                                               engine.running.schedule.weights_per_slice))
             self.step_terms.append((engine.stage_id, dict(engine.last_step_terms)))
         if self.steps < self.warmup_steps + self.measure_steps:
@@ -96,8 +97,9 @@ class Replanner:
         def decide() -> Optional[dict[str, Any]]:
             if plan.cost is None:  # slices from the config: nothing to re-plan
                 return None
-            cost, ratios = refit_cost(plan.cost, [s for samples, _ in gathered for s in samples], batch,
-                                      plan.slices)
+            # step k of every rank (every rank records the same steps: their lengths are agreed before each step)
+            steps = [[s for rank_step in ranks for s in rank_step] for ranks in zip(*(st for st, _ in gathered))]
+            cost, ratios = refit_cost(plan.cost, steps, batch, plan.slices)
             step, measured = refit_step(plan.cost.get("step"), [t for _, terms in gathered for t in terms],
                                         engine.num_stages)
             schedule = engine.lowered_schedule(len(plan.slices))
@@ -112,7 +114,8 @@ class Replanner:
             best = solve_slicing(engine, model, plan.stage_meta, plan.seq_len)
             gain = current / best.predicted_ms - 1.0 if best.predicted_ms > 0 else 0.0
             switch = tuple(best.slices) != tuple(plan.slices) and gain >= self.min_gain
-            return {"cost": cost, "ratios": {str(c): r for c, r in ratios.items()}, "current_ms": current,
+            return {"cost": cost, "ratios": {str(c): r for c, r in ratios.items()}, "steps": len(steps),
+                    "current_ms": current,
                     "current_schedule_ms": sim.makespan_ms, "current_tail_ms": sim.tail_ms, "measured": measured,
                     "gap_ms": gap,
                     "step_cost": cost.get("step"), "before_schedule_ms": before.makespan_ms,
@@ -126,7 +129,7 @@ class Replanner:
         if engine.global_rank == 0:
             logger.info("terapipe: re-plan after %d measured step(s): measured/predicted per chunk %s; current "
                         "slices %s predicted %.1f ms under the refit costs, best %s %.1f ms (%+.1f%%): %s",
-                        self.measure_steps, {c: {k: round(v, 2) for k, v in r.items()}
+                        decision["steps"], {c: {k: round(v, 2) for k, v in r.items()}
                                              for c, r in decision["ratios"].items()},
                         list(plan.slices), decision["current_ms"], decision["best"]["slices"],
                         decision["best"]["predicted_ms"], 100 * decision["gain"],
