@@ -73,7 +73,7 @@ def test_auto_plan_is_profiled_once_then_cached_and_exact(features, features_dir
             assert case["slices"] == cached["plan"]["slices"]
             assert case["losses"] == pytest.approx(case["ref_losses"], rel=1e-5)  # 3 steps
             assert case["grad_rel_err"] <= 1e-5, case
-        # a hit whose cached costs are 1000x this host's: re-timed, rescaled to this host's speed, planned again
+        # a hit whose cached costs are 1e6x this host's: re-timed, rescaled to this host's speed, planned again
         rechecked = rank["auto rechecked"]
         assert rechecked["source"] == "cache" and rechecked["cache_files"] == [files[0].name]
         assert rechecked["slices"] == features[0]["auto rechecked"]["slices"]
@@ -82,10 +82,10 @@ def test_auto_plan_is_profiled_once_then_cached_and_exact(features, features_dir
     rescaled, original = features[0]["auto rechecked"]["cost"], features[0]["auto rechecked"]["cached_cost"]
     for new, old in zip(rescaled["stages"], original["stages"]):
         for p, q in zip(new["points"], old["points"]):
-            # not 1000x: the recheck measured this host (to within its noise: sub-millisecond points, seen 3.5x
-            # apart between launches) and scaled the tampered costs back
-            assert 1 / 30 < p["forward_ms"] / q["forward_ms"] < 30 and 1 / 30 < p["backward_ms"] / q["backward_ms"] < 30
-    assert features[0]["auto rechecked"]["planner"]["predicted_ms"] < 30 * cached["plan"]["predicted_ms"]
+            # not 1e6x: the recheck measured this host (to within its noise: sub-millisecond points, seen 3.5x
+            # apart between launches, and 35x where a stall of the host fell into a point) and scaled them back
+            assert 1e-3 < p["forward_ms"] / q["forward_ms"] < 1e3 and 1e-3 < p["backward_ms"] / q["backward_ms"] < 1e3
+    assert features[0]["auto rechecked"]["planner"]["predicted_ms"] < 1e3 * cached["plan"]["predicted_ms"]
 
 
 @pytest.mark.timeout(700)

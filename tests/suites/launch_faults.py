@@ -41,6 +41,10 @@ def suite_launch_faults(out_dir: Path, extra: dict) -> None:
     action = extra[launch][rank]
     if action.startswith("after "):
         _wait_for_the_end_of(out_dir / f"pid{1 - rank}")
+        # and a tenth of a second more: the launcher's thread that notes the peer's end wakes as it ends, but a
+        # loaded host can hold it back for tens of ms, and then both ends would be noted at once, in either order;
+        # still half the launcher's poll interval, so polling alone could not order the two
+        time.sleep(0.1)
         action = action[len("after "):]
     if action in _SIGNALS:
         signal.pthread_kill(threading.get_ident(), _SIGNALS[action])
