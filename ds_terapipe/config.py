@@ -98,7 +98,9 @@ class ReplanConfig(DeepSpeedConfigModel):
     """Training steps before measuring: the first steps allocate and warm caches (measured with the example
     trainer: its first 4-5 steps run 5-40% slower than the later ones, and a refit from them overestimates)."""
 
-    measure_steps: int = Field(3, ge=1, description="training steps whose timelines are summed for the refit")
+    measure_steps: int = Field(3, ge=1, description=(
+        "training steps measured for the refit (each step's measured / predicted per chunk and kind, the median "
+        "over the steps kept: three outvote one step a stall of the host fell into)"))
 
     min_gain: float = Field(0.03, ge=0.0, allow_inf_nan=False, description=(
         "switch only when the refit model predicts at least this fraction less step time (0.03: 3%; 1 or more: "

@@ -149,6 +149,15 @@ def test_refit_step_takes_each_rank_s_own_tail_and_the_collectives_without_the_w
     assert new.tail_ms(3) == 10.0 + max(5 + 1 + 34, 5 + 1 + 60, 8 + 34)
 
 
+def test_the_time_outside_the_loop_is_the_median_of_each_step_s_own() -> None:
+    # three steps spend 2, 30 (a stall) and 4 ms outside their loops of 1000, 990 and 980 ms: the median of the
+    # steps' own is 4; the difference of the medians of step (1002) and loop (990), from different steps, says 12
+    measured = ((1000.0, 2.0), (990.0, 30.0), (980.0, 4.0))
+    terms = [(0, {"step": loop + outside, "loop": loop}) for loop, outside in measured]
+    refit, _ = refit_step(None, terms, num_ranks=1)
+    assert StepCost.from_dict(refit).sync_ms == 4.0
+
+
 def test_refit_step_keeps_the_init_terms_when_a_rank_measured_nothing() -> None:
     old = {"optimizer_ms": 20.0, "sync_ms": 2.0}
     terms = [(0, {"step": 10.0, "loop": 9.0, "optimizer": 1.0})]

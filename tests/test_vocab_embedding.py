@@ -15,7 +15,7 @@ import torch
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
 from ds_terapipe.models.gpt import GPTConfig, gpt_layer_specs
-from ds_terapipe.runtime.features.vocab_cost import profiling_shard, share_runner, split_embedding_runner
+from ds_terapipe.runtime.features.vocab_cost import link_terms, profiling_shard, share_runner, split_embedding_runner
 from ds_terapipe.runtime.features.vocab_embedding import SplitTokenEmbedding, lookup_rows, plan_embedding_split
 from ds_terapipe.runtime.features.vocab_shard import EmbeddingShard, build_full, split_output_layer
 
@@ -176,3 +176,12 @@ def test_profiling_an_untied_split_times_the_embedding_rows_of_its_own() -> None
     loss, part = run(torch.randn(2, 8, 32))
     (loss + part.sum()).backward()
     assert table.weight.grad is not None and float(table.weight.grad.abs().sum()) > 0
+
+
+def test_a_link_timed_no_slower_for_the_big_message_is_not_taken_as_free() -> None:
+    # 8 Mbit broadcast: 2.0 ms against 0.5 ms for one value -> 1.5 ms of transfer, 5.33 Gbit/s, latency per hop
+    assert link_terms(0.5, 2.0, 1, 8e6) == pytest.approx({"latency_ms": 0.5, "gbps": 8e6 / 1.5e6})
+    # a stall among the small message's samples: its median above the big one's, or the difference a sliver of it;
+    # the whole big time then bounds the link's speed from below (else ~1e7 Gbit/s: the collectives cost nothing)
+    for small in (2.5, 1.95):
+        assert link_terms(small, 2.0, 2, 8e6)["gbps"] == pytest.approx(8e6 / 2.0e6)

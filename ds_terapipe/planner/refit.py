@@ -123,8 +123,10 @@ def refit_step(step: Optional[Mapping[str, Any]], terms: Iterable[tuple[int, Map
       rank outside the tied group that instruction only hands the deferred weight gradients over, local work that
       joins its ``grad_reduce_ms``;
     * ``optimizer_ms`` and ``grad_reduce_ms``: each rank's own median;
-    * ``sync_ms``: the smallest median over ranks of ``step - loop``: what ``train_batch`` does around the loop
-      (reading and agreeing on the next batch's length, the loss broadcast, DeepSpeed's bookkeeping).
+    * ``sync_ms``: the smallest over ranks of the median over steps of ``step - loop``: what ``train_batch`` does
+      around the loop (reading and agreeing on the next batch's length, the loss broadcast, DeepSpeed's
+      bookkeeping); per step, not the difference of the two medians, which can come from different steps and
+      carry their spread (5-10 ms on a shared host) into a term of a few ms.
 
     The fixed costs per action (``action_ms``) are kept. Returns the refit ``"step"`` dict (``step`` unchanged,
     possibly None, when a rank has no terms) and what was measured: ``step_ms`` (median over ranks of each rank's
@@ -134,6 +136,8 @@ def refit_step(step: Optional[Mapping[str, Any]], terms: Iterable[tuple[int, Map
     for rank, values in terms:
         for key, ms in values.items():
             per_rank[rank][key].append(float(ms))
+        if "step" in values and "loop" in values:
+            per_rank[rank]["outside"].append(float(values["step"]) - float(values["loop"]))
     med = {r: {k: statistics.median(v) for k, v in d.items()} for r, d in per_rank.items()}
     if any(r not in med or "step" not in med[r] or "loop" not in med[r] for r in range(num_ranks)):
         return (dict(step) if step is not None else None), {}
@@ -143,7 +147,7 @@ def refit_step(step: Optional[Mapping[str, Any]], terms: Iterable[tuple[int, Map
     grad = [med[r].get("grad_reduce", 0.0) + (0.0 if r in tied_ranks else med[r].get("tied_reduce", 0.0))
             for r in range(num_ranks)]
     optimizer = [med[r].get("optimizer", 0.0) for r in range(num_ranks)]
-    sync = max(0.0, min(med[r]["step"] - med[r]["loop"] for r in range(num_ranks)))
+    sync = max(0.0, min(med[r].get("outside", med[r]["step"] - med[r]["loop"]) for r in range(num_ranks)))
     refit = StepCost(forward_ms=old.forward_ms, backward_ms=old.backward_ms, weight_ms=old.weight_ms,
                      optimizer_ms=tuple(optimizer), grad_reduce_ms=tuple(grad), tied_reduce_ms=tied,
                      tied_ranks=old.tied_ranks, sync_ms=sync)

@@ -39,7 +39,7 @@ from ..slicing.devices import synchronize
 from .vocab_shard import EmbeddingShard, HeadSpec, VocabRows, VocabShardHead, build_full
 from .vocab_embedding import EmbeddingSplit, SplitTokenEmbedding, lookup_rows, plan_embedding_split
 
-__all__ = ["profiling_shard", "split_embedding_runner", "share_runner", "time_links"]
+__all__ = ["link_terms", "profiling_shard", "split_embedding_runner", "share_runner", "time_links"]
 
 
 def profiling_shard(module: "torch.nn.Module", spec: HeadSpec, device: torch.device
@@ -119,8 +119,17 @@ def time_links(module: "torch.nn.Module", num_elements: int, dtype: torch.dtype,
             ms = once(t)
             if rep >= warmup:
                 times[name].append(ms)
-    t_small, t_big = statistics.median(times["small"]), statistics.median(times["big"])
-    hops = max(1, math.ceil(math.log2(p)))
     volume_bits = 2.0 * (p - 1) / p * num_elements * big.element_size() * 8.0
-    per_ms = max(t_big - t_small, 1e-6)
-    return {"latency_ms": t_small / hops, "gbps": volume_bits / (per_ms * 1e6)}
+    return link_terms(statistics.median(times["small"]), statistics.median(times["big"]),
+                      max(1, math.ceil(math.log2(p))), volume_bits)
+
+
+def link_terms(small_ms: float, big_ms: float, hops: int, volume_bits: float) -> dict[str, float]:
+    """(latency per hop, Gbit/s) from the median times of a broadcast of one value and of ``volume_bits``.
+
+    The big message's own time is the difference of the two; where that is under a tenth of the big one's time (a
+    fast link, or a stall among the small one's samples) it says nothing, and a near-zero difference would make the
+    link nearly infinitely fast and every vocabulary collective free: the whole time is taken then, a lower bound
+    on the link's speed."""
+    per_ms = big_ms - small_ms if big_ms - small_ms >= 0.1 * big_ms else big_ms
+    return {"latency_ms": small_ms / hops, "gbps": volume_bits / (max(per_ms, 1e-6) * 1e6)}

@@ -97,7 +97,8 @@ class Replanner:
         def decide() -> Optional[dict[str, Any]]:
             if plan.cost is None:  # slices from the config: nothing to re-plan
                 return None
-            # step k of every rank (every rank records the same steps: their lengths are agreed before each step)
+            # the k-th recorded step of every rank as one step (replicas whose micro-batches differ in length may
+            # record different steps; as many as the rank that recorded fewest)
             steps = [[s for rank_step in ranks for s in rank_step] for ranks in zip(*(st for st, _ in gathered))]
             cost, ratios = refit_cost(plan.cost, steps, batch, plan.slices)
             step, measured = refit_step(plan.cost.get("step"), [t for _, terms in gathered for t in terms],
