@@ -8,6 +8,7 @@ slices, zero stage, clipping]), ``features`` (the checkpoint and refusal cases).
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any, Optional
 
@@ -242,7 +243,10 @@ def _other_degree(out: Path) -> dict[str, Any]:
 
 def _replan() -> dict[str, Any]:
     """Online re-planning with sequence ranks: started from a plan of six 8-token slices, the refit after one
-    measured step switches (gain threshold 0) on every rank alike, and training stays exact across the switch."""
+    measured step switches (gain threshold 0) on every rank alike, and training stays exact across the switch.
+    The planning rank's costs are made 50 ms dearer per action (the refit scales them and keeps that shape), so six
+    slices cost far more than fewer whatever this host measures: the points are profiled once each, and a stall in
+    a long slice's could make the short slices look cheapest."""
     STATUS["case"] = "sequence replan"
     specs, vocab = _model("gpt")
     dp = WORLD // (STAGES * DEGREE)
@@ -251,7 +255,12 @@ def _replan() -> dict[str, Any]:
     engine = _engine(specs, vocab, "1f1b", 2, "auto", 0, 0.0, extra={
         "replan": {"enabled": True, "warmup_steps": 1, "measure_steps": 1, "min_gain": 0.0}})
     from dataclasses import replace
-    engine.install_plan(replace(engine.plan, slices=(8,) * 6))
+    cost = copy.deepcopy(engine.plan.cost)
+    for stage in [] if cost is None else cost.get("stages", [cost]):   # equal stages: one set of points at the top
+        for point in stage["points"]:
+            point["forward_ms"] += 50.0
+            point["backward_ms"] += 50.0
+    engine.install_plan(replace(engine.plan, slices=(8,) * 6, cost=cost))
     data = iter(replica_batches(batches, engine.grid.data_parallel_id, 2, dp, STEPS))
     ran, losses = [], []
     for _ in range(STEPS):
