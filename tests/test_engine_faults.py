@@ -1,4 +1,4 @@
-"""Tier b, seven 3-rank launches: no silent wrong gradients, and one rank's error stops every rank in seconds.
+"""Tier b, nine 3-rank launches: no silent wrong gradients, and one rank's error stops every rank in seconds.
 
 * The init-time slice check refuses attention that a zero-initialised output projection hides from the
   outputs (bidirectional, or causal over the slice alone), naming the layer.
@@ -8,10 +8,12 @@
 * A fault ends a launch (it leaves transfers half done): a loss function raising on the last stage (launch 1),
   data that runs out in the middle of a step (launch 2: every rank stops before the step, together), a layer
   raising in the init-time slice check on the middle stage (launch 3), a rank failing in save_checkpoint
-  (launch 4), a layer raising while slices "auto" are profiled (launch 5) and the middle stage raising in its
+  (launch 4), a layer raising while slices "auto" are profiled, on the middle stage (launch 5) and on the last,
+  whose head is tied to the first stage's embedding (launch 8), and the middle stage raising in its
   optimizer step while its peers are inside DeepSpeed's all-reduce of the gradient norm (launch 6), rank 0
   failing inside DeepSpeed's save while its peers wait in that save's barrier (launch 7; in 6 and 7 the peers stop
-  through the collective watch, before the failing rank exits). Every rank raises naming the origin rank and its
+  through the collective watch, before the failing rank exits), and the middle stage failing inside DeepSpeed's load
+  while its peers' loads succeed (launch 9). Every rank raises naming the origin rank and its
   error, and stops
   through the abort flag (about a second after the origin raised, timed on the host's one monotonic clock; the
   bound is a quarter of ``p2p_timeout_s`` = 120 s, the wait it replaces, and leaves DeepSpeed's init and the
@@ -64,6 +66,11 @@ def launch_init(tmp_path_factory) -> list[dict[str, dict]]:
 @pytest.fixture(scope="module")
 def launch_profile(tmp_path_factory) -> list[dict[str, dict]]:
     return _fault_only(tmp_path_factory, "profile")
+
+
+@pytest.fixture(scope="module")
+def launch_profile_last(tmp_path_factory) -> list[dict[str, dict]]:
+    return _fault_only(tmp_path_factory, "profile last")
 
 
 @pytest.fixture(scope="module")
@@ -213,6 +220,26 @@ def test_a_rank_failing_inside_deepspeed_s_save_stops_every_rank_within_seconds(
     _stopped_by_the_watch(launch_deepspeed_save, "deepspeed save", 0, "checkpoint save")
 
 
+@pytest.fixture(scope="module")
+def launch_deepspeed_load(tmp_path_factory) -> list[dict[str, dict]]:
+    return _fault_only(tmp_path_factory, "deepspeed load")
+
+
+@pytest.mark.timeout(500)
+def test_a_rank_failing_inside_deepspeed_s_load_stops_every_rank_at_the_end_of_its_load(launch_deepspeed_load) -> None:
+    # its peers' loads succeed; they stop at the barrier that ends every load, not later in a collective without a
+    # deadline (or not at all: without it they returned from load_checkpoint as if the job were whole)
+    _stopped_by(launch_deepspeed_load, "deepspeed load", 1, "load_checkpoint",
+                "OSError: simulated unreadable layer file in DeepSpeed's load")
+
+
 @pytest.mark.timeout(500)
 def test_a_rank_failing_while_profiling_stops_every_rank_within_seconds(launch_profile) -> None:
     _stopped_by(launch_profile, "profile", 1, "engine init", "RuntimeError: simulated layer failure while profiling")
+
+
+@pytest.mark.timeout(500)
+def test_the_last_stage_failing_while_profiling_stops_its_tied_peer_within_seconds(launch_profile_last) -> None:
+    # rank 0 would otherwise wait in the timed all-reduce of the tied embedding's gradient, which has no deadline
+    _stopped_by(launch_profile_last, "profile last", 2, "engine init",
+                "RuntimeError: simulated layer failure while profiling")

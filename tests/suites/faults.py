@@ -2,9 +2,9 @@
 tests/test_engine_faults.py: the init-time slice check refusing attention that mixes tokens wrongly when sliced
 (hidden from the outputs by a zero-initialised projection; also checked on the first batch where no input can be
 sampled), a planner failure raised on every rank, a constant KV-cache key and one block shared at three depths
-trained exactly; then ONE fault, ``extra["fault"]`` ("loss", "length", "init", "profile", "checkpoint",
-"deepspeed save" or "optimizer"): a fault leaves transfers half done, so it ends the launch, and every rank must stop
-within seconds, naming it. ``extra["cases"]=False`` runs the fault alone.
+trained exactly; then ONE fault, ``extra["fault"]`` ("loss", "length", "init", "profile", "profile last",
+"checkpoint", "deepspeed save", "deepspeed load" or "optimizer"): a fault leaves transfers half done, so it ends
+the launch, and every rank must stop within seconds, naming it. ``extra["cases"]=False`` runs the fault alone.
 """
 
 from __future__ import annotations
@@ -186,12 +186,14 @@ def suite_faults(extra: dict) -> list[dict]:
         layers.insert(2, LayerSpec(RaisingWhenSliced))  # embed, block 0 | raising, block 1 | norm, head
         results.append(until_error(lambda: pipeline_engine(cfg, layers, {
             "seq_len": seq_len, "slices": 3, "granularity": 4, "p2p_timeout_s": FAULT_P2P_TIMEOUT_S})))
-    elif fault == "profile":
-        # a layer on the middle stage that raises while slices "auto" are profiled (after the init-time check
-        # passed): its peers, about to gather the measured costs, stop within seconds, naming it
-        STATUS["case"] = "profile"
+    elif fault in ("profile", "profile last"):
+        # a layer that raises while slices "auto" are profiled (after the init-time check passed), on the middle
+        # stage or on the last, whose head is tied to the first stage's embedding: its peers, about to time the
+        # tied and data-parallel reductions and to gather the measured costs, stop within seconds, naming it
+        STATUS["case"] = fault
         layers = gpt_layer_specs(cfg)
-        layers.insert(2, LayerSpec(RaisingWhenProfiled))
+        # embed, block 0 | raising, block 1 | norm, head; or embed, block 0 | block 1, norm | raising, head
+        layers.insert(2 if fault == "profile" else len(layers) - 1, LayerSpec(RaisingWhenProfiled))
         results.append(until_error(lambda: pipeline_engine(cfg, layers, {
             "seq_len": seq_len, "slices": "auto", "granularity": 4, "p2p_timeout_s": FAULT_P2P_TIMEOUT_S,
             "profile": {"slice_lengths": [8, 48], "num_contexts": 1, "warmup": 0, "repeats": 1}})))
@@ -209,6 +211,15 @@ def suite_faults(extra: dict) -> list[dict]:
                                         OSError("simulated disk failure in DeepSpeed's save"),
                                         lambda e: e.save_checkpoint(str(Path(extra["out"]) / "ckpt")),
                                         stays_alive=Path(extra["out"])))
+    elif fault == "deepspeed load":
+        # the middle stage fails inside DeepSpeed's load of a checkpoint every rank just saved (reading its layers'
+        # files, as a file it alone cannot read would): its peers, whose loads succeeded, stop at the end of theirs
+        # rather than go on without it into the collectives after the load (the checkpoint's plan, the freezer)
+        STATUS["case"] = "deepspeed load"
+        ckpt_dir = str(Path(extra["out"]) / "ckpt_load")
+        results.append(_one_rank_breaks(cfg, batches, seq_len, 1, lambda e: e, "load_module_state_dict",
+                                        OSError("simulated unreadable layer file in DeepSpeed's load"),
+                                        lambda e: (e.save_checkpoint(ckpt_dir), e.load_checkpoint(ckpt_dir))))
     elif fault == "optimizer":
         # the middle stage raises in its optimizer step (as an out-of-memory would) before the gradient norm's
         # all-reduce: its peers are inside that all-reduce (DeepSpeed's _take_model_step), which it never joins

@@ -237,8 +237,11 @@ class Checkpointing:
                 bf16_file = None if not load_optimizer_states else ckpt.bf16_optimizer_file(
                     tag_dir, dp_rank=dp_rank, dp_world_size=dp_size, mp_rank=self.checkpoint_mp_rank,
                     saved_dp_world_size=manifest.get("dp"))
-            result = super().load_checkpoint(load_dir, tag=tag,
-                                             load_optimizer_states=load_optimizer_states and not own_bf16, **kwargs)
+            with self.collective_watch.around():   # ZeRO's gathers in DeepSpeed's load cannot watch the flag
+                self.collective_watch.enter("DeepSpeed's checkpoint load")
+                result = super().load_checkpoint(load_dir, tag=tag,
+                                                 load_optimizer_states=load_optimizer_states and not own_bf16,
+                                                 **kwargs)
         if result[0] is not None and restaged:
             self._restore_step_state(result[1], tag_dir, scheduler_wanted)
         if result[0] is not None and own_bf16:
@@ -248,6 +251,9 @@ class Checkpointing:
             refresh = getattr(self.optimizer, "refresh_fp32_params", None)   # fp16's optimizers; fp32 has no masters
             if refresh is not None:
                 refresh()
+        # what follows (the checkpoint's plan decided on rank 0, the freezer's state) waits without a deadline: a
+        # rank whose load failed (a file it alone cannot read, memory) stops the others here, naming itself
+        self.barrier("loading a checkpoint")
         return result, manifest
 
     def _restore_step_state(self, state: Optional[dict], tag_dir: str, scheduler: bool) -> None:

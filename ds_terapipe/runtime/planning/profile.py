@@ -308,11 +308,13 @@ def measure_costs(engine: "PipelineStage", stage_input: Optional[dict[int, Any]]
                          "layers": len(engine.module.forward_funcs),
                          "hidden": first.shape[-1] if first.is_floating_point() else None,
                          "bytes": first.element_size() if first.is_floating_point() else 4})
+    # The vocabulary links, the step terms' reductions and the gather below block without a deadline: meet first in
+    # barriers that watch the abort flag, so a rank whose profiling raised (a layer, or memory, on any stage: the
+    # last stage's head runs the longest slices) stops its peers within seconds, naming it.
+    engine.barrier("profiling")
     share = _measure_vocab_share(engine, seq_len) if engine.module.vocab_head is not None else None
     terms = measure_step_terms(engine, warmup=cfg.profile.warmup, repeats=cfg.profile.repeats)
     profile_s = time.perf_counter() - started
-    # The gather below blocks without a deadline: meet first in a barrier that watches the abort flag, so a rank
-    # whose profiling raised stops its peers within seconds, naming it.
     engine.barrier("profiling")
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, {"dp": _first_replica_id(engine), "stage": engine.stage_id, "chunks": mine,
@@ -366,6 +368,7 @@ def _measure_vocab_share(engine: "PipelineStage", seq_len: int) -> dict[str, Any
     points = profile_stage(run, params, hidden, seq_len, cfg.granularity, batch,
                            slice_lengths=cfg.profile.slice_lengths, num_contexts=1, warmup=cfg.profile.warmup,
                            repeats=cfg.profile.repeats)
+    engine.barrier("profiling the vocabulary passes")   # before the broadcasts: they would not see a failed peer
     links = None
     if engine.num_stages > 1:
         links = time_links(engine.module, batch * seq_len * hidden_size, dtype, device, warmup=cfg.profile.warmup,

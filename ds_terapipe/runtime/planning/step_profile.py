@@ -318,6 +318,9 @@ def measure_step_terms(engine: "PipelineStage", warmup: int = 1, repeats: int = 
         params = [p for p in params if id(p) not in deferred]
     fused = {id(p) for p in engine.fused_parameters()}   # added in their GEMMs: the profiled backward has them
     accumulate_ms = time_grad_accumulation([p for p in params if id(p) not in fused], warmup=warmup, repeats=repeats)
+    # the timings above are this rank's own (a copy of the optimizer can run out of memory); the reductions below
+    # would not see a peer that failed in them: meet in a barrier that watches the abort flag first
+    engine.barrier("timing the step")
     tied_ms = _time_tied_reduce(engine, warmup, repeats)
     dp_ms = _time_dp_reduce(engine, warmup, repeats)
     sync_ms = _time_sync(engine, warmup, repeats)
