@@ -114,11 +114,15 @@ class PlanSelection:
         return tuple(len(s) for s in self.step_slices)
 
     def _check_model_supports_slicing(self) -> None:
+        """Refused on every rank together: the module's ``loss_fn`` is the same on every rank (a constructor
+        argument), so each rank checks it itself; only the last stage uses it, but a refusal there alone would
+        leave the others in the collectives that follow init."""
         if self.num_slices == 1:
             return
-        if self.is_last_stage() and self.module.loss_fn is None:
-            raise ValueError("terapipe: the PipelineModule needs a loss_fn with more than one slice, so the engine "
-                             "can weight each slice's loss; pass loss_fn= to the PipelineModule")
+        if self.module.loss_fn is None:
+            raise mark_collective(ValueError(
+                "terapipe: the PipelineModule needs a loss_fn with more than one slice, so the engine can weight "
+                "each slice's loss; pass loss_fn= to the PipelineModule"))
 
     # -- variable sequence lengths ---------------------------------------------------------------------------
     def _use_plan_for_next_batch(self, iterator: Optional[Iterator], train: bool = False,
