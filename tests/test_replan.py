@@ -235,3 +235,34 @@ def test_the_replanner_measures_only_the_steps_after_its_warmup() -> None:
         replanner.after_step(engine)
     assert recorded == [False, False, True, True, False] and decided == [engine]
     assert replanner.done and engine.record_timeline is False
+
+
+def test_the_replanner_and_the_freezer_meet_in_an_abort_aware_barrier_before_their_collectives(monkeypatch) -> None:
+    """The re-plan decision's gather and a freeze's re-plan broadcast block without a deadline; a rank that failed
+    after the last step's barrier (in DeepSpeed's logging at the end of ``train_batch``) must stop its peers before
+    them, in a barrier that watches the abort flag (``engine.barrier``)."""
+    from types import SimpleNamespace
+
+    import ds_terapipe.runtime.planning.replan as replan_module
+    from ds_terapipe.runtime.features.freeze import Freezer
+    from ds_terapipe.runtime.planning.replan import Replanner
+
+    calls: list[str] = []
+    engine = SimpleNamespace(barrier=lambda what: calls.append(f"barrier: {what}"))
+    monkeypatch.setattr(replan_module.dist, "get_world_size", lambda: 1)
+
+    def gather(out: list, obj: object) -> None:
+        calls.append("all_gather_object")
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(replan_module.dist, "all_gather_object", gather)
+    with pytest.raises(RuntimeError, match="stop here"):
+        Replanner._decide(SimpleNamespace(samples=[], step_terms=[]), engine)
+    assert calls == ["barrier: the re-planner's measured steps", "all_gather_object"], calls
+
+    calls.clear()
+    freezer = SimpleNamespace(target=lambda step: 2, steps_taken=lambda e: 5, num_frozen_layers=0,
+                              _check_counts=lambda target: None, apply=lambda e, target: calls.append("apply"),
+                              maybe_repack=lambda e: calls.append("maybe_repack"))
+    Freezer.before_step(freezer, engine)
+    assert calls == ["barrier: the step before freezing", "apply", "maybe_repack"], calls

@@ -245,6 +245,10 @@ class Freezer:
         target = self.target(self.steps_taken(engine))
         if target > self.num_frozen_layers:
             self._check_counts(target)
+            # freezing re-plans on rank 0 and broadcasts the plan, which blocks without a deadline; a rank may have
+            # failed after the last step's barrier (in DeepSpeed's logging at the end of train_batch): meet first
+            # in a barrier that watches the abort flag
+            engine.barrier("the step before freezing")
             self.apply(engine, target)
             self.maybe_repack(engine)
 

@@ -87,7 +87,9 @@ class Replanner:
         self._decide(engine)
 
     def _decide(self, engine: "PipelineStage") -> None:
-
+        # the gather below blocks without a deadline, and a rank may have failed after its last step's barrier (in
+        # DeepSpeed's logging at the end of train_batch): meet first in a barrier that watches the abort flag
+        engine.barrier("the re-planner's measured steps")
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, (self.samples, self.step_terms))
         self.samples, self.step_terms = [], []
