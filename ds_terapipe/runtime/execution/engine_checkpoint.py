@@ -26,7 +26,7 @@ import torch
 
 from ..planning.plan import restore_checkpoint_plan
 from . import checkpoint as ckpt
-from .collective import agree_or_raise, mark_collective
+from .collective import agree_or_raise, decided_on_rank0, mark_collective
 
 __all__ = ["Checkpointing"]
 
@@ -142,6 +142,8 @@ class Checkpointing:
         otherwise). A checkpoint from another number of stages loads its weights (per-layer files) but not the
         optimizer state, which DeepSpeed stores per stage."""
         with self._failing_fast("load_checkpoint"):
+            if tag is None:   # `latest` is written by global rank 0 alone: every rank loads the tag rank 0 reads there
+                tag = decided_on_rank0(lambda: ckpt.read_latest(load_dir))
             self._repack_like(load_dir, tag)
             result, manifest = self._checked_load(load_dir, tag, **kwargs)
             client = result[1] if isinstance(result, tuple) and len(result) > 1 else None
