@@ -239,8 +239,8 @@ def test_a_module_loss_is_weighted_per_slice_and_one_with_parameters_is_refused(
 
 @pytest.mark.timeout(700)
 def test_token_ids_outside_the_vocabulary_are_refused_before_the_step_on_every_rank(features) -> None:
-    """An input id no embedding row holds, a label causal_lm_loss cannot index: refused where they are read, before
-    the step, the other rank pointed there; the engine trains on after both."""
+    """An input id no embedding row holds, a label causal_lm_loss cannot index, a micro-batch of too few sequences:
+    refused where they are read, before the step, the other rank pointed there; the engine trains on after them."""
     for rank, by_case in enumerate(features):
         case = by_case["token ids"]
         pointer = "refused the token ids or labels of the next batch"
@@ -248,6 +248,9 @@ def test_token_ids_outside_the_vocabulary_are_refused_before_the_step_on_every_r
                 f"rank 0 {pointer}") in case["input"], case
         assert ("label -1 at (1, 7) of the next batch is outside the vocabulary [0, 64) and is not -100" if rank == 1
                 else f"rank 1 {pointer}") in case["label"], case
+        # a short micro-batch: both stages read it, and each refuses it before the step
+        assert case["size"] is not None and "micro-batch 1 of the next batch has 1 sequences, but " \
+            "train_micro_batch_size_per_gpu = 2" in case["size"], case
         assert case["after"] == case["after"] and case["after"] > 0, case
 
 

@@ -337,6 +337,15 @@ def suite_features(extra: dict) -> list[dict]:
             refused_ids[label] = None
         except ValueError as err:
             refused_ids[label] = str(err)
+    # a short micro-batch (one sequence fewer): both reading stages refuse it before the step, so no stage (or a
+    # sharded or sequence-parallel peer) is left in a transfer or collective that its loading would have broken
+    short = [(x.clone(), y.clone()) for x, y in batches]
+    short[1] = (short[1][0][1:], short[1][1][1:])
+    try:
+        engine.train_batch(iter(short))
+        refused_ids["size"] = None
+    except ValueError as err:
+        refused_ids["size"] = str(err)
     refused_ids["after"] = float(engine.train_batch(iter(batches)))
     results.append({"case": "token ids", **refused_ids})
 

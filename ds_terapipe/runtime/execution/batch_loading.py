@@ -139,6 +139,16 @@ class BatchLoading:
             self.documents[microbatch] = docs
         return docs
 
+    def _batch_size_problem(self, first: Optional[torch.Tensor], microbatch: int) -> Optional[str]:
+        """Why a peeked micro-batch (its first tensor) cannot run for its number of sequences, or None: stages
+        exchange activation shapes once per slice length, so every micro-batch holds ``train_micro_batch_size_per_gpu``
+        sequences."""
+        if first is None or first.dim() < 2 or first.shape[0] == self.micro_batch_size:
+            return None
+        return (f"token pipeline: micro-batch {microbatch} of the next batch has {first.shape[0]} sequences, but "
+                f"train_micro_batch_size_per_gpu = {self.micro_batch_size}; drop or pad the last incomplete batch "
+                "(e.g. DataLoader(drop_last=True))")
+
     def _to_device(self, value: Any, what: str, microbatch: int = 0) -> Any:
         first = _first_tensor(value)
         if first is None or first.dim() < 2:

@@ -37,7 +37,7 @@ __all__ = ["PlanSelection"]
 logger = logging.getLogger(f"{__package__}.engine")
 
 # Slots of the per-batch sequence-length agreement that are not lengths.
-_UNSET, _BAD_IDS, _BAD_DOCUMENTS, _NO_SEQ_DIM, _EXHAUSTED, _NOT_READING = -100, -5, -4, -3, -2, -1
+_UNSET, _BAD_SIZE, _BAD_IDS, _BAD_DOCUMENTS, _NO_SEQ_DIM, _EXHAUSTED, _NOT_READING = -100, -6, -5, -4, -3, -2, -1
 
 
 class PlanSelection:
@@ -154,7 +154,10 @@ class PlanSelection:
                 first = _first_tensor(item[0] if self.is_first_stage() else item[1])
                 local[index] = first.shape[1] if first is not None and first.dim() >= 2 else _NO_SEQ_DIM
                 problem = self._documents_problem(item[0]) if self.is_first_stage() else None
-                if problem is not None:
+                size = self._batch_size_problem(first, index)
+                if size is not None:   # found here, not as the micro-batch loads mid-step: a sharded or sequence-
+                    refused, local[index] = refused or size, _BAD_SIZE   # parallel peer would wait in a collective
+                elif problem is not None:
                     refused, local[index] = refused or problem, _BAD_DOCUMENTS
                 else:
                     problem = self._token_ids_problem(item)
@@ -179,6 +182,12 @@ class PlanSelection:
             raise mark_collective(ValueError(refused if refused is not None else
                                              f"token pipeline: rank {origin} (a first stage) refused the position "
                                              "ids of the next batch; its error says why"))
+        if _BAD_SIZE in values:   # the reading stage's message on it, a pointer to it on the others
+            origin = next(r for r, row in enumerate(rows) if _BAD_SIZE in row)
+            raise mark_collective(ValueError(refused if refused is not None else
+                                             f"token pipeline: rank {origin} refused a micro-batch of the next batch "
+                                             "with another number of sequences than train_micro_batch_size_per_gpu; "
+                                             "its error says why"))
         if _BAD_IDS in values:   # the reading stage's message on it, a pointer to it on the others
             origin = next(r for r, row in enumerate(rows) if _BAD_IDS in row)
             raise mark_collective(ValueError(refused if refused is not None else
