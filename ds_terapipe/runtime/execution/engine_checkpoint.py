@@ -142,14 +142,14 @@ class Checkpointing:
         otherwise). A checkpoint from another number of stages loads its weights (per-layer files) but not the
         optimizer state, which DeepSpeed stores per stage."""
         with self._failing_fast("load_checkpoint"):
-            if tag is None:   # `latest` is written by global rank 0 alone: every rank loads the tag rank 0 reads there
-                tag = decided_on_rank0(lambda: ckpt.read_latest(load_dir))
+            # `latest` is written by global rank 0 alone: every rank loads the tag rank 0 reads there (None: nothing)
+            tag = str(tag) if tag is not None else decided_on_rank0(lambda: ckpt.read_latest(load_dir))
             self._repack_like(load_dir, tag)
             result, manifest = self._checked_load(load_dir, tag, **kwargs)
             client = result[1] if isinstance(result, tuple) and len(result) > 1 else None
             # the checkpoint's slicing first, so a re-applied freeze keeps it (it re-plans only without one); from
             # the manifest, which the engine writes itself (a caller's client_state may hold its own "terapipe");
-            # nothing loaded (no `latest`: the same files on every rank) restores nothing
+            # nothing loaded (no `latest` on rank 0: nothing on any rank) restores nothing
             restored = None if manifest is None else restore_checkpoint_plan(
                 self, {"plan": manifest.get("plan"), "plans": manifest.get("plans"),
                        "config": manifest.get("terapipe")})
@@ -158,14 +158,13 @@ class Checkpointing:
                                              keep_slices=self.plan.seq_len in (restored or {}))
             return result
 
-    def _repack_like(self, load_dir: str, tag: Any) -> None:
+    def _repack_like(self, load_dir: str, tag: Optional[str]) -> None:
         """A checkpoint written after a repack (runtime/features/repack.py) holds the repacked layout: an engine still
         in
         the layout the run started with freezes and repacks the same way first (collective: every rank reads the
         same manifest), so the optimizer state DeepSpeed stores per stage loads into the stages it was saved from."""
         if self.freezer is None or self.freezer.repacked is not None or not self.freezer.cfg.repack:
             return
-        tag = str(tag) if tag is not None else ckpt.read_latest(load_dir)
         try:
             manifest = ckpt.read_manifest(os.path.join(load_dir, tag)) if tag is not None else {}
         except ckpt.CheckpointError:
@@ -179,9 +178,9 @@ class Checkpointing:
             self.freezer.apply(self, int(done["num_frozen_layers"]))
         repack(self, self.num_stages // int(manifest["num_stages"]))
 
-    def _checked_load(self, load_dir: str, tag: Any, **kwargs: Any) -> tuple[Any, Optional[dict]]:
-        """DeepSpeed's load result and the checkpoint's manifest (None when nothing was loaded)."""
-        tag = str(tag) if tag is not None else ckpt.read_latest(load_dir)
+    def _checked_load(self, load_dir: str, tag: Optional[str], **kwargs: Any) -> tuple[Any, Optional[dict]]:
+        """DeepSpeed's load result and the checkpoint's manifest (None when nothing was loaded); ``tag`` is the one
+        every rank agreed on (None: no `latest` on rank 0)."""
         if tag is None:
             logger.warning("terapipe: no 'latest' file in %s: nothing loaded", load_dir)
             return (None, None), None
