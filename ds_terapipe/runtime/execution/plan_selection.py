@@ -38,6 +38,12 @@ logger = logging.getLogger(f"{__package__}.engine")
 
 # Slots of the per-batch sequence-length agreement that are not lengths.
 _UNSET, _BAD_SIZE, _BAD_IDS, _BAD_DOCUMENTS, _NO_SEQ_DIM, _EXHAUSTED, _NOT_READING = -100, -6, -5, -4, -3, -2, -1
+# What the ranks that did not read it say of a batch a reading stage refused, in the order they are checked.
+_REFUSED_BY_A_READER = (
+    (_BAD_DOCUMENTS, "(a first stage) refused the position ids of the next batch"),
+    (_BAD_SIZE, "refused a micro-batch of the next batch with another number of sequences than "
+                "train_micro_batch_size_per_gpu"),
+    (_BAD_IDS, "refused the token ids or labels of the next batch"))
 
 
 class PlanSelection:
@@ -177,22 +183,11 @@ class PlanSelection:
         if _EXHAUSTED in values:
             raise mark_collective(StopIteration(f"token pipeline: a data iterator ran out at the start of a batch "
                                                 f"(it had fewer than the {count} micro-batches of the step)"))
-        if _BAD_DOCUMENTS in values:   # the first stage's message on it, a pointer to it on the others
-            origin = next(r for r, row in enumerate(rows) if _BAD_DOCUMENTS in row)
-            raise mark_collective(ValueError(refused if refused is not None else
-                                             f"token pipeline: rank {origin} (a first stage) refused the position "
-                                             "ids of the next batch; its error says why"))
-        if _BAD_SIZE in values:   # the reading stage's message on it, a pointer to it on the others
-            origin = next(r for r, row in enumerate(rows) if _BAD_SIZE in row)
-            raise mark_collective(ValueError(refused if refused is not None else
-                                             f"token pipeline: rank {origin} refused a micro-batch of the next batch "
-                                             "with another number of sequences than train_micro_batch_size_per_gpu; "
-                                             "its error says why"))
-        if _BAD_IDS in values:   # the reading stage's message on it, a pointer to it on the others
-            origin = next(r for r, row in enumerate(rows) if _BAD_IDS in row)
-            raise mark_collective(ValueError(refused if refused is not None else
-                                             f"token pipeline: rank {origin} refused the token ids or labels of "
-                                             "the next batch; its error says why"))
+        for marker, what in _REFUSED_BY_A_READER:   # the reading stage's message on it, a pointer to it on the others
+            if marker in values:
+                origin = next(r for r, row in enumerate(rows) if marker in row)
+                raise mark_collective(ValueError(refused if refused is not None else
+                                                 f"token pipeline: rank {origin} {what}; its error says why"))
         if _NO_SEQ_DIM in values:
             raise mark_collective(ValueError("token pipeline: batch inputs/labels must be (batch, seq_len, ...) "
                                              "tensors; a stage got a tensor without a sequence dimension"))

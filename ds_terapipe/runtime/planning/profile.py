@@ -308,10 +308,10 @@ def measure_costs(engine: "PipelineStage", stage_input: Optional[dict[int, Any]]
                          "layers": len(engine.module.forward_funcs),
                          "hidden": first.shape[-1] if first.is_floating_point() else None,
                          "bytes": first.element_size() if first.is_floating_point() else 4})
-    # The vocabulary links, the step terms' reductions and the gather below block without a deadline: meet first in
-    # barriers that watch the abort flag, so a rank whose profiling raised (a layer, or memory, on any stage: the
-    # last stage's head runs the longest slices) stops its peers within seconds, naming it.
-    engine.barrier("profiling")
+    # The vocabulary links, the step terms' reductions and the gather below block without a deadline: each comes
+    # after a barrier that watches the abort flag (the first two inside their functions, after this rank's own
+    # timings), so a rank whose profiling raised (a layer, or memory, on any stage: the last stage's head runs the
+    # longest slices) stops its peers within seconds, naming it.
     share = _measure_vocab_share(engine, seq_len) if engine.module.vocab_head is not None else None
     terms = measure_step_terms(engine, warmup=cfg.profile.warmup, repeats=cfg.profile.repeats)
     profile_s = time.perf_counter() - started
