@@ -120,6 +120,28 @@ def test_leaving_stops_the_thread_at_once_and_a_healthy_stretch_does_nothing(clo
     CollectiveWatch(None, rank=0, poll_s=0.01).enter("no flag: no thread")   # a run without a store
 
 
+def test_a_stretch_entered_at_the_schedule_s_start_is_renamed_where_deepspeed_s_collectives_start(
+        closed, monkeypatch) -> None:
+    # a sharded or sequence-parallel schedule is watched from its start; the barrier that ends it renames the
+    # stretch (one thread), and an enter without renaming (a nested block) keeps the name
+    monkeypatch.setattr("torch.distributed.get_rank", lambda: 0)
+    flag = FakeFlag()
+    watch = CollectiveWatch(flag, rank=0, poll_s=0.01)
+    with pytest.raises(PeerFailedError) as raised:
+        with watch.around():
+            watch.enter("the schedule's all-to-alls")
+            thread = watch._thread
+            assert watch.watching
+            watch.enter("DeepSpeed's gradient reduction", rename=True)
+            watch.enter("a nested block")
+            assert watch._thread is thread
+            flag.failure = ORIGIN
+            assert closed.wait(5.0), "the watch did not close the connections"
+            raise RuntimeError("Connection closed by peer")
+    assert "stopped while inside DeepSpeed's gradient reduction, because rank 1" in str(raised.value), raised.value
+    assert not watch.watching
+
+
 @pytest.mark.parametrize("backend", ["nccl", "gloo"])
 def test_nccl_communicators_are_aborted_and_gloo_connections_closed(monkeypatch, backend: str) -> None:
     from torch.distributed import distributed_c10d as c10d

@@ -1,4 +1,4 @@
-"""Tier b, nine 3-rank launches: no silent wrong gradients, and one rank's error stops every rank in seconds.
+"""Tier b, ten 3-rank launches: no silent wrong gradients, and one rank's error stops every rank in seconds.
 
 * The init-time slice check refuses attention that a zero-initialised output projection hides from the
   outputs (bidirectional, or causal over the slice alone), naming the layer.
@@ -11,9 +11,10 @@
   (launch 4), a layer raising while slices "auto" are profiled, on the middle stage (launch 5) and on the last,
   whose head is tied to the first stage's embedding (launch 8), and the middle stage raising in its
   optimizer step while its peers are inside DeepSpeed's all-reduce of the gradient norm (launch 6), rank 0
-  failing inside DeepSpeed's save while its peers wait in that save's barrier (launch 7; in 6 and 7 the peers stop
-  through the collective watch, before the failing rank exits), and the middle stage failing inside DeepSpeed's load
-  while its peers' loads succeed (launch 9). Every rank raises naming the origin rank and its
+  failing inside DeepSpeed's save while its peers wait in that save's barrier (launch 7), the middle stage failing
+  while it builds the engine of a repack while its peers are inside that build's broadcasts (launch 10; in 6, 7 and
+  10 the peers stop through the collective watch, before any rank exits), and the middle stage failing inside
+  DeepSpeed's load while its peers' loads succeed (launch 9). Every rank raises naming the origin rank and its
   error, and stops
   through the abort flag (about a second after the origin raised, timed on the host's one monotonic clock; the
   bound is a quarter of ``p2p_timeout_s`` = 120 s, the wait it replaces, and leaves DeepSpeed's init and the
@@ -196,12 +197,13 @@ def launch_deepspeed_save(tmp_path_factory) -> list[dict[str, dict]]:
 
 
 def _stopped_by_the_watch(results: list[dict[str, dict]], case: str, origin: int, inside: str) -> None:
-    """Every peer of the origin stopped inside DeepSpeed's collectives, before the origin's process left (its
-    exit would have closed the connections anyway)."""
+    """Every peer of the origin stopped inside ``inside`` before any rank's process left (an exit would have closed
+    the connections anyway: every rank lingers until all have stopped)."""
+    first_left = min(result[case]["left_at"] for result in results)
     for rank, result in enumerate(results):
         if rank != origin:
-            assert f"inside DeepSpeed's {inside}" in result[case]["message"], result[case]
-            assert result[case]["raised_at"] < results[origin][case]["left_at"], result[case]
+            assert f"inside {inside}" in result[case]["message"], result[case]
+            assert result[case]["raised_at"] < first_left, result[case]
 
 
 @pytest.mark.timeout(500)
@@ -209,7 +211,7 @@ def test_a_rank_failing_in_its_optimizer_step_stops_every_rank_within_seconds(la
     # its peers wait inside the all-reduce of the gradient norm, which cannot watch the flag: the collective watch does
     _stopped_by(launch_optimizer, "optimizer", 1, "train_batch",
                 "RuntimeError: simulated out of memory in the optimizer step")
-    _stopped_by_the_watch(launch_optimizer, "optimizer", 1, "gradient reduction")
+    _stopped_by_the_watch(launch_optimizer, "optimizer", 1, "DeepSpeed's gradient reduction")
 
 
 @pytest.mark.timeout(500)
@@ -217,7 +219,7 @@ def test_a_rank_failing_inside_deepspeed_s_save_stops_every_rank_within_seconds(
     # its peers wait in the barrier of DeepSpeed's save
     _stopped_by(launch_deepspeed_save, "deepspeed save", 0, "save_checkpoint",
                 "OSError: simulated disk failure in DeepSpeed's save")
-    _stopped_by_the_watch(launch_deepspeed_save, "deepspeed save", 0, "checkpoint save")
+    _stopped_by_the_watch(launch_deepspeed_save, "deepspeed save", 0, "DeepSpeed's checkpoint save")
 
 
 @pytest.fixture(scope="module")
@@ -243,3 +245,16 @@ def test_the_last_stage_failing_while_profiling_stops_its_tied_peer_within_secon
     # rank 0 would otherwise wait in the timed all-reduce of the tied embedding's gradient, which has no deadline
     _stopped_by(launch_profile_last, "profile last", 2, "engine init",
                 "RuntimeError: simulated layer failure while profiling")
+
+
+@pytest.fixture(scope="module")
+def launch_repack(tmp_path_factory) -> list[dict[str, dict]]:
+    return _fault_only(tmp_path_factory, "repack")
+
+
+@pytest.mark.timeout(500)
+def test_a_rank_failing_while_building_the_repacked_engine_stops_every_rank_within_seconds(launch_repack) -> None:
+    # its peers are inside DeepSpeed's broadcasts of the new engine's build: the collective watch stops them
+    _stopped_by(launch_repack, "repack", 1, "train_batch",
+                "RuntimeError: simulated out of memory building the repacked engine")
+    _stopped_by_the_watch(launch_repack, "repack", 1, "the repack")

@@ -12,7 +12,8 @@ per batch) against the reference under the same masks; vocabulary parallelism (r
 rows); ``engine.compile()`` (aot_eager, a Llama compiled again after a freeze); freezing by schedule and by
 gradient norms, and a repack onto fewer stages; the re-planner switching plans; checkpoints (fp32, bf16 at ZeRO 0,
 vocabulary-parallel) resumed at the same layout, and at sequence degree 1 from 2 and 2 from 1; eval_batch's loss; the
-refusals; activation and KV memory at degree 1 and 2 (tests/suites/sequence.py).
+refusals; activation and KV memory at degree 1 and 2; last, a sequence rank failing in a layer stops its peers
+within seconds, the one inside an all-to-all through the collective watch (tests/suites/sequence.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import pytest
 
 from tests.dist_harness import launch
 from tests.precision import LOSS_TOL, UPDATE_TOL, check_precision_case
+from tests.results import assert_stopped_by_the_watch
 
 pytestmark = pytest.mark.multiproc
 
@@ -59,15 +61,20 @@ PACKED_CASES = [["gpipe", 1, [8, 24, 16], "fp32", 2], ["1f1b", 1, 3, "fp32", 2],
                 ["1f1b", 1, "auto", "per-batch", 2], ["interleaved-1f1b", 2, "auto", "per-batch cuts", 2]]
 
 
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory) -> list[dict]:
+    return launch("sequence", 4, tmp_path_factory.mktemp("sequence"), timeout_s=840,
+                  extra={"cases": CASES, "precision_cases": PRECISION_CASES, "packed_cases": PACKED_CASES,
+                         "features": True, "fault": True})
+
+
 @pytest.mark.timeout(900)
-def test_sequence_parallel_equals_the_reference(tmp_path) -> None:
-    results = launch("sequence", 4, tmp_path, timeout_s=840,
-                     extra={"cases": CASES, "precision_cases": PRECISION_CASES, "packed_cases": PACKED_CASES,
-                            "features": True})
+def test_sequence_parallel_equals_the_reference(four_ranks) -> None:
+    results = four_ranks
     errors = [c for r in results for c in r["results"] if "error" in c]
     assert not errors, errors[0]
     for rank, r in enumerate(results):
-        cases = r["results"]
+        cases = r["results"][:-1]   # the last: the fault (below)
         assert len(cases) == len(CASES) + len(PRECISION_CASES) + len(PACKED_CASES) + 10
         for case in cases[len(CASES):len(CASES) + len(PRECISION_CASES)]:
             check_precision_case(case, rank)
@@ -149,6 +156,14 @@ def test_sequence_parallel_equals_the_reference(tmp_path) -> None:
         act = two["activation_bytes"] / one["activation_bytes"]
         total = (two["activation_bytes"] + two["kv_bytes"]) / (one["activation_bytes"] + one["kv_bytes"])
         assert act <= 0.55 and total <= 0.55, (rank, act, total, one, two)
+
+
+@pytest.mark.timeout(900)
+def test_a_sequence_rank_failing_mid_step_stops_every_rank_within_seconds(four_ranks) -> None:
+    # stage 0's second sequence rank raises in a layer; its sequence peer, inside that layer's all-to-all, which
+    # cannot watch the abort flag, is stopped by the collective watch
+    assert_stopped_by_the_watch([r["results"][-1] for r in four_ranks],
+                                "simulated out of memory in a sequence-parallel layer", "the schedule's all-to-alls")
 
 
 @pytest.mark.timeout(900)

@@ -6,7 +6,9 @@ parameters after 3 SGD + momentum steps, rel err <= 1e-5; clipped by the global 
 ``clip_grad_norm_``'s) and bf16 (bf16 compute over fp32 shards: the master weights' change within bf16 rounding of
 the reference's); the AG and RS actions executed per step against the lowered schedule's count at m in {2, 4, 8}
 (``looped-bfs``: the same at every m); the model states per rank against the replicated run's; a checkpoint saved
-sharded and resumed at the same layout. A second launch of 2 processes resumes that checkpoint with one replica.
+sharded and resumed at the same layout; last, a replica failing in a layer stops its peers within seconds, the one
+inside a gather or reduce-scatter through the collective watch. A second launch of 2 processes resumes that
+checkpoint with one replica.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import pytest
 
 from tests.dist_harness import launch
 from tests.precision import LOSS_TOL, UPDATE_TOL
+from tests.results import assert_stopped_by_the_watch
 
 pytestmark = pytest.mark.multiproc
 
@@ -39,7 +42,7 @@ def runs(tmp_path_factory) -> tuple[list[dict], list[dict]]:
     tmp = tmp_path_factory.mktemp("sharded")
     ckpt = tmp / "ckpt"
     four = launch("sharded", 4, tmp / "four", timeout_s=840,
-                  extra={"cases": CASES, "gathers": True, "memory": True, "checkpoint": str(ckpt)})
+                  extra={"cases": CASES, "gathers": True, "memory": True, "checkpoint": str(ckpt), "fault": True})
     two = launch("sharded", 2, tmp / "two", timeout_s=300, extra={"resume": str(ckpt)})
     return four, two
 
@@ -174,3 +177,12 @@ def test_a_checkpoint_moves_between_sharded_and_plain_fp32_runs_with_the_optimiz
             assert got["steps"] == 2, (rank, name, got)
             assert abs(got["loss"] - got["ref_loss"]) <= 1e-6 * abs(got["ref_loss"]), (rank, name, got)
             assert got["param_rel_err"] <= 1e-6, (rank, name, got)
+
+
+@pytest.mark.timeout(1200)
+def test_a_replica_failing_mid_step_stops_every_rank_within_seconds(runs) -> None:
+    # stage 0's second replica raises in a layer; a peer inside the schedule's gathers or reduce-scatters, which
+    # cannot watch the abort flag, is stopped by the collective watch
+    four, _ = runs
+    assert_stopped_by_the_watch([r["results"][-1] for r in four], "simulated out of memory in a sharded layer",
+                                "the schedule's gathers and reduce-scatters")

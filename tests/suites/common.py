@@ -16,6 +16,7 @@ import sys
 import time
 import traceback
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
@@ -505,6 +506,21 @@ def run_until_error(run: Callable[[], Any], p2p_timeout_s: Optional[float] = Non
         notes = " ".join(getattr(err, "__notes__", []))
         return {"case": STATUS["case"], "raised": type(err).__name__, "message": f"{err} {notes}",
                 "seconds": time.perf_counter() - started, "raised_at": raised_at, "p2p_timeout_s": p2p_timeout_s}
+
+
+def linger_until_peers_stop(result: dict[str, Any], shared: Path, timeout_s: float) -> dict[str, Any]:
+    """After :func:`run_until_error` on every rank: each rank notes in ``shared`` (a directory every rank sees)
+    that it stopped, then lives on, as a caller that catches would, until every rank has stopped or ``timeout_s``
+    passed, so no rank's exit closes another's connections: a rank stopped by a peer's failure must have stopped
+    on its own. ``left_at`` (``time.monotonic()``) is when it leaves. Why not a fixed time: on a loaded machine a
+    fixed few seconds would measure the machine."""
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    shared.mkdir(parents=True, exist_ok=True)
+    (shared / f"stopped_{rank}").write_text("stopped")
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and sum((shared / f"stopped_{r}").exists() for r in range(world)) < world:
+        time.sleep(0.05)
+    return dict(result, left_at=time.monotonic())
 
 
 # -- steps whose gradients overflow: a loss times 1e30, inf or nan on one micro-batch ---------------------------------

@@ -3,13 +3,12 @@ tests/test_engine_faults.py: the init-time slice check refusing attention that m
 (hidden from the outputs by a zero-initialised projection; also checked on the first batch where no input can be
 sampled), a planner failure raised on every rank, a constant KV-cache key and one block shared at three depths
 trained exactly; then ONE fault, ``extra["fault"]`` ("loss", "length", "init", "profile", "profile last",
-"checkpoint", "deepspeed save", "deepspeed load" or "optimizer"): a fault leaves transfers half done, so it ends
+"checkpoint", "deepspeed save", "deepspeed load", "repack" or "optimizer"): a fault leaves transfers half done, so it ends
 the launch, and every rank must stop within seconds, naming it. ``extra["cases"]=False`` runs the fault alone.
 """
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -19,8 +18,8 @@ import ds_terapipe
 from deepspeed.pipe import LayerSpec, TiedLayerSpec
 from ds_terapipe.models.gpt import GPTBlock, GPTConfig, causal_lm_loss, gpt_layer_specs
 from tests.suites import suite
-from tests.suites.common import (RANK, STATUS, WORLD, build_spec_layers, first_step_grads, make_batches,
-                                 pipeline_engine, rel_err, run_until_error)
+from tests.suites.common import (RANK, STATUS, build_spec_layers, first_step_grads, linger_until_peers_stop,
+                                 make_batches, pipeline_engine, rel_err, run_until_error)
 
 
 class ZeroProjMixer(torch.nn.Module):
@@ -220,6 +219,17 @@ def suite_faults(extra: dict) -> list[dict]:
         results.append(_one_rank_breaks(cfg, batches, seq_len, 1, lambda e: e, "load_module_state_dict",
                                         OSError("simulated unreadable layer file in DeepSpeed's load"),
                                         lambda e: (e.save_checkpoint(ckpt_dir), e.load_checkpoint(ckpt_dir))))
+    elif fault == "repack":
+        # the first stage's layers freeze at step 1 and the pipeline repacks onto 1 stage x 3 replicas; the middle
+        # stage fails building the repacked engine (as an out-of-memory would) while its peers are inside
+        # DeepSpeed's broadcasts of that build, which cannot watch the flag
+        STATUS["case"] = "repack"
+        three = make_batches(cfg, 3, batch, seq_len, seed=21)   # 3 micro-batches: one per replica after it
+        results.append(_one_rank_breaks(cfg, three, seq_len, 1, type, "build",
+                                        RuntimeError("simulated out of memory building the repacked engine"),
+                                        lambda e: e.train_batch(iter(three)), micro=3,
+                                        terapipe={"freeze": {"schedule": [[1, 2]], "repack": True}},
+                                        stays_alive=Path(extra["out"])))
     elif fault == "optimizer":
         # the middle stage raises in its optimizer step (as an out-of-memory would) before the gradient norm's
         # all-reduce: its peers are inside that all-reduce (DeepSpeed's _take_model_step), which it never joins
@@ -233,15 +243,15 @@ def suite_faults(extra: dict) -> list[dict]:
 
 def _one_rank_breaks(cfg: GPTConfig, batches: list[tuple], seq_len: int, origin: int, owner: Callable[[Any], Any],
                      attr: str, error: Exception, run: Callable[[Any], Any], extra_config: dict | None = None,
-                     stays_alive: Path | None = None) -> dict[str, Any]:
-    """An engine trained one step, whose rank ``origin`` gets ``attr`` of ``owner(engine)`` replaced by a function
-    raising ``error``; then ``run(engine)`` on every rank until it raises. ``stays_alive`` (a shared directory):
-    the origin lives on after raising (a caller that catches) until every peer has stopped, at most a quarter of
-    ``p2p_timeout_s``, so its peers must stop without its exit closing their connections; ``left_at`` is when it
-    leaves. Why not a fixed time: on a loaded machine a fixed few seconds would measure the machine."""
+                     stays_alive: Path | None = None, micro: int = 2, terapipe: dict | None = None
+                     ) -> dict[str, Any]:
+    """An engine trained one step (``micro`` micro-batches, ``terapipe`` added to its section), whose rank
+    ``origin`` gets ``attr`` of ``owner(engine)`` replaced by a function raising ``error``; then ``run(engine)``
+    on every rank until it raises. ``stays_alive`` (a shared directory): every rank lives on after raising until
+    all have (:func:`~tests.suites.common.linger_until_peers_stop`, at most a quarter of ``p2p_timeout_s``)."""
     engine = pipeline_engine(cfg, gpt_layer_specs(cfg), {"seq_len": seq_len, "slices": 3, "granularity": 4,
-                                                         "p2p_timeout_s": FAULT_P2P_TIMEOUT_S},
-                             extra_config=extra_config)
+                                                         "p2p_timeout_s": FAULT_P2P_TIMEOUT_S, **(terapipe or {})},
+                             extra_config=extra_config, micro=micro)
     engine.train_batch(iter(batches))
     if RANK == origin:
         def raising(*args: Any, **kwargs: Any) -> Any:
@@ -249,14 +259,8 @@ def _one_rank_breaks(cfg: GPTConfig, batches: list[tuple], seq_len: int, origin:
 
         setattr(owner(engine), attr, raising)
     result = run_until_error(lambda: run(engine), FAULT_P2P_TIMEOUT_S)
-    if stays_alive is not None and RANK != origin:
-        (stays_alive / f"stopped_{RANK}").write_text("stopped")
-    elif stays_alive is not None:
-        deadline = time.monotonic() + FAULT_P2P_TIMEOUT_S / 4
-        while time.monotonic() < deadline and \
-                not all((stays_alive / f"stopped_{rank}").exists() for rank in range(WORLD) if rank != origin):
-            time.sleep(0.05)
-        result["left_at"] = time.monotonic()
+    if stays_alive is not None:
+        result = linger_until_peers_stop(result, stays_alive, FAULT_P2P_TIMEOUT_S / 4)
     return result
 
 

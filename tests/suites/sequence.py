@@ -2,8 +2,9 @@
 (terapipe.sequence_parallel) against the unsliced single-process reference: 2 stages x 2 sequence ranks (x the
 replicas the world leaves), the reference GPT and a Hugging Face Llama with grouped-query attention, gpipe and 1f1b,
 m in {1, 3}, unequal slices; loss, every first-step gradient and the parameters after 3 SGD + momentum steps on
-every rank; a checkpoint resumed at the same layout; the refusals. ``extra``: ``cases`` ([model, schedule, micro,
-slices, zero stage, clipping]), ``features`` (the checkpoint and refusal cases).
+every rank; a checkpoint resumed at the same layout; the refusals; last, a sequence rank failing mid-step stops its
+peers in seconds. ``extra``: ``cases`` ([model, schedule, micro, slices, zero stage, clipping]), ``features`` (the
+checkpoint and refusal cases), ``fault``.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from ds_terapipe.models.gpt import GPTConfig, causal_lm_loss, gpt_layer_specs
 from tests.suites import packed as packed_suite
 from tests.suites import suite
 from tests.suites.common import (CLIP, ENGINE_REF, STATUS, WORLD, allow_fp16_on_cpu, build_spec_layers, deltas,
-                                 first_step_grads, frozen_reference, make_batches, master_weights, named_compare,
-                                 rel_err, replica_batches, run_cases, train_steps)
+                                 first_step_grads, frozen_reference, linger_until_peers_stop, make_batches,
+                                 master_weights, named_compare, rel_err, replica_batches, run_cases, run_until_error,
+                                 train_steps)
 from tests.suites.common_vocab import rows_compare
 
 STAGES, DEGREE = 2, 2
@@ -391,6 +393,32 @@ def _memory(degree: int) -> dict[str, Any]:
             "activation_bytes": sum(n for ptr, n in saved.items() if ptr not in kv), "kv_bytes": sum(kv.values())}
 
 
+def _fault(shared: Path) -> dict[str, Any]:
+    """After a healthy step, the second sequence rank of stage 0 raises in its first block's forward (as an
+    out-of-memory would): its sequence peer waits in that block's all-to-all, a collective without a deadline, and
+    must stop within seconds (the collective watch), while every rank still lives. The last case of a launch: a
+    fault leaves transfers half done."""
+    from ds_terapipe.models.gpt import GPTBlock
+
+    STATUS["case"] = "fault"
+    timeout_s = 120
+    specs, vocab = _model("gpt")
+    engine = _engine(specs, vocab, "1f1b", 2, UNEQUAL, 0, 0.0, extra={"p2p_timeout_s": timeout_s})
+    dp = WORLD // (STAGES * DEGREE)
+    batches = make_batches(GPTConfig(vocab_size=vocab), 2 * 2 * dp, BATCH, SEQ_LEN, seed=5)
+    mine = replica_batches(batches, engine.grid.data_parallel_id, 2, dp, 2)
+    engine.train_batch(iter(mine[:2]))
+    origin = engine.stage_id == 0 and engine.sequence.rank == 1
+    if origin:
+        def raising(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("simulated out of memory in a sequence-parallel layer")
+
+        next(f for f in engine.module.forward_funcs if isinstance(f, GPTBlock)).forward = raising
+    result = run_until_error(lambda: engine.train_batch(iter(mine[2:4])), timeout_s)
+    return dict(linger_until_peers_stop(result, shared, timeout_s / 4), origin=origin,
+                rank=torch.distributed.get_rank())
+
+
 @suite("sequence")
 def suite_sequence(extra: dict) -> list[dict]:
     allow_fp16_on_cpu()
@@ -408,4 +436,6 @@ def suite_sequence(extra: dict) -> list[dict]:
         results.append(_repack())
         results.append(_refusals())
         results += [_memory(1), _memory(DEGREE)]
+    if extra.get("fault"):
+        results.append(_fault(Path(extra["out"]) / "fault"))
     return results

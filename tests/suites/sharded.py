@@ -6,7 +6,7 @@ against the lowered schedule's count; the model states per rank against the repl
 sharded and resumed at the same layout, by a run without sharding (optimizer state included) and back, and across
 optimizer formats with a ZeRO-1 run (refused with the optimizer state, weights and step count without it). With
 ``extra["resume"]`` (a checkpoint directory), on 2 ranks: the checkpoint written by 2 replicas resumed by one, its
-last step against the reference's.
+last step against the reference's. ``extra["fault"]``, last: a replica failing mid-step stops its peers in seconds.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import gc
 import os
 import weakref
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import torch
@@ -23,8 +24,9 @@ import ds_terapipe
 from ds_terapipe.models.gpt import GPTConfig, causal_lm_loss, gpt_layer_specs
 from ds_terapipe.planner.sharding import shard_counts
 from tests.suites import suite
-from tests.suites.common import (CLIP, ENGINE_REF, STATUS, WORLD, compare, deltas, first_step_grads, make_batches,
-                                 reference_step, run_cases, train_steps)
+from tests.suites.common import (CLIP, ENGINE_REF, STATUS, WORLD, compare, deltas, first_step_grads,
+                                 linger_until_peers_stop, make_batches, reference_step, run_cases, run_until_error,
+                                 train_steps)
 from tests.suites.common import whole_tensors as _whole
 
 STAGES = 2
@@ -358,6 +360,31 @@ def _plain_and_sharded(tmp: str) -> dict:
     return out
 
 
+def _fault(shared: Path) -> dict:
+    """After a healthy step, stage 0's second replica raises in its first block's forward (as an out-of-memory
+    would): its peers are in the schedule's transfers and in its gathers and reduce-scatters, collectives without
+    a deadline, and must stop within seconds (the collective watch), while every rank still lives. The last case
+    of a launch: a fault leaves transfers half done."""
+    from ds_terapipe.models.gpt import GPTBlock
+
+    STATUS["case"] = "fault"
+    timeout_s = 120
+    engine = _engine("looped-bfs", 2, 2, slices=(16, 32), extra_terapipe={"p2p_timeout_s": timeout_s})
+    _, for_rank = _batches(2, WORLD // STAGES, seed=11)
+    mine = for_rank(engine.grid.data_parallel_id)
+    engine.train_batch(iter(mine[:2]))
+    origin = engine.stage_id == 0 and engine.grid.data_parallel_id == 1
+    if origin:
+        def raising(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("simulated out of memory in a sharded layer")
+
+        block = next(f for f in engine.module.forward_funcs if isinstance(f, GPTBlock))
+        block.forward = raising
+    result = run_until_error(lambda: engine.train_batch(iter(mine[2:4])), timeout_s)
+    return dict(linger_until_peers_stop(result, shared, timeout_s / 4), origin=origin,
+                rank=torch.distributed.get_rank())
+
+
 @suite("sharded")
 def suite_sharded(extra: dict) -> list[dict]:
     if extra.get("resume"):
@@ -379,4 +406,6 @@ def suite_sharded(extra: dict) -> list[dict]:
         checks = [("checkpoint across optimizer formats", _across_formats),
                   ("checkpoint between sharded and plain runs", _plain_and_sharded)]
         results += run_cases(checks, label=lambda name, fn: name, run=lambda name, fn: fn(extra["checkpoint"]))
+    if extra.get("fault"):
+        results.append(_fault(Path(extra["out"]) / "fault"))
     return results

@@ -3,9 +3,11 @@
 Why: the engine's own waits (transfers, barriers, agreements: ``p2p.py``) look at the job's abort flag while
 they are blocked, so a peer that raised stops them within a second. DeepSpeed's collectives after the schedule
 (the tied and data-parallel gradient reductions, the optimizer step's norms and ZeRO's gathers, the loss
-broadcast) and its barriers inside a checkpoint save block in the backend and look at nothing: a rank failing
-there (an out-of-memory in its first optimizer step is the common case) leaves its peers inside them until the
-process group's timeout, tens of minutes; under NCCL even when the failing process exits.
+broadcast), its barriers inside a checkpoint save and load, the broadcasts of the engine a repack builds, and
+inside a step the sharded chunks' gathers and reduce-scatters (FSDP2) and the sequence ranks' all-to-alls block in
+the backend and look at nothing: a rank failing there (an out-of-memory in its first optimizer step is the common
+case) leaves its peers inside them until the process group's timeout, tens of minutes; under NCCL even when the
+failing process exits.
 
 How: the engine enters such a stretch only after an abort-aware barrier that every rank passed, and for as long as
 it is inside, a thread (:class:`CollectiveWatch`) reads the flag every ``poll_s``. When another rank raised it,
@@ -66,9 +68,11 @@ def _process_groups() -> list[Any]:
 
 class CollectiveWatch:
     """The abort flag watched on a thread while the main thread is inside collectives that cannot watch it (the
-    module docstring says why). The engine runs ``train_batch``, ``eval_batch`` and DeepSpeed's checkpoint save
-    inside :meth:`around`, and calls :meth:`enter` where the stretch starts (after the barrier that ends each
-    schedule; before the save); the stretch ends with the block. ``tripped`` is the failure the thread acted on."""
+    module docstring says why). The engine runs ``train_batch``, ``eval_batch``, DeepSpeed's checkpoint save and
+    load, and a repack inside :meth:`around`, and calls :meth:`enter` where the stretch starts (after the barrier
+    that ends each schedule, or at the schedule's start where it holds such collectives itself: sharded chunks'
+    gathers, sequence ranks' all-to-alls; before the save, the load, the repack's engine build); the stretch ends
+    with the block. ``tripped`` is the failure the thread acted on."""
 
     def __init__(self, abort: Optional[AbortFlag], rank: int, poll_s: float) -> None:
         self.abort, self.rank, self.poll_s = abort, rank, poll_s
@@ -77,14 +81,24 @@ class CollectiveWatch:
         self._stop: Optional[threading.Event] = None
         self._thread: Optional[threading.Thread] = None
 
-    def enter(self, what: str) -> None:
-        """Start watching (a no-op without a flag, or when already watching)."""
-        if self.abort is None or self._thread is not None:
+    def enter(self, what: str, rename: bool = False) -> None:
+        """Start watching (a no-op without a flag, or when already watching; ``rename``: then the stretch is
+        ``what`` from here on, as a peer's failure will name it)."""
+        if self.abort is None:
+            return
+        if self._thread is not None:
+            if rename:
+                self.what = what
             return
         self.what, self._stop = what, threading.Event()
         self._thread = threading.Thread(target=self._watch, args=(self._stop, ), name="terapipe-collective-watch",
                                         daemon=True)
         self._thread.start()
+
+    @property
+    def watching(self) -> bool:
+        """Whether a stretch is being watched now."""
+        return self._thread is not None
 
     def leave(self) -> None:
         """Stop watching (returns at once: the thread wakes on the stop event)."""

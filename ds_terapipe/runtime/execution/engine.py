@@ -528,6 +528,14 @@ class TokenPipelineEngine(PlanSelection, BatchLoading, GradReduction, Checkpoint
             FlatBf16Grads.attach(self.optimizer).begin_step()
         if pipe_schedule.train and self.sharded is not None:
             self.sharded.begin_step()
+        if self.sharded is not None or self.sequence is not None:
+            # FSDP2's gathers and reduce-scatters and the sequence ranks' all-to-alls block in the backend without
+            # a deadline: a rank failing mid-step (out of memory in a layer) would leave a peer of its replica
+            # group or sequence group inside one until the process group's timeout. Every rank passed the batch
+            # agreement before this (an abort-aware wait), so the schedule runs under the collective watch.
+            blind = ["gathers and reduce-scatters"] * (self.sharded is not None) + \
+                ["all-to-alls"] * (self.sequence is not None)
+            self.collective_watch.enter("the schedule's " + " and ".join(blind))
         timeline: list[TimedAction] = []
         terms: dict[str, float] = defaultdict(float)
         start = synchronized_ms() if self.record_timeline else 0.0
@@ -866,7 +874,8 @@ class TokenPipelineEngine(PlanSelection, BatchLoading, GradReduction, Checkpoint
             # watch the abort flag: a rank failing in its last backward stops its peers here, not there. A rank
             # failing inside them (an optimizer step out of memory) stops its peers through the watch.
             self.barrier("the schedule of this batch")
-            self.collective_watch.enter("DeepSpeed's gradient reduction, optimizer step and loss broadcast")
+            self.collective_watch.enter("DeepSpeed's gradient reduction, optimizer step and loss broadcast",
+                                        rename=True)
 
     _INSTRUCTION_MAP = {
         **PipelineEngine._INSTRUCTION_MAP,
@@ -881,6 +890,17 @@ class TokenPipelineEngine(PlanSelection, BatchLoading, GradReduction, Checkpoint
         """An all-reduce of one number that waits with the p2p deadline and watches the abort flag."""
         flag = torch.zeros(1, device=self.device)
         self.p2p.wait(torch.distributed.all_reduce(flag, async_op=True), f"the barrier after {what}")
+
+    @contextmanager
+    def watching(self, what: str) -> Iterator[None]:
+        """A block of collectives that cannot watch the abort flag (a repack's engine build: DeepSpeed's
+        broadcasts and groups), entered by every rank after an abort-aware barrier and run under the collective
+        watch (collective_watch.py): a peer failing inside it stops this rank within ``poll_s`` instead of at the
+        process group's timeout."""
+        self.barrier(f"the work before {what}")
+        with self.collective_watch.around():
+            self.collective_watch.enter(what)
+            yield
 
 
 # The actions' instructions and their handlers, from the one table of runtime/execution/schedule.py.

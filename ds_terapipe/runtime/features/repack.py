@@ -515,7 +515,14 @@ _COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
 def repack(engine: "PipelineStage", k: int) -> dict[str, Any]:
     """Continue ``engine`` on ``p / k`` stages x ``k d`` replicas (collective; see the module docstring).
 
-    On return ``engine`` *is* the repacked engine (its state was replaced in place). Returns the event logged."""
+    On return ``engine`` *is* the repacked engine (its state was replaced in place). Returns the event logged.
+    Under the collective watch: building the new engine runs DeepSpeed's broadcasts and group creation, which
+    cannot watch the abort flag, so a rank failing in it (out of memory) would leave its peers there."""
+    with engine.watching("the repack"):
+        return _repack(engine, k)
+
+
+def _repack(engine: "PipelineStage", k: int) -> dict[str, Any]:
     from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
     from ..planning.plan import ResolvedPlan
