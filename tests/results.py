@@ -13,11 +13,11 @@ def cases_per_rank(results: list[dict], expected_cases: int, skip_prefix: str = 
     return per_rank
 
 
-def assert_stopped_by_the_watch(faults: list[dict], error: str, inside: str) -> None:
+def assert_stopped_by_the_watch(faults: list[dict], error: str, inside: str, where: str = "train_batch") -> None:
     """One case per rank of a launch whose last case is a fault (the suites' ``_fault``: the origin raised
-    ``error``, every rank lingered until all had stopped): every other rank raised ``PeerFailedError`` naming the
-    origin, within a quarter of its p2p deadline and before any rank left (no exit closed its connections), and
-    one of them was stopped by the collective watch while ``inside``."""
+    ``error`` in ``where``, every rank lingered until all had stopped): every other rank raised ``PeerFailedError``
+    naming the origin, within a quarter of its p2p deadline and before any rank left (no exit closed its
+    connections), and one of them was stopped by the collective watch while ``inside``."""
     assert all(f["case"] == "fault" for f in faults), faults
     origin = next(f for f in faults if f["origin"])
     assert origin["raised"] == "RuntimeError" and error in origin["message"], origin
@@ -26,7 +26,7 @@ def assert_stopped_by_the_watch(faults: list[dict], error: str, inside: str) -> 
         if fault is origin:
             continue
         assert fault["raised"] == "PeerFailedError", fault
-        assert f"rank {origin['rank']} (stage 0) failed in train_batch: RuntimeError: {error}" in fault["message"], \
+        assert f"rank {origin['rank']} (stage 0) failed in {where}: RuntimeError: {error}" in fault["message"], \
             fault["message"]
         assert fault["raised_at"] < first_left, fault
         assert fault["raised_at"] - origin["raised_at"] < fault["p2p_timeout_s"] / 4, fault

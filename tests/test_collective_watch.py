@@ -120,13 +120,27 @@ def test_leaving_stops_the_thread_at_once_and_a_healthy_stretch_does_nothing(clo
     CollectiveWatch(None, rank=0, poll_s=0.01).enter("no flag: no thread")   # a run without a store
 
 
+def _a_peer_fails(flag: FakeFlag, closed: threading.Event) -> None:
+    """Another rank's failure reaches the flag; once the watch closed the connections, the blocked collective
+    fails as it then would."""
+    flag.failure = ORIGIN
+    assert closed.wait(5.0), "the watch did not close the connections"
+    raise RuntimeError("Connection closed by peer")
+
+
+@pytest.fixture
+def watched(monkeypatch) -> tuple[CollectiveWatch, FakeFlag]:
+    """A watch of rank 0 polling every 10 ms, and its flag."""
+    monkeypatch.setattr("torch.distributed.get_rank", lambda: 0)   # the message names this rank
+    flag = FakeFlag()
+    return CollectiveWatch(flag, rank=0, poll_s=0.01), flag
+
+
 def test_a_stretch_entered_at_the_schedule_s_start_is_renamed_where_deepspeed_s_collectives_start(
-        closed, monkeypatch) -> None:
+        closed, watched) -> None:
     # a sharded or sequence-parallel schedule is watched from its start; the barrier that ends it renames the
     # stretch (one thread), and an enter without renaming (a nested block) keeps the name
-    monkeypatch.setattr("torch.distributed.get_rank", lambda: 0)
-    flag = FakeFlag()
-    watch = CollectiveWatch(flag, rank=0, poll_s=0.01)
+    watch, flag = watched
     with pytest.raises(PeerFailedError) as raised:
         with watch.around():
             watch.enter("the schedule's all-to-alls")
@@ -135,10 +149,24 @@ def test_a_stretch_entered_at_the_schedule_s_start_is_renamed_where_deepspeed_s_
             watch.enter("DeepSpeed's gradient reduction", rename=True)
             watch.enter("a nested block")
             assert watch._thread is thread
-            flag.failure = ORIGIN
-            assert closed.wait(5.0), "the watch did not close the connections"
-            raise RuntimeError("Connection closed by peer")
+            _a_peer_fails(flag, closed)
     assert "stopped while inside DeepSpeed's gradient reduction, because rank 1" in str(raised.value), raised.value
+    assert not watch.watching
+
+
+def test_a_nested_block_leaves_the_watch_to_the_outer_one(closed, watched) -> None:
+    # a step watched from its start (a sequence-parallel run) holds the schedule's own block: the inner block's
+    # end must not stop the thread the outer stretch still needs; a peer's failure inside the inner block is named
+    watch, flag = watched
+    with pytest.raises(PeerFailedError) as raised:
+        with watch.around():
+            watch.enter("the all-to-alls of train_batch")
+            with watch.around():
+                pass
+            assert watch.watching, "the inner block stopped the outer stretch's watch"
+            with watch.around():
+                _a_peer_fails(flag, closed)
+    assert "inside the all-to-alls of train_batch, because rank 1" in str(raised.value), raised.value
     assert not watch.watching
 
 

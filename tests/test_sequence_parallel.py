@@ -13,7 +13,8 @@ rows); ``engine.compile()`` (aot_eager, a Llama compiled again after a freeze); 
 gradient norms, and a repack onto fewer stages; the re-planner switching plans; checkpoints (fp32, bf16 at ZeRO 0,
 vocabulary-parallel) resumed at the same layout, and at sequence degree 1 from 2 and 2 from 1; eval_batch's loss; the
 refusals; activation and KV memory at degree 1 and 2; last, a sequence rank failing in a layer stops its peers
-within seconds, the one inside an all-to-all through the collective watch (tests/suites/sequence.py).
+within seconds, the one inside an all-to-all through the collective watch (tests/suites/sequence.py). A launch of its
+own does the same with the failure in init's profile.
 """
 
 from __future__ import annotations
@@ -156,6 +157,18 @@ def test_sequence_parallel_equals_the_reference(four_ranks) -> None:
         act = two["activation_bytes"] / one["activation_bytes"]
         total = (two["activation_bytes"] + two["kv_bytes"]) / (one["activation_bytes"] + one["kv_bytes"])
         assert act <= 0.55 and total <= 0.55, (rank, act, total, one, two)
+
+
+@pytest.mark.timeout(400)
+def test_a_sequence_rank_failing_in_init_s_profile_stops_every_rank_within_seconds(tmp_path) -> None:
+    # stage 0's second sequence rank raises in a layer before the first attention while slices "auto" are
+    # profiled; its sequence peer, inside that attention's all-to-all, is stopped by the collective watch
+    results = launch("sequence", 4, tmp_path, timeout_s=300, extra={"init_fault": True})
+    errors = [r["error"] for r in results if "error" in r]
+    assert not errors, errors[0]
+    faults = [r["results"][-1] for r in results]
+    assert_stopped_by_the_watch(faults, "simulated out of memory while profiling", "the all-to-alls of engine init",
+                                where="engine init")
 
 
 @pytest.mark.timeout(900)

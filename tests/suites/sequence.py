@@ -4,7 +4,7 @@ replicas the world leaves), the reference GPT and a Hugging Face Llama with grou
 m in {1, 3}, unequal slices; loss, every first-step gradient and the parameters after 3 SGD + momentum steps on
 every rank; a checkpoint resumed at the same layout; the refusals; last, a sequence rank failing mid-step stops its
 peers in seconds. ``extra``: ``cases`` ([model, schedule, micro, slices, zero stage, clipping]), ``features`` (the
-checkpoint and refusal cases), ``fault``.
+checkpoint and refusal cases), ``fault``; ``init_fault`` alone: a sequence rank failing in init's profile.
 """
 
 from __future__ import annotations
@@ -419,9 +419,39 @@ def _fault(shared: Path) -> dict[str, Any]:
                 rank=torch.distributed.get_rank())
 
 
+class _RaisingWhenProfiledOnRank1(torch.nn.Module):
+    """Position-wise; raises on global rank 1 (stage 0's second sequence rank) when called by the profiler."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import inspect
+
+        if torch.distributed.get_rank() == 1 and \
+                any(frame.function == "profile_stage" for frame in inspect.stack(context=0)):
+            raise RuntimeError("simulated out of memory while profiling a sequence-parallel stage")
+        return x
+
+
+def _init_fault(shared: Path) -> dict[str, Any]:
+    """Stage 0's second sequence rank fails while slices "auto" are profiled at init, in a layer before the first
+    attention: its sequence peer goes on into that attention's all-to-all, a collective without a deadline, and must
+    stop within seconds (the collective watch), while every rank still lives."""
+    from deepspeed.pipe import LayerSpec
+
+    STATUS["case"] = "fault"
+    timeout_s = 120
+    specs, vocab = _model("gpt")
+    specs.insert(1, LayerSpec(_RaisingWhenProfiledOnRank1))
+    result = run_until_error(lambda: _engine(specs, vocab, "1f1b", 2, "auto", 0, 0.0,
+                                             extra={"p2p_timeout_s": timeout_s}), timeout_s)
+    return dict(linger_until_peers_stop(result, shared, timeout_s / 4), origin=torch.distributed.get_rank() == 1,
+                rank=torch.distributed.get_rank())
+
+
 @suite("sequence")
 def suite_sequence(extra: dict) -> list[dict]:
     allow_fp16_on_cpu()
+    if extra.get("init_fault"):   # a launch of its own: a fault ends the launch
+        return [_init_fault(Path(extra["out"]) / "init_fault")]
     results = run_cases([tuple(c) for c in extra.get("cases", [])], _label, _case)
     results += run_cases([tuple(c) for c in extra.get("precision_cases", [])], _precision_label, _precision_case)
     # packed rows (tests/suites/packed.py's cases, at sequence degree 2): [schedule, v, slices, precision, 2]

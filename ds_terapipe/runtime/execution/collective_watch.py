@@ -4,13 +4,14 @@ Why: the engine's own waits (transfers, barriers, agreements: ``p2p.py``) look a
 they are blocked, so a peer that raised stops them within a second. DeepSpeed's collectives after the schedule
 (the tied and data-parallel gradient reductions, the optimizer step's norms and ZeRO's gathers, the loss
 broadcast), its barriers inside a checkpoint save and load, the broadcasts of the engine a repack builds, and
-inside a step the sharded chunks' gathers and reduce-scatters (FSDP2) and the sequence ranks' all-to-alls block in
-the backend and look at nothing: a rank failing there (an out-of-memory in its first optimizer step is the common
-case) leaves its peers inside them until the process group's timeout, tens of minutes; under NCCL even when the
-failing process exits.
+wherever the layers run (init's slice check and profile, each step) the sharded chunks' gathers and reduce-scatters
+(FSDP2) and the sequence ranks' all-to-alls block in the backend and look at nothing: a rank failing there (an
+out-of-memory in its first optimizer step is the common case) leaves its peers inside them until the process
+group's timeout, tens of minutes; under NCCL even when the failing process exits.
 
-How: the engine enters such a stretch only after an abort-aware barrier that every rank passed, and for as long as
-it is inside, a thread (:class:`CollectiveWatch`) reads the flag every ``poll_s``. When another rank raised it,
+How: the engine enters such a stretch after an abort-aware barrier or agreement that every rank passed (or, for
+init's planning, at the start of the engine's life), and for as long as it is inside, a thread
+(:class:`CollectiveWatch`) reads the flag every ``poll_s``. When another rank raised it,
 the thread closes this rank's connections (:func:`close_connections`), so the collective the main thread is
 blocked in fails at once (and its peers' collectives with this rank), and the engine raises ``PeerFailedError``
 naming the origin from that failure. The process groups are unusable afterwards, which is what a failed step
@@ -70,9 +71,10 @@ class CollectiveWatch:
     """The abort flag watched on a thread while the main thread is inside collectives that cannot watch it (the
     module docstring says why). The engine runs ``train_batch``, ``eval_batch``, DeepSpeed's checkpoint save and
     load, and a repack inside :meth:`around`, and calls :meth:`enter` where the stretch starts (after the barrier
-    that ends each schedule, or at the schedule's start where it holds such collectives itself: sharded chunks'
-    gathers, sequence ranks' all-to-alls; before the save, the load, the repack's engine build); the stretch ends
-    with the block. ``tripped`` is the failure the thread acted on."""
+    that ends each schedule; before the save, the load, the repack's engine build; and from the start of init's
+    planning and of every step where this rank's own collectives cannot watch the flag: sharded chunks' gathers
+    and reduce-scatters, sequence ranks' all-to-alls); the stretch ends with the block, the outermost one where
+    blocks nest. ``tripped`` is the failure the thread acted on."""
 
     def __init__(self, abort: Optional[AbortFlag], rank: int, poll_s: float) -> None:
         self.abort, self.rank, self.poll_s = abort, rank, poll_s
@@ -80,6 +82,7 @@ class CollectiveWatch:
         self.what = ""
         self._stop: Optional[threading.Event] = None
         self._thread: Optional[threading.Thread] = None
+        self._depth = 0   # blocks of around() this one is inside
 
     def enter(self, what: str, rename: bool = False) -> None:
         """Start watching (a no-op without a flag, or when already watching; ``rename``: then the stretch is
@@ -115,12 +118,15 @@ class CollectiveWatch:
         is on the flag is raised as that rank's ``PeerFailedError``, naming the origin, when the failure explains
         it: this rank's watch closed the connections, or the error is a ``RuntimeError`` (a collective failed
         because a peer's watch closed them first). The error the origin raised, raised here too, stays this rank's
-        own: a verdict every rank reached (DeepSpeed's fp16 scaler at its minimum) is no peer's fault."""
+        own: a verdict every rank reached (DeepSpeed's fp16 scaler at its minimum) is no peer's fault. Inside
+        another block, the outer one leaves."""
+        self._depth += 1
         try:
             yield
         except Exception as err:
             inside = self._thread is not None
-            self.leave()
+            if self._depth == 1:
+                self.leave()
             if inside and not isinstance(err, PeerFailedError) and self.abort is not None:
                 failure = self.tripped or self.abort.get()
                 if failure is not None and failure.get("rank") != self.rank and \
@@ -129,7 +135,9 @@ class CollectiveWatch:
                     raise peer_failed(failure, f"inside {self.what}") from err
             raise
         finally:
-            self.leave()
+            self._depth -= 1
+            if not self._depth:
+                self.leave()
 
     def _watch(self, stop: threading.Event) -> None:
         assert self.abort is not None

@@ -277,7 +277,8 @@ class TokenPipelineEngine(PlanSelection, BatchLoading, GradReduction, Checkpoint
                             self.stage_id, count)
             self.fused_grad_accumulation = self._fuse_grad_accumulation()   # before profiling too: it times it
             install_sliced_checkpointing(self.module, self.terapipe)  # before profiling: it times the recompute
-            self.plan: ResolvedPlan = resolve_plan(self)
+            with self._watched_if_blind("engine init"):   # the slice check and profile run the layers
+                self.plan: ResolvedPlan = resolve_plan(self)
             # One plan per sequence length seen, planned once (variable-length training), in the order resolved.
             self.plans: dict[int, ResolvedPlan] = {self.plan.seq_len: self.plan}
             # Without an input sampler init could not probe the slice check: each length is checked on its first
@@ -399,23 +400,24 @@ class TokenPipelineEngine(PlanSelection, BatchLoading, GradReduction, Checkpoint
             # included); not synchronised: device work the last step left queued is this step's wait
             entered = time.time() * 1e3
             source = data_iter if data_iter is not None else getattr(self, "data_iterator", None)
-            if self.freezer is not None:
-                self.freezer.before_step(self)  # a repack (runtime/features/repack.py) turns self into the new engine
-            if self.repack_share is not None:   # this replica's share of the step's micro-batches
-                data_iter = self.repack_share.take(self, source, self.micro_batches)
-            if data_iter is not None:
-                self.set_dataiterator(data_iter)
-            peeked = self._use_plan_for_next_batch(self.data_iterator, train=True)
-            if self.is_first_stage() or self.is_last_stage():
-                self.data_iterator = peeked
-            if self.replanner is not None:
-                self.replanner.before_step(self)
-            with self.collective_watch.around():   # entered after the schedule's last barrier
-                loss = super().train_batch()
-            if self.record_timeline:
-                self.last_step_terms["step"] = synchronized_ms() - entered
-            if self.replanner is not None:
-                self.replanner.after_step(self)
+            with self._watched_if_blind("train_batch"):   # a new length's plan and slice check run the layers too
+                if self.freezer is not None:
+                    self.freezer.before_step(self)  # a repack (runtime/features/repack.py): self is the new engine
+                if self.repack_share is not None:   # this replica's share of the step's micro-batches
+                    data_iter = self.repack_share.take(self, source, self.micro_batches)
+                if data_iter is not None:
+                    self.set_dataiterator(data_iter)
+                peeked = self._use_plan_for_next_batch(self.data_iterator, train=True)
+                if self.is_first_stage() or self.is_last_stage():
+                    self.data_iterator = peeked
+                if self.replanner is not None:
+                    self.replanner.before_step(self)
+                with self.collective_watch.around():   # entered after the schedule's last barrier
+                    loss = super().train_batch()
+                if self.record_timeline:
+                    self.last_step_terms["step"] = synchronized_ms() - entered
+                if self.replanner is not None:
+                    self.replanner.after_step(self)
             return loss
 
     def eval_batch(self, data_iter: Iterator, *args: Any, **kwargs: Any) -> Any:
@@ -429,7 +431,7 @@ class TokenPipelineEngine(PlanSelection, BatchLoading, GradReduction, Checkpoint
                 data_iter = self.repack_share.take(self, data_iter, count, "eval_batch")
                 bound.arguments["num_micro_batches"] = count
                 args, kwargs = bound.args[2:], bound.kwargs   # this replica's share, as DeepSpeed runs it
-            with self.collective_watch.around():   # entered after the schedule's last barrier
+            with self._watched_if_blind("eval_batch"), self.collective_watch.around():
                 return super().eval_batch(self._use_plan_for_next_batch(data_iter, count=count), *args, **kwargs)
 
     def _repacked_eval_share(self, asked: Optional[int]) -> int:
@@ -528,14 +530,9 @@ class TokenPipelineEngine(PlanSelection, BatchLoading, GradReduction, Checkpoint
             FlatBf16Grads.attach(self.optimizer).begin_step()
         if pipe_schedule.train and self.sharded is not None:
             self.sharded.begin_step()
-        if self.sharded is not None or self.sequence is not None:
-            # FSDP2's gathers and reduce-scatters and the sequence ranks' all-to-alls block in the backend without
-            # a deadline: a rank failing mid-step (out of memory in a layer) would leave a peer of its replica
-            # group or sequence group inside one until the process group's timeout. Every rank passed the batch
-            # agreement before this (an abort-aware wait), so the schedule runs under the collective watch.
-            blind = ["gathers and reduce-scatters"] * (self.sharded is not None) + \
-                ["all-to-alls"] * (self.sequence is not None)
-            self.collective_watch.enter("the schedule's " + " and ".join(blind))
+        blind = self._blind_collectives()
+        if blind:   # watched from the step's start (_watched_if_blind); here too for the step a repack began
+            self.collective_watch.enter(f"the schedule's {blind}", rename=True)
         timeline: list[TimedAction] = []
         terms: dict[str, float] = defaultdict(float)
         start = synchronized_ms() if self.record_timeline else 0.0
@@ -899,7 +896,29 @@ class TokenPipelineEngine(PlanSelection, BatchLoading, GradReduction, Checkpoint
         process group's timeout."""
         self.barrier(f"the work before {what}")
         with self.collective_watch.around():
-            self.collective_watch.enter(what)
+            self.collective_watch.enter(what, rename=True)
+            yield
+
+    def _blind_collectives(self) -> Optional[str]:
+        """The collectives this rank's own layers run that cannot watch the abort flag (None: none): sharded
+        chunks' gathers and reduce-scatters (FSDP2), sequence ranks' all-to-alls. They block in the backend
+        without a deadline, so a peer failing in a layer (out of memory) would leave this rank inside one until
+        the process group's timeout."""
+        blind = ["gathers and reduce-scatters"] * (self.sharded is not None) + \
+            ["all-to-alls"] * (self.sequence is not None)
+        return " and ".join(blind) or None
+
+    @contextmanager
+    def _watched_if_blind(self, what: str) -> Iterator[None]:
+        """``what`` (init's planning, a step) under the collective watch when this rank's layers run collectives
+        that cannot watch the abort flag (:meth:`_blind_collectives`): the slice check, the profile and the
+        schedule all run the layers. Nothing otherwise: every wait of the engine's own watches the flag."""
+        blind = self._blind_collectives()
+        if blind is None:
+            yield
+            return
+        with self.collective_watch.around():
+            self.collective_watch.enter(f"the {blind} of {what}")
             yield
 
 
