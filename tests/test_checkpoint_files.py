@@ -208,3 +208,42 @@ def test_layer_shapes_name_a_tensor_the_checkpoint_lacks_or_holds_in_another_sha
     assert "layer 0 (Linear): the checkpoint lacks ['bias']" in lacks
     assert "layer 0 weight is (2, 3) in the checkpoint but (2, 4) in this model" in check_layer_shapes(
         stage(torch.nn.Linear(4, 2, bias=False)), tag_dir)
+
+
+def test_a_load_meets_its_peers_in_an_abort_aware_barrier_before_its_first_broadcast(monkeypatch) -> None:
+    """``load_checkpoint`` starts with rank 0's read of `latest`, broadcast without a deadline: a rank that failed
+    after its last wait on the abort flag (a step's end its script caught) must stop its peers first, in a barrier
+    that watches the flag."""
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    from ds_terapipe.runtime.execution import engine_checkpoint
+
+    calls: list[str] = []
+
+    def decided(decide) -> None:
+        calls.append("decided_on_rank0")
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(engine_checkpoint, "decided_on_rank0", decided)
+    engine = SimpleNamespace(_failing_fast=lambda what: nullcontext(),
+                             barrier=lambda what: calls.append(f"barrier: {what}"))
+    with pytest.raises(RuntimeError, match="stop here"):
+        engine_checkpoint.Checkpointing.load_checkpoint(engine, "/nowhere")
+    assert calls == ["barrier: the start of a checkpoint load", "decided_on_rank0"], calls
+
+
+def test_a_manifest_one_rank_cannot_read_does_not_make_it_repack_alone(monkeypatch, tmp_path) -> None:
+    """Before a load, an engine in the original layout repacks like the checkpoint (collective); a rank that cannot
+    read the manifest (a permission, a stale file handle) must not raise alone there, leaving its peers in the
+    repack's collectives: it skips, and the manifest check that follows refuses the load on every rank."""
+    from types import SimpleNamespace
+
+    from ds_terapipe.runtime.execution import engine_checkpoint
+
+    def unreadable(tag_dir: str) -> dict:
+        raise PermissionError(13, "Permission denied", tag_dir)
+
+    monkeypatch.setattr(engine_checkpoint.ckpt, "read_manifest", unreadable)
+    engine = SimpleNamespace(freezer=SimpleNamespace(repacked=None, cfg=SimpleNamespace(repack=True)))
+    assert engine_checkpoint.Checkpointing._repack_like(engine, str(tmp_path), "global_step3") is None

@@ -1,4 +1,4 @@
-"""Tier b, ten 3-rank launches: no silent wrong gradients, and one rank's error stops every rank in seconds.
+"""Tier b, eleven 3-rank launches: no silent wrong gradients, and one rank's error stops every rank in seconds.
 
 * The init-time slice check refuses attention that a zero-initialised output projection hides from the
   outputs (bidirectional, or causal over the slice alone), naming the layer.
@@ -12,8 +12,9 @@
   whose head is tied to the first stage's embedding (launch 8), and the middle stage raising in its
   optimizer step while its peers are inside DeepSpeed's all-reduce of the gradient norm (launch 6), rank 0
   failing inside DeepSpeed's save while its peers wait in that save's barrier (launch 7), the middle stage failing
-  while it builds the engine of a repack while its peers are inside that build's broadcasts (launch 10; in 6, 7 and
-  10 the peers stop through the collective watch, before any rank exits), and the middle stage failing inside
+  while it builds the engine of a repack while its peers are inside that build's broadcasts (launch 10), the first
+  stage failing among init's timed reductions while its tied peer is inside one (launch 11; in 6, 7, 10 and 11 the
+  peers stop through the collective watch, before any rank exits), and the middle stage failing inside
   DeepSpeed's load while its peers' loads succeed (launch 9). Every rank raises naming the origin rank and its
   error, and stops
   through the abort flag (about a second after the origin raised, timed on the host's one monotonic clock; the
@@ -196,13 +197,15 @@ def launch_deepspeed_save(tmp_path_factory) -> list[dict[str, dict]]:
     return _fault_only(tmp_path_factory, "deepspeed save")
 
 
-def _stopped_by_the_watch(results: list[dict[str, dict]], case: str, origin: int, inside: str) -> None:
-    """Every peer of the origin stopped inside ``inside`` before any rank's process left (an exit would have closed
-    the connections anyway: every rank lingers until all have stopped)."""
+def _stopped_by_the_watch(results: list[dict[str, dict]], case: str, origin: int, inside: str,
+                          watched: tuple[int, ...] = ()) -> None:
+    """Every peer of the origin (``watched``: those ranks; the others may stop in a wait of the engine's own)
+    stopped inside ``inside``, and every peer before any rank's process left (an exit would have closed the
+    connections anyway: every rank lingers until all have stopped)."""
     first_left = min(result[case]["left_at"] for result in results)
     for rank, result in enumerate(results):
         if rank != origin:
-            assert f"inside {inside}" in result[case]["message"], result[case]
+            assert rank not in (watched or [rank]) or f"inside {inside}" in result[case]["message"], result[case]
             assert result[case]["raised_at"] < first_left, result[case]
 
 
@@ -258,3 +261,18 @@ def test_a_rank_failing_while_building_the_repacked_engine_stops_every_rank_with
     _stopped_by(launch_repack, "repack", 1, "train_batch",
                 "RuntimeError: simulated out of memory building the repacked engine")
     _stopped_by_the_watch(launch_repack, "repack", 1, "the repack")
+
+
+@pytest.fixture(scope="module")
+def launch_profile_reduce(tmp_path_factory) -> list[dict[str, dict]]:
+    return _fault_only(tmp_path_factory, "profile reduce")
+
+
+@pytest.mark.timeout(500)
+def test_a_rank_failing_among_init_s_timed_reductions_stops_every_rank_within_seconds(launch_profile_reduce) -> None:
+    # its tied peer (the last stage) is inside the timed all-reduce of the tied embedding's gradient, which has no
+    # deadline; the middle stage waits in a barrier of the engine's own
+    _stopped_by(launch_profile_reduce, "profile reduce", 0, "engine init",
+                "RuntimeError: simulated out of memory allocating the tied reduction's buffer")
+    _stopped_by_the_watch(launch_profile_reduce, "profile reduce", 0, "engine init's slice check and profile",
+                          watched=(2, ))

@@ -3,7 +3,7 @@ tests/test_engine_faults.py: the init-time slice check refusing attention that m
 (hidden from the outputs by a zero-initialised projection; also checked on the first batch where no input can be
 sampled), a planner failure raised on every rank, a constant KV-cache key and one block shared at three depths
 trained exactly; then ONE fault, ``extra["fault"]`` ("loss", "length", "init", "profile", "profile last",
-"checkpoint", "deepspeed save", "deepspeed load", "repack" or "optimizer"): a fault leaves transfers half done, so it ends
+"profile reduce", "checkpoint", "deepspeed save", "deepspeed load", "repack" or "optimizer"): a fault leaves transfers half done, so it ends
 the launch, and every rank must stop within seconds, naming it. ``extra["cases"]=False`` runs the fault alone.
 """
 
@@ -196,6 +196,22 @@ def suite_faults(extra: dict) -> list[dict]:
         results.append(until_error(lambda: pipeline_engine(cfg, layers, {
             "seq_len": seq_len, "slices": "auto", "granularity": 4, "p2p_timeout_s": FAULT_P2P_TIMEOUT_S,
             "profile": {"slice_lengths": [8, 48], "num_contexts": 1, "warmup": 0, "repeats": 1}})))
+    elif fault == "profile reduce":
+        # rank 0 fails right after the barrier before the timed reductions (allocating the tied weight's buffer, as
+        # an out-of-memory would): its tied peer waits in the timed all-reduce and the middle stage in the next
+        # timed collective, neither watching the flag: they stop through the collective watch over init's planning
+        STATUS["case"] = fault
+        from ds_terapipe.runtime.planning import step_profile
+
+        if RANK == 0:
+            def raising(*args: Any, **kwargs: Any) -> Any:
+                raise RuntimeError("simulated out of memory allocating the tied reduction's buffer")
+
+            step_profile._time_tied_reduce = raising
+        result = until_error(lambda: pipeline_engine(cfg, gpt_layer_specs(cfg), {
+            "seq_len": seq_len, "slices": "auto", "granularity": 4, "p2p_timeout_s": FAULT_P2P_TIMEOUT_S,
+            "profile": {"slice_lengths": [8, 48], "num_contexts": 1, "warmup": 0, "repeats": 1}}))
+        results.append(linger_until_peers_stop(result, Path(extra["out"]), FAULT_P2P_TIMEOUT_S / 4))
     elif fault == "checkpoint":
         # one rank fails while saving (here: its plan summary raises); the others stop within seconds
         STATUS["case"] = "checkpoint"

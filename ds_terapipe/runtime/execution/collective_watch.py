@@ -3,11 +3,12 @@
 Why: the engine's own waits (transfers, barriers, agreements: ``p2p.py``) look at the job's abort flag while
 they are blocked, so a peer that raised stops them within a second. DeepSpeed's collectives after the schedule
 (the tied and data-parallel gradient reductions, the optimizer step's norms and ZeRO's gathers, the loss
-broadcast), its barriers inside a checkpoint save and load, the broadcasts of the engine a repack builds, and
-wherever the layers run (init's slice check and profile, each step) the sharded chunks' gathers and reduce-scatters
-(FSDP2) and the sequence ranks' all-to-alls block in the backend and look at nothing: a rank failing there (an
-out-of-memory in its first optimizer step is the common case) leaves its peers inside them until the process
-group's timeout, tens of minutes; under NCCL even when the failing process exits.
+broadcast), its barriers inside a checkpoint save and load, the reductions init times and the decisions it
+broadcasts from rank 0, the broadcasts of the engine a repack builds, and wherever the layers run (init's slice
+check and profile, each step) the sharded chunks' gathers and reduce-scatters (FSDP2) and the sequence ranks'
+all-to-alls block in the backend and look at nothing: a rank failing there (an out-of-memory in its first optimizer
+step is the common case) leaves its peers inside them until the process group's timeout, tens of minutes; under
+NCCL even when the failing process exits.
 
 How: the engine enters such a stretch after an abort-aware barrier or agreement that every rank passed (or, for
 init's planning, at the start of the engine's life), and for as long as it is inside, a thread
@@ -71,10 +72,10 @@ class CollectiveWatch:
     """The abort flag watched on a thread while the main thread is inside collectives that cannot watch it (the
     module docstring says why). The engine runs ``train_batch``, ``eval_batch``, DeepSpeed's checkpoint save and
     load, and a repack inside :meth:`around`, and calls :meth:`enter` where the stretch starts (after the barrier
-    that ends each schedule; before the save, the load, the repack's engine build; and from the start of init's
-    planning and of every step where this rank's own collectives cannot watch the flag: sharded chunks' gathers
-    and reduce-scatters, sequence ranks' all-to-alls); the stretch ends with the block, the outermost one where
-    blocks nest. ``tripped`` is the failure the thread acted on."""
+    that ends each schedule; before the save, the load, the repack's engine build; at the start of init's
+    planning; and from the start of every step where this rank's own collectives cannot watch the flag: sharded
+    chunks' gathers and reduce-scatters, sequence ranks' all-to-alls); the stretch ends with the block, the
+    outermost one where blocks nest. ``tripped`` is the failure the thread acted on."""
 
     def __init__(self, abort: Optional[AbortFlag], rank: int, poll_s: float) -> None:
         self.abort, self.rank, self.poll_s = abort, rank, poll_s

@@ -277,7 +277,11 @@ class TokenPipelineEngine(PlanSelection, BatchLoading, GradReduction, Checkpoint
                             self.stage_id, count)
             self.fused_grad_accumulation = self._fuse_grad_accumulation()   # before profiling too: it times it
             install_sliced_checkpointing(self.module, self.terapipe)  # before profiling: it times the recompute
-            with self._watched_if_blind("engine init"):   # the slice check and profile run the layers
+            # the slice check and profile time plain collectives (the tied and data-parallel reductions, the
+            # vocabulary broadcasts, sharded layers' gathers, sequence ranks' all-to-alls) and end in decisions
+            # broadcast from rank 0: a rank failing among them (out of memory) stops its peers through the watch
+            with self.collective_watch.around():
+                self.collective_watch.enter("engine init's slice check and profile")
                 self.plan: ResolvedPlan = resolve_plan(self)
             # One plan per sequence length seen, planned once (variable-length training), in the order resolved.
             self.plans: dict[int, ResolvedPlan] = {self.plan.seq_len: self.plan}
@@ -910,9 +914,9 @@ class TokenPipelineEngine(PlanSelection, BatchLoading, GradReduction, Checkpoint
 
     @contextmanager
     def _watched_if_blind(self, what: str) -> Iterator[None]:
-        """``what`` (init's planning, a step) under the collective watch when this rank's layers run collectives
-        that cannot watch the abort flag (:meth:`_blind_collectives`): the slice check, the profile and the
-        schedule all run the layers. Nothing otherwise: every wait of the engine's own watches the flag."""
+        """``what`` (a step) under the collective watch when this rank's layers run collectives that cannot watch
+        the abort flag (:meth:`_blind_collectives`): a new length's slice check and profile and the schedule all
+        run the layers. Nothing otherwise: every wait of the engine's own watches the flag."""
         blind = self._blind_collectives()
         if blind is None:
             yield

@@ -142,6 +142,9 @@ class Checkpointing:
         otherwise). A checkpoint from another number of stages loads its weights (per-layer files) but not the
         optimizer state, which DeepSpeed stores per stage."""
         with self._failing_fast("load_checkpoint"):
+            # the broadcasts below block without a deadline: a rank that failed after its last wait on the abort
+            # flag (at the end of a step its script caught) stops its peers here first
+            self.barrier("the start of a checkpoint load")
             # `latest` is written by global rank 0 alone: every rank loads the tag rank 0 reads there (None: nothing)
             tag = str(tag) if tag is not None else decided_on_rank0(lambda: ckpt.read_latest(load_dir))
             self._repack_like(load_dir, tag)
@@ -167,7 +170,7 @@ class Checkpointing:
             return
         try:
             manifest = ckpt.read_manifest(os.path.join(load_dir, tag)) if tag is not None else {}
-        except ckpt.CheckpointError:
+        except (ckpt.CheckpointError, OSError):   # (a file this rank alone cannot read: it must not freeze alone)
             return  # _checked_load reports it, on every rank
         done = manifest.get("repacked")
         if not done or list(done["stages"]) != [self.num_stages, manifest.get("num_stages")]:
