@@ -404,9 +404,10 @@ class TokenPipelineEngine(PlanSelection, BatchLoading, GradReduction, Checkpoint
             # included); not synchronised: device work the last step left queued is this step's wait
             entered = time.time() * 1e3
             source = data_iter if data_iter is not None else getattr(self, "data_iterator", None)
+            if self.freezer is not None:   # (a repack watches itself: engine.watching)
+                self.freezer.before_step(self)  # a repack (runtime/features/repack.py) turns self into the new engine
+            # watched by the engine that runs the step (after a repack, the new one)
             with self._watched_if_blind("train_batch"):   # a new length's plan and slice check run the layers too
-                if self.freezer is not None:
-                    self.freezer.before_step(self)  # a repack (runtime/features/repack.py): self is the new engine
                 if self.repack_share is not None:   # this replica's share of the step's micro-batches
                     data_iter = self.repack_share.take(self, source, self.micro_batches)
                 if data_iter is not None:
@@ -535,7 +536,7 @@ class TokenPipelineEngine(PlanSelection, BatchLoading, GradReduction, Checkpoint
         if pipe_schedule.train and self.sharded is not None:
             self.sharded.begin_step()
         blind = self._blind_collectives()
-        if blind:   # watched from the step's start (_watched_if_blind); here too for the step a repack began
+        if blind:   # watched since the step's start (_watched_if_blind): named for the schedule from here
             self.collective_watch.enter(f"the schedule's {blind}", rename=True)
         timeline: list[TimedAction] = []
         terms: dict[str, float] = defaultdict(float)
