@@ -167,8 +167,8 @@ def test_a_sequence_rank_failing_in_init_s_profile_stops_every_rank_within_secon
     errors = [r["error"] for r in results if "error" in r]
     assert not errors, errors[0]
     faults = [r["results"][-1] for r in results]
-    assert_stopped_by_the_watch(faults, "simulated out of memory while profiling", "engine init's slice check and profile",
-                                where="engine init")
+    assert_stopped_by_the_watch(faults, "simulated out of memory while profiling",
+                                "engine init's slice check and profile", where="engine init")
 
 
 @pytest.mark.timeout(900)

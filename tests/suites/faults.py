@@ -3,8 +3,9 @@ tests/test_engine_faults.py: the init-time slice check refusing attention that m
 (hidden from the outputs by a zero-initialised projection; also checked on the first batch where no input can be
 sampled), a planner failure raised on every rank, a constant KV-cache key and one block shared at three depths
 trained exactly; then ONE fault, ``extra["fault"]`` ("loss", "length", "init", "profile", "profile last",
-"profile reduce", "checkpoint", "deepspeed save", "deepspeed load", "repack" or "optimizer"): a fault leaves transfers half done, so it ends
-the launch, and every rank must stop within seconds, naming it. ``extra["cases"]=False`` runs the fault alone.
+"profile reduce", "checkpoint", "deepspeed save", "deepspeed load", "repack" or "optimizer"): a fault leaves
+transfers half done, so it ends the launch, and every rank must stop within seconds, naming it.
+``extra["cases"]=False`` runs the fault alone.
 """
 
 from __future__ import annotations
@@ -198,8 +199,8 @@ def suite_faults(extra: dict) -> list[dict]:
             "profile": {"slice_lengths": [8, 48], "num_contexts": 1, "warmup": 0, "repeats": 1}})))
     elif fault == "profile reduce":
         # rank 0 fails right after the barrier before the timed reductions (allocating the tied weight's buffer, as
-        # an out-of-memory would): its tied peer waits in the timed all-reduce and the middle stage in the next
-        # timed collective, neither watching the flag: they stop through the collective watch over init's planning
+        # an out-of-memory would): its tied peer waits in the timed all-reduce, which cannot watch the flag, and
+        # stops through the collective watch over init's planning (the middle stage, in a barrier, by the flag)
         STATUS["case"] = fault
         from ds_terapipe.runtime.planning import step_profile
 
