@@ -92,6 +92,10 @@ def test_cost_based_partition_equals_the_reference(tmp_path) -> None:
     assert ref["bad_parts"]["type"] == "ValueError" and "increasing boundaries from 0 to 7" in \
         ref["bad_parts"]["message"]
     assert ref["no_seq_len"]["type"] == "ValueError" and "terapipe.seq_len" in ref["no_seq_len"]["message"]
+    for rank in results:   # one rank's out-of-memory while building the vocabulary shard to profile: every rank's
+        oom = next(c for c in rank["results"] if c["case"] == "refusals")["shard_oom"]
+        assert oom["type"] == "RuntimeError" and "building the output layer's shard to profile failed (rank 1: " \
+            "RuntimeError: simulated out of memory building the shard)" in oom["message"], oom
     stored = [json.loads(f.read_text()) for f in Path(tmp_path, "plans").glob("terapipe-partition-*.json")]
     # one file per setting (bf16's is fp32's): the three without vocabulary parallelism, the three with VP (their
     # share's points too)

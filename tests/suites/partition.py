@@ -21,8 +21,8 @@ import ds_terapipe
 from ds_terapipe.runtime.features import partition as _partition
 from ds_terapipe.models.gpt import GPTConfig, GPTReference, causal_lm_loss, gpt_layer_specs
 from tests.suites import suite
-from tests.suites.common import (CLIP, ENGINE_REF, STATUS, WORLD, clip_result, compare, deltas, first_step_grads,
-                                 make_batches, master_weights, reference_step, train_steps)
+from tests.suites.common import (CLIP, ENGINE_REF, RANK, STATUS, WORLD, clip_result, compare, deltas,
+                                 first_step_grads, make_batches, master_weights, reference_step, train_steps)
 from tests.suites.common_vocab import vocab_compare
 
 # The head's measured points are made this much dearer before the partition is planned. Measured alone its margin
@@ -173,8 +173,23 @@ def suite_partition(extra: dict) -> list[dict]:
             partition_method="terapipe"))
         bad_parts = _error(lambda: _module(cfg, config, 2, "parts:0,9"))
         no_seq_len = _error(lambda: ds_terapipe.partition_kwargs({"terapipe": {"enabled": True}}))
+        # rank 1 runs out of memory building the output layer's shard to profile (vocabulary parallelism): every
+        # rank raises it, none waits in the link timing's broadcasts, and the next cases run
+        from ds_terapipe.runtime.features import partition as partition_module
+
+        def out_of_memory(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("simulated out of memory building the shard")
+
+        original = partition_module.profiling_shard
+        partition_module.profiling_shard = out_of_memory if RANK == 1 else original
+        try:
+            shard_oom = _error(lambda: _module(cfg, _config({"slices": 1, "seq_len": 48, "granularity": 8,
+                                                             "profile": profile}, micro=1, batch=2, dp=1,
+                                                            zero_stage=0, vocab_parallel=True), 2, "terapipe"))
+        finally:
+            partition_module.profiling_shard = original
         results.append({"case": "refusals", "no_settings": no_settings, "bad_parts": bad_parts,
-                        "no_seq_len": no_seq_len})
+                        "no_seq_len": no_seq_len, "shard_oom": shard_oom})
         STATUS["case"] = "bf16 zero0 terapipe"   # the first case's setting: its fp32 partition is in the cache
         sched, slices, _ = first_case
         results.append(_bf16_case(cfg, {"slices": slices, "schedule": sched, "granularity": 8, "plan_cache": cache,

@@ -274,9 +274,23 @@ def _cost_partition(module: "torch.nn.Module", num_chunks: int) -> tuple[tuple[i
         return tuple(decided["parts"]), decided
     device = torch.device(get_accelerator().device_name(module.local_rank))
     shard = split = table = links = None
-    if module.vocab_head_spec is not None:  # deterministic: raises alike on every rank, before any collective
-        with torch.random.fork_rng(devices=[]):
-            shard, split, table = profiling_shard(module, module.vocab_head_spec, device)
+    if module.vocab_head_spec is not None:
+        # its refusals raise alike on every rank, but an out-of-memory building the whole layer on one rank would
+        # leave the others in the broadcasts below: every rank learns of it first
+        problem = None
+        try:
+            with torch.random.fork_rng(devices=[]):
+                shard, split, table = profiling_shard(module, module.vocab_head_spec, device)
+        except Exception as err:  # noqa: BLE001 - raised below, on every rank
+            logger.exception("terapipe partition: building the output layer's shard failed on rank %d",
+                             dist.get_rank())
+            problem = f"rank {dist.get_rank()}: {type(err).__name__}: {err}"
+        problems: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+        failed = [p for p in problems if p]
+        if failed:
+            raise mark_collective(RuntimeError(
+                f"terapipe partition: building the output layer's shard to profile failed ({failed[0]})"))
         if num_ranks > 1:
             links = time_links(module, settings.micro_batch_size * settings.seq_len * shard.weight.shape[1],
                                shard.weight.dtype, device, warmup=settings.warmup, repeats=settings.repeats)
