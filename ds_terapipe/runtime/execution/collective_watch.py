@@ -71,7 +71,8 @@ def _process_groups() -> list[Any]:
 class CollectiveWatch:
     """The abort flag watched on a thread while the main thread is inside collectives that cannot watch it (the
     module docstring says why). The engine runs ``train_batch``, ``eval_batch``, DeepSpeed's checkpoint save and
-    load, and a repack inside :meth:`around`, and calls :meth:`enter` where the stretch starts (after the barrier
+    load, and a repack inside :meth:`around` (:meth:`stretch` where the block starts watched), and calls :meth:`enter`
+    where the stretch starts (after the barrier
     that ends each schedule; before the save, the load, the repack's engine build; at the start of init's
     planning; and from the start of every step where this rank's own collectives cannot watch the flag: sharded
     chunks' gathers and reduce-scatters, sequence ranks' all-to-alls); the stretch ends with the block, the
@@ -98,6 +99,13 @@ class CollectiveWatch:
         self._thread = threading.Thread(target=self._watch, args=(self._stop, ), name="terapipe-collective-watch",
                                         daemon=True)
         self._thread.start()
+
+    @contextmanager
+    def stretch(self, what: str) -> Iterator[None]:
+        """A block watched from its start as ``what``: :meth:`around` it, :meth:`enter` at once."""
+        with self.around():
+            self.enter(what)
+            yield
 
     @property
     def watching(self) -> bool:

@@ -280,8 +280,7 @@ class TokenPipelineEngine(PlanSelection, BatchLoading, GradReduction, Checkpoint
             # the slice check and profile time plain collectives (the tied and data-parallel reductions, the
             # vocabulary broadcasts, sharded layers' gathers, sequence ranks' all-to-alls) and end in decisions
             # broadcast from rank 0: a rank failing among them (out of memory) stops its peers through the watch
-            with self.collective_watch.around():
-                self.collective_watch.enter("engine init's slice check and profile")
+            with self.collective_watch.stretch("engine init's slice check and profile"):
                 self.plan: ResolvedPlan = resolve_plan(self)
             # One plan per sequence length seen, planned once (variable-length training), in the order resolved.
             self.plans: dict[int, ResolvedPlan] = {self.plan.seq_len: self.plan}
@@ -900,8 +899,7 @@ class TokenPipelineEngine(PlanSelection, BatchLoading, GradReduction, Checkpoint
         watch (collective_watch.py): a peer failing inside it stops this rank within ``poll_s`` instead of at the
         process group's timeout."""
         self.barrier(f"the work before {what}")
-        with self.collective_watch.around():
-            self.collective_watch.enter(what, rename=True)
+        with self.collective_watch.stretch(what):
             yield
 
     def _blind_collectives(self) -> Optional[str]:
@@ -922,8 +920,7 @@ class TokenPipelineEngine(PlanSelection, BatchLoading, GradReduction, Checkpoint
         if blind is None:
             yield
             return
-        with self.collective_watch.around():
-            self.collective_watch.enter(f"the {blind} of {what}")
+        with self.collective_watch.stretch(f"the {blind} of {what}"):
             yield
 
 

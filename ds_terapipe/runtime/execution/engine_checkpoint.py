@@ -105,8 +105,7 @@ class Checkpointing:
             if self.global_rank == 0 and os.path.exists(os.path.join(tag_dir, ckpt.MANIFEST)):
                 os.remove(os.path.join(tag_dir, ckpt.MANIFEST))  # being rewritten: incomplete until the end
             self.barrier("starting a checkpoint")  # DeepSpeed's own barriers in the save cannot watch the flag,
-            with self.collective_watch.around():   # so a thread watches it for them
-                self.collective_watch.enter("DeepSpeed's checkpoint save")
+            with self.collective_watch.stretch("DeepSpeed's checkpoint save"):   # so a thread watches it for them
                 with self.sharded.saving() if self.sharded is not None else nullcontext():
                     result = super().save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=False,
                                                      **kwargs)
@@ -241,8 +240,8 @@ class Checkpointing:
                 bf16_file = None if not load_optimizer_states else ckpt.bf16_optimizer_file(
                     tag_dir, dp_rank=dp_rank, dp_world_size=dp_size, mp_rank=self.checkpoint_mp_rank,
                     saved_dp_world_size=manifest.get("dp"))
-            with self.collective_watch.around():   # ZeRO's gathers in DeepSpeed's load cannot watch the flag
-                self.collective_watch.enter("DeepSpeed's checkpoint load")
+            # ZeRO's gathers in DeepSpeed's load cannot watch the flag
+            with self.collective_watch.stretch("DeepSpeed's checkpoint load"):
                 result = super().load_checkpoint(load_dir, tag=tag,
                                                  load_optimizer_states=load_optimizer_states and not own_bf16,
                                                  **kwargs)

@@ -48,7 +48,7 @@ from ...planner.cost import MeasuredCost
 from ...planner.partition import VocabShareCost, plan_partition
 from ...planner.registry import get_schedule
 from ..slicing.context import current_slice, slice_scope
-from ..execution.collective import mark_collective
+from ..execution.collective import agree_or_raise, mark_collective
 from ..planning.plan_cache import CacheEntry, load_cached, partition_cache_entry, store_partition
 from ..planning.profile import median_link, median_points, profile_stage
 from .vocab_cost import profiling_shard, share_runner, split_embedding_runner, time_links
@@ -284,13 +284,9 @@ def _cost_partition(module: "torch.nn.Module", num_chunks: int) -> tuple[tuple[i
         except Exception as err:  # noqa: BLE001 - raised below, on every rank
             logger.exception("terapipe partition: building the output layer's shard failed on rank %d",
                              dist.get_rank())
-            problem = f"rank {dist.get_rank()}: {type(err).__name__}: {err}"
-        problems: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(problems, problem)
-        failed = [p for p in problems if p]
-        if failed:
-            raise mark_collective(RuntimeError(
-                f"terapipe partition: building the output layer's shard to profile failed ({failed[0]})"))
+            problem = (f"terapipe partition: building the output layer's shard to profile failed (rank "
+                       f"{dist.get_rank()}: {type(err).__name__}: {err})")
+        agree_or_raise(problem, RuntimeError)
         if num_ranks > 1:
             links = time_links(module, settings.micro_batch_size * settings.seq_len * shard.weight.shape[1],
                                shard.weight.dtype, device, warmup=settings.warmup, repeats=settings.repeats)
